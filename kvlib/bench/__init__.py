@@ -1,0 +1,1 @@
+"""Benchmarks: one timing harness (:mod:`kvlib.bench.timing`), one module per topic."""

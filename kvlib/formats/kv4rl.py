@@ -1,0 +1,189 @@
+"""KV4-RL: every position in KV4, plus a fixed-capacity INT8 side buffer for sinks and recent positions.
+
+The side buffer has ``sink + recent`` slots: position ``p < sink`` lives in slot ``p`` forever; a later
+position ``p`` lives in ring slot ``sink + (p - sink) % recent``. Both copies are written from the
+source vector at the same time, so a position leaving the recent window needs no transfer or
+re-quantisation (its INT4 entry already exists; its ring slot is simply overwritten). For a stream of
+length ``n`` the protected set is ``{p < sink} ∪ {p >= max(sink, n - recent)}`` and the main (INT4)
+region is the rest: two disjoint regions covering every position once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvlib._checks import check_tensor
+from kvlib.formats.base import KVFormat, register_format
+from kvlib.formats.kv4 import (
+    Int4Tensor,
+    KV4Format,
+    check_rotate,
+    check_side,
+    fp16_round,
+    int4_dequantize,
+    rotates,
+)
+from kvlib.hadamard import hadamard
+
+INT8_MAX = 127
+_PROTECT = ("int8", "bf16")
+
+
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-vector INT8 of the last dim: ``(codes int8, scale fp16)`` with ``|x - s c| <= s/2``."""
+    check_tensor("x", x, floating=True)
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = fp16_round(amax / INT8_MAX, "up")
+    if not torch.isfinite(scale).all():
+        raise ValueError("x must be finite and within the fp16 range of the INT8 scale")
+    sf = scale.float()
+    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``scale * codes`` (scale per vector, broadcast over the last dim)."""
+    return codes.float() * scale.float().unsqueeze(-1)
+
+
+def protected_mask(n: int, sink: int, recent: int) -> torch.Tensor:
+    """Bool ``[n]``: positions held by the side buffer of a stream of length ``n``."""
+    p = torch.arange(n)
+    return (p < sink) | (p >= max(sink, n - recent))
+
+
+def ring_slot(p: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Side-buffer slot of position ``p`` (valid only while ``p`` is protected)."""
+    if recent == 0:
+        return p.clone()
+    return torch.where(p < sink, p, sink + (p - sink) % recent)
+
+
+@dataclass
+class KV4RLPacked:
+    """One (layer, kv_head, side) stream: ``main`` INT4 for all positions; ``side`` slots
+    (int8 codes + fp16 ``side_scale``, or bf16 when ``protect="bf16"``) with ``side_pos`` (-1 = empty)."""
+
+    main: Int4Tensor
+    side: torch.Tensor
+    side_scale: torch.Tensor
+    side_pos: torch.Tensor
+    length: int
+    sink: int
+    recent: int
+    rotated: bool
+
+    def protected_positions(self) -> torch.Tensor:
+        """Sorted positions currently held in the side buffer."""
+        return torch.sort(self.side_pos[self.side_pos >= 0]).values
+
+
+@register_format("kv4rl")
+class KV4RLFormat(KVFormat):
+    """KV4 main cache + INT8 (or bf16) side buffer of ``sink`` + ``recent`` slots (default 16 + 128)."""
+
+    options: ClassVar[tuple[str, ...]] = ("sink", "recent", "capacity", "protect", "group", "rotate")
+
+    def __init__(
+        self,
+        sink: int = 16,
+        recent: int = 128,
+        capacity: int | None = None,
+        protect: str = "int8",
+        group: int | None = None,
+        rotate: str = "k",
+    ) -> None:
+        for name, v in (("sink", sink), ("recent", recent)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        cap = sink + recent if capacity is None else capacity
+        if not isinstance(cap, int) or cap < sink + recent:
+            raise ValueError(f"capacity={cap!r} is smaller than sink + recent = {sink + recent} (the window does not fit)")
+        if protect not in _PROTECT:
+            raise ValueError(f"protect must be one of {_PROTECT}, got {protect!r}")
+        self.sink, self.recent, self.capacity, self.protect = sink, recent, cap, protect
+        self.rotate = check_rotate(rotate)
+        self.main = KV4Format(group=group, rotate=rotate)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write(self, x: torch.Tensor, side: int = 0, positions: torch.Tensor | None = None, **ctx: Any) -> KV4RLPacked:
+        return self.append(None, x, side=side, positions=positions, **ctx)
+
+    def append(
+        self, packed: KV4RLPacked | None, x: torch.Tensor, side: int = 0, positions: torch.Tensor | None = None, **ctx: Any
+    ) -> KV4RLPacked:
+        """Write new tokens at the next positions: INT4 entries and, for protected positions, side slots."""
+        check_tensor("x", x, ndim=2, floating=True)
+        s_new, d = x.shape
+        start = 0 if packed is None else packed.length
+        expect = torch.arange(start, start + s_new)
+        if positions is not None:
+            check_tensor("positions", positions, ndim=1, floating=False)
+            if positions.shape[0] != s_new or not torch.equal(positions.cpu().long(), expect):
+                raise ValueError(f"positions must be consecutive from the stream length {start}, got {positions.tolist()[:8]}...")
+        rot = rotates(self.rotate, check_side(side))
+        xr = hadamard(x.float()) if rot else x.float()
+        new_main = self.main.write(x, side=side)
+        if packed is None:
+            side_dtype = torch.int8 if self.protect == "int8" else torch.bfloat16
+            packed = KV4RLPacked(
+                main=new_main,
+                side=torch.zeros(self.capacity, d, dtype=side_dtype, device=x.device),
+                side_scale=torch.ones(self.capacity, dtype=torch.float16, device=x.device),
+                side_pos=torch.full((self.capacity,), -1, dtype=torch.int64, device=x.device),
+                length=0, sink=self.sink, recent=self.recent, rotated=rot,
+            )
+        else:
+            if packed.side.shape[1] != d:
+                raise ValueError(f"x: head dim {d} differs from the stream's {packed.side.shape[1]}")
+            m = packed.main
+            packed.main = Int4Tensor(
+                codes=torch.cat([m.codes, new_main.codes]), scale=torch.cat([m.scale, new_main.scale]),
+                offset=torch.cat([m.offset, new_main.offset]), group=m.group, rotated=m.rotated,
+            )
+        n = start + s_new
+        pos = expect.to(x.device)
+        # sinks, and only the newest `recent` non-sink positions (older ones would be overwritten anyway)
+        keep = (pos < self.sink) | ((pos >= self.sink) & (pos >= n - self.recent))
+        pos_k, x_k = pos[keep], xr[keep]
+        if pos_k.numel():
+            slots = ring_slot(pos_k, self.sink, self.recent)
+            if self.protect == "int8":
+                codes, scale = int8_quantize(x_k)
+                packed.side[slots] = codes
+                packed.side_scale[slots] = scale
+            else:
+                packed.side[slots] = x_k.to(torch.bfloat16)
+            packed.side_pos[slots] = pos_k
+        packed.length = n
+        return packed
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_side(self, packed: KV4RLPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, values)`` of the occupied side slots, values float32 in the original basis."""
+        occ = packed.side_pos >= 0
+        vals = packed.side[occ].float() * packed.side_scale[occ].float().unsqueeze(-1)
+        return packed.side_pos[occ], hadamard(vals) if packed.rotated else vals
+
+    def read(self, packed: KV4RLPacked) -> torch.Tensor:
+        """Effective float32 ``[n, d]``: side-buffer values at protected positions, INT4 elsewhere."""
+        x = int4_dequantize(packed.main)
+        if packed.rotated:
+            x = hadamard(x)
+        pos, vals = self.read_side(packed)
+        x[pos] = vals
+        return x
+
+    def bytes_per_position(self, d: int) -> float:
+        """Per-position bytes of the INT4 main cache; the side buffer is the fixed :meth:`fixed_bytes`."""
+        return self.main.bytes_per_position(d)
+
+    def fixed_bytes(self, d: int) -> int:
+        """Side-buffer bytes per (layer, kv_head, side), independent of the sequence length."""
+        per_slot = d + 2 if self.protect == "int8" else 2 * d
+        return self.capacity * per_slot

@@ -1,0 +1,77 @@
+"""Philox4x32-10 and the WitCert dither as Triton device functions (twin of :mod:`kvlib.philox`).
+
+The ONE Triton-side place where the dither counter is built and where a word becomes ``xi``; the
+write kernel (:mod:`kvlib.kernels.write_int8`) and the read-side decode kernel import these.
+
+Arithmetic is uint32 with ``tl.umulhi`` and wrapping ``*``/``+``; every constant is materialised
+as a uint32 tensor first, so no operand is silently promoted to int64 (the divergence the paper
+hit "at round two"). Bit identity with the int64 torch reference and with Triton's own
+``tl.philox`` is tested in ``tests/test_philox.py``. Triton's ``tl.philox(seed, c0, c1, c2, c3)``
+with 32-bit counters is exactly Random123 philox4x32 with key ``(seed & 0xFFFFFFFF, seed >> 32)``
+(same round function, key bumped between rounds), so the cross-check needs no adaptation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PHILOX_M0: tl.constexpr = tl.constexpr(0xD2511F53)
+PHILOX_M1: tl.constexpr = tl.constexpr(0xCD9E8D57)
+PHILOX_W0: tl.constexpr = tl.constexpr(0x9E3779B9)
+PHILOX_W1: tl.constexpr = tl.constexpr(0xBB67AE85)
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10):
+    """Random123 philox4x32-N on uint32 blocks (counter c0..c3, key k0, k1); returns 4 words."""
+    c0 = c0.to(tl.uint32)
+    c1 = c1.to(tl.uint32)
+    c2 = c2.to(tl.uint32)
+    c3 = c3.to(tl.uint32)
+    k0 = k0.to(tl.uint32)
+    k1 = k1.to(tl.uint32)
+    m0 = tl.full((), PHILOX_M0, tl.uint32)
+    m1 = tl.full((), PHILOX_M1, tl.uint32)
+    w0 = tl.full((), PHILOX_W0, tl.uint32)
+    w1 = tl.full((), PHILOX_W1, tl.uint32)
+    for r in tl.static_range(N_ROUNDS):
+        if r > 0:
+            k0 = k0 + w0
+            k1 = k1 + w1
+        _c0 = c0
+        _c2 = c2
+        c0 = tl.umulhi(m1, _c2) ^ c1 ^ k0
+        c2 = tl.umulhi(m0, _c0) ^ c3 ^ k1
+        c1 = m1 * _c2
+        c3 = m0 * _c0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def word_to_xi(w):
+    """``xi = (w >> 8) 2^-24 + 2^-25 - 1/2`` in float32, exact (odd integer times 2^-25)."""
+    n = 2 * (w.to(tl.uint32) >> 8).to(tl.int32) + (1 - (1 << 24))
+    return n.to(tl.float32) * 2.9802322387695312e-08  # 2^-25
+
+
+@triton.jit
+def dither_words(slot, grp, kv_head, layer, side, k0, k1):
+    """The four Philox words of counter ``(slot, grp, kv_head, (layer << 1) | side)``."""
+    c3 = (layer.to(tl.uint32) << 1) | side.to(tl.uint32)
+    return philox4x32(slot.to(tl.uint32), grp.to(tl.uint32), kv_head.to(tl.uint32), c3, k0, k1)
+
+
+@triton.jit
+def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+    """Dither float32 ``[BLOCK_S, D]`` for a block of slots ``[BLOCK_S]``: one Philox call per
+    four channels, its words spread over channels ``4g .. 4g+3`` (D % 4 == 0, D // 4 a power of 2).
+    """
+    grp = tl.arange(0, D // 4)
+    s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 4), tl.uint32)
+    g2 = grp[None, :].to(tl.uint32) + tl.zeros_like(s2)
+    w0, w1, w2, w3 = dither_words(s2, g2, kv_head, layer, side, k0, k1)
+    # join(join(w0, w2), join(w1, w3))[s, g, i, j] = w_{2i + j}: channel 4g + 2i + j
+    w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+    w = tl.reshape(w, (slot.shape[0], D))
+    return word_to_xi(w)
