@@ -29,7 +29,9 @@ def repo_root() -> Path:
 
 
 def results_dir(profile: str) -> Path:
-    return repo_root() / "data" / "results" / profile
+    """``data/results/<profile>`` (``$KVLIB_RESULTS_DIR`` replaces ``data/results``, for tests)."""
+    base = Path(os.environ["KVLIB_RESULTS_DIR"]) if os.environ.get("KVLIB_RESULTS_DIR") else repo_root() / "data" / "results"
+    return base / profile
 
 
 def git_commit() -> str:

@@ -64,11 +64,9 @@ class Run:
         return value
 
     def glue_fig(self, key: str, fig: Any) -> None:
-        """Glue a matplotlib figure (shown where the markdown places it) and save a PNG beside the results."""
+        """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it."""
         _glue(key, fig)
-        out = repo_root() / "data" / "results" / self.profile / "figures"
-        out.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out / f"{self.name}__{key}.png", dpi=110, bbox_inches="tight")
+        self.values.setdefault("_figures", []).append(key)
 
     def record(self, key: str, value: Any) -> None:
         """Keep a larger structure (arrays, tables) in the result file without gluing it."""

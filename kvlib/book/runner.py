@@ -25,7 +25,9 @@ class Outcome:
 
 
 def executed_path(name: str, profile: str) -> Path:
-    return repo_root() / "book" / "executed" / profile / f"{name}.ipynb"
+    """Where the executed notebook of ``name`` at ``profile`` is kept (``$KVLIB_EXECUTED_DIR`` overrides)."""
+    base = Path(os.environ["KVLIB_EXECUTED_DIR"]) if os.environ.get("KVLIB_EXECUTED_DIR") else repo_root() / "book" / "executed"
+    return base / profile / f"{name}.ipynb"
 
 
 def notebook_parameters(path: Path) -> set[str]:
@@ -37,7 +39,7 @@ def notebook_parameters(path: Path) -> set[str]:
 
 def validate(entry: NotebookEntry, params: dict[str, Any]) -> None:
     """Unknown parameters are an error before anything runs."""
-    path = repo_root() / entry.path
+    path = Path(entry.path) if Path(entry.path).is_absolute() else repo_root() / entry.path
     if not path.exists():
         raise FileNotFoundError(f"notebook {entry.name!r}: {entry.path} does not exist")
     declared = notebook_parameters(path)
@@ -75,12 +77,16 @@ def run_notebooks(
     only: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     progress: bool = True,
+    entries: list[NotebookEntry] | None = None,
 ) -> list[Outcome]:
-    """Run every selected notebook at ``profile``; one failure never stops the others."""
+    """Run every selected notebook at ``profile``; one failure never stops the others.
+
+    ``entries`` replaces the registry (tests use it); ``only`` selects among them by name.
+    """
     import papermill as pm
     from tqdm.auto import tqdm
 
-    entries = select(profile, only)
+    entries = select(profile, only) if entries is None else [e for e in entries if not only or e.name in only]
     plan: list[tuple[NotebookEntry, dict[str, Any] | None, str]] = []
     # Validate everything first, so a typo fails in a second, not after an hour of runs.
     for e in entries:
@@ -110,7 +116,7 @@ def run_notebooks(
         try:
             os.environ["KVLIB_PROFILE"] = profile
             pm.execute_notebook(
-                str(repo_root() / e.path),
+                str(e.path if Path(e.path).is_absolute() else repo_root() / e.path),
                 str(tmp),
                 parameters=params,
                 cwd=str(repo_root()),

@@ -94,6 +94,8 @@ def _draw(law: LengthLaw | PromptLengthLaw, P: float, size: tuple[int, int], rng
 
 
 def _mean_length(law: LengthLaw | PromptLengthLaw) -> tuple[float, float]:
+    if not isinstance(law, (LengthLaw, PromptLengthLaw)):
+        raise TypeError(f"law must be a LengthLaw or PromptLengthLaw, got {type(law).__name__}")
     lens, p = law.lengths, law.probs
     mu = float(np.dot(lens, p))
     return mu, float(np.sqrt(np.dot((lens - mu) ** 2, p)))

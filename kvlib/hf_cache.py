@@ -1,0 +1,328 @@
+"""HF transformers ``Cache`` adapters, written once over the :class:`~kvlib.formats.base.KVFormat` interface.
+
+``make_cache(format, config, **options)`` returns a :class:`KVFormatCache`: one
+:class:`KVFormatLayer` per decoder layer, each holding the *packed* form of every
+(batch row, kv head, side) stream and handing dequantised float K/V to the attention. Stateless
+formats are read incrementally (only new tokens are dequantised; earlier ones are kept as a
+float working copy, as the HF interface needs float tensors); stateful formats (those overriding
+``append``: side buffers, residual windows) are re-read in full each step, because an old token's
+representation can change. ``packed_nbytes()`` measures the packed store from its tensors.
+
+Certificate telemetry (``telemetry=True``, dithered key formats only): on every ``stride``-th
+forward call per layer, the last query row of each query head (the real post-RoPE query, seen
+through :func:`kvlib.model.instrument`) is certified against the layer's keys with
+:func:`kvlib.certificate.score_radius` / :func:`kvlib.certificate.certificate`, under the
+request-level allocation ``delta_loc = delta_req / (L * Hq * steps)``. Results are aggregated on the
+device (no host sync in the decode loop); ``telemetry_summary()`` syncs once at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvlib.formats.base import KVFormat, available_formats, concat_packed, get_format
+
+#: cache-level options of make_cache; every other keyword goes to the format constructor
+CACHE_OPTIONS = (
+    "value_format", "value_options", "key_options", "seed", "slot_stride", "telemetry", "stride",
+    "tau", "delta_req", "steps", "group", "keep_records", "dtype",
+)
+
+
+def _is_stateful(fmt: KVFormat) -> bool:
+    return type(fmt).append is not KVFormat.append
+
+
+@dataclass
+class Telemetry:
+    """Device-side aggregates of the per-(layer, query head, step) certificates."""
+
+    n_layers: int
+    n_heads: int
+    tau: float
+    device: torch.device | None = None
+    count: torch.Tensor | None = None  # [L, Hq] certificates taken
+    covered: torch.Tensor | None = None  # [L, Hq] certificates <= tau (finite)
+    overflow: torch.Tensor | None = None  # [L, Hq] non-finite certificates
+    max_cert: torch.Tensor | None = None  # [L, Hq] max over finite certificates
+    sum_cert: torch.Tensor | None = None  # [L, Hq] sum over finite certificates
+    records: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    seconds: float = 0.0  # wall time spent inside the telemetry (host clock; synced on CUDA)
+    calls: int = 0
+
+    def _init(self, device: torch.device) -> None:
+        shape = (self.n_layers, self.n_heads)
+        self.device = device
+        self.count = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.covered = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.overflow = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.max_cert = torch.full(shape, -math.inf, dtype=torch.float64, device=device)
+        self.sum_cert = torch.zeros(shape, dtype=torch.float64, device=device)
+
+    def add(self, layer: int, cert: torch.Tensor) -> None:
+        """Fold one step's certificates ``[Hq]`` (or ``[B, Hq]``) of ``layer`` in, on the device."""
+        if self.count is None:
+            self._init(cert.device)
+        c = cert.reshape(-1, self.n_heads).double()
+        fin = torch.isfinite(c)
+        self.count[layer] += c.shape[0]
+        self.covered[layer] += (fin & (c <= self.tau)).sum(0)
+        self.overflow[layer] += (~fin).sum(0)
+        cf = torch.where(fin, c, torch.zeros_like(c))
+        self.sum_cert[layer] += cf.sum(0)
+        self.max_cert[layer] = torch.maximum(self.max_cert[layer], torch.where(fin, c, -math.inf).amax(0))
+
+    def summary(self) -> dict[str, Any]:
+        """Host-side summary (one sync): coverage, overflow fraction, finite mean and max, cost."""
+        if self.count is None or int(self.count.sum()) == 0:
+            return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
+                    "mean_finite": float("nan"), "max_finite": float("nan"), "seconds": self.seconds,
+                    "calls": self.calls}
+        n = int(self.count.sum())
+        n_fin = n - int(self.overflow.sum())
+        return {
+            "n": n,
+            "coverage": int(self.covered.sum()) / n,
+            "overflow_fraction": int(self.overflow.sum()) / n,
+            "mean_finite": float(self.sum_cert.sum()) / n_fin if n_fin else float("nan"),
+            "max_finite": float(self.max_cert.max()) if n_fin else float("nan"),
+            "seconds": self.seconds,
+            "calls": self.calls,
+        }
+
+
+class KVFormatLayer(CacheLayerMixin):
+    """One decoder layer's cache: packed K and V per (batch row, kv head) in a KVFormat."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, key_format: KVFormat, value_format: KVFormat, *,
+                 seed: int = 0, slot_stride: int = 1 << 20) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.formats = (key_format, value_format)
+        self.seed = seed
+        self.slot_stride = slot_stride
+        self.packed: list[list[list[Any]]] = []  # [side][batch][kv_head]
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.n_kv, _, self.head_dim = key_states.shape
+        self.packed = [[[None] * self.n_kv for _ in range(self.batch_size)] for _ in range(2)]
+        empty = key_states.new_zeros((self.batch_size, self.n_kv, 0, self.head_dim))
+        self.keys, self.values = empty, empty.clone()
+        self.is_initialized = True
+
+    def _write_side(self, side: int, x: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        fmt = self.formats[side]
+        b_n, h_n, s_new, _ = x.shape
+        start = self.cumulative_length
+        positions = torch.arange(start, start + s_new, dtype=torch.int64, device=x.device)
+        stateful = _is_stateful(fmt)
+        rows = []
+        for b in range(b_n):
+            heads = []
+            for h in range(h_n):
+                ctx = dict(layer=self.layer_idx, kv_head=h, side=side, positions=positions,
+                           slots=positions + b * self.slot_stride, seed=self.seed)
+                prev = self.packed[side][b][h]
+                if stateful:
+                    self.packed[side][b][h] = fmt.append(prev, x[b, h].float(), **ctx)
+                    heads.append(fmt.read(self.packed[side][b][h]))
+                else:
+                    new = fmt.write(x[b, h].float(), **ctx)
+                    self.packed[side][b][h] = new if prev is None else concat_packed(prev, new)
+                    heads.append(fmt.read(new))
+            rows.append(torch.stack(heads))
+        deq = torch.stack(rows).to(self.dtype)
+        return deq if stateful else torch.cat([old, deq], dim=-2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(f"key_states: batch {key_states.shape[0]} differs from the cache's {self.batch_size}")
+        self.keys = self._write_side(0, key_states, self.keys)
+        self.values = self._write_side(1, value_states, self.values)
+        self.cumulative_length += key_states.shape[-2]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.packed = []
+        self.keys = self.values = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def packed_nbytes(self) -> int:
+        """Bytes held by the packed store of this layer, measured from its tensors."""
+        return sum(self.formats[s].nbytes(p) for s in range(2) for row in (self.packed or [[], []])[s] for p in row
+                   if p is not None)
+
+    def working_nbytes(self) -> int:
+        """Bytes of the float working copy handed to the attention (not part of the packed store)."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KVFormatCache does not support beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError("KVFormatCache cannot repeat a non-empty cache along the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError("KVFormatCache cannot select batch rows of a non-empty cache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("KVFormatCache is not croppable")
+
+
+class KVFormatCache(Cache):
+    """A transformers ``Cache`` storing K and V in kvlib formats; see :func:`make_cache`."""
+
+    def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
+                 slot_stride: int = 1 << 20, telemetry: bool = False, stride: int = 32, tau: float = 0.2,
+                 delta_req: float = 1e-2, steps: int = 256, group: int | None = None,
+                 keep_records: bool = False) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        n_layers = int(text.num_hidden_layers)
+        self.n_heads = int(text.num_attention_heads)
+        self.n_kv = int(getattr(text, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.n_heads)
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+        bad = set(layer_types) - {"full_attention"}
+        if bad:
+            raise ValueError(f"config: KVFormatCache supports full-attention layers only, found {sorted(bad)}")
+        layers = [KVFormatLayer(i, key_format, value_format, seed=seed, slot_stride=slot_stride)
+                  for i in range(n_layers)]
+        super().__init__(layers=layers)
+        self.key_format, self.value_format = key_format, value_format
+        self.telemetry_on = bool(telemetry)
+        if self.telemetry_on and not hasattr(key_format, "group") and group is None:
+            raise ValueError(f"telemetry needs a dithered key format with per-group scales; {key_format.name!r} has none")
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
+        self.stride, self.tau, self.delta_req, self.steps = stride, float(tau), float(delta_req), int(steps)
+        self.group = group if group is not None else getattr(key_format, "group", None)
+        self.keep_records = keep_records
+        self.telemetry = Telemetry(n_layers, self.n_heads, float(tau))
+        self._calls = [0] * n_layers
+
+    # -- byte account ---------------------------------------------------------------------------
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed K+V store over all layers, measured from its tensors."""
+        return sum(layer.packed_nbytes() for layer in self.layers)
+
+    def working_nbytes(self) -> int:
+        """Bytes of the float working copies (what the HF attention interface requires)."""
+        return sum(layer.working_nbytes() for layer in self.layers)
+
+    # -- certificate telemetry ------------------------------------------------------------------
+    @property
+    def delta_loc(self) -> float:
+        """Request-level allocation ``delta_req / (L * Hq * steps)``."""
+        return self.delta_req / (len(self.layers) * self.n_heads * self.steps)
+
+    def observe_query(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Called by the instrumented attention with the real post-RoPE query ``[B, Hq, Sq, d]``."""
+        if not self.telemetry_on:
+            return
+        call = self._calls[layer_idx]
+        self._calls[layer_idx] += 1
+        if call % self.stride:
+            return
+        t0 = time.perf_counter()
+        cert = self.certify(layer_idx, query[:, :, -1, :])
+        self.telemetry.add(layer_idx, cert)
+        if self.keep_records:
+            self.telemetry.records.append((layer_idx, call, self.layers[layer_idx].cumulative_length, cert.detach()))
+        if query.is_cuda:
+            torch.cuda.synchronize(query.device)
+        self.telemetry.seconds += time.perf_counter() - t0
+        self.telemetry.calls += 1
+
+    def certify(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Certificates ``tv_bound_one`` ``[B, Hq]`` for queries ``q [B, Hq, d]`` against the layer's keys."""
+        from kvlib.certificate import certificate, score_radius
+
+        layer = self.layers[layer_idx]
+        groups = self.n_heads // self.n_kv
+        sm = self.head_dim ** -0.5
+        out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
+        for b in range(q.shape[0]):
+            for h in range(self.n_kv):
+                packed = layer.packed[0][b][h]
+                qh = q[b, h * groups:(h + 1) * groups].float()  # [g, d]
+                khat = layer.keys[b, h].float()  # [S, d]
+                z = (qh @ khat.T) * sm
+                p = torch.softmax(z.double(), dim=-1)
+                kw = {"group": self.group} if self.group is not None else {}
+                u = score_radius(qh, packed.scales, sm_scale=sm, n=khat.shape[0], delta=self.delta_loc, **kw)
+                u = u + _bypass_term(qh, packed, sm)
+                out[b, h * groups:(h + 1) * groups] = certificate(p, u.double()).tv_bound_one.double()
+        return out
+
+    def telemetry_summary(self) -> dict[str, Any]:
+        """Coverage at ``tau``, overflow fraction, finite mean/max, calls and seconds (one host sync)."""
+        s = self.telemetry.summary()
+        s.update(tau=self.tau, stride=self.stride, delta_req=self.delta_req, delta_loc=self.delta_loc)
+        return s
+
+
+def _bypass_term(q: torch.Tensor, packed: Any, sm: float) -> torch.Tensor:
+    """Deterministic fp16-bypass radius ``sm * sum_{c in bypass} |q_c| |k_c| 2^-11`` (0 without bypass)."""
+    out = getattr(packed, "outliers", None)
+    chans = getattr(packed, "outlier_channels", None)
+    if out is None or chans is None or len(chans) == 0:
+        return torch.zeros((), dtype=q.dtype, device=q.device)
+    chans = torch.as_tensor(chans, device=q.device).long()
+    return sm * (q[:, chans].abs() @ out.float().abs().T) * 2.0 ** -11
+
+
+def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
+    """A transformers ``Cache`` storing K/V in the registered kvlib format ``format``.
+
+    ``options``: ``value_format`` (default: same as keys), ``key_options`` / ``value_options``
+    (per-side constructor options), ``seed``, ``telemetry`` / ``stride`` / ``tau`` / ``delta_req``
+    / ``steps`` / ``keep_records`` (certificate telemetry), and any other keyword is passed to the
+    format constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
+    """
+    if not isinstance(format, str):
+        raise TypeError(f"format must be a str, got {type(format).__name__}")
+    names = available_formats()
+    vname = options.pop("value_format", None) or format
+    for arg, name in (("format", format), ("value_format", vname)):
+        if name not in names:
+            raise ValueError(f"{arg}: unknown format {name!r}; available formats: {', '.join(names)}")
+    if config is None or not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+        raise TypeError("config must be a transformers model config (e.g. model.config)")
+    key_opts = dict(options.pop("key_options", None) or {})
+    val_opts = dict(options.pop("value_options", None) or {})
+    cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_OPTIONS}
+    shared = options  # the rest: format constructor options
+    kf = get_format(format, **{**shared, **key_opts})
+    vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
+    cache_opts.pop("dtype", None)
+    return KVFormatCache(kf, vf, config, **cache_opts)

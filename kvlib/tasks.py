@@ -1,0 +1,460 @@
+"""Seeded synthetic retrieval tasks with exact-match scoring (RULER-style, small-model sized).
+
+Three kinds, each a needle of digits hidden in filler text that holds no digit at all, so
+the answer occurs in the context exactly once, at a chosen relative depth:
+
+* ``"passkey"``: one pass key (Mohtashami & Jaggi's passkey retrieval);
+* ``"kv"``: several ``key -> number`` needles, one key is asked (RULER ``niah_multikey``);
+* ``"multineedle"``: several numbers for one key, all must be returned (RULER
+  ``niah_multivalue``).
+
+Every task is a pure function of ``(kind, length, seed, index)`` and the options, so disjoint
+slices are ``index`` ranges and reruns reproduce the prompts bit for bit. ``length`` is the
+length of the whole prompt (chat template and answer prefix included) measured with the
+tokenizer passed in, or, with none, approximated by :func:`approx_token_count` (words and
+punctuation marks). The prompt uses the tokenizer's chat template when it has one and ends
+with an answer prefix in the assistant turn, so a greedy continuation starts with the answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FILLERS",
+    "TASK_KINDS",
+    "RetrievalTask",
+    "approx_token_count",
+    "count_tokens",
+    "extract_numbers",
+    "generate_answers",
+    "make_task",
+    "make_tasks",
+    "run_tasks",
+    "score",
+]
+
+TASK_KINDS = ("passkey", "kv", "multineedle")
+FILLERS = ("repeat", "essay")
+_KIND_CODE = {k: i for i, k in enumerate(TASK_KINDS)}
+
+#: the classic passkey haystack (Mohtashami & Jaggi 2023, "Landmark Attention")
+_REPEAT_FILLER = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+# Vocabulary of the generated "essay" haystack: plain English, no digits, disjoint from the
+# key vocabulary below so that a key never occurs in the filler.
+_SUBJECTS = (
+    "the old farmer", "a quiet student", "the tall tree", "our neighbour", "the river",
+    "a small village", "the painter", "the market", "a young teacher", "the garden",
+    "the mountain road", "a travelling merchant", "the library", "the little boat",
+    "the morning train", "a careful writer", "the city council", "the baker",
+)
+_VERBS = (
+    "walked past", "looked at", "waited near", "talked about", "remembered",
+    "carried", "watched", "followed", "cleaned", "described", "visited", "admired",
+)
+_OBJECTS = (
+    "the wooden bridge", "a long letter", "the empty square", "the stone wall",
+    "a basket of apples", "the open window", "the evening sky", "a forgotten song",
+    "the narrow street", "the warm kitchen", "a field of wheat", "the harbour lights",
+)
+_TAILS = (
+    "before the rain started", "in the early morning", "without saying a word",
+    "as the bells rang", "after a long day", "while the wind was calm",
+    "for the first time", "with great patience", "near the end of summer",
+    "under a grey sky",
+)
+_KEY_WORDS = (
+    "amber", "basil", "cobalt", "dune", "ember", "fjord", "glacier", "hazel", "indigo",
+    "jasper", "kelp", "lilac", "maple", "nectar", "onyx", "pepper", "quartz", "raven",
+    "saffron", "tundra", "umber", "velvet", "willow", "xenon", "yarrow", "zephyr",
+)
+
+_INSTRUCTIONS = {
+    "passkey": (
+        "There is an important pass key hidden inside a lot of irrelevant text. "
+        "Find it and memorize it. I will quiz you about the pass key."
+    ),
+    "kv": (
+        "Some special magic numbers are hidden within the following text. "
+        "Make sure to memorize it. I will quiz you about the numbers afterwards."
+    ),
+    "multineedle": (
+        "Some special magic numbers are hidden within the following text. "
+        "Make sure to memorize it. I will quiz you about the numbers afterwards."
+    ),
+}
+
+_APPROX_TOKEN = re.compile(r"\w+|[^\w\s]")
+_NUMBER = re.compile(r"\d+")
+
+
+# ----------------------------------------------------------------------------- token counts
+def approx_token_count(text: str) -> int:
+    """Tokenizer-free length estimate: words plus punctuation marks (close to BPE on plain
+    English; digit-per-token tokenizers count long numbers as more)."""
+    return len(_APPROX_TOKEN.findall(text))
+
+
+def count_tokens(text: str, tokenizer: Any | None = None) -> int:
+    """Tokens of ``text`` under ``tokenizer`` (no special tokens added), or the word estimate."""
+    if tokenizer is None:
+        return approx_token_count(text)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _has_chat_template(tokenizer: Any | None) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(user: str, answer_prefix: str, tokenizer: Any | None = None) -> str:
+    """Chat-templated prompt (user turn, open assistant turn) ending with ``answer_prefix``."""
+    if _has_chat_template(tokenizer):
+        head = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        return f"{head}{answer_prefix}"
+    return f"{user}\n\nAnswer: {answer_prefix}"
+
+
+# ----------------------------------------------------------------------------- task
+@dataclass(frozen=True)
+class RetrievalTask:
+    """One retrieval prompt with its expected answer(s); build it with :func:`make_task`."""
+
+    kind: str
+    length: int
+    seed: int
+    index: int
+    instruction: str
+    context: str
+    question: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+    depths: tuple[float, ...]  # relative depth (0 = start, 1 = end) of each answer's needle
+    n_tokens: int  # measured prompt length (tokenizer tokens or the word estimate)
+    key: str | None = None
+    filler: str = "repeat"
+    tokenizer_name: str | None = field(default=None, compare=False)
+
+    @property
+    def task_id(self) -> str:
+        """Stable identifier, unique per (kind, length, seed, index)."""
+        return f"{self.kind}-L{self.length}-s{self.seed}-i{self.index}"
+
+    @property
+    def answer(self) -> str:
+        """The expected answer as text (numbers joined by ", " for multi-needle)."""
+        return ", ".join(self.answers)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """A generation budget long enough for the answer (digits may be one token each)."""
+        return 8 + sum(len(a) + 3 for a in self.answers)
+
+    def user_message(self) -> str:
+        return f"{self.instruction}\n\n{self.context}\n\n{self.question}"
+
+    def prompt(self, tokenizer: Any | None = None) -> str:
+        """The full prompt text; pass the tokenizer the length was measured with."""
+        return build_prompt(self.user_message(), self.answer_prefix, tokenizer)
+
+
+# ----------------------------------------------------------------------------- generation
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _filler_sentences(filler: str, n: int, rng: np.random.Generator) -> list[str]:
+    if filler == "repeat":
+        reps = _REPEAT_FILLER
+        return [reps[i % len(reps)] for i in range(n)]
+    subj = rng.integers(0, len(_SUBJECTS), n)
+    verb = rng.integers(0, len(_VERBS), n)
+    obj = rng.integers(0, len(_OBJECTS), n)
+    tail = rng.integers(0, len(_TAILS), n)
+    out = []
+    for s, v, o, t in zip(subj, verb, obj, tail, strict=True):
+        text = f"{_SUBJECTS[s]} {_VERBS[v]} {_OBJECTS[o]} {_TAILS[t]}."
+        out.append(text[0].upper() + text[1:])
+    return out
+
+
+def _distinct_numbers(rng: np.random.Generator, count: int, digits: int) -> list[str]:
+    lo, hi = 10 ** (digits - 1), 10**digits
+    values: list[str] = []
+    while len(values) < count:
+        v = str(int(rng.integers(lo, hi)))
+        if v not in values:
+            values.append(v)
+    return values
+
+
+def _distinct_keys(rng: np.random.Generator, count: int) -> list[str]:
+    keys: list[str] = []
+    while len(keys) < count:
+        i, j = rng.choice(len(_KEY_WORDS), size=2, replace=False)
+        k = f"{_KEY_WORDS[i]}-{_KEY_WORDS[j]}"
+        if k not in keys:
+            keys.append(k)
+    return keys
+
+
+def _check_depth(depth: float | None) -> float | None:
+    if depth is None:
+        return None
+    try:
+        d = float(depth)
+    except (TypeError, ValueError):
+        raise TypeError(f"depth must be a float in [0, 1] or None, got {depth!r}") from None
+    if not 0.0 <= d <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    return d
+
+
+def make_task(
+    kind: str,
+    *,
+    length: int,
+    seed: int = 0,
+    index: int = 0,
+    tokenizer: Any | None = None,
+    depth: float | None = None,
+    n_keys: int = 4,
+    n_needles: int = 3,
+    digits: int | None = None,
+    filler: str | None = None,
+) -> RetrievalTask:
+    """One reproducible retrieval task whose prompt is at most ``length`` tokens long.
+
+    ``depth``: relative position of the (asked) needle, drawn uniformly from [0.05, 0.95]
+    when ``None``; other needles go to random distinct positions. ``n_keys`` (kind ``"kv"``)
+    is the number of key-value needles, ``n_needles`` (``"multineedle"``) the number of
+    values to return. ``digits``: length of each number (default 5 for passkey, 6 else).
+    ``filler``: ``"repeat"`` (classic passkey haystack, default for passkey) or
+    ``"essay"`` (generated varied sentences, default otherwise). The filler is cut to the
+    largest whole number of sentences that keeps the prompt within ``length``.
+    """
+    if kind not in TASK_KINDS:
+        raise ValueError(f"kind must be one of {TASK_KINDS}, got {kind!r}")
+    length = _check_int("length", length, 16)
+    seed = _check_int("seed", seed, 0)
+    index = _check_int("index", index, 0)
+    n_keys = _check_int("n_keys", n_keys, 1)
+    n_needles = _check_int("n_needles", n_needles, 1)
+    depth = _check_depth(depth)
+    if digits is None:
+        digits = 5 if kind == "passkey" else 6
+    digits = _check_int("digits", digits, 2)
+    if filler is None:
+        filler = "repeat" if kind == "passkey" else "essay"
+    if filler not in FILLERS:
+        raise ValueError(f"filler must be one of {FILLERS}, got {filler!r}")
+
+    rng = np.random.default_rng([seed, _KIND_CODE[kind], length, index])
+    main_depth = float(rng.uniform(0.05, 0.95)) if depth is None else depth
+
+    key: str | None = None
+    if kind == "passkey":
+        answers = _distinct_numbers(rng, 1, digits)
+        needles = [f"The pass key is {answers[0]}. Remember it."]
+        question = "What is the pass key?"
+        prefix = "The pass key is"
+        needle_depths = [main_depth]
+    elif kind == "kv":
+        keys = _distinct_keys(rng, n_keys)
+        values = _distinct_numbers(rng, n_keys, digits)
+        key, answers = keys[0], [values[0]]
+        needles = [
+            f"One of the special magic numbers for {k} is: {v}."
+            for k, v in zip(keys, values, strict=True)
+        ]
+        question = f"What is the special magic number for {key} mentioned in the provided text?"
+        prefix = f"The special magic number for {key} mentioned in the provided text is"
+        needle_depths = [main_depth] + [float(x) for x in rng.uniform(0, 1, n_keys - 1)]
+    else:  # multineedle
+        key = _distinct_keys(rng, 1)[0]
+        answers = _distinct_numbers(rng, n_needles, digits)
+        needles = [f"One of the special magic numbers for {key} is: {v}." for v in answers]
+        question = (
+            f"What are all the special magic numbers for {key} mentioned in the provided text?"
+        )
+        prefix = f"The special magic numbers for {key} mentioned in the provided text are"
+        needle_depths = [main_depth] + [float(x) for x in rng.uniform(0, 1, n_needles - 1)]
+
+    instruction = _INSTRUCTIONS[kind]
+    # enough sentences for any length: every filler sentence is at least ~3 tokens
+    pool = _filler_sentences(filler, length // 3 + 8, rng)
+
+    def assemble(n_fill: int) -> tuple[str, list[float]]:
+        # needle i goes after round(depth_i * n_fill) filler sentences; ties keep needle order
+        slots = [round(d * n_fill) for d in needle_depths]
+        order = sorted(range(len(needles)), key=lambda i: (slots[i], i))
+        parts: list[str] = []
+        cursor = 0
+        for i in order:
+            parts.extend(pool[cursor : slots[i]])
+            cursor = max(cursor, slots[i])
+            parts.append(needles[i])
+        parts.extend(pool[cursor:n_fill])
+        real = [slots[i] / n_fill if n_fill else 0.0 for i in range(len(needles))]
+        return " ".join(parts), real
+
+    def measure(n_fill: int) -> int:
+        context, _ = assemble(n_fill)
+        user = f"{instruction}\n\n{context}\n\n{question}"
+        return count_tokens(build_prompt(user, prefix, tokenizer), tokenizer)
+
+    if measure(0) > length:
+        raise ValueError(
+            f"length={length} is too short for a {kind} prompt "
+            f"(needles and instructions alone take {measure(0)} tokens)"
+        )
+    lo, hi = 0, len(pool)  # invariant: measure(lo) <= length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if measure(mid) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    context, real_depths = assemble(lo)
+    return RetrievalTask(
+        kind=kind,
+        length=length,
+        seed=seed,
+        index=index,
+        instruction=instruction,
+        context=context,
+        question=question,
+        answer_prefix=prefix,
+        answers=tuple(answers),
+        depths=tuple(real_depths[: len(answers)]),
+        n_tokens=measure(lo),
+        key=key,
+        filler=filler,
+        tokenizer_name=getattr(tokenizer, "name_or_path", None) if tokenizer else None,
+    )
+
+
+def make_tasks(
+    kind: str,
+    n: int,
+    *,
+    length: int,
+    seed: int = 0,
+    start: int = 0,
+    **options: Any,
+) -> list[RetrievalTask]:
+    """``n`` tasks with indices ``start .. start + n - 1``; disjoint index ranges give
+    disjoint slices. ``options`` go to :func:`make_task`."""
+    n = _check_int("n", n, 0)
+    start = _check_int("start", start, 0)
+    return [
+        make_task(kind, length=length, seed=seed, index=start + i, **options) for i in range(n)
+    ]
+
+
+# ----------------------------------------------------------------------------- scoring
+def extract_numbers(text: str) -> list[str]:
+    """Digit runs of ``text`` in order (the extracted answer candidates)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return _NUMBER.findall(text)
+
+
+def score(task: RetrievalTask, output: str) -> int:
+    """Exact-match score (0 or 1) of a model continuation of ``task.prompt()``.
+
+    Single-answer kinds: the first number in ``output`` must equal the answer. Multi-needle:
+    the first ``len(task.answers)`` distinct numbers must be exactly the answer set (any
+    order); a partial list or a wrong extra number scores 0.
+    """
+    if not isinstance(task, RetrievalTask):
+        raise TypeError(f"task must be a RetrievalTask, got {type(task).__name__}")
+    numbers = extract_numbers(output)
+    if len(task.answers) == 1:
+        return int(bool(numbers) and numbers[0] == task.answers[0])
+    distinct = list(dict.fromkeys(numbers))[: len(task.answers)]
+    return int(set(distinct) == set(task.answers))
+
+
+# ----------------------------------------------------------------------------- model runs
+def generate_answers(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[RetrievalTask],
+    *,
+    max_new_tokens: int | None = None,
+    cache_factory: Callable[[], Any] | None = None,
+    progress: bool = False,
+) -> list[str]:
+    """Greedy continuations (decoded text) of each task's prompt, one prompt at a time.
+
+    ``cache_factory()`` returns a fresh transformers ``Cache`` for each prompt (e.g. a
+    quantised KV cache from ``kvlib.make_cache``); ``None`` uses the model's default cache.
+    """
+    import torch
+
+    items: Iterable[RetrievalTask] = tasks
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(tasks, desc="prompts")
+    device = next(model.parameters()).device
+    outputs: list[str] = []
+    for task in items:
+        ids = tokenizer(task.prompt(tokenizer), add_special_tokens=False, return_tensors="pt")
+        kwargs: dict[str, Any] = {}
+        if cache_factory is not None:
+            kwargs["past_key_values"] = cache_factory()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids["input_ids"].to(device),
+                attention_mask=ids["attention_mask"].to(device),
+                max_new_tokens=max_new_tokens or task.max_new_tokens,
+                do_sample=False,
+                **kwargs,
+            )
+        new = out[0, ids["input_ids"].shape[1] :]
+        outputs.append(tokenizer.decode(new, skip_special_tokens=True))
+    return outputs
+
+
+def run_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[RetrievalTask],
+    **generate_options: Any,
+) -> list[dict[str, Any]]:
+    """Per-sample records (task id, kind, length, depth, answer, output, correct) of a run;
+    ``generate_options`` go to :func:`generate_answers`. Feed to ``pandas.DataFrame``."""
+    outputs = generate_answers(model, tokenizer, tasks, **generate_options)
+    return [
+        {
+            "task_id": t.task_id,
+            "kind": t.kind,
+            "length": t.length,
+            "n_tokens": t.n_tokens,
+            "index": t.index,
+            "depth": t.depths[0],
+            "answer": t.answer,
+            "output": o,
+            "correct": score(t, o),
+        }
+        for t, o in zip(tasks, outputs, strict=True)
+    ]

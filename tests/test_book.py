@@ -1,0 +1,91 @@
+"""The spine: registry, runner (validation, failure isolation), result files, toc in sync."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlib.book.assemble import write_toc
+from kvlib.book.registry import NotebookEntry, all_notebooks, load_registry
+from kvlib.book.runner import run_notebooks, validate
+from kvlib.provenance import repo_root, save_result
+
+TINY = str(Path(__file__).parent / "data" / "tiny.ipynb")
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLIB_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("KVLIB_EXECUTED_DIR", str(tmp_path / "executed"))
+    return tmp_path
+
+
+def entry(name, **ci):
+    return NotebookEntry(name=name, path=TINY, chapter="t", title=name, profiles={"ci": ci})
+
+
+def test_toc_is_in_sync_with_registry():
+    assert (repo_root() / "_toc.yml").read_text() == write_toc(load_registry())
+
+
+def test_every_registered_notebook_exists_and_accepts_its_parameters():
+    for nb in all_notebooks():
+        for profile in nb.profiles:
+            validate(nb, nb.params(profile))
+
+
+def test_unknown_parameter_is_rejected_before_running(sandbox):
+    with pytest.raises(ValueError, match="no parameter.*'typo'"):
+        run_notebooks("ci", entries=[entry("ok"), entry("bad", typo=3)], progress=False)
+    assert not (sandbox / "executed").exists()  # nothing ran
+
+
+def test_failure_is_isolated_and_reported(sandbox):
+    out = run_notebooks("ci", entries=[entry("first", fail=True), entry("second", x=5)], progress=False)
+    status = {o.name: o.status for o in out}
+    assert status == {"first": "failed", "second": "ok"}
+    assert "asked to fail" in out[0].detail
+    res = json.loads((sandbox / "results" / "ci" / "tiny.json").read_text())
+    assert res["values"]["x2"] == 10
+    prov = res["provenance"]
+    assert {"commit", "device", "packages", "params", "started", "duration_s"} <= set(prov)
+    assert prov["params"] == {"fail": False, "x": 5}
+
+
+def test_profile_without_parameters_is_skipped(sandbox):
+    e = NotebookEntry(name="cpuonly", path=TINY, chapter="t", title="x", profiles={"cpu": {}})
+    (o,) = run_notebooks("ci", entries=[e], progress=False)
+    assert o.status == "skipped"
+
+
+def test_gpu_notebook_is_skipped_on_cpu(sandbox, monkeypatch):
+    monkeypatch.setattr("kvlib.book.runner.gpu_available", lambda: False)
+    e = NotebookEntry(name="g", path=TINY, chapter="t", title="g", profiles={"ci": {}}, needs_gpu=True)
+    (o,) = run_notebooks("ci", entries=[e], progress=False)
+    assert o.status == "skipped" and "GPU" in o.detail
+
+
+def test_result_not_overwritten_by_smaller_profile(sandbox, monkeypatch):
+    save_result("r", "gpu", {"v": 1}, {})
+    gpu_file = sandbox / "results" / "gpu" / "r.json"
+    # Point every profile at the gpu folder: a ci record must not replace the gpu one there.
+    monkeypatch.setattr("kvlib.provenance.results_dir", lambda profile: gpu_file.parent)
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        save_result("r", "ci", {"v": 3}, {})
+    assert json.loads(gpu_file.read_text())["v"] == 1
+    save_result("r", "ci", {"v": 3}, {}, overwrite=True)  # explicit is allowed
+    assert json.loads(gpu_file.read_text())["v"] == 3
+    assert not list((sandbox / "results" / "gpu").glob("*.tmp"))
+
+
+def test_result_json_is_strict(sandbox):
+    path = save_result("inf", "ci", {"x": float("inf"), "y": float("nan")}, {})
+    rec = json.loads(path.read_text())  # would fail on bare Infinity/NaN with parse_constant below
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert rec["x"] == "inf"
+
+
+def test_cli_rejects_unknown_notebook():
+    from kvlib.book.__main__ import main
+
+    assert main(["run", "--profile", "ci", "--only", "no-such-notebook", "--no-progress"]) == 2
