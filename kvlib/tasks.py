@@ -55,30 +55,92 @@ _REPEAT_FILLER = (
 # Vocabulary of the generated "essay" haystack: plain English, no digits, disjoint from the
 # key vocabulary below so that a key never occurs in the filler.
 _SUBJECTS = (
-    "the old farmer", "a quiet student", "the tall tree", "our neighbour", "the river",
-    "a small village", "the painter", "the market", "a young teacher", "the garden",
-    "the mountain road", "a travelling merchant", "the library", "the little boat",
-    "the morning train", "a careful writer", "the city council", "the baker",
+    "the old farmer",
+    "a quiet student",
+    "the tall tree",
+    "our neighbour",
+    "the river",
+    "a small village",
+    "the painter",
+    "the market",
+    "a young teacher",
+    "the garden",
+    "the mountain road",
+    "a travelling merchant",
+    "the library",
+    "the little boat",
+    "the morning train",
+    "a careful writer",
+    "the city council",
+    "the baker",
 )
 _VERBS = (
-    "walked past", "looked at", "waited near", "talked about", "remembered",
-    "carried", "watched", "followed", "cleaned", "described", "visited", "admired",
+    "walked past",
+    "looked at",
+    "waited near",
+    "talked about",
+    "remembered",
+    "carried",
+    "watched",
+    "followed",
+    "cleaned",
+    "described",
+    "visited",
+    "admired",
 )
 _OBJECTS = (
-    "the wooden bridge", "a long letter", "the empty square", "the stone wall",
-    "a basket of apples", "the open window", "the evening sky", "a forgotten song",
-    "the narrow street", "the warm kitchen", "a field of wheat", "the harbour lights",
+    "the wooden bridge",
+    "a long letter",
+    "the empty square",
+    "the stone wall",
+    "a basket of apples",
+    "the open window",
+    "the evening sky",
+    "a forgotten song",
+    "the narrow street",
+    "the warm kitchen",
+    "a field of wheat",
+    "the harbour lights",
 )
 _TAILS = (
-    "before the rain started", "in the early morning", "without saying a word",
-    "as the bells rang", "after a long day", "while the wind was calm",
-    "for the first time", "with great patience", "near the end of summer",
+    "before the rain started",
+    "in the early morning",
+    "without saying a word",
+    "as the bells rang",
+    "after a long day",
+    "while the wind was calm",
+    "for the first time",
+    "with great patience",
+    "near the end of summer",
     "under a grey sky",
 )
 _KEY_WORDS = (
-    "amber", "basil", "cobalt", "dune", "ember", "fjord", "glacier", "hazel", "indigo",
-    "jasper", "kelp", "lilac", "maple", "nectar", "onyx", "pepper", "quartz", "raven",
-    "saffron", "tundra", "umber", "velvet", "willow", "xenon", "yarrow", "zephyr",
+    "amber",
+    "basil",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+    "glacier",
+    "hazel",
+    "indigo",
+    "jasper",
+    "kelp",
+    "lilac",
+    "maple",
+    "nectar",
+    "onyx",
+    "pepper",
+    "quartz",
+    "raven",
+    "saffron",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
 )
 
 _INSTRUCTIONS = {
@@ -280,10 +342,7 @@ def make_task(
         keys = _distinct_keys(rng, n_keys)
         values = _distinct_numbers(rng, n_keys, digits)
         key, answers = keys[0], [values[0]]
-        needles = [
-            f"One of the special magic numbers for {k} is: {v}."
-            for k, v in zip(keys, values, strict=True)
-        ]
+        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values, strict=True)]
         question = f"What is the special magic number for {key} mentioned in the provided text?"
         prefix = f"The special magic number for {key} mentioned in the provided text is"
         needle_depths = [main_depth] + [float(x) for x in rng.uniform(0, 1, n_keys - 1)]
@@ -291,9 +350,7 @@ def make_task(
         key = _distinct_keys(rng, 1)[0]
         answers = _distinct_numbers(rng, n_needles, digits)
         needles = [f"One of the special magic numbers for {key} is: {v}." for v in answers]
-        question = (
-            f"What are all the special magic numbers for {key} mentioned in the provided text?"
-        )
+        question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
         prefix = f"The special magic numbers for {key} mentioned in the provided text are"
         needle_depths = [main_depth] + [float(x) for x in rng.uniform(0, 1, n_needles - 1)]
 
@@ -364,9 +421,7 @@ def make_tasks(
     disjoint slices. ``options`` go to :func:`make_task`."""
     n = _check_int("n", n, 0)
     start = _check_int("start", start, 0)
-    return [
-        make_task(kind, length=length, seed=seed, index=start + i, **options) for i in range(n)
-    ]
+    return [make_task(kind, length=length, seed=seed, index=start + i, **options) for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- scoring

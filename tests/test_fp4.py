@@ -52,8 +52,11 @@ def test_mxfp4_power_of_two_scales():
     amax = x.reshape(40, 2, 32).abs().amax(-1)
     assert torch.equal(e, torch.floor(torch.log2(amax)) - 2)
     xh = fp4_dequantize(qt)
-    step = torch.exp2(e).repeat_interleave(32, -1)  # largest E2M1 gap (2) times scale, halved
-    assert ((xh - x).abs() <= step + 1e-6).all()
+    scale = torch.exp2(e).repeat_interleave(32, -1)
+    # half the largest E2M1 gap (2/2) inside the grid; saturation of amax/scale in [6, 8) costs up to 2
+    assert ((xh - x).abs() <= 2 * scale + 1e-6).all()
+    inside = (x / scale).abs() <= 6
+    assert ((xh - x).abs()[inside] <= scale[inside] + 1e-6).all()
 
 
 @pytest.mark.parametrize(("name", "bits"), [("nvfp4", 4.75), ("mxfp4", 4.25)])

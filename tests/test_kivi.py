@@ -21,7 +21,7 @@ def test_residual_window_and_append(side):
         step = p.scale.float().repeat_interleave(8, 0)
     else:
         step = p.scale.float().repeat_interleave(8, 1)
-    assert ((r[:32] - x[:32]).abs() <= step / 2 + 1e-5).all()
+    assert ((r[:32] - x[:32]).abs() <= step / 2 + 2e-3).all()  # + fp16 staging of the residual
     # incremental equals one-shot
     assert torch.allclose(r, f.read(f.write(x, side=side)))
 

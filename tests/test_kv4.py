@@ -57,7 +57,9 @@ def test_score_after_reduction_identity():
 def test_bits_per_element(name, bits):
     f = get_format(name)
     assert f.bytes_per_position(128) * 8 / 128 == pytest.approx(bits)
-    assert f.bytes_per_position(64) * 8 / 64 == pytest.approx(4 + 32 / min(64, 128 if name == "kv4" else int(name[-2:])))
+    assert f.bytes_per_position(64) * 8 / 64 == pytest.approx(
+        4 + 32 / min(64, 128 if name == "kv4" else int(name[-2:]))
+    )
     packed = f.write(_keys(40))
     assert f.nbytes(packed) == pytest.approx(40 * f.bytes_per_position(128))
 

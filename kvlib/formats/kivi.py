@@ -98,7 +98,9 @@ class KiviFormat(KVFormat):
                 codes=torch.zeros(0, d // 4, dtype=torch.uint8, device=x.device),
                 scale=torch.zeros(0, width, dtype=torch.float16, device=x.device),
                 zero=torch.zeros(0, width, dtype=torch.float16, device=x.device),
-                residual=torch.zeros(0, d, dtype=torch.float16, device=x.device), side=side, group=self.group,
+                residual=torch.zeros(0, d, dtype=torch.float16, device=x.device),
+                side=side,
+                group=self.group,
             )
         res = torch.cat([packed.residual, x.to(torch.float16)])
         n_full = (res.shape[0] // self.residual_len) * self.residual_len

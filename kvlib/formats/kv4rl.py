@@ -103,7 +103,9 @@ class KV4RLFormat(KVFormat):
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         cap = sink + recent if capacity is None else capacity
         if not isinstance(cap, int) or cap < sink + recent:
-            raise ValueError(f"capacity={cap!r} is smaller than sink + recent = {sink + recent} (the window does not fit)")
+            raise ValueError(
+                f"capacity={cap!r} is smaller than sink + recent = {sink + recent} (the window does not fit)"
+            )
         if protect not in _PROTECT:
             raise ValueError(f"protect must be one of {_PROTECT}, got {protect!r}")
         self.sink, self.recent, self.capacity, self.protect = sink, recent, cap, protect
@@ -115,7 +117,12 @@ class KV4RLFormat(KVFormat):
         return self.append(None, x, side=side, positions=positions, **ctx)
 
     def append(
-        self, packed: KV4RLPacked | None, x: torch.Tensor, side: int = 0, positions: torch.Tensor | None = None, **ctx: Any
+        self,
+        packed: KV4RLPacked | None,
+        x: torch.Tensor,
+        side: int = 0,
+        positions: torch.Tensor | None = None,
+        **ctx: Any,
     ) -> KV4RLPacked:
         """Write new tokens at the next positions: INT4 entries and, for protected positions, side slots."""
         check_tensor("x", x, ndim=2, floating=True)
@@ -125,7 +132,9 @@ class KV4RLFormat(KVFormat):
         if positions is not None:
             check_tensor("positions", positions, ndim=1, floating=False)
             if positions.shape[0] != s_new or not torch.equal(positions.cpu().long(), expect):
-                raise ValueError(f"positions must be consecutive from the stream length {start}, got {positions.tolist()[:8]}...")
+                raise ValueError(
+                    f"positions must be consecutive from the stream length {start}, got {positions.tolist()[:8]}..."
+                )
         rot = rotates(self.rotate, check_side(side))
         xr = hadamard(x.float()) if rot else x.float()
         new_main = self.main.write(x, side=side)
@@ -136,15 +145,21 @@ class KV4RLFormat(KVFormat):
                 side=torch.zeros(self.capacity, d, dtype=side_dtype, device=x.device),
                 side_scale=torch.ones(self.capacity, dtype=torch.float16, device=x.device),
                 side_pos=torch.full((self.capacity,), -1, dtype=torch.int64, device=x.device),
-                length=0, sink=self.sink, recent=self.recent, rotated=rot,
+                length=0,
+                sink=self.sink,
+                recent=self.recent,
+                rotated=rot,
             )
         else:
             if packed.side.shape[1] != d:
                 raise ValueError(f"x: head dim {d} differs from the stream's {packed.side.shape[1]}")
             m = packed.main
             packed.main = Int4Tensor(
-                codes=torch.cat([m.codes, new_main.codes]), scale=torch.cat([m.scale, new_main.scale]),
-                offset=torch.cat([m.offset, new_main.offset]), group=m.group, rotated=m.rotated,
+                codes=torch.cat([m.codes, new_main.codes]),
+                scale=torch.cat([m.scale, new_main.scale]),
+                offset=torch.cat([m.offset, new_main.offset]),
+                group=m.group,
+                rotated=m.rotated,
             )
         n = start + s_new
         pos = expect.to(x.device)

@@ -31,8 +31,11 @@ def mxfp4_quantize(x: torch.Tensor, block: int = MX_BLOCK) -> Fp4Tensor:
     e = e.clamp(-127, 127)
     codes = e2m1_encode(xb / torch.exp2(e).unsqueeze(-1)).reshape(s, d)
     return Fp4Tensor(
-        codes=pack_nibbles(codes), block_scale=(e + 127).to(torch.uint8), global_scale=torch.ones(s, device=x.device),
-        block=block, kind="mxfp4",
+        codes=pack_nibbles(codes),
+        block_scale=(e + 127).to(torch.uint8),
+        global_scale=torch.ones(s, 0, device=x.device),  # MX has no global scale
+        block=block,
+        kind="mxfp4",
     )
 
 

@@ -45,7 +45,8 @@ def e2m1_decode(c: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Fp4Tensor:
     """Packed FP4 vectors: ``codes`` uint8 ``[S, d//2]``; ``block_scale`` uint8 ``[S, d//block]`` holding
-    E4M3 bits (NVFP4) or the biased E8M0 exponent (MXFP4); ``global_scale`` fp32 ``[S]`` (NVFP4, else ones)."""
+    E4M3 bits (NVFP4) or the biased E8M0 exponent (MXFP4); ``global_scale`` fp32 ``[S]`` (NVFP4;
+    MXFP4 holds an empty ``[S, 0]``)."""
 
     codes: torch.Tensor = per_token()
     block_scale: torch.Tensor = per_token()
@@ -70,7 +71,9 @@ def nvfp4_quantize(x: torch.Tensor, block: int = 16) -> Fp4Tensor:
     denom = bs.float() * sg.unsqueeze(-1)
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = e2m1_encode(xb / safe.unsqueeze(-1)).reshape(s, d)
-    return Fp4Tensor(codes=pack_nibbles(codes), block_scale=bs.view(torch.uint8), global_scale=sg, block=block, kind="nvfp4")
+    return Fp4Tensor(
+        codes=pack_nibbles(codes), block_scale=bs.view(torch.uint8), global_scale=sg, block=block, kind="nvfp4"
+    )
 
 
 def fp4_dequantize(qt: Fp4Tensor) -> torch.Tensor:

@@ -1,0 +1,608 @@
+"""Split-KV decode attention over the dithered INT8 paged pool, with the WitCert certificate.
+
+Flash-decoding structure (as SGLang's ``decode_attention.py``):
+
+* stage 1, one program per (batch row, KV head, split): loads each KV tile ONCE for all query
+  heads of the GQA group, regenerates the key dither (one Philox4x32-10 call per four channels,
+  its four words spread over the four bytes of one int32 code word), dequantises, computes scores,
+  the online softmax and the output, and beside them the certificate accumulators
+  ``A_s = sum p e^{u}/l`` and ``B_s = sum p e^{-u}/l`` with the radius from one ``tl.dot`` of
+  ``q^2`` with ``s^2`` per tile (plus the fp16 outlier term); writes ``(o_s, lse_s, A_s, B_s)``;
+* stage 2, one program per (batch row, query head): merges the splits with LSE weights, ``A`` and
+  ``B`` riding the same weights as the output. It is the Triton twin of folding
+  :func:`kvlib.merge.merge_states` (see :func:`merge_splits_reference`; a test binds them).
+
+The certificate can be switched off (``cert=False``, a constexpr) to measure its marginal cost.
+
+Layout read (the storage contract of :mod:`kvlib.formats.dither_int8` / :mod:`kvlib.paged`), per
+side (K or V) of one layer: ``codes`` int8 ``[n_slots, H_kv, d]``, ``scales`` fp16
+``[n_slots, H_kv, d // G]``, optional ``outliers`` fp16 ``[n_slots, H_kv, m]`` with
+``outlier_channels`` int64 ``[H_kv, m]`` (code 0 there). Requests are rows of a slot table
+``slots [B, max_len]`` with lengths ``seq_lens [B]``.
+
+:func:`decode_reference` (torch, float64) is the reference; on CPU the kernel runs under
+``TRITON_INTERPRET=1`` (set before triton is imported) and otherwise falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlib._checks import check_group, check_open_unit, check_tensor
+from kvlib.certificate import (
+    FP16_REL,
+    FP16_SUB,
+    bounds_from_AB,
+    certificate_from_scores,
+    radius_multiplier,
+    rounding_gamma,
+    score_radius,
+)
+from kvlib.kernels.philox_tl import philox4x32
+from kvlib.merge import merge_states
+from kvlib.philox import dither, seed_key
+
+
+# ----------------------------------------------------------------------------------------------
+# storage view
+@dataclass
+class PoolSide:
+    """One side (K or V) of one layer's INT8 pool (see the module docstring for shapes)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    outliers: torch.Tensor | None = None
+    outlier_channels: torch.Tensor | None = None
+    group: int = 32
+
+
+def as_side(x: Any, name: str) -> PoolSide:
+    """Accept a :class:`PoolSide` or any object with ``codes``/``scales`` (and optional outliers)."""
+    if isinstance(x, PoolSide):
+        side = x
+    elif hasattr(x, "codes") and hasattr(x, "scales"):
+        side = PoolSide(x.codes, x.scales, getattr(x, "outliers", None), getattr(x, "outlier_channels", None),
+                        int(getattr(x, "group", 32)))
+    else:
+        raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), got {type(x).__name__}")
+    check_tensor(f"{name}.codes", side.codes, ndim=3, dtype=torch.int8)
+    n_slots, hkv, d = side.codes.shape
+    check_group(f"{name}.group", side.group, d)
+    check_tensor(f"{name}.scales", side.scales, ndim=3, dtype=(torch.float16, torch.float32))
+    if tuple(side.scales.shape) != (n_slots, hkv, d // side.group):
+        raise ValueError(f"{name}.scales must have shape {(n_slots, hkv, d // side.group)}, got {tuple(side.scales.shape)}")
+    if (side.outliers is None) != (side.outlier_channels is None):
+        raise ValueError(f"{name}.outliers and {name}.outlier_channels must be given together")
+    if side.outliers is not None:
+        check_tensor(f"{name}.outlier_channels", side.outlier_channels, ndim=2, floating=False)
+        m = side.outlier_channels.shape[1]
+        if tuple(side.outlier_channels.shape) != (hkv, m):
+            raise ValueError(f"{name}.outlier_channels must have shape [H_kv={hkv}, m], got {tuple(side.outlier_channels.shape)}")
+        check_tensor(f"{name}.outliers", side.outliers, ndim=3, floating=True)
+        if tuple(side.outliers.shape) != (n_slots, hkv, m):
+            raise ValueError(f"{name}.outliers must have shape {(n_slots, hkv, m)}, got {tuple(side.outliers.shape)}")
+        if m == 0:
+            side = PoolSide(side.codes, side.scales, None, None, side.group)
+    return side
+
+
+@dataclass
+class DecodeOut:
+    """Decode result per (batch row, query head); certificate fields are None when switched off."""
+
+    o: torch.Tensor  # [B, Hq, d] fp32
+    lse: torch.Tensor  # [B, Hq] natural log
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    tv_bound: torch.Tensor | None = None  # 1 - B/A (or 1 - 1/A^2 when B is off), +inf vacuous
+    tv_bound_one: torch.Tensor | None = None  # 1 - 1/A^2, +inf vacuous
+    vacuous: torch.Tensor | None = None
+
+
+def _check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    check_tensor("q", q, ndim=3, floating=True)
+    n_slots, hkv, d = k.codes.shape
+    if tuple(v.codes.shape) != (n_slots, hkv, d) or v.group != k.group:
+        raise ValueError(f"v_pool must match k_pool's shape {(n_slots, hkv, d)} and group, got {tuple(v.codes.shape)}")
+    B, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q's head dim {dq} must equal the pool's d={d}")
+    if hq % hkv != 0:
+        raise ValueError(f"q heads ({hq}) must be a multiple of KV heads ({hkv}) (GQA)")
+    check_tensor("slots", slots, ndim=2, floating=False)
+    check_tensor("seq_lens", seq_lens, ndim=1, floating=False)
+    if slots.shape[0] != B or seq_lens.shape[0] != B:
+        raise ValueError(f"slots [B, max_len] and seq_lens [B] must have B={B} rows, got {tuple(slots.shape)}, {tuple(seq_lens.shape)}")
+    if d % 4 != 0 or k.group % 4 != 0:
+        raise ValueError(f"d={d} and group={k.group} must be multiples of 4 (one Philox call per four channels)")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: int, seed: int, side_id: int,
+                 dithered: bool = True) -> torch.Tensor:
+    """float64 ``[L, d]`` of one KV head at ``slots``: ``s (c - xi)`` (``s c`` for RTN), outliers substituted."""
+    codes = side.codes[slots, kv_head].to(torch.float64)
+    s = side.scales[slots, kv_head].to(torch.float64).repeat_interleave(side.group, dim=-1)
+    d = codes.shape[-1]
+    if dithered:
+        xi = dither(slots.to(torch.int64).cpu(), d, layer=layer, kv_head=kv_head, seed=seed, side=side_id)
+        x = s * (codes - xi.to(codes.device, torch.float64))
+    else:
+        x = s * codes
+    if side.outliers is not None:
+        oc = side.outlier_channels[kv_head].to(torch.int64)
+        x[:, oc] = side.outliers[slots, kv_head].to(torch.float64)
+    return x
+
+
+def decode_reference(
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
+    return_probs: bool = False,
+) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
+    """float64 torch reference of :func:`decode_int8` (same radius, same certificate)."""
+    k = as_side(k_pool, "k_pool")
+    v = as_side(v_pool, "v_pool")
+    _check_request(q, k, v, slots, seq_lens)
+    delta = check_open_unit("delta", delta)
+    B, hq, d = q.shape
+    hkv = k.codes.shape[1]
+    gqa = hq // hkv
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    o = torch.zeros(B, hq, d, dtype=torch.float64)
+    lse = torch.zeros(B, hq, dtype=torch.float64)
+    A = torch.zeros(B, hq, dtype=torch.float64)
+    Bv = torch.zeros(B, hq, dtype=torch.float64)
+    probs = []
+    for b in range(B):
+        L = int(seq_lens[b])
+        sl = slots[b, :L].to(torch.int64).cpu()
+        pb = torch.zeros(hq, L, dtype=torch.float64)
+        for h in range(hkv):
+            kh = dequant_rows(k, sl, layer=layer, kv_head=h, seed=seed, side_id=0)
+            vh = dequant_rows(v, sl, layer=layer, kv_head=h, seed=seed, side_id=1, dithered=v_dither)
+            qh = q[b, h * gqa:(h + 1) * gqa].to(torch.float64).cpu()
+            z = sm * qh @ kh.T  # [gqa, L]
+            p = torch.softmax(z, -1)
+            o[b, h * gqa:(h + 1) * gqa] = p @ vh
+            lse[b, h * gqa:(h + 1) * gqa] = torch.logsumexp(z, -1)
+            oc = k.outlier_channels[h].cpu() if k.outliers is not None else None
+            out = k.outliers[sl, h].cpu() if k.outliers is not None else None
+            u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
+                             outlier_channels=oc, outliers=out)
+            c = certificate_from_scores(z, u)
+            A[b, h * gqa:(h + 1) * gqa] = c.A
+            Bv[b, h * gqa:(h + 1) * gqa] = c.B
+            pb[h * gqa:(h + 1) * gqa] = p
+        probs.append(pb)
+    two, one, vac = bounds_from_AB(A, Bv)
+    res = DecodeOut(o, lse, A, Bv, two, one, vac)
+    return (res, probs) if return_probs else res
+
+
+def merge_splits_reference(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
+                           B_s: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Fold :func:`kvlib.merge.merge_states` over the split axis; ``A_s``/``B_s`` ride as extra channels.
+
+    ``o_s`` ``[..., NS, d]``, ``lse_s``/``A_s``/``B_s`` ``[..., NS]``. Returns ``(o, lse, A, B)``.
+    """
+    parts = [o_s] + [x.unsqueeze(-1) for x in (A_s, B_s) if x is not None]
+    cat = torch.cat(parts, -1)
+    o, lse = cat[..., 0, :], lse_s[..., 0]
+    for s in range(1, lse_s.shape[-1]):
+        o, lse = merge_states(o, lse, cat[..., s, :], lse_s[..., s])
+    d = o_s.shape[-1]
+    out = [o[..., :d], lse]
+    i = d
+    for x in (A_s, B_s):
+        out.append(o[..., i] if x is not None else None)
+        i += x is not None
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+@triton.jit
+def _byte(w, J: tl.constexpr):
+    """Signed byte ``J`` (little endian: channel 4g + J) of int32 code words."""
+    return (w << (24 - 8 * J)) >> 24
+
+
+@triton.jit
+def _xi(w):
+    """WitCert dither ``(w >> 8) 2^-24 + 2^-25 - 1/2`` exact in fp32 (same as philox_tl.word_to_xi)."""
+    n = 2 * (w.to(tl.uint32) >> 8).to(tl.int32) + (1 - (1 << 24))
+    return n.to(tl.float32) * 2.9802322387695312e-08
+
+
+@triton.jit(do_not_specialize=["layer", "seed_lo", "seed_hi"])
+def _decode_int8_stage1(
+    Q, KW, KS, KO, KOC, VW, VS, VO, VOC, SLOTS, SEQ, RADM,
+    O_S, LSE_S, A_S, B_S,
+    sm_scale, byp_rel, byp_abs, layer, seed_lo, seed_hi,
+    s_qb, s_qh,
+    s_kw_n, s_kw_h, s_ks_n, s_ks_h, s_ko_n, s_ko_h,
+    s_vw_n, s_vw_h, s_vs_n, s_vs_h, s_vo_n, s_vo_h,
+    s_sl_b,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr, V_DITHER: tl.constexpr,
+    K_PREC: tl.constexpr, V_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    D4: tl.constexpr = D // 4
+    seq_len = tl.load(SEQ + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    offs_g = tl.arange(0, D4)
+    q_base = Q + b * s_qb + heads[:, None] * s_qh + 4 * offs_g[None, :]
+    q0 = tl.load(q_base + 0, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(q_base + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + 2, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(q_base + 3, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    if NOK > 0:
+        offs_ok = tl.arange(0, NOK_P)
+        mask_ok = offs_ok < NOK
+        koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
+        q_ko = tl.load(Q + b * s_qb + heads[:, None] * s_qh + koc[None, :],
+                       mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
+        # outlier channels are not dithered: their codes are 0 and their q leaves the dithered dot
+        q0 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 0).to(tl.int32), 0) > 0)[None, :], 0.0, q0)
+        q1 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 1).to(tl.int32), 0) > 0)[None, :], 0.0, q1)
+        q2 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 2).to(tl.int32), 0) > 0)[None, :], 0.0, q2)
+        q3 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 3).to(tl.int32), 0) > 0)[None, :], 0.0, q3)
+    if NOV > 0:
+        offs_ov = tl.arange(0, NOV_P)
+        mask_ov = offs_ov < NOV
+        voc = tl.load(VOC + kvh * NOV + offs_ov, mask=mask_ov, other=-1).to(tl.int32)
+        vkeep0 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 0).to(tl.int32), 0) == 0
+        vkeep1 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 1).to(tl.int32), 0) == 0
+        vkeep2 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 2).to(tl.int32), 0) == 0
+        vkeep3 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 3).to(tl.int32), 0) == 0
+        acc_vo = tl.zeros([BLOCK_H, NOV_P], dtype=tl.float32)
+    if CERT:
+        qsq = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3  # [BLOCK_H, D4]: sum of q^2 over each word's 4 channels
+        radm = tl.load(RADM + b).to(tl.float32)
+        var_c = sm_scale * sm_scale / 12.0
+        if NOK > 0:
+            q_ko_abs = tl.abs(q_ko)
+            q_ko_sum = tl.sum(q_ko_abs, 1)
+        a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if CERT_B:
+            b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    c3k = ((layer << 1) | 0).to(tl.uint32)
+    c3v = ((layer << 1) | 1).to(tl.uint32)
+    c2 = kvh.to(tl.uint32)
+    sgrp = offs_g // (G // 4)  # scale index of each word
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        # ---- keys: one int32 word = 4 channels = one Philox call
+        kw = tl.load(KW + slot[:, None] * s_kw_n + kvh * s_kw_h + offs_g[None, :], mask=mask_n[:, None], other=0)
+        ks = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + sgrp[None, :], mask=mask_n[:, None],
+                     other=0.0).to(tl.float32)
+        c0 = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
+        c1 = offs_g.to(tl.uint32)[None, :] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
+        w0, w1, w2, w3 = philox4x32(c0, c1, c2 + tl.zeros_like(c0), c3k + tl.zeros_like(c0), k0, k1)
+        kh0 = ks * (_byte(kw, 0).to(tl.float32) - _xi(w0))
+        kh1 = ks * (_byte(kw, 1).to(tl.float32) - _xi(w1))
+        kh2 = ks * (_byte(kw, 2).to(tl.float32) - _xi(w2))
+        kh3 = ks * (_byte(kw, 3).to(tl.float32) - _xi(w3))
+        qk = tl.dot(q0, tl.trans(kh0), input_precision=K_PREC)
+        qk += tl.dot(q1, tl.trans(kh1), input_precision=K_PREC)
+        qk += tl.dot(q2, tl.trans(kh2), input_precision=K_PREC)
+        qk += tl.dot(q3, tl.trans(kh3), input_precision=K_PREC)
+        if NOK > 0:
+            ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
+                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
+            qk += tl.sum(q_ko[:, None, :] * ko[None, :, :], 2)
+        qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if CERT:
+            var = tl.dot(qsq, tl.trans(ks * ks), input_precision="ieee") * var_c  # [BLOCK_H, BLOCK_N]
+            u = tl.sqrt(var) * radm
+            if NOK > 0:
+                u += sm_scale * (tl.sum(q_ko_abs[:, None, :] * tl.abs(ko)[None, :, :], 2) * byp_rel
+                                 + q_ko_sum[:, None] * byp_abs)
+            a_i = a_i * alpha + tl.sum(p * tl.exp(u), 1)
+            if CERT_B:
+                b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 1)
+
+        # ---- values
+        vw = tl.load(VW + slot[:, None] * s_vw_n + kvh * s_vw_h + offs_g[None, :], mask=mask_n[:, None], other=0)
+        vs = tl.load(VS + slot[:, None] * s_vs_n + kvh * s_vs_h + sgrp[None, :], mask=mask_n[:, None],
+                     other=0.0).to(tl.float32)
+        if V_DITHER:
+            x0, x1, x2, x3 = philox4x32(c0, c1, c2 + tl.zeros_like(c0), c3v + tl.zeros_like(c0), k0, k1)
+            vh0 = vs * (_byte(vw, 0).to(tl.float32) - _xi(x0))
+            vh1 = vs * (_byte(vw, 1).to(tl.float32) - _xi(x1))
+            vh2 = vs * (_byte(vw, 2).to(tl.float32) - _xi(x2))
+            vh3 = vs * (_byte(vw, 3).to(tl.float32) - _xi(x3))
+        else:
+            vh0 = vs * _byte(vw, 0).to(tl.float32)
+            vh1 = vs * _byte(vw, 1).to(tl.float32)
+            vh2 = vs * _byte(vw, 2).to(tl.float32)
+            vh3 = vs * _byte(vw, 3).to(tl.float32)
+        if NOV > 0:
+            vh0 = tl.where(vkeep0[None, :], vh0, 0.0)
+            vh1 = tl.where(vkeep1[None, :], vh1, 0.0)
+            vh2 = tl.where(vkeep2[None, :], vh2, 0.0)
+            vh3 = tl.where(vkeep3[None, :], vh3, 0.0)
+            vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
+                         mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
+            acc_vo = acc_vo * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+        if V_PREC == "bf16":
+            pv = p.to(tl.bfloat16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, vh0.to(tl.bfloat16))
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, vh1.to(tl.bfloat16))
+            acc2 = acc2 * alpha[:, None] + tl.dot(pv, vh2.to(tl.bfloat16))
+            acc3 = acc3 * alpha[:, None] + tl.dot(pv, vh3.to(tl.bfloat16))
+        else:
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, vh0, input_precision=V_PREC)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, vh1, input_precision=V_PREC)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, vh2, input_precision=V_PREC)
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, vh3, input_precision=V_PREC)
+
+    nonempty = l_i > 0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_base = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + 4 * offs_g[None, :]
+    if NOV > 0:
+        tl.store(o_base + 0, acc0 * inv_l[:, None], mask=mask_h[:, None] & vkeep0[None, :])
+        tl.store(o_base + 1, acc1 * inv_l[:, None], mask=mask_h[:, None] & vkeep1[None, :])
+        tl.store(o_base + 2, acc2 * inv_l[:, None], mask=mask_h[:, None] & vkeep2[None, :])
+        tl.store(o_base + 3, acc3 * inv_l[:, None], mask=mask_h[:, None] & vkeep3[None, :])
+        tl.store(O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + voc[None, :],
+                 acc_vo * inv_l[:, None], mask=mask_h[:, None] & mask_ov[None, :])
+    else:
+        tl.store(o_base + 0, acc0 * inv_l[:, None], mask=mask_h[:, None])
+        tl.store(o_base + 1, acc1 * inv_l[:, None], mask=mask_h[:, None])
+        tl.store(o_base + 2, acc2 * inv_l[:, None], mask=mask_h[:, None])
+        tl.store(o_base + 3, acc3 * inv_l[:, None], mask=mask_h[:, None])
+    l_off = b * s_ls_b + heads * s_ls_h + split
+    tl.store(LSE_S + l_off, lse, mask=mask_h)
+    if CERT:
+        tl.store(A_S + l_off, a_i * inv_l, mask=mask_h)
+        if CERT_B:
+            tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
+
+
+@triton.jit
+def _merge_splits_stage2(
+    O_S, LSE_S, A_S, B_S, O, LSE, A, B,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, s_o_b, s_o_h, s_l_b, s_l_h,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
+):
+    """LSE-weighted merge of the splits (Triton twin of folding merge_states); A and B ride along."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, NS_P)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, D)
+    l_off = b * s_ls_b + h * s_ls_h + offs_s
+    lse_s = tl.load(LSE_S + l_off, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    empty = lse_s == float("-inf")
+    w = tl.where(empty, 0.0, tl.exp(lse_s - m))
+    den = tl.sum(w, 0)
+    o_s = tl.load(O_S + b * s_os_b + h * s_os_h + offs_s[:, None] * s_os_s + offs_d[None, :],
+                  mask=mask_s[:, None], other=0.0)
+    o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
+    tl.store(O + b * s_o_b + h * s_o_h + offs_d, o)
+    tl.store(LSE + b * s_l_b + h * s_l_h, m + tl.log(den))
+    if CERT:
+        a_s = tl.load(A_S + l_off, mask=mask_s, other=0.0)
+        tl.store(A + b * s_l_b + h * s_l_h, tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den)
+        if CERT_B:
+            b_s = tl.load(B_S + l_off, mask=mask_s, other=0.0)
+            tl.store(B + b * s_l_b + h * s_l_h, tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den)
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when the Triton kernels can run on ``device`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice, never more splits than tiles (power of two)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, math.ceil(2 * sms / max(1, batch * hkv)))
+    tiles = max(1, math.ceil(max_len / block_n))
+    ns = min(want, tiles, 64)
+    return 1 << (ns - 1).bit_length() if ns > 1 else 1
+
+
+def decode_stage1(
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
+    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 32,
+    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
+) -> tuple[torch.Tensor, ...]:
+    """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off)."""
+    k = as_side(k_pool, "k_pool")
+    v = as_side(v_pool, "v_pool")
+    _check_request(q, k, v, slots, seq_lens)
+    delta = check_open_unit("delta", delta)
+    if not isinstance(layer, int) or not 0 <= layer < 2**31:
+        raise ValueError(f"layer must be an int in [0, 2^31), got {layer!r}")
+    k0, k1 = seed_key(seed)
+    if not triton_available(q.device):
+        raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+    if k_precision not in ("ieee", "tf32", "tf32x3") or v_precision not in ("ieee", "tf32", "tf32x3", "bf16"):
+        raise ValueError(f"k_precision/v_precision not supported: {k_precision!r}, {v_precision!r}")
+    B, hq, d = q.shape
+    n_slots, hkv, _ = k.codes.shape
+    gqa = hq // hkv
+    d4 = d // 4
+    if d4 & (d4 - 1):
+        raise ValueError(f"d // 4 must be a power of two for the kernel, got d={d}")
+    sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    ns = num_splits or default_num_splits(B, hkv, slots.shape[1], block_n, q.device)
+    if not isinstance(ns, int) or ns < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    dev = q.device
+    q = q.contiguous()
+    slots = slots.contiguous()
+    kw = k.codes.contiguous().view(torch.int32)
+    vw = v.codes.contiguous().view(torch.int32)
+    ks = k.scales.contiguous()
+    vs = v.scales.contiguous()
+    radm = radius_multiplier(seq_lens.clamp_min(1), delta, d).to(torch.float32).contiguous()
+    o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
+    lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
+    a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert else lse_s
+    b_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert and cert_b else lse_s
+    nok = k.outliers.shape[-1] if k.outliers is not None else 0
+    nov = v.outliers.shape[-1] if v.outliers is not None else 0
+    ko = k.outliers.contiguous() if nok else ks
+    koc = k.outlier_channels.contiguous() if nok else slots
+    vo = v.outliers.contiguous() if nov else vs
+    voc = v.outlier_channels.contiguous() if nov else slots
+    block_h = max(16, triton.next_power_of_2(gqa))
+    _decode_int8_stage1[(B, hkv, ns)](
+        q, kw, ks, ko, koc, vw, vs, vo, voc, slots, seq_lens, radm,
+        o_s, lse_s, a_s, b_s,
+        sm, FP16_REL + rounding_gamma(d), FP16_SUB, layer, k0, k1,
+        q.stride(0), q.stride(1),
+        kw.stride(0), kw.stride(1), ks.stride(0), ks.stride(1), ko.stride(0), ko.stride(1) if nok else 0,
+        vw.stride(0), vw.stride(1), vs.stride(0), vs.stride(1), vo.stride(0), vo.stride(1) if nov else 0,
+        slots.stride(0),
+        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+        GQA=gqa, BLOCK_H=block_h, BLOCK_N=block_n, D=d, G=k.group,
+        NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
+        NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither,
+        K_PREC=k_precision, V_PREC=v_precision, num_warps=num_warps, num_stages=num_stages,
+    )
+    return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
+
+
+def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
+                 B_s: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Stage 2 (Triton): ``(o [B,Hq,d], lse [B,Hq], A, B)`` from the splits of :func:`decode_stage1`."""
+    Bn, hq, ns, d = o_s.shape
+    dev = o_s.device
+    o = torch.empty(Bn, hq, d, dtype=torch.float32, device=dev)
+    lse = torch.empty(Bn, hq, dtype=torch.float32, device=dev)
+    A = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if A_s is not None else None
+    Bv = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if B_s is not None else None
+    _merge_splits_stage2[(Bn, hq)](
+        o_s, lse_s, A_s if A_s is not None else lse_s, B_s if B_s is not None else lse_s,
+        o, lse, A if A is not None else lse, Bv if Bv is not None else lse,
+        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        D=d, NUM_SPLITS=ns, NS_P=triton.next_power_of_2(ns), CERT=A_s is not None, CERT_B=B_s is not None,
+    )
+    return o, lse, A, Bv
+
+
+def decode_int8(
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
+    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 32,
+    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
+    fallback_to_reference: bool = True,
+) -> DecodeOut:
+    """Certified decode attention over the dithered INT8 pool (one query token per batch row).
+
+    ``q`` ``[B, Hq, d]``; pools per :class:`PoolSide`; ``slots [B, max_len]`` and ``seq_lens [B]``
+    (each ``>= 1``). ``delta`` is the per-row failure probability (pass
+    :func:`kvlib.certificate.request_delta` for the request-level allocation). ``v_dither``: values
+    were written with dither (else RTN). ``cert=False`` skips the certificate (constexpr switch);
+    ``cert_b=False`` keeps only ``A`` (one-accumulator bound). No host synchronisation: CUDA-graph safe.
+    On CPU without ``TRITON_INTERPRET=1`` it falls back to :func:`decode_reference` (or raises).
+    """
+    if not triton_available(q.device if isinstance(q, torch.Tensor) else torch.device("cpu")):
+        if not fallback_to_reference:
+            raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+        return decode_reference(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
+                                delta=delta, v_dither=v_dither)
+    o_s, lse_s, a_s, b_s = decode_stage1(
+        q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
+        num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
+        k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages)
+    o, lse, A, Bv = merge_splits(o_s, lse_s, a_s, b_s)
+    if A is None:
+        return DecodeOut(o, lse)
+    if Bv is None:
+        two, one, vac = bounds_from_AB(A, torch.ones_like(A) / A)  # B = 1/A turns 1 - B/A into 1 - 1/A^2
+    else:
+        two, one, vac = bounds_from_AB(A, Bv)
+    return DecodeOut(o, lse, A, Bv, two, one, vac)
+
+
+def make_pool_side(
+    x: torch.Tensor, *, layer: int, seed: int, side: int, group: int = 32, n_slots: int | None = None,
+    slot_ids: torch.Tensor | None = None, outlier_channels: torch.Tensor | None = None, dithered: bool = True,
+) -> PoolSide:
+    """Quantise ``x [T, H_kv, d]`` into a fresh pool side, token ``t`` at slot ``slot_ids[t]``.
+
+    Keys/dithered values go through :func:`kvlib.formats.dither_int8.dither_quantize` (the write path);
+    ``dithered=False`` stores round-to-nearest codes with the same scales (RTN values).
+    ``outlier_channels`` ``[H_kv, m]`` bypass in fp16. For tests, notebooks and benchmarks.
+    """
+    from kvlib.formats.dither_int8 import dither_quantize, group_scales, quantize_codes
+
+    check_tensor("x", x, ndim=3, floating=True)
+    T, hkv, d = x.shape
+    slot_ids = torch.arange(T) if slot_ids is None else slot_ids.to(torch.int64).cpu()
+    n_slots = n_slots or int(slot_ids.max()) + 1
+    codes = torch.zeros(n_slots, hkv, d, dtype=torch.int8)
+    scales = torch.zeros(n_slots, hkv, d // group, dtype=torch.float16)
+    m = 0 if outlier_channels is None else outlier_channels.shape[-1]
+    outs = torch.zeros(n_slots, hkv, m, dtype=torch.float16) if m else None
+    for h in range(hkv):
+        oc = outlier_channels[h] if m else None
+        if dithered:
+            qt = dither_quantize(x[:, h].float().cpu(), layer=layer, kv_head=h, slots=slot_ids, seed=seed,
+                                 group=group, outlier_channels=oc, side=side)
+            codes[slot_ids, h] = qt.codes
+            scales[slot_ids, h] = qt.scales
+            if m:
+                outs[slot_ids, h] = qt.outliers.to(torch.float16)
+        else:
+            x32 = x[:, h].float().cpu()
+            mask = None
+            if m:
+                mask = torch.zeros(d, dtype=torch.bool)
+                mask[oc] = True
+            s16 = group_scales(x32, group, mask)
+            codes[slot_ids, h] = quantize_codes(x32, s16, torch.zeros_like(x32), group, zero=mask)
+            scales[slot_ids, h] = s16
+            if m:
+                outs[slot_ids, h] = x32[:, oc].to(torch.float16)
+    dev = x.device
+    return PoolSide(codes.to(dev), scales.to(dev), outs.to(dev) if m else None,
+                    outlier_channels.to(dev, torch.int64) if m else None, group)

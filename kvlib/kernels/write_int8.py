@@ -1,0 +1,182 @@
+"""WitCert write kernel: quantize + dither + pack a batch of new tokens into the paged pool.
+
+One launch writes ``x [N, H_kv, d]`` (N new tokens, all KV heads of one layer and side) into the
+slots ``slots [N]`` of a :class:`kvlib.paged.PagedPool`, following the storage contract in
+:mod:`kvlib.paged`. :func:`write_int8_reference` is the torch reference beside it (it calls
+:func:`kvlib.formats.dither_int8.dither_quantize` per head); ``tests/test_dither_write.py`` binds
+the two bit for bit.
+
+Bit identity rests on doing the same IEEE fp32 operations in the same order: ``amax / 126.5`` and
+``x / s`` with ``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU),
+fp32 -> fp16 conversion round-to-nearest-even, ``+ xi`` in fp32, and round-half-even spelled with
+``floor`` (exact for |y| < 2^23; libdevice ``rint`` is not available in the CPU interpreter).
+
+CPU tensors: ``backend="auto"`` uses the torch reference on CPU and the Triton kernel on CUDA;
+``backend="triton"`` on CPU needs ``TRITON_INTERPRET=1`` set before triton was imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlib._checks import check_tensor
+from kvlib.formats.dither_int8 import check_x, dither_quantize
+from kvlib.kernels.philox_tl import dither_tile
+from kvlib.paged import PagedPool
+from kvlib.philox import seed_key
+
+
+@triton.jit
+def _rne(y):
+    """Round half to even for |y| < 2^23, exact (floor, compare, parity)."""
+    f = tl.floor(y)
+    r = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (r > 0.5) | ((r == 0.5) & odd)
+    return f + up.to(tl.float32)
+
+
+@triton.jit
+def _write_int8_kernel(
+    x_ptr, slot_ptr, codes_ptr, scales_ptr, out_ptr, och_ptr,
+    N, stride_xn, stride_xh,
+    layer, side, k0, k1,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    n = pid_n * BLOCK_S + tl.arange(0, BLOCK_S)
+    n_ok = n < N
+    ch = tl.arange(0, D)
+    slot = tl.load(slot_ptr + n, mask=n_ok, other=0).to(tl.int64)
+    x = tl.load(x_ptr + n[:, None] * stride_xn + h * stride_xh + ch[None, :], mask=n_ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+
+    a = tl.abs(x)
+    if NOUT > 0:
+        j = tl.arange(0, NOUT_P2)
+        och = tl.load(och_ptr + h * NOUT + j, mask=j < NOUT, other=-1)
+        is_out = tl.max((ch[:, None] == och[None, :]).to(tl.int32), axis=1) > 0  # [D]
+        if not INCLUDE_OUT:
+            a = tl.where(is_out[None, :], 0.0, a)
+    # group amax; NaN anywhere in a group makes its scale NaN (flagged at read, never silent)
+    amax = tl.max(tl.reshape(a, (BLOCK_S, D // G, G)), axis=2)
+    nan_g = tl.max(tl.reshape((x != x).to(tl.int32), (BLOCK_S, D // G, G)), axis=2) > 0
+    amax = tl.where(nan_g, float("nan"), amax)
+    s16 = tl.math.div_rn(amax, 126.5).to(tl.float16)
+    low = s16.to(tl.float32) * 127.0 < amax  # subnormal scales only: bump to the next fp16 up
+    s16 = tl.where(low, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
+    s32 = s16.to(tl.float32)
+    s_full = tl.reshape(tl.broadcast_to(s32[:, :, None], (BLOCK_S, D // G, G)), (BLOCK_S, D))
+
+    xi = dither_tile(slot, h, layer, side, k0, k1, D)
+    y = tl.math.div_rn(x, s_full) + xi
+    c = tl.minimum(tl.maximum(_rne(y), -127.0), 127.0)
+    zero = (s_full == 0.0) | (y != y)
+    if NOUT > 0:
+        zero = zero | is_out[None, :]
+    c = tl.where(zero, 0.0, c).to(tl.int8)
+
+    tl.store(codes_ptr + slot[:, None] * (H * D) + h * D + ch[None, :], c, mask=n_ok[:, None])
+    g = tl.arange(0, D // G)
+    tl.store(scales_ptr + slot[:, None] * (H * (D // G)) + h * (D // G) + g[None, :], s16, mask=n_ok[:, None])
+    if NOUT > 0:
+        j_ok = j < NOUT
+        xo = tl.load(x_ptr + n[:, None] * stride_xn + h * stride_xh + och[None, :],
+                     mask=n_ok[:, None] & j_ok[None, :], other=0.0)
+        tl.store(out_ptr + slot[:, None] * (H * NOUT) + h * NOUT + j[None, :], xo.to(tl.float32).to(tl.float16),
+                 mask=n_ok[:, None] & j_ok[None, :])
+
+
+def _check_write_args(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor, validate: bool) -> None:
+    if not isinstance(pool, PagedPool):
+        raise TypeError(f"pool must be a PagedPool, got {type(pool).__name__}")
+    check_tensor("x", x, ndim=3, floating=True)
+    if tuple(x.shape[1:]) != (pool.n_kv_heads, pool.d):
+        raise ValueError(f"x must have shape [N, {pool.n_kv_heads}, {pool.d}], got {tuple(x.shape)}")
+    check_tensor("slots", slots, ndim=1, floating=False)
+    if slots.shape[0] != x.shape[0]:
+        raise ValueError(f"slots must have length N={x.shape[0]} (one slot per token), got {slots.shape[0]}")
+    if not 0 <= layer < pool.n_layers:
+        raise ValueError(f"layer must lie in [0, {pool.n_layers}), got {layer}")
+    if x.device != pool.device or slots.device != pool.device:
+        raise ValueError(f"x and slots must be on the pool's device {pool.device}")
+    if validate:
+        check_x(x)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= pool.n_slots):
+            raise ValueError(f"slots must lie in [0, n_slots={pool.n_slots})")
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("slots must be distinct within one write (two tokens cannot share a slot)")
+
+
+def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot."""
+    _check_write_args(pool, layer, x, slots, validate=True)
+    v = pool.layer(layer)
+    slots = slots.to(torch.int64)
+    for h in range(pool.n_kv_heads):
+        oc = v.outlier_channels[h] if pool.n_out else None
+        qt = dither_quantize(
+            x[:, h], layer=layer, kv_head=h, slots=slots, seed=pool.seed, group=pool.group,
+            outlier_channels=oc, side=pool.side, include_outliers_in_amax=pool.include_outliers_in_amax,
+        )
+        v.codes[slots, h] = qt.codes
+        v.scales[slots, h] = qt.scales
+        if pool.n_out:
+            v.outliers[slots, h] = qt.outliers
+
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_write_int8_kernel, InterpretedFunction)
+
+
+def write_int8(
+    pool: PagedPool,
+    layer: int,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+    block_s: int = 16,
+) -> None:
+    """Write ``x [N, H_kv, d]`` into ``pool`` at ``slots [N]`` for ``layer`` in one launch.
+
+    ``validate=False`` skips the host-side checks that synchronise (NaN, slot range, duplicate
+    slots); NaN then shows up as a NaN scale in the pool. ``backend``: ``"auto"`` (Triton on CUDA,
+    torch reference on CPU), ``"triton"``, or ``"torch"``.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        write_int8_reference(pool, layer, x, slots)
+        return
+    _check_write_args(pool, layer, x, slots, validate)
+    if not x.is_cuda and not _interpreting():
+        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+    d, G = pool.d, pool.group
+    if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
+        raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    k0, k1 = seed_key(pool.seed)
+    v = pool.layer(layer)
+    N, H = x.shape[0], pool.n_kv_heads
+    if N == 0:
+        return
+    nout = pool.n_out
+    grid = (triton.cdiv(N, block_s), H)
+    _write_int8_kernel[grid](
+        x, slots, v.codes, v.scales, v.outliers, v.outlier_channels,
+        N, x.stride(0), x.stride(1),
+        layer, pool.side, k0, k1,
+        H=H, D=d, G=G, NOUT=nout, NOUT_P2=max(triton.next_power_of_2(nout), 1) if nout else 1,
+        INCLUDE_OUT=pool.include_outliers_in_amax, BLOCK_S=block_s,
+    )
