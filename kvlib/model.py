@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,10 +109,47 @@ def instrument(model: Any) -> Any:
     return model
 
 
+def disk_cache_dir(name: str = "smollm2-135m") -> Path:
+    """Where the dequantised float32 copy of ``name`` is kept (``$KVLIB_CACHE_DIR`` or ~/.cache/kvlib).
+
+    Converting the GGUF file takes ~20 s (tokenizer and weights); the safetensors copy loads in ~1 s
+    and gives bit-identical logits. The key includes the GGUF size and mtime.
+    """
+    path = model_path(name)
+    root = Path(os.environ.get("KVLIB_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlib")
+    st = path.stat()
+    return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _from_gguf(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with contextlib.redirect_stderr(io.StringIO()):  # the GGUF converter's progress bar
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model, tok
+
+
+def _save_disk_cache(model: Any, tok: Any, target: Path) -> None:
+    # The weights are already dequantised to float; drop the GGUF marker so the copy is a plain model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> tuple[Any, Any]:
+               device: str = "cpu", *, disk_cache: bool = True) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from the shipped GGUF file, offline; cached per process.
 
+    With ``disk_cache`` the dequantised weights are kept as safetensors (see :func:`disk_cache_dir`).
     The model is in eval mode and instrumented (see :func:`instrument`).
     """
     if not isinstance(dtype, torch.dtype):
@@ -119,14 +159,21 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
         return _CACHE[key]
     path = model_path(name)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    model = model.to(device).eval()
+    hf_logging.set_verbosity_error()
+    cdir = disk_cache_dir(name)
+    if disk_cache and (cdir / "model.safetensors").is_file():
+        with contextlib.redirect_stderr(io.StringIO()):
+            tok = AutoTokenizer.from_pretrained(str(cdir))
+            model = AutoModelForCausalLM.from_pretrained(str(cdir), dtype=torch.float32)
+    else:
+        model, tok = _from_gguf(path)
+        if disk_cache:
+            cdir.parent.mkdir(parents=True, exist_ok=True)
+            _save_disk_cache(model, tok, cdir)
+    model = model.to(device=device, dtype=dtype).eval()
     instrument(model)
     _CACHE[key] = (model, tok)
     return model, tok

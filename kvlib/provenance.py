@@ -35,7 +35,12 @@ def results_dir(profile: str) -> Path:
 
 
 def git_commit() -> str:
-    """Current commit, with ``+dirty`` when the tree has uncommitted changes; ``unknown`` outside git."""
+    """Current commit, with ``+dirty`` when the tree has uncommitted changes; ``unknown`` outside git.
+
+    ``$KVLIB_COMMIT`` names it where the tree travelled without ``.git`` (the GPU machine).
+    """
+    if os.environ.get("KVLIB_COMMIT"):
+        return os.environ["KVLIB_COMMIT"]
     try:
         root = repo_root()
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)

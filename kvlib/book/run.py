@@ -21,6 +21,18 @@ def _glue(key: str, value: Any) -> None:
     glue(key, value, display=False)
 
 
+def _inline_figures() -> None:
+    # Figures must carry image/png in the notebook; a non-inline backend (e.g. MPLBACKEND=Agg
+    # inherited from CI) would leave only "<Figure ...>" text for the book to show.
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is not None and hasattr(ip, "run_line_magic"):
+        ip.run_line_magic("matplotlib", "inline")
+
+
 def load_claims(chapter: str | None = None) -> dict[str, dict[str, Any]]:
     """The paper side of every claim: ``data/claims/<chapter>.yml`` merged into ``{id: entry}``."""
     import yaml
@@ -53,6 +65,7 @@ class Run:
         self.values: dict[str, Any] = {}
         self.claims: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        _inline_figures()
 
     # -- numbers and figures --------------------------------------------------------------
     def glue(self, key: str, value: Any) -> Any:

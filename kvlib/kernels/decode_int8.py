@@ -68,8 +68,11 @@ def as_side(x: Any, name: str) -> PoolSide:
     if isinstance(x, PoolSide):
         side = x
     elif hasattr(x, "codes") and hasattr(x, "scales"):
+        group = getattr(x, "group", None)
+        if group is None and x.scales.ndim == 3 and x.scales.shape[-1]:
+            group = x.codes.shape[-1] // x.scales.shape[-1]  # e.g. kvlib.paged.LayerView
         side = PoolSide(x.codes, x.scales, getattr(x, "outliers", None), getattr(x, "outlier_channels", None),
-                        int(getattr(x, "group", 32)))
+                        int(group or 32))
     else:
         raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), got {type(x).__name__}")
     check_tensor(f"{name}.codes", side.codes, ndim=3, dtype=torch.int8)
@@ -210,6 +213,31 @@ def merge_splits_reference(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Te
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
+def _patch_interpreter_index() -> None:
+    """Let the CPU interpreter run loops with run-time bounds under numpy >= 2.4.
+
+    Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with ``int()``,
+    which numpy 2.4 refuses for arrays with ndim > 0; only the interpreter is touched.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter as _interp
+
+    orig = _interp._patch_lang_tensor
+    if getattr(orig, "_kvlib_index", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._kvlib_index = True
+    _interp._patch_lang_tensor = patched
+
+
+_patch_interpreter_index()
+
 @triton.jit
 def _byte(w, J: tl.constexpr):
     """Signed byte ``J`` (little endian: channel 4g + J) of int32 code words."""
@@ -364,12 +392,12 @@ def _decode_int8_stage1(
             vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
                          mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
             acc_vo = acc_vo * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
-        if V_PREC == "bf16":
-            pv = p.to(tl.bfloat16)
-            acc0 = acc0 * alpha[:, None] + tl.dot(pv, vh0.to(tl.bfloat16))
-            acc1 = acc1 * alpha[:, None] + tl.dot(pv, vh1.to(tl.bfloat16))
-            acc2 = acc2 * alpha[:, None] + tl.dot(pv, vh2.to(tl.bfloat16))
-            acc3 = acc3 * alpha[:, None] + tl.dot(pv, vh3.to(tl.bfloat16))
+        if V_PREC == "fp16":
+            pv = p.to(tl.float16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, vh0.to(tl.float16), out_dtype=tl.float32)
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, vh1.to(tl.float16), out_dtype=tl.float32)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pv, vh2.to(tl.float16), out_dtype=tl.float32)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pv, vh3.to(tl.float16), out_dtype=tl.float32)
         else:
             acc0 = acc0 * alpha[:, None] + tl.dot(p, vh0, input_precision=V_PREC)
             acc1 = acc1 * alpha[:, None] + tl.dot(p, vh1, input_precision=V_PREC)
@@ -461,7 +489,7 @@ def decode_stage1(
     k0, k1 = seed_key(seed)
     if not triton_available(q.device):
         raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
-    if k_precision not in ("ieee", "tf32", "tf32x3") or v_precision not in ("ieee", "tf32", "tf32x3", "bf16"):
+    if k_precision not in ("ieee", "tf32", "tf32x3") or v_precision not in ("ieee", "tf32", "tf32x3", "fp16"):
         raise ValueError(f"k_precision/v_precision not supported: {k_precision!r}, {v_precision!r}")
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape

@@ -99,7 +99,7 @@ class LengthLaw:
         uniq, inv = np.unique(lens, return_inverse=True)
         merged = np.bincount(inv, weights=p, minlength=uniq.size)
         if float(np.dot(uniq, merged)) <= 0:
-            raise ValueError("lengths: the law must have a positive mean length (some length >= 1 with probability > 0)")
+            raise ValueError("lengths: the law must have a positive mean (some length >= 1 with probability > 0)")
         return cls(uniq, merged, name)
 
     # ---- moments --------------------------------------------------------------------------

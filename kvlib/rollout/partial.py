@@ -201,9 +201,19 @@ def simulate_collection(
     grp_trained = np.zeros(max_groups, dtype=bool)
     n_groups = 0
 
-    rows: dict[str, list] = {k: [] for k in ("steps", "tokens", "preemptions", "reprefill_tokens", "new_groups",
-                                             "carried_requests", "trained_mean_age",
-                                             "max_unfinished_age")}
+    rows: dict[str, list] = {
+        k: []
+        for k in (
+            "steps",
+            "tokens",
+            "preemptions",
+            "reprefill_tokens",
+            "new_groups",
+            "carried_requests",
+            "trained_mean_age",
+            "max_unfinished_age",
+        )
+    }
     tr: dict[str, list] = {k: [] for k in ("batch", "context_sum", "carried_sum", "pages", "page_limited", "update")}
     total_steps = 0
 

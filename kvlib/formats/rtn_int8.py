@@ -1,0 +1,77 @@
+"""Round-to-nearest INT8 with per-token, per-group fp16 scales (``s = fp16(amax / 127)``).
+
+The deterministic comparison format: same layout and bytes as dither-int8 without outliers, but
+its error ``s (rne(x/s) - x/s)`` is a deterministic function of ``x`` (not input-independent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from kvlib._checks import check_group, check_tensor
+from kvlib.formats.base import KVFormat, per_token, register_format
+from kvlib.formats.dither_int8 import check_x
+
+
+def absmax_scales(x32: torch.Tensor, group: int, qmax: float) -> torch.Tensor:
+    """fp16 ``[..., d // group]`` scales ``fp16(amax / qmax)``, bumped up where fp16 rounding put them low."""
+    amax = x32.abs().unflatten(-1, (-1, group)).amax(-1)
+    s16 = (amax / qmax).to(torch.float16)
+    low = s16.to(torch.float32) * qmax < amax
+    if bool(low.any()):
+        s16 = torch.where(low, (s16.view(torch.int16) + 1).view(torch.float16), s16)
+    if not bool(torch.isfinite(s16).all()):
+        raise ValueError("x has values too large for an fp16 scale")
+    return s16
+
+
+def expand_scales(s16: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 per-channel view of per-group fp16 scales."""
+    return s16.to(torch.float32).repeat_interleave(group, dim=-1)
+
+
+def safe_div(x32: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x / s`` with 0 where ``s == 0`` (an all-zero group)."""
+    return torch.where(s == 0, torch.zeros_like(x32), x32 / torch.where(s == 0, torch.ones_like(s), s))
+
+
+@dataclasses.dataclass
+class Int8Packed:
+    """int8 codes and fp16 group scales (shared by rtn-int8 and sr-int8)."""
+
+    codes: torch.Tensor = per_token()  # int8 [S, d]
+    scales: torch.Tensor = per_token()  # fp16 [S, d // group]
+    group: int = 32
+
+
+def check_input(x: Any, group: int) -> torch.Tensor:
+    check_x(x)
+    check_tensor("x", x, ndim=2)
+    check_group("group", group, x.shape[-1])
+    return x.to(torch.float32)
+
+
+@register_format("rtn-int8")
+class RtnInt8(KVFormat):
+    """Deterministic round-to-nearest INT8, per-token per-group fp16 scale."""
+
+    options = ("group",)
+
+    def __init__(self, group: int = 32) -> None:
+        self.group = group
+
+    def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
+        x32 = check_input(x, self.group)
+        s16 = absmax_scales(x32, self.group, 127.0)
+        c = torch.round(safe_div(x32, expand_scales(s16, self.group))).clamp(-127, 127)
+        return Int8Packed(c.to(torch.int8), s16, self.group)
+
+    def read(self, packed: Int8Packed) -> torch.Tensor:
+        return expand_scales(packed.scales, packed.group) * packed.codes.to(torch.float32)
+
+    def bytes_per_position(self, d: int) -> float:
+        check_group("group", self.group, d)
+        return float(d + 2 * (d // self.group))

@@ -1,0 +1,349 @@
+"""Triton decode attention over the KV4 (INT4) main region, with its torch references beside it.
+
+Layout (one layer, padded per request; position ``p`` of request ``b`` lives at ``[b, h, p]``):
+``k_codes``/``v_codes`` uint8 ``[B, Hkv, N, d//2]`` (two codes per byte, even channel low),
+``k_scale``/``k_off``/``v_scale``/``v_off`` fp16 ``[B, Hkv, N]`` (whole-head affine group).
+Each request attends over its own position range ``[start_b, end_b)`` (ragged batches; KV4-RL's
+main region excludes the protected positions).
+
+QK is INT8 query x INT4 codes on the tensor cores, with the query scale, key scale and key offset
+applied after the reduction: ``q̂·k̂ = s_q Δ_k (q8·c) + m_k (s_q Σ q8)``. PV is either dequantised
+(``fp16`` probabilities folded with ``Δ_v`` x fp16 codes, fp32 accumulate) or integer
+(``p Δ_v`` re-quantised to INT8 per block row, INT8 x INT4 codes, int32 accumulate); the offsets
+``m_v`` enter through ``Σ p m_v``. Split-KV partial states are combined by :func:`merge_splits`,
+whose reference is a fold of :func:`kvlib.merge.merge_states`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlib._checks import check_tensor
+from kvlib.hadamard import hadamard, hadamard_matrix
+from kvlib.merge import merge_states
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
+    """Triton on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``; else the torch reference.
+
+    ``backend="torch"`` forces the reference, ``"triton"`` forces the kernel (error if impossible).
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "torch":
+        return False
+    ok = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton" and not ok:
+        raise RuntimeError("backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1 set before importing triton")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Query preparation: rotate by H and quantise to INT8 (shared by the main and protected paths)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QueryInt8:
+    """INT8 query ``q8 [B, Hq, d]`` with per-row fp32 ``scale`` and ``qsum = scale * Σ q8`` (``[B, Hq]``)."""
+
+    q8: torch.Tensor
+    scale: torch.Tensor
+    qsum: torch.Tensor
+
+
+def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
+    """Torch reference: ``hadamard`` (if ``rotate``), symmetric INT8 per row, ``floor(x/s + 1/2)``."""
+    qf = hadamard(q.float()) if rotate else q.float()
+    scale = qf.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q8 = torch.floor(qf / safe.unsqueeze(-1) + 0.5).clamp_(-127, 127).to(torch.int8)
+    return QueryInt8(q8, scale, scale * q8.float().sum(-1))
+
+
+@triton.jit
+def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * R + tl.arange(0, R)
+    rok = rows < n_rows
+    cols = tl.arange(0, D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    q = tl.load(Q + offs, mask=rok[:, None], other=0.0).to(tl.float32)
+    if ROTATE:
+        h = tl.load(H + cols[:, None] * D + cols[None, :])
+        q = tl.dot(q, h, input_precision="ieee")
+    amax = tl.max(tl.abs(q), axis=1)
+    scale = amax / 127.0
+    safe = tl.where(scale > 0, scale, 1.0)
+    qi = tl.floor(q / safe[:, None] + 0.5)
+    qi = tl.minimum(tl.maximum(qi, -127.0), 127.0)
+    tl.store(Q8 + offs, qi.to(tl.int8), mask=rok[:, None])
+    tl.store(QS + rows, scale, mask=rok)
+    tl.store(QSUM + rows, scale * tl.sum(qi, axis=1), mask=rok)
+
+
+@functools.lru_cache(maxsize=8)
+def _hmat(d: int, device: str) -> torch.Tensor:
+    return hadamard_matrix(d, torch.float32).to(device).contiguous()
+
+
+def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto") -> QueryInt8:
+    """Rotate ``q [B, Hq, d]`` by the normalised Hadamard (keys are stored rotated) and quantise to INT8."""
+    check_tensor("q", q, ndim=3, floating=True)
+    if not use_triton(q, backend):
+        return prepare_query_ref(q, rotate)
+    b, hq, d = q.shape
+    qc = q.contiguous()
+    q8 = torch.empty(b, hq, d, dtype=torch.int8, device=q.device)
+    qs = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    qsum = torch.empty_like(qs)
+    r = 16
+    n = b * hq
+    _prep_query_kernel[(triton.cdiv(n, r),)](qc, _hmat(d, str(q.device)), q8, qs, qsum, n, D=d, R=r, ROTATE=rotate)
+    return QueryInt8(q8, qs, qsum)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main-region kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scalar_load(ptr):
+    # a 0-d load that also stays 0-d under the CPU interpreter (which returns shape (1,) for ptr loads)
+    return tl.sum(tl.load(ptr + tl.arange(0, 1)), axis=0)
+
+
+@triton.jit
+def _as_0d(x):
+    # loop bounds must be 0-d; the CPU interpreter gives program-id arithmetic shape (1,)
+    return tl.sum(x + tl.zeros([1], x.dtype), axis=0)
+
+
+@triton.jit
+def _kv4_main_kernel(
+    Q8, QS, QSUM,
+    KC, KS, KO, VC, VS, VO,
+    START, END,
+    OUT, LSE,
+    sm_scale_log2, N,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    HALF: tl.constexpr = D // 2
+    HQ: tl.constexpr = HKV * G
+    start = _scalar_load(START + b)
+    end = _scalar_load(END + b)
+    length = tl.maximum(end - start, 0)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + sp * chunk
+    hi = _as_0d(tl.minimum(lo + chunk, end))
+    lo = _as_0d(lo)
+
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    half = tl.arange(0, HALF)
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    q_e = tl.load(Q8 + qrow[:, None] * D + 2 * half[None, :], mask=row_ok[:, None], other=0)
+    q_o = tl.load(Q8 + qrow[:, None] * D + 2 * half[None, :] + 1, mask=row_ok[:, None], other=0)
+    qs = tl.load(QS + qrow, mask=row_ok, other=0.0)
+    qsum = tl.load(QSUM + qrow, mask=row_ok, other=0.0)
+
+    kv_row0 = (b * HKV + h).to(tl.int64) * N
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc_e = tl.zeros([GP, HALF], tl.float32)
+    acc_o = tl.zeros([GP, HALF], tl.float32)
+    acc_m = tl.zeros([GP], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        nm = offs < hi
+        pos = kv_row0 + offs
+        kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+        s_int = tl.dot(q_e, tl.trans((kc & 15).to(tl.int8)))
+        s_int += tl.dot(q_o, tl.trans((kc >> 4).to(tl.int8)))
+        ks = tl.load(KS + pos, mask=nm, other=0.0).to(tl.float32)
+        ko = tl.load(KO + pos, mask=nm, other=0.0).to(tl.float32)
+        s = (s_int.to(tl.float32) * qs[:, None] * ks[None, :] + qsum[:, None] * ko[None, :]) * sm_scale_log2
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+        vs = tl.load(VS + pos, mask=nm, other=0.0).to(tl.float32)
+        vo = tl.load(VO + pos, mask=nm, other=0.0).to(tl.float32)
+        pv = p * vs[None, :]
+        if INT_PV:
+            sc = tl.max(pv, axis=1) / 127.0
+            sc = tl.where(sc > 0, sc, 1.0)
+            pq = (pv / sc[:, None] + 0.5).to(tl.int8)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pq, (vc & 15).to(tl.int8)).to(tl.float32) * sc[:, None]
+            acc_o = acc_o * alpha[:, None] + tl.dot(pq, (vc >> 4).to(tl.int8)).to(tl.float32) * sc[:, None]
+        else:
+            p16 = pv.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p16, (vc & 15).to(tl.float16))
+            acc_o = acc_o * alpha[:, None] + tl.dot(p16, (vc >> 4).to(tl.float16))
+        acc_m = acc_m * alpha + tl.sum(p * vo[None, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    o_e = (acc_e + acc_m[:, None]) * inv[:, None]
+    o_o = (acc_o + acc_m[:, None]) * inv[:, None]
+    orow = qrow * SPLITS + sp
+    tl.store(OUT + orow[:, None] * D + 2 * half[None, :], o_e, mask=row_ok[:, None])
+    tl.store(OUT + orow[:, None] * D + 2 * half[None, :] + 1, o_o, mask=row_ok[:, None])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(O_S, LSE_S, OUT, LSE, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    sm = s < SPLITS
+    lse_s = tl.load(LSE_S + row * SPLITS + s, mask=sm, other=float("-inf"))
+    mx = tl.max(lse_s, axis=0)
+    finite = mx > float("-inf")
+    mx_safe = tl.where(finite, mx, 0.0)
+    w = tl.where(lse_s > float("-inf"), tl.exp(lse_s - mx_safe), 0.0)
+    tot = tl.sum(w, axis=0)
+    cols = tl.arange(0, D)
+    o_s = tl.load(O_S + (row * SPLITS + s)[:, None] * D + cols[None, :], mask=sm[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(finite, tot, 1.0)
+    tl.store(OUT + row * D + cols, o)
+    tl.store(LSE + row, tl.where(finite, mx_safe + tl.log(tl.where(finite, tot, 1.0)), float("-inf")))
+
+
+def merge_splits_ref(o_s: torch.Tensor, lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold :func:`kvlib.merge.merge_states` over the split axis: ``o_s [..., S, d]``, ``lse_s [..., S]``."""
+    o, lse = o_s[..., 0, :], lse_s[..., 0]
+    for i in range(1, o_s.shape[-2]):
+        o, lse = merge_states(o, lse, o_s[..., i, :], lse_s[..., i])
+    return o, lse
+
+
+def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """N-way merge of split-KV states (the same algebra as ``merge_states``, in one launch)."""
+    if not use_triton(o_s, backend):
+        return merge_splits_ref(o_s, lse_s)
+    *lead, s, d = o_s.shape
+    rows = math.prod(lead)
+    o = torch.empty(*lead, d, dtype=torch.float32, device=o_s.device)
+    lse = torch.empty(*lead, dtype=torch.float32, device=o_s.device)
+    sp = triton.next_power_of_2(s)
+    _merge_splits_kernel[(rows,)](o_s.contiguous(), lse_s.contiguous(), o, lse, SPLITS=s, SP=sp, D=d)
+    return o, lse
+
+
+def _num_splits(b: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2 if max_len > block_n else 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(4 * sms, b * hkv)
+    return int(max(1, min(want, triton.cdiv(max_len, 4 * block_n), 16)))
+
+
+def kv4_main_decode(
+    qp: QueryInt8,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_off: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
+    start: torch.Tensor, end: torch.Tensor,
+    sm_scale: float | None = None, int_pv: bool = False, num_splits: int | None = None,
+    block_n: int = 64, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache.
+
+    Returns ``(o [B, Hq, d] fp32, lse [B, Hq] natural log)``; an empty range gives ``lse = -inf``, ``o = 0``.
+    """
+    b, hq, d = qp.q8.shape
+    check_tensor("k_codes", k_codes, ndim=4, dtype=torch.uint8)
+    check_tensor("v_codes", v_codes, ndim=4, dtype=torch.uint8)
+    _, hkv, n, half = k_codes.shape
+    if k_codes.shape[0] != b or 2 * half != d or v_codes.shape != k_codes.shape:
+        raise ValueError(f"k_codes/v_codes must be [B={b}, Hkv, N, d/2={d // 2}], got {tuple(k_codes.shape)}")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hkv}")
+    for name, t in (("k_scale", k_scale), ("k_off", k_off), ("v_scale", v_scale), ("v_off", v_off)):
+        check_tensor(name, t, ndim=3, dtype=torch.float16)
+        if t.shape != (b, hkv, n):
+            raise ValueError(f"{name} must be [{b}, {hkv}, {n}], got {tuple(t.shape)}")
+    for name, t in (("start", start), ("end", end)):
+        check_tensor(name, t, ndim=1, floating=False)
+        if t.shape[0] != b:
+            raise ValueError(f"{name} must have one entry per request ({b}), got {t.shape[0]}")
+    sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
+    if not use_triton(qp.q8, backend):
+        return kv4_main_decode_ref(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, start, end, sm_scale)
+    g = hq // hkv
+    if g > 16:
+        raise ValueError(f"GQA group {g} > 16 is not supported by the kernel")
+    splits = num_splits or _num_splits(b, hkv, n, block_n, qp.q8.device)
+    o_s = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qp.q8.device)
+    lse_s = torch.empty(b, hq, splits, dtype=torch.float32, device=qp.q8.device)
+    _kv4_main_kernel[(b, hkv, splits)](
+        qp.q8, qp.scale, qp.qsum,
+        k_codes, k_scale, k_off, v_codes, v_scale, v_off,
+        start.to(torch.int32), end.to(torch.int32),
+        o_s, lse_s, sm_scale * LOG2E, n,
+        HKV=hkv, G=g, GP=16, D=d, BLOCK_N=block_n, SPLITS=splits, INT_PV=bool(int_pv),
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    if splits == 1:
+        return o_s[:, :, 0], lse_s[:, :, 0]
+    return merge_splits(o_s, lse_s, backend=backend)
+
+
+def _unpack(c: torch.Tensor) -> torch.Tensor:
+    return torch.stack((c & 15, c >> 4), dim=-1).reshape(*c.shape[:-1], 2 * c.shape[-1]).float()
+
+
+def region_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention of ``q [B, Hq, d]`` over ``k, v [B, Hkv, N, d]`` restricted to ``mask [B, N]`` (GQA).
+
+    Returns ``(o, lse)`` in float64-accumulated float32; an empty region gives ``lse = -inf``, ``o = 0``.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kk = k.double().repeat_interleave(g, 1)
+    vv = v.double().repeat_interleave(g, 1)
+    s = torch.einsum("bhd,bhnd->bhn", q.double(), kk) * sm_scale
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    w = torch.where(torch.isneginf(lse)[..., None], torch.zeros_like(s), torch.exp(s - lse[..., None]))
+    o = torch.einsum("bhn,bhnd->bhd", w, vv)
+    return o.float(), lse.float()
+
+
+def kv4_main_decode_ref(
+    qp: QueryInt8,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_off: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
+    start: torch.Tensor, end: torch.Tensor, sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Torch reference: exact attention of the dequantised query over the dequantised INT4 region."""
+    d = qp.q8.shape[-1]
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    q = qp.q8.float() * qp.scale.unsqueeze(-1)
+    k = _unpack(k_codes) * k_scale.float().unsqueeze(-1) + k_off.float().unsqueeze(-1)
+    v = _unpack(v_codes) * v_scale.float().unsqueeze(-1) + v_off.float().unsqueeze(-1)
+    p = torch.arange(k_codes.shape[2], device=k_codes.device)
+    mask = (p[None, :] >= start[:, None].long()) & (p[None, :] < end[:, None].long())
+    return region_attention_ref(q, k, v, mask, sm_scale)
