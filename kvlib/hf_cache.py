@@ -31,8 +31,10 @@ from kvlib.formats.base import KVFormat, available_formats, concat_packed, get_f
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
     "value_format", "value_options", "key_options", "seed", "slot_stride", "telemetry", "stride",
-    "tau", "delta_req", "steps", "group", "keep_records", "dtype",
+    "tau", "delta_req", "steps", "keep_records", "two_sided", "outlier_table", "outlier_sides",
 )
+#: key formats whose residual has a known sub-Gaussian proxy (see kvlib.certificate.PROXY)
+PROXY_OF_FORMAT = {"dither-int8": "dither", "sr-int8": "sr"}
 
 
 def _is_stateful(fmt: KVFormat) -> bool:
@@ -105,8 +107,11 @@ class KVFormatLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, layer_idx: int, key_format: KVFormat, value_format: KVFormat, *,
-                 seed: int = 0, slot_stride: int = 1 << 20) -> None:
+                 seed: int = 0, slot_stride: int = 1 << 20, outliers: torch.Tensor | None = None,
+                 outlier_sides: tuple[int, ...] = (0,)) -> None:
         super().__init__()
+        self.outliers = outliers  # [kv_heads, 2m] channel table of this layer, or None
+        self.outlier_sides = tuple(outlier_sides)
         self.layer_idx = layer_idx
         self.formats = (key_format, value_format)
         self.seed = seed
@@ -134,6 +139,8 @@ class KVFormatLayer(CacheLayerMixin):
             for h in range(h_n):
                 ctx = dict(layer=self.layer_idx, kv_head=h, side=side, positions=positions,
                            slots=positions + b * self.slot_stride, seed=self.seed)
+                if self.outliers is not None and side in self.outlier_sides:
+                    ctx["outlier_channels"] = self.outliers[h].to(torch.int64)
                 prev = self.packed[side][b][h]
                 if stateful:
                     self.packed[side][b][h] = fmt.append(prev, x[b, h].float(), **ctx)
@@ -204,8 +211,9 @@ class KVFormatCache(Cache):
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
                  slot_stride: int = 1 << 20, telemetry: bool = False, stride: int = 32, tau: float = 0.2,
-                 delta_req: float = 1e-2, steps: int = 256, group: int | None = None,
-                 keep_records: bool = False) -> None:
+                 delta_req: float = 1e-2, steps: int = 256, keep_records: bool = False,
+                 two_sided: bool = False, outlier_table: torch.Tensor | None = None,
+                 outlier_sides: tuple[int, ...] = (0,)) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         n_layers = int(text.num_hidden_layers)
         self.n_heads = int(text.num_attention_heads)
@@ -215,17 +223,26 @@ class KVFormatCache(Cache):
         bad = set(layer_types) - {"full_attention"}
         if bad:
             raise ValueError(f"config: KVFormatCache supports full-attention layers only, found {sorted(bad)}")
-        layers = [KVFormatLayer(i, key_format, value_format, seed=seed, slot_stride=slot_stride)
+        if outlier_table is not None:
+            outlier_table = torch.as_tensor(outlier_table)
+            if outlier_table.ndim != 3 or tuple(outlier_table.shape[:2]) != (n_layers, self.n_kv):
+                raise ValueError(f"outlier_table must have shape [layers={n_layers}, kv_heads={self.n_kv}, 2m], "
+                                 f"got {tuple(outlier_table.shape)}")
+        layers = [KVFormatLayer(i, key_format, value_format, seed=seed, slot_stride=slot_stride,
+                                outliers=None if outlier_table is None else outlier_table[i],
+                                outlier_sides=outlier_sides)
                   for i in range(n_layers)]
         super().__init__(layers=layers)
         self.key_format, self.value_format = key_format, value_format
         self.telemetry_on = bool(telemetry)
-        if self.telemetry_on and not hasattr(key_format, "group") and group is None:
-            raise ValueError(f"telemetry needs a dithered key format with per-group scales; {key_format.name!r} has none")
+        self.proxy = PROXY_OF_FORMAT.get(key_format.name, "")
+        if self.telemetry_on and not self.proxy:
+            raise ValueError(f"telemetry: format {key_format.name!r} has no certificate; "
+                             f"certifiable key formats: {', '.join(sorted(PROXY_OF_FORMAT))}")
+        self.two_sided = bool(two_sided)
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride must be a positive int, got {stride!r}")
         self.stride, self.tau, self.delta_req, self.steps = stride, float(tau), float(delta_req), int(steps)
-        self.group = group if group is not None else getattr(key_format, "group", None)
         self.keep_records = keep_records
         self.telemetry = Telemetry(n_layers, self.n_heads, float(tau))
         self._calls = [0] * n_layers
@@ -264,8 +281,12 @@ class KVFormatCache(Cache):
         self.telemetry.calls += 1
 
     def certify(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """Certificates ``tv_bound_one`` ``[B, Hq]`` for queries ``q [B, Hq, d]`` against the layer's keys."""
-        from kvlib.certificate import certificate, score_radius
+        """Certificates ``[B, Hq]`` (float64) for queries ``q [B, Hq, d]`` against the layer's keys.
+
+        One-accumulator form ``1 - 1/A^2`` (what a kernel carries) unless ``two_sided``; ``+inf``
+        when vacuous. ``p_tilde`` comes from the dequantised keys the attention used.
+        """
+        from kvlib.certificate import certificate_from_scores, score_radius
 
         layer = self.layers[layer_idx]
         groups = self.n_heads // self.n_kv
@@ -274,14 +295,15 @@ class KVFormatCache(Cache):
         for b in range(q.shape[0]):
             for h in range(self.n_kv):
                 packed = layer.packed[0][b][h]
-                qh = q[b, h * groups:(h + 1) * groups].float()  # [g, d]
-                khat = layer.keys[b, h].float()  # [S, d]
-                z = (qh @ khat.T) * sm
-                p = torch.softmax(z.double(), dim=-1)
-                kw = {"group": self.group} if self.group is not None else {}
-                u = score_radius(qh, packed.scales, sm_scale=sm, n=khat.shape[0], delta=self.delta_loc, **kw)
-                u = u + _bypass_term(qh, packed, sm)
-                out[b, h * groups:(h + 1) * groups] = certificate(p, u.double()).tv_bound_one.double()
+                qh = q[b, h * groups:(h + 1) * groups].double()  # [g, d]
+                z_hat = (qh @ layer.keys[b, h].double().T) * sm  # [g, S]
+                oc = getattr(packed, "outlier_channels", None)
+                u = score_radius(qh, packed.scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
+                                 group=packed.group, outlier_channels=oc,
+                                 outliers=getattr(packed, "outliers", None) if oc is not None else None,
+                                 proxy=self.proxy)
+                c = certificate_from_scores(z_hat, u)
+                out[b, h * groups:(h + 1) * groups] = c.tv_bound if self.two_sided else c.tv_bound_one
         return out
 
     def telemetry_summary(self) -> dict[str, Any]:
@@ -291,23 +313,15 @@ class KVFormatCache(Cache):
         return s
 
 
-def _bypass_term(q: torch.Tensor, packed: Any, sm: float) -> torch.Tensor:
-    """Deterministic fp16-bypass radius ``sm * sum_{c in bypass} |q_c| |k_c| 2^-11`` (0 without bypass)."""
-    out = getattr(packed, "outliers", None)
-    chans = getattr(packed, "outlier_channels", None)
-    if out is None or chans is None or len(chans) == 0:
-        return torch.zeros((), dtype=q.dtype, device=q.device)
-    chans = torch.as_tensor(chans, device=q.device).long()
-    return sm * (q[:, chans].abs() @ out.float().abs().T) * 2.0 ** -11
-
-
 def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
     """A transformers ``Cache`` storing K/V in the registered kvlib format ``format``.
 
     ``options``: ``value_format`` (default: same as keys), ``key_options`` / ``value_options``
-    (per-side constructor options), ``seed``, ``telemetry`` / ``stride`` / ``tau`` / ``delta_req``
-    / ``steps`` / ``keep_records`` (certificate telemetry), and any other keyword is passed to the
-    format constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
+    (per-side constructor options), ``seed``, ``outlier_table`` ``[L, Hkv, 2m]`` with
+    ``outlier_sides`` (per-(layer, kv head) fp16 bypass channels, passed to the format as
+    ``outlier_channels``), ``telemetry`` / ``stride`` / ``tau`` / ``delta_req`` / ``steps`` /
+    ``keep_records`` / ``two_sided`` (certificate telemetry), and any other keyword is passed to
+    the format constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
     """
     if not isinstance(format, str):
         raise TypeError(f"format must be a str, got {type(format).__name__}")
@@ -324,5 +338,4 @@ def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
     shared = options  # the rest: format constructor options
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
-    cache_opts.pop("dtype", None)
     return KVFormatCache(kf, vf, config, **cache_opts)

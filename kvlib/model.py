@@ -116,7 +116,8 @@ def disk_cache_dir(name: str = "smollm2-135m") -> Path:
     and gives bit-identical logits. The key includes the GGUF size and mtime.
     """
     path = model_path(name)
-    root = Path(os.environ.get("KVLIB_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlib")
+    xdg = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = Path(os.environ.get("KVLIB_CACHE_DIR") or xdg / "kvlib")
     st = path.stat()
     return root / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
 

@@ -21,6 +21,8 @@ both honour it; the torch reference is :func:`kvlib.formats.dither_int8.dither_q
   converted from fp16 and IEEE division: ``c = clamp(rne(x / s + xi), -127, 127)``.
   Outlier channels store ``fp16(x)``. NaN in a group stores a NaN scale (flagged on read).
 * Read: ``k_hat = s (c - xi)`` in fp32, then the outlier channels are overwritten by their fp16 values.
+* A pool built with ``dithered=False`` (e.g. values stored RTN, which the certificate does not need)
+  uses the same layout and scale rule with ``xi = 0``: ``c = clamp(rne(x / s), -127, 127)``, read ``s c``.
 
 Byte account per token per head per side: ``d`` (codes) + ``2 d / G`` (scales) + ``2 n_out``
 (outliers) — 136 B at d = 128, G = 32, m = 0 (the paper's "136 B/tok/head per side"), 152 B at m = 4.
@@ -67,6 +69,7 @@ class PagedPool:
         side: int = 0,
         seed: int = 0,
         include_outliers_in_amax: bool = False,
+        dithered: bool = True,
         device: str | torch.device = "cpu",
     ) -> None:
         for name, v in (("n_layers", n_layers), ("n_slots", n_slots), ("n_kv_heads", n_kv_heads), ("d", d)):
@@ -80,6 +83,7 @@ class PagedPool:
         self.n_layers, self.n_slots, self.n_kv_heads, self.d = n_layers, n_slots, n_kv_heads, d
         self.group, self.n_out, self.side, self.seed = group, n_out, side, seed
         self.include_outliers_in_amax = include_outliers_in_amax
+        self.dithered = bool(dithered)
         L, N, H = n_layers, n_slots, n_kv_heads
         self.codes = torch.zeros(L, N, H, d, dtype=torch.int8, device=device)
         self.scales = torch.zeros(L, N, H, d // group, dtype=torch.float16, device=device)
@@ -122,7 +126,10 @@ class PagedPool:
         slots = slots.to(torch.int64).to(self.device)
         out = torch.empty(slots.shape[0], self.n_kv_heads, self.d, dtype=torch.float32, device=self.device)
         for h in range(self.n_kv_heads):
-            xi = dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side).to(self.device)
+            if self.dithered:
+                xi = dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side).to(self.device)
+            else:
+                xi = torch.zeros(slots.shape[0], self.d, device=self.device)
             out[:, h] = dequantize_codes(v.codes[slots, h], v.scales[slots, h], xi, self.group)
             if self.n_out:
                 out[:, h, v.outlier_channels[h]] = v.outliers[slots, h].to(torch.float32)
@@ -145,11 +152,12 @@ class PagedPool:
 
 
 class PagedKV:
-    """K and V pools (side 0 and side 1) sharing slots; V has its own outlier count (often 0)."""
+    """K and V pools (side 0 and side 1) sharing slots; V has its own outlier count (often 0) and
+    may be stored RTN (``dither_v=False``: only keys need the dither for the certificate)."""
 
-    def __init__(self, *, n_out_k: int = 0, n_out_v: int = 0, **kw: object) -> None:
+    def __init__(self, *, n_out_k: int = 0, n_out_v: int = 0, dither_v: bool = True, **kw: object) -> None:
         self.k = PagedPool(side=0, n_out=n_out_k, **kw)  # type: ignore[arg-type]
-        self.v = PagedPool(side=1, n_out=n_out_v, **kw)  # type: ignore[arg-type]
+        self.v = PagedPool(side=1, n_out=n_out_v, dithered=dither_v, **kw)  # type: ignore[arg-type]
 
     def pool(self, side: int) -> PagedPool:
         return (self.k, self.v)[side]

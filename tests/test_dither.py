@@ -132,3 +132,11 @@ def test_seed_layer_head_side_change_codes():
 def test_bad_input_raises(x, kw, exc):
     with pytest.raises(exc):
         _quant(x, **kw)
+
+
+def test_undithered_mode_is_rtn_on_the_same_layout():
+    x = torch.randn(32, 64)
+    qt = _quant(x, dithered=False)
+    s = qt.scales.float().repeat_interleave(32, -1)
+    assert torch.equal(qt.codes.float(), torch.round(x / s))
+    assert torch.equal(dither_dequantize(qt), s * qt.codes.float())

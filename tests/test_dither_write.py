@@ -39,10 +39,12 @@ def _same(a: PagedPool, b: PagedPool) -> bool:
     )
 
 
-@pytest.mark.parametrize("n_out,include", [(0, False), (4, False), (4, True)])
+@pytest.mark.parametrize(
+    "n_out,include,dithered", [(0, False, True), (4, False, True), (4, True, True), (0, False, False)]
+)
 @pytest.mark.parametrize("d,group", [(64, 32), (128, 32), (64, 16)])
-def test_triton_bit_identical_to_torch(n_out, include, d, group):
-    ref, tri = _pools(d=d, group=group, n_out=n_out, include_outliers_in_amax=include)
+def test_triton_bit_identical_to_torch(n_out, include, dithered, d, group):
+    ref, tri = _pools(d=d, group=group, n_out=n_out, include_outliers_in_amax=include, dithered=dithered)
     if n_out:
         ch = torch.tensor([[1, 33], [7, 8]]) if d == 64 else torch.tensor([[1, 65], [7, 8]])
         ch = ch[:, :n_out] if n_out <= 2 else torch.cat([ch, ch + 2], dim=1)
@@ -107,3 +109,13 @@ def test_bad_write_args(x, slots, exc):
     for backend in ("torch", "triton"):
         with pytest.raises(exc):
             write_int8(a, 0, x.to(DEV), slots.to(DEV), backend=backend)
+
+
+def test_benchmark_wiring():
+    from kvlib.bench.witcert_write import call_bytes, run
+
+    assert call_bytes(1, h=1, d=128, group=32, n_out=0, in_bytes=0) == 136
+    res = run("ci")
+    assert res["rows"] and all(r["torch_ms"] > 0 and r["bytes_per_call"] > 0 for r in res["rows"])
+    with pytest.raises(ValueError):
+        run("nope")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from pathlib import Path
 from typing import Any
 
 from kvlib.provenance import PROFILES, provenance, repo_root, save_result
@@ -80,6 +79,10 @@ class Run:
         """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it."""
         _glue(key, fig)
         self.values.setdefault("_figures", []).append(key)
+        # Closed, so the inline backend does not show it a second time at the end of the cell.
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
 
     def record(self, key: str, value: Any) -> None:
         """Keep a larger structure (arrays, tables) in the result file without gluing it."""
@@ -116,7 +119,7 @@ class Run:
             )
         return pd.DataFrame(rows, columns=["claim", "statement", "paper", "ours", "verdict"])
 
-    def claims_table(self):
+    def claims_table(self) -> None:
         """Display the paper-vs-ours table, with where these numbers came from."""
         from IPython.display import Markdown, display
 
@@ -129,17 +132,21 @@ class Run:
             )
         )
         df = self.claims_frame()
-        try:
-            display(Markdown(df.to_markdown(index=False)))
-        except ImportError:  # tabulate missing
-            display(df)
-        return df
+        if df.empty:
+            display(Markdown("*No paper claim is addressed in this section.*"))
+            return
+        display(Markdown(df.to_markdown(index=False)))
 
     # -- saving -------------------------------------------------------------------------------
-    def save(self, overwrite: bool = False) -> Path:
+    def save(self, overwrite: bool = False) -> None:
         """Write ``data/results/<profile>/<name>.json`` atomically, with provenance."""
         payload = {"values": self.values, "claims": self.claims, "extra": self.extra}
-        return save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
+        path = save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
+        try:
+            shown = path.relative_to(repo_root())
+        except ValueError:
+            shown = path
+        print(f"results: {shown}")
 
 
 def fmt(x: float, digits: int = 3) -> str:

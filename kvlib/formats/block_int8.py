@@ -52,7 +52,7 @@ class BlockInt8(KVFormat):
         slots = torch.arange(S, dtype=torch.int64) if slots is None else slots.to(torch.int64)
         if slots.shape != (S,):
             raise ValueError(f"slots must have length S={S}, got {tuple(slots.shape)}")
-        c = dict(layer=ctx.get("layer", 0), kv_head=ctx.get("kv_head", 0), seed=ctx.get("seed", 0), side=ctx.get("side", 0))
+        c = {k: ctx.get(k, 0) for k in ("layer", "kv_head", "seed", "side")}
         nb = -(-S // self.block)
         pad = torch.zeros(nb * self.block - S, d)
         amax = torch.cat([x32.abs(), pad]).unflatten(0, (nb, self.block)).amax(1)  # [nb, d]

@@ -113,6 +113,7 @@ class DitherQTensor:
     seed: int = 0
     side: int = 0
     group: int = 32
+    dithered: bool = True  # False: same layout and scale rule, xi = 0 (RTN; e.g. values)
 
 
 def dither_quantize(
@@ -126,11 +127,13 @@ def dither_quantize(
     outlier_channels: Any = None,
     side: int = 0,
     include_outliers_in_amax: bool = False,
+    dithered: bool = True,
 ) -> DitherQTensor:
     """Quantize ``x [S, d]`` of one (layer, kv_head, side) with the WitCert subtractive dither.
 
     ``include_outliers_in_amax=True`` keeps the bypassed channels in the group amax (the paper's
-    controlled experiment: the scale then does not drop).
+    controlled experiment: the scale then does not drop). ``dithered=False`` stores the same layout
+    with ``xi = 0`` (round to nearest; the read side's RTN-values mode).
     """
     check_x(x)
     check_tensor("x", x, ndim=2)
@@ -150,14 +153,17 @@ def dither_quantize(
     if not bool(torch.isfinite(s16).all()):
         raise ValueError("x has values too large for an fp16 scale (amax / 126.5 > 65504)")
     slots = slots.to(torch.int64)
-    xi = dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side).to(x.device)
+    if dithered:
+        xi = dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side).to(x.device)
+    else:
+        xi = torch.zeros_like(x32)
     codes = quantize_codes(x32, s16, xi, group, zero=mask)
     outliers = None
     if oc is not None:
         outliers = x32[:, oc.to(x.device)].to(torch.float16)
         if not bool(torch.isfinite(outliers).all()):
             raise ValueError("an outlier channel of x overflows fp16")
-    return DitherQTensor(codes, s16, slots, outliers, oc, layer, kv_head, seed, side, group)
+    return DitherQTensor(codes, s16, slots, outliers, oc, layer, kv_head, seed, side, group, dithered)
 
 
 def dither_dequantize(qt: DitherQTensor) -> torch.Tensor:
@@ -165,7 +171,10 @@ def dither_dequantize(qt: DitherQTensor) -> torch.Tensor:
     if not isinstance(qt, DitherQTensor):
         raise TypeError(f"qt must be a DitherQTensor, got {type(qt).__name__}")
     d = qt.codes.shape[-1]
-    xi = dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side).to(qt.codes.device)
+    if qt.dithered:
+        xi = dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side).to(qt.codes.device)
+    else:
+        xi = torch.zeros(qt.codes.shape, dtype=torch.float32, device=qt.codes.device)
     out = dequantize_codes(qt.codes, qt.scales, xi, qt.group)
     if qt.outlier_channels is not None and qt.outliers is not None:
         out[:, qt.outlier_channels.to(out.device)] = qt.outliers.to(torch.float32)
@@ -210,4 +219,5 @@ class DitherInt8(KVFormat):
 
     def nbytes(self, packed: DitherQTensor) -> int:
         # the slots tensor is the address, not stored payload (in a paged pool it is the index)
-        return sum(t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.outliers) if t is not None)
+        kept = (packed.codes, packed.scales, packed.outliers)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)

@@ -17,10 +17,11 @@ from kvlib.formats.dither_int8 import check_x
 
 
 def absmax_scales(x32: torch.Tensor, group: int, qmax: float) -> torch.Tensor:
-    """fp16 ``[..., d // group]`` scales ``fp16(amax / qmax)``, bumped up where fp16 rounding put them low."""
+    """fp16 ``[..., d // group]`` scales ``fp16(amax / qmax)``; bumped to the next fp16 up only where
+    rounding (subnormal scales) would push ``|x / s|`` past ``qmax + 1/2`` (clipping)."""
     amax = x32.abs().unflatten(-1, (-1, group)).amax(-1)
     s16 = (amax / qmax).to(torch.float16)
-    low = s16.to(torch.float32) * qmax < amax
+    low = s16.to(torch.float32) * (qmax + 0.5) < amax
     if bool(low.any()):
         s16 = torch.where(low, (s16.view(torch.int16) + 1).view(torch.float16), s16)
     if not bool(torch.isfinite(s16).all()):

@@ -125,9 +125,44 @@ def _scalar_load(ptr):
 
 
 @triton.jit
-def _as_0d(x):
-    # loop bounds must be 0-d; the CPU interpreter gives program-id arithmetic shape (1,)
-    return tl.sum(x + tl.zeros([1], x.dtype), axis=0)
+def _main_block(
+    n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+    m_i, l_i, acc_e, acc_o, acc_m,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N positions: INT8 x INT4 QK, online softmax, PV; returns the updated state."""
+    half = tl.arange(0, HALF)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    nm = offs < hi
+    pos = kv_row0 + offs
+    kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+    s_int = tl.dot(q_e, tl.trans((kc & 15).to(tl.int8)))
+    s_int += tl.dot(q_o, tl.trans((kc >> 4).to(tl.int8)))
+    ks = tl.load(KS + pos, mask=nm, other=0.0).to(tl.float32)
+    ko = tl.load(KO + pos, mask=nm, other=0.0).to(tl.float32)
+    s = (s_int.to(tl.float32) * qs[:, None] * ks[None, :] + qsum[:, None] * ko[None, :]) * sm_scale_log2
+    s = tl.where(nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+    vs = tl.load(VS + pos, mask=nm, other=0.0).to(tl.float32)
+    vo = tl.load(VO + pos, mask=nm, other=0.0).to(tl.float32)
+    pv = p * vs[None, :]
+    if INT_PV:
+        sc = tl.max(pv, axis=1) / 127.0
+        sc = tl.where(sc > 0, sc, 1.0)
+        pq = (pv / sc[:, None] + 0.5).to(tl.int8)
+        acc_e = acc_e * alpha[:, None] + tl.dot(pq, (vc & 15).to(tl.int8)).to(tl.float32) * sc[:, None]
+        acc_o = acc_o * alpha[:, None] + tl.dot(pq, (vc >> 4).to(tl.int8)).to(tl.float32) * sc[:, None]
+    else:
+        p16 = pv.to(tl.float16)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p16, (vc & 15).to(tl.float16))
+        acc_o = acc_o * alpha[:, None] + tl.dot(p16, (vc >> 4).to(tl.float16))
+    acc_m = acc_m * alpha + tl.sum(p * vo[None, :], axis=1)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_i = m_new
+    return m_i, l_i, acc_e, acc_o, acc_m
 
 
 @triton.jit
@@ -138,7 +173,7 @@ def _kv4_main_kernel(
     OUT, LSE,
     sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -150,8 +185,7 @@ def _kv4_main_kernel(
     length = tl.maximum(end - start, 0)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + sp * chunk
-    hi = _as_0d(tl.minimum(lo + chunk, end))
-    lo = _as_0d(lo)
+    hi = tl.minimum(lo + chunk, end)
 
     rows = tl.arange(0, GP)
     row_ok = rows < G
@@ -168,37 +202,20 @@ def _kv4_main_kernel(
     acc_e = tl.zeros([GP, HALF], tl.float32)
     acc_o = tl.zeros([GP, HALF], tl.float32)
     acc_m = tl.zeros([GP], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        nm = offs < hi
-        pos = kv_row0 + offs
-        kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-        s_int = tl.dot(q_e, tl.trans((kc & 15).to(tl.int8)))
-        s_int += tl.dot(q_o, tl.trans((kc >> 4).to(tl.int8)))
-        ks = tl.load(KS + pos, mask=nm, other=0.0).to(tl.float32)
-        ko = tl.load(KO + pos, mask=nm, other=0.0).to(tl.float32)
-        s = (s_int.to(tl.float32) * qs[:, None] * ks[None, :] + qsum[:, None] * ko[None, :]) * sm_scale_log2
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-        vs = tl.load(VS + pos, mask=nm, other=0.0).to(tl.float32)
-        vo = tl.load(VO + pos, mask=nm, other=0.0).to(tl.float32)
-        pv = p * vs[None, :]
-        if INT_PV:
-            sc = tl.max(pv, axis=1) / 127.0
-            sc = tl.where(sc > 0, sc, 1.0)
-            pq = (pv / sc[:, None] + 0.5).to(tl.int8)
-            acc_e = acc_e * alpha[:, None] + tl.dot(pq, (vc & 15).to(tl.int8)).to(tl.float32) * sc[:, None]
-            acc_o = acc_o * alpha[:, None] + tl.dot(pq, (vc >> 4).to(tl.int8)).to(tl.float32) * sc[:, None]
-        else:
-            p16 = pv.to(tl.float16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(p16, (vc & 15).to(tl.float16))
-            acc_o = acc_o * alpha[:, None] + tl.dot(p16, (vc >> 4).to(tl.float16))
-        acc_m = acc_m * alpha + tl.sum(p * vo[None, :], axis=1)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+    if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc_e, acc_o, acc_m = _main_block(
+                n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc_e, acc_o, acc_m = _main_block(
+                n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV,
+            )  # fmt: skip
 
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
@@ -301,6 +318,7 @@ def kv4_main_decode(
         start.to(torch.int32), end.to(torch.int32),
         o_s, lse_s, sm_scale * LOG2E, n,
         HKV=hkv, G=g, GP=16, D=d, BLOCK_N=block_n, SPLITS=splits, INT_PV=bool(int_pv),
+        INTERP=not qp.q8.is_cuda,
         num_warps=4, num_stages=3,
     )  # fmt: skip
     if splits == 1:

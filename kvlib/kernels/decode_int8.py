@@ -404,7 +404,7 @@ def _decode_int8_stage1(
             acc2 = acc2 * alpha[:, None] + tl.dot(p, vh2, input_precision=V_PREC)
             acc3 = acc3 * alpha[:, None] + tl.dot(p, vh3, input_precision=V_PREC)
 
-    nonempty = l_i > 0
+    nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + 4 * offs_g[None, :]

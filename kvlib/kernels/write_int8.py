@@ -44,7 +44,8 @@ def _write_int8_kernel(
     N, stride_xn, stride_xh,
     layer, side, k0, k1,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, BLOCK_S: tl.constexpr,
+    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,8 +73,9 @@ def _write_int8_kernel(
     s32 = s16.to(tl.float32)
     s_full = tl.reshape(tl.broadcast_to(s32[:, :, None], (BLOCK_S, D // G, G)), (BLOCK_S, D))
 
-    xi = dither_tile(slot, h, layer, side, k0, k1, D)
-    y = tl.math.div_rn(x, s_full) + xi
+    y = tl.math.div_rn(x, s_full)
+    if DITHER:
+        y = y + dither_tile(slot, h, layer, side, k0, k1, D)
     c = tl.minimum(tl.maximum(_rne(y), -127.0), 127.0)
     zero = (s_full == 0.0) | (y != y)
     if NOUT > 0:
@@ -122,6 +124,7 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
         qt = dither_quantize(
             x[:, h], layer=layer, kv_head=h, slots=slots, seed=pool.seed, group=pool.group,
             outlier_channels=oc, side=pool.side, include_outliers_in_amax=pool.include_outliers_in_amax,
+            dithered=pool.dithered,
         )
         v.codes[slots, h] = qt.codes
         v.scales[slots, h] = qt.scales
@@ -178,5 +181,5 @@ def write_int8(
         N, x.stride(0), x.stride(1),
         layer, pool.side, k0, k1,
         H=H, D=d, G=G, NOUT=nout, NOUT_P2=max(triton.next_power_of_2(nout), 1) if nout else 1,
-        INCLUDE_OUT=pool.include_outliers_in_amax, BLOCK_S=block_s,
+        INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered, BLOCK_S=block_s,
     )

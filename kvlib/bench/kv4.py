@@ -1,0 +1,196 @@
+"""GPU decode latency of KV4 and KV4-RL (Triton) against torch SDPA bf16, fixed and ragged shapes.
+
+Shapes follow the issue: d=128, GQA 32:8 (4:1), batch 32-512, contexts 1k-16k (capped by a K/V byte
+budget), plus two ragged suites modelled on the paper's protection timing (about 400 requests at a
+mean context near 1.5k; about 300 at near 4k). Codes and scales are random (timing does not depend
+on their values); every method runs inside a CUDA graph so launch overhead is paid equally. Goals
+from issue 6: KV4 >= 3.0x SDPA at long context, KV4-RL >= 97% of KV4's speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvlib.bench.timing import bandwidth_GBps, bench_ms, copy_bandwidth
+from kvlib.kv4rl_attention import KV4Batch, build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
+from kvlib.merge import merge_states
+
+D, HQ, HKV = 128, 32, 8
+SINK, RECENT = 16, 128
+
+
+def random_kv4_batch(lengths: torch.Tensor, n: int, sink: int = SINK, recent: int = RECENT) -> KV4Batch:
+    """A KV4-RL batch with random codes/scales of realistic magnitude (no float K/V materialised)."""
+    b, dev = lengths.shape[0], lengths.device
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
+
+    def f16(lo, hi, *shape):
+        return torch.empty(shape, dtype=torch.float16, device=dev).uniform_(lo, hi)
+
+    c = sink + recent
+    return KV4Batch(
+        k_codes=codes(b, HKV, n, D // 2), k_scale=f16(0.05, 0.2, b, HKV, n), k_off=f16(-1.5, -0.5, b, HKV, n),
+        v_codes=codes(b, HKV, n, D // 2), v_scale=f16(0.05, 0.2, b, HKV, n), v_off=f16(-1.5, -0.5, b, HKV, n),
+        lengths=lengths.to(torch.int32), sink=sink, recent=recent,
+        k8=torch.randint(-127, 128, (b, HKV, c, D), dtype=torch.int8, device=dev), k8_scale=f16(0.005, 0.02, b, HKV, c),
+        v8=torch.randint(-127, 128, (b, HKV, c, D), dtype=torch.int8, device=dev), v8_scale=f16(0.005, 0.02, b, HKV, c),
+        side_pos=None,
+    )  # fmt: skip
+
+
+def _graphed(fn):
+    """Capture ``fn`` in a CUDA graph (after a warm-up that compiles everything); eager if capture fails."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay, True
+    except Exception:  # noqa: BLE001 - fall back to eager timing, recorded in the result
+        torch.cuda.synchronize()
+        return fn, False
+
+
+def _time(fn) -> tuple[float, bool]:
+    run, graphed = _graphed(fn)
+    return bench_ms(run, warmup_ms=10, rep_ms=60).median_ms, graphed
+
+
+def _sdpa_fn(q4, k, v):
+    import torch.nn.functional as F
+
+    return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def _bytes_kv4(lengths: torch.Tensor) -> float:
+    return float(lengths.double().sum()) * HKV * 2 * (D / 2 + 4)
+
+
+def _bytes_bf16(lengths: torch.Tensor) -> float:
+    return float(lengths.double().sum()) * HKV * 2 * D * 2
+
+
+def _methods(q, cache, merge):
+    return {
+        "kv4": lambda: kv4_decode(q, cache),
+        "kv4_intpv": lambda: kv4_decode(q, cache, int_pv=True),
+        "kv4rl": lambda: kv4rl_decode(q, cache, merge=merge),
+        "kv4rl_intpv": lambda: kv4rl_decode(q, cache, int_pv=True, merge=merge),
+    }
+
+
+def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = True) -> dict:
+    dev = lengths.device
+    q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)
+    cache = random_kv4_batch(lengths, n)
+    row: dict = {"batch": b, "ctx_max": n, "ctx_mean": float(lengths.float().mean())}
+    graphed_all = True
+    for name, fn in _methods(q, cache, merge).items():
+        ms, gr = _time(fn)
+        graphed_all &= gr
+        row[f"{name}_ms"] = ms
+    row["kv4_GBps"] = bandwidth_GBps(_bytes_kv4(lengths), row["kv4_ms"])
+    del cache
+    if with_sdpa:
+        k = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        ms, gr = _time(_sdpa_fn(q.unsqueeze(2), k, v))
+        graphed_all &= gr
+        row["sdpa_bf16_ms"] = ms
+        row["sdpa_GBps"] = bandwidth_GBps(_bytes_bf16(torch.full_like(lengths, n)), ms)
+        del k, v
+        for name in ("kv4", "kv4_intpv", "kv4rl", "kv4rl_intpv"):
+            row[f"{name}_speedup_vs_sdpa"] = row["sdpa_bf16_ms"] / row[f"{name}_ms"]
+    row["kv4rl_frac_of_kv4"] = row["kv4_ms"] / row["kv4rl_ms"]
+    row["kv4rl_intpv_frac_of_kv4_intpv"] = row["kv4_intpv_ms"] / row["kv4rl_intpv_ms"]
+    row["graphed"] = graphed_all
+    torch.cuda.empty_cache()
+    return row
+
+
+def _accuracy_check(dev: str) -> dict:
+    """Kernels vs the float64 torch reference on one ragged GPU shape (max abs error of o and lse)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    b, n = 8, 700
+    lengths = torch.tensor([700, 1, 17, 144, 145, 300, 512, 650], device=dev)
+    k = torch.randn(b, HKV, n, D, device=dev, generator=g)
+    v = torch.randn(b, HKV, n, D, device=dev, generator=g)
+    k[..., 5] *= 20
+    q = torch.randn(b, HQ, D, device=dev, generator=g)
+    out = {}
+    for label, cache, fn in (
+        ("kv4", build_kv4_batch(k, v, lengths), kv4_decode),
+        ("kv4rl", build_kv4_batch(k, v, lengths, sink=SINK, recent=RECENT), kv4rl_decode),
+    ):
+        o_ref, lse_ref = decode_ref(q, cache)
+        for ipv in (False, True):
+            o, lse = fn(q, cache, int_pv=ipv)
+            key = f"{label}{'_intpv' if ipv else ''}"
+            out[f"{key}_max_abs_err_o"] = float((o - o_ref).abs().max())
+            out[f"{key}_max_abs_err_lse"] = float((lse - lse_ref).abs().max())
+    return out
+
+
+def _ragged_lengths(b: int, mean: float, n_max: int, seed: int, dev: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    sigma = 0.8
+    mu = math.log(mean) - sigma**2 / 2
+    x = torch.exp(mu + sigma * torch.randn(b, generator=g)).round().clamp(16, n_max)
+    return x.to(torch.int32).to(dev)
+
+
+def run(profile: str) -> dict:
+    if not torch.cuda.is_available():
+        if profile == "gpu":
+            raise RuntimeError("profile 'gpu' needs CUDA")
+        return {"skipped": "no CUDA: the KV4 latency benchmark runs only on the GPU (profile gpu)"}
+    dev = "cuda"
+    try:
+        merge = torch.compile(merge_states, dynamic=False)
+        merge_kind = "torch.compile(merge_states)"
+    except Exception:  # noqa: BLE001
+        merge, merge_kind = merge_states, "merge_states (eager)"
+    out: dict = {
+        "device": torch.cuda.get_device_name(),
+        "shape": {"d": D, "hq": HQ, "hkv": HKV, "sink": SINK, "recent": RECENT},
+        "merge": merge_kind,
+        "copy_bandwidth": copy_bandwidth(),
+        "accuracy": _accuracy_check(dev),
+        "fixed": [],
+        "ragged": [],
+    }
+    budget = 9 << 30  # bf16 K+V bytes per shape
+    for b in (32, 128, 512):
+        for n in (1024, 4096, 16384):
+            if 2 * b * HKV * n * D * 2 > budget:
+                continue
+            lengths = torch.full((b,), n, dtype=torch.int32, device=dev)
+            out["fixed"].append(_one_shape(b, lengths, n, merge))
+    for b, mean, n_max, seed in ((416, 1500, 8192, 1), (320, 4000, 16384, 2)):
+        lengths = _ragged_lengths(b, mean, n_max, seed, dev)
+        row = _one_shape(b, lengths, int(lengths.max()), merge, with_sdpa=True)
+        row["sdpa_note"] = "SDPA bf16 runs on the padded batch (no ragged support)"
+        out["ragged"].append(row)
+    long_rows = [r for r in out["fixed"] if r["ctx_max"] >= 4096]
+    allrows = out["fixed"] + out["ragged"]
+    out["goals"] = {
+        "kv4_speedup_long_ctx_min": min(r["kv4_speedup_vs_sdpa"] for r in long_rows),
+        "kv4_speedup_16k_min": min(
+            (r["kv4_speedup_vs_sdpa"] for r in long_rows if r["ctx_max"] >= 16384), default=None
+        ),
+        "kv4_speedup_goal": 3.0,
+        "kv4rl_frac_min": min(r["kv4rl_frac_of_kv4"] for r in allrows),
+        "kv4rl_frac_ragged_aggregate": sum(r["kv4_ms"] for r in out["ragged"])
+        / sum(r["kv4rl_ms"] for r in out["ragged"]),
+        "kv4rl_frac_goal": 0.97,
+    }
+    return out

@@ -1,0 +1,139 @@
+"""Triton split-KV INT8 decode (under TRITON_INTERPRET=1 on CPU) against its float64 torch reference."""
+
+import math
+
+import pytest
+import torch
+
+from kvlib.certificate import coverage, tv_distance
+from kvlib.kernels.decode_int8 import (
+    PoolSide,
+    decode_int8,
+    decode_reference,
+    decode_stage1,
+    make_pool_side,
+    merge_splits,
+    merge_splits_reference,
+)
+
+SEED = 2**33 + 12345  # both key words non-trivial
+
+
+def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=False, layer=1, seed=SEED):
+    g = torch.Generator().manual_seed(hq * 100 + hkv * 10 + d)
+    T = B * S
+    K = torch.randn(T, hkv, d, generator=g)
+    K[:, :, 7] *= 25  # a massive channel, bypassed below
+    V = torch.randn(T, hkv, d, generator=g)
+    n_slots = T + 9
+    slot_ids = torch.randperm(n_slots, generator=g)[:T]  # scattered slots, as in a paged pool
+    koc = torch.stack([torch.tensor([6, 7]) + 16 * h for h in range(hkv)]) if k_out else None
+    voc = torch.stack([torch.tensor([0, 1, 33]) for _ in range(hkv)]) if v_out else None
+    kp = make_pool_side(K, layer=layer, seed=seed, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc)
+    vp = make_pool_side(V, layer=layer, seed=seed, side=1, n_slots=n_slots, slot_ids=slot_ids,
+                        outlier_channels=voc, dithered=v_dither)
+    slots = slot_ids.view(B, S).to(torch.int32)
+    seq = torch.tensor([S - 3 * b for b in range(B)], dtype=torch.int32)
+    q = 2 * torch.randn(B, hq, d, generator=g)
+    return q, kp, vp, slots, seq, dict(layer=layer, seed=seed, v_dither=v_dither), (K, slot_ids)
+
+
+def _assert_close(out, ref, atol=2e-6):
+    torch.testing.assert_close(out.o.double(), ref.o, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out.lse.double(), ref.lse, atol=atol, rtol=1e-6)
+    torch.testing.assert_close(out.A.double(), ref.A, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out.B.double(), ref.B, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out.tv_bound, ref.tv_bound, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out.tv_bound_one, ref.tv_bound_one, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (7, 1)])
+def test_kernel_matches_reference_across_gqa(hq, hkv):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv)
+    ref = decode_reference(q, kp, vp, slots, seq, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_kernel_matches_reference_across_splits(num_splits):
+    q, kp, vp, slots, seq, kw, _ = _setup(v_out=True, v_dither=True)
+    ref = decode_reference(q, kp, vp, slots, seq, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, **kw)
+    _assert_close(out, ref)
+
+
+def test_stage2_is_the_merge_states_fold_and_splitting_is_exact():
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    outs = []
+    for ns in (1, 4):
+        o_s, lse_s, a_s, b_s = decode_stage1(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw)
+        o, lse, A, B = merge_splits(o_s, lse_s, a_s, b_s)
+        o_r, lse_r, A_r, B_r = merge_splits_reference(o_s, lse_s, a_s, b_s)
+        for x, y in ((o, o_r), (lse, lse_r), (A, A_r), (B, B_r)):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+        outs.append((o, lse, A, B))
+    for x, y in zip(*outs):  # any split gives the same output, LSE and certificate
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+
+
+def test_certificate_switch_leaves_attention_unchanged():
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    on = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    off = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, cert=False, **kw)
+    one = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, cert_b=False, **kw)
+    assert off.A is None and off.tv_bound is None
+    assert torch.equal(on.o, off.o) and torch.equal(on.lse, off.lse)
+    assert one.B is None
+    torch.testing.assert_close(one.tv_bound, on.tv_bound_one)
+    assert (on.tv_bound <= on.tv_bound_one + 1e-7).all()
+
+
+def test_kernel_certificate_is_sound_on_a_fixed_seed_batch():
+    q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(hq=4, hkv=2, S=48)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, **kw)
+    pos = {int(s): t for t, s in enumerate(slot_ids)}
+    gqa = q.shape[1] // K.shape[1]
+    for b in range(q.shape[0]):
+        rows = [pos[int(s)] for s in slots[b, : int(seq[b])]]
+        for h in range(q.shape[1]):
+            z = (q[b, h].double() @ K[rows, h // gqa].double().T) / math.sqrt(q.shape[-1])
+            tv = tv_distance(torch.softmax(z, -1), probs[b][h])
+            assert tv <= out.tv_bound[b, h]
+
+
+def test_nonfinite_scale_gives_vacuous_certificate_counted_over_threshold():
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    bad = kp.scales.clone()
+    bad[int(slots[0, 5]), 0, 0] = math.nan
+    kp_bad = PoolSide(kp.codes, bad, kp.outliers, kp.outlier_channels, kp.group)
+    out = decode_int8(q, kp_bad, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()  # both heads of KV head 0
+    assert torch.isfinite(out.tv_bound[1]).all()
+    assert coverage(out.tv_bound, tau=1e9) == pytest.approx(1 - 2 / out.tv_bound.numel())
+    bad_o = kp.outliers.clone()
+    bad_o[int(slots[1, 0]), 1, 0] = math.inf
+    out = decode_int8(q, PoolSide(kp.codes, kp.scales, bad_o, kp.outlier_channels), vp, slots, seq,
+                      num_splits=2, block_n=16, **kw)
+    assert torch.isinf(out.tv_bound[1, 2:]).all()
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    with pytest.raises(ValueError, match="delta"):
+        decode_int8(q, kp, vp, slots, seq, delta=1.0, **kw)
+    with pytest.raises(ValueError, match="delta"):
+        decode_int8(q, kp, vp, slots, seq, delta=0.0, **kw)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_int8(q[:, :3], kp, vp, slots, seq, **kw)
+    with pytest.raises(ValueError, match="q"):
+        decode_int8(q[0], kp, vp, slots, seq, **kw)
+    with pytest.raises(ValueError, match="slots"):
+        decode_int8(q, kp, vp, slots[:1], seq, **kw)
+    with pytest.raises(TypeError, match="k_pool.codes"):
+        decode_int8(q, PoolSide(kp.codes.float(), kp.scales), vp, slots, seq, **kw)
+    with pytest.raises(ValueError, match="k_pool.scales"):
+        decode_int8(q, PoolSide(kp.codes, kp.scales[..., :1]), vp, slots, seq, **kw)
+    with pytest.raises(TypeError, match="k_pool"):
+        decode_int8(q, object(), vp, slots, seq, **kw)
