@@ -43,22 +43,35 @@ class KV4Batch:
     v8_scale: torch.Tensor | None = None
     side_pos: torch.Tensor | None = None  # int64 [B, C], -1 = empty
 
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the per-request region bounds after ``lengths``, ``sink`` or ``recent`` change.
+
+        Done once per decode step (as a scheduler would), not inside the attention call.
+        """
+        n = self.lengths.long()
+        if self.protected:
+            start = n.clamp(max=self.sink)
+            end = torch.maximum(start, n - self.recent)
+            count = n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)
+        else:
+            start, end, count = torch.zeros_like(n), n, torch.zeros_like(n)
+        self._start, self._end, self._count = (t.to(torch.int32) for t in (start, end, count))
+        self._zeros = torch.zeros_like(self._start)
+
     @property
     def protected(self) -> bool:
         return self.k8 is not None
 
     def main_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-request ``[start, end)`` of the INT4 region (everything for KV4, unprotected for KV4-RL)."""
-        n = self.lengths.long()
-        if not self.protected:
-            return torch.zeros_like(n), n
-        start = n.clamp(max=self.sink)
-        return start, torch.maximum(start, n - self.recent)
+        return self._start, self._end
 
     def side_count(self) -> torch.Tensor:
         """Occupied side slots per request (a prefix of the slots)."""
-        n = self.lengths.long()
-        return n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)
+        return self._count
 
 
 def side_positions(lengths: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -111,6 +124,7 @@ def build_kv4_batch(
     v8[empty.unsqueeze(-1).expand_as(v8)] = 0
     out.sink, out.recent = sink, recent
     out.k8, out.k8_scale, out.v8, out.v8_scale, out.side_pos = k8, k8s, v8, v8s, pos
+    out.refresh()
     return out
 
 
@@ -129,9 +143,9 @@ def kv4_decode(
     _check_q(q, cache)
     qp = qp or prepare_query(q, rotate=True, backend=backend)
     c = cache
-    zeros = torch.zeros_like(c.lengths)
+    start, end = c._zeros, c.lengths  # all positions, whether or not a side buffer exists
     return kv4_main_decode(
-        qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, zeros, c.lengths,
+        qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
         sm_scale=sm_scale, int_pv=int_pv, backend=backend,
     )  # fmt: skip
 

@@ -29,7 +29,9 @@ __all__ = [
     "cluster_bootstrap_mean_ci",
     "compare_paired",
     "discordant_counts",
+    "flag_rates",
     "mcnemar",
+    "paired_table",
     "paired_bootstrap_ci",
     "proportion_ci",
 ]
@@ -41,9 +43,7 @@ _METHODS = ("percentile", "BCa")
 def _as_1d(x: Any, name: str) -> np.ndarray:
     """Return ``x`` as a finite 1-D float array, or raise naming ``name``."""
     if isinstance(x, (str, bytes)):
-        raise TypeError(
-            f"{name} must be a 1-D sequence of numbers, got {type(x).__name__}"
-        )
+        raise TypeError(f"{name} must be a 1-D sequence of numbers, got {type(x).__name__}")
     try:
         arr = np.asarray(x, dtype=float)
     except (TypeError, ValueError) as exc:
@@ -57,22 +57,14 @@ def _as_1d(x: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _check_same_length(
-    a: np.ndarray, b: np.ndarray, na: str = "a", nb: str = "b"
-) -> None:
+def _check_same_length(a: np.ndarray, b: np.ndarray, na: str = "a", nb: str = "b") -> None:
     if a.shape != b.shape:
-        raise ValueError(
-            f"{na} and {nb} must be paired samples of equal length, got {a.size} and {b.size}"
-        )
+        raise ValueError(f"{na} and {nb} must be paired samples of equal length, got {a.size} and {b.size}")
 
 
 def _check_confidence(confidence: float) -> float:
-    if isinstance(confidence, bool) or not isinstance(
-        confidence, (int, float, np.floating)
-    ):
-        raise TypeError(
-            f"confidence must be a float in (0, 1), got {type(confidence).__name__}"
-        )
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)):
+        raise TypeError(f"confidence must be a float in (0, 1), got {type(confidence).__name__}")
     if not 0.0 < float(confidence) < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     return float(confidence)
@@ -96,9 +88,7 @@ def _as_binary(x: Any, name: str) -> np.ndarray:
     arr = _as_1d(x, name)
     if not np.all((arr == 0) | (arr == 1)):
         bad = arr[(arr != 0) & (arr != 1)][:3]
-        raise ValueError(
-            f"{name} must hold 0/1 outcomes only, found e.g. {bad.tolist()}"
-        )
+        raise ValueError(f"{name} must hold 0/1 outcomes only, found e.g. {bad.tolist()}")
     return arr.astype(np.int64)
 
 
@@ -110,9 +100,7 @@ def _group_codes(groups: Any, n: int) -> np.ndarray:
     if labels.ndim != 1:
         raise ValueError(f"groups must be 1-D, got shape {labels.shape}")
     if labels.size != n:
-        raise ValueError(
-            f"groups must have one label per sample ({n}), got {labels.size}"
-        )
+        raise ValueError(f"groups must have one label per sample ({n}), got {labels.size}")
     _, codes = np.unique(labels, return_inverse=True)
     return codes.reshape(-1)
 
@@ -215,15 +203,11 @@ def paired_bootstrap_ci(
     xa = _as_1d(a, "a")
     xb = _as_1d(b, "b")
     _check_same_length(xa, xb)
-    return bootstrap_mean_ci(
-        xa - xb, n_resamples, confidence, seed, groups=groups, method=method
-    )
+    return bootstrap_mean_ci(xa - xb, n_resamples, confidence, seed, groups=groups, method=method)
 
 
 # ----------------------------------------------------------------------------- tests on 0/1
-def discordant_counts(
-    a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray
-) -> tuple[int, int]:
+def discordant_counts(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> tuple[int, int]:
     """Discordant pair counts ``(n_a_only, n_b_only)`` of paired 0/1 outcomes.
 
     ``n_a_only`` counts samples where ``a`` is right and ``b`` wrong (the paper's
@@ -235,11 +219,12 @@ def discordant_counts(
     return int(np.sum((xa == 1) & (xb == 0))), int(np.sum((xa == 0) & (xb == 1)))
 
 
-def mcnemar(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> float:
+def mcnemar(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray, *, mid_p: bool = False) -> float:
     """Exact two-sided McNemar p-value for paired 0/1 outcomes ``a`` and ``b``.
 
     Binomial test of the discordant counts against p = 1/2 (statsmodels, ``exact=True``);
-    1.0 when there is no discordant pair.
+    1.0 when there is no discordant pair. ``mid_p=True`` gives the mid-p variant
+    (the exact p minus the probability of the observed count), less conservative.
     """
     xa = _as_binary(a, "a")
     xb = _as_binary(b, "b")
@@ -252,7 +237,14 @@ def mcnemar(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> flo
     )
     if table[0, 1] + table[1, 0] == 0:
         return 1.0
-    return float(min(1.0, _sm_mcnemar(table, exact=True).pvalue))
+    p = float(min(1.0, _sm_mcnemar(table, exact=True).pvalue))
+    if mid_p:
+        n_disc = int(table[0, 1] + table[1, 0])
+        k = int(min(table[0, 1], table[1, 0]))
+        p_obs = float(scipy.stats.binom.pmf(k, n_disc, 0.5))
+        # two-sided: 2 * (P(X < k) + P(X = k) / 2); the two tails share the mode when k = n/2
+        p = min(1.0, 2.0 * float(scipy.stats.binom.cdf(k, n_disc, 0.5)) - p_obs)
+    return p
 
 
 def proportion_ci(
@@ -273,12 +265,8 @@ def proportion_ci(
         raise ValueError(f"successes must lie in [0, n={n}], got {successes}")
     confidence = _check_confidence(confidence)
     if method not in ("wilson", "exact", "wilsoncc"):
-        raise ValueError(
-            f"method must be 'wilson', 'wilsoncc' or 'exact', got {method!r}"
-        )
-    ci = scipy.stats.binomtest(int(successes), int(n)).proportion_ci(
-        confidence_level=confidence, method=method
-    )
+        raise ValueError(f"method must be 'wilson', 'wilsoncc' or 'exact', got {method!r}")
+    ci = scipy.stats.binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method=method)
     return successes / n, float(ci.low), float(ci.high)
 
 
@@ -299,9 +287,7 @@ def compare_paired(
     xa = _as_1d(a, "a")
     xb = _as_1d(b, "b")
     _check_same_length(xa, xb)
-    diff, low, high = paired_bootstrap_ci(
-        xa, xb, n_resamples, confidence, seed, groups=groups
-    )
+    diff, low, high = paired_bootstrap_ci(xa, xb, n_resamples, confidence, seed, groups=groups)
     binary = bool(np.all(np.isin(xa, (0, 1))) and np.all(np.isin(xb, (0, 1))))
     n_a_only, n_b_only = discordant_counts(xa, xb) if binary else (None, None)
     return {
@@ -315,3 +301,84 @@ def compare_paired(
         "n_b_only": n_b_only,
         "mcnemar_p": mcnemar(xa, xb) if binary else None,
     }
+
+
+def paired_table(
+    frame: Any,
+    reference: str,
+    *,
+    score: str = "correct",
+    config: str = "config",
+    sample: str = "task_id",
+    by: str | None = None,
+    n_resamples: int = 10000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Any:
+    """Paired comparison of every configuration against ``reference``, one row each.
+
+    ``frame``: a long ``pandas.DataFrame`` of per-sample results with columns ``config``,
+    ``sample`` (the id pairing rows across configurations) and ``score``; ``by`` (e.g. a
+    slice column) gives one row per (group, configuration). Samples missing in either
+    configuration are an error, since unpaired rows would bias the difference. Columns:
+    those of :func:`compare_paired`, with ``a`` the configuration and ``b`` the reference.
+    """
+    import pandas as pd
+
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"frame must be a pandas DataFrame, got {type(frame).__name__}")
+    for name, col in (("score", score), ("config", config), ("sample", sample), ("by", by)):
+        if col is not None and col not in frame.columns:
+            raise ValueError(f"{name} column {col!r} is not in frame (columns: {list(frame.columns)})")
+    if reference not in set(frame[config]):
+        raise ValueError(f"reference {reference!r} is not a value of column {config!r}")
+    groups = [(None, frame)] if by is None else list(frame.groupby(by, sort=True))
+    rows = []
+    for key, part in groups:
+        dup = part.duplicated([config, sample])
+        if dup.any():
+            raise ValueError(
+                f"frame has repeated ({config}, {sample}) rows, e.g. {part[dup].iloc[0][[config, sample]].tolist()}"
+            )
+        wide = part.pivot(index=sample, columns=config, values=score)
+        if reference not in wide.columns:
+            raise ValueError(f"reference {reference!r} has no rows in group {by}={key!r}")
+        for name in wide.columns:
+            a, b = wide[name], wide[reference]
+            if a.isna().any() or b.isna().any():
+                raise ValueError(
+                    f"configuration {name!r} and reference {reference!r} are not scored on the "
+                    f"same samples{'' if by is None else f' in group {by}={key!r}'}"
+                )
+            row = compare_paired(a.to_numpy(), b.to_numpy(), n_resamples, confidence, seed)
+            rows.append(({} if by is None else {by: key}) | {"config": name} | row)
+    return pd.DataFrame(rows)
+
+
+def flag_rates(
+    flagged: Sequence[int] | np.ndarray,
+    correct: Sequence[int] | np.ndarray,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """How often a detector (the certificate) flags wrong vs right answers.
+
+    Returns ``{"wrong": {...}, "right": {...}, "fisher_p": p}``: for wrong and for right
+    answers the flagged count, the count, the flag rate and its Wilson CI (NaN when there is
+    no such answer), and Fisher's exact two-sided p-value for independence of flag and error
+    (a useful detector flags wrong answers far more often).
+    """
+    f = _as_binary(flagged, "flagged")
+    c = _as_binary(correct, "correct")
+    _check_same_length(f, c, "flagged", "correct")
+    out: dict[str, Any] = {}
+    for label, mask in (("wrong", c == 0), ("right", c == 1)):
+        n = int(mask.sum())
+        k = int(f[mask].sum())
+        rate, low, high = proportion_ci(k, n, confidence) if n else (float("nan"),) * 3
+        out[label] = {"flagged": k, "n": n, "rate": rate, "low": low, "high": high}
+    table = [
+        [int(np.sum((f == 1) & (c == 0))), int(np.sum((f == 1) & (c == 1)))],
+        [int(np.sum((f == 0) & (c == 0))), int(np.sum((f == 0) & (c == 1)))],
+    ]
+    out["fisher_p"] = float(scipy.stats.fisher_exact(table).pvalue)
+    return out

@@ -32,6 +32,8 @@ __all__ = [
     "approx_token_count",
     "count_tokens",
     "extract_numbers",
+    "build_prompt",
+    "generate_answer",
     "generate_answers",
     "make_task",
     "make_tasks",
@@ -222,8 +224,9 @@ class RetrievalTask:
 
     @property
     def max_new_tokens(self) -> int:
-        """A generation budget long enough for the answer (digits may be one token each)."""
-        return 8 + sum(len(a) + 3 for a in self.answers)
+        """A generation budget long enough for the answer: digits may be one token each, and
+        lists come with separators or bullets (about 8 tokens of slack per number)."""
+        return 4 + sum(len(a) + 8 for a in self.answers)
 
     def user_message(self) -> str:
         return f"{self.instruction}\n\n{self.context}\n\n{self.question}"
@@ -449,6 +452,47 @@ def score(task: RetrievalTask, output: str) -> int:
 
 
 # ----------------------------------------------------------------------------- model runs
+def generate_answer(
+    model: Any,
+    tokenizer: Any,
+    task: RetrievalTask,
+    *,
+    max_new_tokens: int | None = None,
+    cache: Any | None = None,
+) -> str:
+    """Greedy continuation (decoded text) of ``task.prompt(tokenizer)``.
+
+    ``cache``: a fresh transformers ``Cache`` to decode with (e.g. a quantised KV cache from
+    ``kvlib.make_cache``); ``None`` uses the model's default cache.
+    """
+    import torch
+
+    if not isinstance(task, RetrievalTask):
+        raise TypeError(f"task must be a RetrievalTask, got {type(task).__name__}")
+    device = next(model.parameters()).device
+    ids = tokenizer(task.prompt(tokenizer), add_special_tokens=False, return_tensors="pt")
+    kwargs: dict[str, Any] = {}
+    if cache is not None:
+        kwargs["past_key_values"] = cache
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids["input_ids"].to(device),
+            attention_mask=ids["attention_mask"].to(device),
+            max_new_tokens=max_new_tokens or task.max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def _iterate(tasks: Sequence[RetrievalTask], progress: bool) -> Iterable[RetrievalTask]:
+    if not progress:
+        return tasks
+    from tqdm.auto import tqdm
+
+    return tqdm(tasks, desc="prompts")
+
+
 def generate_answers(
     model: Any,
     tokenizer: Any,
@@ -458,49 +502,45 @@ def generate_answers(
     cache_factory: Callable[[], Any] | None = None,
     progress: bool = False,
 ) -> list[str]:
-    """Greedy continuations (decoded text) of each task's prompt, one prompt at a time.
+    """Greedy continuations of each task's prompt, one prompt at a time (no padding effects).
 
-    ``cache_factory()`` returns a fresh transformers ``Cache`` for each prompt (e.g. a
-    quantised KV cache from ``kvlib.make_cache``); ``None`` uses the model's default cache.
+    ``cache_factory()`` returns a fresh ``Cache`` for each prompt; ``None``: default cache.
     """
-    import torch
-
-    items: Iterable[RetrievalTask] = tasks
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(tasks, desc="prompts")
-    device = next(model.parameters()).device
-    outputs: list[str] = []
-    for task in items:
-        ids = tokenizer(task.prompt(tokenizer), add_special_tokens=False, return_tensors="pt")
-        kwargs: dict[str, Any] = {}
-        if cache_factory is not None:
-            kwargs["past_key_values"] = cache_factory()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids["input_ids"].to(device),
-                attention_mask=ids["attention_mask"].to(device),
-                max_new_tokens=max_new_tokens or task.max_new_tokens,
-                do_sample=False,
-                **kwargs,
-            )
-        new = out[0, ids["input_ids"].shape[1] :]
-        outputs.append(tokenizer.decode(new, skip_special_tokens=True))
-    return outputs
+    return [
+        generate_answer(
+            model,
+            tokenizer,
+            t,
+            max_new_tokens=max_new_tokens,
+            cache=cache_factory() if cache_factory is not None else None,
+        )
+        for t in _iterate(tasks, progress)
+    ]
 
 
 def run_tasks(
     model: Any,
     tokenizer: Any,
     tasks: Sequence[RetrievalTask],
-    **generate_options: Any,
+    *,
+    max_new_tokens: int | None = None,
+    cache_factory: Callable[[], Any] | None = None,
+    inspect_cache: Callable[[Any], dict[str, Any]] | None = None,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Per-sample records (task id, kind, length, depth, answer, output, correct) of a run;
-    ``generate_options`` go to :func:`generate_answers`. Feed to ``pandas.DataFrame``."""
-    outputs = generate_answers(model, tokenizer, tasks, **generate_options)
-    return [
-        {
+    """Per-sample records (task id, kind, length, depth, answer, output, correct) of a run.
+
+    ``inspect_cache(cache)``, called after each prompt with the cache ``cache_factory`` made,
+    returns extra fields for that record (e.g. whether the certificate flagged the request).
+    Feed the records to ``pandas.DataFrame``.
+    """
+    if inspect_cache is not None and cache_factory is None:
+        raise ValueError("inspect_cache needs a cache_factory (there is no cache to inspect)")
+    records = []
+    for t in _iterate(tasks, progress):
+        cache = cache_factory() if cache_factory is not None else None
+        output = generate_answer(model, tokenizer, t, max_new_tokens=max_new_tokens, cache=cache)
+        rec: dict[str, Any] = {
             "task_id": t.task_id,
             "kind": t.kind,
             "length": t.length,
@@ -508,8 +548,10 @@ def run_tasks(
             "index": t.index,
             "depth": t.depths[0],
             "answer": t.answer,
-            "output": o,
-            "correct": score(t, o),
+            "output": output,
+            "correct": score(t, output),
         }
-        for t, o in zip(tasks, outputs, strict=True)
-    ]
+        if inspect_cache is not None:
+            rec.update(inspect_cache(cache))
+        records.append(rec)
+    return records

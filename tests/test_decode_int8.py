@@ -17,6 +17,12 @@ from kvlib.kernels.decode_int8 import (
 )
 
 SEED = 2**33 + 12345  # both key words non-trivial
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run under TRITON_INTERPRET=1
+
+
+def _dev(side):
+    mv = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    return PoolSide(side.codes.to(DEV), side.scales.to(DEV), mv(side.outliers), mv(side.outlier_channels), side.group)
 
 
 def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=False, layer=1, seed=SEED):
@@ -35,16 +41,12 @@ def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=Fa
     slots = slot_ids.view(B, S).to(torch.int32)
     seq = torch.tensor([S - 3 * b for b in range(B)], dtype=torch.int32)
     q = 2 * torch.randn(B, hq, d, generator=g)
-    return q, kp, vp, slots, seq, dict(layer=layer, seed=seed, v_dither=v_dither), (K, slot_ids)
+    return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), dict(layer=layer, seed=seed, v_dither=v_dither), (K, slot_ids)
 
 
 def _assert_close(out, ref, atol=2e-6):
-    torch.testing.assert_close(out.o.double(), ref.o, atol=atol, rtol=1e-5)
-    torch.testing.assert_close(out.lse.double(), ref.lse, atol=atol, rtol=1e-6)
-    torch.testing.assert_close(out.A.double(), ref.A, atol=atol, rtol=1e-5)
-    torch.testing.assert_close(out.B.double(), ref.B, atol=atol, rtol=1e-5)
-    torch.testing.assert_close(out.tv_bound, ref.tv_bound, atol=atol, rtol=1e-5)
-    torch.testing.assert_close(out.tv_bound_one, ref.tv_bound_one, atol=atol, rtol=1e-5)
+    for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (7, 1)])
@@ -94,13 +96,14 @@ def test_kernel_certificate_is_sound_on_a_fixed_seed_batch():
     out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
     _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, **kw)
     pos = {int(s): t for t, s in enumerate(slot_ids)}
+    q, slots = q.cpu(), slots.cpu()
     gqa = q.shape[1] // K.shape[1]
     for b in range(q.shape[0]):
         rows = [pos[int(s)] for s in slots[b, : int(seq[b])]]
         for h in range(q.shape[1]):
             z = (q[b, h].double() @ K[rows, h // gqa].double().T) / math.sqrt(q.shape[-1])
             tv = tv_distance(torch.softmax(z, -1), probs[b][h])
-            assert tv <= out.tv_bound[b, h]
+            assert tv <= out.tv_bound[b, h].cpu()
 
 
 def test_nonfinite_scale_gives_vacuous_certificate_counted_over_threshold():

@@ -140,3 +140,17 @@ def test_undithered_mode_is_rtn_on_the_same_layout():
     s = qt.scales.float().repeat_interleave(32, -1)
     assert torch.equal(qt.codes.float(), torch.round(x / s))
     assert torch.equal(dither_dequantize(qt), s * qt.codes.float())
+
+
+def test_fp32_scale_bug_breaks_the_bound_and_residual_helper():
+    from kvlib.formats.dither_int8 import residual
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2048, 64, generator=g)
+    good, bad = _quant(x), _quant(x, quantize_scale="fp32")
+    eps_good, _ = residual(x, good)
+    eps_bad, _ = residual(x, bad)
+    assert float(eps_good.abs().max()) <= 0.5 + 2.0**-16
+    assert int((eps_bad.abs() > 0.5 + 2.0**-16).sum()) > 0
+    with pytest.raises(ValueError):
+        _quant(x, quantize_scale="bf16")

@@ -105,6 +105,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from kvlib.kernels.philox_tl import dither_tile, philox4x32  # noqa: E402
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @triton.jit
 def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
@@ -139,9 +141,9 @@ def _dither_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr,
 
 def _run_triton(ctr: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> torch.Tensor:
     n = ctr.shape[0]
-    out = torch.empty(n, 4, dtype=torch.int64)
-    _philox_kernel[(1,)](ctr.contiguous(), key.contiguous(), out, N_ROUNDS=rounds, BLOCK=n)
-    return out
+    out = torch.empty(n, 4, dtype=torch.int64, device=DEV)
+    _philox_kernel[(1,)](ctr.contiguous().to(DEV), key.contiguous().to(DEV), out, N_ROUNDS=rounds, BLOCK=n)
+    return out.cpu()
 
 
 def test_known_answers_triton():
@@ -161,9 +163,9 @@ def test_triton_matches_torch_and_tl_philox_random():
     ours = _run_triton(ctr, key)
     assert torch.equal(ours, philox4x32_10(ctr, key))
     # tl.philox(seed, c0..c3) with 32-bit counters is Random123 philox4x32-10 with key (seed_lo, seed_hi)
-    theirs = torch.empty_like(ours)
-    _tl_philox_kernel[(1,)](ctr, theirs, seed, BLOCK=256)
-    assert torch.equal(ours, theirs)
+    theirs = torch.empty(256, 4, dtype=torch.int64, device=DEV)
+    _tl_philox_kernel[(1,)](ctr.to(DEV), theirs, seed, BLOCK=256)
+    assert torch.equal(ours, theirs.cpu())
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -171,6 +173,7 @@ def test_dither_tile_matches_reference(d):
     slots = torch.tensor([0, 5, 2**32 - 1, 123456, 7, 8, 9, 10], dtype=torch.int64)
     seed = 2**63 + 12345
     k0, k1 = seed_key(seed)
-    out = torch.empty(8, d)
-    _dither_kernel[(1,)](slots, out, 3, 17, 1, k0, k1, BS=8, D=d)
-    assert torch.equal(out, dither(slots, d, layer=17, kv_head=3, seed=seed, side=1))
+    out = torch.empty(8, d, device=DEV)
+    for kv_head, layer, side in ((3, 17, 1), (1, 1, 0), (0, 0, 1)):  # 1 and 0 arrive specialised
+        _dither_kernel[(1,)](slots.to(DEV), out, kv_head, layer, side, k0, k1, BS=8, D=d)
+        assert torch.equal(out.cpu(), dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side))

@@ -6,21 +6,22 @@ from math import comb
 
 import numpy as np
 import pytest
+import scipy.stats as scipy_stats
 
 from kvlib.stats import (
     bootstrap_mean_ci,
     cluster_bootstrap_mean_ci,
     compare_paired,
     discordant_counts,
+    flag_rates,
     mcnemar,
     paired_bootstrap_ci,
+    paired_table,
     proportion_ci,
 )
 
 
-def _paired_outcomes(
-    n11: int, n10: int, n01: int, n00: int, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
+def _paired_outcomes(n11: int, n10: int, n01: int, n00: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """0/1 vectors with the given 2x2 cell counts, shuffled."""
     a = np.array([1] * n11 + [1] * n10 + [0] * n01 + [0] * n00)
     b = np.array([1] * n11 + [0] * n10 + [1] * n01 + [0] * n00)
@@ -46,6 +47,21 @@ def test_mcnemar_paper_example_five_vs_one() -> None:
     a, b = _paired_outcomes(1000, 5, 1, 83)
     assert mcnemar(a, b) == pytest.approx(14 / 64)  # 2 * (1 + 6) / 2**6
     assert discordant_counts(a, b) == (5, 1)
+
+
+@pytest.mark.parametrize("n10,n01", [(5, 1), (0, 4), (9, 2)])
+def test_mcnemar_mid_p_by_hand(n10: int, n01: int) -> None:
+    a, b = _paired_outcomes(20, n10, n01, 7)
+    n, k = n10 + n01, min(n10, n01)
+    below = sum(comb(n, i) for i in range(k)) / 2**n
+    expected = 2 * (below + comb(n, k) / 2**n / 2)
+    assert mcnemar(a, b, mid_p=True) == pytest.approx(expected, rel=1e-12)
+    assert mcnemar(a, b, mid_p=True) < mcnemar(a, b)
+
+
+def test_mcnemar_mid_p_five_vs_one_is_one_eighth() -> None:
+    a, b = _paired_outcomes(600, 5, 1, 483)
+    assert mcnemar(a, b, mid_p=True) == pytest.approx(0.125)
 
 
 def test_mcnemar_no_discordant_pairs_is_one() -> None:
@@ -100,9 +116,7 @@ def test_bootstrap_is_reproducible_under_seed() -> None:
     a, b = rng.normal(size=80), rng.normal(size=80)
     assert paired_bootstrap_ci(a, b, seed=7) == paired_bootstrap_ci(a, b, seed=7)
     groups = np.repeat(np.arange(20), 4)
-    assert paired_bootstrap_ci(a, b, seed=7, groups=groups) == paired_bootstrap_ci(
-        a, b, seed=7, groups=groups
-    )
+    assert paired_bootstrap_ci(a, b, seed=7, groups=groups) == paired_bootstrap_ci(a, b, seed=7, groups=groups)
 
 
 def test_paired_ci_narrower_than_unpaired_spread_for_correlated_scores() -> None:
@@ -179,9 +193,7 @@ def test_cluster_bootstrap_point_is_pooled_mean_and_labels_any_type() -> None:
         ),
     ],
 )
-def test_paired_bootstrap_rejects_bad_input(
-    kwargs: dict, exc: type, match: str
-) -> None:
+def test_paired_bootstrap_rejects_bad_input(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         paired_bootstrap_ci(**kwargs)
 
@@ -227,3 +239,68 @@ def test_compare_paired_row() -> None:
     assert row["mcnemar_p"] == pytest.approx(_exact_mcnemar_by_hand(2, 30))
     cont = compare_paired([0.5, 0.2, 0.1], [0.4, 0.2, 0.0], n_resamples=200)
     assert cont["mcnemar_p"] is None
+
+
+# ----------------------------------------------------------------------------- tables
+def _long_frame(by_slice: bool = False):
+    pd = pytest.importorskip("pandas")
+    rng = np.random.default_rng(8)
+    rows = []
+    for s in range(2 if by_slice else 1):
+        ref = rng.integers(0, 2, 40)
+        bad = ref.copy()
+        bad[:15] = 0  # a format that loses up to 15 answers
+        for cfg, scores in (("fp32", ref), ("same", ref), ("bad", bad)):
+            for i, v in enumerate(scores):
+                rows.append({"config": cfg, "task_id": f"s{s}-{i}", "correct": int(v), "slice": s})
+    return pd.DataFrame(rows)
+
+
+def test_paired_table_rows_match_compare_paired() -> None:
+    frame = _long_frame()
+    table = paired_table(frame, "fp32", n_resamples=1000)
+    assert set(table["config"]) == {"fp32", "same", "bad"}
+    row = table.set_index("config").loc["bad"]
+    bad = frame[frame.config == "bad"].sort_values("task_id")["correct"].to_numpy()
+    ref = frame[frame.config == "fp32"].sort_values("task_id")["correct"].to_numpy()
+    expected = compare_paired(bad, ref, n_resamples=1000)
+    assert row["diff"] == pytest.approx(expected["diff"])
+    assert row["mcnemar_p"] == pytest.approx(expected["mcnemar_p"])
+    same = table.set_index("config").loc["same"]
+    assert (same["diff"], same["low"], same["high"], same["mcnemar_p"]) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_paired_table_by_slice_and_errors() -> None:
+    frame = _long_frame(by_slice=True)
+    table = paired_table(frame, "fp32", by="slice", n_resamples=500)
+    assert len(table) == 6 and set(table["slice"]) == {0, 1}
+    with pytest.raises(ValueError, match="reference"):
+        paired_table(frame, "fp16")
+    with pytest.raises(ValueError, match="score column"):
+        paired_table(frame, "fp32", score="acc")
+    with pytest.raises(ValueError, match="same samples"):
+        paired_table(frame.iloc[1:], "fp32", by="slice")
+    with pytest.raises(ValueError, match="repeated"):
+        paired_table(frame.iloc[[0, *range(len(frame))]], "fp32")
+    with pytest.raises(TypeError, match="frame"):
+        paired_table({"a": 1}, "fp32")
+
+
+def test_flag_rates_known_counts() -> None:
+    # 10 wrong answers, 8 flagged; 30 right answers, 3 flagged
+    correct = np.array([0] * 10 + [1] * 30)
+    flagged = np.array([1] * 8 + [0] * 2 + [1] * 3 + [0] * 27)
+    out = flag_rates(flagged, correct)
+    assert (out["wrong"]["flagged"], out["wrong"]["n"]) == (8, 10)
+    assert out["wrong"]["rate"] == pytest.approx(0.8)
+    assert out["right"]["rate"] == pytest.approx(0.1)
+    assert out["wrong"]["low"] <= 0.8 <= out["wrong"]["high"]
+    expected = scipy_stats.fisher_exact([[8, 3], [2, 27]]).pvalue
+    assert out["fisher_p"] == pytest.approx(expected)
+    assert out["fisher_p"] < 1e-3
+    none_wrong = flag_rates([0, 1], [1, 1])
+    assert none_wrong["wrong"]["n"] == 0 and np.isnan(none_wrong["wrong"]["rate"])
+    with pytest.raises(ValueError, match="flagged"):
+        flag_rates([2, 0], [1, 1])
+    with pytest.raises(ValueError, match="equal length"):
+        flag_rates([1, 0, 1], [1, 1])

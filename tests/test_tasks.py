@@ -227,6 +227,24 @@ def test_run_tasks_on_tiny_random_model() -> None:
     for r, t in zip(recs, tasks, strict=True):
         assert r["correct"] == score(t, r["output"])
         assert r["answer"] == t.answer and r["n_tokens"] == t.n_tokens
+        assert len(r["output"]) == 4  # greedy, no eos in 4 steps of this random model
+    # a fresh cache per prompt, inspected after each; same greedy outputs as the default cache
+    caches = []
+
+    def factory():
+        caches.append(transformers.DynamicCache(config=cfg))
+        return caches[-1]
+
+    def inspect(cache):
+        return {"cached_tokens": cache.get_seq_length()}
+
+    recs2 = run_tasks(model, tok, tasks, max_new_tokens=4, cache_factory=factory, inspect_cache=inspect)
+    assert len(caches) == 2 and caches[0] is not caches[1]
+    assert [r["output"] for r in recs2] == [r["output"] for r in recs]
+    for r, t in zip(recs2, tasks, strict=True):
+        assert r["cached_tokens"] == t.n_tokens + 3  # prompt + all but the last new token
+    with pytest.raises(ValueError, match="cache_factory"):
+        run_tasks(model, tok, tasks, inspect_cache=inspect)
 
 
 def test_real_tokenizer_lengths_and_template() -> None:

@@ -68,6 +68,25 @@ def measure(kind: str, n: int, n_out: int, blocks: list[int], device: str, copy_
     return row
 
 
+def ablation(n: int, copy_GBps: float) -> list[dict]:
+    """Where the write time goes at the largest prefill shape: warps x block size, dither on/off."""
+    from kvlib.kernels.write_int8 import write_int8
+
+    x = torch.randn(n, H_KV, D, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(2 * n, device="cuda")[:n]
+    pool = _pool(2 * n, 0, "cuda")
+    rows = []
+    for dith in (True, False):
+        for nw in (2, 4, 8):
+            for bs in (16, 32, 64, 128):
+                t = bench_ms(lambda bs=bs, nw=nw, dith=dith: write_int8(
+                    pool, 0, x, slots, backend="triton", validate=False, block_s=bs, num_warps=nw, dither=dith))
+                gbps = bandwidth_GBps(call_bytes(n), t.median_ms)
+                rows.append(dict(n_tokens=n, dither=dith, num_warps=nw, block_s=bs, ms=t.median_ms,
+                                 fraction_of_copy=gbps / copy_GBps))
+    return rows
+
+
 def run(profile: str) -> dict:
     """All shapes of ``profile``; on CUDA also the copy roofline and the best block size per shape."""
     if profile not in SHAPES:
@@ -85,6 +104,7 @@ def run(profile: str) -> dict:
     out = dict(device=torch.cuda.get_device_name() if cuda else "cpu", copy=copy, rows=rows,
                note="" if cuda else "CPU: torch reference only, a wiring check (no speed claim)")
     if cuda:
+        out["ablation"] = ablation(cfg["prefill"][-1], copy["bandwidth_GBps"])
         out["max_fraction_of_copy"] = max(r["fraction_of_copy"] for r in rows if r["kind"] == "prefill")
         out["all_bit_identical"] = all(r["bit_identical"] for r in rows)
     return out

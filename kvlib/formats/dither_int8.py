@@ -128,12 +128,15 @@ def dither_quantize(
     side: int = 0,
     include_outliers_in_amax: bool = False,
     dithered: bool = True,
+    quantize_scale: str = "stored",
 ) -> DitherQTensor:
     """Quantize ``x [S, d]`` of one (layer, kv_head, side) with the WitCert subtractive dither.
 
     ``include_outliers_in_amax=True`` keeps the bypassed channels in the group amax (the paper's
     controlled experiment: the scale then does not drop). ``dithered=False`` stores the same layout
-    with ``xi = 0`` (round to nearest; the read side's RTN-values mode).
+    with ``xi = 0`` (round to nearest; the read side's RTN-values mode). ``quantize_scale="fp32"``
+    reproduces the paper's bug for the contract chapter: codes computed with the fp32 ``amax / 126.5``
+    while the fp16 scale is stored (and used at read).
     """
     check_x(x)
     check_tensor("x", x, ndim=2)
@@ -157,7 +160,14 @@ def dither_quantize(
         xi = dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side).to(x.device)
     else:
         xi = torch.zeros_like(x32)
-    codes = quantize_codes(x32, s16, xi, group, zero=mask)
+    if quantize_scale == "stored":
+        codes = quantize_codes(x32, s16, xi, group, zero=mask)
+    elif quantize_scale == "fp32":
+        a = x32.abs() if mask is None or include_outliers_in_amax else x32.abs().masked_fill(mask, 0.0)
+        s32 = a.unflatten(-1, (-1, group)).amax(-1) / SCALE_DIV
+        codes = quantize_codes(x32, s32, xi, group, zero=mask)
+    else:
+        raise ValueError(f"quantize_scale must be 'stored' or 'fp32', got {quantize_scale!r}")
     outliers = None
     if oc is not None:
         outliers = x32[:, oc.to(x.device)].to(torch.float16)
@@ -179,6 +189,25 @@ def dither_dequantize(qt: DitherQTensor) -> torch.Tensor:
     if qt.outlier_channels is not None and qt.outliers is not None:
         out[:, qt.outlier_channels.to(out.device)] = qt.outliers.to(torch.float32)
     return out
+
+
+def residual(x: torch.Tensor, qt: DitherQTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact error in scale units and the scale, float64 ``[S, d]``: ``(s (c - xi) - x) / s`` and ``s``.
+
+    float64 holds ``s (c - xi) - x`` exactly for these operands (11-bit scale, 32-bit ``c - xi``,
+    fp32 ``x``), so this is the error of the stored value itself, before any fp32 read rounding.
+    Outlier channels get ``nan`` (their error is fp16 rounding, not ``s`` units).
+    """
+    d = qt.codes.shape[-1]
+    if qt.dithered:
+        xi = dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side).double()
+    else:
+        xi = torch.zeros(qt.codes.shape, dtype=torch.float64)
+    s = qt.scales.double().cpu().repeat_interleave(qt.group, -1)
+    eps = (s * (qt.codes.double().cpu() - xi) - x.double().cpu()) / s
+    if qt.outlier_channels is not None:
+        eps[:, qt.outlier_channels] = float("nan")
+    return eps, s
 
 
 def dither_int8_bytes(d: int, group: int = 32, n_out: int = 0) -> int:

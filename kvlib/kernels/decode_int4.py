@@ -30,7 +30,9 @@ from kvlib.hadamard import hadamard, hadamard_matrix
 from kvlib.merge import merge_states
 
 LOG2E = 1.4426950408889634
+_PROBE = int(os.environ.get('KV4_PROBE', '0'))
 LN2 = 0.6931471805599453
+LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
 
 
 def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
@@ -125,42 +127,90 @@ def _scalar_load(ptr):
 
 
 @triton.jit
+def _nibbles_i8(x, HIGH: tl.constexpr, FAST: tl.constexpr):
+    """Low (or high) nibbles of a uint8 code tile as int8. FAST: one PTX op per 4 codes (GPU only)."""
+    if FAST:
+        if HIGH:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4)
+    if HIGH:
+        return (x >> 4).to(tl.int8)
+    return (x & 15).to(tl.int8)
+
+
+@triton.jit
+def _nibbles_f16_plus1024(x, HIGH: tl.constexpr, FAST: tl.constexpr):
+    """``1024 + nibble`` as fp16 (exact). FAST: builds the fp16 bits ``0x6400 | c`` with byte permutes,
+    avoiding integer-to-float conversions (two PTX ops per 4 codes)."""
+    if FAST:
+        if HIGH:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, u; shr.u32 u, $2, 4; and.b32 t, u, 0x0F0F0F0F; "
+                "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 t, $2, 0x0F0F0F0F; "
+            "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
+        )  # fmt: skip
+    if HIGH:
+        return (x >> 4).to(tl.float16) + 1024.0
+    return (x & 15).to(tl.float16) + 1024.0
+
+
+@triton.jit
 def _main_block(
-    n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+    n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
     m_i, l_i, acc_e, acc_o, acc_m,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, FAST: tl.constexpr, PROBE: tl.constexpr = 0,
 ):  # fmt: skip
-    """One block of BLOCK_N positions: INT8 x INT4 QK, online softmax, PV; returns the updated state."""
+    """One block of BLOCK_N positions: INT4 codes x INT8 query, online softmax, PV; returns the updated state.
+
+    Scores are computed transposed, ``s^T [BLOCK_N, GP] = codes @ q8^T``, so the packed codes are the
+    row-major A operand of the tensor-core dot (no transposition of 8-bit tiles).
+    """
     half = tl.arange(0, HALF)
     offs = n0 + tl.arange(0, BLOCK_N)
     nm = offs < hi
     pos = kv_row0 + offs
     kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-    s_int = tl.dot(q_e, tl.trans((kc & 15).to(tl.int8)))
-    s_int += tl.dot(q_o, tl.trans((kc >> 4).to(tl.int8)))
+    if PROBE == 2:
+        s_int = tl.zeros([BLOCK_N, q_eT.shape[1]], tl.int32) + tl.sum(kc.to(tl.int32), axis=1)[:, None]
+    else:
+        s_int = tl.dot(_nibbles_i8(kc, False, FAST), q_eT)
+        s_int += tl.dot(_nibbles_i8(kc, True, FAST), q_oT)
     ks = tl.load(KS + pos, mask=nm, other=0.0).to(tl.float32)
     ko = tl.load(KO + pos, mask=nm, other=0.0).to(tl.float32)
-    s = (s_int.to(tl.float32) * qs[:, None] * ks[None, :] + qsum[:, None] * ko[None, :]) * sm_scale_log2
-    s = tl.where(nm[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    s = (s_int.to(tl.float32) * ks[:, None] * qs[None, :] + ko[:, None] * qsum[None, :]) * sm_scale_log2
+    s = tl.where(nm[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, GP]
     vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
     vs = tl.load(VS + pos, mask=nm, other=0.0).to(tl.float32)
     vo = tl.load(VO + pos, mask=nm, other=0.0).to(tl.float32)
-    pv = p * vs[None, :]
-    if INT_PV:
+    pv = tl.trans(p * vs[:, None])  # [GP, BLOCK_N]
+    if PROBE == 1:
+        acc_e = acc_e * alpha[:, None] + tl.sum(vc.to(tl.float32), axis=0)[None, :]
+    elif INT_PV:
         sc = tl.max(pv, axis=1) / 127.0
         sc = tl.where(sc > 0, sc, 1.0)
         pq = (pv / sc[:, None] + 0.5).to(tl.int8)
-        acc_e = acc_e * alpha[:, None] + tl.dot(pq, (vc & 15).to(tl.int8)).to(tl.float32) * sc[:, None]
-        acc_o = acc_o * alpha[:, None] + tl.dot(pq, (vc >> 4).to(tl.int8)).to(tl.float32) * sc[:, None]
+        acc_e = acc_e * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, False, FAST)).to(tl.float32) * sc[:, None]
+        acc_o = acc_o * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, True, FAST)).to(tl.float32) * sc[:, None]
+        acc_m = acc_m * alpha + tl.sum(p * vo[:, None], axis=0)
     else:
+        # fp16 codes are 1024 + c (exact); the 1024 Σ p16 excess is removed through acc_m
         p16 = pv.to(tl.float16)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p16, (vc & 15).to(tl.float16))
-        acc_o = acc_o * alpha[:, None] + tl.dot(p16, (vc >> 4).to(tl.float16))
-    acc_m = acc_m * alpha + tl.sum(p * vo[None, :], axis=1)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p16, _nibbles_f16_plus1024(vc, False, FAST))
+        acc_o = acc_o * alpha[:, None] + tl.dot(p16, _nibbles_f16_plus1024(vc, True, FAST))
+        excess = 1024.0 * tl.sum(p16.to(tl.float32), axis=1)
+        acc_m = acc_m * alpha + tl.sum(p * vo[:, None], axis=0) - excess
+    l_i = l_i * alpha + tl.sum(p, axis=0)
     m_i = m_new
     return m_i, l_i, acc_e, acc_o, acc_m
 
@@ -173,7 +223,7 @@ def _kv4_main_kernel(
     OUT, LSE,
     sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr, PROBE: tl.constexpr = 0,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -191,8 +241,8 @@ def _kv4_main_kernel(
     row_ok = rows < G
     half = tl.arange(0, HALF)
     qrow = (b * HQ + h * G + rows).to(tl.int64)
-    q_e = tl.load(Q8 + qrow[:, None] * D + 2 * half[None, :], mask=row_ok[:, None], other=0)
-    q_o = tl.load(Q8 + qrow[:, None] * D + 2 * half[None, :] + 1, mask=row_ok[:, None], other=0)
+    q_eT = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None], mask=row_ok[None, :], other=0)  # [HALF, GP]
+    q_oT = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None] + 1, mask=row_ok[None, :], other=0)
     qs = tl.load(QS + qrow, mask=row_ok, other=0.0)
     qsum = tl.load(QSUM + qrow, mask=row_ok, other=0.0)
 
@@ -206,15 +256,15 @@ def _kv4_main_kernel(
         n0 = lo
         while n0 < hi:
             m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV,
+                n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV, not INTERP, PROBE,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kv_row0, q_e, q_o, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV,
+                n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV, not INTERP, PROBE,
             )  # fmt: skip
 
     nonempty = l_i > 0
@@ -224,7 +274,7 @@ def _kv4_main_kernel(
     orow = qrow * SPLITS + sp
     tl.store(OUT + orow[:, None] * D + 2 * half[None, :], o_e, mask=row_ok[:, None])
     tl.store(OUT + orow[:, None] * D + 2 * half[None, :] + 1, o_o, mask=row_ok[:, None])
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
@@ -281,7 +331,7 @@ def kv4_main_decode(
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
     start: torch.Tensor, end: torch.Tensor,
     sm_scale: float | None = None, int_pv: bool = False, num_splits: int | None = None,
-    block_n: int = 64, backend: str = "auto",
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache.
 
@@ -319,7 +369,7 @@ def kv4_main_decode(
         o_s, lse_s, sm_scale * LOG2E, n,
         HKV=hkv, G=g, GP=16, D=d, BLOCK_N=block_n, SPLITS=splits, INT_PV=bool(int_pv),
         INTERP=not qp.q8.is_cuda,
-        num_warps=4, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages, PROBE=_PROBE,
     )  # fmt: skip
     if splits == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]

@@ -74,20 +74,23 @@ def as_side(x: Any, name: str) -> PoolSide:
         side = PoolSide(x.codes, x.scales, getattr(x, "outliers", None), getattr(x, "outlier_channels", None),
                         int(group or 32))
     else:
-        raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), got {type(x).__name__}")
+        raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), "
+                        f"got {type(x).__name__}")
     check_tensor(f"{name}.codes", side.codes, ndim=3, dtype=torch.int8)
     n_slots, hkv, d = side.codes.shape
     check_group(f"{name}.group", side.group, d)
     check_tensor(f"{name}.scales", side.scales, ndim=3, dtype=(torch.float16, torch.float32))
     if tuple(side.scales.shape) != (n_slots, hkv, d // side.group):
-        raise ValueError(f"{name}.scales must have shape {(n_slots, hkv, d // side.group)}, got {tuple(side.scales.shape)}")
+        raise ValueError(f"{name}.scales must have shape {(n_slots, hkv, d // side.group)}, "
+                         f"got {tuple(side.scales.shape)}")
     if (side.outliers is None) != (side.outlier_channels is None):
         raise ValueError(f"{name}.outliers and {name}.outlier_channels must be given together")
     if side.outliers is not None:
         check_tensor(f"{name}.outlier_channels", side.outlier_channels, ndim=2, floating=False)
         m = side.outlier_channels.shape[1]
         if tuple(side.outlier_channels.shape) != (hkv, m):
-            raise ValueError(f"{name}.outlier_channels must have shape [H_kv={hkv}, m], got {tuple(side.outlier_channels.shape)}")
+            raise ValueError(f"{name}.outlier_channels must have shape [H_kv={hkv}, m], "
+                             f"got {tuple(side.outlier_channels.shape)}")
         check_tensor(f"{name}.outliers", side.outliers, ndim=3, floating=True)
         if tuple(side.outliers.shape) != (n_slots, hkv, m):
             raise ValueError(f"{name}.outliers must have shape {(n_slots, hkv, m)}, got {tuple(side.outliers.shape)}")
@@ -122,7 +125,8 @@ def _check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tenso
     check_tensor("slots", slots, ndim=2, floating=False)
     check_tensor("seq_lens", seq_lens, ndim=1, floating=False)
     if slots.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"slots [B, max_len] and seq_lens [B] must have B={B} rows, got {tuple(slots.shape)}, {tuple(seq_lens.shape)}")
+        raise ValueError(f"slots [B, max_len] and seq_lens [B] must have B={B} rows, "
+                         f"got {tuple(slots.shape)}, {tuple(seq_lens.shape)}")
     if d % 4 != 0 or k.group % 4 != 0:
         raise ValueError(f"d={d} and group={k.group} must be multiples of 4 (one Philox call per four channels)")
 
@@ -156,6 +160,7 @@ def decode_reference(
     v = as_side(v_pool, "v_pool")
     _check_request(q, k, v, slots, seq_lens)
     delta = check_open_unit("delta", delta)
+    k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -189,6 +194,11 @@ def decode_reference(
     two, one, vac = bounds_from_AB(A, Bv)
     res = DecodeOut(o, lse, A, Bv, two, one, vac)
     return (res, probs) if return_probs else res
+
+
+def _side_cpu(side: PoolSide) -> PoolSide:
+    mv = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group)
 
 
 def merge_splits_reference(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
@@ -430,7 +440,7 @@ def _decode_int8_stage1(
 
 @triton.jit
 def _merge_splits_stage2(
-    O_S, LSE_S, A_S, B_S, O, LSE, A, B,
+    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, s_o_b, s_o_h, s_l_b, s_l_h,
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
 ):
@@ -449,7 +459,7 @@ def _merge_splits_stage2(
     o_s = tl.load(O_S + b * s_os_b + h * s_os_h + offs_s[:, None] * s_os_s + offs_d[None, :],
                   mask=mask_s[:, None], other=0.0)
     o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
-    tl.store(O + b * s_o_b + h * s_o_h + offs_d, o)
+    tl.store(OUT + b * s_o_b + h * s_o_h + offs_d, o)
     tl.store(LSE + b * s_l_b + h * s_l_h, m + tl.log(den))
     if CERT:
         a_s = tl.load(A_S + l_off, mask=mask_s, other=0.0)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kvlib._checks import check_tensor
-from kvlib.kernels.decode_int4 import LN2, LOG2E, QueryInt8, region_attention_ref, use_triton
+from kvlib.kernels.decode_int4 import LN2_C, LOG2E, QueryInt8, region_attention_ref, use_triton
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _protected_kernel(
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     tl.store(OUT + qrow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     tl.store(LSE + qrow, lse, mask=row_ok)
 
 

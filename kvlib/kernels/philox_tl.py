@@ -23,8 +23,15 @@ PHILOX_W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 
 
 @triton.jit
+def _scalar(v):
+    """Make a scalar argument a tensor: Triton passes an int argument equal to 1 as a Python int."""
+    return v + tl.zeros((), tl.int64)
+
+
+@triton.jit
 def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10):
     """Random123 philox4x32-N on uint32 blocks (counter c0..c3, key k0, k1); returns 4 words."""
+    # blocks or 0-d tensors (pass scalar kernel arguments through _scalar first)
     c0 = c0.to(tl.uint32)
     c1 = c1.to(tl.uint32)
     c2 = c2.to(tl.uint32)
@@ -58,8 +65,8 @@ def word_to_xi(w):
 @triton.jit
 def dither_words(slot, grp, kv_head, layer, side, k0, k1):
     """The four Philox words of counter ``(slot, grp, kv_head, (layer << 1) | side)``."""
-    c3 = (layer.to(tl.uint32) << 1) | side.to(tl.uint32)
-    return philox4x32(slot.to(tl.uint32), grp.to(tl.uint32), kv_head.to(tl.uint32), c3, k0, k1)
+    c3 = (_scalar(layer).to(tl.uint32) << 1) | _scalar(side).to(tl.uint32)
+    return philox4x32(slot, grp, _scalar(kv_head), c3, _scalar(k0), _scalar(k1))
 
 
 @triton.jit

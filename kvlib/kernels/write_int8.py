@@ -147,12 +147,15 @@ def write_int8(
     backend: str = "auto",
     validate: bool = True,
     block_s: int = 16,
+    num_warps: int = 4,
+    dither: bool | None = None,
 ) -> None:
     """Write ``x [N, H_kv, d]`` into ``pool`` at ``slots [N]`` for ``layer`` in one launch.
 
     ``validate=False`` skips the host-side checks that synchronise (NaN, slot range, duplicate
     slots); NaN then shows up as a NaN scale in the pool. ``backend``: ``"auto"`` (Triton on CUDA,
-    torch reference on CPU), ``"triton"``, or ``"torch"``.
+    torch reference on CPU), ``"triton"``, or ``"torch"``. ``dither=False`` overrides the pool's
+    setting (benchmark ablation only: the stored codes then break the pool's contract).
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
@@ -181,5 +184,6 @@ def write_int8(
         N, x.stride(0), x.stride(1),
         layer, pool.side, k0, k1,
         H=H, D=d, G=G, NOUT=nout, NOUT_P2=max(triton.next_power_of_2(nout), 1) if nout else 1,
-        INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered, BLOCK_S=block_s,
+        INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered if dither is None else dither,
+        BLOCK_S=block_s, num_warps=num_warps,
     )

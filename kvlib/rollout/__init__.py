@@ -16,6 +16,14 @@ from kvlib.rollout.laws import (
     pareto_law,
     uniform_law,
 )
+from kvlib.rollout.partial import (
+    CACHE_FORMATS,
+    CacheFormat,
+    CollectionResult,
+    PagePool,
+    make_pool,
+    simulate_collection,
+)
 from kvlib.rollout.sim import Trace, batch_means_se, simulate_async, simulate_sync
 from kvlib.rollout.theory import (
     Concentration,
@@ -34,6 +42,12 @@ from kvlib.rollout.theory import (
 )
 
 __all__ = [
+    "CACHE_FORMATS",
+    "CacheFormat",
+    "CollectionResult",
+    "PagePool",
+    "make_pool",
+    "simulate_collection",
     "Concentration",
     "LengthLaw",
     "PromptLengthLaw",

@@ -74,7 +74,7 @@ def check_prompt(name: str, P: object) -> float:
     return v
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LengthLaw:
     """A discrete law of response lengths ``L`` (decode steps of one response).
 
@@ -138,7 +138,7 @@ class LengthLaw:
         return int(self.lengths.size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PromptLengthLaw:
     """A joint discrete law of ``(P, L)`` pairs (prompt length, response length).
 

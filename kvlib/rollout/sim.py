@@ -19,7 +19,7 @@ import numpy as np
 from kvlib.rollout.laws import LengthLaw, PromptLengthLaw, check_block, check_prompt
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Trace:
     """Per-decode-step record of one simulated run (steps ``0..n_steps-1``).
 

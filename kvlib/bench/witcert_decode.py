@@ -1,0 +1,252 @@
+"""WitCert decode on the GPU: kernel vs reference, CUDA-graph replay, latency vs torch SDPA bf16.
+
+``run("gpu")`` (the lead runs ``python -m kvlib.bench witcert_decode`` on the H200):
+
+1. agreement with the float64 reference at the paper's shape (S=4096, batch 2, 28 query / 4 KV
+   heads, d=128) for split counts 1, 2, 8, 32: ``max|do|``, ``max|dcert|``;
+2. CUDA-graph replay of the certified decode step bit-identical to eager across interleaved
+   replays, with a finite certificate emitted at every captured step;
+3. latency (median, IQR) of torch SDPA bf16, our bf16 split-KV kernel, INT8 without certificate,
+   INT8 + ``A``, INT8 + ``A`` and ``B``, at the paper's shape and at long context (S up to 32k,
+   batch up to 64), two precision modes (``exact``: fp32 IEEE dots; ``fast``: 3xTF32 scores, fp16 P.V),
+   with the certificate's marginal cost and the byte roofline.
+
+Pools for the latency runs are filled with random codes/scales (speed does not depend on the
+values); correctness uses the real write path. Memory stays below ~12 GB; runtime about 1-2 minutes.
+On CPU (profiles ci/cpu) it is a wiring check only: tiny shapes, no speed claim.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from kvlib.bench.timing import bench_ms
+
+PAPER = dict(B=2, S=4096, hq=28, hkv=4, d=128)
+LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 32768)]
+MODES = {"exact": dict(k_precision="ieee", v_precision="ieee"), "fast": dict(k_precision="tf32x3", v_precision="fp16")}
+SEED = 0x5EED_0000_1234
+LAYER = 3
+
+
+def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8):
+    """A quantised pool from the real write path (K dithered with fp16 outliers, V RTN)."""
+    from kvlib.kernels.decode_int8 import make_pool_side
+
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(B * S, hkv, d, generator=g)
+    K[:, :, :4] *= 8.0  # a few strong channels, bypassed
+    V = torch.randn(B * S, hkv, d, generator=g)
+    oc = torch.arange(n_out).expand(hkv, n_out).contiguous() if n_out else None
+    perm = torch.randperm(B * S, generator=g)
+    kp = make_pool_side(K, layer=LAYER, seed=SEED, side=0, slot_ids=perm, outlier_channels=oc)
+    vp = make_pool_side(V, layer=LAYER, seed=SEED, side=1, slot_ids=perm, dithered=False)
+    move = lambda s: type(s)(s.codes.to(device), s.scales.to(device),  # noqa: E731
+                             None if s.outliers is None else s.outliers.to(device),
+                             None if s.outlier_channels is None else s.outlier_channels.to(device), s.group)
+    slots = perm.view(B, S).to(torch.int32).to(device)
+    seq = torch.full((B,), S, dtype=torch.int32, device=device)
+    q = torch.randn(B, hq, d, generator=g).to(device)
+    return q, move(kp), move(vp), slots, seq
+
+
+def _agreement(device: str) -> dict:
+    from kvlib.kernels.decode_int8 import decode_int8, decode_reference
+
+    p = PAPER if device == "cuda" else dict(B=2, S=64, hq=4, hkv=2, d=64)
+    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
+    t0 = time.perf_counter()
+    ref = decode_reference(q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED)
+    out: dict[str, Any] = {"shape": p, "reference_s": time.perf_counter() - t0, "splits": {}}
+    for mode, kw in MODES.items():
+        if device != "cuda" and mode != "exact":
+            continue
+        for ns in (1, 2, 8, 32):
+            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, **kw)
+            out["splits"][f"{mode}/{ns}"] = {
+                "max_abs_do": float((r.o.double().cpu() - ref.o).abs().max()),
+                "max_abs_dlse": float((r.lse.double().cpu() - ref.lse).abs().max()),
+                "max_abs_dA": float((r.A.double().cpu() - ref.A).abs().max()),
+                "max_abs_dcert": float((r.tv_bound.cpu() - ref.tv_bound).abs().max()),
+                "max_abs_dcert_one": float((r.tv_bound_one.cpu() - ref.tv_bound_one).abs().max()),
+            }
+    out["cert_range"] = [float(ref.tv_bound.min()), float(ref.tv_bound.max())]
+    return out
+
+
+def _cpu(side):
+    return type(side)(side.codes.cpu(), side.scales.cpu(), None if side.outliers is None else side.outliers.cpu(),
+                      None if side.outlier_channels is None else side.outlier_channels.cpu(), side.group)
+
+
+def _graph_replay(device: str) -> dict:
+    """Capture one certified decode step; interleave eager runs and replays; compare bitwise."""
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    p = PAPER
+    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
+    q_static = q.clone()
+    step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8)  # noqa: E731
+    eager = step()  # compile outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    fields = ("o", "lse", "A", "B", "tv_bound")
+    identical = []
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        e = step()
+        identical.append(all(torch.equal(getattr(static_out, f), getattr(e, f)) for f in fields)
+                         and all(torch.equal(getattr(static_out, f), getattr(eager, f)) for f in fields))
+    # a certificate at every captured step: new queries copied into the static buffer
+    g = torch.Generator(device="cpu").manual_seed(1)
+    certs = []
+    for _ in range(8):
+        q_static.copy_(torch.randn(q.shape, generator=g).to(device))
+        graph.replay()
+        certs.append(static_out.tv_bound.clone())
+    torch.cuda.synchronize()
+    c = torch.stack(certs)
+    return {"interleaved_replays": len(identical), "bit_identical": all(identical), "per_replay": identical,
+            "steps": len(certs), "certs_per_step": int(c[0].numel()),
+            "finite_cert_every_step": bool(torch.isfinite(c).all()), "cert_max": float(c.max())}
+
+
+def _random_pools(B: int, S: int, hkv: int, d: int, device: str, group: int = 32):
+    from kvlib.kernels.decode_int8 import PoolSide
+
+    n = B * S
+    mk = lambda: PoolSide(  # noqa: E731
+        torch.randint(-127, 128, (n, hkv, d), dtype=torch.int8, device=device),
+        (torch.rand(n, hkv, d // group, device=device) * 0.02 + 0.005).half(), group=group)
+    return mk(), mk()
+
+
+def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms: float) -> dict:
+    """All timings of one shape (a function scope, so its tensors are freed on return)."""
+    from kvlib.kernels.decode_bf16 import decode_bf16
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    kp, vp = _random_pools(B, S, hkv, d, device)
+    slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)
+    seq = torch.full((B,), S, dtype=torch.int32, device=device)
+    q = torch.randn(B, hq, d, device=device)
+    qb = q.to(torch.bfloat16)
+    kb = (kp.codes.float() * 0.01).to(torch.bfloat16)
+    vb = (vp.codes.float() * 0.01).to(torch.bfloat16)
+    # torch SDPA over contiguous [B, H_kv, S, d] (its best case: no paging)
+    k4 = kb.view(B, S, hkv, d).transpose(1, 2).contiguous()
+    v4 = vb.view(B, S, hkv, d).transpose(1, 2).contiguous()
+    q4 = qb.view(B, hq, 1, d)
+    t: dict[str, Any] = {}
+    t["sdpa_bf16"] = bench_ms(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True), rep_ms=rep_ms).as_dict()
+    t["ours_bf16"] = bench_ms(lambda: decode_bf16(qb, kb, vb, slots, seq), rep_ms=rep_ms).as_dict()
+    for mode, kw in MODES.items():
+        base = dict(layer=LAYER, seed=SEED, **kw)
+        for name, cert, cert_b in (("int8", False, False), ("int8_cert_A", True, False), ("int8_cert_AB", True, True)):
+            fn = lambda c=cert, cb=cert_b, kw=base: decode_int8(q, kp, vp, slots, seq, cert=c, cert_b=cb, **kw)  # noqa: E731
+            t[f"{name}_{mode}"] = bench_ms(fn, rep_ms=rep_ms).as_dict()
+        off = t[f"int8_{mode}"]["median_ms"]
+        t[f"cert_cost_A_{mode}"] = t[f"int8_cert_A_{mode}"]["median_ms"] / off - 1
+        t[f"cert_cost_AB_{mode}"] = t[f"int8_cert_AB_{mode}"]["median_ms"] / off - 1
+        t[f"speedup_vs_sdpa_cert_A_{mode}"] = t["sdpa_bf16"]["median_ms"] / t[f"int8_cert_A_{mode}"]["median_ms"]
+    int8_bytes = 2 * B * S * hkv * (d + 2 * d // 32)
+    bf16_bytes = 2 * B * S * hkv * d * 2
+    gbps = {m: int8_bytes / (t[f"int8_cert_A_{m}"]["median_ms"] * 1e-3) / 1e9 for m in MODES}
+    return {"timings": t, "int8_bytes": int8_bytes, "bf16_bytes": bf16_bytes, "int8_GBps_cert_A": gbps,
+            "sdpa_GBps": bf16_bytes / (t["sdpa_bf16"]["median_ms"] * 1e-3) / 1e9}
+
+
+def _latency(device: str, shapes: list[tuple[int, int]], hq: int, hkv: int, d: int, rep_ms: float) -> list[dict]:
+    rows = []
+    for B, S in shapes:
+        row: dict[str, Any] = {"B": B, "S": S, "hq": hq, "hkv": hkv, "d": d}
+        try:
+            row.update(_latency_one(device, B, S, hq, hkv, d, rep_ms))
+        except torch.cuda.OutOfMemoryError as e:  # keep the other shapes
+            row["error"] = f"out of memory: {e}"
+        torch.cuda.empty_cache()
+        rows.append(row)
+        timings = row.get("timings", {})
+        print(f"   latency B={B} S={S}: " + ", ".join(
+            f"{k}={v['median_ms']:.4f}" for k, v in timings.items() if isinstance(v, dict)), flush=True)
+    return rows
+
+
+def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128, rep_ms: float = 50.0) -> list[dict]:
+    """Latency of the INT8 kernel over launch parameters (block_n, num_warps, num_stages, splits) on CUDA."""
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    kp, vp = _random_pools(B, S, hkv, d, "cuda")
+    slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, hq, d, device="cuda")
+    out = []
+    for mode, kw in MODES.items():
+        for block_n in (16, 32, 64):
+            for num_warps in (2, 4, 8):
+                for num_stages in (1, 2, 3):
+                    for ns in (None, 16):
+                        cfg = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=ns)
+                        try:
+                            ms = bench_ms(lambda c=cfg: decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED,
+                                                                    cert=True, cert_b=False, **kw, **c),
+                                          rep_ms=rep_ms).median_ms
+                        except Exception as e:  # noqa: BLE001 - a config may not compile (resources)
+                            ms = float("nan")
+                            cfg["error"] = str(e)[:200]
+                        out.append(dict(mode=mode, ms=ms, **cfg))
+                        print(f"   sweep {mode} {cfg}: {ms:.4f} ms", flush=True)
+    return out
+
+
+def run(profile: str) -> dict:
+    """Run the benchmark; ``profile`` is ``ci``/``cpu`` (wiring check) or ``gpu`` (the real measurement)."""
+    if profile not in ("ci", "cpu", "gpu"):
+        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise RuntimeError("profile 'gpu' needs a CUDA device; use --profile ci on CPU")
+    device = "cuda" if cuda else "cpu"
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                           "modes": {m: dict(kw) for m, kw in MODES.items()}}
+    t0 = time.perf_counter()
+    if not cuda:
+        import os
+
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        res["note"] = "CPU wiring check: no speed claim" + ("" if interp else " (kernels fall back to torch)")
+        res["agreement"] = _agreement(device)
+        return res
+    res["agreement"] = _agreement(device)
+    print(f"   agreement done ({time.perf_counter() - t0:.1f}s)", flush=True)
+    res["cuda_graph"] = _graph_replay(device)
+    print(f"   graph replay: {res['cuda_graph']['bit_identical']}", flush=True)
+    shapes = [(PAPER["B"], PAPER["S"])] + LONG
+    res["latency"] = _latency(device, shapes, PAPER["hq"], PAPER["hkv"], PAPER["d"], rep_ms=100.0)
+    long = [r for r in res["latency"] if r["S"] >= 16384 and "timings" in r]
+    if long:
+        res["summary"] = {
+            "min_speedup_vs_sdpa_S>=16k": {m: min(r["timings"][f"speedup_vs_sdpa_cert_A_{m}"] for r in long)
+                                           for m in MODES},
+            "max_cert_cost_A": {m: max(r["timings"][f"cert_cost_A_{m}"] for r in res["latency"] if "timings" in r)
+                                for m in MODES},
+            "median_cert_cost_A": {m: float(torch.tensor([r["timings"][f"cert_cost_A_{m}"] for r in res["latency"]
+                                                          if "timings" in r]).median()) for m in MODES},
+        }
+    res["runtime_s"] = time.perf_counter() - t0
+    if not math.isfinite(res["runtime_s"]):
+        raise RuntimeError("bad clock")
+    return res

@@ -1,0 +1,370 @@
+# ruff: noqa: E501  (notebook cell sources are kept as written)
+"""Writes the synthetic notebooks of the kv4rl chapter (run: .venv/bin/python notebooks/kv4rl/make_notebooks.py).
+
+Kept as code so the cells stay reviewable in diffs; the .ipynb files are what the book runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+
+def md(src: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(src.strip())
+
+
+def code(src: str, hide: bool = True) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]} if hide else {})
+
+
+def params(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
+
+
+def representation() -> nbformat.NotebookNode:
+    cells = [
+        md(
+            """
+# The KV4 representation on synthetic keys: rotation, exact merge, bits vs error
+
+**Question.** Three properties carry the KV4-RL design, before any model is involved. (1) Rotating
+queries and keys by the same normalised Hadamard matrix leaves unquantised attention scores
+unchanged, so keys may be stored rotated. (2) Splitting the positions into a protected region and an
+INT4 region and merging the two softmax states with `merge_states` gives exactly single-pass
+attention, for any split. (3) What each storage format costs in bits per element and in score error
+on keys with outlier channels, with and without rotation. Do our implementations in `kvlib` show
+these, and do the byte accounts match the paper's 4.25 / 5.00 / 6.00 / 4.75 / 4.25 bits?
+
+Keys are Gaussian with a few channels scaled up (outlier channels, as in post-RoPE keys of real
+models); queries are Gaussian. Score error is the RMS error of `q·k̂/√d` against `q·k/√d`. This is a
+synthetic proxy: the KL of a real model under each format is measured by the fidelity probe.
+"""
+        ),
+        params(
+            """
+profile = "cpu"
+n_tokens = 2048  # keys per synthetic head
+n_queries = 64
+d = 128
+n_outliers = 4  # outlier channels per head
+outlier_scale = 20.0
+n_splits = 20  # random region splits checked for merge exactness
+seed = 0
+"""
+        ),
+        code(
+            """
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+from IPython.display import Markdown, display
+
+from kvlib.book import Run
+from kvlib.formats import get_format
+from kvlib.hadamard import hadamard
+from kvlib.kernels.decode_int4 import region_attention_ref
+from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4rl_decode
+from kvlib.merge import merge_states
+
+run = Run(
+    "kv4rl_representation",
+    profile=profile,
+    params=dict(n_tokens=n_tokens, n_queries=n_queries, d=d, n_outliers=n_outliers,
+                outlier_scale=outlier_scale, n_splits=n_splits, seed=seed),
+)
+g = torch.Generator().manual_seed(seed)
+keys = torch.randn(n_tokens, d, generator=g, dtype=torch.float64)
+out_ch = torch.randperm(d, generator=g)[:n_outliers]
+keys[:, out_ch] *= outlier_scale
+queries = torch.randn(n_queries, d, generator=g, dtype=torch.float64)
+"""
+        ),
+        md("## 1. Rotating q and k by H leaves the scores unchanged"),
+        code(
+            """
+s = queries @ keys.T
+s_rot = hadamard(queries) @ hadamard(keys).T
+rel64 = ((s_rot - s).abs().max() / s.abs().max()).item()
+s32 = queries.float() @ keys.float().T
+s32_rot = hadamard(queries.float()) @ hadamard(keys.float()).T
+rel32 = ((s32_rot - s32).abs().max() / s32.abs().max()).item()
+run.glue("rot_rel_err_f64", rel64)
+run.glue("rot_rel_err_f32", rel32)
+amax_ratio = (keys.abs().amax(-1) / hadamard(keys).abs().amax(-1)).median().item()
+run.glue("rot_amax_ratio", amax_ratio)
+print(f"max |Δscore| / max |score|: float64 {rel64:.1e}, float32 {rel32:.1e}")
+print(f"rotation shrinks the per-vector max |k_i| by a median factor of {amax_ratio:.1f}")
+run.claim("kv4rl-hadamard-scores", ours=f"max relative score change {rel64:.0e} (float64), {rel32:.0e} (float32)",
+          verdict="reproduced" if rel64 < 1e-12 and rel32 < 1e-5 else "differs",
+          why="" if rel64 < 1e-12 else "rounding larger than expected")
+"""
+        ),
+        md(
+            """
+The identity holds to float64 rounding. Rotation spreads each outlier channel over all 128 coordinates:
+the largest coordinate of a key shrinks by the factor printed above, and with it the single affine
+step `Δ = (max - min)/15` that a whole-head INT4 group must use.
+"""
+        ),
+        md("## 2. Any split into two regions merges exactly"),
+        code(
+            """
+B, HQ, HKV, N = 4, 8, 2, 512
+qb = torch.randn(B, HQ, d, generator=g)
+kb = torch.randn(B, HKV, N, d, generator=g)
+vb = torch.randn(B, HKV, N, d, generator=g)
+lengths = torch.tensor([512, 300, 145, 20])
+valid = torch.arange(N)[None, :] < lengths[:, None]
+o_ref, lse_ref = region_attention_ref(qb, kb, vb, valid, d ** -0.5)
+worst_o = worst_lse = 0.0
+for i in range(n_splits):
+    frac = torch.rand(B, 1, generator=g)
+    region = torch.rand(B, N, generator=g) < frac
+    o_a, l_a = region_attention_ref(qb, kb, vb, valid & region, d ** -0.5)
+    o_b, l_b = region_attention_ref(qb, kb, vb, valid & ~region, d ** -0.5)
+    o, lse = merge_states(o_a, l_a, o_b, l_b)
+    worst_o = max(worst_o, (o - o_ref).abs().max().item())
+    worst_lse = max(worst_lse, (lse - lse_ref).abs().max().item())
+cache = build_kv4_batch(kb, vb, lengths, sink=16, recent=128)
+o_rl, lse_rl = kv4rl_decode(qb, cache, backend="torch")  # two regions + merge_states
+o_1, lse_1 = decode_ref(qb, cache)  # one pass over the same dequantised values
+kv4rl_err = max((o_rl - o_1).abs().max().item(), (lse_rl - lse_1).abs().max().item())
+run.glue("merge_worst_o", worst_o)
+run.glue("merge_worst_lse", worst_lse)
+run.glue("kv4rl_two_region_err", kv4rl_err)
+print(f"{n_splits} random splits: max |Δo| = {worst_o:.1e}, max |Δlse| = {worst_lse:.1e} (float32 outputs)")
+print(f"KV4-RL regions (sink 16, recent 128) merged vs single pass over the same values: {kv4rl_err:.1e}")
+ok = max(worst_o, worst_lse, kv4rl_err) < 1e-5
+run.claim("kv4rl-merge-exact", ours=f"max deviation {max(worst_o, worst_lse, kv4rl_err):.0e} over {n_splits} random splits "
+          "and the KV4-RL split (float32 outputs of float64 math)",
+          verdict="reproduced" if ok else "differs", why="" if ok else "merge deviates beyond float32 rounding")
+"""
+        ),
+        md(
+            """
+Every random split, including empty regions and the ragged KV4-RL split (a request of 20 tokens
+has an empty INT4 region), gives the single-pass output and log-normaliser to float32 rounding.
+The merge is the algebraic identity `lse = logaddexp(lse_1, lse_2)`, so this is the expected result.
+"""
+        ),
+        md("## 3. Bits per element against score error"),
+        code(
+            """
+configs = [
+    ("kv4", dict(rotate="none")), ("kv4", dict(rotate="k")),
+    ("kv4-g32", dict(rotate="none")), ("kv4-g32", dict(rotate="k")),
+    ("kv4-g16", dict(rotate="none")), ("kv4-g16", dict(rotate="k")),
+    ("nvfp4", dict(rotate="none")), ("nvfp4", dict(rotate="k")),
+    ("mxfp4", dict(rotate="none")), ("mxfp4", dict(rotate="k")),
+    ("kivi2", dict()),
+]
+k32 = keys.float()
+s_true = (queries.float() @ k32.T) / d ** 0.5
+rows = []
+for name, opt in configs:
+    f = get_format(name, **opt)
+    packed = f.write(k32, side=0)
+    k_hat = f.read(packed)
+    s_hat = (queries.float() @ k_hat.T) / d ** 0.5
+    n_q = k32.shape[0] if name != "kivi2" else packed.codes.shape[0]  # KIVI: bits of the quantised part
+    rows.append(dict(
+        format=name, rotation=opt.get("rotate", "none"),
+        bits_layout=f.bytes_per_position(d) * 8 / d,
+        bits_measured=(f.nbytes(packed) - (packed.residual.numel() * 2 if name == "kivi2" else 0)) * 8 / (n_q * d),
+        key_rel_mse=((k_hat - k32).pow(2).mean() / k32.pow(2).mean()).item(),
+        score_rmse=(s_hat - s_true).pow(2).mean().sqrt().item(),
+    ))
+df = pd.DataFrame(rows)
+run.record("formats", rows)
+display(df.style.format({"bits_layout": "{:.2f}", "bits_measured": "{:.2f}", "key_rel_mse": "{:.2e}", "score_rmse": "{:.2e}"}))
+fig, ax = plt.subplots(figsize=(6.5, 4))
+sns.scatterplot(data=df, x="bits_layout", y="score_rmse", hue="format", style="rotation", s=90, ax=ax)
+ax.set_yscale("log")
+ax.set_xlabel("bits per element (codes + scales)")
+ax.set_ylabel("RMS score error  |q·k̂ − q·k| / √d")
+ax.set_title(f"synthetic keys, {n_outliers} outlier channels x{outlier_scale:g}")
+run.glue_fig("fig_bits_vs_error", fig)
+fig
+"""
+        ),
+        code(
+            """
+def get(name, rot, col):
+    return df[(df.format == name) & (df.rotation == rot)][col].item()
+
+bits = {n: get(n, "none", "bits_layout") for n in ["kv4", "kv4-g32", "kv4-g16", "nvfp4", "mxfp4"]}
+measured_ok = bool((df.bits_layout - df.bits_measured).abs().max() < 1e-9)
+for n, b in bits.items():
+    run.glue(f"bits_{n}", b)
+krot_gain = get("kv4", "none", "score_rmse") / get("kv4", "k", "score_rmse")
+nv_rot = get("nvfp4", "k", "score_rmse") / get("nvfp4", "none", "score_rmse")
+nv_vs_kv4 = get("nvfp4", "none", "score_rmse") / get("kv4", "k", "score_rmse")
+g32_gain = get("kv4", "k", "score_rmse") / get("kv4-g32", "k", "score_rmse")
+g16_gain = get("kv4", "k", "score_rmse") / get("kv4-g16", "k", "score_rmse")
+for key, val in dict(krot_gain=krot_gain, nvfp4_rot_ratio=nv_rot, nvfp4_vs_kv4rot=nv_vs_kv4,
+                     g32_gain=g32_gain, g16_gain=g16_gain).items():
+    run.glue(key, val)
+print(f"K rotation lowers whole-head INT4 score error {krot_gain:.1f}x; groups of 32 / 16 (rotated) a further "
+      f"{g32_gain:.2f}x / {g16_gain:.2f}x; NVFP4 with/without rotation: {nv_rot:.2f}; "
+      f"NVFP4 (no rotation) vs KV4 (K rotation): {nv_vs_kv4:.2f}")
+
+def exact(got, want):
+    return "reproduced" if abs(got - want) < 1e-9 and measured_ok else "differs"
+
+run.claim("kv4rl-bits-kv4", ours=f"{bits['kv4']:.2f} bits (layout = allocated bytes)", verdict=exact(bits["kv4"], 4.25),
+          why="" if exact(bits["kv4"], 4.25) == "reproduced" else "byte account differs")
+ok = exact(bits["kv4-g32"], 5.0) == exact(bits["kv4-g16"], 6.0) == "reproduced"
+run.claim("kv4rl-bits-groups", ours=f"{bits['kv4-g32']:.2f} and {bits['kv4-g16']:.2f} bits",
+          verdict="reproduced" if ok else "differs", why="" if ok else "byte account differs")
+ok = exact(bits["nvfp4"], 4.75) == exact(bits["mxfp4"], 4.25) == "reproduced"
+run.claim("kv4rl-bits-fp4", ours=f"NVFP4 {bits['nvfp4']:.2f}, MXFP4 {bits['mxfp4']:.2f} bits",
+          verdict="reproduced" if ok else "differs", why="" if ok else "byte account differs")
+run.claim("kv4rl-krot", ours=f"synthetic keys: K rotation lowers whole-head INT4 score RMSE {krot_gain:.1f}x",
+          verdict="reproduced" if krot_gain > 2 else "differs",
+          why="synthetic proxy (score error on outlier-channel keys), not model KL; the fidelity probe measures KL")
+run.claim("kv4rl-fp4-kl", ours=f"synthetic: NVFP4 score RMSE with/without K rotation {nv_rot:.2f}x; "
+          f"NVFP4 (none) / INT4 (K rot) {nv_vs_kv4:.2f}x",
+          verdict="reproduced" if nv_rot > 1 else "differs",
+          why="synthetic proxy (score error), not model KL" + ("" if nv_rot > 1 else
+              "; on these keys rotation does not hurt NVFP4 (its 16-element scales already isolate outlier channels)"))
+"""
+        ),
+        md(
+            """
+**Reading the figure.** The byte account of every format equals the bytes its packed tensors
+allocate (`bits_layout` = `bits_measured`). Whole-head INT4 without rotation pays for the outlier
+channels with a coarse step on every coordinate; K rotation removes most of that error, and finer
+groups buy the rest at 5 and 6 bits. NVFP4 and MXFP4 use per-block scales, so outlier channels hurt
+them less without rotation. The 2-bit KIVI baseline sits far above at 3 bits (its per-channel key
+groups help with outlier channels but 4 levels are coarse).
+"""
+        ),
+        md("## Paper vs this run"),
+        code("run.claims_table()"),
+        md(
+            """
+**Verdict.** The two identities the design rests on hold to rounding in our implementation: Hadamard
+rotation preserves unquantised scores, and the two-region merge equals single-pass attention for any
+split. The byte accounts match the paper's bits per element for KV4, its group variants, NVFP4 and
+MXFP4. On synthetic keys with outlier channels, K rotation is what makes whole-head INT4 usable;
+whether these score-error orderings carry over to a model's next-token distribution is the
+fidelity probe's question.
+"""
+        ),
+        code("run.save()"),
+    ]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def latency() -> nbformat.NotebookNode:
+    cells = [
+        md(
+            """
+# KV4 and KV4-RL decode latency on the H200
+
+**Question.** Does our Triton INT4 decode attention turn the 3.76x byte reduction of KV4 (4.25 bits
+against bf16) into decode speed against torch SDPA bf16, and does KV4-RL (an INT8 side buffer of
+sink 16 + recent 128 positions, a second kernel and an exact merge) keep at least 97% of KV4's
+speed? Shapes: d = 128, GQA 32:8, batch 32-512, contexts 1k-16k, and two ragged suites.
+
+The numbers come from `python -m kvlib.bench kv4` run on the lent H200 (`data/results/gpu/kv4.json`);
+this notebook renders them and runs anywhere. Note the paper's speedups are for whole decode steps in
+an engine, ours for the attention kernel alone.
+"""
+        ),
+        params(
+            """
+profile = "cpu"
+source_profile = "gpu"  # which result file of the benchmark to render
+"""
+        ),
+        code(
+            """
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from IPython.display import Markdown, display
+
+from kvlib.book import Run
+from kvlib.provenance import load_result
+
+run = Run("kv4rl_latency", profile=profile, params=dict(source_profile=source_profile))
+res = load_result("kv4", source_profile)
+if res is None:
+    display(Markdown(
+        f"**Pending.** `data/results/{source_profile}/kv4.json` does not exist yet: the lead runs "
+        "`python -m kvlib.bench kv4` on the H200. Nothing below is a measurement."))
+else:
+    prov, r = res["provenance"], res["results"]
+    print(f"measured on {r['device']} at commit {prov['commit'][:12]}, {prov['started']}")
+    print(f"copy bandwidth {r['copy_bandwidth']['bandwidth_GBps']:.0f} GB/s; merge: {r['merge']}")
+"""
+        ),
+        code(
+            """
+if res is not None:
+    fixed = pd.DataFrame(r["fixed"])
+    ragged = pd.DataFrame(r["ragged"])
+    cols = ["batch", "ctx_max", "sdpa_bf16_ms", "kv4_ms", "kv4_intpv_ms", "kv4rl_ms", "kv4_speedup_vs_sdpa",
+            "kv4rl_frac_of_kv4", "kv4_GBps", "sdpa_GBps"]
+    display(fixed[cols].round(3))
+    display(Markdown("Ragged suites (SDPA runs on the padded batch):"))
+    display(ragged[["batch", "ctx_mean", "ctx_max"] + cols[2:]].round(3))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    sns.lineplot(data=fixed, x="ctx_max", y="kv4_speedup_vs_sdpa", hue="batch", marker="o", ax=axes[0], palette="viridis")
+    axes[0].axhline(3.0, ls="--", c="k", lw=1, label="goal 3.0x")
+    axes[0].axhline(16 / 4.25, ls=":", c="r", lw=1, label="byte limit 3.76x")
+    axes[0].set_xscale("log", base=2); axes[0].set_ylabel("KV4 speedup vs SDPA bf16"); axes[0].legend(fontsize=7)
+    sns.lineplot(data=fixed, x="ctx_max", y="kv4rl_frac_of_kv4", hue="batch", marker="o", ax=axes[1], palette="viridis")
+    axes[1].axhline(0.97, ls="--", c="k", lw=1)
+    axes[1].set_xscale("log", base=2); axes[1].set_ylabel("KV4-RL speed / KV4 speed")
+    fig.tight_layout()
+    run.glue_fig("fig_latency", fig)
+    display(fig)
+    gl = r["goals"]
+    for k in ("kv4_speedup_long_ctx_min", "kv4rl_frac_min", "kv4rl_frac_ragged_aggregate"):
+        run.glue(k, gl[k])
+    best = fixed.kv4_speedup_vs_sdpa.max()
+    run.glue("kv4_speedup_max", best)
+    run.claim("kv4rl-kv4-kernel-speedup",
+              ours=f"attention kernel only: {fixed.kv4_speedup_vs_sdpa.min():.2f}-{best:.2f}x vs SDPA bf16 (fixed shapes)",
+              verdict="reproduced" if 1.44 <= best else "differs",
+              why="kernel-level, not whole decode step; issue goal 3.0x is "
+                  + ("met" if gl["kv4_speedup_long_ctx_min"] >= 3.0 else "not met"))
+    agg = gl["kv4rl_frac_ragged_aggregate"]
+    run.claim("kv4rl-protect-speed", ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); "
+              f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
+              verdict="reproduced" if agg >= 0.94 else "differs",
+              why="" if agg >= 0.94 else "our protected path costs more than the paper's at these shapes")
+else:
+    for cid in ("kv4rl-kv4-kernel-speedup", "kv4rl-protect-speed"):
+        run.claim(cid, ours="pending", verdict="not reproducible here", why="GPU result not yet produced")
+"""
+        ),
+        md("## Paper vs this run"),
+        code("run.claims_table()"),
+        md(
+            """
+**Verdict.** See the table: the kernel-level speedup of KV4 over SDPA bf16 and the share of KV4's
+speed that KV4-RL keeps, measured at the shapes above, against the paper's whole-step figures and
+the issue's goals (KV4 >= 3.0x at long context, KV4-RL >= 97%).
+"""
+        ),
+        code("run.save()"),
+    ]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+if __name__ == "__main__":
+    nbformat.write(representation(), HERE / "kv4_representation.ipynb")
+    nbformat.write(latency(), HERE / "kv4_latency.ipynb")

@@ -1,0 +1,36 @@
+"""fp16/bf16 baseline decode kernel (interpreter on CPU) against its float64 reference."""
+
+import pytest
+import torch
+
+from kvlib.kernels.decode_bf16 import decode_bf16, decode_bf16_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
+
+
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,ns", [(torch.float16, 4, 2, 1), (torch.float16, 7, 1, 3), (torch.bfloat16, 2, 2, 2)]
+)
+def test_baseline_matches_reference(dtype, hq, hkv, ns):
+    g = torch.Generator().manual_seed(hq + ns)
+    B, S, d = 2, 37, 32
+    n_slots = B * S + 5
+    k = torch.randn(n_slots, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n_slots, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(n_slots, generator=g)[: B * S].view(B, S).to(torch.int32)
+    seq = torch.tensor([S, 5], dtype=torch.int32)
+    q = torch.randn(B, hq, d, generator=g).to(dtype)
+    ref = decode_bf16_reference(q, k, v, slots, seq)
+    out = decode_bf16(q.to(DEV), k.to(DEV), v.to(DEV), slots.to(DEV), seq.to(DEV), num_splits=ns, block_n=16)
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(out.o.double().cpu(), ref.o, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.lse.double().cpu(), ref.lse, atol=tol, rtol=tol)
+
+
+def test_baseline_bad_shapes():
+    k = torch.zeros(4, 2, 32, dtype=torch.float16)
+    sl, n = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_bf16(torch.zeros(1, 3, 32), k, k, sl, n)
+    with pytest.raises(TypeError, match="v"):
+        decode_bf16(torch.zeros(1, 2, 32), k, k.float(), sl, n)

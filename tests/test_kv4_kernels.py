@@ -1,0 +1,167 @@
+"""KV4 / KV4-RL decode: Triton kernels (interpreter on CPU) vs torch references, and the exact regional merge."""
+
+import pytest
+import torch
+
+from kvlib.formats import get_format
+from kvlib.kernels.decode_int4 import (
+    kv4_main_decode,
+    kv4_main_decode_ref,
+    merge_splits,
+    merge_splits_ref,
+    prepare_query,
+    prepare_query_ref,
+    region_attention_ref,
+)
+from kvlib.kernels.decode_protected import protected_decode, protected_decode_ref
+from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, dequantized_kv, kv4_decode, kv4rl_decode
+from kvlib.merge import merge_states
+
+B, HQ, HKV, N, D = 3, 4, 2, 90, 32
+LENGTHS = torch.tensor([90, 30, 5])
+
+
+def _qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, D, generator=g)
+    k = torch.randn(B, HKV, N, D, generator=g)
+    k[..., 3] *= 10
+    v = torch.randn(B, HKV, N, D, generator=g)
+    return q, k, v
+
+
+def _close(a, b, atol):
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin)
+    assert (a[fin] - b[fin]).abs().max() <= atol
+
+
+def test_prepare_query_kernel_matches_reference():
+    q, _, _ = _qkv()
+    a, b = prepare_query(q, backend="triton"), prepare_query_ref(q)
+    assert (a.q8.int() - b.q8.int()).abs().max() <= 1
+    assert torch.allclose(a.scale, b.scale, rtol=1e-5)
+    assert torch.allclose(a.qsum, b.qsum, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("int_pv", [False, True])
+def test_main_kernel_matches_reference_ragged(int_pv):
+    q, k, v = _qkv()
+    c = build_kv4_batch(k, v, LENGTHS)
+    qp = prepare_query_ref(q)
+    start, end = torch.tensor([0, 10, 5]), torch.tensor([90, 60, 5])  # last request: empty region
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    o, lse = kv4_main_decode(*args, int_pv=int_pv, num_splits=3, backend="triton")
+    o_ref, lse_ref = kv4_main_decode_ref(*args)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 5e-2 if int_pv else 2e-3)
+    assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()
+
+
+def test_protected_kernel_matches_reference():
+    q, k, v = _qkv(1)
+    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+    qp = prepare_query_ref(q)
+    count = c.side_count()
+    o, lse = protected_decode(qp, c.k8, c.k8_scale, c.v8, c.v8_scale, count, backend="triton")
+    o_ref, lse_ref = protected_decode_ref(qp, c.k8, c.k8_scale, c.v8, c.v8_scale, count)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)  # bf16 PV operands
+
+
+def test_merge_splits_kernel_is_the_merge_states_fold():
+    g = torch.Generator().manual_seed(2)
+    o_s, lse_s = torch.randn(2, 3, 5, 16, generator=g), torch.randn(2, 3, 5, generator=g)
+    lse_s[0, 0, 1:] = float("-inf")  # empty splits
+    lse_s[0, 1] = float("-inf")  # all empty
+    o, lse = merge_splits(o_s, lse_s, backend="triton")
+    o_ref, lse_ref = merge_splits_ref(o_s, lse_s)
+    _close(lse, lse_ref, 1e-5)
+    _close(o, o_ref, 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_kv4_and_kv4rl_decode_match_single_pass(backend):
+    q, k, v = _qkv(3)
+    for cache, fn, tol in (
+        (build_kv4_batch(k, v, LENGTHS), kv4_decode, 2e-3),
+        (build_kv4_batch(k, v, LENGTHS, sink=4, recent=16), kv4rl_decode, 2e-2),
+    ):
+        o, lse = fn(q, cache, backend=backend)
+        o_ref, lse_ref = decode_ref(q, cache)
+        _close(lse, lse_ref, 1e-4)
+        _close(o, o_ref, tol if backend == "triton" else 1e-5)
+
+
+def test_side_buffer_matches_format_written_token_by_token():
+    _, k, v = _qkv(4)
+    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+    f = get_format("kv4rl", sink=4, recent=16)
+    for b, n in enumerate(LENGTHS.tolist()):
+        for h in range(HKV):
+            p = f.write(k[b, h, :1], side=0)
+            for t in range(1, n):
+                p = f.append(p, k[b, h, t : t + 1], side=0)
+            assert torch.equal(p.side_pos, c.side_pos[b])
+            occ = p.side_pos >= 0
+            assert torch.equal(p.side[occ], c.k8[b, h][occ])
+            assert torch.equal(p.main.codes, c.k_codes[b, h, :n])
+
+
+def _attend(q, k, v, mask):
+    return region_attention_ref(q, k, v, mask, D**-0.5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_split_into_two_regions_merges_exactly(seed):
+    q, k, v = _qkv(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    valid = torch.arange(N)[None, :] < LENGTHS[:, None]
+    region = torch.rand(B, N, generator=g) < torch.rand(B, 1, generator=g)
+    o_a, lse_a = _attend(q, k, v, valid & region)
+    o_b, lse_b = _attend(q, k, v, valid & ~region)
+    o, lse = merge_states(o_a, lse_a, o_b, lse_b)
+    o_ref, lse_ref = _attend(q, k, v, valid)
+    assert torch.allclose(lse, lse_ref, atol=1e-5)
+    assert torch.allclose(o, o_ref, atol=1e-5)
+
+
+def test_kv4rl_regions_disjoint_and_covering():
+    _, k, v = _qkv(5)
+    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+    start, end = c.main_range()
+    for b, n in enumerate(LENGTHS.tolist()):
+        main = set(range(int(start[b]), int(end[b])))
+        prot = set(c.side_pos[b][c.side_pos[b] >= 0].tolist())
+        assert not main & prot and main | prot == set(range(n))
+        assert len(prot) == int(c.side_count()[b])
+
+
+def test_kv4rl_improves_fidelity_over_kv4():
+    q, k, v = _qkv(6)
+    o_ref, _ = region_attention_ref(q, k, v, torch.arange(N)[None, :] < LENGTHS[:, None], D**-0.5)
+    o4, _ = kv4_decode(q, build_kv4_batch(k, v, LENGTHS), backend="torch")
+    orl, _ = kv4rl_decode(q, build_kv4_batch(k, v, LENGTHS, sink=4, recent=16), backend="torch")
+    assert (orl - o_ref).pow(2).mean() < (o4 - o_ref).pow(2).mean()
+
+
+def test_dequantized_kv_protected_positions_are_int8():
+    _, k, v = _qkv(7)
+    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+    kd, vd = dequantized_kv(c)
+    assert (vd[0, :, 89] - v[0, :, 89]).abs().max() < 0.05
+
+
+def test_bad_inputs():
+    q, k, v = _qkv()
+    c = build_kv4_batch(k, v, LENGTHS)
+    with pytest.raises(ValueError, match="q must be"):
+        kv4_decode(q[:, :, :16], c)
+    with pytest.raises(ValueError, match="side buffer"):
+        kv4rl_decode(q, c)
+    with pytest.raises(ValueError, match="lengths"):
+        build_kv4_batch(k, v, torch.tensor([91, 1, 1]))
+    with pytest.raises(ValueError, match="power of two"):
+        build_kv4_batch(k[..., :24], v[..., :24], LENGTHS)
+    with pytest.raises(ValueError, match="backend"):
+        kv4_decode(q, c, backend="cuda")
