@@ -267,3 +267,87 @@ def summarize(cert: torch.Tensor, tau: float = 0.2) -> dict:
         "median_finite": float(cf.median()) if cf.numel() else math.nan,
         "max_finite": float(cf.max()) if cf.numel() else math.nan,
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments: synthetic keys, repeated dither draws, the stochastic-rounding comparison
+def synthetic_keys(family: str, S: int, d: int, *, generator: torch.Generator, massive: float = 30.0,
+                   n_massive_pairs: int = 4) -> torch.Tensor:
+    """Keys ``[S, d]`` float32: ``"gaussian"``, ``"heavy"`` (Student t, 3 dof, unit scale) or
+    ``"massive"`` (Gaussian with ``n_massive_pairs`` rotate-half RoPE pairs scaled by ``massive``)."""
+    if family == "gaussian":
+        return torch.randn(S, d, generator=generator)
+    if family == "heavy":
+        z = torch.randn(S, d, generator=generator)
+        chi = torch.randn(S, d, 3, generator=generator).square().sum(-1)
+        return z / torch.sqrt(chi / 3)
+    if family == "massive":
+        k = torch.randn(S, d, generator=generator)
+        pairs = torch.arange(n_massive_pairs)
+        k[:, torch.cat([pairs, pairs + d // 2])] *= massive
+        return k
+    raise ValueError(f"family must be 'gaussian', 'heavy' or 'massive', got {family!r}")
+
+
+def sr_quantize(x: torch.Tensor, scales: torch.Tensor, *, group: int = 32, generator: torch.Generator) -> torch.Tensor:
+    """Stochastic rounding read-back ``s * floor(x/s + U)`` (no subtraction at read), float64 ``[S, d]``."""
+    s = scales.to(torch.float64).repeat_interleave(group, dim=-1)
+    y = x.to(torch.float64) / torch.where(s > 0, s, torch.ones_like(s))
+    u = torch.rand(y.shape, generator=generator, dtype=torch.float64)
+    return torch.where(s > 0, s * torch.floor(y + u).clamp(-127, 127), torch.zeros_like(s))
+
+
+def certify_trials(
+    k: torch.Tensor, q: torch.Tensor, *, trials: int, deltas: tuple[float, ...] = (1e-2,), seed0: int = 0,
+    group: int = 32, outlier_channels: torch.Tensor | None = None, scheme: str = "dither", n: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Redraw the key quantisation ``trials`` times (keys and queries fixed) and certify every row.
+
+    ``scheme``: ``"dither"`` (the WitCert write path, fresh seed per trial) or ``"sr"`` (stochastic
+    rounding with the same fp16 scales, SR proxy). ``n`` is the union-bound count (default ``S``;
+    pass ``S / delta_loc * delta`` style counts through ``deltas`` instead). Returns float64 tensors
+    ``tv [trials, rows]``, ``cert``/``cert_one``/``event`` ``[len(deltas), trials, rows]`` where
+    ``event`` flags rows with some ``|z_hat_t - z_t| > u_t``.
+    """
+    from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize
+
+    if scheme not in ("dither", "sr"):
+        raise ValueError(f"scheme must be 'dither' or 'sr', got {scheme!r}")
+    check_positive_int("trials", trials)
+    S, d = k.shape
+    sm = 1.0 / math.sqrt(d)
+    q64 = q.to(torch.float64)
+    z = sm * q64 @ k.to(torch.float64).T
+    p = torch.softmax(z, -1)
+    g = torch.Generator().manual_seed(seed0)
+    tv, cert, one, event = [], [], [], []
+    for i in range(trials):
+        qt = dither_quantize(k, layer=0, kv_head=0, slots=torch.arange(S), seed=seed0 + i, group=group,
+                             outlier_channels=outlier_channels)
+        if scheme == "dither":
+            k_hat = dither_dequantize(qt).to(torch.float64)
+        else:
+            k_hat = sr_quantize(k, qt.scales, group=group, generator=g)
+            if qt.outlier_channels is not None:
+                k_hat[:, qt.outlier_channels] = qt.outliers.to(torch.float64)
+        z_hat = sm * q64 @ k_hat.T
+        tv.append(tv_distance(p, torch.softmax(z_hat, -1)))
+        proxy = "sr" if scheme == "sr" else "dither"
+        sd = variance_proxy(q64, qt.scales, sm_scale=sm, group=group, outlier_channels=qt.outlier_channels,
+                            proxy=proxy).sqrt()
+        byp = 0.0
+        if qt.outliers is not None:
+            byp = bypass_radius(q64, qt.outliers, qt.outlier_channels, sm_scale=sm)
+        err = (z_hat - z).abs()
+        c_i, o_i, e_i = [], [], []
+        for delta in deltas:
+            u = sd * radius_multiplier(n or S, delta, d) + byp  # = score_radius(...), variance computed once
+            c = certificate_from_scores(z_hat, u)
+            c_i.append(c.tv_bound)
+            o_i.append(c.tv_bound_one)
+            e_i.append((err > u).any(-1).to(torch.float64))
+        cert.append(torch.stack(c_i))
+        one.append(torch.stack(o_i))
+        event.append(torch.stack(e_i))
+    return {"tv": torch.stack(tv), "cert": torch.stack(cert, 1), "cert_one": torch.stack(one, 1),
+            "event": torch.stack(event, 1)}

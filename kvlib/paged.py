@@ -19,7 +19,7 @@ both honour it; the torch reference is :func:`kvlib.formats.dither_int8.dither_q
   possible only for subnormal scales, ``s`` is bumped to the next fp16 up; ``amax == 0`` stores
   ``s = 0`` with codes 0, so the read ``0 * (0 - xi)`` is exactly 0); then in fp32 with ``s``
   converted from fp16 and IEEE division: ``c = clamp(rne(x / s + xi), -127, 127)``.
-  Outlier channels store ``fp16(x)``. NaN in a group stores a NaN scale (flagged on read).
+  Outlier channels store ``fp16(x)``. NaN in a group stores an inf scale (non-finite on read).
 * Read: ``k_hat = s (c - xi)`` in fp32, then the outlier channels are overwritten by their fp16 values.
 * A pool built with ``dithered=False`` (e.g. values stored RTN, which the certificate does not need)
   uses the same layout and scale rule with ``xi = 0``: ``c = clamp(rne(x / s), -127, 127)``, read ``s c``.

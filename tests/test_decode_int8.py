@@ -41,7 +41,8 @@ def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=Fa
     slots = slot_ids.view(B, S).to(torch.int32)
     seq = torch.tensor([S - 3 * b for b in range(B)], dtype=torch.int32)
     q = 2 * torch.randn(B, hq, d, generator=g)
-    return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), dict(layer=layer, seed=seed, v_dither=v_dither), (K, slot_ids)
+    kw = dict(layer=layer, seed=seed, v_dither=v_dither)
+    return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), kw, (K, slot_ids)
 
 
 def _assert_close(out, ref, atol=2e-6):
@@ -140,3 +141,18 @@ def test_bad_inputs_raise_clear_errors():
         decode_int8(q, PoolSide(kp.codes, kp.scales[..., :1]), vp, slots, seq, **kw)
     with pytest.raises(TypeError, match="k_pool"):
         decode_int8(q, object(), vp, slots, seq, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_joined_tile_layout_matches_reference(num_splits):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, v_out=True, v_dither=True)
+    ref = decode_reference(q, kp, vp, slots, seq, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, join=True, **kw)
+    _assert_close(out, ref)
+
+
+def test_variance_by_dot_and_by_group_fmas_agree():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
+    ref = decode_reference(q, kp, vp, slots, seq, **kw)
+    for var_dot in (False, True):
+        _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, var_dot=var_dot, **kw), ref)

@@ -37,8 +37,8 @@ def test_half_scale_bound(kind):
     qt = _quant(x)
     k_hat = dither_dequantize(qt)
     err, s = _exact_err(x, qt)
-    # the read-side fp32 value satisfies the bound exactly
-    assert int(((k_hat.double() - x.double()).abs() > s / 2).sum()) == 0
+    # the read-side fp32 value satisfies the bound up to fp32 rounding slack (2^-16 s, see residual())
+    assert int(((k_hat.double() - x.double()).abs() > s / 2 + s * 2.0**-16).sum()) == 0
     # in exact arithmetic the only excess is fp32 rounding of x/s + xi: at most 2^-16 s
     assert float(((err.abs() - s / 2) / s).max()) <= 2.0**-16
     assert int(qt.codes.abs().max()) <= 127

@@ -124,8 +124,11 @@ def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    c = [tl.load(c_ptr + 4 * i + j).to(tl.uint32) for j in tl.static_range(4)]
-    w0, w1, w2, w3 = tl.philox(seed, c[0], c[1], c[2], c[3])
+    c0 = tl.load(c_ptr + 4 * i).to(tl.uint32)
+    c1 = tl.load(c_ptr + 4 * i + 1).to(tl.uint32)
+    c2 = tl.load(c_ptr + 4 * i + 2).to(tl.uint32)
+    c3 = tl.load(c_ptr + 4 * i + 3).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     tl.store(o_ptr + 4 * i, w0.to(tl.int64))
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))

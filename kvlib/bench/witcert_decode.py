@@ -185,7 +185,8 @@ def _latency(device: str, shapes: list[tuple[int, int]], hq: int, hkv: int, d: i
     return rows
 
 
-def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128, rep_ms: float = 50.0) -> list[dict]:
+def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128, rep_ms: float = 50.0,
+          modes: tuple[str, ...] = ("fast",)) -> list[dict]:
     """Latency of the INT8 kernel over launch parameters (block_n, num_warps, num_stages, splits) on CUDA."""
     from kvlib.kernels.decode_int8 import decode_int8
 
@@ -194,15 +195,15 @@ def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128,
     seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
     q = torch.randn(B, hq, d, device="cuda")
     out = []
-    for mode, kw in MODES.items():
-        for block_n in (16, 32, 64):
-            for num_warps in (2, 4, 8):
-                for num_stages in (1, 2, 3):
+    for mode in modes:
+        for block_n in (32, 64):
+            for num_warps in (4, 8):
+                for join in (False, True):
                     for ns in (None, 16):
-                        cfg = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=ns)
+                        cfg = dict(block_n=block_n, num_warps=num_warps, join=join, num_splits=ns)
+                        kw = dict(layer=LAYER, seed=SEED, cert=True, cert_b=False, **MODES[mode], **cfg)
                         try:
-                            ms = bench_ms(lambda c=cfg: decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED,
-                                                                    cert=True, cert_b=False, **kw, **c),
+                            ms = bench_ms(lambda kw=kw: decode_int8(q, kp, vp, slots, seq, **kw),
                                           rep_ms=rep_ms).median_ms
                         except Exception as e:  # noqa: BLE001 - a config may not compile (resources)
                             ms = float("nan")

@@ -24,6 +24,7 @@ from kvlib.formats.base import KVFormat, per_token, register_format
 from kvlib.philox import dither, seed_key
 
 QMAX = 127
+BOUND_SLACK = 2.0**-16  # fp32 rounding slack of the s/2 bound, in units of s (see residual())
 SCALE_DIV = QMAX - 0.5  # 126.5: |x/s| <= 126.5 and |xi| < 1/2 keep |x/s + xi| < 127 (no clipping)
 
 
@@ -33,9 +34,9 @@ def group_scales(
     """fp16 scales ``[..., d // group]`` = ``fp16(amax / 126.5)`` (bumped up where ``127 s < amax``).
 
     ``excluded`` is a bool ``[d]`` mask of channels left out of ``amax`` (the outlier bypass).
-    NaN in a group gives a NaN scale (flagged, never a silent number).
+    NaN counts as inf: the group's scale becomes inf (non-finite at read, never a silent number).
     """
-    a = x32.abs()
+    a = x32.abs().nan_to_num(nan=float("inf"))
     if excluded is not None:
         a = a.masked_fill(excluded, 0.0)
     amax = a.unflatten(-1, (-1, group)).amax(-1)
@@ -197,6 +198,11 @@ def residual(x: torch.Tensor, qt: DitherQTensor) -> tuple[torch.Tensor, torch.Te
     float64 holds ``s (c - xi) - x`` exactly for these operands (11-bit scale, 32-bit ``c - xi``,
     fp32 ``x``), so this is the error of the stored value itself, before any fp32 read rounding.
     Outlier channels get ``nan`` (their error is fp16 rounding, not ``s`` units).
+
+    Slack: ``x / s + xi`` is rounded twice in fp32 (``|y| < 128``, each rounding <= 2^-18), so at
+    an exact fp32 rounding tie the stored error can exceed ``s/2`` by at most ``2^-17 s``; a reader's
+    fp32 ``s (c - xi)`` adds at most another ``2^-17 s``. Checks use ``|err| <= s/2 + 2^-16 s``
+    (:data:`BOUND_SLACK`) and report the strict counts beside it.
     """
     d = qt.codes.shape[-1]
     if qt.dithered:

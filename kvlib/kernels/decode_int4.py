@@ -30,8 +30,8 @@ from kvlib.hadamard import hadamard, hadamard_matrix
 from kvlib.merge import merge_states
 
 LOG2E = 1.4426950408889634
-_PROBE = int(os.environ.get('KV4_PROBE', '0'))
 LN2 = 0.6931471805599453
+LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
 
 
@@ -135,7 +135,9 @@ def _nibbles_i8(x, HIGH: tl.constexpr, FAST: tl.constexpr):
                 "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
                 "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
             )  # fmt: skip
-        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(
+            "and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=tl.int8, is_pure=True, pack=4
+        )
     if HIGH:
         return (x >> 4).to(tl.int8)
     return (x & 15).to(tl.int8)
@@ -163,40 +165,46 @@ def _nibbles_f16_plus1024(x, HIGH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _load_block(n0, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Codes and per-position scale/offset of positions ``n0 .. n0+BLOCK_N`` (masked at ``hi``)."""
+    half = tl.arange(0, HALF)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    nm = offs < hi
+    pos = kv_row0 + offs
+    kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+    vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
+    ks = tl.load(KS + pos, mask=nm, other=0.0)
+    ko = tl.load(KO + pos, mask=nm, other=0.0)
+    vs = tl.load(VS + pos, mask=nm, other=0.0)
+    vo = tl.load(VO + pos, mask=nm, other=0.0)
+    return kc, ks, ko, vc, vs, vo
+
+
+@triton.jit
 def _main_block(
-    n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
+    n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
     m_i, l_i, acc_e, acc_o, acc_m,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, FAST: tl.constexpr, PROBE: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_N positions: INT4 codes x INT8 query, online softmax, PV; returns the updated state.
 
     Scores are computed transposed, ``s^T [BLOCK_N, GP] = codes @ q8^T``, so the packed codes are the
     row-major A operand of the tensor-core dot (no transposition of 8-bit tiles).
     """
-    half = tl.arange(0, HALF)
-    offs = n0 + tl.arange(0, BLOCK_N)
-    nm = offs < hi
-    pos = kv_row0 + offs
-    kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-    if PROBE == 2:
-        s_int = tl.zeros([BLOCK_N, q_eT.shape[1]], tl.int32) + tl.sum(kc.to(tl.int32), axis=1)[:, None]
-    else:
-        s_int = tl.dot(_nibbles_i8(kc, False, FAST), q_eT)
-        s_int += tl.dot(_nibbles_i8(kc, True, FAST), q_oT)
-    ks = tl.load(KS + pos, mask=nm, other=0.0).to(tl.float32)
-    ko = tl.load(KO + pos, mask=nm, other=0.0).to(tl.float32)
+    nm = (n0 + tl.arange(0, BLOCK_N)) < hi
+    s_int = tl.dot(_nibbles_i8(kc, False, FAST), q_eT)
+    s_int += tl.dot(_nibbles_i8(kc, True, FAST), q_oT)
+    ks = ks.to(tl.float32)
+    ko = ko.to(tl.float32)
     s = (s_int.to(tl.float32) * ks[:, None] * qs[None, :] + ko[:, None] * qsum[None, :]) * sm_scale_log2
     s = tl.where(nm[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, GP]
-    vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-    vs = tl.load(VS + pos, mask=nm, other=0.0).to(tl.float32)
-    vo = tl.load(VO + pos, mask=nm, other=0.0).to(tl.float32)
+    vs = vs.to(tl.float32)
+    vo = vo.to(tl.float32)
     pv = tl.trans(p * vs[:, None])  # [GP, BLOCK_N]
-    if PROBE == 1:
-        acc_e = acc_e * alpha[:, None] + tl.sum(vc.to(tl.float32), axis=0)[None, :]
-    elif INT_PV:
+    if INT_PV:
         sc = tl.max(pv, axis=1) / 127.0
         sc = tl.where(sc > 0, sc, 1.0)
         pq = (pv / sc[:, None] + 0.5).to(tl.int8)
@@ -211,8 +219,7 @@ def _main_block(
         excess = 1024.0 * tl.sum(p16.to(tl.float32), axis=1)
         acc_m = acc_m * alpha + tl.sum(p * vo[:, None], axis=0) - excess
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    m_i = m_new
-    return m_i, l_i, acc_e, acc_o, acc_m
+    return m_new, l_i, acc_e, acc_o, acc_m
 
 
 @triton.jit
@@ -223,7 +230,7 @@ def _kv4_main_kernel(
     OUT, LSE,
     sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr, PROBE: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -252,20 +259,33 @@ def _kv4_main_kernel(
     acc_e = tl.zeros([GP, HALF], tl.float32)
     acc_o = tl.zeros([GP, HALF], tl.float32)
     acc_m = tl.zeros([GP], tl.float32)
+    # PREFETCH: register double buffering (next block's loads issued before this block's math);
+    # costs registers, hence occupancy.
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
+        kc, ks, ko, vc, vs, vo = _load_block(lo, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
         n0 = lo
         while n0 < hi:
+            nxt = _load_block(n0 + BLOCK_N, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
             m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV, not INTERP, PROBE,
+                n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, BLOCK_N, INT_PV, False,
             )  # fmt: skip
+            kc, ks, ko, vc, vs, vo = nxt
             n0 += BLOCK_N
     else:
+        if PREFETCH:
+            kc, ks, ko, vc, vs, vo = _load_block(lo, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
+            if PREFETCH:
+                nxt = _load_block(n0 + BLOCK_N, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
+            else:
+                kc, ks, ko, vc, vs, vo = _load_block(n0, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
             m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kv_row0, q_eT, q_oT, qs, qsum, KC, KS, KO, VC, VS, VO, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, HALF, BLOCK_N, INT_PV, not INTERP, PROBE,
+                n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
+                m_i, l_i, acc_e, acc_o, acc_m, BLOCK_N, INT_PV, True,
             )  # fmt: skip
+            if PREFETCH:
+                kc, ks, ko, vc, vs, vo = nxt
 
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
@@ -331,7 +351,8 @@ def kv4_main_decode(
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
     start: torch.Tensor, end: torch.Tensor,
     sm_scale: float | None = None, int_pv: bool = False, num_splits: int | None = None,
-    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, backend: str = "auto",
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, maxnreg: int | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache.
 
@@ -362,14 +383,16 @@ def kv4_main_decode(
     splits = num_splits or _num_splits(b, hkv, n, block_n, qp.q8.device)
     o_s = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qp.q8.device)
     lse_s = torch.empty(b, hq, splits, dtype=torch.float32, device=qp.q8.device)
-    _kv4_main_kernel[(b, hkv, splits)](
+    global LAST_KERNEL
+    LAST_KERNEL = _kv4_main_kernel[(b, hkv, splits)](
         qp.q8, qp.scale, qp.qsum,
         k_codes, k_scale, k_off, v_codes, v_scale, v_off,
         start.to(torch.int32), end.to(torch.int32),
         o_s, lse_s, sm_scale * LOG2E, n,
         HKV=hkv, G=g, GP=16, D=d, BLOCK_N=block_n, SPLITS=splits, INT_PV=bool(int_pv),
         INTERP=not qp.q8.is_cuda,
-        num_warps=num_warps, num_stages=num_stages, PROBE=_PROBE,
+        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if splits == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]

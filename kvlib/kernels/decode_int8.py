@@ -274,7 +274,7 @@ def _decode_int8_stage1(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr, V_DITHER: tl.constexpr,
-    K_PREC: tl.constexpr, V_PREC: tl.constexpr,
+    K_PREC: tl.constexpr, V_PREC: tl.constexpr, JOIN: tl.constexpr, VAR_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -289,6 +289,7 @@ def _decode_int8_stage1(
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
     offs_g = tl.arange(0, D4)
+    sgrp = offs_g // (G // 4)  # scale index of each word
     q_base = Q + b * s_qb + heads[:, None] * s_qh + 4 * offs_g[None, :]
     q0 = tl.load(q_base + 0, mask=mask_h[:, None], other=0.0).to(tl.float32)
     q1 = tl.load(q_base + 1, mask=mask_h[:, None], other=0.0).to(tl.float32)
@@ -305,6 +306,12 @@ def _decode_int8_stage1(
         q1 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 1).to(tl.int32), 0) > 0)[None, :], 0.0, q1)
         q2 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 2).to(tl.int32), 0) > 0)[None, :], 0.0, q2)
         q3 = tl.where((tl.sum((koc[:, None] == 4 * offs_g[None, :] + 3).to(tl.int32), 0) > 0)[None, :], 0.0, q3)
+    if JOIN:
+        offs_d = tl.arange(0, D)
+        qn = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        qn = qn.to(tl.float32)
+        if NOK > 0:
+            qn = tl.where((tl.sum((koc[:, None] == offs_d[None, :]).to(tl.int32), 0) > 0)[None, :], 0.0, qn)
     if NOV > 0:
         offs_ov = tl.arange(0, NOV_P)
         mask_ov = offs_ov < NOV
@@ -314,8 +321,14 @@ def _decode_int8_stage1(
         vkeep2 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 2).to(tl.int32), 0) == 0
         vkeep3 = tl.sum((voc[:, None] == 4 * offs_g[None, :] + 3).to(tl.int32), 0) == 0
         acc_vo = tl.zeros([BLOCK_H, NOV_P], dtype=tl.float32)
+        if JOIN:
+            vkeep = tl.sum((voc[:, None] == offs_d[None, :]).to(tl.int32), 0) == 0
     if CERT:
         qsq = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3  # [BLOCK_H, D4]: sum of q^2 over each word's 4 channels
+        NG: tl.constexpr = D // G
+        offs_ng = tl.arange(0, NG)
+        # [BLOCK_H, NG]: sum of q^2 over each scale group (outlier channels already zeroed)
+        q2g = tl.sum(tl.where(sgrp[None, None, :] == offs_ng[None, :, None], qsq[:, None, :], 0.0), 2)
         radm = tl.load(RADM + b).to(tl.float32)
         var_c = sm_scale * sm_scale / 12.0
         if NOK > 0:
@@ -330,7 +343,6 @@ def _decode_int8_stage1(
     c3k = ((layer << 1) | 0).to(tl.uint32)
     c3v = ((layer << 1) | 1).to(tl.uint32)
     c2 = kvh.to(tl.uint32)
-    sgrp = offs_g // (G // 4)  # scale index of each word
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -338,6 +350,8 @@ def _decode_int8_stage1(
     acc1 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, D4], dtype=tl.float32)
+    if JOIN:
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -354,10 +368,14 @@ def _decode_int8_stage1(
         kh1 = ks * (_byte(kw, 1).to(tl.float32) - _xi(w1))
         kh2 = ks * (_byte(kw, 2).to(tl.float32) - _xi(w2))
         kh3 = ks * (_byte(kw, 3).to(tl.float32) - _xi(w3))
-        qk = tl.dot(q0, tl.trans(kh0), input_precision=K_PREC)
-        qk += tl.dot(q1, tl.trans(kh1), input_precision=K_PREC)
-        qk += tl.dot(q2, tl.trans(kh2), input_precision=K_PREC)
-        qk += tl.dot(q3, tl.trans(kh3), input_precision=K_PREC)
+        if JOIN:  # one [BLOCK_N, D] tile in natural channel order: byte J of word g is channel 4g + J
+            kh = tl.reshape(tl.join(tl.join(kh0, kh2), tl.join(kh1, kh3)), (BLOCK_N, D))
+            qk = tl.dot(qn, tl.trans(kh), input_precision=K_PREC)
+        else:
+            qk = tl.dot(q0, tl.trans(kh0), input_precision=K_PREC)
+            qk += tl.dot(q1, tl.trans(kh1), input_precision=K_PREC)
+            qk += tl.dot(q2, tl.trans(kh2), input_precision=K_PREC)
+            qk += tl.dot(q3, tl.trans(kh3), input_precision=K_PREC)
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
@@ -370,7 +388,15 @@ def _decode_int8_stage1(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if CERT:
-            var = tl.dot(qsq, tl.trans(ks * ks), input_precision="ieee") * var_c  # [BLOCK_H, BLOCK_N]
+            if VAR_DOT:  # one tl.dot of q^2 with s^2 over the words of the tile
+                var = tl.dot(qsq, tl.trans(ks * ks), input_precision="ieee")
+            else:  # the same sum over the D // G scale groups: NG broadcast FMAs, no layout change
+                var = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+                for gi in tl.static_range(NG):
+                    s_g = tl.load(KS + slot * s_ks_n + kvh * s_ks_h + gi, mask=mask_n, other=0.0).to(tl.float32)
+                    q2_g = tl.sum(tl.where(offs_ng[None, :] == gi, q2g, 0.0), 1)
+                    var += q2_g[:, None] * (s_g * s_g)[None, :]
+            var = var * var_c  # [BLOCK_H, BLOCK_N]
             u = tl.sqrt(var) * radm
             if NOK > 0:
                 u += sm_scale * (tl.sum(q_ko_abs[:, None, :] * tl.abs(ko)[None, :, :], 2) * byp_rel
@@ -394,15 +420,24 @@ def _decode_int8_stage1(
             vh1 = vs * _byte(vw, 1).to(tl.float32)
             vh2 = vs * _byte(vw, 2).to(tl.float32)
             vh3 = vs * _byte(vw, 3).to(tl.float32)
-        if NOV > 0:
+        if NOV > 0 and not JOIN:
             vh0 = tl.where(vkeep0[None, :], vh0, 0.0)
             vh1 = tl.where(vkeep1[None, :], vh1, 0.0)
             vh2 = tl.where(vkeep2[None, :], vh2, 0.0)
             vh3 = tl.where(vkeep3[None, :], vh3, 0.0)
+        if NOV > 0:
             vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
                          mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
             acc_vo = acc_vo * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
-        if V_PREC == "fp16":
+        if JOIN:
+            vh = tl.reshape(tl.join(tl.join(vh0, vh2), tl.join(vh1, vh3)), (BLOCK_N, D))
+            if NOV > 0:
+                vh = tl.where(vkeep[None, :], vh, 0.0)
+            if V_PREC == "fp16":
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vh.to(tl.float16), out_dtype=tl.float32)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, vh, input_precision=V_PREC)
+        elif V_PREC == "fp16":
             pv = p.to(tl.float16)
             acc0 = acc0 * alpha[:, None] + tl.dot(pv, vh0.to(tl.float16), out_dtype=tl.float32)
             acc1 = acc1 * alpha[:, None] + tl.dot(pv, vh1.to(tl.float16), out_dtype=tl.float32)
@@ -418,7 +453,15 @@ def _decode_int8_stage1(
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + 4 * offs_g[None, :]
-    if NOV > 0:
+    if JOIN:
+        o_nat = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + offs_d[None, :]
+        if NOV > 0:
+            tl.store(o_nat, acc * inv_l[:, None], mask=mask_h[:, None] & vkeep[None, :])
+            tl.store(O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + voc[None, :],
+                     acc_vo * inv_l[:, None], mask=mask_h[:, None] & mask_ov[None, :])
+        else:
+            tl.store(o_nat, acc * inv_l[:, None], mask=mask_h[:, None])
+    elif NOV > 0:
         tl.store(o_base + 0, acc0 * inv_l[:, None], mask=mask_h[:, None] & vkeep0[None, :])
         tl.store(o_base + 1, acc1 * inv_l[:, None], mask=mask_h[:, None] & vkeep1[None, :])
         tl.store(o_base + 2, acc2 * inv_l[:, None], mask=mask_h[:, None] & vkeep2[None, :])
@@ -486,8 +529,9 @@ def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device:
 def decode_stage1(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
-    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 32,
+    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
+    join: bool = False, var_dot: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off)."""
     k = as_side(k_pool, "k_pool")
@@ -542,7 +586,7 @@ def decode_stage1(
         GQA=gqa, BLOCK_H=block_h, BLOCK_N=block_n, D=d, G=k.group,
         NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
         NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither,
-        K_PREC=k_precision, V_PREC=v_precision, num_warps=num_warps, num_stages=num_stages,
+        K_PREC=k_precision, V_PREC=v_precision, JOIN=join, VAR_DOT=var_dot, num_warps=num_warps, num_stages=num_stages,
     )
     return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
 
@@ -569,9 +613,9 @@ def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | Non
 def decode_int8(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
-    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 32,
+    cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
-    fallback_to_reference: bool = True,
+    join: bool = False, var_dot: bool = False, fallback_to_reference: bool = True,
 ) -> DecodeOut:
     """Certified decode attention over the dithered INT8 pool (one query token per batch row).
 
@@ -590,7 +634,8 @@ def decode_int8(
     o_s, lse_s, a_s, b_s = decode_stage1(
         q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
         num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
-        k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages)
+        k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages, join=join,
+        var_dot=var_dot)
     o, lse, A, Bv = merge_splits(o_s, lse_s, a_s, b_s)
     if A is None:
         return DecodeOut(o, lse)

@@ -8,8 +8,9 @@ the two bit for bit.
 
 Bit identity rests on doing the same IEEE fp32 operations in the same order: ``amax / 126.5`` and
 ``x / s`` with ``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU),
-fp32 -> fp16 conversion round-to-nearest-even, ``+ xi`` in fp32, and round-half-even spelled with
-``floor`` (exact for |y| < 2^23; libdevice ``rint`` is not available in the CPU interpreter).
+fp32 -> fp16 conversion round-to-nearest-even, ``+ xi`` in fp32, and round half to even
+(libdevice ``rint`` on the GPU; under the CPU interpreter, which lacks libdevice, the same rounding
+spelled with ``floor``, exact for |y| < 2^23).
 
 CPU tensors: ``backend="auto"`` uses the torch reference on CPU and the Triton kernel on CUDA;
 ``backend="triton"`` on CPU needs ``TRITON_INTERPRET=1`` set before triton was imported.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvlib._checks import check_tensor
 from kvlib.formats.dither_int8 import check_x, dither_quantize
@@ -45,46 +47,51 @@ def _write_int8_kernel(
     layer, side, k0, k1,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
+    NG: tl.constexpr = D // G
     n = pid_n * BLOCK_S + tl.arange(0, BLOCK_S)
     n_ok = n < N
-    ch = tl.arange(0, D)
+    n3 = n[:, None, None]
+    ok3 = n_ok[:, None, None]
+    # channels as [1, NG, G] so the group amax and the scale broadcast need no reshape
+    ch = tl.arange(0, NG)[None, :, None] * G + tl.arange(0, G)[None, None, :]
     slot = tl.load(slot_ptr + n, mask=n_ok, other=0).to(tl.int64)
-    x = tl.load(x_ptr + n[:, None] * stride_xn + h * stride_xh + ch[None, :], mask=n_ok[:, None], other=0.0)
-    x = x.to(tl.float32)
+    slot3 = slot[:, None, None]
+    x = tl.load(x_ptr + n3 * stride_xn + h * stride_xh + ch, mask=ok3, other=0.0).to(tl.float32)
 
-    a = tl.abs(x)
+    # NaN counts as inf in the amax: the group's scale becomes inf, non-finite at read (never silent)
+    a = tl.where(x != x, float("inf"), tl.abs(x))
     if NOUT > 0:
         j = tl.arange(0, NOUT_P2)
         och = tl.load(och_ptr + h * NOUT + j, mask=j < NOUT, other=-1)
-        is_out = tl.max((ch[:, None] == och[None, :]).to(tl.int32), axis=1) > 0  # [D]
+        is_out = tl.max((ch[:, :, :, None] == och[None, None, None, :]).to(tl.int32), axis=3) > 0  # [1, NG, G]
         if not INCLUDE_OUT:
-            a = tl.where(is_out[None, :], 0.0, a)
-    # group amax; NaN anywhere in a group makes its scale NaN (flagged at read, never silent)
-    amax = tl.max(tl.reshape(a, (BLOCK_S, D // G, G)), axis=2)
-    nan_g = tl.max(tl.reshape((x != x).to(tl.int32), (BLOCK_S, D // G, G)), axis=2) > 0
-    amax = tl.where(nan_g, float("nan"), amax)
+            a = tl.where(is_out, 0.0, a)
+    amax = tl.max(a, axis=2)  # [BLOCK_S, NG]
     s16 = tl.math.div_rn(amax, 126.5).to(tl.float16)
     low = s16.to(tl.float32) * 127.0 < amax  # subnormal scales only: bump to the next fp16 up
     s16 = tl.where(low, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
-    s32 = s16.to(tl.float32)
-    s_full = tl.reshape(tl.broadcast_to(s32[:, :, None], (BLOCK_S, D // G, G)), (BLOCK_S, D))
+    s32 = s16.to(tl.float32)[:, :, None]
 
-    y = tl.math.div_rn(x, s_full)
+    y = tl.math.div_rn(x, s32)
     if DITHER:
-        y = y + dither_tile(slot, h, layer, side, k0, k1, D)
-    c = tl.minimum(tl.maximum(_rne(y), -127.0), 127.0)
-    zero = (s_full == 0.0) | (y != y)
+        y = y + tl.reshape(dither_tile(slot, h, layer, side, k0, k1, D), (BLOCK_S, NG, G))
+    if USE_RINT:
+        r = libdevice.rint(y)  # one cvt.rni on the GPU
+    else:
+        r = _rne(y)  # same rounding spelled with floor (the CPU interpreter has no libdevice)
+    c = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    zero = (s32 == 0.0) | (y != y)
     if NOUT > 0:
-        zero = zero | is_out[None, :]
+        zero = zero | is_out
     c = tl.where(zero, 0.0, c).to(tl.int8)
 
-    tl.store(codes_ptr + slot[:, None] * (H * D) + h * D + ch[None, :], c, mask=n_ok[:, None])
-    g = tl.arange(0, D // G)
-    tl.store(scales_ptr + slot[:, None] * (H * (D // G)) + h * (D // G) + g[None, :], s16, mask=n_ok[:, None])
+    tl.store(codes_ptr + slot3 * (H * D) + h * D + ch, c, mask=ok3)
+    g = tl.arange(0, NG)
+    tl.store(scales_ptr + slot[:, None] * (H * NG) + h * NG + g[None, :], s16, mask=n_ok[:, None])
     if NOUT > 0:
         j_ok = j < NOUT
         xo = tl.load(x_ptr + n[:, None] * stride_xn + h * stride_xh + och[None, :],
@@ -185,5 +192,5 @@ def write_int8(
         layer, pool.side, k0, k1,
         H=H, D=d, G=G, NOUT=nout, NOUT_P2=max(triton.next_power_of_2(nout), 1) if nout else 1,
         INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered if dither is None else dither,
-        BLOCK_S=block_s, num_warps=num_warps,
+        USE_RINT=bool(x.is_cuda and not _interpreting()), BLOCK_S=block_s, num_warps=num_warps,
     )

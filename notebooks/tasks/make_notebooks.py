@@ -343,9 +343,220 @@ the collapses the paper reports.
     return nb
 
 
+def silent_failure() -> nbformat.NotebookNode:
+    cells = [
+        new_markdown_cell(
+            """
+# Silent failure on retrieval: paired evidence per KV format
+
+**Question.** When a KV format breaks a retrieval task, does anything in the raw system signal
+it? The WitCert paper's Table 18 shows raw fp8 collapsing on RULER while gated configurations
+(certificate above `tau` triggers an exact repair) lose nothing. Here every configuration
+answers the *same* seeded prompts (`kvlib.tasks`), greedy, through the transformers cache
+adapter (`kvlib.make_cache`); each is compared with the fp32 reference by a paired bootstrap CI
+of the accuracy difference ($10^4$ resamples) and McNemar's exact test (`kvlib.stats`), per
+disjoint slice of prompts. Where a configuration carries the certificate, we report how often it
+flagged a request, separately for wrong and right answers.
+""".strip()
+        ),
+        new_code_cell(
+            """
+profile = "cpu"
+kind = "passkey"
+length = 512
+n = 2  # prompts per slice
+n_slices = 1
+seed = 0
+reference = "fp32"
+configs = [
+    {"name": "fp32", "format": "fp32"},
+    {"name": "dither-int8", "format": "dither-int8", "options": {"telemetry": True, "stride": 8}},
+    {"name": "fp8-e4m3", "format": "fp8-e4m3"},
+    {"name": "kivi2", "format": "kivi2"},
+]
+collapse = 0.2  # an accuracy loss at least this large (fraction) with a CI excluding 0 counts as a collapse
+n_resamples = 10000
+""".strip(),
+            metadata={"tags": ["parameters"]},
+        ),
+        hidden(
+            """
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import Markdown, display
+
+from kvlib.book import Run
+from kvlib.formats.base import get_format
+from kvlib.hf_cache import make_cache
+from kvlib.model import load_model
+from kvlib.stats import flag_rates, paired_table
+from kvlib.tasks import make_tasks, run_tasks
+
+run = Run("tasks_silent_failure", profile=profile,
+          params=dict(kind=kind, length=length, n=n, n_slices=n_slices, seed=seed, reference=reference,
+                      configs=configs, collapse=collapse, n_resamples=n_resamples))
+names = [c["name"] for c in configs]
+if reference not in names:
+    raise ValueError(f"reference {reference!r} must be one of the configs {names}")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model, tok = load_model(device=device)
+head_dim = model.config.hidden_size // model.config.num_attention_heads
+
+
+def inspect(cache):
+    rec = {"packed_bytes": cache.packed_nbytes()}
+    if cache.telemetry_on:
+        tel = cache.telemetry_summary()
+        rec.update(coverage=tel["coverage"], flagged=int(tel["n"] > 0 and tel["coverage"] < 1.0))
+    return rec
+
+
+records = []
+for sl in range(n_slices):
+    tasks = make_tasks(kind, n, length=length, seed=seed, start=sl * n, tokenizer=tok)
+    for cfg in configs:
+        factory = lambda cfg=cfg: make_cache(cfg["format"], model.config, **cfg.get("options", {}))
+        for rec in run_tasks(model, tok, tasks, cache_factory=factory, inspect_cache=inspect):
+            records.append(rec | {"config": cfg["name"], "slice": sl})
+df = pd.DataFrame(records)
+run.record("samples", records)
+"""
+        ),
+        hidden(
+            """
+overall = paired_table(df, reference, n_resamples=n_resamples, seed=seed)
+per_slice = paired_table(df, reference, by="slice", n_resamples=n_resamples, seed=seed)
+run.record("paired_overall", overall.to_dict("records"))
+run.record("paired_per_slice", per_slice.to_dict("records"))
+
+bpp = {c["name"]: get_format(c["format"]).bytes_per_position(head_dim) for c in configs}
+flags = {}
+for name, g in df.groupby("config", sort=False):
+    if "flagged" in g and g["flagged"].notna().all():
+        flags[name] = flag_rates(g["flagged"].astype(int), g["correct"])
+
+rows = []
+for r in overall.itertuples():
+    f = flags.get(r.config)
+    rows.append({
+        "config": r.config,
+        "bytes/pos": f"{bpp[r.config]:g}",
+        "accuracy": f"{r.mean_a:.1%}",
+        "diff vs ref (pp)": f"{100 * r.diff:+.1f} [{100 * r.low:+.1f}, {100 * r.high:+.1f}]",
+        "ref-only / cfg-only": f"{r.n_b_only} / {r.n_a_only}",
+        "McNemar p": f"{r.mcnemar_p:.3g}",
+        "flagged (wrong / right)": "-" if f is None else
+            f"{f['wrong']['flagged']}/{f['wrong']['n']} / {f['right']['flagged']}/{f['right']['n']}",
+    })
+display(Markdown(pd.DataFrame(rows).to_markdown(index=False)))
+
+fig, ax = plt.subplots(figsize=(6, 3.2))
+order = list(overall["config"])
+for sl, g in per_slice.groupby("slice"):
+    g = g.set_index("config").loc[order]
+    x = np.arange(len(order)) + 0.12 * (sl - (n_slices - 1) / 2)
+    ax.errorbar(x, 100 * g["diff"], yerr=[100 * (g["diff"] - g["low"]), 100 * (g["high"] - g["diff"])],
+                fmt="o", capsize=3, label=f"slice {sl}")
+ax.axhline(0, color="k", lw=0.8)
+ax.set_xticks(range(len(order)), order, rotation=20)
+ax.set_ylabel(f"accuracy - {reference} (pp)")
+ax.set_title(f"{kind} at {length} tokens: paired difference, 95% bootstrap CI")
+ax.legend(fontsize=8)
+run.glue_fig("fig_silent_failure", fig)
+plt.close(fig)
+"""
+        ),
+        hidden(
+            """
+o = overall.set_index("config")
+run.glue("ref_acc", float(o.loc[reference, "mean_a"]))
+run.glue("n_prompts", int(n * n_slices))
+# a loss is significant when the paired CI lies below zero and McNemar's exact test rejects at 5%
+n_total = int(o.loc[reference, "n"])
+min_n = next(k for k in range(1, 64) if 2 * 0.5**k < 0.05)  # fewer prompts can never reject
+
+
+def is_loss(r):
+    return r["high"] < 0 and r["mcnemar_p"] < 0.05
+
+
+significant = [c for c in o.index if c != reference and is_loss(o.loc[c])]
+collapsed = [c for c in significant if o.loc[c, "diff"] <= -collapse]
+run.glue("collapsed", ", ".join(collapsed) or "none")
+run.glue("significant", ", ".join(significant) or "none")
+
+
+def verdict_loss(name, claim_id, what):
+    if name not in o.index:
+        run.claim(claim_id, ours=f"{name} not run at this profile", verdict="not reproducible here",
+                  why=f"{name} is not among this profile's configurations")
+        return
+    r = o.loc[name]
+    ours = f"{name}: {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], McNemar p={r['mcnemar_p']:.3g}, n={int(r['n'])}"
+    if n_total < min_n:
+        run.claim(claim_id, ours=ours, verdict="not reproducible here",
+                  why=f"{n_total} prompts cannot give a significant paired test (at least {min_n} needed)")
+        return
+    ok = what(r)
+    run.claim(claim_id, ours=ours, verdict="reproduced" if ok else "differs",
+              why="" if ok else f"no significant loss of that size for {name} on {kind} at {length} tokens")
+
+
+verdict_loss("fp8-e4m3", "witcert-t18-raw-fp8-collapse", lambda r: is_loss(r) and r["diff"] <= -collapse)
+verdict_loss("kivi2", "witcert-t18-kivi-silent-tail", is_loss)
+
+gated = [c["name"] for c in configs if c.get("gated")]
+if gated:
+    worst = min(gated, key=lambda c: o.loc[c, "low"])
+    r = o.loc[worst]
+    ok = not is_loss(r)
+    run.claim("witcert-t18-gated-parity", ours=f"worst gated ({worst}): {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]",
+              verdict="reproduced" if ok else "differs", why="" if ok else f"{worst} loses significantly")
+else:
+    run.claim("witcert-t18-gated-parity", ours="no gated configuration in this run", verdict="not reproducible here",
+              why="no configuration with certificate-triggered repair was run (configs marked gated: none)")
+
+if n_slices >= 2:
+    sign = per_slice.assign(loss=per_slice.apply(is_loss, axis=1)).groupby("config")["loss"].agg(["min", "max"])
+    agree = bool((sign["min"] == sign["max"]).all())
+    run.claim("witcert-t18-repeatability", ours=f"significant-loss verdict {'agrees' if agree else 'disagrees'} across {n_slices} slices for every configuration" if agree else
+              "slices disagree for " + ", ".join(sign.index[sign["min"] != sign["max"]]),
+              verdict="reproduced" if agree else "differs", why="" if agree else "directional conclusions differ between slices")
+else:
+    run.claim("witcert-t18-repeatability", ours="one slice", verdict="not reproducible here",
+              why="this profile runs a single slice; the gpu profile runs three")
+"""
+        ),
+        new_markdown_cell(
+            """
+```{glue:figure} fig_silent_failure
+:name: fig-tasks-silent-failure
+Accuracy difference of each KV configuration against the fp32 reference on the same prompts,
+with paired 95% bootstrap intervals, per disjoint slice.
+```
+
+The reference answers {glue:text}`ref_acc:.0%` of the {glue:text}`n_prompts` prompts.
+Configurations whose loss is significant (paired CI below zero and McNemar p < 0.05):
+{glue:text}`significant`; of those,
+a collapse (a loss of at least the `collapse` parameter): {glue:text}`collapsed`. The raw
+formats give no signal of their own when they fail: the only per-request signal in the table is
+the certificate's flag, which exists where the configuration carries it.
+""".strip()
+        ),
+        new_markdown_cell("## Paper vs this run"),
+        hidden("run.claims_table()\nrun.save()"),
+    ]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
 def main() -> None:
     nbformat.write(calibration(), HERE / "calibration.ipynb")
     nbformat.write(paired_stats(), HERE / "paired_stats.ipynb")
+    nbformat.write(silent_failure(), HERE / "silent_failure.ipynb")
 
 
 if __name__ == "__main__":

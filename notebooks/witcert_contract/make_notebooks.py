@@ -73,11 +73,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from IPython.display import Markdown, display
+from IPython.display import display
 from scipy import stats
 
 from kvlib.book import Run
-from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize, residual
+from kvlib.formats.dither_int8 import BOUND_SLACK, dither_dequantize, dither_quantize, residual
 from kvlib.outliers import inject_massive_pairs, select_outlier_pairs
 from kvlib.philox import dither
 
@@ -109,44 +109,51 @@ for name, x in inputs.items():
     bad = dither_quantize(x, **ctx, quantize_scale="fp32")
     eps_bad, _ = residual(x, bad)
     k_bad = dither_dequantize(bad)
+    err_read = (k_hat.double() - x.double()).abs()
     rows.append({
         "input": name,
         "elements": x.numel(),
-        "violations (fp32 read)": int(((k_hat.double() - x.double()).abs() > s / 2).sum()),
+        "violations beyond slack (fp32 read)": int((err_read > s / 2 + BOUND_SLACK * s).sum()),
+        "strict violations (fp32 read)": int((err_read > s / 2).sum()),
         "max |err|/(s/2)": float(eps.abs().max() * 2),
-        "exact-arith. excess (ties)": int(viol_exact.sum()),
-        "excess off ties": int((viol_exact & ~tie).sum()),
+        "strict excess, exact arithmetic": int(viol_exact.sum()),
+        "  of which off fp32 ties": int((viol_exact & ~tie).sum()),
         "max excess / s": float((eps.abs().max() - 0.5).clamp_min(0)),
         "clipped codes": int((y.abs() >= 127.5).sum()),
         "max |x/s + xi|": float(y.abs().max()),
-        "fp32-scale bug: violations": int(((k_bad.double() - x.double()).abs() > s / 2).sum()),
+        "fp32-scale bug: violations beyond slack": int(((k_bad.double() - x.double()).abs()
+                                                        > s / 2 + BOUND_SLACK * s).sum()),
         "fp32-scale bug: max |err|/(s/2)": float(eps_bad.abs().max() * 2),
     })
 bound = pd.DataFrame(rows)
 run.record("bound", rows)
 n_el = int(bound["elements"].sum())
 run.glue("n_elements", n_el)
-run.glue("viol_fp16", int(bound["violations (fp32 read)"].sum()))
+run.glue("viol_fp16", int(bound["violations beyond slack (fp32 read)"].sum()))
+run.glue("viol_strict", int(bound["strict violations (fp32 read)"].sum()))
 run.glue("max_ratio", float(bound["max |err|/(s/2)"].max()))
-run.glue("n_tie_excess", int(bound["exact-arith. excess (ties)"].sum()))
-run.glue("n_excess_off_ties", int(bound["excess off ties"].sum()))
+run.glue("n_tie_excess", int(bound["strict excess, exact arithmetic"].sum()))
+run.glue("n_excess_off_ties", int(bound["  of which off fp32 ties"].sum()))
 run.glue("max_excess", float(bound["max excess / s"].max()))
 run.glue("n_clipped", int(bound["clipped codes"].sum()))
 run.glue("max_y", float(bound["max |x/s + xi|"].max()))
-run.glue("viol_fp32", int(bound["fp32-scale bug: violations"].sum()))
-run.glue("viol_fp32_gauss", int(bound["fp32-scale bug: violations"][0]))
+run.glue("viol_fp32", int(bound["fp32-scale bug: violations beyond slack"].sum()))
+run.glue("viol_fp32_gauss", int(bound["fp32-scale bug: violations beyond slack"][0]))
 display(bound.set_index("input").T)
 """
         ),
         md(
             """
 Over {glue:text}`n_elements:,.0f` stored coordinates the bound evaluated as a reader sees it
-(fp32 $\\hat k$ against $x$) has {glue:text}`viol_fp16:,.0f` violations; the largest error is
-{glue:text}`max_ratio:.6f` $\\times\\, s/2$. In exact arithmetic, {glue:text}`n_tie_excess:,.0f`
-coordinates exceed $s/2$, all of them at exact fp32 rounding ties of $x/s+\\xi$
-({glue:text}`n_excess_off_ties:,.0f` elsewhere), by at most {glue:text}`max_excess:.2e}`$\\,s$:
-the fp32 rounding of $x/s+\\xi$, below one fp32 ulp of the group's largest value, so below what
-an fp32 key can resolve. No code clipped ({glue:text}`n_clipped:,.0f`; the largest
+(fp32 $\\hat k$ against $x$) has {glue:text}`viol_fp16:,.0f` violations beyond the fp32 rounding
+slack $2^{-16}s$; the largest error is {glue:text}`max_ratio:.6f` $\\times\\, s/2$ (1.0000 at
+the paper's precision). Strictly, without slack, {glue:text}`viol_strict:,.0f` read values exceed
+$s/2$, and in exact arithmetic {glue:text}`n_tie_excess:,.0f` stored values do, of which
+{glue:text}`n_excess_off_ties:,.0f` are not at an exact fp32 rounding tie of $x/s+\\xi$; the
+largest excess is {glue:text}`max_excess:.2e}`$\\,s$. That is the fp32 rounding of $x/s+\\xi$
+(two roundings of at most $2^{-18}$ each for $|y|<128$), below one fp32 ulp of the group's
+largest value, so below what an fp32 key can resolve; the certificate's radius can absorb it
+as a relative $2^{-15}$ inflation of $s$. No code clipped ({glue:text}`n_clipped:,.0f`; the largest
 $|x/s+\\xi|$ is {glue:text}`max_y:.3f}` < 127.5). Computing the codes with the fp32 scale
 $\\mathrm{amax}/126.5$ while storing its fp16 rounding gives {glue:text}`viol_fp32:,.0f`
 violations over the same coordinates ({glue:text}`viol_fp32_gauss:,.0f` on the Gaussian input
@@ -280,10 +287,11 @@ value: the scale does not drop. Excluding them from the amax brings it to
         hidden(
             """
 viol, n_el = run.values["viol_fp16"], run.values["n_elements"]
-run.claim("witcert-bound-half-scale", ours=f"{viol:,} violations over {n_el:,} coordinates (fp32 read); max ratio "
-          f"{run.values['max_ratio']:.6f}; exact-arithmetic excess only at fp32 ties, "
-          f"<= {run.values['max_excess']:.1e} s",
-          verdict="reproduced" if viol == 0 else "differs", why="" if viol == 0 else "violations found")
+run.claim("witcert-bound-half-scale", ours=f"{viol:,} violations beyond fp32 slack 2^-16 s over {n_el:,} coordinates; "
+          f"max ratio {run.values['max_ratio']:.6f}; strict: {run.values['viol_strict']} (fp32 read), "
+          f"{run.values['n_tie_excess']} (exact), excess <= {run.values['max_excess']:.1e} s",
+          verdict="reproduced" if viol == 0 else "differs",
+          why="strict excesses are fp32 rounding at ties, below fp32 resolution" if viol == 0 else "violations found")
 run.claim("witcert-fp32-scale-violations", ours=f"{run.values['viol_fp32']:,} violations over {n_el:,} coordinates "
           f"(3 synthetic inputs, d={d}, G={group})", verdict="reproduced" if run.values["viol_fp32"] > 0 else "differs",
           why="the count depends on the number and distribution of coordinates, which the paper does not state")
@@ -350,20 +358,25 @@ seed = 0
         ),
         hidden(
             """
-import hashlib
-import json
 import os
 import warnings
 
-warnings.filterwarnings("ignore", category=RuntimeWarning)  # the CPU interpreter's numpy 0/0 on all-zero groups
-
-if not __import__("torch").cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-import pandas as pd
 import torch
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # the CPU interpreter's numpy 0/0 on all-zero groups
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+"""
+        ),
+        hidden(
+            """
+import hashlib
+import json
+
+import pandas as pd
 import triton
 import triton.language as tl
-from IPython.display import Markdown, display
+from IPython.display import display
 
 from kvlib.book import Run
 from kvlib.formats.dither_int8 import quantize_codes
@@ -386,19 +399,24 @@ run.glue("triton_mode", triton_mode);
 @triton.jit
 def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    w = philox4x32(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
-                   tl.load(c_ptr + 4 * i + 3), tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1), N_ROUNDS)
-    for j in tl.static_range(4):
-        tl.store(o_ptr + 4 * i + j, w[j].to(tl.int64))
+    w0, w1, w2, w3 = philox4x32(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
+                                tl.load(c_ptr + 4 * i + 3), tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1),
+                                N_ROUNDS)
+    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
 
 
 @triton.jit
 def _tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    w = tl.philox(seed, tl.load(c_ptr + 4 * i).to(tl.uint32), tl.load(c_ptr + 4 * i + 1).to(tl.uint32),
-                  tl.load(c_ptr + 4 * i + 2).to(tl.uint32), tl.load(c_ptr + 4 * i + 3).to(tl.uint32))
-    for j in tl.static_range(4):
-        tl.store(o_ptr + 4 * i + j, w[j].to(tl.int64))
+    w0, w1, w2, w3 = tl.philox(seed, tl.load(c_ptr + 4 * i).to(tl.uint32), tl.load(c_ptr + 4 * i + 1).to(tl.uint32),
+                               tl.load(c_ptr + 4 * i + 2).to(tl.uint32), tl.load(c_ptr + 4 * i + 3).to(tl.uint32))
+    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
 
 
 kat = json.loads((repo_root() / "data" / "kat" / "philox.json").read_text())["vectors"]

@@ -1,0 +1,423 @@
+"""Decode latency and achieved bandwidth of every KV format over (batch, context), in ONE GPU run.
+
+Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one query token per row:
+
+* ``sdpa_bf16``: torch SDPA bf16, default backend, contiguous ``[B, H_kv, S, d]`` (its best case);
+* ``triton_bf16``: our bf16 split-KV Triton kernel (:mod:`kvlib.kernels.decode_bf16`), paged;
+* ``int8_cert`` / ``int8_nocert``: dithered INT8 decode (:mod:`kvlib.kernels.decode_int8`) with the
+  certificate (A and B accumulators) and with it switched off, ``fast`` precision (3xTF32 scores,
+  fp16 P.V); ``int8_cert_exact``: the same with IEEE fp32 dots;
+* ``int8_philox2``: certified INT8 with the values *also* dithered (a second Philox stream per
+  element). The decode kernel has no switch that skips Philox (checked at run time:
+  :data:`SKIP_PHILOX_ARGS`), so the dither cost is attributed by the "do it twice" difference
+  ``t(philox2) - t(cert)`` = one Philox stream (if a skip switch appears, ``int8_nophilox`` is timed too);
+* ``kv4`` / ``kv4rl``: KV4 INT4 decode and KV4-RL (INT4 main region + INT8 sink/recent side
+  buffer merged with ``merge_states``), :mod:`kvlib.kv4rl_attention`.
+
+Bytes moved per call are the K+V payload from each format's own byte account
+(``get_format(name).bytes_per_position`` / ``fixed_bytes``, :func:`kvlib.paged.bytes_per_token_head`);
+slot tables, queries and outputs are not counted (under 1% at S >= 1k). Achieved bandwidth is set
+against the copy bandwidth measured in the same run. Codes and scales are random (speed does not
+depend on their values). On CUDA every method is captured in a CUDA graph (eager if capture fails,
+recorded) so launch overhead is paid equally, then timed by :func:`kvlib.bench.timing.bench_ms`.
+
+On CPU (profiles ci/cpu) the same code runs at tiny shapes (Triton interpreter when
+``TRITON_INTERPRET=1``, else the torch references): a wiring check, never a speed claim.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlib.bench.timing import bandwidth_GBps, bench_ms, copy_bandwidth
+
+LAYER = 3
+SEED = 0x5EED_0000_1234
+SINK, RECENT = 16, 128
+INT8_GROUP = 32
+INT8_MODES = {"exact": dict(k_precision="ieee", v_precision="ieee"),
+              "fast": dict(k_precision="tf32x3", v_precision="fp16")}
+#: keyword names a decode_int8 "skip Philox" switch could carry (none exists as of writing)
+SKIP_PHILOX_ARGS = ("skip_philox", "k_dither", "philox", "dither")
+
+ALL_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_cert_exact", "int8_philox2",
+               "int8_nophilox", "kv4", "kv4rl")
+#: which format's byte account each method reads
+METHOD_FORMAT = {"sdpa_bf16": "bf16", "triton_bf16": "bf16", "kv4": "kv4", "kv4rl": "kv4rl",
+                 **{m: "dither-int8" for m in ALL_METHODS if m.startswith("int8")}}
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """Attention head layout of one decode call."""
+
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("hq", "hkv", "d"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.hq % self.hkv:
+            raise ValueError(f"hq={self.hq} must be a multiple of hkv={self.hkv}")
+
+
+GPU_SHAPE = HeadShape(32, 8, 128)
+CPU_SHAPE = HeadShape(4, 1, 32)
+
+
+# ------------------------------------------------------------------------------------------------
+# byte account (from the formats' / pools' own functions)
+def side_count(lengths: torch.Tensor, sink: int = SINK, recent: int = RECENT) -> torch.Tensor:
+    """Positions of each request held by the KV4-RL side buffer (sinks plus the recent window)."""
+    n = lengths.long()
+    return n.clamp(max=sink) + (n - sink).clamp(min=0).clamp(max=recent)
+
+
+def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
+    """K+V payload bytes one decode call of ``method`` reads for requests of ``lengths`` positions."""
+    from kvlib.formats.base import get_format
+    from kvlib.paged import bytes_per_token_head
+
+    if method not in METHOD_FORMAT:
+        raise ValueError(f"method must be one of {sorted(METHOD_FORMAT)}, got {method!r}")
+    n = float(lengths.double().sum())
+    heads_sides = 2 * shape.hkv
+    fmt = METHOD_FORMAT[method]
+    if fmt == "dither-int8":
+        return heads_sides * n * bytes_per_token_head(shape.d, INT8_GROUP, 0)
+    if fmt == "kv4rl":
+        f = get_format("kv4rl", sink=SINK, recent=RECENT)
+        side = float(side_count(lengths).double().sum())
+        return heads_sides * ((n - side) * f.bytes_per_position(shape.d) + side * f.fixed_bytes(shape.d) / f.capacity)
+    return heads_sides * n * get_format(fmt).bytes_per_position(shape.d)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing helpers
+def graphed(fn: Callable[[], object]) -> tuple[Callable[[], object], bool]:
+    """Capture ``fn`` in a CUDA graph after a warm-up that compiles everything; eager if capture fails."""
+    if not torch.cuda.is_available():
+        return fn, False
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay, True
+    except Exception:  # noqa: BLE001 - fall back to eager timing, recorded in the result
+        torch.cuda.synchronize()
+        return fn, False
+
+
+def skip_philox_kw() -> dict[str, Any] | None:
+    """Keyword that makes ``decode_int8`` skip Philox, if its signature offers one; else None."""
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    params = inspect.signature(decode_int8).parameters
+    for name in SKIP_PHILOX_ARGS:
+        if name in params:
+            return {name: name == "skip_philox"}  # skip_philox=True, or dither/philox=False
+    return None
+
+
+def _time(fn: Callable[[], object], rep_ms: float, warmup_ms: float) -> dict:
+    run, g = graphed(fn)
+    t = bench_ms(run, warmup_ms=warmup_ms, rep_ms=rep_ms).as_dict()
+    t["graphed"] = g
+    del run
+    return t
+
+
+def _slot_table(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Contiguous slots per request (request b owns ``[off_b, off_b + len_b)``), padded with slot 0."""
+    n = lengths.long()
+    off = torch.cumsum(n, 0) - n
+    m = int(n.max())
+    ar = torch.arange(m, device=lengths.device)
+    slots = torch.where(ar[None, :] < n[:, None], off[:, None] + ar[None, :], torch.zeros((), dtype=torch.long,
+                                                                                          device=lengths.device))
+    return slots.to(torch.int32), int(n.sum())
+
+
+def _sdpa_buckets(lengths: torch.Tensor, n_buckets: int) -> list[torch.Tensor]:
+    """Request indices grouped by length (sorted, equal counts): SDPA pads only within a bucket."""
+    order = torch.argsort(lengths.long())
+    return [c for c in torch.tensor_split(order, min(n_buckets, lengths.numel())) if c.numel()]
+
+
+# ------------------------------------------------------------------------------------------------
+# one state = one batch of requests with given lengths: build each format's inputs in turn, time, free
+def time_state(
+    lengths: Sequence[int] | torch.Tensor, *, methods: Sequence[str] = ALL_METHODS, shape: HeadShape = GPU_SHAPE,
+    device: str | None = None, rep_ms: float = 40.0, warmup_ms: float = 10.0, sdpa_buckets: int = 8, seed: int = 0,
+) -> dict[str, Any]:
+    """Time every method on one decode state (``lengths[b]`` positions for request b).
+
+    Returns ``{"batch", "ctx_mean", "ctx_max", "methods": {name: {median_ms, q25_ms, q75_ms, ..., bytes,
+    GBps}}, "notes": [...]}``. Uniform lengths give the fixed-shape case (SDPA unpadded); ragged lengths
+    give SDPA over ``sdpa_buckets`` length-sorted buckets padded to each bucket's maximum
+    (``bytes_padded`` records what it actually reads). Inputs of one format live only while it is timed.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"methods {unknown} unknown; available: {ALL_METHODS}")
+    lengths = torch.as_tensor(lengths, dtype=torch.int32).to(device)
+    if lengths.ndim != 1 or lengths.numel() == 0 or int(lengths.min()) < 1:
+        raise ValueError("lengths must be a non-empty 1-D sequence of positive ints")
+    b = int(lengths.numel())
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, shape.hq, shape.d, device=device, generator=g)
+    uniform = bool((lengths == lengths[0]).all())
+    out: dict[str, Any] = {"batch": b, "ctx_mean": float(lengths.float().mean()), "ctx_max": int(lengths.max()),
+                           "ctx_sum": int(lengths.long().sum()), "uniform": uniform, "methods": {}, "notes": []}
+    timed: dict[str, dict] = out["methods"]
+
+    def record(name: str, fn: Callable[[], object], **extra: Any) -> None:
+        try:
+            t = _time(fn, rep_ms, warmup_ms)
+        except Exception as e:  # noqa: BLE001 - one method failing must not lose the others
+            out["notes"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return
+        t["bytes"] = call_bytes(name, lengths.cpu(), shape)
+        t["GBps"] = bandwidth_GBps(t["bytes"], t["median_ms"])
+        t.update(extra)
+        timed[name] = t
+
+    def free() -> None:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    want = set(methods)
+    if "sdpa_bf16" in want:
+        _sdpa(record, q, lengths, shape, sdpa_buckets, uniform)
+        free()
+    if want & {"triton_bf16"}:
+        _triton_bf16(record, q, lengths, shape)
+        free()
+    if want & {m for m in ALL_METHODS if m.startswith("int8")}:
+        _int8(record, q, lengths, shape, want, out["notes"])
+        free()
+    if want & {"kv4", "kv4rl"}:
+        _kv4(record, q, lengths, shape, want)
+        free()
+    return out
+
+
+def _sdpa(record, q, lengths, shape: HeadShape, n_buckets: int, uniform: bool) -> None:
+    import warnings
+
+    import torch.nn.functional as F
+
+    warnings.filterwarnings("ignore", message=".*(kernel not used|require query, key and value|runtime disabled).*")
+    groups = [torch.arange(lengths.numel(), device=q.device)] if uniform else _sdpa_buckets(lengths, n_buckets)
+    parts = []
+    padded = 0
+    for idx in groups:
+        n = int(lengths[idx].max())
+        padded += idx.numel() * n
+        k = torch.randn(idx.numel(), shape.hkv, n, shape.d, device=q.device, dtype=torch.bfloat16)
+        parts.append((q[idx].to(torch.bfloat16).unsqueeze(2), k, torch.randn_like(k)))
+
+    def fn():
+        return [F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True) for qq, kk, vv in parts]
+
+    from kvlib.formats.base import get_format
+
+    record("sdpa_bf16", fn, n_calls=len(parts),
+           bytes_padded=2 * shape.hkv * padded * get_format("bf16").bytes_per_position(shape.d))
+
+
+def _triton_bf16(record, q, lengths, shape: HeadShape) -> None:
+    from kvlib.kernels.decode_bf16 import decode_bf16
+
+    slots, n = _slot_table(lengths)
+    k = torch.randn(n, shape.hkv, shape.d, device=q.device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qb = q.to(torch.bfloat16)
+    record("triton_bf16", lambda: decode_bf16(qb, k, v, slots, lengths))
+
+
+def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]) -> None:
+    from kvlib.kernels.decode_int8 import PoolSide, decode_int8
+
+    slots, n = _slot_table(lengths)
+    dev = q.device
+
+    def side() -> PoolSide:
+        return PoolSide(torch.randint(-127, 128, (n, shape.hkv, shape.d), dtype=torch.int8, device=dev),
+                        (torch.rand(n, shape.hkv, shape.d // INT8_GROUP, device=dev) * 0.02 + 0.005).half(),
+                        group=INT8_GROUP)
+
+    kp, vp = side(), side()
+    params = inspect.signature(decode_int8).parameters
+    base = dict(layer=LAYER, seed=SEED)
+
+    def call(mode: str, **kw: Any) -> Callable[[], object]:
+        prec = {k: v for k, v in INT8_MODES[mode].items() if k in params}
+        return lambda: decode_int8(q, kp, vp, slots, lengths, **base, **prec, **kw)
+
+    variants = {"int8_cert": call("fast", cert=True), "int8_nocert": call("fast", cert=False),
+                "int8_cert_exact": call("exact", cert=True), "int8_philox2": call("fast", cert=True, v_dither=True)}
+    skip = skip_philox_kw()
+    if skip is not None:
+        variants["int8_nophilox"] = call("fast", cert=True, **skip)
+    elif "int8_nophilox" in want:
+        notes.append("int8_nophilox: decode_int8 exposes no switch that skips Philox "
+                     f"(looked for {SKIP_PHILOX_ARGS}); the dither cost is taken from int8_philox2 - int8_cert")
+    for name, fn in variants.items():
+        if name in want:
+            record(name, fn)
+
+
+def _kv4(record, q, lengths, shape: HeadShape, want: set[str]) -> None:
+    from kvlib.kv4rl_attention import KV4Batch, kv4_decode, kv4rl_decode
+    from kvlib.merge import merge_states
+
+    b, dev, n = lengths.numel(), q.device, int(lengths.max())
+    c = SINK + RECENT
+
+    def codes(*s):
+        return torch.randint(0, 256, s, dtype=torch.uint8, device=dev)
+
+    def f16(lo, hi, *s):
+        return torch.empty(s, dtype=torch.float16, device=dev).uniform_(lo, hi)
+
+    h, d = shape.hkv, shape.d
+    cache = KV4Batch(
+        k_codes=codes(b, h, n, d // 2), k_scale=f16(0.05, 0.2, b, h, n), k_off=f16(-1.5, -0.5, b, h, n),
+        v_codes=codes(b, h, n, d // 2), v_scale=f16(0.05, 0.2, b, h, n), v_off=f16(-1.5, -0.5, b, h, n),
+        lengths=lengths.to(torch.int32), sink=SINK, recent=RECENT,
+        k8=torch.randint(-127, 128, (b, h, c, d), dtype=torch.int8, device=dev), k8_scale=f16(0.005, 0.02, b, h, c),
+        v8=torch.randint(-127, 128, (b, h, c, d), dtype=torch.int8, device=dev), v8_scale=f16(0.005, 0.02, b, h, c),
+        side_pos=None,
+    )  # fmt: skip
+    qb = q.to(torch.bfloat16)
+    if "kv4" in want:
+        record("kv4", lambda: kv4_decode(qb, cache))
+    if "kv4rl" in want:
+        record("kv4rl", lambda: kv4rl_decode(qb, cache, merge=merge_states))
+
+
+# ------------------------------------------------------------------------------------------------
+def derived(row: dict[str, Any]) -> dict[str, float]:
+    """Ratios of one state: speedups vs SDPA bf16, certificate cost, KV4-RL/KV4, Philox share."""
+    m = {k: v["median_ms"] for k, v in row["methods"].items()}
+    out: dict[str, float] = {}
+    if "sdpa_bf16" in m:
+        for k, v in m.items():
+            out[f"speedup_{k}"] = m["sdpa_bf16"] / v
+    if "int8_cert" in m and "int8_nocert" in m:
+        out["cert_cost"] = m["int8_cert"] / m["int8_nocert"] - 1.0
+    if "kv4" in m and "kv4rl" in m:
+        out["kv4rl_frac_of_kv4"] = m["kv4"] / m["kv4rl"]
+    if "int8_philox2" in m and "int8_cert" in m:
+        out["philox_stream_share"] = (m["int8_philox2"] - m["int8_cert"]) / m["int8_cert"]
+    if "int8_nophilox" in m and "int8_cert" in m:
+        out["philox_share_skip"] = 1.0 - m["int8_nophilox"] / m["int8_cert"]
+    return out
+
+
+def grid_config(profile: str) -> dict[str, Any]:
+    """Shapes and timing budget of each profile."""
+    if profile == "gpu":
+        return dict(shape=GPU_SHAPE, batches=(1, 8, 32, 128, 512), ctxs=(1024, 4096, 16384, 32768),
+                    budget_bytes=30e9, rep_ms=40.0, warmup_ms=10.0)
+    return dict(shape=CPU_SHAPE, batches=(1, 2), ctxs=(40, 96), budget_bytes=1e8, rep_ms=1.0, warmup_ms=0.0)
+
+
+def run(profile: str, *, methods: Sequence[str] = ALL_METHODS, batches: Sequence[int] | None = None,
+        ctxs: Sequence[int] | None = None) -> dict[str, Any]:
+    """The grid. ``profile`` ``gpu`` measures on CUDA; ``ci``/``cpu`` run the wiring at tiny shapes."""
+    if profile not in ("ci", "cpu", "gpu"):
+        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise RuntimeError("profile 'gpu' needs CUDA; use --profile ci on CPU")
+    cfg = grid_config(profile if cuda else "ci")
+    batches = tuple(batches or cfg["batches"])
+    ctxs = tuple(ctxs or cfg["ctxs"])
+    shape: HeadShape = cfg["shape"]
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "note": "" if cuda else ("CPU wiring check, no speed claim ("
+                                 + ("Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1"
+                                    else "torch reference fallbacks") + ")"),
+        "shape": vars(shape) | {"sink": SINK, "recent": RECENT, "int8_group": INT8_GROUP},
+        "int8_modes": INT8_MODES, "int8_skip_philox_switch": skip_philox_kw(),
+        "budget_bytes": cfg["budget_bytes"], "rep_ms": cfg["rep_ms"],
+        "copy": copy_bandwidth(device=device, **({} if cuda else {"n_bytes": 1 << 22})),
+        "rows": [], "skipped": [],
+    }
+    for b in batches:
+        for s in ctxs:
+            lengths = torch.full((b,), s, dtype=torch.int32)
+            peak = max(call_bytes("sdpa_bf16", lengths, shape), call_bytes("kv4", lengths, shape) * 1.2)
+            if peak > cfg["budget_bytes"]:
+                res["skipped"].append({"batch": b, "ctx": s, "bytes": peak})
+                continue
+            row = time_state(lengths, methods=methods, shape=shape, device=device, rep_ms=cfg["rep_ms"],
+                             warmup_ms=cfg["warmup_ms"])
+            row["ctx"] = s
+            row["ratios"] = derived(row)
+            res["rows"].append(row)
+            print(f"   grid B={b} S={s}: " + ", ".join(f"{k}={v['median_ms']:.4f}"
+                                                       for k, v in row["methods"].items()), flush=True)
+    res["summary"] = summarize(res)
+    res["runtime_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """The goals as ratios from this run (min over the long-context shapes, medians alongside)."""
+    import statistics
+
+    rows = res["rows"]
+    long = [r for r in rows if r["ctx"] >= 16384]
+    big = [r for r in long if r["batch"] >= 8]
+
+    def stat(rs, key, f=min):
+        vals = [r["ratios"][key] for r in rs if key in r["ratios"]]
+        return f(vals) if vals else None
+
+    copy = res["copy"]["bandwidth_GBps"]
+    frac = {}
+    for r in rows:
+        for k, v in r["methods"].items():
+            frac[k] = max(frac.get(k, 0.0), v["GBps"] / copy)
+    return {
+        "int8_cert_speedup_S16k_min": stat(long, "speedup_int8_cert"),
+        "int8_cert_speedup_S16k_B8_min": stat(big, "speedup_int8_cert"),
+        "int8_cert_speedup_S16k_median": stat(long, "speedup_int8_cert", statistics.median),
+        "kv4_speedup_S16k_min": stat(long, "speedup_kv4"),
+        "kv4_speedup_S16k_B8_min": stat(big, "speedup_kv4"),
+        "kv4_speedup_S16k_median": stat(long, "speedup_kv4", statistics.median),
+        "kv4rl_frac_min": stat(rows, "kv4rl_frac_of_kv4"),
+        "kv4rl_frac_median": stat(rows, "kv4rl_frac_of_kv4", statistics.median),
+        "cert_cost_max": stat(rows, "cert_cost", max),
+        "cert_cost_median": stat(rows, "cert_cost", statistics.median),
+        "philox_stream_share_median": stat(rows, "philox_stream_share", statistics.median),
+        "max_frac_of_copy": frac,
+        "goals": {"int8_cert_speedup": 1.5, "kv4_speedup": 3.0, "kv4rl_frac": 0.97, "cert_cost": 0.03},
+    }

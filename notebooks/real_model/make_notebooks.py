@@ -1,0 +1,422 @@
+"""Writes the notebooks of the real_model chapter (SmolLM2-135M, real activations, real generation).
+
+Run: .venv/bin/python notebooks/real_model/make_notebooks.py
+"""
+
+# ruff: noqa: E501  (notebook cell sources are long strings)
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+META = {
+    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+    "language_info": {"name": "python"},
+}
+
+
+def md(src: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(src.strip())
+
+
+def code(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip())
+
+
+def hidden(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]})
+
+
+def params(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
+
+
+SETUP = """
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import pandas as pd
+import torch
+import matplotlib.pyplot as plt
+from kvlib import corpus
+from kvlib.model import load_model
+"""
+
+
+def stability() -> nbformat.NotebookNode:
+    return new_notebook(metadata=META, cells=[
+        md(r"""
+# Are SmolLM2's outlier RoPE pairs a fixed set?
+
+**Question.** WitCert's paging-safe layout bypasses a *fixed* set of $m$ RoPE pairs per
+(layer, KV head) in fp16 instead of choosing them per block. That is only sound in practice if the
+high-energy pairs do not move along the sequence. The paper chose the top-8 pairs by energy
+$\sum_t (k_{t,i}^2 + k_{t,i+d/2}^2)$ on the first half of a sequence and on the second half and
+found Jaccard 0.940 on average (minimum 0.750) on Qwen2.5-7B. We repeat the measurement on the
+post-RoPE keys of SmolLM2-135M-Instruct (30 layers, 3 KV heads, $d = 64$, i.e. 32 pairs per head)
+over the three domains of the corpus (code, technical prose, narrative).
+"""),
+        params("""
+profile = "cpu"
+S = 2048
+docs_per_domain = 1
+layer_stride = 1
+m = 8
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+from kvlib import real_activations as ra
+run = Run("real_outlier_stability", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain,
+                                                              layer_stride=layer_stride, m=m))
+model, tok = load_model()
+layers = list(range(0, model.config.num_hidden_layers, layer_stride))
+frames = []
+for doc, ids in corpus.sequences(tok, S, per_domain=docs_per_domain):
+    acts = ra.capture(model, ids, layers)
+    frames.append(ra.pair_stability(acts, m).assign(domain=doc.domain, doc=doc.name))
+    del acts
+jac = pd.concat(frames, ignore_index=True)
+by_domain = jac.groupby("domain")["jaccard"].agg(["mean", "min", "count"])
+run.glue("jac_mean", float(jac.jaccard.mean()))
+run.glue("jac_min", float(jac.jaccard.min()))
+run.glue("n_heads", int(len(jac)))
+run.glue("frac_perfect", float((jac.jaccard == 1).mean()))
+run.record("jaccard", jac.to_dict(orient="list"))
+by_domain
+"""),
+        hidden("""
+fig, ax = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [3, 1]})
+piv = jac.groupby(["layer", "kv_head"])["jaccard"].mean().unstack()
+im = ax[0].imshow(piv.T.values, aspect="auto", vmin=0, vmax=1, cmap="viridis")
+ax[0].set_xticks(range(len(piv.index))[::max(1, len(piv.index) // 10)], piv.index[::max(1, len(piv.index) // 10)])
+ax[0].set_xlabel("layer"); ax[0].set_ylabel("KV head"); fig.colorbar(im, ax=ax[0], label="Jaccard (mean over docs)")
+jac.boxplot(column="jaccard", by="domain", ax=ax[1]); ax[1].set_title(""); ax[1].set_ylabel("Jaccard")
+fig.suptitle(f"top-{m} pairs, first vs second half, S = {S}")
+fig.tight_layout()
+run.glue_fig("fig_jaccard", fig)
+fig
+"""),
+        md(r"""
+Over {glue:text}`n_heads` (layer, KV head, document) cases the mean Jaccard is
+{glue:text}`jac_mean:.3f` and the minimum {glue:text}`jac_min:.3f`;
+{glue:text}`frac_perfect:.0%` of the cases keep exactly the same 8 pairs. With 32 pairs per head,
+8 of them chosen at random would give an expected Jaccard near 0.14, so the top pairs are
+far from random in both halves.
+"""),
+        hidden("""
+jm, jn = float(jac.jaccard.mean()), float(jac.jaccard.min())
+run.claim("witcert-real-pair-jaccard", ours=f"mean {jm:.3f}, min {jn:.3f} (SmolLM2-135M, S={S}, {len(jac)} cases)",
+          verdict="reproduced" if jm >= 0.85 else "differs",
+          why="" if jm >= 0.85 else "SmolLM2's top pairs move more between halves than Qwen2.5-7B's")
+run.claims_table()
+"""),
+        md(r"""
+**Verdict.** The paper's design choice transfers if the mean Jaccard is high: a fixed per-(layer,
+KV head) set chosen on a calibration prefix captures the pairs the rest of the sequence needs. The
+minimum is what a deployment must plan for: a head whose set moves pays with a larger scale on
+the channels that left the set (the coverage notebook measures what that costs).
+"""),
+        code("run.save()"),
+    ])
+
+
+def coverage() -> nbformat.NotebookNode:
+    return new_notebook(metadata=META, cells=[
+        md(r"""
+# Coverage against the outlier budget on real activations
+
+**Question.** How often is SmolLM2's dithered INT8 key cache certified (TV bound $\le \tau = 0.2$),
+as a function of the number $m$ of RoPE pairs bypassed in fp16? Is there a zero-fallback budget,
+and what margin to $\tau$ does it leave? Are the exceedances of the query heads that share a KV head
+correlated (the paper: 23.0 % any-of-group fallback against 72.6 % if independent)? What does
+each setting cost in bytes?
+
+Setting: post-RoPE queries and keys captured from one cache-less forward over each corpus sequence
+(fixed token history, so the theorem applies exactly); per (layer, KV head) the $m$ pairs are chosen
+on the first half and held fixed; keys dithered INT8 with group 32, bypassed channels excluded
+from the amax; the query at position $t$ (positions spread over the second half) certified against
+keys $0..t$ with the request-level allocation $\delta_\mathrm{loc} = \delta_\mathrm{req}/(L \cdot H_q \cdot T)$,
+$L = 30$, $H_q = 9$, $T$ = `steps`. The certificate is the two-accumulator bound $1 - B/A$.
+"""),
+        params("""
+profile = "cpu"
+S = 2048
+docs_per_domain = 1
+layer_stride = 2
+budgets = [0, 2, 4, 8, 16]
+n_queries = 16
+tau = 0.2
+delta_req = 0.01
+steps = 256
+seed = 0
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+from kvlib import real_activations as ra
+run = Run("real_coverage", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain, layer_stride=layer_stride,
+                                                     budgets=budgets, n_queries=n_queries, tau=tau,
+                                                     delta_req=delta_req, steps=steps, seed=seed))
+model, tok = load_model()
+cfg = model.config
+layers = list(range(0, cfg.num_hidden_layers, layer_stride))
+frames = []
+for doc, ids in corpus.sequences(tok, S, per_domain=docs_per_domain):
+    acts = ra.capture(model, ids, layers)
+    c = ra.certify_budget(acts, budgets, n_layers=cfg.num_hidden_layers, n_queries=n_queries,
+                          delta_req=delta_req, steps=steps, seed=seed)
+    frames.append(c.assign(domain=doc.domain, doc=doc.name))
+    del acts
+certs = pd.concat(frames, ignore_index=True)
+tab = ra.budget_table(certs, tau=tau, d=cfg.head_dim)
+per_domain = pd.concat({dom: ra.budget_table(df, tau=tau, d=cfg.head_dim)["coverage"]
+                        for dom, df in certs.groupby("domain")}, axis=1)
+run.record("budget_table", tab.reset_index().to_dict(orient="list"))
+run.record("coverage_by_domain", per_domain.reset_index().to_dict(orient="list"))
+for m_ in budgets:
+    run.glue(f"cov_m{m_}", float(tab.loc[m_, "coverage"]))
+    run.glue(f"fb_m{m_}", float(tab.loc[m_, "fallback"]))
+    run.glue(f"fbind_m{m_}", float(tab.loc[m_, "fallback_if_independent"]))
+    run.glue(f"max_m{m_}", float(tab.loc[m_, "max_cert"]))
+zero = [m_ for m_ in budgets if tab.loc[m_, "coverage"] == 1.0]
+m0 = zero[0] if zero else None
+run.glue("zero_fallback_m", -1 if m0 is None else m0)
+run.glue("zero_fallback_margin", float("nan") if m0 is None else tau / float(tab.loc[m0, "max_cert"]))
+run.glue("n_certs", int(len(certs) // len(budgets)))
+run.glue("violations", int(tab["violations"].sum()))
+tab.style.format({"coverage": "{:.3f}", "fallback": "{:.3f}", "fallback_if_independent": "{:.3f}",
+                  "max_cert": "{:.3g}", "max_A": "{:.3g}", "overflow": "{:.3f}"})
+"""),
+        hidden("""
+fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+for dom in per_domain.columns:
+    ax[0].plot(per_domain.index, per_domain[dom], marker="o", label=dom)
+ax[0].set_xlabel("outlier budget m (RoPE pairs)"); ax[0].set_ylabel(f"coverage at tau = {tau}"); ax[0].legend()
+ax[0].set_xscale("symlog", linthresh=1); ax[0].set_xticks(budgets, budgets)
+mx = certs.groupby(["m", "layer", "q_head"])["cert"].max().unstack("m")
+ax[1].boxplot([mx[m_].values for m_ in budgets], labels=[str(m_) for m_ in budgets])
+ax[1].axhline(tau, color="k", ls="--", lw=1); ax[1].set_yscale("log")
+ax[1].set_xlabel("m"); ax[1].set_ylabel("max certificate per (layer, head)")
+fig.tight_layout()
+run.glue_fig("fig_coverage", fig)
+fig
+"""),
+        md(r"""
+Each budget is certified on {glue:text}`n_certs` (layer, query head, position, document) cases;
+the true TV of each case (exact keys vs dequantised keys, same query) never exceeded its
+certificate ({glue:text}`violations` violations over all budgets). Without bypass the coverage is
+{glue:text}`cov_m0:.3f`; with $m = 2$ it is {glue:text}`cov_m2:.3f`, with $m = 4$
+{glue:text}`cov_m4:.3f`, with $m = 8$ {glue:text}`cov_m8:.3f` and with $m = 16$ {glue:text}`cov_m16:.3f`.
+The first budget with coverage 1 is $m$ = {glue:text}`zero_fallback_m` (−1: none), with a margin
+$\tau / \max$ cert = {glue:text}`zero_fallback_margin:.2f`. Any-of-group fallback without bypass is
+{glue:text}`fb_m0:.3f` against {glue:text}`fbind_m0:.3f` if the three heads of a group exceeded
+independently. Key bytes per token per head: 64 codes + 2 fp16 scales + $2m$ fp16 bypass values.
+"""),
+        hidden("""
+c0, c16 = float(tab.loc[budgets[0], "coverage"]), float(tab.loc[budgets[-1], "coverage"])
+mono = bool(np.all(np.diff(tab["coverage"].values) >= -1e-12))
+run.claim("witcert-real-coverage-budget",
+          ours=f"coverage {c0:.3f} (m=0) -> " + " -> ".join(f"{tab.loc[m_, 'coverage']:.3f}" for m_ in budgets[1:]) + f" (m={budgets[1:]})",
+          verdict="reproduced" if mono and c16 > c0 else "differs",
+          why="SmolLM2-135M, S = %d, every %d-th layer; the no-bypass coverage is model-specific" % (S, layer_stride))
+if m0 is not None:
+    mx0 = float(tab.loc[m0, "max_cert"])
+    run.claim("witcert-real-zero-fallback", ours=f"coverage 1.000 from m = {m0}; max cert {mx0:.3g} ({tau / mx0:.1f}x below tau)",
+              verdict="reproduced" if m0 <= 16 else "differs", why="" if m0 <= 16 else "zero-fallback only beyond m = 16")
+else:
+    run.claim("witcert-real-zero-fallback", ours=f"max coverage {tab['coverage'].max():.3f}; no zero-fallback budget up to m = {budgets[-1]}",
+              verdict="differs", why="SmolLM2's certificates exceed tau even at the largest budget")
+fb, fi = float(tab.loc[budgets[0], "fallback"]), float(tab.loc[budgets[0], "fallback_if_independent"])
+run.claim("witcert-real-group-correlation", ours=f"m = 0: any-of-3 fallback {fb:.3f} vs {fi:.3f} if independent",
+          verdict="reproduced" if fb < 0.8 * fi else "differs",
+          why="groups of 3 query heads (SmolLM2), not 6" + ("" if fb < 0.8 * fi else "; exceedances look nearly independent here"))
+maxes = [float(tab.loc[m_, "max_cert"]) for m_ in budgets]
+dec = bool(np.all(np.diff(maxes) <= 1e-12))
+run.claim("witcert-real-massive-heads", ours="max 1-B/A: " + " -> ".join(f"{x:.3g}" for x in maxes) + "; max A: " + " -> ".join(f"{float(tab.loc[m_, 'max_A']):.3g}" for m_ in budgets),
+          verdict="reproduced" if dec else "differs",
+          why="our certificate 1-B/A is a TV bound, at most 1; the paper's 1.6e2 can only be an unnormalised quantity, so we compare the monotone collapse (offline capture, not generation)")
+run.claims_table()
+"""),
+        md(r"""
+**Verdict.** The table answers the three questions for SmolLM2 at this length: where coverage
+saturates (the zero-fallback budget, if any, and its margin), how strongly exceedances cluster
+within a KV group, and what each budget adds in bytes. The certificates were computed from the
+model's own queries at a fixed token history, where the theorem holds exactly.
+"""),
+        code("run.save()"),
+    ])
+
+
+def fidelity() -> nbformat.NotebookNode:
+    return new_notebook(metadata=META, cells=[
+        md(r"""
+# Real generation through the cache: teacher-forced fidelity of every format, and live certificates
+
+**Question.** With SmolLM2 generating through `kvlib.make_cache(format, config)`, how far does each
+KV format move the next-token distribution? We force the full-precision model's own greedy
+continuation (prefill `prompt_len` tokens of a corpus document, then `n_new` tokens) through every
+cache and compare logits step by step: KL$(p_\mathrm{ref} \| q)$ in float64 over the full
+vocabulary, top-1 agreement and top-5 overlap. Then the dithered INT8 cache decodes token by token
+with certificate telemetry from the real post-RoPE queries (every layer, every query head, every
+step), for outlier budgets chosen on the prompt, and we count the certificates above $\tau$ and
+measure what the telemetry costs.
+"""),
+        params("""
+profile = "cpu"
+prompt_len = 512
+n_new = 32
+docs_per_domain = 1
+formats = "all"
+budgets = [0, 4, 16]
+gen_steps = 16
+stride = 8
+tau = 0.2
+"""),
+        hidden(SETUP + """
+import time
+from kvlib.book import Run, fmt
+from kvlib import fidelity as fid
+from kvlib import real_activations as ra
+from kvlib.formats.base import available_formats, get_format
+from kvlib.hf_cache import make_cache
+run = Run("real_fidelity", profile=profile, params=dict(prompt_len=prompt_len, n_new=n_new, docs_per_domain=docs_per_domain,
+                                                     formats=formats, budgets=budgets, gen_steps=gen_steps, stride=stride, tau=tau))
+model, tok = load_model()
+cfg = model.config
+names = available_formats() if formats == "all" else list(formats)
+rows, skipped = [], set()
+seqs = corpus.sequences(tok, prompt_len, per_domain=docs_per_domain)
+for doc, prompt in seqs:
+    full = model.generate(prompt[None], max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                          past_key_values=make_cache("fp32", cfg))
+    specs = {}
+    for name in names:
+        specs[name] = name
+    tables = {m_: ra.outlier_table(model, prompt[None], m_) for m_ in budgets if m_}
+    for m_, table in tables.items():
+        specs[f"dither-int8 m={m_}"] = ("dither-int8", {"outlier_table": table})
+    for name, spec in specs.items():
+        try:
+            r = fid.teacher_forcing(model, full, prompt_len, {name: spec})[0]
+        except NotImplementedError:
+            skipped.add(name)
+            continue
+        rows.append(dict(r.summary(), domain=doc.domain, doc=doc.name))
+res = pd.DataFrame(rows)
+L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+S_tot = prompt_len + n_new - 1
+res["bytes_per_tok_head_side"] = res["packed_bytes"] / (2 * L * hkv * S_tot)
+summary = res.groupby("name")[["kl_mean", "top1", "top5", "bytes_per_tok_head_side"]].mean().sort_values("kl_mean")
+run.record("fidelity", res.to_dict(orient="list"))
+run.glue("skipped", ", ".join(sorted(skipped)) or "none")
+for name in ("fp32", "fp16", "rtn-int8", "dither-int8", "sr-int8", "kv4"):
+    if name in summary.index:
+        key = name.replace("-", "_")
+        run.glue(f"kl_{key}", float(summary.loc[name, "kl_mean"]))
+        run.glue(f"top1_{key}", float(summary.loc[name, "top1"]))
+summary.style.format({"kl_mean": "{:.2e}", "top1": "{:.3f}", "top5": "{:.3f}", "bytes_per_tok_head_side": "{:.1f}"})
+"""),
+        hidden("""
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+s = summary.drop(index=[n for n in ("fp32",) if n in summary.index])
+ax.scatter(s["bytes_per_tok_head_side"], s["kl_mean"].clip(lower=1e-9))
+for n, r in s.iterrows():
+    ax.annotate(n, (r["bytes_per_tok_head_side"], max(r["kl_mean"], 1e-9)), fontsize=7, xytext=(3, 2), textcoords="offset points")
+ax.set_xscale("log"); ax.set_yscale("log")
+ax.set_xlabel("packed bytes per token per head per side (measured)"); ax.set_ylabel("mean KL(p_ref || q), teacher forced")
+fig.tight_layout()
+run.glue_fig("fig_fidelity", fig)
+fig
+"""),
+        md(r"""
+The fp32 passthrough gives KL {glue:text}`kl_fp32:.1e` exactly (same engine, same path). The
+dithered INT8 cache sits at KL {glue:text}`kl_dither_int8:.2e` (top-1 {glue:text}`top1_dither_int8:.3f`),
+round-to-nearest INT8 at {glue:text}`kl_rtn_int8:.2e` (top-1 {glue:text}`top1_rtn_int8:.3f`). Formats that
+cannot append token by token and were left out: {glue:text}`skipped`.
+
+## Live certificates during decoding
+
+The dithered cache now decodes `gen_steps` forced tokens one at a time; at every forward call each
+layer certifies the last query row of all nine query heads (stride 1), request-level
+$\delta_\mathrm{loc} = 10^{-2}/(30 \cdot 9 \cdot 256)$.
+"""),
+        hidden("""
+doc, prompt = seqs[0]
+full = model.generate(prompt[None], max_new_tokens=gen_steps, min_new_tokens=gen_steps, do_sample=False,
+                      past_key_values=make_cache("fp32", cfg))
+gen_rows = {}
+def run_gen(m_, stride_):
+    opts = {"telemetry": True, "stride": stride_, "tau": tau}
+    if m_:
+        opts["outlier_table"] = ra.outlier_table(model, prompt[None], m_)
+    t0 = time.perf_counter()
+    _, cache = fid.forced_logits(model, full, prompt_len, ("dither-int8", opts), mode="decode", return_cache=True)
+    wall = time.perf_counter() - t0
+    s = cache.telemetry_summary()
+    s.update(wall_s=wall, cost_fraction=s["seconds"] / (wall - s["seconds"]),
+             over_tau=int(round(s["n"] * (1 - s["coverage"]))))
+    return s
+for m_ in budgets:
+    gen_rows[m_] = run_gen(m_, 1)
+sampled = run_gen(budgets[-1], stride)
+gen = pd.DataFrame(gen_rows).T[["n", "coverage", "over_tau", "max_finite", "mean_finite", "overflow_fraction", "seconds", "wall_s", "cost_fraction"]]
+gen.index.name = "m"
+run.record("generation", {str(k): v for k, v in gen_rows.items()})
+run.record("generation_sampled", sampled)
+for m_ in budgets:
+    run.glue(f"gen_cov_m{m_}", float(gen.loc[m_, "coverage"]))
+    run.glue(f"gen_max_m{m_}", float(gen.loc[m_, "max_finite"]))
+    run.glue(f"gen_over_m{m_}", int(gen.loc[m_, "over_tau"]))
+run.glue("gen_n", int(gen.iloc[0]["n"]))
+run.glue("cost_full", float(gen.iloc[-1]["cost_fraction"]))
+run.glue("cost_sampled", float(sampled["cost_fraction"]))
+run.glue("n_sampled", int(sampled["n"]))
+gen
+"""),
+        md(r"""
+With stride 1 each budget yields {glue:text}`gen_n` certificates. Without bypass
+{glue:text}`gen_over_m0` exceed $\tau$ (coverage {glue:text}`gen_cov_m0:.3f`, max {glue:text}`gen_max_m0:.3g`);
+at the largest budget {glue:text}`gen_over_m16` exceed it (max {glue:text}`gen_max_m16:.3g`).
+Telemetry cost relative to the rest of the decode step: {glue:text}`cost_full:.1%` at stride 1
+and {glue:text}`cost_sampled:.1%` at stride `stride` ({glue:text}`n_sampled` certificates). On this
+CPU the cost is the torch reference of the certificate (float64) and the decode step is a small
+model, so the fraction is an upper bound for what a fused kernel would pay.
+"""),
+        hidden("""
+dm = [n for n in summary.index if n.startswith("dither-int8")]
+kl_by_m = {0: float(summary.loc["dither-int8", "kl_mean"])} if "dither-int8" in summary.index else {}
+kl_by_m.update({int(n.split("=")[1]): float(summary.loc[n, "kl_mean"]) for n in dm if "m=" in n})
+ms = sorted(kl_by_m)
+top1_by_m = [float(summary.loc["dither-int8" if m_ == 0 else f"dither-int8 m={m_}", "top1"]) for m_ in ms]
+mono = bool(np.all(np.diff([kl_by_m[m_] for m_ in ms]) <= 0))
+run.claim("witcert-real-teacher-forcing",
+          ours="dither-int8 KL " + " / ".join(f"{kl_by_m[m_]:.2e}" for m_ in ms) + " and top-1 " + " / ".join(f"{t:.3f}" for t in top1_by_m) + f" at m = {ms} (prompt {prompt_len} + {n_new})",
+          verdict="reproduced" if mono and min(top1_by_m) >= 0.9 else "differs",
+          why="" if mono and min(top1_by_m) >= 0.9 else "KL not monotone in m or top-1 below 0.9 on SmolLM2")
+mlast = budgets[-1]
+run.claim("witcert-real-gen-certified",
+          ours=f"m = {mlast}: {int(gen.loc[mlast, 'n'] - gen.loc[mlast, 'over_tau'])} / {int(gen.loc[mlast, 'n'])} certificates <= {tau}, max {float(gen.loc[mlast, 'max_finite']):.3g}",
+          verdict="reproduced" if int(gen.loc[mlast, "over_tau"]) == 0 else "differs",
+          why="SmolLM2-135M, 30 layers x 9 query heads, every decode step" + ("" if int(gen.loc[mlast, "over_tau"]) == 0 else "; some heads stay above tau"))
+cs = float(sampled["cost_fraction"])
+run.claim("witcert-telemetry-cost", ours=f"{cs:.1%} of the decode step at stride {stride} ({float(gen.iloc[-1]['cost_fraction']):.1%} at stride 1)",
+          verdict="reproduced" if cs < 0.1 else "differs",
+          why="CPU, torch float64 reference certificate" + ("" if cs < 0.1 else "; above a tenth at this stride"))
+run.claims_table()
+"""),
+        md(r"""
+**Verdict.** Teacher forcing ranks the formats by what they do to the next-token distribution at
+a fixed history, and the live telemetry shows which (layer, head) certificates the real queries
+push above $\tau$ at each outlier budget. Greedy free-running text would not: one diverging token
+separates the trajectories for good.
+"""),
+        code("run.save()"),
+    ])
+
+
+if __name__ == "__main__":
+    for name, fn in (("outlier_stability", stability), ("coverage", coverage), ("fidelity", fidelity)):
+        nbformat.write(fn(), HERE / f"{name}.ipynb")
+        print("wrote", HERE / f"{name}.ipynb")

@@ -1,0 +1,660 @@
+"""Writes the notebooks of the witcert_certificate chapter.
+
+Run: .venv/bin/python notebooks/witcert_certificate/make_notebooks.py
+
+Kept as code so the cells stay reviewable in diffs; the .ipynb files are what the book runs.
+"""
+
+# ruff: noqa: E501  (notebook cell sources are long strings)
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+META = {
+    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+    "language_info": {"name": "python"},
+}
+
+
+def md(src: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(src.strip())
+
+
+def code(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip())
+
+
+def hidden(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]})
+
+
+def params(src: str) -> nbformat.NotebookNode:
+    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
+
+
+SETUP = """
+import os
+import torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+torch.set_num_threads(1)  # small tensors: threads only add contention
+"""
+
+
+# ------------------------------------------------------------------------------------------------
+def kernel() -> nbformat.NotebookNode:
+    cells = [
+        md(r"""
+# The certificate inside the decode kernel: agreement, split invariance, and the GPU
+
+**Question.** Does the Triton split-KV decode kernel (`kvlib.kernels.decode_int8`), which
+regenerates the key dither, dequantises and accumulates the certificate $A$ (and $B$) in the same
+pass as attention, compute the same output and the same certificate as the float64 torch
+reference, whatever the split count? And on the H200: is CUDA-graph replay bit-identical, what does
+the certificate cost, and how does certified INT8 decode compare with torch SDPA bf16?
+
+The theorem and the role of each kernel detail are on the [theorem page](theorem.md). Here the
+kernel runs under the Triton CPU interpreter on a small shape (same code as on the GPU); the GPU
+numbers come from `python -m kvlib.bench witcert_decode` (file `data/results/gpu/witcert_decode.json`).
+Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`.
+"""),
+        params("""
+profile = "cpu"
+B = 2
+S = 256
+hq = 8
+hkv = 2
+d = 64
+splits = [1, 2, 8, 32]
+delta = 1e-2
+seed = 0
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+run = Run("witcert_kernel", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, splits=splits,
+                                                          delta=delta, seed=seed))
+import math
+import matplotlib.pyplot as plt
+import pandas as pd
+from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side
+from kvlib.provenance import load_result
+
+g = torch.Generator().manual_seed(seed)
+K = torch.randn(B * S, hkv, d, generator=g)
+K[:, :, :2] *= 10  # one strong RoPE-ish pair per head, bypassed in fp16
+V = torch.randn(B * S, hkv, d, generator=g)
+perm = torch.randperm(B * S, generator=g)
+oc = torch.tensor([0, 1, d // 2, d // 2 + 1]).expand(hkv, 4).contiguous()
+kp = make_pool_side(K, layer=1, seed=seed + 7, side=0, slot_ids=perm, outlier_channels=oc)
+vp = make_pool_side(V, layer=1, seed=seed + 7, side=1, slot_ids=perm, dithered=False)
+slots = perm.view(B, S)
+seq = torch.tensor([S - 17 * b for b in range(B)])
+q = 2 * torch.randn(B, hq, d, generator=g)
+ref = decode_reference(q, kp, vp, slots, seq, layer=1, seed=seed + 7, delta=delta)
+rows, certs = [], []
+for ns in splits:
+    out = decode_int8(q, kp, vp, slots, seq, layer=1, seed=seed + 7, delta=delta, num_splits=ns, block_n=16)
+    certs.append(out.tv_bound.double())
+    rows.append({"splits": ns, "max|do|": float((out.o.double() - ref.o).abs().max()),
+                 "max|dlse|": float((out.lse.double() - ref.lse).abs().max()),
+                 "max|dcert|": float((out.tv_bound - ref.tv_bound).abs().max()),
+                 "max|dcert_one|": float((out.tv_bound_one - ref.tv_bound_one).abs().max())})
+tab = pd.DataFrame(rows).set_index("splits")
+spread = float((torch.stack(certs).amax(0) - torch.stack(certs).amin(0)).max())
+run.glue("max_do", float(tab["max|do|"].max()))
+run.glue("max_dcert", float(tab["max|dcert|"].max()))
+run.glue("split_spread", spread)
+run.glue("cert_lo", float(ref.tv_bound.min()))
+run.glue("cert_hi", float(ref.tv_bound.max()))
+run.record("agreement", rows)
+tab.style.format("{:.2e}")
+"""),
+        md(r"""
+The largest differences over all split counts are
+$\max|\Delta o|$ = {glue:text}`max_do:.2e` and $\max|\Delta \mathrm{cert}|$ = {glue:text}`max_dcert:.2e`
+(certificates between {glue:text}`cert_lo:.3f` and {glue:text}`cert_hi:.3f`). The certificate of a row
+changes by at most {glue:text}`split_spread:.1e` between 1 and 32 splits: the per-split $A_s$,
+normalised by the split's own exp-sum, merge under the output's LSE weights exactly (rounding only).
+"""),
+        hidden("""
+gpu = load_result("witcert_decode", "gpu")
+if gpu is None:
+    print("GPU results pending: run `python -m kvlib.bench witcert_decode` on the H200 "
+          "(writes data/results/gpu/witcert_decode.json); the GPU rows of the table below stay 'not reproducible here'.")
+    lat = None
+else:
+    r = gpu["results"]
+    print("measured on", r["device"], "| commit", gpu["provenance"].get("git_commit", "?"))
+    agr = pd.DataFrame(r["agreement"]["splits"]).T
+    exact = agr[agr.index.str.startswith("exact")]  # fp32 IEEE dots; "fast" uses fp16 P.V (error ~1e-4)
+    run.glue("gpu_max_do", float(exact["max_abs_do"].max()))
+    run.glue("gpu_max_dcert", float(exact["max_abs_dcert"].max()))
+    cg = r["cuda_graph"]
+    run.glue("graph_identical", bool(cg["bit_identical"]))
+    lat = pd.DataFrame([{"B": x["B"], "S": x["S"], **{k: v["median_ms"] for k, v in x["timings"].items()
+                         if isinstance(v, dict)}} for x in r["latency"] if "timings" in x])
+    display(agr.style.format("{:.2e}"))
+    display(lat.set_index(["B", "S"]).style.format("{:.3f}"))
+"""),
+        hidden("""
+if lat is not None:
+    modes = list(gpu["results"]["modes"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    x = range(len(lat))
+    labels = [f"B={b}\\nS={s // 1024}k" for b, s in zip(lat.B, lat.S)]
+    ax.plot(x, lat["sdpa_bf16"], "k-o", label="torch SDPA bf16")
+    ax.plot(x, lat["ours_bf16"], "-s", label="our bf16 split-KV")
+    for m in modes:
+        ax.plot(x, lat[f"int8_{m}"], "--^", label=f"INT8 ({m})")
+        ax.plot(x, lat[f"int8_cert_A_{m}"], "-v", label=f"INT8 + cert A ({m})")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode step (ms)")
+    ax.legend(fontsize=7)
+    run.glue_fig("fig_latency", fig)
+    summ = gpu["results"].get("summary", {})
+    best = max(modes, key=lambda m: summ["min_speedup_vs_sdpa_S>=16k"][m]) if summ else modes[0]
+    run.glue("speedup_long", float(summ["min_speedup_vs_sdpa_S>=16k"][best]) if summ else float("nan"))
+    run.glue("cert_cost_median", float(summ["median_cert_cost_A"][best]) if summ else float("nan"))
+    paper_shape = lat[(lat.B == 2) & (lat.S == 4096)].iloc[0]
+    run.glue("ratio_paper_shape", float(paper_shape[f"int8_cert_A_{best}"] / paper_shape["sdpa_bf16"]))
+"""),
+        md("## Paper vs this run"),
+        hidden("""
+run.claim("witcert-kernel-do", ours=f"max|do| = {run.values['max_do']:.1e} (interpreter, splits {splits})"
+          + (f"; H200 (exact mode) {run.values['gpu_max_do']:.1e}" if gpu else ""),
+          verdict="reproduced" if run.values["max_do"] < 1e-5 else "differs",
+          why="fp32 kernel vs float64 reference on the same stored codes; same order as the paper's 2.9e-6")
+run.claim("witcert-kernel-dcert", ours=f"max|dcert| = {run.values['max_dcert']:.1e}"
+          + (f"; H200 {run.values['gpu_max_dcert']:.1e}" if gpu else ""),
+          verdict="reproduced" if run.values["max_dcert"] < 1e-5 else "differs",
+          why="our radius includes the fp32/dither-mean slack in both kernel and reference")
+run.claim("witcert-split-merge-exact", ours=f"certificate spread over {splits} splits: {spread:.1e}",
+          verdict="reproduced" if spread < 1e-5 else "differs", why="stage 2 = fold of merge_states (tested)")
+if gpu is None:
+    for cid in ("witcert-graph-replay", "witcert-cert-marginal-cost", "witcert-latency-vs-fp16"):
+        run.claim(cid, ours="pending: no GPU result file", verdict="not reproducible here",
+                  why="needs `python -m kvlib.bench witcert_decode` on the H200")
+else:
+    run.claim("witcert-graph-replay", ours=f"{cg['interleaved_replays']} interleaved replays bit-identical: "
+              f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}",
+              verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] else "differs")
+    run.claim("witcert-cert-marginal-cost", ours=f"median {run.values['cert_cost_median']:+.1%} (A only, {best})",
+              verdict="reproduced" if run.values["cert_cost_median"] <= 0.03 else "differs",
+              why="our goal: <= 3%")
+    run.claim("witcert-latency-vs-fp16", ours=f"INT8+cert / SDPA bf16 = {run.values['ratio_paper_shape']:.2f}x at the "
+              f"paper shape; SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best})",
+              verdict="differs", why="H200 vs RTX 4090; our goal is faster than SDPA bf16 at S >= 16k")
+run.claims_table()
+run.save()
+"""),
+        md(r"""
+**Verdict.** Kernel and reference agree to fp32 rounding at every split count
+($\max|\Delta o|$ {glue:text}`max_do:.1e`, $\max|\Delta\mathrm{cert}|$ {glue:text}`max_dcert:.1e`), and the
+certificate is split-invariant because $A$ and $B$ ride the output's LSE weights. The GPU rows
+(graph replay, certificate cost, latency against SDPA bf16) are read from the benchmark file when it
+exists; where they say *differs*, the kernel is correct but not yet at the bandwidth roofline.
+"""),
+    ]
+    return new_notebook(cells=cells, metadata=META)
+
+
+# ------------------------------------------------------------------------------------------------
+def soundness() -> nbformat.NotebookNode:
+    cells = [
+        md(r"""
+# Soundness: how often does the true TV exceed the certificate?
+
+**Question.** The theorem promises $\mathrm{TV}(p, \tilde p) \le 1 - B/A$ except with probability at
+most $\delta$, the probability being over the key dither with keys and queries fixed. Over at least
+$10^5$ (row, trial) pairs per key family (Gaussian, heavy-tailed Student $t_3$, and Gaussian with four
+massive RoPE pairs) we redraw only the dither (a fresh Philox seed per trial, the real write path),
+and count (i) rows with $\mathrm{TV}_\text{true} > $ certificate, (ii) rows where the union-bound event
+fails (some $|\hat z_t - z_t| > u_t$), each with an exact Clopper–Pearson interval, against $\delta$.
+We also look at tightness (certificate / true TV) and at what the second accumulator $B$ buys.
+No outlier bypass here (the massive pairs stay in the scales); per-row $\delta$, $N = S$.
+"""),
+        params("""
+profile = "cpu"
+S = 256
+d = 128
+rows = 500
+trials = 200
+q_scale = 3.0
+deltas = [0.5, 0.1, 0.01, 0.001]
+seed = 0
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+run = Run("witcert_soundness", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, q_scale=q_scale,
+                                                             deltas=deltas, seed=seed))
+import numpy as np
+import pandas as pd
+import seaborn as sns
+import matplotlib.pyplot as plt
+from scipy.stats import binomtest
+from kvlib.certificate import certify_trials, synthetic_keys
+
+g = torch.Generator().manual_seed(seed)
+res, table = {}, []
+for fam in ("gaussian", "heavy", "massive"):
+    k = synthetic_keys(fam, S, d, generator=g)
+    q = q_scale * torch.randn(rows, d, generator=g)
+    r = certify_trials(k, q, trials=trials, deltas=tuple(deltas), seed0=seed * 1000 + 1)
+    res[fam] = r
+    n = r["tv"].numel()
+    for i, dl in enumerate(deltas):
+        viol = int((r["tv"] > r["cert"][i]).sum())
+        ev = int(r["event"][i].sum())
+        ci_v = binomtest(viol, n).proportion_ci(method="exact")
+        ci_e = binomtest(ev, n).proportion_ci(method="exact")
+        table.append({"keys": fam, "delta": dl, "pairs": n, "TV > cert": viol, "rate": viol / n,
+                      "rate 95% hi": ci_v.high, "event fails": ev, "event rate": ev / n, "event 95% hi": ci_e.high})
+tab = pd.DataFrame(table)
+run.record("violations", table)
+n_pairs = int(tab.groupby("keys")["pairs"].first().min())
+run.glue("n_pairs", n_pairs)
+run.glue("total_viol", int(tab["TV > cert"].sum()))
+run.glue("max_event_over_delta", float((tab["event 95% hi"] / tab["delta"]).max()))
+d01 = tab[tab.delta == 0.01]
+run.glue("viol_hi_001", float(d01["rate 95% hi"].max()))
+tab.set_index(["keys", "delta"]).style.format({"rate": "{:.1e}", "rate 95% hi": "{:.1e}", "event rate": "{:.1e}",
+                                                "event 95% hi": "{:.1e}"})
+"""),
+        md(r"""
+Across {glue:text}`n_pairs:,` (row, trial) pairs per family and every $\delta$, the true TV exceeded the
+certificate {glue:text}`total_viol` times. At $\delta = 0.01$ the 95% upper confidence limit of the
+violation rate is at most {glue:text}`viol_hi_001:.1e`, and the union-bound event fails far less often
+than $\delta$ (its upper limit is at most {glue:text}`max_event_over_delta:.2f` $\times\,\delta$): the
+sub-Gaussian tail and the union bound are both conservative, so the certificate is sound with room.
+"""),
+        hidden("""
+i01 = deltas.index(0.01) if 0.01 in deltas else 0
+parts = []
+for fam, r in res.items():
+    tight = (r["cert"][i01] / r["tv"]).flatten()
+    gain = (r["cert_one"][i01] / r["cert"][i01]).flatten()
+    parts.append(pd.DataFrame({"keys": fam, "tightness": tight.numpy(), "one/two": gain.numpy(),
+                               "cert": r["cert"][i01].flatten().numpy()}))
+    run.glue(f"tight_median_{fam}", float(tight.median()))
+    run.glue(f"gain_median_{fam}", float(gain.median()))
+    run.glue(f"cert_median_{fam}", float(r["cert"][i01].median()))
+df = pd.concat(parts)
+fig, axs = plt.subplots(1, 2, figsize=(8, 3))
+sns.histplot(df, x="tightness", hue="keys", log_scale=True, element="step", stat="density", common_norm=False, ax=axs[0])
+axs[0].set_xlabel("certificate / true TV  (delta = 0.01)")
+sns.histplot(df, x="one/two", hue="keys", element="step", stat="density", common_norm=False, ax=axs[1])
+axs[1].set_xlabel("(1 - 1/A^2) / (1 - B/A)")
+fig.tight_layout()
+run.glue_fig("fig_tightness", fig)
+"""),
+        md(r"""
+```{glue:figure} fig_tightness
+:name: fig-witcert-tightness
+Left: tightness, the certificate over the true TV, per row and trial ($\delta = 0.01$). Right: how much
+looser the one-accumulator bound $1 - 1/A^2$ is than the two-accumulator $1 - B/A$.
+```
+
+Median tightness: Gaussian {glue:text}`tight_median_gaussian:.1f`×, heavy-tailed
+{glue:text}`tight_median_heavy:.1f`×, massive channels {glue:text}`tight_median_massive:.1f`×. The second
+accumulator tightens the bound by a median factor of {glue:text}`gain_median_gaussian:.2f` (Gaussian keys);
+for small radii $1 - 1/A^2 \approx 2\bar u$ and $1 - B/A \approx 2\bar u - $ (spread of $u$), so the gain is
+modest when the radius is nearly constant across tokens.
+"""),
+        md("## Paper vs this run"),
+        hidden("""
+tm = run.values["tight_median_gaussian"]
+run.claim("witcert-soundness", ours=f"{run.values['total_viol']} violations over {n_pairs:,} pairs per family x 3 families "
+          f"x {len(deltas)} deltas; 95% upper limit at delta=0.01: {run.values['viol_hi_001']:.1e}",
+          verdict="reproduced" if run.values["viol_hi_001"] <= 0.01 else "differs",
+          why="synthetic keys, dither redrawn with keys/queries fixed (the theorem's regime)")
+run.claim("witcert-tightness", ours=f"median {tm:.1f}x (Gaussian), {run.values['tight_median_heavy']:.1f}x (heavy), "
+          f"{run.values['tight_median_massive']:.1f}x (massive)",
+          verdict="reproduced" if 5 <= tm <= 100 else "differs",
+          why="same order as the paper's 22.2x; depends on S, d and the query scale")
+run.claim("witcert-two-accumulator", ours=f"1 - 1/A^2 is {run.values['gain_median_gaussian']:.2f}x the two-accumulator "
+          "bound (median, Gaussian); never smaller (AB >= 1)", verdict="reproduced")
+run.claims_table()
+run.save()
+"""),
+        md(r"""
+**Verdict.** Sound, with a wide margin: no row's true TV exceeded its certificate on any key family,
+and the failure probability of the underlying event is far below $\delta$. The price of soundness is
+looseness (median tightness {glue:text}`tight_median_gaussian:.0f`× on Gaussian keys), from the
+sub-Gaussian tail, the union bound over tokens, and the worst-case ratio bounds.
+"""),
+    ]
+    return new_notebook(cells=cells, metadata=META)
+
+
+# ------------------------------------------------------------------------------------------------
+def sr_long() -> nbformat.NotebookNode:
+    cells = [
+        md(r"""
+# Stochastic rounding is not a substitute; and the certificate at long context
+
+**Question.** (1) Stochastic rounding (SR, $c = \lfloor x/s + U \rfloor$, no subtraction at read) is
+unbiased too, but its residual has proxy $s^2/4$ per channel instead of $s^2/12$: a $\sqrt 3$ larger
+radius, inside an exponential. What does that do to coverage at $\tau = 0.2$ across outlier budgets
+$m$ (RoPE pairs bypassed in fp16)? (2) How do coverage and radius move from $S$ = 1k to 32k?
+
+Keys: Gaussian with 16 RoPE pairs of graded magnitude (pair $i$ scaled by `massive`$\cdot 0.85^i$), so
+each larger budget removes more of the scale; queries Gaussian times `q_scale`, chosen so that dither
+at $m = 16$ sits just under $\tau$, the regime of the paper's synthetic table (its maximum 0.18). Coverage = fraction of
+certificates $\le \tau$; request-level $\delta_\text{loc} = 10^{-2} / (28 \cdot 28 \cdot 256)$ unless said.
+"""),
+        params("""
+profile = "cpu"
+S = 1024
+d = 128
+rows = 256
+trials = 2
+budgets = [0, 2, 4, 8, 16]
+massive = 12.0
+q_scale = 2.4  # puts dither at m=16 just under tau, as in the paper's synthetic setting (max 0.18)
+contexts = [1024, 2048, 4096, 8192, 16384, 32768]
+ctx_rows = 64
+seed = 0
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+run = Run("witcert_sr_long", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, budgets=budgets,
+          massive=massive, q_scale=q_scale, contexts=contexts, ctx_rows=ctx_rows, seed=seed))
+import math
+import pandas as pd
+import matplotlib.pyplot as plt
+from kvlib.certificate import certify_trials, request_delta, variance_proxy, coverage, score_radius
+from kvlib.outliers import rope_pairs, select_outlier_pairs
+
+tau = 0.2
+d_loc = request_delta(1e-2, layers=28, heads=28, steps=256)
+run.glue("delta_loc", d_loc)
+g = torch.Generator().manual_seed(seed)
+
+def graded_keys(n):
+    k = torch.randn(n, d, generator=g)
+    pairs = rope_pairs(d)[:16]
+    for i, (a, b) in enumerate(pairs.tolist()):
+        k[:, [a, b]] *= massive * 0.85 ** i
+    return k
+
+k = graded_keys(S)
+q = q_scale * torch.randn(rows, d, generator=g)
+# the proxy ratio, measured on the stored scales
+s = torch.rand(S, d // 32, dtype=torch.float64)
+ratio = float((variance_proxy(q, s, sm_scale=1.0, proxy="sr") / variance_proxy(q, s, sm_scale=1.0)).sqrt().mean())
+run.glue("proxy_ratio", ratio)
+cov = []
+for m in budgets:
+    oc = select_outlier_pairs(k, m) if m else None
+    for scheme in ("dither", "sr"):
+        r = certify_trials(k, q, trials=trials, deltas=(d_loc,), seed0=seed + 11, outlier_channels=oc, scheme=scheme)
+        c = r["cert"][0]
+        cov.append({"m": m, "scheme": scheme, "coverage": coverage(c, tau), "median cert": float(c.median()),
+                    "max cert": float(c.max()), "TV > cert": int((r["tv"] > c).sum())})
+cov = pd.DataFrame(cov)
+run.record("sr_vs_dither", cov.to_dict("records"))
+run.glue("sr_cov_max", float(cov[cov.scheme == "sr"].coverage.max()))
+for m in budgets:
+    run.glue(f"dither_cov_m{m}", float(cov[(cov.scheme == "dither") & (cov.m == m)].coverage.iloc[0]))
+cov.pivot(index="m", columns="scheme", values=["coverage", "median cert", "TV > cert"])
+"""),
+        md(r"""
+The SR radius is {glue:text}`proxy_ratio:.4f` times the dither radius ($\sqrt 3 = 1.7321$) for the same
+stored scales. At $\tau = 0.2$ the best SR coverage over all budgets is {glue:text}`sr_cov_max:.3f`,
+while dither reaches {glue:text}`dither_cov_m4:.3f` at $m = 4$ and {glue:text}`dither_cov_m16:.3f` at $m = 16$
+(request-level $\delta_\text{loc}$ = {glue:text}`delta_loc:.1e`). SR is still sound (its own proxy is
+used), just useless at this threshold: the constant in the proxy, not unbiasedness, is what matters.
+"""),
+        hidden("""
+long = []
+for n in contexts:
+    kk = torch.randn(n, d, generator=g)
+    qq = q_scale * torch.randn(ctx_rows, d, generator=g)
+    for alloc, dl in (("per-row 1e-2", 1e-2), ("request-level", d_loc)):
+        r = certify_trials(kk, qq, trials=1, deltas=(dl,), seed0=seed + n)
+        c = r["cert"][0]
+        from kvlib.formats.dither_int8 import dither_quantize
+        qt = dither_quantize(kk, layer=0, kv_head=0, slots=torch.arange(n), seed=seed + n)
+        u = score_radius(qq.double(), qt.scales, sm_scale=1 / math.sqrt(d), n=n, delta=dl)
+        long.append({"S": n, "allocation": alloc, "coverage": coverage(c, tau), "median cert": float(c.median()),
+                     "median radius": float(u.median()), "TV > cert": int((r["tv"] > c).sum())})
+long = pd.DataFrame(long)
+run.record("long_context", long.to_dict("records"))
+rl = long[long.allocation == "request-level"].set_index("S")
+run.glue("long_cov_first", float(rl.coverage.iloc[0]))
+run.glue("long_cov_last", float(rl.coverage.iloc[-1]))
+run.glue("radius_growth", float(rl["median radius"].iloc[-1] / rl["median radius"].iloc[0] - 1))
+run.glue("cov_4096", float(rl.coverage.get(4096, float("nan"))))
+fig, axs = plt.subplots(1, 3, figsize=(10, 2.8))
+for m_, sub in cov.groupby("scheme"):
+    axs[0].plot(sub.m, sub.coverage, "-o", label=m_)
+axs[0].set_xlabel("outlier budget m (pairs)"); axs[0].set_ylabel(f"coverage at tau={tau}"); axs[0].legend()
+for a, sub in long.groupby("allocation"):
+    axs[1].plot(sub.S, sub.coverage, "-o", label=a)
+    axs[2].plot(sub.S, sub["median radius"], "-o", label=a)
+for ax in axs[1:]:
+    ax.set_xscale("log", base=2); ax.set_xlabel("context S")
+axs[1].set_ylabel("coverage"); axs[2].set_ylabel("median radius u"); axs[2].legend(fontsize=7)
+fig.tight_layout()
+run.glue_fig("fig_sr_long", fig)
+long.pivot(index="S", columns="allocation", values=["coverage", "median cert", "median radius"])
+"""),
+        md(r"""
+```{glue:figure} fig_sr_long
+:name: fig-witcert-sr-long
+Left: coverage at $\tau = 0.2$, dither vs stochastic rounding, by outlier budget. Middle and right:
+coverage and median radius from $S$ = 1k to 32k (Gaussian keys, no bypass), per-row vs request-level $\delta$.
+```
+
+From $S$ = 1k to 32k, request-level coverage moves from {glue:text}`long_cov_first:.3f` to
+{glue:text}`long_cov_last:.3f` and the median radius grows by {glue:text}`radius_growth:.1%`: the radius
+depends on $S$ only through $\sqrt{2\ln(2S/\delta)}$.
+"""),
+        md("## Paper vs this run"),
+        hidden("""
+run.claim("witcert-sr-proxy", ours=f"measured radius ratio {ratio:.4f}", verdict="reproduced",
+          why="exact: proxy 1/4 vs 1/12 per channel")
+run.claim("witcert-sr-coverage", ours=f"SR coverage <= {run.values['sr_cov_max']:.3f} for m in {budgets}; dither "
+          f"{run.values['dither_cov_m4']:.3f} (m=4), {run.values['dither_cov_m16']:.3f} (m=16)",
+          verdict="reproduced" if run.values["sr_cov_max"] <= 0.05 else "differs",
+          why="our synthetic graded-pair keys, per-token G=32 scales (paper: per-block scales)")
+run.claim("witcert-long-context", ours=f"coverage {run.values['long_cov_first']:.3f} (S={contexts[0]}) -> "
+          f"{run.values['long_cov_last']:.3f} (S={contexts[-1]}); median radius +{run.values['radius_growth']:.1%}",
+          verdict="reproduced" if run.values["radius_growth"] < 0.2 else "differs",
+          why="synthetic Gaussian keys, not Qwen activations: only the radius growth is comparable")
+run.claim("witcert-coverage-paper-shape", ours=f"coverage {run.values['cov_4096']:.3f} at S=4096 (Gaussian keys, "
+          f"q scale {q_scale})", verdict="reproduced" if run.values["cov_4096"] >= 0.99 else "differs",
+          why="synthetic inputs; coverage depends on the query and key scales chosen")
+run.claims_table()
+run.save()
+"""),
+        md(r"""
+**Verdict.** Stochastic rounding is sound but its $\sqrt 3$ larger radius, amplified by the
+exponential, leaves essentially no certificate under $\tau = 0.2$ at any outlier budget, as the paper
+found; subtractive dither with a large enough bypass covers (almost) every row. Over a 32× longer
+context the radius grows only logarithmically and coverage barely moves.
+"""),
+    ]
+    return new_notebook(cells=cells, metadata=META)
+
+
+# ------------------------------------------------------------------------------------------------
+def fallback() -> nbformat.NotebookNode:
+    cells = [
+        md(r"""
+# Fallback: recompute what the certificate flags, whole head or block by block
+
+**Question.** When a certificate exceeds $\tau$, does exact recomputation from the fp16 copy fix the
+rows it selects (is the certificate *discriminative*), at what cost in bits per element, and how much
+traffic does block-level paging save against paging the whole head?
+
+Setting: keys Gaussian; the first `n_sink` tokens of each sequence (attention-sink-like) and a rare
+`sink_frac` of the others carry a massive channel (magnitude `sink_mag`) that inflates their scales;
+only in KV head 0 (a "sink head"); half of the query heads weigh that channel; values RTN;
+$\tau = 0.2$; per-row $\delta$ = 0.01. Head level: `kvlib.fallback.fallback_heads`; block level
+(blocks of `block` tokens, ranked by $\sum_{t\in j}\tilde p_t(e^{u_t}-1)$): `kvlib.fallback.block_fallback`.
+"""),
+        params("""
+profile = "cpu"
+B = 4
+S = 512
+hq = 8
+hkv = 4
+d = 128
+S_block = 32768
+block = 256
+block_rows = 24
+n_sink = 4
+sink_frac = 0.0001
+sink_mag = 60.0
+seed = 0
+"""),
+        hidden(SETUP + """
+from kvlib.book import Run, fmt
+run = Run("witcert_fallback", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, S_block=S_block, block=block,
+          block_rows=block_rows, n_sink=n_sink, sink_frac=sink_frac, sink_mag=sink_mag, seed=seed))
+import math
+import numpy as np
+import pandas as pd
+import matplotlib.pyplot as plt
+from kvlib.certificate import score_radius, certificate_from_scores, tv_distance
+from kvlib.fallback import fallback_heads, block_fallback, fp16_radius
+from kvlib.formats.dither_int8 import dither_quantize, dither_dequantize
+from kvlib.kernels.decode_int8 import decode_reference, make_pool_side
+
+tau, delta = 0.2, 1e-2
+g = torch.Generator().manual_seed(seed)
+
+def sink_keys(n, heads, seq_len):
+    # Gaussian keys; the first n_sink tokens of each sequence (and a sink_frac of the rest) carry a
+    # massive channel, like the attention sinks / massive activations of real models
+    k = torch.randn(n, heads, d, generator=g)
+    sink = torch.rand(n, heads, generator=g) < sink_frac
+    sink |= (torch.arange(n) % seq_len < n_sink)[:, None]
+    sink[:, 1:] = False  # only KV head 0 has massive activations (a "sink head")
+    k[..., 3] += sink * sink_mag * (1 + torch.rand(n, heads, generator=g))
+    return k
+
+K = sink_keys(B * S, hkv, S)
+V = torch.randn(B * S, hkv, d, generator=g)
+kp = make_pool_side(K, layer=0, seed=seed + 5, side=0)
+vp = make_pool_side(V, layer=0, seed=seed + 5, side=1, dithered=False)
+slots = torch.arange(B * S).view(B, S)
+seq = torch.full((B,), S)
+q = 1.5 * torch.randn(B, hq, d, generator=g)
+q[:, ::2, 3] += 4.0  # half of the query heads weigh the sink channel
+out = decode_reference(q, kp, vp, slots, seq, layer=0, seed=seed + 5, delta=delta)
+new, rep = fallback_heads(out, q, K.half(), V.half(), slots, seq, tau=tau)
+gqa = hq // hkv
+exact_o = torch.zeros_like(out.o)
+for b in range(B):
+    for h in range(hq):
+        kk, vv = K[slots[b], h // gqa].double(), V[slots[b], h // gqa].double()
+        exact_o[b, h] = torch.softmax(q[b, h].double() @ kk.T / math.sqrt(d), -1) @ vv
+err_before = (out.o - exact_o).norm(dim=-1) / exact_o.norm(dim=-1)
+err_after = (new.o - exact_o).norm(dim=-1) / exact_o.norm(dim=-1)
+sel = ~(out.tv_bound <= tau)
+run.glue("frac_selected", float(sel.double().mean()))
+run.glue("err_sel_before", float(err_before[sel].mean()) if sel.any() else float("nan"))
+run.glue("err_rest", float(err_before[~sel].mean()) if (~sel).any() else float("nan"))
+run.glue("err_sel_after", float(err_after[sel].mean()) if sel.any() else float("nan"))
+run.glue("err_drop", run.values["err_sel_before"] / run.values["err_sel_after"] if sel.any() else float("nan"))
+run.glue("eff_bits", rep.effective_bits)
+pd.DataFrame({"selected rows": [int(sel.sum())], "of": [sel.numel()], "KV heads paged": [rep.kv_heads_paged],
+              "rel. error selected (before)": [run.values["err_sel_before"]],
+              "rel. error selected (after)": [run.values["err_sel_after"]],
+              "rel. error not selected": [run.values["err_rest"]], "effective bits": [rep.effective_bits]})
+"""),
+        md(r"""
+The certificate selects {glue:text}`frac_selected:.1%` of the rows. Their mean relative output error is
+{glue:text}`err_sel_before:.2e` before fallback (rows not selected: {glue:text}`err_rest:.2e`) and
+{glue:text}`err_sel_after:.2e` after, a {glue:text}`err_drop:.0f`× drop. Reading the INT8 cache plus the
+paged fp16 heads costs {glue:text}`eff_bits:.2f` bits per element (8.5 without fallback: codes plus scales).
+"""),
+        hidden("""
+sm = 1 / math.sqrt(d)
+res = []
+kk = sink_keys(S_block, 1, S_block)[:, 0]
+qt = dither_quantize(kk, layer=0, kv_head=0, slots=torch.arange(S_block), seed=seed + 9)
+k_hat = dither_dequantize(qt).double()
+k16 = kk.half()
+qs = 1.5 * torch.randn(4 * block_rows, d, generator=g, dtype=torch.float64)
+qs[:, 3] += 4.0
+for i in range(qs.shape[0]):
+    qi = qs[i]
+    z_hat = sm * k_hat @ qi
+    u = score_radius(qi, qt.scales, sm_scale=sm, n=S_block, delta=delta)
+    if not float(certificate_from_scores(z_hat, u).tv_bound) > tau:
+        continue
+    r = block_fallback(z_hat, sm * k16.double() @ qi, u, tau=tau, block_size=block,
+                       u_paged=fp16_radius(qi, k16, sm_scale=sm), bytes_per_token=2 * d * 2)
+    res.append({"blocks": r.blocks_paged, "of": len(r.order), "cert before": r.cert_before,
+                "cert after": r.cert_after, "MB moved": r.bytes_moved / 2**20,
+                "MB whole head": r.bytes_whole_head / 2**20, "traffic ratio": r.traffic_ratio})
+    if len(res) >= block_rows:
+        break
+bf = pd.DataFrame(res)
+run.record("block_fallback", res)
+run.glue("n_block_cases", len(bf))
+if len(bf):
+    run.glue("median_blocks", float(bf.blocks.median()))
+    run.glue("median_traffic_ratio", float(bf["traffic ratio"].median()))
+    run.glue("mb_whole", float(bf["MB whole head"].iloc[0]))
+    run.glue("mb_median", float(bf["MB moved"].median()))
+    fig, ax = plt.subplots(figsize=(4.5, 2.8))
+    ax.hist(bf.blocks, bins=range(0, int(bf.blocks.max()) + 2), align="left")
+    ax.set_xlabel(f"blocks of {block} tokens paged to reach tau={tau}")
+    ax.set_ylabel("rows")
+    run.glue_fig("fig_blocks", fig)
+bf.describe().T[["mean", "50%", "max"]] if len(bf) else bf
+"""),
+        md(r"""
+```{glue:figure} fig_blocks
+:name: fig-witcert-blocks
+Blocks paged per over-threshold row (block-level fallback, $S$ = `S_block`).
+```
+
+Over {glue:text}`n_block_cases` over-threshold rows, the median row needs {glue:text}`median_blocks:.0f`
+block(s): {glue:text}`mb_median:.3f` MB moved instead of {glue:text}`mb_whole:.1f` MB for the whole head
+(median traffic ratio {glue:text}`median_traffic_ratio:.0f`×).
+"""),
+        md("## Paper vs this run"),
+        hidden("""
+run.claim("witcert-fallback-head", ours=f"{run.values['frac_selected']:.1%} selected; error drops "
+          f"{run.values['err_drop']:.1f}x; {run.values['eff_bits']:.2f} effective bits",
+          verdict="reproduced" if run.values["err_drop"] > 3 and run.values["err_sel_before"] > run.values["err_rest"]
+          else "differs", why="synthetic sink tokens, not Qwen2.5-7B; the bits count the fp16 paging traffic")
+if len(bf):
+    run.claim("witcert-fallback-block", ours=f"median {run.values['median_blocks']:.0f} block(s); "
+              f"{run.values['mb_whole']:.1f} MB -> {run.values['mb_median']:.3f} MB "
+              f"({run.values['median_traffic_ratio']:.0f}x less)",
+              verdict="reproduced" if run.values["median_blocks"] <= 2 else "differs",
+              why="synthetic sink tokens; one head, K and V fp16")
+else:
+    run.claim("witcert-fallback-block", ours="no row over tau at this profile", verdict="not reproducible here")
+run.claims_table()
+run.save()
+"""),
+        md(r"""
+**Verdict.** The certificate is discriminative, not only sound: the rows it flags are the ones with
+large error, and exact recomputation removes most of it. When the excess comes from a few tokens, as
+with attention sinks, block-level paging ranked by each block's share of $A - 1$ reaches $\tau$ after
+very few blocks, moving a small fraction of the whole-head traffic.
+"""),
+    ]
+    return new_notebook(cells=cells, metadata=META)
+
+
+def main() -> None:
+    for name, build in (("kernel", kernel), ("soundness", soundness), ("sr_long", sr_long), ("fallback", fallback)):
+        nbformat.write(build(), HERE / f"{name}.ipynb")
+        print("wrote", HERE / f"{name}.ipynb")
+
+
+if __name__ == "__main__":
+    main()

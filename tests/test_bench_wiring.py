@@ -1,0 +1,118 @@
+"""Wiring of the decode grid and the decode replay at tiny shapes (CPU: Triton interpreter), the
+replay's aggregation formula, and the rollout-time model's known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvlib.bench import decode_grid as grid
+from kvlib.bench import replay
+from kvlib import rollout_time as rt
+
+
+def test_aggregate_speedup_known_example():
+    # two states: bf16 1 ms and 3 ms, quantised 0.5 ms and 1.5 ms -> 4 / 2 = 2 (not the mean of ratios)
+    assert replay.aggregate_speedup([1.0, 3.0], [0.5, 1.5]) == pytest.approx(2.0)
+    # weighting by reference duration: ratios 4x on a 1 ms state and 1x on a 9 ms state
+    assert replay.aggregate_speedup([1.0, 9.0], [0.25, 9.0]) == pytest.approx(10.0 / 9.25)
+    # equal-baseline-time phases: n / sum(tau_q / tau_ref) = 2 / (0.25 + 1) = 1.6
+    assert replay.equal_time_speedup([1.0, 9.0], [0.25, 9.0]) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="tau_ref"):
+        replay.aggregate_speedup([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        replay.aggregate_speedup([1.0, 0.0], [1.0, 2.0])
+
+
+def test_call_bytes_from_byte_accounts():
+    shape = grid.HeadShape(32, 8, 128)
+    lengths = torch.tensor([1000, 3000])
+    n = 4000 * 2 * 8  # positions x sides x kv heads
+    assert grid.call_bytes("sdpa_bf16", lengths, shape) == n * 256
+    assert grid.call_bytes("int8_cert", lengths, shape) == n * 136  # the paper's 136 B/tok/head/side
+    assert grid.call_bytes("kv4", lengths, shape) == n * 68  # 4.25 bits per element
+    side = 2 * (16 + 128)
+    assert grid.call_bytes("kv4rl", lengths, shape) == 2 * 8 * ((4000 - side) * 68 + side * 130)
+    # short requests: only what exists is protected
+    assert grid.side_count(torch.tensor([5, 20, 200])).tolist() == [5, 20, 144]
+    with pytest.raises(ValueError, match="method"):
+        grid.call_bytes("nope", lengths, shape)
+
+
+def test_decode_grid_wiring_tiny():
+    res = grid.run("ci", batches=(1,), ctxs=(40,))
+    (row,) = res["rows"]
+    expected = set(grid.ALL_METHODS) - {"int8_nophilox"} if grid.skip_philox_kw() is None else set(grid.ALL_METHODS)
+    assert set(row["methods"]) == expected, row["notes"]
+    for name, t in row["methods"].items():
+        assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
+        assert t["bytes"] == grid.call_bytes(name, torch.tensor([40]), grid.CPU_SHAPE)
+        assert t["GBps"] > 0
+    assert row["ratios"]["speedup_sdpa_bf16"] == pytest.approx(1.0)
+    assert res["copy"]["bandwidth_GBps"] > 0
+    assert set(res["summary"]["goals"]) == {"int8_cert_speedup", "kv4_speedup", "kv4rl_frac", "cert_cost"}
+
+
+def test_time_state_ragged_sdpa_buckets():
+    out = grid.time_state([3, 17, 9, 30], methods=("sdpa_bf16",), shape=grid.CPU_SHAPE, device="cpu", rep_ms=0.0)
+    t = out["methods"]["sdpa_bf16"]
+    assert not out["uniform"] and out["ctx_sum"] == 59
+    assert t["n_calls"] == 4  # one bucket per request at 4 requests
+    assert t["bytes_padded"] == t["bytes"]  # singleton buckets need no padding
+    with pytest.raises(ValueError, match="lengths"):
+        grid.time_state([0, 3], methods=("sdpa_bf16",), shape=grid.CPU_SHAPE, device="cpu")
+
+
+def test_replay_states_and_wiring_tiny():
+    ph = replay.CI_PHASES[0]
+    sts = replay.states(ph, 1, seed=0)
+    assert [s["kind"] for s in sts] == ["fixed", "ragged"]
+    for s in sts:
+        assert len(s["lengths"]) == s["batch"] and min(s["lengths"]) >= ph.P
+        assert max(s["lengths"]) <= ph.P + ph.max_len
+    res = replay.run("ci", methods=("sdpa_bf16", "int8_cert", "kv4rl"), n_states=1, phases=(ph,))
+    assert len(res["rows"]) == 2
+    sp = {(r["kind"], r["reference"], r["method"]): r for r in res["speedups"]}
+    r = sp[("ragged", "sdpa_bf16", "kv4rl")]
+    (row,) = [x for x in res["rows"] if x["kind"] == "ragged"]
+    m = row["timed"]["methods"]
+    assert r["speedup_sum"] == pytest.approx(m["sdpa_bf16"]["median_ms"] / m["kv4rl"]["median_ms"])
+
+
+def test_rollout_model_known_answers():
+    # the paper's Qwen3-4B TP2 figure: 4.022272 GB of linear weights per GPU
+    assert rt.weight_bytes_per_gpu(rt.QWEN3_4B) == pytest.approx(4.022272e9, rel=1e-9)
+    assert rt.attention_calls_per_step(rt.QWEN3_8B) == 18
+    # collector formats from the byte accounts agree with the collector's own table
+    from kvlib.rollout.partial import CACHE_FORMATS
+
+    assert rt.cache_format("kv4rl").kappa() == CACHE_FORMATS["int4+side"].kappa()
+    assert rt.cache_format("kv4rl").side_bytes_per_request() == CACHE_FORMATS["int4+side"].side_bytes_per_request()
+    assert rt.cache_format("dither-int8").bits == 8.5
+    # roofline attention: 1 GB/s and 1e6 bf16 positions of 8 heads x 2 sides x 256 B -> 4096 ms
+    a = rt.roofline_attention("bf16", 1.0)
+    assert a(np.array([10.0]), np.array([1e6]))[0] == pytest.approx(4096.0)
+    # the fit recovers a line exactly
+    f, info = rt.fit_attention([1, 1, 1], [1e5, 2e5, 4e5], [1.1, 1.2, 1.4])
+    assert info["intercept_ms"] == pytest.approx(1.0) and info["ms_per_Mpos"] == pytest.approx(1.0)
+    assert f(np.array([1.0]), np.array([3e5]))[0] == pytest.approx(1.3)
+
+
+def test_rollout_model_tiny_law():
+    from kvlib.rollout.laws import lognormal_law
+
+    law = lognormal_law(40.0, 0.5, 96)
+    att = {f: rt.roofline_attention(f, 1000.0) for f in ("bf16", "kv4")}
+    out = rt.rollout_model(law, att, bw_GBps=1000.0, P=16, updates=3, warmup=1)
+    assert out["bf16"]["speedup_total"] == pytest.approx(1.0)
+    kv4 = out["kv4"]
+    # no page pressure at these lengths: same trace, so capacity adds nothing
+    assert kv4["capacity_factor"] == pytest.approx(1.0)
+    # attention-only speedup on the same trace is the byte ratio 256 / 68
+    assert kv4["speedup_exec_attn_only"] == pytest.approx(256 / 68)
+    assert 1.0 < kv4["speedup_exec"] < kv4["speedup_exec_attn_only"]
+    cum = rt.cumulative_speedup([out, out], "kv4")
+    assert math.isclose(cum, kv4["speedup_total"])
