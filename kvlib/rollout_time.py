@@ -20,7 +20,9 @@ for that format's bytes per position ``kappa``, and prices every decode step of 
 Not modelled: prefill attention, sampling, scheduling, reward evaluation, learner time, and any
 change of the generated responses under quantisation (the law is fixed).
 Speedups: ``exec`` = same BF16 trace priced for both formats (what replay measures); ``total`` =
-each format priced on its own trace (adds the capacity effect); ``capacity = total / exec``.
+each format priced on its own trace (adds the capacity effect); ``capacity = total / exec``. Traces of
+different formats decode slightly different token counts over the same updates (work carried across
+updates), so ``total`` compares time per decoded token.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def collector_trace(law: LengthLaw, fmt: str, *, P: int = 256, updates: int = 8,
     up = {k: v[warmup:] for k, v in res.updates.items()}
     prefill = float(up["reprefill_tokens"].sum() + up["new_groups"].sum() * res.params["G"] * P)
     return {"batch": res.trace["batch"][keep], "ctx_sum": res.trace["context_sum"][keep],
-            "prefill_tokens": prefill, "summary": res.summary(), "updates": updates - warmup}
+            "prefill_tokens": prefill, "tokens": float(res.trace["batch"][keep].sum()), "summary": res.summary(),
+            "updates": updates - warmup}
 
 
 def rollout_model(law: LengthLaw, attention: Mapping[str, Callable], *, bw_GBps: float, model: ModelShape = QWEN3_8B,
@@ -179,7 +182,9 @@ def rollout_model(law: LengthLaw, attention: Mapping[str, Callable], *, bw_GBps:
                 on_ref += prefill_ms(ref["prefill_tokens"], model, flops)
             row[f"time_s{label}"] = own / 1e3
             row[f"time_on_bf16_trace_s{label}"] = on_ref / 1e3
-        row.update(steps=int(tr["batch"].size), mean_batch=float(tr["batch"].mean()),
+            row[f"ms_per_token{label}"] = own / tr["tokens"]
+            row[f"ms_per_token_on_bf16_trace{label}"] = on_ref / ref["tokens"]
+        row.update(steps=int(tr["batch"].size), tokens=tr["tokens"], mean_batch=float(tr["batch"].mean()),
                    prefill_tokens=tr["prefill_tokens"],
                    mean_context=float(tr["ctx_sum"].sum() / tr["batch"].sum()),
                    page_limited_fraction=tr["summary"]["page_limited_fraction"],
@@ -189,15 +194,22 @@ def rollout_model(law: LengthLaw, attention: Mapping[str, Callable], *, bw_GBps:
     for row in out.values():
         for label in ("", "_attn_only"):
             row[f"speedup_exec{label}"] = b[f"time_s{label}"] / row[f"time_on_bf16_trace_s{label}"]
-            row[f"speedup_total{label}"] = b[f"time_s{label}"] / row[f"time_s{label}"]
+            row[f"speedup_total{label}"] = b[f"ms_per_token{label}"] / row[f"ms_per_token{label}"]
             row[f"capacity_factor{label}"] = row[f"speedup_total{label}"] / row[f"speedup_exec{label}"]
     return out
 
 
-def cumulative_speedup(per_phase: Sequence[Mapping[str, Any]], fmt: str, key: str = "time_s") -> float:
-    """``sum_phases T_bf16 / sum_phases T_fmt`` (phases of equally many updates, as the paper's sums)."""
-    num = sum(p["bf16"][key] for p in per_phase)
-    den = sum(p[fmt][key] for p in per_phase)
+def cumulative_speedup(per_phase: Sequence[Mapping[str, Any]], fmt: str, own_trace: bool = True) -> float:
+    """``sum_phases T_bf16 / sum_phases T_fmt`` over phases of equal BF16 decoded tokens (the paper sums times).
+
+    ``own_trace``: each format on its own trace (per-token time scaled to the BF16 token count), else
+    on the BF16 trace (execution only).
+    """
+    num = sum(p["bf16"]["time_s"] for p in per_phase)
+    if own_trace:
+        den = sum(p[fmt]["ms_per_token"] * p["bf16"]["tokens"] / 1e3 for p in per_phase)
+    else:
+        den = sum(p[fmt]["time_on_bf16_trace_s"] for p in per_phase)
     if den <= 0:
         raise ValueError("model times must be positive")
     return float(num / den)

@@ -43,7 +43,8 @@ def _same(a: PagedPool, b: PagedPool) -> bool:
     "n_out,include,dithered", [(0, False, True), (4, False, True), (4, True, True), (0, False, False)]
 )
 @pytest.mark.parametrize("d,group", [(64, 32), (128, 32), (64, 16)])
-def test_triton_bit_identical_to_torch(n_out, include, dithered, d, group):
+@pytest.mark.parametrize("use_rint", [False, True])  # True differs from False only on CUDA
+def test_triton_bit_identical_to_torch(n_out, include, dithered, d, group, use_rint):
     ref, tri = _pools(d=d, group=group, n_out=n_out, include_outliers_in_amax=include, dithered=dithered)
     if n_out:
         ch = torch.tensor([[1, 33], [7, 8]]) if d == 64 else torch.tensor([[1, 65], [7, 8]])
@@ -57,7 +58,7 @@ def test_triton_bit_identical_to_torch(n_out, include, dithered, d, group):
     write_int8(ref, 1, x, slots, backend="torch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # interpreter's numpy 0/0 on all-zero groups
-        write_int8(tri, 1, x, slots, backend="triton", block_s=8)
+        write_int8(tri, 1, x, slots, backend="triton", block_s=8, use_rint=use_rint)
     assert _same(ref, tri)
     # and the pool reads back within s/2 of x
     k_hat = ref.read(1, slots)

@@ -69,21 +69,27 @@ def measure(kind: str, n: int, n_out: int, blocks: list[int], device: str, copy_
 
 
 def ablation(n: int, copy_GBps: float) -> list[dict]:
-    """Where the write time goes at the largest prefill shape: warps x block size, dither on/off."""
+    """Where the write time goes at the largest prefill shape: dither on/off, rounding instruction,
+    warps x block size; dithered rows are checked bit for bit against the torch reference."""
     from kvlib.kernels.write_int8 import write_int8
 
     x = torch.randn(n, H_KV, D, device="cuda").to(torch.bfloat16)
     slots = torch.randperm(2 * n, device="cuda")[:n]
-    pool = _pool(2 * n, 0, "cuda")
+    ref = _pool(2 * n, 0, "cuda")
+    write_int8(ref, 0, x, slots, backend="torch")
     rows = []
     for dith in (True, False):
-        for nw in (2, 4, 8):
-            for bs in (16, 32, 64, 128):
-                t = bench_ms(lambda bs=bs, nw=nw, dith=dith: write_int8(
-                    pool, 0, x, slots, backend="triton", validate=False, block_s=bs, num_warps=nw, dither=dith))
-                gbps = bandwidth_GBps(call_bytes(n), t.median_ms)
-                rows.append(dict(n_tokens=n, dither=dith, num_warps=nw, block_s=bs, ms=t.median_ms,
-                                 fraction_of_copy=gbps / copy_GBps))
+        for rint in (False, True):
+            for nw in (4, 8):
+                for bs in (16, 32, 64):
+                    pool = _pool(2 * n, 0, "cuda")
+                    t = bench_ms(lambda pool=pool, bs=bs, nw=nw, dith=dith, rint=rint: write_int8(
+                        pool, 0, x, slots, backend="triton", validate=False, block_s=bs, num_warps=nw, dither=dith,
+                        use_rint=rint))
+                    same = bool(torch.equal(pool.codes, ref.codes) and torch.equal(pool.scales, ref.scales))
+                    gbps = bandwidth_GBps(call_bytes(n), t.median_ms)
+                    rows.append(dict(n_tokens=n, dither=dith, use_rint=rint, num_warps=nw, block_s=bs, ms=t.median_ms,
+                                     fraction_of_copy=gbps / copy_GBps, bit_identical=same if dith else None))
     return rows
 
 

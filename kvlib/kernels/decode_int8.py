@@ -531,7 +531,7 @@ def decode_stage1(
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
-    join: bool = False, var_dot: bool = False,
+    join: bool = False, var_dot: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off)."""
     k = as_side(k_pool, "k_pool")
@@ -615,7 +615,7 @@ def decode_int8(
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
-    join: bool = False, var_dot: bool = False, fallback_to_reference: bool = True,
+    join: bool = False, var_dot: bool = True, fallback_to_reference: bool = True,
 ) -> DecodeOut:
     """Certified decode attention over the dithered INT8 pool (one query token per batch row).
 

@@ -494,7 +494,8 @@ def verdict_loss(name, claim_id, what):
                   why=f"{name} is not among this profile's configurations")
         return
     r = o.loc[name]
-    ours = f"{name}: {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], McNemar p={r['mcnemar_p']:.3g}, n={int(r['n'])}"
+    ours = (f"{name}: {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], "
+            f"McNemar p={r['mcnemar_p']:.3g}, n={int(r['n'])}")
     if n_total < min_n:
         run.claim(claim_id, ours=ours, verdict="not reproducible here",
                   why=f"{n_total} prompts cannot give a significant paired test (at least {min_n} needed)")
@@ -512,21 +513,25 @@ if gated:
     worst = min(gated, key=lambda c: o.loc[c, "low"])
     r = o.loc[worst]
     ok = not is_loss(r)
-    run.claim("witcert-t18-gated-parity", ours=f"worst gated ({worst}): {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]",
-              verdict="reproduced" if ok else "differs", why="" if ok else f"{worst} loses significantly")
+    ours = f"worst gated ({worst}): {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]"
+    run.claim("witcert-t18-gated-parity", ours=ours, verdict="reproduced" if ok else "differs",
+              why="" if ok else f"{worst} loses significantly")
 else:
     run.claim("witcert-t18-gated-parity", ours="no gated configuration in this run", verdict="not reproducible here",
               why="no configuration with certificate-triggered repair was run (configs marked gated: none)")
 
-if n_slices >= 2:
+if n_slices >= 2 and n >= min_n:
     sign = per_slice.assign(loss=per_slice.apply(is_loss, axis=1)).groupby("config")["loss"].agg(["min", "max"])
     agree = bool((sign["min"] == sign["max"]).all())
-    run.claim("witcert-t18-repeatability", ours=f"significant-loss verdict {'agrees' if agree else 'disagrees'} across {n_slices} slices for every configuration" if agree else
-              "slices disagree for " + ", ".join(sign.index[sign["min"] != sign["max"]]),
-              verdict="reproduced" if agree else "differs", why="" if agree else "directional conclusions differ between slices")
+    if agree:
+        ours = f"significant-loss verdicts agree across {n_slices} slices for every configuration"
+    else:
+        ours = "slices disagree for " + ", ".join(sign.index[sign["min"] != sign["max"]])
+    run.claim("witcert-t18-repeatability", ours=ours, verdict="reproduced" if agree else "differs",
+              why="" if agree else "directional conclusions differ between slices")
 else:
-    run.claim("witcert-t18-repeatability", ours="one slice", verdict="not reproducible here",
-              why="this profile runs a single slice; the gpu profile runs three")
+    run.claim("witcert-t18-repeatability", ours=f"{n_slices} slice(s) of {n} prompts", verdict="not reproducible here",
+              why=f"needs at least two slices of at least {min_n} prompts; the gpu profile runs three of 150")
 """
         ),
         new_markdown_cell(
