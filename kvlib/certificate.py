@@ -26,6 +26,8 @@ rounding of the outlier channels (plus their fp32 dot rounding). Pass ``slack=Fa
 from __future__ import annotations
 
 import math
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -351,3 +353,18 @@ def certify_trials(
         event.append(torch.stack(e_i))
     return {"tv": torch.stack(tv), "cert": torch.stack(cert, 1), "cert_one": torch.stack(one, 1),
             "event": torch.stack(event, 1)}
+
+
+class _CallableModule(types.ModuleType):
+    """``kvlib.certificate`` is both this module and the public function ``certificate`` (api.md).
+
+    Once the submodule is imported, Python binds ``kvlib.certificate`` to the module, shadowing the
+    lazily exported function; making the module callable keeps ``kvlib.certificate(p_tilde, u)`` and
+    ``from kvlib import certificate`` working in either order.
+    """
+
+    def __call__(self, p_tilde: torch.Tensor, u: torch.Tensor) -> Certificate:
+        return certificate(p_tilde, u)
+
+
+sys.modules[__name__].__class__ = _CallableModule

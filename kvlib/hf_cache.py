@@ -284,26 +284,29 @@ class KVFormatCache(Cache):
         """Certificates ``[B, Hq]`` (float64) for queries ``q [B, Hq, d]`` against the layer's keys.
 
         One-accumulator form ``1 - 1/A^2`` (what a kernel carries) unless ``two_sided``; ``+inf``
-        when vacuous. ``p_tilde`` comes from the dequantised keys the attention used.
+        when vacuous. ``p_tilde`` comes from the dequantised keys the attention used. All KV heads
+        of a batch row are certified in one batched call.
         """
         from kvlib.certificate import certificate_from_scores, score_radius
 
         layer = self.layers[layer_idx]
-        groups = self.n_heads // self.n_kv
+        g = self.n_heads // self.n_kv
         sm = self.head_dim ** -0.5
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
         for b in range(q.shape[0]):
-            for h in range(self.n_kv):
-                packed = layer.packed[0][b][h]
-                qh = q[b, h * groups:(h + 1) * groups].double()  # [g, d]
-                z_hat = (qh @ layer.keys[b, h].double().T) * sm  # [g, S]
-                oc = getattr(packed, "outlier_channels", None)
-                u = score_radius(qh, packed.scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
-                                 group=packed.group, outlier_channels=oc,
-                                 outliers=getattr(packed, "outliers", None) if oc is not None else None,
-                                 proxy=self.proxy)
-                c = certificate_from_scores(z_hat, u)
-                out[b, h * groups:(h + 1) * groups] = c.tv_bound if self.two_sided else c.tv_bound_one
+            packs = layer.packed[0][b]
+            qh = q[b].double().view(self.n_kv, g, self.head_dim)  # [Hkv, g, d]
+            z_hat = torch.einsum("hgd,hsd->hgs", qh, layer.keys[b].double()) * sm  # [Hkv, g, S]
+            scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
+            oc = getattr(packs[0], "outlier_channels", None)
+            kw: dict[str, Any] = {}
+            if oc is not None and oc.numel():
+                kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
+                kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
+            u = score_radius(qh, scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
+                             group=packs[0].group, proxy=self.proxy, **kw)
+            c = certificate_from_scores(z_hat, u)
+            out[b] = (c.tv_bound if self.two_sided else c.tv_bound_one).reshape(-1)
         return out
 
     def telemetry_summary(self) -> dict[str, Any]:

@@ -152,3 +152,12 @@ def test_bad_shapes_raise_clear_errors():
         certificate(torch.full((2, 4), 0.25), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="n"):
         score_radius(torch.randn(2, 32), torch.rand(3, 1), sm_scale=1.0, n=0, delta=0.1)
+
+
+def test_public_name_certificate_survives_submodule_import():
+    import kvlib
+    import kvlib.certificate  # noqa: F401 - binds the submodule on the package
+
+    p = torch.softmax(torch.randn(2, 6, dtype=torch.float64), -1)
+    c = kvlib.certificate(p, torch.full((2, 6), 0.05, dtype=torch.float64))
+    assert (c.tv_bound <= c.tv_bound_one + 1e-12).all() and kvlib.score_radius is score_radius

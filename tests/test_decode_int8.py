@@ -71,7 +71,7 @@ def test_stage2_is_the_merge_states_fold_and_splitting_is_exact():
     outs = []
     for ns in (1, 4):
         o_s, lse_s, a_s, b_s = decode_stage1(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw)
-        o, lse, A, B = merge_splits(o_s, lse_s, a_s, b_s)
+        o, lse, A, B = merge_splits(o_s, lse_s, a_s, b_s)[:4]
         o_r, lse_r, A_r, B_r = merge_splits_reference(o_s, lse_s, a_s, b_s)
         for x, y in ((o, o_r), (lse, lse_r), (A, A_r), (B, B_r)):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
@@ -156,3 +156,13 @@ def test_variance_by_dot_and_by_group_fmas_agree():
     ref = decode_reference(q, kp, vp, slots, seq, **kw)
     for var_dot in (False, True):
         _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, var_dot=var_dot, **kw), ref)
+
+
+def test_accumulator_overflow_is_vacuous():
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    big = kp.scales.clone()
+    big[int(slots[0, 3]), 1] = 60000.0  # radius far beyond ln(fp32 max): A overflows to +inf
+    out = decode_int8(q, PoolSide(kp.codes, big, kp.outliers, kp.outlier_channels), vp, slots, seq,
+                      num_splits=2, block_n=16, **kw)
+    assert torch.isinf(out.tv_bound[0, 2:]).all() and out.vacuous[0, 2:].all()
+    assert torch.isfinite(out.tv_bound[0, :2]).all() and torch.isfinite(out.tv_bound[1]).all()

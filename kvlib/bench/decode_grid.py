@@ -341,8 +341,9 @@ def grid_config(profile: str) -> dict[str, Any]:
     """Shapes and timing budget of each profile."""
     if profile == "gpu":
         return dict(shape=GPU_SHAPE, batches=(1, 8, 32, 128, 512), ctxs=(1024, 4096, 16384, 32768),
-                    budget_bytes=30e9, rep_ms=40.0, warmup_ms=10.0)
-    return dict(shape=CPU_SHAPE, batches=(1, 2), ctxs=(40, 96), budget_bytes=1e8, rep_ms=1.0, warmup_ms=0.0)
+                    budget_bytes=30e9, rep_ms=40.0, warmup_ms=10.0, time_budget_s=230.0)
+    return dict(shape=CPU_SHAPE, batches=(1, 2), ctxs=(40, 96), budget_bytes=1e8, rep_ms=1.0, warmup_ms=0.0,
+                time_budget_s=600.0)
 
 
 def run(profile: str, *, methods: Sequence[str] = ALL_METHODS, batches: Sequence[int] | None = None,
@@ -375,7 +376,10 @@ def run(profile: str, *, methods: Sequence[str] = ALL_METHODS, batches: Sequence
             lengths = torch.full((b,), s, dtype=torch.int32)
             peak = max(call_bytes("sdpa_bf16", lengths, shape), call_bytes("kv4", lengths, shape) * 1.2)
             if peak > cfg["budget_bytes"]:
-                res["skipped"].append({"batch": b, "ctx": s, "bytes": peak})
+                res["skipped"].append({"batch": b, "ctx": s, "bytes": peak, "why": "memory budget"})
+                continue
+            if time.perf_counter() - t0 > cfg["time_budget_s"]:  # a guard; a normal GPU run ends well before
+                res["skipped"].append({"batch": b, "ctx": s, "bytes": peak, "why": "time budget"})
                 continue
             row = time_state(lengths, methods=methods, shape=shape, device=device, rep_ms=cfg["rep_ms"],
                              warmup_ms=cfg["warmup_ms"])

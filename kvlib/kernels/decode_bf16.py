@@ -135,5 +135,5 @@ def decode_bf16(
         GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, D=d, NUM_SPLITS=ns,
         DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages,
     )
-    o, lse, _, _ = merge_splits(o_s, lse_s)
+    o, lse = merge_splits(o_s, lse_s)[:2]
     return DecodeOut(o, lse)

@@ -263,9 +263,9 @@ def _xi(w):
 
 @triton.jit(do_not_specialize=["layer", "seed_lo", "seed_hi"])
 def _decode_int8_stage1(
-    Q, KW, KS, KO, KOC, VW, VS, VO, VOC, SLOTS, SEQ, RADM,
+    Q, KW, KS, KO, KOC, VW, VS, VO, VOC, SLOTS, SEQ,
     O_S, LSE_S, A_S, B_S,
-    sm_scale, byp_rel, byp_abs, layer, seed_lo, seed_hi,
+    sm_scale, byp_rel, byp_abs, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
     s_qb, s_qh,
     s_kw_n, s_kw_h, s_ks_n, s_ks_h, s_ko_n, s_ko_h,
     s_vw_n, s_vw_h, s_vs_n, s_vs_h, s_vo_n, s_vo_h,
@@ -329,7 +329,8 @@ def _decode_int8_stage1(
         offs_ng = tl.arange(0, NG)
         # [BLOCK_H, NG]: sum of q^2 over each scale group (outlier channels already zeroed)
         q2g = tl.sum(tl.where(sgrp[None, None, :] == offs_ng[None, :, None], qsq[:, None, :], 0.0), 2)
-        radm = tl.load(RADM + b).to(tl.float32)
+        # sqrt(2 ln(2N/delta)) + slack, N = this row's length (kvlib.certificate.radius_multiplier)
+        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
         var_c = sm_scale * sm_scale / 12.0
         if NOK > 0:
             q_ko_abs = tl.abs(q_ko)
@@ -482,8 +483,14 @@ def _decode_int8_stage1(
 
 
 @triton.jit
+def not_finite_or_nan(x):
+    """True for NaN and +-inf (fp32 overflow of an accumulator)."""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
 def _merge_splits_stage2(
-    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B,
+    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, s_o_b, s_o_h, s_l_b, s_l_h,
     D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
 ):
@@ -506,10 +513,21 @@ def _merge_splits_stage2(
     tl.store(LSE + b * s_l_b + h * s_l_h, m + tl.log(den))
     if CERT:
         a_s = tl.load(A_S + l_off, mask=mask_s, other=0.0)
-        tl.store(A + b * s_l_b + h * s_l_h, tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den)
+        a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den
+        tl.store(A + b * s_l_b + h * s_l_h, a)
         if CERT_B:
             b_s = tl.load(B_S + l_off, mask=mask_s, other=0.0)
-            tl.store(B + b * s_l_b + h * s_l_h, tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den)
+            bb = tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den
+            tl.store(B + b * s_l_b + h * s_l_h, bb)
+        else:
+            bb = 1.0 / a  # 1 - B/A becomes 1 - 1/A^2
+        # vacuous: NaN (non-finite inputs), overflow (inf), or nonsense; `not (x <= y)` catches NaN
+        vac = (not_finite_or_nan(a)) | (not_finite_or_nan(bb)) | (a <= 0.0)
+        one = tl.maximum(1.0 - 1.0 / (a * a), 0.0)
+        two = tl.maximum(1.0 - bb / a, 0.0)
+        tl.store(TV + b * s_l_b + h * s_l_h, tl.where(vac, float("inf"), two))
+        tl.store(TV1 + b * s_l_b + h * s_l_h, tl.where(vac, float("inf"), one))
+        tl.store(VAC + b * s_l_b + h * s_l_h, vac.to(tl.int8))
 
 
 def triton_available(device: torch.device) -> bool:
@@ -562,7 +580,7 @@ def decode_stage1(
     vw = v.codes.contiguous().view(torch.int32)
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
-    radm = radius_multiplier(seq_lens.clamp_min(1), delta, d).to(torch.float32).contiguous()
+    rad_extra = radius_multiplier(1, delta, d) - radius_multiplier(1, delta, d, slack=False)
     o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
     a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert else lse_s
@@ -575,9 +593,9 @@ def decode_stage1(
     voc = v.outlier_channels.contiguous() if nov else slots
     block_h = max(16, triton.next_power_of_2(gqa))
     _decode_int8_stage1[(B, hkv, ns)](
-        q, kw, ks, ko, koc, vw, vs, vo, voc, slots, seq_lens, radm,
+        q, kw, ks, ko, koc, vw, vs, vo, voc, slots, seq_lens,
         o_s, lse_s, a_s, b_s,
-        sm, FP16_REL + rounding_gamma(d), FP16_SUB, layer, k0, k1,
+        sm, FP16_REL + rounding_gamma(d), FP16_SUB, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1),
         kw.stride(0), kw.stride(1), ks.stride(0), ks.stride(1), ko.stride(0), ko.stride(1) if nok else 0,
         vw.stride(0), vw.stride(1), vs.stride(0), vs.stride(1), vo.stride(0), vo.stride(1) if nov else 0,
@@ -593,21 +611,29 @@ def decode_stage1(
 
 def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
                  B_s: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Stage 2 (Triton): ``(o [B,Hq,d], lse [B,Hq], A, B)`` from the splits of :func:`decode_stage1`."""
+    """Stage 2 (Triton): ``(o [B,Hq,d], lse [B,Hq], A, B, tv, tv_one, vacuous)`` from the splits.
+
+    The certificate bounds are finished in the same kernel (``+inf`` where vacuous): no extra launches.
+    """
     Bn, hq, ns, d = o_s.shape
     dev = o_s.device
     o = torch.empty(Bn, hq, d, dtype=torch.float32, device=dev)
     lse = torch.empty(Bn, hq, dtype=torch.float32, device=dev)
-    A = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if A_s is not None else None
+    cert = A_s is not None
+    A = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
     Bv = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if B_s is not None else None
+    tv = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
+    tv1 = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
+    vac = torch.empty(Bn, hq, dtype=torch.int8, device=dev) if cert else None
     _merge_splits_stage2[(Bn, hq)](
-        o_s, lse_s, A_s if A_s is not None else lse_s, B_s if B_s is not None else lse_s,
-        o, lse, A if A is not None else lse, Bv if Bv is not None else lse,
+        o_s, lse_s, A_s if cert else lse_s, B_s if B_s is not None else lse_s,
+        o, lse, A if cert else lse, Bv if Bv is not None else lse,
+        tv if cert else lse, tv1 if cert else lse, vac if cert else lse,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-        D=d, NUM_SPLITS=ns, NS_P=triton.next_power_of_2(ns), CERT=A_s is not None, CERT_B=B_s is not None,
+        D=d, NUM_SPLITS=ns, NS_P=triton.next_power_of_2(ns), CERT=cert, CERT_B=B_s is not None,
     )
-    return o, lse, A, Bv
+    return o, lse, A, Bv, tv, tv1, (vac.view(torch.bool) if cert else None)
 
 
 def decode_int8(
@@ -636,13 +662,7 @@ def decode_int8(
         num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
         k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages, join=join,
         var_dot=var_dot)
-    o, lse, A, Bv = merge_splits(o_s, lse_s, a_s, b_s)
-    if A is None:
-        return DecodeOut(o, lse)
-    if Bv is None:
-        two, one, vac = bounds_from_AB(A, torch.ones_like(A) / A)  # B = 1/A turns 1 - B/A into 1 - 1/A^2
-    else:
-        two, one, vac = bounds_from_AB(A, Bv)
+    o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s)
     return DecodeOut(o, lse, A, Bv, two, one, vac)
 
 

@@ -427,6 +427,7 @@ run.record("samples", records)
         hidden(
             """
 overall = paired_table(df, reference, n_resamples=n_resamples, seed=seed)
+overall = overall.set_index("config").loc[names].reset_index()  # the order of configs
 per_slice = paired_table(df, reference, by="slice", n_resamples=n_resamples, seed=seed)
 run.record("paired_overall", overall.to_dict("records"))
 run.record("paired_per_slice", per_slice.to_dict("records"))
