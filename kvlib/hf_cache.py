@@ -18,6 +18,7 @@ device (no host sync in the decode loop); ``telemetry_summary()`` syncs once at 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib.formats.base import KVFormat, available_formats, concat_packed, get_format
+from kvlib.formats.base import KVFormat, available_formats, get_format
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
@@ -99,6 +100,56 @@ class Telemetry:
         }
 
 
+class GrowingPacked:
+    """A stateless format's packed stream with amortised O(1) appends.
+
+    Per-token tensor fields live in buffers that double their capacity when full; ``view()`` gives
+    the format's packed dataclass over the first ``n`` rows (what ``read``/``nbytes`` see).
+    ``allocated_nbytes`` counts the whole capacity.
+    """
+
+    def __init__(self, first: Any) -> None:
+        if not dataclasses.is_dataclass(first):
+            raise TypeError(f"packed object must be a dataclass, got {type(first).__name__}")
+        self.cls = type(first)
+        self.fields = [f.name for f in dataclasses.fields(first)]
+        self.per_token = {f.name for f in dataclasses.fields(first) if f.metadata.get("per_token", False)}
+        self.meta = {k: getattr(first, k) for k in self.fields if k not in self.per_token}
+        self.n = 0
+        self.bufs: dict[str, torch.Tensor | None] = {
+            k: (None if getattr(first, k) is None else getattr(first, k)[:0].clone()) for k in self.per_token}
+        self._view: Any = None
+        self.append(first)
+
+    def append(self, new: Any) -> None:
+        k_new = None
+        for k in self.per_token:
+            t = getattr(new, k)
+            if t is None or self.bufs[k] is None:
+                if (t is None) != (self.bufs[k] is None):
+                    raise ValueError(f"packed field {k!r} is None in one chunk and not in another")
+                continue
+            k_new = t.shape[0]
+            buf = self.bufs[k]
+            if buf.shape[0] < self.n + k_new:
+                cap = max(self.n + k_new, 2 * buf.shape[0], 16)
+                grown = buf.new_empty((cap, *buf.shape[1:]))
+                grown[: self.n] = buf[: self.n]
+                self.bufs[k] = buf = grown
+            buf[self.n:self.n + k_new] = t
+        self.n += 0 if k_new is None else k_new
+        self._view = None
+
+    def view(self) -> Any:
+        if self._view is None:
+            vals = {k: (None if self.bufs[k] is None else self.bufs[k][: self.n]) for k in self.per_token}
+            self._view = self.cls(**{k: vals[k] if k in vals else self.meta[k] for k in self.fields})
+        return self._view
+
+    def allocated_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs.values() if b is not None)
+
+
 class KVFormatLayer(CacheLayerMixin):
     """One decoder layer's cache: packed K and V per (batch row, kv head) in a KVFormat."""
 
@@ -116,18 +167,38 @@ class KVFormatLayer(CacheLayerMixin):
         self.formats = (key_format, value_format)
         self.seed = seed
         self.slot_stride = slot_stride
-        self.packed: list[list[list[Any]]] = []  # [side][batch][kv_head]
+        self.store: list[list[list[Any]]] = []  # [side][batch][kv_head]: GrowingPacked or stateful packed
         self.cumulative_length = 0
+        self._work: list[torch.Tensor | None] = [None, None]  # float working copies with spare capacity
+
+    @property
+    def packed(self) -> list[list[list[Any]]]:
+        """``[side][batch][kv_head]`` packed objects of the format (views for stateless formats)."""
+        return [[[p.view() if isinstance(p, GrowingPacked) else p for p in row] for row in side]
+                for side in self.store]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.n_kv, _, self.head_dim = key_states.shape
-        self.packed = [[[None] * self.n_kv for _ in range(self.batch_size)] for _ in range(2)]
+        self.store = [[[None] * self.n_kv for _ in range(self.batch_size)] for _ in range(2)]
         empty = key_states.new_zeros((self.batch_size, self.n_kv, 0, self.head_dim))
         self.keys, self.values = empty, empty.clone()
         self.is_initialized = True
 
-    def _write_side(self, side: int, x: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    def _append_work(self, side: int, deq: torch.Tensor) -> torch.Tensor:
+        """Append ``deq [B, H, s, d]`` to the working copy (capacity doubling); return the filled view."""
+        n, s_new = self.cumulative_length, deq.shape[-2]
+        buf = self._work[side]
+        if buf is None or buf.shape[-2] < n + s_new:
+            cap = max(n + s_new, 2 * (0 if buf is None else buf.shape[-2]), 64)
+            grown = deq.new_empty((*deq.shape[:2], cap, deq.shape[-1]))
+            if buf is not None:
+                grown[:, :, :n] = buf[:, :, :n]
+            self._work[side] = buf = grown
+        buf[:, :, n:n + s_new] = deq
+        return buf[:, :, :n + s_new]
+
+    def _write_side(self, side: int, x: torch.Tensor) -> torch.Tensor:
         fmt = self.formats[side]
         b_n, h_n, s_new, _ = x.shape
         start = self.cumulative_length
@@ -141,17 +212,20 @@ class KVFormatLayer(CacheLayerMixin):
                            slots=positions + b * self.slot_stride, seed=self.seed)
                 if self.outliers is not None and side in self.outlier_sides:
                     ctx["outlier_channels"] = self.outliers[h].to(torch.int64)
-                prev = self.packed[side][b][h]
+                prev = self.store[side][b][h]
                 if stateful:
-                    self.packed[side][b][h] = fmt.append(prev, x[b, h].float(), **ctx)
-                    heads.append(fmt.read(self.packed[side][b][h]))
+                    self.store[side][b][h] = fmt.append(prev, x[b, h].float(), **ctx)
+                    heads.append(fmt.read(self.store[side][b][h]))
                 else:
                     new = fmt.write(x[b, h].float(), **ctx)
-                    self.packed[side][b][h] = new if prev is None else concat_packed(prev, new)
+                    if prev is None:
+                        self.store[side][b][h] = GrowingPacked(new)
+                    else:
+                        prev.append(new)
                     heads.append(fmt.read(new))
             rows.append(torch.stack(heads))
         deq = torch.stack(rows).to(self.dtype)
-        return deq if stateful else torch.cat([old, deq], dim=-2)
+        return deq if stateful else self._append_work(side, deq)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +233,8 @@ class KVFormatLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
             raise ValueError(f"key_states: batch {key_states.shape[0]} differs from the cache's {self.batch_size}")
-        self.keys = self._write_side(0, key_states, self.keys)
-        self.values = self._write_side(1, value_states, self.values)
+        self.keys = self._write_side(0, key_states)
+        self.values = self._write_side(1, value_states)
         self.cumulative_length += key_states.shape[-2]
         return self.keys, self.values
 
@@ -174,21 +248,35 @@ class KVFormatLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.packed = []
+        self.store = []
+        self._work = [None, None]
         self.keys = self.values = None
         self.cumulative_length = 0
         self.is_initialized = False
 
     def packed_nbytes(self) -> int:
         """Bytes held by the packed store of this layer, measured from its tensors."""
-        return sum(self.formats[s].nbytes(p) for s in range(2) for row in (self.packed or [[], []])[s] for p in row
+        return sum(self.formats[s].nbytes(p) for s, side in enumerate(self.packed) for row in side for p in row
                    if p is not None)
 
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for the packed store, spare capacity of the growing buffers included."""
+        total = 0
+        for s, side in enumerate(self.store):
+            for row in side:
+                for p in row:
+                    if isinstance(p, GrowingPacked):
+                        total += p.allocated_nbytes()
+                    elif p is not None:
+                        total += self.formats[s].nbytes(p)
+        return total
+
     def working_nbytes(self) -> int:
-        """Bytes of the float working copy handed to the attention (not part of the packed store)."""
+        """Bytes allocated for the float working copy handed to the attention (not the packed store)."""
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        work = [w for w in self._work if w is not None] or [t for t in (self.keys, self.values) if t is not None]
+        return sum(t.numel() * t.element_size() for t in work)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("KVFormatCache does not support beam search (reorder_cache)")
@@ -251,6 +339,10 @@ class KVFormatCache(Cache):
     def packed_nbytes(self) -> int:
         """Bytes of the packed K+V store over all layers, measured from its tensors."""
         return sum(layer.packed_nbytes() for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated for the packed store, including spare capacity of the growing buffers."""
+        return sum(layer.allocated_nbytes() for layer in self.layers)
 
     def working_nbytes(self) -> int:
         """Bytes of the float working copies (what the HF attention interface requires)."""
