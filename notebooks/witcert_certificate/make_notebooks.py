@@ -57,7 +57,7 @@ pass as attention, compute the same output and the same certificate as the float
 reference, whatever the split count? And on the H200: is CUDA-graph replay bit-identical, what does
 the certificate cost, and how does certified INT8 decode compare with torch SDPA bf16?
 
-The theorem and the role of each kernel detail are on the [theorem page](theorem.md). Here the
+The theorem and the role of each kernel detail are on the {doc}`theorem page </book/witcert_certificate/theorem>`. Here the
 kernel runs under the Triton CPU interpreter on a small shape (same code as on the GPU); the GPU
 numbers come from `python -m kvlib.bench witcert_decode` (file `data/results/gpu/witcert_decode.json`).
 Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`.
