@@ -103,6 +103,37 @@ def claims_rows(rendered: dict[str, str]) -> list[dict[str, Any]]:
     return rows
 
 
+VERDICT_ORDER = ("reproduced", "differs", "not reproducible here", "pending")
+
+
+def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
+    """The claims register: a count per chapter and verdict, then one table per chapter."""
+    known = load_claims()
+    titles = {ch.id: ch.title for ch in chapters}
+    by_chapter: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_chapter.setdefault(known[r["id"]]["chapter"], []).append(r)
+    summary = []
+    for ch, rs in by_chapter.items():
+        counts = {v: sum(r["verdict"].startswith(v) for r in rs) for v in VERDICT_ORDER}
+        summary.append({"chapter": titles.get(ch, ch), **counts, "total": len(rs)})
+    n_rep = sum(s["reproduced"] for s in summary)
+    parts = [
+        "# Claims register\n",
+        "Every numbered claim of the two papers that a chapter addresses: the paper's figure, ours, and a "
+        "verdict. Generated from `data/claims/*.yml` (the papers' side) and the result files of the runs "
+        f"rendered in this book (our side, with the notebook and profile it came from). {n_rep} of {len(rows)} "
+        "claims reproduced.\n",
+        _md_table(summary, ["chapter", *VERDICT_ORDER, "total"]) + "\n",
+    ]
+    for ch, rs in by_chapter.items():
+        parts.append(f"## {titles.get(ch, ch)}\n")
+        for r in rs:
+            r["claim"] = f"**{r['where']}** ({r['paper']}): {r['claim']}"
+        parts.append(_md_table(rs, ["claim", "paper's figure", "ours", "verdict", "source"]) + "\n")
+    return "\n".join(parts)
+
+
 def assemble(profile: str) -> dict[str, str]:
     """Write ``book/_render`` for a build at ``profile``; returns {notebook: profile rendered}."""
     root = repo_root()
@@ -139,16 +170,7 @@ def assemble(profile: str) -> dict[str, str]:
                     "duration (s)": pv.get("duration_s", ""),
                 }
             )
-    rows = claims_rows(rendered)
-    n_rep = sum(r["verdict"].startswith("reproduced") for r in rows)
-    (render / "claims.md").write_text(
-        "# Claims register\n\n"
-        "Every numbered claim of the two papers that a chapter addresses: the paper's figure, ours, and "
-        "a verdict. Generated from `data/claims/*.yml` (the papers' side) and the result files of the "
-        f"runs rendered in this book (our side). {n_rep} of {len(rows)} claims reproduced.\n\n"
-        + _md_table(rows, ["id", "where", "claim", "paper's figure", "ours", "verdict", "source"])
-        + "\n"
-    )
+    (render / "claims.md").write_text(claims_page(claims_rows(rendered), chapters))
     (render / "provenance.md").write_text(
         "# Where the numbers come from\n\n"
         f"This build was assembled for profile `{profile}`. Each notebook below is rendered from the "
