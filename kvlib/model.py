@@ -32,6 +32,7 @@ ATTN_IMPL = "kvlib_sdpa"
 #: observers called as fn(module, query, key, value) by the kvlib attention implementation
 _OBSERVERS: list[Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], None]] = []
 _CACHE: dict[tuple[str, torch.dtype, str], tuple[Any, Any]] = {}
+_TRUNCATED: dict[tuple[int, int], Any] = {}
 
 
 def install_command(name: str = "smollm2-135m") -> str:
@@ -178,6 +179,36 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     instrument(model)
     _CACHE[key] = (model, tok)
     return model, tok
+
+
+def truncated_model(model: Any, n_layers: int) -> Any:
+    """A copy of ``model`` keeping only its first ``n_layers`` decoder layers (weights shared).
+
+    The same embeddings, norms, head and first layers: a real-weight model that runs ~L/n times
+    faster, for tests and smoke runs of the cache adapters (not for quality numbers). Instrumented.
+    """
+    import copy
+
+    if not isinstance(n_layers, int) or not 1 <= n_layers <= model.config.num_hidden_layers:
+        raise ValueError(f"n_layers must be an int in [1, {model.config.num_hidden_layers}], got {n_layers!r}")
+    key = (id(model), n_layers)
+    if key in _TRUNCATED:
+        return _TRUNCATED[key]
+    small = copy.copy(model)  # shallow: shares every parameter tensor
+    small.config = copy.deepcopy(model.config)
+    small.config.num_hidden_layers = n_layers
+    if getattr(small.config, "layer_types", None):
+        small.config.layer_types = small.config.layer_types[:n_layers]
+    inner = copy.copy(model.model)
+    inner.config = small.config
+    inner._modules = dict(model.model._modules)
+    inner._modules["layers"] = torch.nn.ModuleList(list(model.model.layers)[:n_layers])
+    small._modules = dict(model._modules)
+    small._modules["model"] = inner
+    for layer in inner.layers:
+        layer.self_attn.config = model.config  # attention implementation lookup; unchanged
+    _TRUNCATED[key] = small
+    return small
 
 
 @contextlib.contextmanager

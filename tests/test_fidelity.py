@@ -9,7 +9,6 @@ import torch
 from kvlib import fidelity as fid
 from kvlib import model as kvmodel
 
-
 LONG = ("Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
         "and nothing particular to interest me on shore, I thought I would sail about a little.")
 
@@ -59,7 +58,7 @@ def test_teacher_forcing_passthrough_is_exactly_zero(smol) -> None:
 
 
 def test_decode_and_chunk_modes_agree(smol) -> None:
-    model, tok = smol
+    model, tok = kvmodel.truncated_model(smol[0], 6), smol[1]
     ids = tok(LONG, return_tensors="pt").input_ids[:, :10]
     a = fid.forced_logits(model, ids, 5, "fp32", mode="decode")
     b = fid.forced_logits(model, ids, 5, "fp32", mode="chunk")
@@ -74,7 +73,7 @@ def test_decode_and_chunk_modes_agree(smol) -> None:
 
 
 def test_fidelity_probe_repeat_is_zero_and_ci_brackets(smol) -> None:
-    model, tok = smol
+    model, tok = kvmodel.truncated_model(smol[0], 4), smol[1]
     prompts = [tok(t, return_tensors="pt").input_ids[0, :6] for t in ("Hello, how are", "The capital of France")]
     paths = fid.reference_responses(model, prompts, max_new_tokens=6, seed=1)
     assert all(1 <= p.response.numel() <= 6 for p in paths)

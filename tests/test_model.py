@@ -68,3 +68,21 @@ def test_capture_matches_what_the_cache_stores(smol) -> None:
     q_pre = model.model.layers[0].self_attn.q_proj(h).view(1, S, 9, 64).transpose(1, 2)
     torch.testing.assert_close(acts2[0]["q"][:, :, 0], q_pre[:, :, 0], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(acts2[0]["q"][:, :, -1], q_pre[:, :, -1], atol=1e-3)  # rotated later on
+
+
+@needs_model
+@torch.no_grad()
+def test_truncated_model_shares_weights_and_matches_layers(smol) -> None:
+    model, tok = smol
+    small = kvmodel.truncated_model(model, 3)
+    assert len(small.model.layers) == 3 and small.config.num_hidden_layers == 3
+    assert len(model.model.layers) == 30 and model.config.num_hidden_layers == 30
+    assert small.model.layers[2].self_attn.q_proj.weight is model.model.layers[2].self_attn.q_proj.weight
+    ids = tok("a short check", return_tensors="pt").input_ids
+    with kvmodel.capture_qkv(layers=[2]) as full_acts:
+        model(ids, use_cache=False)
+    with kvmodel.capture_qkv(layers=[2]) as small_acts:
+        small(ids, use_cache=False)
+    assert torch.equal(full_acts[2]["k"], small_acts[2]["k"])
+    with pytest.raises(ValueError, match="n_layers"):
+        kvmodel.truncated_model(model, 31)

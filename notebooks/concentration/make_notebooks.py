@@ -6,26 +6,23 @@ Kept as code so the cells stay reviewable in diffs; the .ipynb files are what th
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import nbformat as nbf
+from nbformat import NotebookNode
 
 HERE = Path(__file__).resolve().parent
-md = nbf.v4.new_markdown_cell
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
+
+from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
 
 
-def code(src: str, tags: list[str] | None = None) -> nbf.NotebookNode:
-    cell = nbf.v4.new_code_cell(src)
-    if tags:
-        cell.metadata["tags"] = tags
-    return cell
-
-
-def figure(key: str, caption: str) -> nbf.NotebookNode:
+def figure(key: str, caption: str) -> NotebookNode:
     return md(f"```{{glue:figure}} {key}\n:name: {key.replace('_', '-')}\n{caption}\n```")
 
 
-def theory() -> list[nbf.NotebookNode]:
+def theory() -> list[NotebookNode]:
     return [
         md("""# KV concentration: the closed forms and the convergence of simulated rollouts
 
@@ -37,7 +34,7 @@ the closed forms, for more than one length law, with the Monte-Carlo error shrin
 
 The closed forms are computed exactly from the length law (`E[M_B]` from the CDF), the simulators
 are independent event-based code (`kvlib.rollout.simulate_sync`, `simulate_async`)."""),
-        code(
+        params(
             """profile = "cpu"
 n_steps = 1_000_000  # decode steps of the longest simulated run
 n_seeds = 8          # independent runs per law and scheduler
@@ -45,7 +42,6 @@ B = 64               # async slots, also the sync wave size
 P = 256              # prompt length (positions)
 seed = 0
 trace_steps = 20_000 # decode steps shown in the trace figure""",
-            tags=["parameters"],
         ),
         code("""from kvlib.book import Run
 
@@ -66,7 +62,7 @@ LAWS = {  # three shapes: memoryless, heavy tail, short answers vs long chains o
 }
 exact = {name: ro.concentration(law, B, P=P, kappa=1.0) for name, law in LAWS.items()}
 pd.DataFrame({k: v.as_dict() for k, v in exact.items()}).T.round(3)""",
-            tags=["hide-input"],
+            hide_input=True,
         ),
         md("""## Closed forms against simulation
 
@@ -121,7 +117,7 @@ axes[-1].legend(fontsize=8)
 fig.tight_layout()
 run.glue_fig("fig_convergence", fig)
 plt.close(fig)""",
-            tags=["hide-input"],
+            hide_input=True,
         ),
         figure(
             "fig_convergence",
@@ -311,7 +307,7 @@ run.claims_table();"""),
     ]
 
 
-def partial() -> list[nbf.NotebookNode]:
+def partial() -> list[NotebookNode]:
     return [
         md("""# Partial collection under a KV page pool: when does a smaller cache format raise concurrency?
 
@@ -326,7 +322,7 @@ grow longer?
 This is a **model** (`kvlib.rollout.partial.simulate_collection`, one of the paper's two replicas): decode
 steps only, a lognormal length law truncated at `max_len` whose scale we sweep, prompt length `P` fixed.
 The length law and `P` are our assumptions, not the paper's traces."""),
-        code(
+        params(
             """profile = "cpu"
 medians = [600, 1200, 2400, 3600, 4800]  # median response length of each swept law (tokens)
 sigma = 0.8                              # lognormal shape
@@ -336,7 +332,6 @@ formats = ["bf16", "int8", "int4+side"]  # cache formats to compare
 updates = 10                             # collection intervals per run
 warmup = 3                               # intervals discarded (the paper discards 3 rounds)
 seed = 0""",
-            tags=["parameters"],
         ),
         code("""from kvlib.book import Run
 
@@ -350,7 +345,7 @@ import pandas as pd
 
 from kvlib import rollout as ro
 from kvlib.rollout.partial import CACHE_FORMATS, KAPPA_BF16, make_pool, simulate_collection""",
-            tags=["hide-input"],
+            hide_input=True,
         ),
         md("""## The page pool of each format
 
@@ -401,7 +396,7 @@ ax1.legend(fontsize=8)
 fig.tight_layout()
 run.glue_fig("fig_sweep", fig)
 plt.close(fig)""",
-            tags=["hide-input"],
+            hide_input=True,
         ),
         figure(
             "fig_sweep",
@@ -459,7 +454,7 @@ ax2.legend(fontsize=8, loc="lower right")
 fig.tight_layout()
 run.glue_fig("fig_trace_partial", fig)
 plt.close(fig)""",
-            tags=["hide-input"],
+            hide_input=True,
         ),
         figure(
             "fig_trace_partial",
@@ -499,12 +494,6 @@ that this chapter does not have."""),
     ]
 
 
-def write(name: str, cells: list[nbf.NotebookNode]) -> None:
-    nb = nbf.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbf.write(nb, HERE / f"{name}.ipynb")
-
-
 if __name__ == "__main__":
-    write("concentration_theory", theory())
-    write("concentration_partial", partial())
+    write(theory(), HERE / "concentration_theory.ipynb")
+    write(partial(), HERE / "concentration_partial.ipynb")

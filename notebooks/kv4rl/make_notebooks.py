@@ -6,27 +6,19 @@ Kept as code so the cells stay reviewable in diffs; the .ipynb files are what th
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat import NotebookNode
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
+
+from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
 
 
-def md(src: str) -> nbformat.NotebookNode:
-    return new_markdown_cell(src.strip())
-
-
-def code(src: str, hide: bool = True) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]} if hide else {})
-
-
-def params(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
-
-
-def representation() -> nbformat.NotebookNode:
+def representation() -> list[NotebookNode]:
     cells = [
         md(
             """
@@ -83,7 +75,8 @@ keys = torch.randn(n_tokens, d, generator=g, dtype=torch.float64)
 out_ch = torch.randperm(d, generator=g)[:n_outliers]
 keys[:, out_ch] *= outlier_scale
 queries = torch.randn(n_queries, d, generator=g, dtype=torch.float64)
-"""
+""",
+            hide_input=True,
         ),
         md("## 1. Rotating q and k by H leaves the scores unchanged"),
         code(
@@ -103,7 +96,8 @@ print(f"rotation shrinks the per-vector max |k_i| by a median factor of {amax_ra
 run.claim("kv4rl-hadamard-scores", ours=f"max relative score change {rel64:.0e} (float64), {rel32:.0e} (float32)",
           verdict="reproduced" if rel64 < 1e-12 and rel32 < 1e-5 else "differs",
           why="" if rel64 < 1e-12 else "rounding larger than expected")
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -144,7 +138,8 @@ ok = max(worst_o, worst_lse, kv4rl_err) < 1e-5
 run.claim("kv4rl-merge-exact", ours=f"max deviation {max(worst_o, worst_lse, kv4rl_err):.0e} over {n_splits} random splits "
           "and the KV4-RL split (float32 outputs of float64 math)",
           verdict="reproduced" if ok else "differs", why="" if ok else "merge deviates beyond float32 rounding")
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -191,7 +186,8 @@ ax.set_ylabel("RMS score error  |q·k̂ − q·k| / √d")
 ax.set_title(f"synthetic keys, {n_outliers} outlier channels x{outlier_scale:g}")
 run.glue_fig("fig_bits_vs_error", fig)
 fig
-"""
+""",
+            hide_input=True,
         ),
         code(
             """
@@ -233,7 +229,8 @@ run.claim("kv4rl-fp4-kl", ours=f"synthetic: NVFP4 score RMSE with/without K rota
           verdict="reproduced" if nv_rot > 1 else "differs",
           why="synthetic proxy (score error), not model KL" + ("" if nv_rot > 1 else
               "; on these keys rotation does not hurt NVFP4 (its 16-element scales already isolate outlier channels)"))
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -246,7 +243,7 @@ groups help with outlier channels but 4 levels are coarse).
 """
         ),
         md("## Paper vs this run"),
-        code("run.claims_table()"),
+        code("run.claims_table()", hide_input=True),
         md(
             """
 **Verdict.** The two identities the design rests on hold to rounding in our implementation: Hadamard
@@ -257,14 +254,12 @@ whether these score-error orderings carry over to a model's next-token distribut
 fidelity probe's question.
 """
         ),
-        code("run.save()"),
+        code("run.save()", hide_input=True),
     ]
-    nb = new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
+    return cells
 
 
-def latency() -> nbformat.NotebookNode:
+def latency() -> list[NotebookNode]:
     cells = [
         md(
             """
@@ -306,7 +301,8 @@ else:
     prov, r = res["provenance"], res["results"]
     print(f"measured on {r['device']} at commit {prov['commit'][:12]}, {prov['started']}")
     print(f"copy bandwidth {r['copy_bandwidth']['bandwidth_GBps']:.0f} GB/s; merge: {r['merge']}")
-"""
+""",
+            hide_input=True,
         ),
         code(
             """
@@ -347,10 +343,11 @@ if res is not None:
 else:
     for cid in ("kv4rl-kv4-kernel-speedup", "kv4rl-protect-speed"):
         run.claim(cid, ours="pending", verdict="not reproducible here", why="GPU result not yet produced")
-"""
+""",
+            hide_input=True,
         ),
         md("## Paper vs this run"),
-        code("run.claims_table()"),
+        code("run.claims_table()", hide_input=True),
         md(
             """
 **Verdict.** See the table: the kernel-level speedup of KV4 over SDPA bf16 and the share of KV4's
@@ -358,13 +355,11 @@ speed that KV4-RL keeps, measured at the shapes above, against the paper's whole
 the issue's goals (KV4 >= 3.0x at long context, KV4-RL >= 97%).
 """
         ),
-        code("run.save()"),
+        code("run.save()", hide_input=True),
     ]
-    nb = new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
+    return cells
 
 
 if __name__ == "__main__":
-    nbformat.write(representation(), HERE / "kv4_representation.ipynb")
-    nbformat.write(latency(), HERE / "kv4_latency.ipynb")
+    write(representation(), HERE / "kv4_representation.ipynb")
+    write(latency(), HERE / "kv4_latency.ipynb")

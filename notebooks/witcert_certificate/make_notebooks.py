@@ -8,33 +8,16 @@ Kept as code so the cells stay reviewable in diffs; the .ipynb files are what th
 # ruff: noqa: E501  (notebook cell sources are long strings)
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat import NotebookNode
 
 HERE = Path(__file__).resolve().parent
-META = {
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-}
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-
-def md(src: str) -> nbformat.NotebookNode:
-    return new_markdown_cell(src.strip())
-
-
-def code(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip())
-
-
-def hidden(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]})
-
-
-def params(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
-
+from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
 
 SETUP = """
 import os
@@ -46,7 +29,7 @@ torch.set_num_threads(1)  # small tensors: threads only add contention
 
 
 # ------------------------------------------------------------------------------------------------
-def kernel() -> nbformat.NotebookNode:
+def kernel() -> list[NotebookNode]:
     cells = [
         md(r"""
 # The certificate inside the decode kernel: agreement, split invariance, and the GPU
@@ -73,7 +56,7 @@ splits = [1, 2, 8, 32]
 delta = 1e-2
 seed = 0
 """),
-        hidden(SETUP + """
+        code(SETUP + """
 from kvlib.book import Run, fmt
 run = Run("witcert_kernel", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, splits=splits,
                                                           delta=delta, seed=seed))
@@ -112,7 +95,7 @@ run.glue("cert_lo", float(ref.tv_bound.min()))
 run.glue("cert_hi", float(ref.tv_bound.max()))
 run.record("agreement", rows)
 tab.style.format("{:.2e}")
-"""),
+""", hide_input=True),
         md(r"""
 The largest differences over all split counts are
 $\max|\Delta o|$ = {glue:text}`max_do:.2e` and $\max|\Delta \mathrm{cert}|$ = {glue:text}`max_dcert:.2e`
@@ -120,7 +103,7 @@ $\max|\Delta o|$ = {glue:text}`max_do:.2e` and $\max|\Delta \mathrm{cert}|$ = {g
 changes by at most {glue:text}`split_spread:.1e` between 1 and 32 splits: the per-split $A_s$,
 normalised by the split's own exp-sum, merge under the output's LSE weights exactly (rounding only).
 """),
-        hidden("""
+        code("""
 gpu = load_result("witcert_decode", "gpu")
 if gpu is None:
     print("GPU results pending: run `python -m kvlib.bench witcert_decode` on the H200 "
@@ -139,8 +122,8 @@ else:
                          if isinstance(v, dict)}} for x in r["latency"] if "timings" in x])
     display(agr.style.format("{:.2e}"))
     display(lat.set_index(["B", "S"]).style.format("{:.3f}"))
-"""),
-        hidden("""
+""", hide_input=True),
+        code("""
 if lat is not None:
     modes = list(gpu["results"]["modes"])
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
@@ -167,9 +150,9 @@ if lat is not None:
         lg = lat[lat.S >= 16384]
         run.glue("speedup_long_graph", float((lg["sdpa_bf16_graph"] / lg["int8_cert_A_fast_graph"]).min()))
         graph_note = f"; under CUDA graphs >= {run.values['speedup_long_graph']:.2f}x"
-"""),
+""", hide_input=True),
         md("## Paper vs this run"),
-        hidden("""
+        code("""
 run.claim("witcert-kernel-do", ours=f"max|do| = {run.values['max_do']:.1e} (interpreter, splits {splits})"
           + (f"; H200 (exact mode) {run.values['gpu_max_do']:.1e}" if gpu else ""),
           verdict="reproduced" if run.values["max_do"] < 1e-5 else "differs",
@@ -196,7 +179,7 @@ else:
               verdict="differs", why="H200 vs RTX 4090; our goal is faster than SDPA bf16 at S >= 16k")
 run.claims_table()
 run.save()
-"""),
+""", hide_input=True),
         md(r"""
 **Verdict.** Kernel and reference agree to fp32 rounding at every split count
 ($\max|\Delta o|$ {glue:text}`max_do:.1e`, $\max|\Delta\mathrm{cert}|$ {glue:text}`max_dcert:.1e`), and the
@@ -205,11 +188,11 @@ certificate is split-invariant because $A$ and $B$ ride the output's LSE weights
 exists; where they say *differs*, the kernel is correct but not yet at the bandwidth roofline.
 """),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 # ------------------------------------------------------------------------------------------------
-def soundness() -> nbformat.NotebookNode:
+def soundness() -> list[NotebookNode]:
     cells = [
         md(r"""
 # Soundness: how often does the true TV exceed the certificate?
@@ -233,7 +216,7 @@ q_scale = 3.0
 deltas = [0.5, 0.1, 0.01, 0.001]
 seed = 0
 """),
-        hidden(SETUP + """
+        code(SETUP + """
 from kvlib.book import Run, fmt
 run = Run("witcert_soundness", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, q_scale=q_scale,
                                                              deltas=deltas, seed=seed))
@@ -269,7 +252,7 @@ d01 = tab[tab.delta == 0.01]
 run.glue("viol_hi_001", float(d01["rate 95% hi"].max()))
 tab.set_index(["keys", "delta"]).style.format({"rate": "{:.1e}", "rate 95% hi": "{:.1e}", "event rate": "{:.1e}",
                                                 "event 95% hi": "{:.1e}"})
-"""),
+""", hide_input=True),
         md(r"""
 Across {glue:text}`n_pairs:,` (row, trial) pairs per family and every $\delta$, the true TV exceeded the
 certificate {glue:text}`total_viol` times. At $\delta = 0.01$ the 95% upper confidence limit of the
@@ -277,7 +260,7 @@ violation rate is at most {glue:text}`viol_hi_001:.1e`, and the union-bound even
 than $\delta$ (its upper limit is at most {glue:text}`max_event_over_delta:.2f` $\times\,\delta$): the
 sub-Gaussian tail and the union bound are both conservative, so the certificate is sound with room.
 """),
-        hidden("""
+        code("""
 i01 = deltas.index(0.01) if 0.01 in deltas else 0
 parts = []
 for fam, r in res.items():
@@ -296,7 +279,7 @@ sns.histplot(df, x="one/two", hue="keys", element="step", stat="density", common
 axs[1].set_xlabel("(1 - 1/A^2) / (1 - B/A)")
 fig.tight_layout()
 run.glue_fig("fig_tightness", fig)
-"""),
+""", hide_input=True),
         md(r"""
 ```{glue:figure} fig_tightness
 :name: fig-witcert-tightness
@@ -311,7 +294,7 @@ for small radii $1 - 1/A^2 \approx 2\bar u$ and $1 - B/A \approx 2\bar u - $ (sp
 modest when the radius is nearly constant across tokens.
 """),
         md("## Paper vs this run"),
-        hidden("""
+        code("""
 tm = run.values["tight_median_gaussian"]
 run.claim("witcert-soundness", ours=f"{run.values['total_viol']} violations over {n_pairs:,} pairs per family x 3 families "
           f"x {len(deltas)} deltas; 95% upper limit at delta=0.01: {run.values['viol_hi_001']:.1e}",
@@ -325,7 +308,7 @@ run.claim("witcert-two-accumulator", ours=f"1 - 1/A^2 is {run.values['gain_media
           "bound (median, Gaussian); never smaller (AB >= 1)", verdict="reproduced")
 run.claims_table()
 run.save()
-"""),
+""", hide_input=True),
         md(r"""
 **Verdict.** Sound, with a wide margin: no row's true TV exceeded its certificate on any key family,
 and the failure probability of the underlying event is far below $\delta$. The price of soundness is
@@ -333,11 +316,11 @@ looseness (median tightness {glue:text}`tight_median_gaussian:.0f`× on Gaussian
 sub-Gaussian tail, the union bound over tokens, and the worst-case ratio bounds.
 """),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 # ------------------------------------------------------------------------------------------------
-def sr_long() -> nbformat.NotebookNode:
+def sr_long() -> list[NotebookNode]:
     cells = [
         md(r"""
 # Stochastic rounding is not a substitute; and the certificate at long context
@@ -365,7 +348,7 @@ contexts = [1024, 2048, 4096, 8192, 16384, 32768]
 ctx_rows = 64
 seed = 0
 """),
-        hidden(SETUP + """
+        code(SETUP + """
 from kvlib.book import Run, fmt
 run = Run("witcert_sr_long", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, budgets=budgets,
           massive=massive, q_scale=q_scale, contexts=contexts, ctx_rows=ctx_rows, seed=seed))
@@ -407,7 +390,7 @@ run.glue("sr_cov_max", float(cov[cov.scheme == "sr"].coverage.max()))
 for m in budgets:
     run.glue(f"dither_cov_m{m}", float(cov[(cov.scheme == "dither") & (cov.m == m)].coverage.iloc[0]))
 cov.pivot(index="m", columns="scheme", values=["coverage", "median cert", "TV > cert"])
-"""),
+""", hide_input=True),
         md(r"""
 The SR radius is {glue:text}`proxy_ratio:.4f` times the dither radius ($\sqrt 3 = 1.7321$) for the same
 stored scales. At $\tau = 0.2$ the best SR coverage over all budgets is {glue:text}`sr_cov_max:.3f`,
@@ -415,7 +398,7 @@ while dither reaches {glue:text}`dither_cov_m4:.3f` at $m = 4$ and {glue:text}`d
 (request-level $\delta_\text{loc}$ = {glue:text}`delta_loc:.1e`). SR is still sound (its own proxy is
 used), just useless at this threshold: the constant in the proxy, not unbiasedness, is what matters.
 """),
-        hidden("""
+        code("""
 long = []
 for n in contexts:
     kk = torch.randn(n, d, generator=g)
@@ -448,7 +431,7 @@ axs[1].set_ylabel("coverage"); axs[2].set_ylabel("median radius u"); axs[2].lege
 fig.tight_layout()
 run.glue_fig("fig_sr_long", fig)
 long.pivot(index="S", columns="allocation", values=["coverage", "median cert", "median radius"])
-"""),
+""", hide_input=True),
         md(r"""
 ```{glue:figure} fig_sr_long
 :name: fig-witcert-sr-long
@@ -461,7 +444,7 @@ From $S$ = 1k to 32k, request-level coverage moves from {glue:text}`long_cov_fir
 depends on $S$ only through $\sqrt{2\ln(2S/\delta)}$.
 """),
         md("## Paper vs this run"),
-        hidden("""
+        code("""
 run.claim("witcert-sr-proxy", ours=f"measured radius ratio {ratio:.4f}", verdict="reproduced",
           why="exact: proxy 1/4 vs 1/12 per channel")
 run.claim("witcert-sr-coverage", ours=f"SR coverage <= {run.values['sr_cov_max']:.3f} for m in {budgets}; dither "
@@ -477,7 +460,7 @@ run.claim("witcert-coverage-paper-shape", ours=f"coverage {run.values['cov_4096'
           why="synthetic inputs; coverage depends on the query and key scales chosen")
 run.claims_table()
 run.save()
-"""),
+""", hide_input=True),
         md(r"""
 **Verdict.** Stochastic rounding is sound but its $\sqrt 3$ larger radius, amplified by the
 exponential, leaves essentially no certificate under $\tau = 0.2$ at any outlier budget, as the paper
@@ -485,11 +468,11 @@ found; subtractive dither with a large enough bypass covers (almost) every row. 
 context the radius grows only logarithmically and coverage barely moves.
 """),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 # ------------------------------------------------------------------------------------------------
-def fallback() -> nbformat.NotebookNode:
+def fallback() -> list[NotebookNode]:
     cells = [
         md(r"""
 # Fallback: recompute what the certificate flags, whole head or block by block
@@ -519,7 +502,7 @@ sink_frac = 0.0001
 sink_mag = 60.0
 seed = 0
 """),
-        hidden(SETUP + """
+        code(SETUP + """
 from kvlib.book import Run, fmt
 run = Run("witcert_fallback", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, S_block=S_block, block=block,
           block_rows=block_rows, n_sink=n_sink, sink_frac=sink_frac, sink_mag=sink_mag, seed=seed))
@@ -574,14 +557,14 @@ pd.DataFrame({"selected rows": [int(sel.sum())], "of": [sel.numel()], "KV heads 
               "rel. error selected (before)": [run.values["err_sel_before"]],
               "rel. error selected (after)": [run.values["err_sel_after"]],
               "rel. error not selected": [run.values["err_rest"]], "effective bits": [rep.effective_bits]})
-"""),
+""", hide_input=True),
         md(r"""
 The certificate selects {glue:text}`frac_selected:.1%` of the rows. Their mean relative output error is
 {glue:text}`err_sel_before:.2e` before fallback (rows not selected: {glue:text}`err_rest:.2e`) and
 {glue:text}`err_sel_after:.2e` after, a {glue:text}`err_drop:.0f`× drop. Reading the INT8 cache plus the
 paged fp16 heads costs {glue:text}`eff_bits:.2f` bits per element (8.5 without fallback: codes plus scales).
 """),
-        hidden("""
+        code("""
 sm = 1 / math.sqrt(d)
 res = []
 kk = sink_keys(S_block, 1, S_block)[:, 0]
@@ -617,7 +600,7 @@ if len(bf):
     ax.set_ylabel("rows")
     run.glue_fig("fig_blocks", fig)
 bf.describe().T[["mean", "50%", "max"]] if len(bf) else bf
-"""),
+""", hide_input=True),
         md(r"""
 ```{glue:figure} fig_blocks
 :name: fig-witcert-blocks
@@ -629,7 +612,7 @@ block(s): {glue:text}`mb_median:.3f` MB moved instead of {glue:text}`mb_whole:.1
 (median traffic ratio {glue:text}`median_traffic_ratio:.0f`×).
 """),
         md("## Paper vs this run"),
-        hidden("""
+        code("""
 run.claim("witcert-fallback-head", ours=f"{run.values['frac_selected']:.1%} selected; error drops "
           f"{run.values['err_drop']:.1f}x; {run.values['eff_bits']:.2f} effective bits",
           verdict="reproduced" if run.values["err_drop"] > 3 and run.values["err_sel_before"] > run.values["err_rest"]
@@ -644,7 +627,7 @@ else:
     run.claim("witcert-fallback-block", ours="no row over tau at this profile", verdict="not reproducible here")
 run.claims_table()
 run.save()
-"""),
+""", hide_input=True),
         md(r"""
 **Verdict.** The certificate is discriminative, not only sound: the rows it flags are the ones with
 large error, and exact recomputation removes most of it. When the excess comes from a few tokens, as
@@ -652,12 +635,12 @@ with attention sinks, block-level paging ranked by each block's share of $A - 1$
 very few blocks, moving a small fraction of the whole-head traffic.
 """),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 def main() -> None:
     for name, build in (("kernel", kernel), ("soundness", soundness), ("sr_long", sr_long), ("fallback", fallback)):
-        nbformat.write(build(), HERE / f"{name}.ipynb")
+        write(build(), HERE / f"{name}.ipynb")
         print("wrote", HERE / f"{name}.ipynb")
 
 

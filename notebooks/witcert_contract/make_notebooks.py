@@ -7,38 +7,20 @@ Kept as code so the cells stay reviewable in diffs; the .ipynb files are what th
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat import NotebookNode
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parents[1]) not in sys.path:
+    sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-
-META = {
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-}
-
-
-def md(src: str) -> nbformat.NotebookNode:
-    return new_markdown_cell(src.strip())
-
-
-def code(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip())
-
-
-def hidden(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["hide-input"]})
-
-
-def params(src: str) -> nbformat.NotebookNode:
-    return new_code_cell(src.strip(), metadata={"tags": ["parameters"]})
+from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
-def bound() -> nbformat.NotebookNode:
+def bound() -> list[NotebookNode]:
     cells = [
         md(
             r"""
@@ -67,7 +49,7 @@ group = 32
 seed = 0
 """
         ),
-        hidden(
+        code(
             """
 import matplotlib.pyplot as plt
 import numpy as np
@@ -92,10 +74,11 @@ inputs = {
     "massive tokens (log-normal token scale)": torch.randn(n_tokens, d, generator=g)
     * torch.exp(3 * torch.randn(n_tokens, 1, generator=g)),
 }
-"""
+""",
+            hide_input=True,
         ),
         md("## The elementwise bound, and the fp32-scale bug"),
-        hidden(
+        code(
             """
 rows = []
 for name, x in inputs.items():
@@ -140,7 +123,8 @@ run.glue("max_y", float(bound["max |x/s + xi|"].max()))
 run.glue("viol_fp32", int(bound["fp32-scale bug: violations beyond slack"].sum()))
 run.glue("viol_fp32_gauss", int(bound["fp32-scale bug: violations beyond slack"][0]))
 display(bound.set_index("input").T)
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -164,7 +148,7 @@ fp32 resolution of a code-scale value.
 """
         ),
         md("## Uniform and independent of the input, for dither and not for RTN"),
-        hidden(
+        code(
             """
 x = inputs["gaussian"]
 qd = dither_quantize(x, **ctx)
@@ -220,7 +204,8 @@ ax[2].legend()
 fig.tight_layout()
 run.glue_fig("fig_uniform", fig)
 display(fig)
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -235,7 +220,7 @@ errors spread uniformly ({glue:text}`rep_std_dither:.3f}`, against $1/\\sqrt{12}
 """
         ),
         md("## Outlier bypass: the bypassed pairs must leave the group amax"),
-        hidden(
+        code(
             """
 x0 = inputs["gaussian"]
 x_inj, true_ch = inject_massive_pairs(x0, 4, 50.0, seed=seed)
@@ -273,7 +258,8 @@ run.glue("kept_ratio", float(amax["varsigma vs no bypass"].iloc[2]))
 run.glue("excl_ratio", float(amax["varsigma vs no bypass"].iloc[3]))
 run.glue("n_clip_bypass", int(amax["clipped (non-outlier)"].sum()))
 display(amax)
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -285,7 +271,7 @@ value: the scale does not drop. Excluding them from the amax brings it to
 ({glue:text}`n_clip_bypass:,.0f`).
 """
         ),
-        hidden(
+        code(
             """
 viol, n_el = run.values["viol_fp16"], run.values["n_elements"]
 run.claim("witcert-bound-half-scale", ours=f"{viol:,} violations beyond fp32 slack 2^-16 s over {n_el:,} coordinates; "
@@ -312,7 +298,8 @@ run.claim("witcert-amax-exclusion", ours=f"varsigma ratio to no bypass: kept in 
           f"excluded {run.values['excl_ratio']:.3f}", verdict="reproduced" if ok_a else "differs",
           why="" if ok_a else "see the table")
 run.claims_table()
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -322,13 +309,13 @@ RTN; quantizing with the stored fp16 scale is what makes the bound hold, and the
 helps only when the bypassed pairs leave the amax.
 """
         ),
-        hidden("run.save()"),
+        code("run.save()", hide_input=True),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 # ------------------------------------------------------------------------------------------------
-def philox() -> nbformat.NotebookNode:
+def philox() -> list[NotebookNode]:
     cells = [
         md(
             """
@@ -358,7 +345,7 @@ n_write = 48  # tokens per write experiment (Triton interpreter on CPU: keep sma
 seed = 0
 """
         ),
-        hidden(
+        code(
             """
 import os
 import warnings
@@ -368,9 +355,10 @@ import torch
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # the CPU interpreter's numpy 0/0 on all-zero groups
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
-"""
+""",
+            hide_input=True,
         ),
-        hidden(
+        code(
             """
 import hashlib
 import json
@@ -393,10 +381,11 @@ run = Run("witcert_contract_philox", profile=profile,
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 triton_mode = "GPU" if dev == "cuda" else "CPU interpreter"
 run.glue("triton_mode", triton_mode);
-"""
+""",
+            hide_input=True,
         ),
         md("## Known answers (Random123 `kat_vectors`)"),
-        hidden(
+        code(
             """
 @triton.jit
 def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
@@ -443,7 +432,8 @@ n_kat_ok = int(katdf[["torch", f"Triton ({triton_mode})"]].all(axis=1).sum())
 run.glue("n_kat", len(katdf))
 run.glue("n_kat_ok", n_kat_ok)
 display(katdf)
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -455,7 +445,7 @@ its default 10 rounds here).
 """
         ),
         md("## Stream uniqueness over a pool"),
-        hidden(
+        code(
             """
 ctrs = []
 for layer in range(n_layers):
@@ -477,7 +467,8 @@ n_w = words.numel()
 run.glue("n_words", n_w)
 run.glue("word_dups", n_w - torch.unique(words).numel())
 run.glue("word_dups_expected", n_w * (n_w - 1) / 2 / 2**32);
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -490,7 +481,7 @@ distinct, so no (layer, kv_head, slot, channel, side) shares a word. Among
 """
         ),
         md("## Read-time dither, scheduling invariance, Triton against torch"),
-        hidden(
+        code(
             """
 g = torch.Generator().manual_seed(seed)
 H, L = 2, 3
@@ -570,7 +561,8 @@ if gpu_file.exists():
     gpu_ok = bool(gres.get("all_bit_identical"))
     run.glue("gpu_tokens", max(r["n_tokens"] for r in gres["rows"]))
 run.glue("gpu_bit_identical", "n/a (no GPU result file yet)" if gpu_ok is None else str(gpu_ok));
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -588,7 +580,7 @@ IEEE division (`tl.math.div_rn`) and round half to even, so even exact .5 ties
 {glue:text}`gpu_bit_identical`.
 """
         ),
-        hidden(
+        code(
             """
 ok_stream = run.values["n_calls_unique"] == run.values["n_calls"] and run.values["viol_same"] == 0
 run.claim("witcert-philox-stream",
@@ -608,7 +600,8 @@ run.claim("witcert-triton-torch-codes", ours=f"{codes_mismatch} of {run.values['
           why="ours is stronger: IEEE division and RNE on both sides remove the tie disagreements" if ok_codes
           else "codes differ")
 run.claims_table()
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -618,13 +611,13 @@ writer's codes; the stored bytes do not depend on how tokens were batched; and t
 kernel stores exactly the reference's bytes.
 """
         ),
-        hidden("run.save()"),
+        code("run.save()", hide_input=True),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 # ------------------------------------------------------------------------------------------------
-def bytes_speed() -> nbformat.NotebookNode:
+def bytes_speed() -> list[NotebookNode]:
     cells = [
         md(
             """
@@ -642,7 +635,7 @@ profile = "cpu"
 n_tokens = 512  # tokens written to measure allocations (two full 256-token blocks)
 """
         ),
-        hidden(
+        code(
             """
 import json
 
@@ -657,10 +650,11 @@ from kvlib.paged import PagedPool
 from kvlib.provenance import results_dir
 
 run = Run("witcert_contract_bytes", profile=profile, params=dict(n_tokens=n_tokens))
-"""
+""",
+            hide_input=True,
         ),
         md("## Bytes per token per head per side"),
-        hidden(
+        code(
             """
 rows = []
 for d in (64, 128):
@@ -701,7 +695,8 @@ run.glue("b_blk", pick(128, "block-int8, BLK=256"))
 run.glue("b64", pick(64, "paged pool, G=32, m=0"))
 run.glue("bytes_exact", exact)
 display(bytes_df.pivot(index="format", columns="d", values=["layout B", "measured B"]).round(3))
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -717,7 +712,7 @@ allocation is measured on whole blocks here.
 """
         ),
         md("## Write throughput on the GPU"),
-        hidden(
+        code(
             """
 gpu_file = results_dir("gpu") / "witcert_write.json"
 have_gpu = gpu_file.exists()
@@ -752,9 +747,10 @@ if have_gpu:
 else:
     display(Markdown("**GPU run pending:** `data/results/gpu/witcert_write.json` does not exist yet "
                      "(`python -m kvlib.bench witcert_write --profile gpu` on the H200 writes it)."))
-"""
+""",
+            hide_input=True,
         ),
-        hidden(
+        code(
             """
 if have_gpu:
     display(Markdown(
@@ -765,9 +761,10 @@ if have_gpu:
         f"and synchronisation, as in the paper's observation. At the largest prefill shapes the kernel reaches "
         f"{run.values['frac_max']:.0%} of the measured copy bandwidth ({run.values['copy_GBps']:,.0f} GB/s); "
         f"decode-sized calls are launch-bound and their bandwidth fraction is not meaningful."))
-"""
+""",
+            hide_input=True,
         ),
-        hidden(
+        code(
             """
 ok_b = run.values["b136"] == 136 and exact
 run.claim("witcert-bytes-136", ours=f"{run.values['b136']:.0f} B from layout and from allocated tensors "
@@ -788,7 +785,8 @@ else:
     run.claim("witcert-write-speedup", ours="GPU run pending", verdict="not reproducible here",
               why="needs the H200 result file data/results/gpu/witcert_write.json")
 run.claims_table()
-"""
+""",
+            hide_input=True,
         ),
         md(
             """
@@ -797,12 +795,12 @@ write path is a single kernel launch per layer and side, orders of magnitude fas
 int64 torch reference per call (see the table for where it stands against copy bandwidth).
 """
         ),
-        hidden("run.save()"),
+        code("run.save()", hide_input=True),
     ]
-    return new_notebook(cells=cells, metadata=META)
+    return cells
 
 
 if __name__ == "__main__":
     for name, fn in (("bound", bound), ("philox", philox), ("bytes_speed", bytes_speed)):
-        nbformat.write(fn(), HERE / f"{name}.ipynb")
+        write(fn(), HERE / f"{name}.ipynb")
         print("wrote", HERE / f"{name}.ipynb")
