@@ -29,6 +29,10 @@ def merge_states(
     w_b = torch.where(torch.isneginf(lse_b), torch.zeros_like(lse_b), torch.exp(lse_b - safe))
     # An empty side's o may be 0/0 = NaN; select it away rather than multiply it by 0.
     # NaN from a non-empty side (non-finite keys) propagates on purpose.
-    part_a = torch.where(torch.isneginf(lse_a).unsqueeze(-1), torch.zeros_like(o_a), w_a.unsqueeze(-1).to(o_a.dtype) * o_a)
-    part_b = torch.where(torch.isneginf(lse_b).unsqueeze(-1), torch.zeros_like(o_b), w_b.unsqueeze(-1).to(o_b.dtype) * o_b)
+    part_a = torch.where(
+        torch.isneginf(lse_a).unsqueeze(-1), torch.zeros_like(o_a), w_a.unsqueeze(-1).to(o_a.dtype) * o_a
+    )
+    part_b = torch.where(
+        torch.isneginf(lse_b).unsqueeze(-1), torch.zeros_like(o_b), w_b.unsqueeze(-1).to(o_b.dtype) * o_b
+    )
     return part_a + part_b, lse

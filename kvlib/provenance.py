@@ -30,7 +30,8 @@ def repo_root() -> Path:
 
 def results_dir(profile: str) -> Path:
     """``data/results/<profile>`` (``$KVLIB_RESULTS_DIR`` replaces ``data/results``, for tests)."""
-    base = Path(os.environ["KVLIB_RESULTS_DIR"]) if os.environ.get("KVLIB_RESULTS_DIR") else repo_root() / "data" / "results"
+    env = os.environ.get("KVLIB_RESULTS_DIR")
+    base = Path(env) if env else repo_root() / "data" / "results"
     return base / profile
 
 
@@ -84,7 +85,7 @@ def package_versions() -> dict[str, str]:
 
 
 def provenance(params: dict[str, Any], started: _dt.datetime | None = None) -> dict[str, Any]:
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     started = started or now
     return {
         "commit": git_commit(),

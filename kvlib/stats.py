@@ -17,7 +17,7 @@ available for the ungrouped case through :func:`scipy.stats.bootstrap`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,14 @@ def _as_1d(x: Any, name: str) -> np.ndarray:
 def _check_same_length(a: np.ndarray, b: np.ndarray, na: str = "a", nb: str = "b") -> None:
     if a.shape != b.shape:
         raise ValueError(f"{na} and {nb} must be paired samples of equal length, got {a.size} and {b.size}")
+
+
+def _paired(a: Any, b: Any, as_array: Callable[[Any, str], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` and ``b`` converted by ``as_array`` (:func:`_as_1d` or :func:`_as_binary`), equal lengths."""
+    xa = as_array(a, "a")
+    xb = as_array(b, "b")
+    _check_same_length(xa, xb)
+    return xa, xb
 
 
 def _check_confidence(confidence: float) -> float:
@@ -200,9 +208,7 @@ def paired_bootstrap_ci(
     The bootstrap resamples the paired differences (so pairing is kept); with ``groups``
     it resamples whole groups. Percentile interval by default (see module docstring).
     """
-    xa = _as_1d(a, "a")
-    xb = _as_1d(b, "b")
-    _check_same_length(xa, xb)
+    xa, xb = _paired(a, b, _as_1d)
     return bootstrap_mean_ci(xa - xb, n_resamples, confidence, seed, groups=groups, method=method)
 
 
@@ -213,9 +219,7 @@ def discordant_counts(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarr
     ``n_a_only`` counts samples where ``a`` is right and ``b`` wrong (the paper's
     "McNemar: 5 vs 1" reads these two numbers).
     """
-    xa = _as_binary(a, "a")
-    xb = _as_binary(b, "b")
-    _check_same_length(xa, xb)
+    xa, xb = _paired(a, b, _as_binary)
     return int(np.sum((xa == 1) & (xb == 0))), int(np.sum((xa == 0) & (xb == 1)))
 
 
@@ -226,9 +230,7 @@ def mcnemar(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray, *, mid
     1.0 when there is no discordant pair. ``mid_p=True`` gives the mid-p variant
     (the exact p minus the probability of the observed count), less conservative.
     """
-    xa = _as_binary(a, "a")
-    xb = _as_binary(b, "b")
-    _check_same_length(xa, xb)
+    xa, xb = _paired(a, b, _as_binary)
     table = np.array(
         [
             [np.sum((xa == 1) & (xb == 1)), np.sum((xa == 1) & (xb == 0))],
@@ -284,9 +286,7 @@ def compare_paired(
     ``mcnemar_p`` and the discordant counts are given when both score vectors are 0/1,
     else ``None``.
     """
-    xa = _as_1d(a, "a")
-    xb = _as_1d(b, "b")
-    _check_same_length(xa, xb)
+    xa, xb = _paired(a, b, _as_1d)
     diff, low, high = paired_bootstrap_ci(xa, xb, n_resamples, confidence, seed, groups=groups)
     binary = bool(np.all(np.isin(xa, (0, 1))) and np.all(np.isin(xb, (0, 1))))
     n_a_only, n_b_only = discordant_counts(xa, xb) if binary else (None, None)

@@ -116,3 +116,18 @@ def test_rollout_model_tiny_law():
     assert 1.0 < kv4["speedup_exec"] < kv4["speedup_exec_attn_only"]
     cum = rt.cumulative_speedup([out, out], "kv4")
     assert math.isclose(cum, kv4["speedup_total"])
+
+
+def test_timing_profile_and_graph_fallback():
+    from kvlib.bench import timing
+
+    with pytest.raises(ValueError, match="profile"):
+        timing.profile_device("fast")
+    cuda = torch.cuda.is_available()
+    assert timing.profile_device("ci") == ("cuda" if cuda else "cpu")
+    calls = []
+    fn = lambda: calls.append(1)  # noqa: E731
+    replay, ok = timing.graphed(fn)
+    assert ok == cuda and (replay is fn) == (not cuda)
+    t = timing.bench_graphed(fn, warmup_ms=0.0, rep_ms=0.0)
+    assert t["graphed"] == cuda and t["q25_ms"] <= t["median_ms"] <= t["q75_ms"] and calls

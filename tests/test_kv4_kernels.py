@@ -7,8 +7,6 @@ from kvlib.formats import get_format
 from kvlib.kernels.decode_int4 import (
     kv4_main_decode,
     kv4_main_decode_ref,
-    merge_splits,
-    merge_splits_ref,
     prepare_query,
     prepare_query_ref,
     region_attention_ref,
@@ -67,17 +65,6 @@ def test_protected_kernel_matches_reference():
     o_ref, lse_ref = protected_decode_ref(qp, c.k8, c.k8_scale, c.v8, c.v8_scale, count)
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 2e-2)  # bf16 PV operands
-
-
-def test_merge_splits_kernel_is_the_merge_states_fold():
-    g = torch.Generator().manual_seed(2)
-    o_s, lse_s = torch.randn(2, 3, 5, 16, generator=g), torch.randn(2, 3, 5, generator=g)
-    lse_s[0, 0, 1:] = float("-inf")  # empty splits
-    lse_s[0, 1] = float("-inf")  # all empty
-    o, lse = merge_splits(o_s, lse_s, backend="triton")
-    o_ref, lse_ref = merge_splits_ref(o_s, lse_s)
-    _close(lse, lse_ref, 1e-5)
-    _close(o, o_ref, 1e-5)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

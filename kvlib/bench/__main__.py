@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown topic(s) {unknown}; available: {topics()}")
     failed = []
     for t in names:
-        started = _dt.datetime.now(_dt.timezone.utc)
+        started = _dt.datetime.now(_dt.UTC)
         print(f"== {t} [{profile}]", flush=True)
         try:
             mod = importlib.import_module(f"kvlib.bench.{t}")

@@ -19,7 +19,7 @@ Bytes moved per call are the K+V payload from each format's own byte account
 slot tables, queries and outputs are not counted (under 1% at S >= 1k). Achieved bandwidth is set
 against the copy bandwidth measured in the same run. Codes and scales are random (speed does not
 depend on their values). On CUDA every method is captured in a CUDA graph (eager if capture fails,
-recorded) so launch overhead is paid equally, then timed by :func:`kvlib.bench.timing.bench_ms`.
+recorded) so launch overhead is paid equally, then timed by :func:`kvlib.bench.timing.bench_graphed`.
 
 On CPU (profiles ci/cpu) the same code runs at tiny shapes (Triton interpreter when
 ``TRITON_INTERPRET=1``, else the torch references): a wiring check, never a speed claim.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvlib.bench.timing import bandwidth_GBps, bench_ms, copy_bandwidth
+from kvlib.bench.timing import bandwidth_GBps, bench_graphed, copy_bandwidth, profile_device
 
 LAYER = 3
 SEED = 0x5EED_0000_1234
@@ -104,27 +104,7 @@ def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# timing helpers
-def graphed(fn: Callable[[], object]) -> tuple[Callable[[], object], bool]:
-    """Capture ``fn`` in a CUDA graph after a warm-up that compiles everything; eager if capture fails."""
-    if not torch.cuda.is_available():
-        return fn, False
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay, True
-    except Exception:  # noqa: BLE001 - fall back to eager timing, recorded in the result
-        torch.cuda.synchronize()
-        return fn, False
-
-
+# helpers
 def skip_philox_kw() -> dict[str, Any] | None:
     """Keyword that makes ``decode_int8`` skip Philox, if its signature offers one; else None."""
     from kvlib.kernels.decode_int8 import decode_int8
@@ -134,14 +114,6 @@ def skip_philox_kw() -> dict[str, Any] | None:
         if name in params:
             return {name: name == "skip_philox"}  # skip_philox=True, or dither/philox=False
     return None
-
-
-def _time(fn: Callable[[], object], rep_ms: float, warmup_ms: float) -> dict:
-    run, g = graphed(fn)
-    t = bench_ms(run, warmup_ms=warmup_ms, rep_ms=rep_ms).as_dict()
-    t["graphed"] = g
-    del run
-    return t
 
 
 def _slot_table(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -191,7 +163,7 @@ def time_state(
 
     def record(name: str, fn: Callable[[], object], **extra: Any) -> None:
         try:
-            t = _time(fn, rep_ms, warmup_ms)
+            t = bench_graphed(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
         except Exception as e:  # noqa: BLE001 - one method failing must not lose the others
             out["notes"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             if device == "cuda":
@@ -290,27 +262,11 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
 
 
 def _kv4(record, q, lengths, shape: HeadShape, want: set[str]) -> None:
-    from kvlib.kv4rl_attention import KV4Batch, kv4_decode, kv4rl_decode
+    from kvlib.bench.kv4 import random_kv4_batch
+    from kvlib.kv4rl_attention import kv4_decode, kv4rl_decode
     from kvlib.merge import merge_states
 
-    b, dev, n = lengths.numel(), q.device, int(lengths.max())
-    c = SINK + RECENT
-
-    def codes(*s):
-        return torch.randint(0, 256, s, dtype=torch.uint8, device=dev)
-
-    def f16(lo, hi, *s):
-        return torch.empty(s, dtype=torch.float16, device=dev).uniform_(lo, hi)
-
-    h, d = shape.hkv, shape.d
-    cache = KV4Batch(
-        k_codes=codes(b, h, n, d // 2), k_scale=f16(0.05, 0.2, b, h, n), k_off=f16(-1.5, -0.5, b, h, n),
-        v_codes=codes(b, h, n, d // 2), v_scale=f16(0.05, 0.2, b, h, n), v_off=f16(-1.5, -0.5, b, h, n),
-        lengths=lengths.to(torch.int32), sink=SINK, recent=RECENT,
-        k8=torch.randint(-127, 128, (b, h, c, d), dtype=torch.int8, device=dev), k8_scale=f16(0.005, 0.02, b, h, c),
-        v8=torch.randint(-127, 128, (b, h, c, d), dtype=torch.int8, device=dev), v8_scale=f16(0.005, 0.02, b, h, c),
-        side_pos=None,
-    )  # fmt: skip
+    cache = random_kv4_batch(lengths.to(q.device), int(lengths.max()), SINK, RECENT, hkv=shape.hkv, d=shape.d)
     qb = q.to(torch.bfloat16)
     if "kv4" in want:
         record("kv4", lambda: kv4_decode(qb, cache))
@@ -349,16 +305,12 @@ def grid_config(profile: str) -> dict[str, Any]:
 def run(profile: str, *, methods: Sequence[str] = ALL_METHODS, batches: Sequence[int] | None = None,
         ctxs: Sequence[int] | None = None) -> dict[str, Any]:
     """The grid. ``profile`` ``gpu`` measures on CUDA; ``ci``/``cpu`` run the wiring at tiny shapes."""
-    if profile not in ("ci", "cpu", "gpu"):
-        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
-    cuda = torch.cuda.is_available()
-    if profile == "gpu" and not cuda:
-        raise RuntimeError("profile 'gpu' needs CUDA; use --profile ci on CPU")
+    device = profile_device(profile)
+    cuda = device == "cuda"
     cfg = grid_config(profile if cuda else "ci")
     batches = tuple(batches or cfg["batches"])
     ctxs = tuple(ctxs or cfg["ctxs"])
     shape: HeadShape = cfg["shape"]
-    device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kvlib.bench.timing import bandwidth_GBps, bench_ms, copy_bandwidth
+from kvlib.bench.timing import bandwidth_GBps, bench_graphed, copy_bandwidth
 from kvlib.kv4rl_attention import KV4Batch, build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 from kvlib.merge import merge_states
 
@@ -21,8 +21,10 @@ D, HQ, HKV = 128, 32, 8
 SINK, RECENT = 16, 128
 
 
-def random_kv4_batch(lengths: torch.Tensor, n: int, sink: int = SINK, recent: int = RECENT) -> KV4Batch:
-    """A KV4-RL batch with random codes/scales of realistic magnitude (no float K/V materialised)."""
+def random_kv4_batch(lengths: torch.Tensor, n: int, sink: int = SINK, recent: int = RECENT, *, hkv: int = HKV,
+                     d: int = D) -> KV4Batch:
+    """A KV4-RL batch (``hkv`` heads of dim ``d``, ``n`` positions, on ``lengths``' device) with random
+    codes/scales of realistic magnitude (no float K/V materialised): timing does not depend on values."""
     b, dev = lengths.shape[0], lengths.device
 
     def codes(*shape):
@@ -33,36 +35,18 @@ def random_kv4_batch(lengths: torch.Tensor, n: int, sink: int = SINK, recent: in
 
     c = sink + recent
     return KV4Batch(
-        k_codes=codes(b, HKV, n, D // 2), k_scale=f16(0.05, 0.2, b, HKV, n), k_off=f16(-1.5, -0.5, b, HKV, n),
-        v_codes=codes(b, HKV, n, D // 2), v_scale=f16(0.05, 0.2, b, HKV, n), v_off=f16(-1.5, -0.5, b, HKV, n),
+        k_codes=codes(b, hkv, n, d // 2), k_scale=f16(0.05, 0.2, b, hkv, n), k_off=f16(-1.5, -0.5, b, hkv, n),
+        v_codes=codes(b, hkv, n, d // 2), v_scale=f16(0.05, 0.2, b, hkv, n), v_off=f16(-1.5, -0.5, b, hkv, n),
         lengths=lengths.to(torch.int32), sink=sink, recent=recent,
-        k8=torch.randint(-127, 128, (b, HKV, c, D), dtype=torch.int8, device=dev), k8_scale=f16(0.005, 0.02, b, HKV, c),
-        v8=torch.randint(-127, 128, (b, HKV, c, D), dtype=torch.int8, device=dev), v8_scale=f16(0.005, 0.02, b, HKV, c),
+        k8=torch.randint(-127, 128, (b, hkv, c, d), dtype=torch.int8, device=dev), k8_scale=f16(0.005, 0.02, b, hkv, c),
+        v8=torch.randint(-127, 128, (b, hkv, c, d), dtype=torch.int8, device=dev), v8_scale=f16(0.005, 0.02, b, hkv, c),
         side_pos=None,
     )  # fmt: skip
 
 
-def _graphed(fn):
-    """Capture ``fn`` in a CUDA graph (after a warm-up that compiles everything); eager if capture fails."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay, True
-    except Exception:  # noqa: BLE001 - fall back to eager timing, recorded in the result
-        torch.cuda.synchronize()
-        return fn, False
-
-
 def _time(fn) -> tuple[float, bool]:
-    run, graphed = _graphed(fn)
-    return bench_ms(run, warmup_ms=10, rep_ms=60).median_ms, graphed
+    t = bench_graphed(fn, warmup_ms=10, rep_ms=60)
+    return t["median_ms"], t["graphed"]
 
 
 def _sdpa_fn(q4, k, v):

@@ -69,7 +69,8 @@ def run(profile: str) -> dict:
         batches, ctxs = (1, 2), (64, 128)
         budget = 1 << 26
     hq, hkv = GQA
-    out = {"copy": copy_bandwidth(device=device), "shape": {"hq": hq, "hkv": hkv, "d": D}, "rows": [], "unsupported": {}}
+    out = {"copy": copy_bandwidth(device=device), "shape": {"hq": hq, "hkv": hkv, "d": D}, "rows": [],
+           "unsupported": {}}
     for b in batches:
         for s in ctxs:
             nbytes = kv_bytes_bf16(b, s, hkv, D)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvlib.bench.decode_grid import CPU_SHAPE, GPU_SHAPE, HeadShape, time_state
-from kvlib.bench.timing import copy_bandwidth
+from kvlib.bench.timing import copy_bandwidth, profile_device
 
 REPLAY_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "kv4", "kv4rl")
 REFERENCES = ("sdpa_bf16", "triton_bf16")
@@ -144,12 +144,8 @@ def aggregate(rows: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[s
 def run(profile: str, *, methods: Sequence[str] = REPLAY_METHODS, n_states: int | None = None,
         phases: Sequence[Phase] | None = None) -> dict[str, Any]:
     """The replay. ``gpu`` measures on CUDA; ``ci``/``cpu`` replay tiny laws as a wiring check."""
-    if profile not in ("ci", "cpu", "gpu"):
-        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
-    cuda = torch.cuda.is_available()
-    if profile == "gpu" and not cuda:
-        raise RuntimeError("profile 'gpu' needs CUDA; use --profile ci on CPU")
-    device = "cuda" if cuda else "cpu"
+    device = profile_device(profile)
+    cuda = device == "cuda"
     phases = tuple(phases or (GPU_PHASES if cuda else CI_PHASES))
     n_states = n_states or (5 if cuda else 1)
     shape: HeadShape = GPU_SHAPE if cuda else CPU_SHAPE

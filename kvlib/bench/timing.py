@@ -1,7 +1,9 @@
-"""The one timing loop: warm-up, L2 flush, median of repeats with spread, and copy bandwidth.
+"""The one timing loop: warm-up, L2 flush, median of repeats with spread, CUDA-graph capture, and
+copy bandwidth.
 
 On CUDA it uses ``triton.testing.do_bench`` (CUDA events, L2 flushed between repeats). On the CPU
-it times wall clock: a wiring check only, never a speed claim.
+it times wall clock: a wiring check only, never a speed claim. :func:`bench_graphed` times a call
+replayed from a CUDA graph so launch overhead is paid equally by every method.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ class Timing:
         return asdict(self)
 
 
-def bench_ms(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0, device: str | None = None) -> Timing:
+def bench_ms(
+    fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0, device: str | None = None
+) -> Timing:
     """Time ``fn()``; returns the median and inter-quartile range in milliseconds."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":
@@ -46,6 +50,63 @@ def bench_ms(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float
     return Timing(statistics.median(times), qs[0], qs[2], len(times), device)
 
 
+def _warm_up(fn: Callable[[], object], iters: int) -> None:
+    """Run ``fn`` ``iters`` times on a side stream (compiles and autotunes outside any capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+
+
+def capture_graph(fn: Callable[[], object], *, warmup_iters: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up, then capture one call in a CUDA graph; returns the graph and ``fn``'s static output.
+
+    Replaying the graph rewrites that output in place. Capture errors propagate (see :func:`graphed`).
+    """
+    _warm_up(fn, warmup_iters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def graphed(fn: Callable[[], object], *, warmup_iters: int = 2) -> tuple[Callable[[], object], bool]:
+    """``fn`` as a CUDA-graph replay, and whether capture worked; eager ``fn`` without CUDA or if capture fails."""
+    if not torch.cuda.is_available():
+        return fn, False
+    _warm_up(fn, warmup_iters)
+    try:
+        graph, _ = capture_graph(fn, warmup_iters=0)
+        return graph.replay, True
+    except Exception:  # noqa: BLE001 - fall back to eager timing, recorded by the caller
+        torch.cuda.synchronize()
+        return fn, False
+
+
+def bench_graphed(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> dict:
+    """:func:`bench_ms` of ``fn`` replayed from a CUDA graph (eager if capture fails): the timing as a
+    dict plus ``graphed`` (whether the graph was used)."""
+    replay, ok = graphed(fn)
+    t = bench_ms(replay, warmup_ms=warmup_ms, rep_ms=rep_ms).as_dict()
+    t["graphed"] = ok
+    return t
+
+
+def profile_device(profile: str) -> str:
+    """The device a benchmark runs on for ``profile`` (``ci``/``cpu``/``gpu``): ``cuda`` when present.
+
+    Raises ``ValueError`` on an unknown profile and ``RuntimeError`` for ``gpu`` without CUDA.
+    """
+    if profile not in ("ci", "cpu", "gpu"):
+        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
+    cuda = torch.cuda.is_available()
+    if profile == "gpu" and not cuda:
+        raise RuntimeError("profile 'gpu' needs CUDA; use --profile ci on CPU")
+    return "cuda" if cuda else "cpu"
+
+
 def copy_bandwidth(n_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, device: str | None = None) -> dict:
     """Measured device-to-device copy bandwidth (read + write bytes per second), the roofline reference."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,4 +121,5 @@ def copy_bandwidth(n_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, 
 
 
 def bandwidth_GBps(bytes_moved: float, ms: float) -> float:
+    """Bytes moved per call over the call's time in ms, as GB/s (1e9 bytes)."""
     return bytes_moved / (ms * 1e-3) / 1e9

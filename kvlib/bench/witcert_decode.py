@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvlib.bench.timing import bench_ms
+from kvlib.bench.timing import bench_ms, capture_graph, profile_device
 
 PAPER = dict(B=2, S=4096, hq=28, hkv=4, d=128)
 LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 32768)]
@@ -93,14 +93,7 @@ def _graph_replay(device: str) -> dict:
     step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8)  # noqa: E731
     eager = step()  # compile outside the capture
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step, warmup_iters=1)
     fields = ("o", "lse", "A", "B", "tv_bound")
     identical = []
     for _ in range(5):
@@ -136,14 +129,7 @@ def _random_pools(B: int, S: int, hkv: int, d: int, device: str, group: int = 32
 def _graph_ms(fn, rep_ms: float) -> dict:
     """Median time of ``fn`` replayed from a CUDA graph (no host launch overhead); errors are recorded."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn, warmup_iters=1)
         return bench_ms(graph.replay, rep_ms=rep_ms).as_dict()
     except Exception as e:  # noqa: BLE001 - keep the eager timings
         return {"median_ms": float("nan"), "error": str(e)[:200]}
@@ -238,12 +224,8 @@ def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128,
 
 def run(profile: str) -> dict:
     """Run the benchmark; ``profile`` is ``ci``/``cpu`` (wiring check) or ``gpu`` (the real measurement)."""
-    if profile not in ("ci", "cpu", "gpu"):
-        raise ValueError(f"profile must be ci, cpu or gpu, got {profile!r}")
-    cuda = torch.cuda.is_available()
-    if profile == "gpu" and not cuda:
-        raise RuntimeError("profile 'gpu' needs a CUDA device; use --profile ci on CPU")
-    device = "cuda" if cuda else "cpu"
+    device = profile_device(profile)
+    cuda = device == "cuda"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                            "modes": {m: dict(kw) for m, kw in MODES.items()}}
     t0 = time.perf_counter()

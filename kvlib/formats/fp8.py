@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from kvlib._checks import check_group
-from kvlib.formats.base import KVFormat, per_token, register_format
-from kvlib.formats.rtn_int8 import absmax_scales, check_input, expand_scales, safe_div
+from kvlib.formats.base import per_token, register_format
+from kvlib.formats.rtn_int8 import GroupScaledFormat
 
 E4M3_MAX = 448.0
 
@@ -26,24 +25,15 @@ class Fp8Packed:
 
 
 @register_format("fp8-e4m3")
-class Fp8E4m3(KVFormat):
+class Fp8E4m3(GroupScaledFormat):
     """fp8 e4m3fn codes, per-token per-group fp16 scale."""
 
-    options = ("group",)
-
-    def __init__(self, group: int = 32) -> None:
-        self.group = group
+    qmax = E4M3_MAX
 
     def write(self, x: torch.Tensor, **ctx: Any) -> Fp8Packed:
-        x32 = check_input(x, self.group)
-        s16 = absmax_scales(x32, self.group, E4M3_MAX)
-        y = safe_div(x32, expand_scales(s16, self.group)).clamp(-E4M3_MAX, E4M3_MAX)
+        y, s16 = self.scaled(x)
+        y = y.clamp(-E4M3_MAX, E4M3_MAX)
         return Fp8Packed(y.to(torch.float8_e4m3fn).view(torch.uint8), s16, self.group)
 
-    def read(self, packed: Fp8Packed) -> torch.Tensor:
-        y = packed.codes.view(torch.float8_e4m3fn).to(torch.float32)
-        return expand_scales(packed.scales, packed.group) * y
-
-    def bytes_per_position(self, d: int) -> float:
-        check_group("group", self.group, d)
-        return float(d + 2 * (d // self.group))
+    def code_values(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.float8_e4m3fn).to(torch.float32)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlib._checks import check_group, check_tensor
+from kvlib._checks import check_group
 from kvlib.formats.base import register_format
-from kvlib.formats.kv4 import pack_nibbles
-from kvlib.formats.nvfp4 import Fp4Tensor, _Fp4Format, e2m1_encode
+from kvlib.formats.nvfp4 import Fp4Tensor, _Fp4Format, fp4_blocks, pack_e2m1
 
 MX_BLOCK = 32
 E2M1_EMAX = 2  # exponent of E2M1's largest binade (4..6)
@@ -19,21 +18,14 @@ E2M1_EMAX = 2  # exponent of E2M1's largest binade (4..6)
 
 def mxfp4_quantize(x: torch.Tensor, block: int = MX_BLOCK) -> Fp4Tensor:
     """MXFP4 of the last dim of ``x [S, d]`` (``block`` must divide ``d``)."""
-    check_tensor("x", x, ndim=2, floating=True)
-    s, d = x.shape
-    check_group("block", block, d)
-    xf = x.float()
-    if not torch.isfinite(xf).all():
-        raise ValueError("x must be finite to quantise")
-    xb = xf.reshape(s, d // block, block)
+    _, xb = fp4_blocks(x, block)
     amax = xb.abs().amax(-1)
     e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-38))) - E2M1_EMAX, torch.full_like(amax, -127.0))
     e = e.clamp(-127, 127)
-    codes = e2m1_encode(xb / torch.exp2(e).unsqueeze(-1)).reshape(s, d)
     return Fp4Tensor(
-        codes=pack_nibbles(codes),
+        codes=pack_e2m1(xb, torch.exp2(e)),
         block_scale=(e + 127).to(torch.uint8),
-        global_scale=torch.ones(s, 0, device=x.device),  # MX has no global scale
+        global_scale=torch.ones(x.shape[0], 0, device=x.device),  # MX has no global scale
         block=block,
         kind="mxfp4",
     )

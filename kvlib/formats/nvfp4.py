@@ -56,23 +56,31 @@ class Fp4Tensor:
     rotated: bool = False
 
 
-def nvfp4_quantize(x: torch.Tensor, block: int = 16) -> Fp4Tensor:
-    """NVFP4 of the last dim of ``x [S, d]``: global ``s_g = amax/(6·448)``, E4M3 block scales, E2M1 values."""
+def fp4_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked fp32 ``x [S, d]`` and its ``[S, d // block, block]`` view (``block`` must divide ``d``)."""
     check_tensor("x", x, ndim=2, floating=True)
-    s, d = x.shape
-    check_group("block", block, d)
+    check_group("block", block, x.shape[-1])
     xf = x.float()
     if not torch.isfinite(xf).all():
         raise ValueError("x must be finite to quantise")
+    return xf, xf.unflatten(-1, (-1, block))
+
+
+def pack_e2m1(xb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of blocks ``xb [S, nb, block]`` divided by their ``scale [S, nb]``, two per byte ``[S, d//2]``."""
+    return pack_nibbles(e2m1_encode(xb / scale.unsqueeze(-1)).flatten(-2))
+
+
+def nvfp4_quantize(x: torch.Tensor, block: int = 16) -> Fp4Tensor:
+    """NVFP4 of the last dim of ``x [S, d]``: global ``s_g = amax/(6·448)``, E4M3 block scales, E2M1 values."""
+    xf, xb = fp4_blocks(x, block)
     amax = xf.abs().amax(-1)
     sg = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
-    xb = xf.reshape(s, d // block, block)
     bs = (xb.abs().amax(-1) / E2M1_MAX / sg.unsqueeze(-1)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     denom = bs.float() * sg.unsqueeze(-1)
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    codes = e2m1_encode(xb / safe.unsqueeze(-1)).reshape(s, d)
     return Fp4Tensor(
-        codes=pack_nibbles(codes), block_scale=bs.view(torch.uint8), global_scale=sg, block=block, kind="nvfp4"
+        codes=pack_e2m1(xb, safe), block_scale=bs.view(torch.uint8), global_scale=sg, block=block, kind="nvfp4"
     )
 
 

@@ -7,7 +7,7 @@ its error ``s (rne(x/s) - x/s)`` is a deterministic function of ``x`` (not input
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,24 +55,42 @@ def check_input(x: Any, group: int) -> torch.Tensor:
     return x.to(torch.float32)
 
 
-@register_format("rtn-int8")
-class RtnInt8(KVFormat):
-    """Deterministic round-to-nearest INT8, per-token per-group fp16 scale."""
+class GroupScaledFormat(KVFormat):
+    """Base of the one-byte-per-element formats with per-token, per-group fp16 scales ``amax / qmax``
+    (rtn-int8, sr-int8, fp8-e4m3): the option, the scaling, the read and the byte account are shared;
+    a subclass sets ``qmax``, rounds in ``write`` and, if its codes are not integers, overrides
+    :meth:`code_values`."""
 
     options = ("group",)
+    #: the largest code magnitude, mapped to each group's amax
+    qmax: ClassVar[float] = 127.0
 
     def __init__(self, group: int = 32) -> None:
         self.group = group
 
-    def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
+    def scaled(self, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked ``x / s`` per channel (fp32, 0 in all-zero groups) and the fp16 group scales ``s``."""
         x32 = check_input(x, self.group)
-        s16 = absmax_scales(x32, self.group, 127.0)
-        c = torch.round(safe_div(x32, expand_scales(s16, self.group))).clamp(-127, 127)
-        return Int8Packed(c.to(torch.int8), s16, self.group)
+        s16 = absmax_scales(x32, self.group, self.qmax)
+        return safe_div(x32, expand_scales(s16, self.group)), s16
 
-    def read(self, packed: Int8Packed) -> torch.Tensor:
-        return expand_scales(packed.scales, packed.group) * packed.codes.to(torch.float32)
+    def code_values(self, codes: torch.Tensor) -> torch.Tensor:
+        """fp32 value of stored codes (before scaling)."""
+        return codes.to(torch.float32)
+
+    def read(self, packed: Any) -> torch.Tensor:
+        return expand_scales(packed.scales, packed.group) * self.code_values(packed.codes)
 
     def bytes_per_position(self, d: int) -> float:
         check_group("group", self.group, d)
         return float(d + 2 * (d // self.group))
+
+
+@register_format("rtn-int8")
+class RtnInt8(GroupScaledFormat):
+    """Deterministic round-to-nearest INT8, per-token per-group fp16 scale."""
+
+    def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
+        y, s16 = self.scaled(x)
+        c = torch.round(y).clamp(-127, 127)
+        return Int8Packed(c.to(torch.int8), s16, self.group)

@@ -1,7 +1,7 @@
 """Split-KV decode attention over an fp16/bf16 paged pool: the baseline with the INT8 kernel's structure.
 
 Same grid, same slot table, same GQA tile (all query heads of a KV head from one load), same stage 2
-(:func:`kvlib.kernels.decode_int8.merge_splits`), no dequantisation and no certificate, so the
+(:func:`kvlib.kernels.merge_tl.merge_splits`), no dequantisation and no certificate, so the
 difference to :mod:`kvlib.kernels.decode_int8` is the storage format alone. Pools: ``k``/``v``
 ``[n_slots, H_kv, d]`` in fp16 or bf16. :func:`decode_bf16_reference` (float64 torch) is the reference.
 """
@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from kvlib._checks import check_tensor
-from kvlib.kernels.decode_int8 import DecodeOut, default_num_splits, merge_splits, triton_available
+from kvlib.kernels._backend import triton_available
+from kvlib.kernels.decode_int8 import DecodeOut, default_num_splits
+from kvlib.kernels.merge_tl import merge_splits
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -10,15 +10,13 @@ QK is INT8 query x INT4 codes on the tensor cores, with the query scale, key sca
 applied after the reduction: ``q̂·k̂ = s_q Δ_k (q8·c) + m_k (s_q Σ q8)``. PV is either dequantised
 (``fp16`` probabilities folded with ``Δ_v`` x fp16 codes, fp32 accumulate) or integer
 (``p Δ_v`` re-quantised to INT8 per block row, INT8 x INT4 codes, int32 accumulate); the offsets
-``m_v`` enter through ``Σ p m_v``. Split-KV partial states are combined by :func:`merge_splits`,
-whose reference is a fold of :func:`kvlib.merge.merge_states`.
+``m_v`` enter through ``Σ p m_v``. Split-KV partial states are combined by
+:func:`kvlib.kernels.merge_tl.merge_splits`, whose reference is a fold of :func:`kvlib.merge.merge_states`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,27 +25,13 @@ import triton.language as tl
 
 from kvlib._checks import check_tensor
 from kvlib.hadamard import hadamard, hadamard_matrix
-from kvlib.merge import merge_states
+from kvlib.kernels._backend import use_triton
+from kvlib.kernels.merge_tl import merge_splits
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
-
-
-def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
-    """Triton on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``; else the torch reference.
-
-    ``backend="torch"`` forces the reference, ``"triton"`` forces the kernel (error if impossible).
-    """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "torch":
-        return False
-    ok = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton" and not ok:
-        raise RuntimeError("backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1 set before importing triton")
-    return ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,45 +282,6 @@ def _kv4_main_kernel(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(O_S, LSE_S, OUT, LSE, SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SP)
-    sm = s < SPLITS
-    lse_s = tl.load(LSE_S + row * SPLITS + s, mask=sm, other=float("-inf"))
-    mx = tl.max(lse_s, axis=0)
-    finite = mx > float("-inf")
-    mx_safe = tl.where(finite, mx, 0.0)
-    w = tl.where(lse_s > float("-inf"), tl.exp(lse_s - mx_safe), 0.0)
-    tot = tl.sum(w, axis=0)
-    cols = tl.arange(0, D)
-    o_s = tl.load(O_S + (row * SPLITS + s)[:, None] * D + cols[None, :], mask=sm[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o_s, axis=0) / tl.where(finite, tot, 1.0)
-    tl.store(OUT + row * D + cols, o)
-    tl.store(LSE + row, tl.where(finite, mx_safe + tl.log(tl.where(finite, tot, 1.0)), float("-inf")))
-
-
-def merge_splits_ref(o_s: torch.Tensor, lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold :func:`kvlib.merge.merge_states` over the split axis: ``o_s [..., S, d]``, ``lse_s [..., S]``."""
-    o, lse = o_s[..., 0, :], lse_s[..., 0]
-    for i in range(1, o_s.shape[-2]):
-        o, lse = merge_states(o, lse, o_s[..., i, :], lse_s[..., i])
-    return o, lse
-
-
-def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """N-way merge of split-KV states (the same algebra as ``merge_states``, in one launch)."""
-    if not use_triton(o_s, backend):
-        return merge_splits_ref(o_s, lse_s)
-    *lead, s, d = o_s.shape
-    rows = math.prod(lead)
-    o = torch.empty(*lead, d, dtype=torch.float32, device=o_s.device)
-    lse = torch.empty(*lead, dtype=torch.float32, device=o_s.device)
-    sp = triton.next_power_of_2(s)
-    _merge_splits_kernel[(rows,)](o_s.contiguous(), lse_s.contiguous(), o, lse, SPLITS=s, SP=sp, D=d)
-    return o, lse
-
-
 def _num_splits(b: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 2 if max_len > block_n else 1
@@ -399,7 +344,7 @@ def kv4_main_decode(
     )  # fmt: skip
     if splits == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
-    return merge_splits(o_s, lse_s, backend=backend)
+    return merge_splits(o_s, lse_s, backend=backend)[:2]
 
 
 def _unpack(c: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ Flash-decoding structure (as SGLang's ``decode_attention.py``):
   the online softmax and the output, and beside them the certificate accumulators
   ``A_s = sum p e^{u}/l`` and ``B_s = sum p e^{-u}/l`` with the radius from one ``tl.dot`` of
   ``q^2`` with ``s^2`` per tile (plus the fp16 outlier term); writes ``(o_s, lse_s, A_s, B_s)``;
-* stage 2, one program per (batch row, query head): merges the splits with LSE weights, ``A`` and
-  ``B`` riding the same weights as the output. It is the Triton twin of folding
-  :func:`kvlib.merge.merge_states` (see :func:`merge_splits_reference`; a test binds them).
+* stage 2, one program per (batch row, query head): :func:`kvlib.kernels.merge_tl.merge_splits`
+  merges the splits with LSE weights, ``A`` and ``B`` riding the same weights as the output, and
+  finishes the bounds. It is the Triton twin of folding :func:`kvlib.merge.merge_states`
+  (:func:`kvlib.kernels.merge_tl.merge_splits_ref`; a test binds them).
 
 The certificate can be switched off (``cert=False``, a constexpr) to measure its marginal cost.
 
@@ -45,8 +46,9 @@ from kvlib.certificate import (
     rounding_gamma,
     score_radius,
 )
+from kvlib.kernels._backend import triton_available
+from kvlib.kernels.merge_tl import merge_splits
 from kvlib.kernels.philox_tl import philox4x32
-from kvlib.merge import merge_states
 from kvlib.philox import dither, seed_key
 
 
@@ -199,26 +201,6 @@ def decode_reference(
 def _side_cpu(side: PoolSide) -> PoolSide:
     mv = lambda t: None if t is None else t.cpu()  # noqa: E731
     return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group)
-
-
-def merge_splits_reference(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
-                           B_s: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Fold :func:`kvlib.merge.merge_states` over the split axis; ``A_s``/``B_s`` ride as extra channels.
-
-    ``o_s`` ``[..., NS, d]``, ``lse_s``/``A_s``/``B_s`` ``[..., NS]``. Returns ``(o, lse, A, B)``.
-    """
-    parts = [o_s] + [x.unsqueeze(-1) for x in (A_s, B_s) if x is not None]
-    cat = torch.cat(parts, -1)
-    o, lse = cat[..., 0, :], lse_s[..., 0]
-    for s in range(1, lse_s.shape[-1]):
-        o, lse = merge_states(o, lse, cat[..., s, :], lse_s[..., s])
-    d = o_s.shape[-1]
-    out = [o[..., :d], lse]
-    i = d
-    for x in (A_s, B_s):
-        out.append(o[..., i] if x is not None else None)
-        i += x is not None
-    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,59 +464,6 @@ def _decode_int8_stage1(
             tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
 
 
-@triton.jit
-def not_finite_or_nan(x):
-    """True for NaN and +-inf (fp32 overflow of an accumulator)."""
-    return (x != x) | (tl.abs(x) == float("inf"))
-
-
-@triton.jit
-def _merge_splits_stage2(
-    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
-    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, s_o_b, s_o_h, s_l_b, s_l_h,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
-):
-    """LSE-weighted merge of the splits (Triton twin of folding merge_states); A and B ride along."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, NS_P)
-    mask_s = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, D)
-    l_off = b * s_ls_b + h * s_ls_h + offs_s
-    lse_s = tl.load(LSE_S + l_off, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    empty = lse_s == float("-inf")
-    w = tl.where(empty, 0.0, tl.exp(lse_s - m))
-    den = tl.sum(w, 0)
-    o_s = tl.load(O_S + b * s_os_b + h * s_os_h + offs_s[:, None] * s_os_s + offs_d[None, :],
-                  mask=mask_s[:, None], other=0.0)
-    o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
-    tl.store(OUT + b * s_o_b + h * s_o_h + offs_d, o)
-    tl.store(LSE + b * s_l_b + h * s_l_h, m + tl.log(den))
-    if CERT:
-        a_s = tl.load(A_S + l_off, mask=mask_s, other=0.0)
-        a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den
-        tl.store(A + b * s_l_b + h * s_l_h, a)
-        if CERT_B:
-            b_s = tl.load(B_S + l_off, mask=mask_s, other=0.0)
-            bb = tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den
-            tl.store(B + b * s_l_b + h * s_l_h, bb)
-        else:
-            bb = 1.0 / a  # 1 - B/A becomes 1 - 1/A^2
-        # vacuous: NaN (non-finite inputs), overflow (inf), or nonsense; `not (x <= y)` catches NaN
-        vac = (not_finite_or_nan(a)) | (not_finite_or_nan(bb)) | (a <= 0.0)
-        one = tl.maximum(1.0 - 1.0 / (a * a), 0.0)
-        two = tl.maximum(1.0 - bb / a, 0.0)
-        tl.store(TV + b * s_l_b + h * s_l_h, tl.where(vac, float("inf"), two))
-        tl.store(TV1 + b * s_l_b + h * s_l_h, tl.where(vac, float("inf"), one))
-        tl.store(VAC + b * s_l_b + h * s_l_h, vac.to(tl.int8))
-
-
-def triton_available(device: torch.device) -> bool:
-    """True when the Triton kernels can run on ``device`` (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice, never more splits than tiles (power of two)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -607,33 +536,6 @@ def decode_stage1(
         K_PREC=k_precision, V_PREC=v_precision, JOIN=join, VAR_DOT=var_dot, num_warps=num_warps, num_stages=num_stages,
     )
     return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
-
-
-def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
-                 B_s: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Stage 2 (Triton): ``(o [B,Hq,d], lse [B,Hq], A, B, tv, tv_one, vacuous)`` from the splits.
-
-    The certificate bounds are finished in the same kernel (``+inf`` where vacuous): no extra launches.
-    """
-    Bn, hq, ns, d = o_s.shape
-    dev = o_s.device
-    o = torch.empty(Bn, hq, d, dtype=torch.float32, device=dev)
-    lse = torch.empty(Bn, hq, dtype=torch.float32, device=dev)
-    cert = A_s is not None
-    A = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
-    Bv = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if B_s is not None else None
-    tv = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
-    tv1 = torch.empty(Bn, hq, dtype=torch.float32, device=dev) if cert else None
-    vac = torch.empty(Bn, hq, dtype=torch.int8, device=dev) if cert else None
-    _merge_splits_stage2[(Bn, hq)](
-        o_s, lse_s, A_s if cert else lse_s, B_s if B_s is not None else lse_s,
-        o, lse, A if cert else lse, Bv if Bv is not None else lse,
-        tv if cert else lse, tv1 if cert else lse, vac if cert else lse,
-        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-        D=d, NUM_SPLITS=ns, NS_P=triton.next_power_of_2(ns), CERT=cert, CERT_B=B_s is not None,
-    )
-    return o, lse, A, Bv, tv, tv1, (vac.view(torch.bool) if cert else None)
 
 
 def decode_int8(

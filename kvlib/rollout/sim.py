@@ -12,6 +12,7 @@ work and no Python loop over tokens: 10^6 steps with B = 64 take well under a se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,17 @@ def _draw(law: LengthLaw | PromptLengthLaw, P: float, size: tuple[int, int], rng
     return np.full(size, P, dtype=np.float64), law.sample(size, rng)
 
 
+def _draw_until(law: LengthLaw | PromptLengthLaw, P: float, size: tuple[int, int], rng: np.random.Generator,
+                axis: int, enough: Callable[[np.ndarray], bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Draw ``(prompts, lengths)`` of ``size``, appending further draws along ``axis`` until ``enough(lengths)``."""
+    prompts, lengths = _draw(law, P, size, rng)
+    while not enough(lengths):
+        p2, l2 = _draw(law, P, size, rng)
+        prompts = np.concatenate([prompts, p2], axis=axis)
+        lengths = np.concatenate([lengths, l2], axis=axis)
+    return prompts, lengths
+
+
 def _mean_length(law: LengthLaw | PromptLengthLaw) -> tuple[float, float]:
     if not isinstance(law, (LengthLaw, PromptLengthLaw)):
         raise TypeError(f"law must be a LengthLaw or PromptLengthLaw, got {type(law).__name__}")
@@ -145,13 +157,9 @@ def simulate_async(
     rng = np.random.default_rng(seed)
     mu, sd = _mean_length(law)
     k = int(np.ceil(n_steps / mu + 6.0 * sd / mu * np.sqrt(n_steps / mu) + 8))
-    prompts, lengths = _draw(law, P, (B, k), rng)
+    # rare: extend every slot by another chunk
+    prompts, lengths = _draw_until(law, P, (B, k), rng, 1, lambda L: np.cumsum(L, axis=1)[:, -1].min() >= n_steps)
     ends = np.cumsum(lengths, axis=1)
-    while ends[:, -1].min() < n_steps:  # rare: extend every slot by another chunk
-        p2, l2 = _draw(law, P, (B, k), rng)
-        prompts = np.concatenate([prompts, p2], axis=1)
-        lengths = np.concatenate([lengths, l2], axis=1)
-        ends = np.cumsum(lengths, axis=1)
     starts = ends - lengths
     return trace_from_intervals(starts.ravel(), lengths.ravel(), prompts.ravel(), n_steps, B, "async")
 
@@ -166,13 +174,8 @@ def simulate_sync(
     rng = np.random.default_rng(seed)
     mu, _ = _mean_length(law)
     k = int(np.ceil(n_steps / mu)) + 8  # E[M_B] >= mu, so this many waves nearly always suffice
-    prompts, lengths = _draw(law, P, (k, B), rng)
+    prompts, lengths = _draw_until(law, P, (k, B), rng, 0, lambda L: L.max(axis=1).sum() >= n_steps)
     durations = lengths.max(axis=1)
-    while durations.sum() < n_steps:
-        p2, l2 = _draw(law, P, (k, B), rng)
-        prompts = np.concatenate([prompts, p2])
-        lengths = np.concatenate([lengths, l2])
-        durations = lengths.max(axis=1)
     wave_start = np.cumsum(durations) - durations
     starts = np.repeat(wave_start, B)
     return trace_from_intervals(starts, lengths.ravel(), prompts.ravel(), n_steps, B, "sync")

@@ -134,11 +134,11 @@ slack $2^{-16}s$; the largest error is {glue:text}`max_ratio:.6f` $\\times\\, s/
 the paper's precision). Strictly, without slack, {glue:text}`viol_strict:,.0f` read values exceed
 $s/2$, and in exact arithmetic {glue:text}`n_tie_excess:,.0f` stored values do, of which
 {glue:text}`n_excess_off_ties:,.0f` are not at an exact fp32 rounding tie of $x/s+\\xi$; the
-largest excess is {glue:text}`max_excess:.2e}`$\\,s$. That is the fp32 rounding of $x/s+\\xi$
+largest excess is {glue:text}`max_excess:.2e`$\\,s$. That is the fp32 rounding of $x/s+\\xi$
 (two roundings of at most $2^{-18}$ each for $|y|<128$), below one fp32 ulp of the group's
 largest value, so below what an fp32 key can resolve; the certificate's radius can absorb it
 as a relative $2^{-15}$ inflation of $s$. No code clipped ({glue:text}`n_clipped:,.0f`; the largest
-$|x/s+\\xi|$ is {glue:text}`max_y:.3f}` < 127.5). Computing the codes with the fp32 scale
+$|x/s+\\xi|$ is {glue:text}`max_y:.3f` < 127.5). Computing the codes with the fp32 scale
 $\\mathrm{amax}/126.5$ while storing its fp16 rounding gives {glue:text}`viol_fp32:,.0f`
 violations over the same coordinates ({glue:text}`viol_fp32_gauss:,.0f` on the Gaussian input
 alone): the error then grows with $|c|\\,|s_{16}-s_{32}|$ and exceeds $s/2$ on large codes.
@@ -209,14 +209,14 @@ display(fig)
         ),
         md(
             """
-Dither's error is uniform (KS p = {glue:text}`ks_p_dither:.3f}`) and uncorrelated with the
-key ({glue:text}`corr_x_dither:.4f}`) and with the rounding residual of the key
-({glue:text}`corr_frac_dither:.4f}`). RTN's error is a deterministic function of the key:
-its correlation with that residual is {glue:text}`corr_frac_rtn:.4f}` (the straight line in
-the left panel). Its marginal can look uniform on smooth inputs (KS p = {glue:text}`ks_p_rtn:.3g}`),
+Dither's error is uniform (KS p = {glue:text}`ks_p_dither:.3f`) and uncorrelated with the
+key ({glue:text}`corr_x_dither:.4f`) and with the rounding residual of the key
+({glue:text}`corr_frac_dither:.4f`). RTN's error is a deterministic function of the key:
+its correlation with that residual is {glue:text}`corr_frac_rtn:.4f` (the straight line in
+the left panel). Its marginal can look uniform on smooth inputs (KS p = {glue:text}`ks_p_rtn:.3g`),
 which is why marginal tests alone are not enough: a key stored at many slots keeps exactly the
-same RTN error (standard deviation over slots {glue:text}`rep_std_rtn:.3f}`), while the dithered
-errors spread uniformly ({glue:text}`rep_std_dither:.3f}`, against $1/\\sqrt{12} = 0.289$).
+same RTN error (standard deviation over slots {glue:text}`rep_std_rtn:.3f`), while the dithered
+errors spread uniformly ({glue:text}`rep_std_dither:.3f`, against $1/\\sqrt{12} = 0.289$).
 """
         ),
         md("## Outlier bypass: the bypassed pairs must leave the group amax"),
@@ -264,10 +264,10 @@ display(amax)
         md(
             """
 With four RoPE pairs scaled by 50 (the set chosen from the first half of the tokens matches the
-injected one with Jaccard {glue:text}`jaccard:.2f}`), bypassing them in fp16 but keeping them in
-the group amax leaves the score-error proxy at {glue:text}`kept_ratio:.3f}` of the no-bypass
+injected one with Jaccard {glue:text}`jaccard:.2f`), bypassing them in fp16 but keeping them in
+the group amax leaves the score-error proxy at {glue:text}`kept_ratio:.3f` of the no-bypass
 value: the scale does not drop. Excluding them from the amax brings it to
-{glue:text}`excl_ratio:.3f}`. No non-outlier coordinate clipped in any configuration
+{glue:text}`excl_ratio:.3f`. No non-outlier coordinate clipped in any configuration
 ({glue:text}`n_clip_bypass:,.0f`).
 """
         ),

@@ -1,0 +1,150 @@
+"""The one split-KV merge (flash-decoding stage 2) in Triton, with its torch reference beside it.
+
+Every split-KV decode kernel (:mod:`~kvlib.kernels.decode_int8`, :mod:`~kvlib.kernels.decode_bf16`,
+:mod:`~kvlib.kernels.decode_int4`) writes per-split states ``o_s [..., NS, d]``, ``lse_s [..., NS]``
+and combines them here in one launch: LSE weights, empty splits (``lse = -inf``) contributing
+nothing. WitCert's certificate accumulators ``A_s``/``B_s`` ``[..., NS]`` (softmax-weighted averages)
+ride the same weights, and the bounds are finished in the same kernel (``+inf`` where vacuous), so a
+certified decode costs no extra launch. The reference :func:`merge_splits_ref` is a fold of
+:func:`kvlib.merge.merge_states` over the split axis (a test binds the two).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlib._checks import check_tensor
+from kvlib.certificate import bounds_from_AB
+from kvlib.kernels._backend import use_triton
+from kvlib.merge import merge_states
+
+
+class MergedSplits(NamedTuple):
+    """Merged state ``o [..., d]``, ``lse [...]``; with accumulators also ``A``, ``B`` and the bounds
+    ``tv_bound`` (two accumulators, or one when ``B`` is absent), ``tv_bound_one``, ``vacuous``."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    tv_bound: torch.Tensor | None = None
+    tv_bound_one: torch.Tensor | None = None
+    vacuous: torch.Tensor | None = None
+
+
+def _check(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None, B_s: torch.Tensor | None) -> None:
+    check_tensor("o_s", o_s, floating=True)
+    check_tensor("lse_s", lse_s, floating=True)
+    if o_s.ndim < 2 or lse_s.shape != o_s.shape[:-1]:
+        raise ValueError(f"o_s must be [..., NS, d] and lse_s [..., NS], got {tuple(o_s.shape)} and "
+                         f"{tuple(lse_s.shape)}")
+    if B_s is not None and A_s is None:
+        raise ValueError("B_s needs A_s (B is the second certificate accumulator)")
+    for name, x in (("A_s", A_s), ("B_s", B_s)):
+        if x is not None and x.shape != lse_s.shape:
+            raise ValueError(f"{name} must have lse_s's shape {tuple(lse_s.shape)}, got {tuple(x.shape)}")
+
+
+def merge_splits_ref(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
+                     B_s: torch.Tensor | None = None) -> MergedSplits:
+    """Fold :func:`kvlib.merge.merge_states` over the split axis; ``A_s``/``B_s`` ride as extra channels.
+
+    Without ``B_s`` the bound uses ``B = 1/A`` (the one-accumulator bound ``1 - 1/A^2``), as the kernel.
+    """
+    _check(o_s, lse_s, A_s, B_s)
+    parts = [o_s] + [x.unsqueeze(-1) for x in (A_s, B_s) if x is not None]
+    cat = torch.cat(parts, -1)
+    o, lse = cat[..., 0, :], lse_s[..., 0]
+    for s in range(1, lse_s.shape[-1]):
+        o, lse = merge_states(o, lse, cat[..., s, :], lse_s[..., s])
+    d = o_s.shape[-1]
+    if A_s is None:
+        return MergedSplits(o[..., :d], lse)
+    A = o[..., d]
+    B = o[..., d + 1] if B_s is not None else None
+    two, one, vac = bounds_from_AB(A, B if B is not None else 1.0 / A)
+    return MergedSplits(o[..., :d], lse, A, B, two.to(A.dtype), one.to(A.dtype), vac)
+
+
+@triton.jit
+def not_finite_or_nan(x):
+    """True for NaN and +-inf (fp32 overflow of an accumulator)."""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
+    NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
+):  # fmt: skip
+    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NS_P)
+    mask_s = s < NS
+    lse_s = tl.load(LSE_S + row * NS + s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    nonempty = m > float("-inf")  # a row whose splits are all empty merges to o = 0, lse = -inf
+    m_safe = tl.where(nonempty, m, 0.0)
+    empty = lse_s == float("-inf")
+    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe))
+    den = tl.where(nonempty, tl.sum(w, 0), 1.0)
+    cols = tl.arange(0, D)
+    o_s = tl.load(O_S + (row * NS + s)[:, None] * D + cols[None, :], mask=mask_s[:, None], other=0.0)
+    # an empty split's o may be 0/0: select it away rather than multiply it by 0
+    o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
+    tl.store(OUT + row * D + cols, o)
+    tl.store(LSE + row, tl.where(nonempty, m_safe + tl.log(den), float("-inf")))
+    if CERT:
+        a_s = tl.load(A_S + row * NS + s, mask=mask_s, other=0.0)
+        a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den
+        tl.store(A + row, a)
+        if CERT_B:
+            b_s = tl.load(B_S + row * NS + s, mask=mask_s, other=0.0)
+            bb = tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den
+            tl.store(B + row, bb)
+        else:
+            bb = 1.0 / a  # 1 - B/A becomes 1 - 1/A^2
+        # vacuous: NaN (non-finite inputs), overflow (inf), or nonsense; `not (x <= y)` catches NaN
+        vac = (not_finite_or_nan(a)) | (not_finite_or_nan(bb)) | (a <= 0.0)
+        one = tl.maximum(1.0 - 1.0 / (a * a), 0.0)
+        two = tl.maximum(1.0 - bb / a, 0.0)
+        tl.store(TV + row, tl.where(vac, float("inf"), two))
+        tl.store(TV1 + row, tl.where(vac, float("inf"), one))
+        tl.store(VAC + row, vac.to(tl.int8))
+
+
+def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
+                 B_s: torch.Tensor | None = None, *, backend: str = "auto") -> MergedSplits:
+    """N-way merge of split-KV states in one launch (fp32 outputs); the same algebra as
+    :func:`merge_splits_ref`, which runs instead when Triton cannot (or ``backend="torch"``).
+
+    No host synchronisation: CUDA-graph safe.
+    """
+    if not use_triton(o_s, backend):
+        return merge_splits_ref(o_s, lse_s, A_s, B_s)
+    _check(o_s, lse_s, A_s, B_s)
+    *lead, ns, d = o_s.shape
+    rows = math.prod(lead)
+    dev = o_s.device
+
+    def new(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=dev)
+
+    o, lse = new(*lead, d), new(*lead)
+    cert, cert_b = A_s is not None, B_s is not None
+    A = new(*lead) if cert else None
+    B = new(*lead) if cert_b else None
+    tv, tv1, vac = (new(*lead), new(*lead), new(*lead, dtype=torch.int8)) if cert else (None, None, None)
+    _merge_splits_kernel[(rows,)](
+        o_s.contiguous(), lse_s.contiguous(),
+        A_s.contiguous() if cert else lse_s, B_s.contiguous() if cert_b else lse_s,
+        o, lse, A if cert else lse, B if cert_b else lse, tv if cert else lse, tv1 if cert else lse,
+        vac if cert else lse,
+        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b,
+    )  # fmt: skip
+    return MergedSplits(o, lse, A, B, tv, tv1, vac.view(torch.bool) if cert else None)

@@ -1,0 +1,63 @@
+"""Real-activation analyses (outlier-pair stability, coverage vs budget) on planted and real keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvlib import model as kvmodel
+from kvlib import real_activations as ra
+
+
+def planted_acts(S: int = 64, d: int = 64, n_kv: int = 2, g: int = 2, seed: int = 0) -> dict:
+    """Two layers of random q/k with massive pairs planted at fixed channels (3 and 3 + d/2)."""
+    gen = torch.Generator().manual_seed(seed)
+    acts = {}
+    for layer in (0, 1):
+        k = torch.randn(1, n_kv, S, d, generator=gen)
+        k[..., [3, 3 + d // 2]] *= 40.0
+        q = torch.randn(1, n_kv * g, S, d, generator=gen)
+        acts[layer] = {"q": q, "k": k, "v": torch.randn_like(k)}
+    return acts
+
+
+def test_small_helpers() -> None:
+    assert ra.pair_ids(torch.tensor([3, 35, 7, 39]), 64) == {3, 7}
+    assert ra.jaccard({1, 2}, {2, 3}) == pytest.approx(1 / 3)
+    assert ra.jaccard(set(), set()) == 1.0
+    pos = ra.query_positions(100, 5)
+    assert pos[0] == 50 and pos[-1] == 99 and len(pos) == 5
+
+
+def test_planted_pair_is_stable() -> None:
+    jac = ra.pair_stability(planted_acts(), m=1)
+    assert len(jac) == 4 and (jac.jaccard == 1.0).all()
+
+
+def test_certify_budget_sound_and_bypass_helps() -> None:
+    certs = ra.certify_budget(planted_acts(), [0, 1], n_layers=2, n_queries=4, delta_req=0.01, steps=4)
+    assert set(certs.m) == {0, 1} and len(certs) == 2 * 2 * 4 * 4  # m x layers x q heads x positions
+    tab = ra.budget_table(certs, tau=0.2, d=64)
+    assert tab.loc[0, "violations"] == 0 and tab.loc[1, "violations"] == 0
+    assert tab.loc[1, "max_cert"] < tab.loc[0, "max_cert"]  # bypassing the massive pair shrinks the scale
+    assert tab.loc[1, "key_bytes"] == tab.loc[0, "key_bytes"] + 4  # one pair = 2 fp16 values
+    assert 0.0 <= tab.loc[0, "fallback"] <= 1.0
+    assert np.isfinite(tab["max_A"]).all() and (tab["max_A"] >= 1.0).all()
+
+
+@pytest.mark.skipif(not kvmodel.model_available(), reason=f"SmolLM2 GGUF absent; {kvmodel.install_command()}")
+def test_outlier_table_feeds_the_cache() -> None:
+    from kvlib.hf_cache import make_cache
+
+    model, tok = kvmodel.load_model()
+    small = kvmodel.truncated_model(model, 2)
+    ids = tok("The quick brown fox jumps over the lazy dog again and again.", return_tensors="pt").input_ids
+    table = ra.outlier_table(small, ids, 4)
+    assert table.shape == (2, 3, 8) and table.dtype == torch.int64
+    cache = make_cache("dither-int8", small.config, outlier_table=table)
+    with torch.no_grad():
+        small(ids, past_key_values=cache)
+    p = cache.layers[1].packed[0][0][2]
+    assert torch.equal(p.outlier_channels, table[1, 2]) and p.outliers.shape == (ids.shape[1], 8)
+    assert cache.layers[1].packed[1][0][2].outliers is None  # values: no bypass by default
