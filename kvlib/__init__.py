@@ -27,7 +27,10 @@ _EXPORTS = {
     "load_model": "kvlib.model",
     "make_cache": "kvlib.hf_cache",
 }
-_SUBMODULES = {"stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache"}
+_SUBMODULES = {
+    "stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache",
+    "corpus", "real_activations", "paged", "fallback", "kv4rl_attention", "outliers",
+}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -146,7 +146,7 @@ $L = 30$, $H_q = 9$, $T$ = `steps`. The certificate is the two-accumulator bound
 profile = "cpu"
 S = 2048
 docs_per_domain = 1
-layer_stride = 2
+layer_stride = 3
 budgets = [0, 2, 4, 8, 16]
 n_queries = 16
 tau = 0.2
@@ -266,7 +266,7 @@ measure what the telemetry costs.
 """),
         params("""
 profile = "cpu"
-prompt_len = 512
+prompt_len = 256
 n_new = 32
 docs_per_domain = 1
 formats = "all"
