@@ -415,8 +415,10 @@ def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
     (per-side constructor options), ``seed``, ``outlier_table`` ``[L, Hkv, 2m]`` with
     ``outlier_sides`` (per-(layer, kv head) fp16 bypass channels, passed to the format as
     ``outlier_channels``), ``telemetry`` / ``stride`` / ``tau`` / ``delta_req`` / ``steps`` /
-    ``keep_records`` / ``two_sided`` (certificate telemetry), and any other keyword is passed to
-    the format constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
+    ``keep_records`` / ``two_sided`` (certificate telemetry), ``cache_class`` (a
+    :class:`KVFormatCache` subclass, or a callable building one, with the same signature: e.g. the
+    certificate gate of :mod:`kvlib.gate`), and any other keyword is passed to the format
+    constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
     """
     if not isinstance(format, str):
         raise TypeError(f"format must be a str, got {type(format).__name__}")
@@ -429,8 +431,11 @@ def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
         raise TypeError("config must be a transformers model config (e.g. model.config)")
     key_opts = dict(options.pop("key_options", None) or {})
     val_opts = dict(options.pop("value_options", None) or {})
+    cache_class = options.pop("cache_class", None) or KVFormatCache
+    if not callable(cache_class):
+        raise TypeError(f"cache_class must be a KVFormatCache subclass or a callable, got {cache_class!r}")
     cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_OPTIONS}
     shared = options  # the rest: format constructor options
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
-    return KVFormatCache(kf, vf, config, **cache_opts)
+    return cache_class(kf, vf, config, **cache_opts)

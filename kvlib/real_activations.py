@@ -1,4 +1,5 @@
-"""WitCert's real-activation measurements on SmolLM2: outlier-pair stability and coverage vs budget.
+"""WitCert's real-activation measurements on SmolLM2: outlier-pair stability, coverage vs budget,
+and the 2x2 ablation (dither vs RTN x outlier bypass) on attention output with real V.
 
 Activations are captured offline with :func:`kvlib.model.prefill_activations` (one cache-less
 forward over a corpus sequence, fixed token history), so the certificate theorem applies exactly:
@@ -7,6 +8,7 @@ the probability is over the key dither of the layer being certified.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +16,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kvlib.certificate import certificate_from_scores, request_delta, score_radius
+from kvlib.certificate import (
+    bypass_radius,
+    certificate_from_scores,
+    radius_multiplier,
+    request_delta,
+    score_radius,
+    variance_proxy,
+)
 from kvlib.formats.dither_int8 import dither_dequantize, dither_int8_bytes, dither_quantize
 from kvlib.outliers import select_outlier_pairs
 
@@ -128,3 +137,107 @@ def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:
     of ``ids`` (a calibration prefix), for ``make_cache(..., outlier_table=...)``."""
     acts = capture(model, ids)
     return torch.stack([select_outlier_pairs(acts[i]["k"][0].transpose(0, 1), m) for i in sorted(acts)])
+
+
+# ----------------------------------------------------------------------------------------------
+# the 2x2 ablation: quantizer (dither / RTN) x outlier bypass, on real attention output with real V
+QUANTIZERS = ("dither", "rtn")
+
+
+def kv_bytes(d: int, m: int, group: int = 32) -> int:
+    """K+V bytes per token per head of the ablation layout: each side ``d`` int8 codes, ``d/group``
+    fp16 scales and ``m`` bypassed pairs (``2m`` fp16 values). The per-head channel set is not per token."""
+    return 2 * dither_int8_bytes(d, group, 2 * m)
+
+
+def _causal(z: torch.Tensor, pos: torch.Tensor, fill: float) -> torch.Tensor:
+    """Scores ``[..., nq, S]`` with keys after each query position ``pos [nq]`` set to ``fill``."""
+    future = torch.arange(z.shape[-1], device=z.device)[None, :] > pos[:, None]
+    return z.masked_fill(future, fill)
+
+
+def ablation_errors(acts: dict[int, dict[str, torch.Tensor]], *, m: int | Sequence[int] = 16, n_layers: int,
+                    n_queries: int = 16, delta_req: float = 1e-2, steps: int = 256, group: int = 32,
+                    seed: int = 0, calib: int | None = None,
+                    quantizers: Sequence[str] = QUANTIZERS) -> pd.DataFrame:
+    """WitCert's 2x2 ablation on captured activations: relative attention-output error with real V.
+
+    For each quantizer (``"dither"``: subtractive Philox dither; ``"rtn"``: the same layout and
+    scale rule with ``xi = 0``, i.e. round to nearest) and each bypass budget (0 and ``m``), K and V
+    are stored 8-bit; with a budget the ``m`` highest-energy channel pairs of K and of V (chosen once
+    on the calibration prefix, ``calib`` tokens, default the first half) stay fp16 and leave the
+    group amax. The query at position ``t`` attends causally to ``0..t``; the row reports
+    ``||o_hat - o|| / ||o||`` (float64), the true TV of the attention weights and, for dither only,
+    the certificate ``1 - B/A`` with the request-level ``delta_loc`` (NaN for RTN: its error is a
+    deterministic function of the keys, so the certificate's hypothesis does not hold).
+    One row per (quantizer, m, layer, query head, t).
+    """
+    budgets = sorted({0, *([m] if isinstance(m, int) else m)})
+    for q_name in quantizers:
+        if q_name not in QUANTIZERS:
+            raise ValueError(f"quantizers must be among {QUANTIZERS}, got {q_name!r}")
+    rows: list[dict[str, Any]] = []
+    for layer, a in sorted(acts.items()):
+        q, k, v = a["q"][0], a["k"][0], a["v"][0]  # [Hq, S, d], [Hkv, S, d], [Hkv, S, d]
+        n_q, S, d = q.shape
+        n_kv = k.shape[0]
+        g = n_q // n_kv
+        sm = d ** -0.5
+        dloc = request_delta(delta_req, layers=n_layers, heads=n_q, steps=steps)
+        pos = torch.tensor(query_positions(S, n_queries))
+        mult = radius_multiplier(pos + 1, dloc, d)[:, None]  # [nq, 1]: union bound over t + 1 keys
+        cal = S // 2 if calib is None else calib
+        for h in range(n_kv):
+            qh = q[h * g:(h + 1) * g, pos].double()  # [g, nq, d]
+            kh, vh = k[h].double(), v[h].double()
+            p = torch.softmax(_causal(qh @ kh.T * sm, pos, -math.inf), -1)  # [g, nq, S]
+            o = p @ vh
+            o_norm = o.norm(dim=-1)
+            for mm in budgets:
+                oc_k = select_outlier_pairs(k[h, :cal], mm) if mm else None
+                oc_v = select_outlier_pairs(v[h, :cal], mm) if mm else None
+                for q_name in quantizers:
+                    ctx = dict(layer=layer, kv_head=h, slots=torch.arange(S), seed=seed, group=group,
+                               dithered=q_name == "dither")
+                    qk = dither_quantize(k[h], outlier_channels=oc_k, side=0, **ctx)
+                    qv = dither_quantize(v[h], outlier_channels=oc_v, side=1, **ctx)
+                    z_hat = qh @ dither_dequantize(qk).double().T * sm
+                    p_hat = torch.softmax(_causal(z_hat, pos, -math.inf), -1)
+                    o_hat = p_hat @ dither_dequantize(qv).double()
+                    rel = (o_hat - o).norm(dim=-1) / o_norm  # [g, nq]
+                    tv = 0.5 * (p_hat - p).abs().sum(-1)
+                    cert = torch.full_like(rel, math.nan)
+                    if q_name == "dither":
+                        u = variance_proxy(qh, qk.scales, sm_scale=sm, group=group,
+                                           outlier_channels=qk.outlier_channels).sqrt() * mult
+                        if qk.outliers is not None:
+                            u = u + bypass_radius(qh, qk.outliers, qk.outlier_channels, sm_scale=sm)
+                        # future keys: a finite, hugely negative score carries no weight in A or B
+                        cert = certificate_from_scores(_causal(z_hat, pos, -1e300), u).tv_bound
+                    for j in range(g):
+                        for i, t in enumerate(pos.tolist()):
+                            rows.append({"quantizer": q_name, "m": mm, "layer": layer, "kv_head": h,
+                                         "q_head": h * g + j, "t": t, "rel_err": float(rel[j, i]),
+                                         "tv_true": float(tv[j, i]), "cert": float(cert[j, i])})
+    return pd.DataFrame(rows)
+
+
+def ablation_table(errs: pd.DataFrame, *, tau: float = 0.2, d: int = 64, group: int = 32) -> pd.DataFrame:
+    """Per (quantizer, m): relative output error (mean, median, p90, p99, max over rows, and the mean
+    of the per-(layer, head) means), coverage at ``tau`` and certificate violations (dither only),
+    and K+V bytes per token per head."""
+    out = []
+    for (q_name, mm), df in errs.groupby(["quantizer", "m"], sort=False):
+        e = df["rel_err"]
+        per_head = df.groupby(["layer", "q_head"])["rel_err"].mean()
+        c = df["cert"]
+        certified = bool(c.notna().any())  # RTN rows carry NaN: no certificate exists for them
+        ok = np.isfinite(c) & (c <= tau)
+        out.append({"quantizer": q_name, "m": int(mm), "err_mean": float(e.mean()), "err_median": float(e.median()),
+                    "err_p90": float(e.quantile(0.9)), "err_p99": float(e.quantile(0.99)), "err_max": float(e.max()),
+                    "head_mean_max": float(per_head.max()),
+                    "coverage": float(ok.mean()) if certified else np.nan,
+                    "max_cert": float(c[np.isfinite(c)].max()) if np.isfinite(c).any() else np.nan,
+                    "violations": int((df["tv_true"] > c).sum()) if certified else -1,
+                    "bytes_kv": kv_bytes(d, int(mm), group)})
+    return pd.DataFrame(out).set_index(["quantizer", "m"])

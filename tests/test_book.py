@@ -89,3 +89,21 @@ def test_cli_rejects_unknown_notebook():
     from kvlib.book.__main__ import main
 
     assert main(["run", "--profile", "ci", "--only", "no-such-notebook", "--no-progress"]) == 2
+
+
+def test_parameters_cells_are_fully_understood_by_papermill():
+    """Every assignment in a parameters cell is a parameter papermill sees (none silently dropped)."""
+    import ast
+
+    import nbformat
+
+    from kvlib.book.runner import notebook_parameters
+
+    for nb in all_notebooks():
+        path = repo_root() / nb.path
+        cells = [c for c in nbformat.read(path, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(cells) == 1, f"{nb.name}: needs exactly one parameters cell"
+        assigned = {t.id for node in ast.parse(cells[0].source).body if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Name)}
+        assert "profile" in assigned, f"{nb.name}: parameters cell must define profile"
+        assert assigned == notebook_parameters(path), f"{nb.name}: papermill cannot parse some parameter lines"

@@ -61,3 +61,36 @@ def test_outlier_table_feeds_the_cache() -> None:
     p = cache.layers[1].packed[0][0][2]
     assert torch.equal(p.outlier_channels, table[1, 2]) and p.outliers.shape == (ids.shape[1], 8)
     assert cache.layers[1].packed[1][0][2].outliers is None  # values: no bypass by default
+
+
+def test_ablation_errors_match_certify_budget_and_bypass_helps() -> None:
+    acts = planted_acts()
+    for a in acts.values():  # a massive value channel too, so the V bypass has something to remove
+        a["v"][..., [5, 5 + 32]] *= 40.0
+    errs = ra.ablation_errors(acts, m=1, n_layers=2, n_queries=4, delta_req=0.01, steps=4)
+    assert len(errs) == 2 * 2 * 2 * 4 * 4  # quantizers x budgets x layers x q heads x positions
+    assert (errs.rel_err > 0).all() and np.isfinite(errs.rel_err).all()
+    assert errs.loc[errs.quantizer == "rtn", "cert"].isna().all()
+    # the vectorised (causally masked) certificate equals the per-position reference of certify_budget
+    ref = ra.certify_budget(acts, [0, 1], n_layers=2, n_queries=4, delta_req=0.01, steps=4)
+    mine = errs[errs.quantizer == "dither"].merge(ref, on=["m", "layer", "q_head", "t"], suffixes=("", "_ref"))
+    assert len(mine) == len(ref)
+    np.testing.assert_allclose(mine["cert"], mine["cert_ref"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(mine["tv_true"], mine["tv_true_ref"], rtol=1e-9, atol=1e-15)
+    tab = ra.ablation_table(errs, tau=0.2, d=64)
+    assert tab.loc[("dither", 0), "violations"] == 0 and tab.loc[("dither", 1), "violations"] == 0
+    assert tab.loc[("rtn", 0), "violations"] == -1 and np.isnan(tab.loc[("rtn", 1), "coverage"])
+    for qn in ra.QUANTIZERS:  # bypassing the planted pairs lowers the output error
+        assert tab.loc[(qn, 1), "err_mean"] < tab.loc[(qn, 0), "err_mean"]
+    assert tab.loc[("dither", 1), "bytes_kv"] == ra.kv_bytes(64, 1) == 2 * (64 + 4 + 4)
+    with pytest.raises(ValueError, match="quantizers"):
+        ra.ablation_errors(acts, m=1, n_layers=2, quantizers=("sr",))
+
+
+def test_ablation_exact_when_every_channel_is_bypassed() -> None:
+    """fp16-representable activations with all d/2 pairs bypassed are stored exactly: zero error."""
+    acts = {i: {n: t.half().float() for n, t in a.items()} for i, a in planted_acts(d=64).items()}
+    errs = ra.ablation_errors(acts, m=32, n_layers=2, n_queries=2, steps=2)
+    full = errs[errs.m == 32]
+    assert (full.rel_err == 0).all() and (full.tv_true == 0).all()
+    assert (errs[errs.m == 0].rel_err > 0).all()
