@@ -343,7 +343,8 @@ rows = 256
 trials = 2
 budgets = [0, 2, 4, 8, 16]
 massive = 12.0
-q_scale = 2.4  # puts dither at m=16 just under tau, as in the paper synthetic setting, max 0.18
+# q_scale puts dither at m=16 just under tau, as in the paper synthetic setting, max 0.18
+q_scale = 2.4
 contexts = [1024, 2048, 4096, 8192, 16384, 32768]
 ctx_rows = 64
 seed = 0
