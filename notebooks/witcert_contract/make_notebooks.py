@@ -447,6 +447,8 @@ its default 10 rounds here).
         md("## Stream uniqueness over a pool"),
         code(
             """
+for key, val in dict(n_layers=n_layers, n_kv_heads=n_kv_heads, n_slots=n_slots).items():
+    run.glue(key, val)
 ctrs = []
 for layer in range(n_layers):
     for kv in range(n_kv_heads):
