@@ -26,10 +26,11 @@ _EXPORTS = {
     "get_format": "kvlib.formats.base",
     "load_model": "kvlib.model",
     "make_cache": "kvlib.hf_cache",
+    "make_gated_cache": "kvlib.gate",
 }
 _SUBMODULES = {
     "stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache",
-    "corpus", "real_activations", "paged", "fallback", "kv4rl_attention", "outliers",
+    "corpus", "real_activations", "paged", "fallback", "kv4rl_attention", "outliers", "gate",
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)

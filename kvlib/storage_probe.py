@@ -171,7 +171,9 @@ def sample_responses(model: Any, prompts: torch.Tensor, context: Sequence[tuple[
     if not isinstance(length, int) or length < 2:
         raise ValueError(f"length must be an int >= 2, got {length!r}")
     g = torch.Generator().manual_seed(seed)
-    cache = _filled(None, model, context)
+    cache = DynamicCache()  # full precision, without the per-stream loop of the fp32 format cache
+    for i, (k, v) in enumerate(context):
+        cache.update(k.clone(), v.clone(), i)
     tok = prompts[:, -1:].to(model.device)
     out = []
     for _ in range(length):
@@ -204,23 +206,30 @@ def _forced(model: Any, prompts: torch.Tensor, responses: torch.Tensor, context:
 
 def batched_probe(model: Any, prompts: torch.Tensor, responses: torch.Tensor, specs: dict[str, CacheSpec], *,
                   reference: CacheSpec = None, n_positions: int = 8, batch: int = 8, mode: str = "auto",
+                  contexts: Sequence[Any] | None = None,
                   progress: Callable[[str], None] | None = None) -> list[ProbeResult]:
     """The KV4-RL probe over equal-length paths ``prompts [N, P]`` + ``responses [N, L]``.
 
     Every spec is forced along each path; ``KL(p_ref || q)`` at the ``n_positions`` states
-    ``round(j (L-1)/(n-1))``. Paths run ``batch`` at a time. ``extra["seconds"]`` is each spec's
-    wall time. Include ``{"repeat": None}`` to check that a same-process repeat gives zero KL.
+    ``round(j (L-1)/(n-1))``. Paths run ``batch`` at a time; ``contexts`` (optional) are the
+    :func:`prefill_context` results of those batches, reused instead of prefilling again.
+    ``extra["seconds"]`` is each spec's wall time. Include ``{"repeat": None}`` to check that a
+    same-process repeat gives zero KL.
     """
     if prompts.ndim != 2 or responses.ndim != 2 or prompts.shape[0] != responses.shape[0]:
         raise ValueError(f"prompts [N, P] and responses [N, L] must share N, got {tuple(prompts.shape)} "
                          f"and {tuple(responses.shape)}")
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
+    starts = range(0, prompts.shape[0], batch)
+    if contexts is not None and len(contexts) != len(starts):
+        raise ValueError(f"contexts must hold one prefill per batch of {batch} paths ({len(starts)}), "
+                         f"got {len(contexts)}")
     pos = probe_positions(int(responses.shape[1]), n_positions)
     res = {name: {"kl": [], "top1": [], "path": [], "seconds": 0.0} for name in specs}
-    for b0 in range(0, prompts.shape[0], batch):
+    for bi, b0 in enumerate(starts):
         pr, rs = prompts[b0:b0 + batch], responses[b0:b0 + batch]
-        context = prefill_context(model, pr)
+        context = prefill_context(model, pr) if contexts is None else contexts[bi]
         ref = _forced(model, pr, rs, context, reference, pos, mode)
         for name, spec in specs.items():
             t0 = time.perf_counter()

