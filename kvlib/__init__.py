@@ -31,6 +31,7 @@ _EXPORTS = {
 _SUBMODULES = {
     "stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache",
     "corpus", "real_activations", "paged", "fallback", "kv4rl_attention", "outliers", "gate",
+    "storage_probe",
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
