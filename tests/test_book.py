@@ -107,3 +107,12 @@ def test_parameters_cells_are_fully_understood_by_papermill():
                     for t in node.targets if isinstance(t, ast.Name)}
         assert "profile" in assigned, f"{nb.name}: parameters cell must define profile"
         assert assigned == notebook_parameters(path), f"{nb.name}: papermill cannot parse some parameter lines"
+
+
+def test_glue_key_twice_is_an_error(sandbox):
+    from kvlib.book import Run
+
+    run = Run("dup", profile="ci")
+    run.glue("x", 1)
+    with pytest.raises(ValueError, match="glued twice"):
+        run.glue("x", 2)

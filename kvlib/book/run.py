@@ -71,6 +71,9 @@ class Run:
         """Record ``value`` in the result file and glue it for the book's prose."""
         if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
             value = value.item()
+        if key in self.values:
+            # The book would warn (and the strict build fail) on a key glued twice.
+            raise ValueError(f"glue key {key!r} is glued twice in {self.name}")
         self.values[key] = value
         _glue(key, value)
         return value

@@ -479,8 +479,8 @@ for (qn, m_), r in tab.iterrows():
     run.glue(f"err_{qn}_m{m_}", float(r["err_mean"]))
     run.glue(f"p99_{qn}_m{m_}", float(r["err_p99"]))
     run.glue(f"max_{qn}_m{m_}", float(r["err_max"]))
-    run.glue(f"bytes_m{m_}", int(r["bytes_kv"]))
-    if qn == "dither":
+    if qn == "dither":  # bytes and coverage are per budget, glued once
+        run.glue(f"bytes_m{m_}", int(r["bytes_kv"]))
         run.glue(f"cov_m{m_}", float(r["coverage"]))
         run.glue(f"maxcert_m{m_}", float(r["max_cert"]))
 run.glue("n_rows", int(len(errs) // len(tab)))
