@@ -15,7 +15,7 @@ import nbformat
 from kvlib.book.registry import Chapter, NotebookEntry, load_registry
 from kvlib.book.run import load_claims
 from kvlib.book.runner import executed_path
-from kvlib.provenance import PROFILES, load_result, repo_root
+from kvlib.provenance import PROFILES, load_result, repo_root, results_dir
 
 RENDER = Path("book") / "_render"
 
@@ -77,6 +77,12 @@ def _md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return tabulate([[cell(r.get(c)) for c in cols] for r in rows], headers=cols, tablefmt="github")
 
 
+def _verdict(ours: dict[str, Any] | None) -> str:
+    if ours is None:
+        return "pending: no run addresses it yet"
+    return ours["verdict"] + (f": {ours['why']}" if ours.get("why") else "")
+
+
 def claims_rows(rendered: dict[str, str]) -> list[dict[str, Any]]:
     """Join the papers' claims with our results of the rendered profile of each notebook."""
     known = load_claims()
@@ -96,7 +102,7 @@ def claims_rows(rendered: dict[str, str]) -> list[dict[str, Any]]:
                 "claim": p["statement"],
                 "paper's figure": p["paper_value"] + (f" ({p['setting']})" if p.get("setting") else ""),
                 "ours": o["ours"] if o else "",
-                "verdict": (o["verdict"] + (f": {o['why']}" if o.get("why") else "")) if o else "pending: no run addresses it yet",
+                "verdict": _verdict(o),
                 "source": f"{o['notebook']} [{o['profile']}]" if o else "",
             }
         )
@@ -134,6 +140,23 @@ def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
     return "\n".join(parts)
 
 
+def gpu_result_rows() -> list[dict[str, Any]]:
+    """Provenance of every committed GPU result file (benchmarks rendered by CPU notebooks)."""
+    rows = []
+    for path in sorted(results_dir("gpu").glob("*.json")):
+        pv = json.loads(path.read_text()).get("provenance", {})
+        rows.append(
+            {
+                "result file": f"data/results/gpu/{path.name}",
+                "device": pv.get("device", {}).get("device", ""),
+                "commit": str(pv.get("commit", ""))[:60],
+                "started": pv.get("started", ""),
+                "duration (s)": pv.get("duration_s", ""),
+            }
+        )
+    return rows
+
+
 def assemble(profile: str) -> dict[str, str]:
     """Write ``book/_render`` for a build at ``profile``; returns {notebook: profile rendered}."""
     root = repo_root()
@@ -153,7 +176,7 @@ def assemble(profile: str) -> dict[str, str]:
             dst = render / ch.id / f"{nb.name}.ipynb"
             if src is None:
                 nbformat.write(_placeholder(nb, profile), dst)
-                prov_rows.append({"notebook": nb.name, "rendered profile": "none", "device": "", "commit": "", "started": ""})
+                prov_rows.append({"notebook": nb.name, "rendered profile": "none"})
                 continue
             prof, path = src
             shutil.copyfile(path, dst)
@@ -177,6 +200,9 @@ def assemble(profile: str) -> dict[str, str]:
         "executed run named here; its result file `data/results/<profile>/<notebook>.json` records the "
         "commit, device, package versions, parameters, start time and duration.\n\n"
         + _md_table(prov_rows, ["notebook", "rendered profile", "device", "commit", "started", "duration (s)"])
+        + "\n\n## GPU benchmark results these notebooks render\n\n"
+        "Written by `python -m kvlib.bench` on the GPU machine (`data/results/gpu/<topic>.json`).\n\n"
+        + _md_table(gpu_result_rows(), ["result file", "device", "commit", "started", "duration (s)"])
         + "\n"
     )
     (root / "_toc.yml").write_text(write_toc(chapters))

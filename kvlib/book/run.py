@@ -60,7 +60,7 @@ class Run:
         self.name = name
         self.profile = profile
         self.params = dict(params or {})
-        self.started = _dt.datetime.now(_dt.timezone.utc)
+        self.started = _dt.datetime.now(_dt.UTC)
         self.values: dict[str, Any] = {}
         self.claims: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}

@@ -26,7 +26,8 @@ class Outcome:
 
 def executed_path(name: str, profile: str) -> Path:
     """Where the executed notebook of ``name`` at ``profile`` is kept (``$KVLIB_EXECUTED_DIR`` overrides)."""
-    base = Path(os.environ["KVLIB_EXECUTED_DIR"]) if os.environ.get("KVLIB_EXECUTED_DIR") else repo_root() / "book" / "executed"
+    override = os.environ.get("KVLIB_EXECUTED_DIR")
+    base = Path(override) if override else repo_root() / "book" / "executed"
     return base / profile / f"{name}.ipynb"
 
 
