@@ -13,7 +13,9 @@ inside the attention pass; this module is the reference it is tested against.
 Radius, exactly as implemented (both here and in the kernel)::
 
     u_t = varsigma_t * radius_multiplier(n, delta, d) + bypass_t
-    radius_multiplier = sqrt(2 ln(2n/delta)) + sqrt(12 d) * (2^-25 + 127.5 * (d + 2) * 2^-24)
+    radius_multiplier = sqrt(2 ln(2n/delta)) + sqrt(12 d) * rounding_slack(d, impl)
+    rounding_slack(d, 'fma') = 2^-25 + 127.5 * (d + 2) * 2^-24      (fp32 kernel)
+    rounding_slack(d, 'tc')  = 2^-25 + 2^-13 + 127.5 * (d + 16) * 2^-24   (tensor-core kernel)
     bypass_t = sm_scale * sum_{c in outliers} |q_c| (|k_hat_c| * (2^-11/(1-2^-11) + (d+2) 2^-24) + 2^-25)
 
 The small second term of the multiplier covers the dither's mean (at most ``2^-25 s`` per channel on
@@ -49,14 +51,38 @@ def rounding_gamma(d: int) -> float:
     return (d + 2) * 2.0**-24
 
 
-def radius_multiplier(n: int | torch.Tensor, delta: float, d: int, *, slack: bool = True) -> torch.Tensor | float:
-    """The factor multiplying ``varsigma_t``: ``sqrt(2 ln(2n/delta))`` (+ dither-mean and fp32 slack).
+#: kernel rounding models the slack can cover: ``fma`` (fp32 dequantise + fp32 dot) and ``tc``
+#: (tensor-core dots: codes and the fp16-rounded dither as fp16 operands, fp32 accumulation)
+IMPLS = ("fma", "tc")
+
+
+def rounding_slack(d: int, impl: str = "fma") -> float:
+    """Per-channel deterministic error bound of the computed score, in units of ``|q_c| s_c``.
+
+    ``fma``: dither mean ``2^-25`` plus fp32 dequantise-and-dot rounding ``127.5 (d+2) 2^-24``.
+    ``tc``: dither mean ``2^-25``, the dither rounded to fp16 (``|xi - fp16(xi)| <= 2^-13`` for
+    ``|xi| < 1/2``), and tensor-core accumulation modelled pessimistically as one truncation
+    (``2^-23`` of the sum of magnitudes) per 16-deep step over at most ``4d`` products plus the fp32
+    group scaling and sums: ``127.5 (d + 16) 2^-24``.
+    """
+    if impl == "fma":
+        return 2.0**-25 + CODE_MAX * rounding_gamma(d)
+    if impl == "tc":
+        return 2.0**-25 + 2.0**-13 + CODE_MAX * (d + 16) * 2.0**-24
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def radius_multiplier(n: int | torch.Tensor, delta: float, d: int, *, slack: bool = True,
+                      impl: str = "fma") -> torch.Tensor | float:
+    """The factor multiplying ``varsigma_t``: ``sqrt(2 ln(2n/delta))`` (+ dither-mean and rounding slack).
 
     ``n`` is the union-bound count (tokens in the row); a tensor ``n`` (one per batch row) gives a
-    tensor, so a kernel launch needs no host synchronisation.
+    tensor, so a kernel launch needs no host synchronisation. The slack bounds a per-channel error
+    ``e |q_c| s_c`` (:func:`rounding_slack`) through Cauchy-Schwarz: ``sum_c |q_c| s_c e <=
+    sqrt(12 d) e varsigma_t / sm_scale``, so it enters as ``sqrt(12 d) e`` in the multiplier.
     """
     delta = check_open_unit("delta", delta)
-    extra = math.sqrt(12.0 * d) * (2.0**-25 + CODE_MAX * rounding_gamma(d)) if slack else 0.0
+    extra = math.sqrt(12.0 * d) * rounding_slack(d, impl) if slack else 0.0
     if isinstance(n, torch.Tensor):
         return torch.sqrt(2.0 * torch.log(2.0 * n.to(torch.float64) / delta)) + extra
     check_positive_int("n", n)
@@ -152,6 +178,7 @@ def score_radius(
     outliers: torch.Tensor | None = None,
     proxy: str = "dither",
     slack: bool = True,
+    impl: str = "fma",
 ) -> torch.Tensor:
     """Radius ``u`` ``[..., S]`` (float64) with ``P(exists t: |z_hat_t - z_t| > u_t) <= delta``.
 
@@ -164,7 +191,7 @@ def score_radius(
     if (outliers is None) != (outlier_channels is None) and outliers is not None:
         raise ValueError("outliers needs outlier_channels")
     var = variance_proxy(q, scales, sm_scale=sm_scale, group=group, outlier_channels=outlier_channels, proxy=proxy)
-    u = var.sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack)
+    u = var.sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl)
     if outliers is not None and outlier_channels is not None and outlier_channels.numel():
         u = u + bypass_radius(q, outliers, outlier_channels, sm_scale=sm_scale)
     return u

@@ -49,12 +49,52 @@ def _assert_close(out, ref, atol=2e-6):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["tc", "fma"])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (7, 1)])
-def test_kernel_matches_reference_across_gqa(hq, hkv):
+def test_kernel_matches_reference_across_gqa(hq, hkv, impl):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv)
-    ref = decode_reference(q, kp, vp, slots, seq, **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    ref = decode_reference(q, kp, vp, slots, seq, impl=impl, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl=impl, **kw)
     _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_core_kernel_across_query_dtypes_and_group_sizes(qdtype):
+    for d, group in ((64, 32), (64, 16), (128, 64)):
+        q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(d=d, hq=4, hkv=2, S=24, k_out=False)
+        if group != 32:
+            kp = _dev(make_pool_side(K, layer=kw["layer"], seed=kw["seed"], side=0, group=group,
+                                     n_slots=kp.codes.shape[0], slot_ids=slot_ids))
+            vp = PoolSide(vp.codes, vp.scales.repeat_interleave(32, -1)[..., ::group], group=group)
+        q = q.to(qdtype)
+        ref = decode_reference(q, kp, vp, slots, seq, impl="tc", **kw)
+        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl="tc", **kw)
+        _assert_close(out, ref)
+
+
+def test_tensor_core_cheaper_variants_stay_sound_and_close():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="tc", **kw)
+    for xi_split, pv_terms, tol in ((False, 3, 2e-4), (True, 2, 2e-3), (True, 1, 1e-2)):
+        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl="tc", xi_split=xi_split,
+                          pv_terms=pv_terms, **kw)
+        assert (out.o.double().cpu() - ref.o).abs().max() < tol
+        # the radius covers the fp16 dither either way: the certificate still matches the reference's
+        torch.testing.assert_close(out.tv_bound.double().cpu(), ref.tv_bound, atol=1e-4, rtol=1e-3)
+
+
+def test_impl_choice_and_errors():
+    from kvlib.kernels.decode_int8 import resolve_impl
+
+    assert resolve_impl("auto", 128, 32) == "tc" and resolve_impl("auto", 96, 32) == "fma"
+    assert resolve_impl("auto", 64, 8) == "fma"
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("tc", 64, 8)
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("cuda", 64, 32)
+    q, kp, vp, slots, seq, kw, _ = _setup()
+    with pytest.raises(ValueError, match="pv_terms"):
+        decode_int8(q, kp, vp, slots, seq, pv_terms=4, **kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -145,16 +185,17 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_joined_tile_layout_matches_reference(num_splits):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, v_out=True, v_dither=True)
-    ref = decode_reference(q, kp, vp, slots, seq, **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, join=True, **kw)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="fma", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, join=True, impl="fma", **kw)
     _assert_close(out, ref)
 
 
 def test_variance_by_dot_and_by_group_fmas_agree():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
-    ref = decode_reference(q, kp, vp, slots, seq, **kw)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="fma", **kw)
     for var_dot in (False, True):
-        _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, var_dot=var_dot, **kw), ref)
+        _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, var_dot=var_dot, impl="fma",
+                                  **kw), ref)
 
 
 def test_accumulator_overflow_is_vacuous():

@@ -133,6 +133,20 @@ def _check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tenso
         raise ValueError(f"d={d} and group={k.group} must be multiples of 4 (one Philox call per four channels)")
 
 
+def resolve_impl(impl: str, d: int, group: int) -> str:
+    """``"tc"``/``"fma"`` as asked; ``"auto"`` is ``tc`` where its shape rules hold (``d`` and ``group``
+    powers of two, ``group >= 16`` for the 16-deep tensor-core dot), else ``fma``."""
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    ok = pow2(d) and pow2(group) and group >= 16
+    if impl == "auto":
+        return "tc" if ok else "fma"
+    if impl == "tc" and not ok:
+        raise ValueError(f"impl='tc' needs d and group powers of two with group >= 16, got d={d}, group={group}")
+    if impl not in ("tc", "fma"):
+        raise ValueError(f"impl must be 'auto', 'tc' or 'fma', got {impl!r}")
+    return impl
+
+
 # ----------------------------------------------------------------------------------------------
 # torch reference
 def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: int, seed: int, side_id: int,
@@ -152,16 +166,38 @@ def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: in
     return x
 
 
+def _query_residual_radius(q: torch.Tensor, scales: torch.Tensor, sm: float, group: int,
+                           outlier_channels: torch.Tensor | None) -> torch.Tensor:
+    """The tc kernel's deterministic term for what its fp16 query split leaves, ``[gqa, L]`` float64.
+
+    fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once;
+    the residual ``r`` enters as ``sm * 127.5 * sum_c |r_c| s_c`` (``127.5 >= |c - xi|``).
+    """
+    qf = q.float()
+    if outlier_channels is not None:
+        qf = qf.clone()
+        qf[:, outlier_channels.to(torch.int64)] = 0.0
+    r = qf - qf.half().float()
+    if q.dtype == torch.float32:
+        r = r - r.half().float()
+    rg = r.abs().double().reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
+    return sm * 127.5 * (rg @ scales.double().T)
+
+
 def decode_reference(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
-    return_probs: bool = False,
+    return_probs: bool = False, impl: str = "auto",
 ) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
-    """float64 torch reference of :func:`decode_int8` (same radius, same certificate)."""
+    """float64 torch reference of :func:`decode_int8` (same radius, same certificate).
+
+    ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`).
+    """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
     _check_request(q, k, v, slots, seq_lens)
     delta = check_open_unit("delta", delta)
+    impl = resolve_impl(impl, q.shape[-1], k.group)
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
@@ -187,7 +223,9 @@ def decode_reference(
             oc = k.outlier_channels[h].cpu() if k.outliers is not None else None
             out = k.outliers[sl, h].cpu() if k.outliers is not None else None
             u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
-                             outlier_channels=oc, outliers=out)
+                             outlier_channels=oc, outliers=out, impl=impl)
+            if impl == "tc":
+                u = u + _query_residual_radius(q[b, h * gqa:(h + 1) * gqa], k.scales[sl, h], sm, k.group, oc)
             c = certificate_from_scores(z, u)
             A[b, h * gqa:(h + 1) * gqa] = c.A
             Bv[b, h * gqa:(h + 1) * gqa] = c.B
@@ -464,6 +502,197 @@ def _decode_int8_stage1(
             tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
 
 
+@triton.jit(do_not_specialize=["layer", "seed_lo", "seed_hi"])
+def _decode_int8_stage1_tc(
+    Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
+    O_S, LSE_S, A_S, B_S,
+    sm_scale, byp_rel, byp_abs, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
+    s_qb, s_qh,
+    s_kc_n, s_kc_h, s_ks_n, s_ks_h, s_ko_n, s_ko_h,
+    s_vc_n, s_vc_h, s_vs_n, s_vs_h, s_vo_n, s_vo_h,
+    s_sl_b,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
+    CERT: tl.constexpr, CERT_B: tl.constexpr, V_DITHER: tl.constexpr,
+    Q_SPLIT: tl.constexpr, XI_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SKIP_DITHER: tl.constexpr = False,
+):
+    """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``).
+
+    Scores per scale group g, as one batched ``tl.dot`` over the ``NG = D // G`` groups:
+    ``z = sm * sum_g s_g (q_g . c_g - q_g . fp16(xi_g))`` with the int8 codes exact in fp16, the
+    query exact in fp16 (fp32 queries: hi + lo, two dots) and the dither as fp16 (``XI_SPLIT``: plus
+    its fp16 remainder, a third dot; either way the rounding, ``<= 2^-13``, is inside the radius,
+    :func:`kvlib.certificate.rounding_slack` ``"tc"``); what the query
+    split leaves (``r = q - hi - lo``) enters the radius as ``sm * 127.5 sum_c |r_c| s_c``.
+    PV: ``v = s c`` is exact as an fp16 pair ``v_hi + v_lo`` (11 + 7 significant bits), ``1024 p``
+    as ``p_hi + p_lo``; ``PV_TERMS`` = 3 (``p_hi v_hi + p_hi v_lo + p_lo v_hi``), 2 or 1.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    NG: tl.constexpr = D // G
+    G4: tl.constexpr = G // 4
+    seq_len = tl.load(SEQ + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    offs_gi = tl.arange(0, NG)
+    offs_c = tl.arange(0, G)
+    ch3 = offs_gi[:, None, None] * G + offs_c[None, None, :]  # [NG, 1, G] channel of (group, lane)
+    q3 = tl.load(Q + b * s_qb + heads[None, :, None] * s_qh + ch3, mask=mask_h[None, :, None], other=0.0)
+    q3 = q3.to(tl.float32)  # [NG, BLOCK_H, G]
+    if NOK > 0:
+        offs_ok = tl.arange(0, NOK_P)
+        mask_ok = offs_ok < NOK
+        koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
+        q_ko = tl.load(Q + b * s_qb + heads[:, None] * s_qh + koc[None, :],
+                       mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
+        is_ok = tl.sum((ch3[:, :, :, None] == koc[None, None, None, :]).to(tl.int32), 3) > 0
+        q3 = tl.where(is_ok, 0.0, q3)  # outlier channels leave the dithered dot (their codes are 0)
+    q_hi = q3.to(tl.float16)
+    r3 = q3 - q_hi.to(tl.float32)  # exact in fp32
+    nq_hi = -q_hi
+    if Q_SPLIT:
+        q_lo = r3.to(tl.float16)
+        r3 = r3 - q_lo.to(tl.float32)
+        nq_lo = -q_lo
+    if CERT:
+        q2g = tl.sum(q3 * q3, 2)  # [NG, BLOCK_H]
+        # |r| sum rounded up generously; 127.5 = max |c - xi|
+        rg = tl.sum(tl.abs(r3), 2) * (127.5 * (1.0 + 2.0**-16))
+        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
+        var_c = sm_scale * sm_scale / 12.0
+        if NOK > 0:
+            q_ko_abs = tl.abs(q_ko)
+            q_ko_sum = tl.sum(q_ko_abs, 1)
+        a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if CERT_B:
+            b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if NOV > 0:
+        offs_ov = tl.arange(0, NOV_P)
+        mask_ov = offs_ov < NOV
+        voc = tl.load(VOC + kvh * NOV + offs_ov, mask=mask_ov, other=-1).to(tl.int32)
+        acc_vo = tl.zeros([BLOCK_H, NOV_P], dtype=tl.float32)
+
+    offs_d = tl.arange(0, D)
+    offs_j = tl.arange(0, G4)
+    cgrp = (offs_gi[:, None, None] * G4 + offs_j[None, None, :]).to(tl.uint32)  # [NG, 1, G4] Philox word index
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    c3k = ((layer << 1) | 0).to(tl.uint32)
+    c3v = ((layer << 1) | 1).to(tl.uint32)
+    c2 = kvh.to(tl.uint32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        # ---- keys as [NG, BLOCK_N, G]: codes exact in fp16, dither regenerated (one Philox call / 4 channels)
+        kc = tl.load(KC + slot[None, :, None] * s_kc_n + kvh * s_kc_h + ch3, mask=mask_n[None, :, None], other=0)
+        ks = tl.load(KS + slot[None, :] * s_ks_n + kvh * s_ks_h + offs_gi[:, None], mask=mask_n[None, :],
+                     other=0.0).to(tl.float32)  # [NG, BLOCK_N]
+        cc0 = slot.to(tl.uint32)[None, :, None] + tl.zeros([NG, BLOCK_N, G4], dtype=tl.uint32)
+        if SKIP_DITHER:  # timing only (the Philox cost on the roofline): a wrong dither, never a result
+            w0 = cc0
+            w1 = cc0
+            w2 = cc0
+            w3 = cc0
+        else:
+            w0, w1, w2, w3 = philox4x32(cc0, cgrp + tl.zeros_like(cc0), c2 + tl.zeros_like(cc0),
+                                        c3k + tl.zeros_like(cc0), k0, k1)
+        # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
+        xi = tl.reshape(tl.join(tl.join(_xi(w0), _xi(w2)), tl.join(_xi(w1), _xi(w3))), (NG, BLOCK_N, G))
+        kT = tl.permute(kc.to(tl.float16), (0, 2, 1))  # [NG, G, BLOCK_N]
+        xi16 = xi.to(tl.float16)
+        xT = tl.permute(xi16, (0, 2, 1))
+        sc = tl.dot(q_hi, kT)
+        sc = tl.dot(nq_hi, xT, sc)
+        if XI_SPLIT:  # xi - fp16(xi) is exact in fp32 and <= 2^-13: its fp16 rounding leaves <= 2^-25
+            xlT = tl.permute((xi - xi16.to(tl.float32)).to(tl.float16), (0, 2, 1))
+            sc = tl.dot(nq_hi, xlT, sc)
+        if Q_SPLIT:
+            sc = tl.dot(q_lo, kT, sc)
+            sc = tl.dot(nq_lo, xT, sc)
+        qk = tl.sum(sc * ks[:, None, :], 0)  # [BLOCK_H, BLOCK_N]
+        if NOK > 0:
+            ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
+                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
+            qk += tl.sum(q_ko[:, None, :] * ko[None, :, :], 2)
+        qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if CERT:
+            ks2 = ks * ks
+            var = tl.sum(q2g[:, :, None] * ks2[:, None, :], 0) * var_c  # [BLOCK_H, BLOCK_N]
+            u = tl.sqrt(var) * radm + sm_scale * tl.sum(rg[:, :, None] * ks[:, None, :], 0)
+            if NOK > 0:
+                u += sm_scale * (tl.sum(q_ko_abs[:, None, :] * tl.abs(ko)[None, :, :], 2) * byp_rel
+                                 + q_ko_sum[:, None] * byp_abs)
+            a_i = a_i * alpha + tl.sum(p * tl.exp(u), 1)
+            if CERT_B:
+                b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 1)
+
+        # ---- values [BLOCK_N, D]: v = s c exactly as v_hi + v_lo (RTN); dithered values round at 2^-22
+        vc = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + offs_d[None, :], mask=mask_n[:, None], other=0)
+        vs = tl.load(VS + slot[:, None] * s_vs_n + kvh * s_vs_h + (offs_d // G)[None, :], mask=mask_n[:, None],
+                     other=0.0).to(tl.float32)
+        if V_DITHER:
+            D4: tl.constexpr = D // 4
+            offs_g = tl.arange(0, D4)
+            vc0 = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
+            x0, x1, x2, x3 = philox4x32(vc0, offs_g.to(tl.uint32)[None, :] + tl.zeros_like(vc0),
+                                        c2 + tl.zeros_like(vc0), c3v + tl.zeros_like(vc0), k0, k1)
+            vxi = tl.reshape(tl.join(tl.join(_xi(x0), _xi(x2)), tl.join(_xi(x1), _xi(x3))), (BLOCK_N, D))
+            v = vs * (vc.to(tl.float32) - vxi)
+        else:
+            v = vs * vc.to(tl.float32)
+        if NOV > 0:
+            vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
+                         mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
+            acc_vo = acc_vo * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+        v_hi = v.to(tl.float16)
+        pp = p * 1024.0  # keeps small weights out of fp16's subnormal range; undone at the end
+        p_hi = pp.to(tl.float16)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p_hi, v_hi, acc)
+        if PV_TERMS >= 2:
+            acc = tl.dot(p_hi, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
+        if PV_TERMS >= 3:
+            acc = tl.dot((pp - p_hi.to(tl.float32)).to(tl.float16), v_hi, acc)
+
+    nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_nat = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + offs_d[None, :]
+    if NOV > 0:
+        vkeep = tl.sum((voc[:, None] == offs_d[None, :]).to(tl.int32), 0) == 0
+        tl.store(o_nat, acc * (inv_l * (1.0 / 1024.0))[:, None], mask=mask_h[:, None] & vkeep[None, :])
+        tl.store(O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s + voc[None, :],
+                 acc_vo * inv_l[:, None], mask=mask_h[:, None] & mask_ov[None, :])
+    else:
+        tl.store(o_nat, acc * (inv_l * (1.0 / 1024.0))[:, None], mask=mask_h[:, None])
+    l_off = b * s_ls_b + heads * s_ls_h + split
+    tl.store(LSE_S + l_off, lse, mask=mask_h)
+    if CERT:
+        tl.store(A_S + l_off, a_i * inv_l, mask=mask_h)
+        if CERT_B:
+            tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
+
+
 def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice, never more splits than tiles (power of two)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -478,9 +707,15 @@ def decode_stage1(
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
-    join: bool = False, var_dot: bool = True,
+    join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
+    _skip_dither: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off)."""
+    """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off).
+
+    ``impl``: ``"tc"`` (tensor-core dots, :func:`_decode_int8_stage1_tc`), ``"fma"`` (fp32 dots with
+    ``k_precision``/``v_precision``/``join``/``var_dot``), or ``"auto"`` (``tc`` where the shape allows).
+    ``_skip_dither`` (tc only) replaces the key dither by garbage: a timing probe of the Philox cost.
+    """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
     _check_request(q, k, v, slots, seq_lens)
@@ -509,7 +744,10 @@ def decode_stage1(
     vw = v.codes.contiguous().view(torch.int32)
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
-    rad_extra = radius_multiplier(1, delta, d) - radius_multiplier(1, delta, d, slack=False)
+    impl = resolve_impl(impl, d, k.group)
+    if pv_terms not in (1, 2, 3):
+        raise ValueError(f"pv_terms must be 1, 2 or 3, got {pv_terms!r}")
+    rad_extra = radius_multiplier(1, delta, d, impl=impl) - radius_multiplier(1, delta, d, slack=False)
     o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
     a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert else lse_s
@@ -521,6 +759,25 @@ def decode_stage1(
     vo = v.outliers.contiguous() if nov else vs
     voc = v.outlier_channels.contiguous() if nov else slots
     block_h = max(16, triton.next_power_of_2(gqa))
+    if impl == "tc":
+        kc = k.codes.contiguous()
+        vc = v.codes.contiguous()
+        _decode_int8_stage1_tc[(B, hkv, ns)](
+            q, kc, ks, ko, koc, vc, vs, vo, voc, slots, seq_lens,
+            o_s, lse_s, a_s, b_s,
+            sm, FP16_REL + rounding_gamma(d), FP16_SUB, math.log(2.0 / delta), rad_extra, layer, k0, k1,
+            q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), ko.stride(0), ko.stride(1) if nok else 0,
+            vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), vo.stride(0), vo.stride(1) if nov else 0,
+            slots.stride(0),
+            o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+            GQA=gqa, BLOCK_H=block_h, BLOCK_N=block_n, D=d, G=k.group,
+            NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
+            CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither, Q_SPLIT=q.dtype == torch.float32,
+            XI_SPLIT=xi_split, PV_TERMS=pv_terms, NUM_SPLITS=ns, SKIP_DITHER=_skip_dither,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
     _decode_int8_stage1[(B, hkv, ns)](
         q, kw, ks, ko, koc, vw, vs, vo, voc, slots, seq_lens,
         o_s, lse_s, a_s, b_s,
@@ -543,7 +800,8 @@ def decode_int8(
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
-    join: bool = False, var_dot: bool = True, fallback_to_reference: bool = True,
+    join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
+    fallback_to_reference: bool = True,
 ) -> DecodeOut:
     """Certified decode attention over the dithered INT8 pool (one query token per batch row).
 
@@ -558,12 +816,12 @@ def decode_int8(
         if not fallback_to_reference:
             raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
         return decode_reference(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
-                                delta=delta, v_dither=v_dither)
+                                delta=delta, v_dither=v_dither, impl=impl)
     o_s, lse_s, a_s, b_s = decode_stage1(
         q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
         num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
         k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages, join=join,
-        var_dot=var_dot)
+        var_dot=var_dot, impl=impl, pv_terms=pv_terms, xi_split=xi_split)
     o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s)
     return DecodeOut(o, lse, A, Bv, two, one, vac)
 
