@@ -145,8 +145,14 @@ def variance_proxy(
     return (sm_scale**2) * PROXY[proxy] * var
 
 
+#: the tc kernel computes the radius sums (q^2 s^2, |q_o| |k_o|) with tf32 dots of nonnegative terms
+#: (each operand rounded by <= 2^-10) and scales them up by this factor to stay an upper bound
+TC_RADIUS_INFLATE = 1.0 + 2.0**-8
+
+
 def bypass_radius(
-    q: torch.Tensor, outliers: torch.Tensor, outlier_channels: torch.Tensor, *, sm_scale: float
+    q: torch.Tensor, outliers: torch.Tensor, outlier_channels: torch.Tensor, *, sm_scale: float,
+    inflate: float = 1.0,
 ) -> torch.Tensor:
     """Deterministic score error bound of the fp16 outlier channels, ``[..., S]`` float64.
 
@@ -163,7 +169,7 @@ def bypass_radius(
     qo = torch.gather(q64.expand(lead + (d,)), -1, oc.expand(lead + oc.shape[-1:])).abs()  # [..., m]
     o = outliers.to(torch.float64).abs()  # [..., S, m]
     rel = FP16_REL + rounding_gamma(d)
-    return sm_scale * ((qo.unsqueeze(-2) * (o * rel + FP16_SUB)).sum(-1))
+    return sm_scale * ((qo.unsqueeze(-2) * o).sum(-1) * (rel * inflate) + qo.sum(-1, keepdim=True) * FP16_SUB)
 
 
 def score_radius(
@@ -191,9 +197,10 @@ def score_radius(
     if (outliers is None) != (outlier_channels is None) and outliers is not None:
         raise ValueError("outliers needs outlier_channels")
     var = variance_proxy(q, scales, sm_scale=sm_scale, group=group, outlier_channels=outlier_channels, proxy=proxy)
-    u = var.sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl)
+    inflate = TC_RADIUS_INFLATE if impl == "tc" else 1.0
+    u = (var * inflate).sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl)
     if outliers is not None and outlier_channels is not None and outlier_channels.numel():
-        u = u + bypass_radius(q, outliers, outlier_channels, sm_scale=sm_scale)
+        u = u + bypass_radius(q, outliers, outlier_channels, sm_scale=sm_scale, inflate=inflate)
     return u
 
 

@@ -82,7 +82,7 @@ def _one_shape(B: int, S: int, hq: int, hkv: int, d: int, device: str, rep: floa
         cfg = dict(block_n=bn, num_warps=nw, num_stages=st)
         ms = _time(lambda cfg=cfg: decode_int8(qb, kp, vp, slots, seq, impl="tc", **base, **cfg), rep)
         res.append((ms, (bn, nw, st)))
-        print(f"   tc cert=AB {cfg}: {ms:.4f} ms  x{sdpa / ms:.2f} vs sdpa  {bytes_int8 / ms / 1e9:.0f} GB/s",
+        print(f"   tc cert=AB {cfg}: {ms:.4f} ms  x{sdpa / ms:.2f} vs sdpa  {bytes_int8 / (ms * 1e-3) / 1e9:.0f} GB/s",
               flush=True)
     ok = [r for r in res if r[0] == r[0]]
     ms_best, cfg_best = min(ok) if ok else (float("nan"), cands[0])
@@ -98,7 +98,7 @@ def _one_shape(B: int, S: int, hq: int, hkv: int, d: int, device: str, rep: floa
     vt["stage1_cert_off"] = _time(lambda: decode_stage1(qb, kp, vp, slots, seq, impl="tc", cert=False, **base, **cfg),
                                   rep)
     vt["stage1_skip_dither_cert_off"] = _time(lambda: decode_stage1(qb, kp, vp, slots, seq, impl="tc", cert=False,
-                                                                    _skip_dither=True, **base, **cfg), rep)
+                                                                    skip_philox=True, **base, **cfg), rep)
     vt["q_fp32"] = _time(lambda: decode_int8(qb.float(), kp, vp, slots, seq, impl="tc", **base, **cfg), rep)
     for ns_mul in (0.5, 2.0):
         ns = max(1, int(default_num_splits(B, hkv, S, cfg["block_n"], torch.device(device)) * ns_mul))

@@ -8,7 +8,7 @@
    replays, with a finite certificate emitted at every captured step;
 3. latency (median, IQR) of torch SDPA bf16, our bf16 split-KV kernel, INT8 without certificate,
    INT8 + ``A``, INT8 + ``A`` and ``B``, at the paper's shape and at long context (S up to 32k,
-   batch up to 64), two precision modes (``exact``: fp32 IEEE dots; ``fast``: 3xTF32 scores, fp16 P.V),
+   batch up to 64), two operand modes of the tensor-core kernel (:data:`MODES`),
    with the certificate's marginal cost and the byte roofline.
 
 Pools for the latency runs are filled with random codes/scales (speed does not depend on the
@@ -28,7 +28,9 @@ from kvlib.bench.timing import bench_ms, capture_graph, profile_device
 
 PAPER = dict(B=2, S=4096, hq=28, hkv=4, d=128)
 LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 32768)]
-MODES = {"exact": dict(k_precision="ieee", v_precision="ieee"), "fast": dict(k_precision="tf32x3", v_precision="fp16")}
+#: the tensor-core kernel with every operand exact ("exact") or with the cheaper fp16 operands ("fast");
+#: kvlib.bench.decode_grid.INT8_MODES says what each drops
+MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2)}
 SEED = 0x5EED_0000_1234
 LAYER = 3
 
@@ -158,7 +160,7 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     for mode, kw in MODES.items():
         base = dict(layer=LAYER, seed=SEED, **kw)
         for name, cert, cert_b in (("int8", False, False), ("int8_cert_A", True, False), ("int8_cert_AB", True, True)):
-            fn = lambda c=cert, cb=cert_b, kw=base: decode_int8(q, kp, vp, slots, seq, cert=c, cert_b=cb, **kw)  # noqa: E731
+            fn = lambda c=cert, cb=cert_b, kw=base: decode_int8(qb, kp, vp, slots, seq, cert=c, cert_b=cb, **kw)  # noqa: E731
             t[f"{name}_{mode}"] = bench_ms(fn, rep_ms=rep_ms).as_dict()
         off = t[f"int8_{mode}"]["median_ms"]
         t[f"cert_cost_A_{mode}"] = t[f"int8_cert_A_{mode}"]["median_ms"] / off - 1
@@ -168,9 +170,9 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     t["sdpa_bf16_graph"] = _graph_ms(
         lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True), rep_ms)
     fast = dict(layer=LAYER, seed=SEED, **MODES["fast"])
-    t["int8_fast_graph"] = _graph_ms(lambda: decode_int8(q, kp, vp, slots, seq, cert=False, **fast), rep_ms)
+    t["int8_fast_graph"] = _graph_ms(lambda: decode_int8(qb, kp, vp, slots, seq, cert=False, **fast), rep_ms)
     t["int8_cert_A_fast_graph"] = _graph_ms(
-        lambda: decode_int8(q, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
+        lambda: decode_int8(qb, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
     int8_bytes = 2 * B * S * hkv * (d + 2 * d // 32)
     bf16_bytes = 2 * B * S * hkv * d * 2
     gbps = {m: int8_bytes / (t[f"int8_cert_A_{m}"]["median_ms"] * 1e-3) / 1e9 for m in MODES}

@@ -40,6 +40,7 @@ from kvlib._checks import check_group, check_open_unit, check_tensor
 from kvlib.certificate import (
     FP16_REL,
     FP16_SUB,
+    TC_RADIUS_INFLATE,
     bounds_from_AB,
     certificate_from_scores,
     radius_multiplier,
@@ -181,7 +182,7 @@ def _query_residual_radius(q: torch.Tensor, scales: torch.Tensor, sm: float, gro
     if q.dtype == torch.float32:
         r = r - r.half().float()
     rg = r.abs().double().reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
-    return sm * 127.5 * (rg @ scales.double().T)
+    return sm * 127.5 * TC_RADIUS_INFLATE * (rg @ scales.double().T)
 
 
 def decode_reference(
@@ -520,14 +521,16 @@ def _decode_int8_stage1_tc(
 ):
     """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``).
 
-    Scores per scale group g, as one batched ``tl.dot`` over the ``NG = D // G`` groups:
+    Scores group by group (``NG = D // G`` unrolled 2-D dots, no cross-thread reductions):
     ``z = sm * sum_g s_g (q_g . c_g - q_g . fp16(xi_g))`` with the int8 codes exact in fp16, the
     query exact in fp16 (fp32 queries: hi + lo, two dots) and the dither as fp16 (``XI_SPLIT``: plus
     its fp16 remainder, a third dot; either way the rounding, ``<= 2^-13``, is inside the radius,
-    :func:`kvlib.certificate.rounding_slack` ``"tc"``); what the query
-    split leaves (``r = q - hi - lo``) enters the radius as ``sm * 127.5 sum_c |r_c| s_c``.
+    :func:`kvlib.certificate.rounding_slack` ``"tc"``); what the query split leaves
+    (``r = q - hi - lo``) enters the radius as ``sm * 127.5 sum_c |r_c| s_c``.
     PV: ``v = s c`` is exact as an fp16 pair ``v_hi + v_lo`` (11 + 7 significant bits), ``1024 p``
     as ``p_hi + p_lo``; ``PV_TERMS`` = 3 (``p_hi v_hi + p_hi v_lo + p_lo v_hi``), 2 or 1.
+    The group's query slice is re-read per tile (an L1 hit) because Triton cannot index a list of
+    hoisted tensors by the unrolled group number.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -542,32 +545,35 @@ def _decode_int8_stage1_tc(
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h
-    offs_gi = tl.arange(0, NG)
     offs_c = tl.arange(0, G)
-    ch3 = offs_gi[:, None, None] * G + offs_c[None, None, :]  # [NG, 1, G] channel of (group, lane)
-    q3 = tl.load(Q + b * s_qb + heads[None, :, None] * s_qh + ch3, mask=mask_h[None, :, None], other=0.0)
-    q3 = q3.to(tl.float32)  # [NG, BLOCK_H, G]
-    if NOK > 0:
+    offs_j = tl.arange(0, G4)
+    offs_d = tl.arange(0, D)
+    q_row = Q + b * s_qb + heads[:, None] * s_qh
+    if NOK > 0:  # NOK_P >= 16: the bypass dots run on the tensor cores too
         offs_ok = tl.arange(0, NOK_P)
         mask_ok = offs_ok < NOK
         koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
-        q_ko = tl.load(Q + b * s_qb + heads[:, None] * s_qh + koc[None, :],
-                       mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
-        is_ok = tl.sum((ch3[:, :, :, None] == koc[None, None, None, :]).to(tl.int32), 3) > 0
-        q3 = tl.where(is_ok, 0.0, q3)  # outlier channels leave the dithered dot (their codes are 0)
-    q_hi = q3.to(tl.float16)
-    r3 = q3 - q_hi.to(tl.float32)  # exact in fp32
-    nq_hi = -q_hi
-    if Q_SPLIT:
-        q_lo = r3.to(tl.float16)
-        r3 = r3 - q_lo.to(tl.float32)
-        nq_lo = -q_lo
+        q_ko = tl.load(q_row + koc[None, :], mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
+        # stored outliers are fp16: q_ko as hi + lo fp16 leaves <= 2^-22 |q|, inside byp_rel's fp32 allowance
+        qo_hi = q_ko.to(tl.float16)
+        qo_lo = (q_ko - qo_hi.to(tl.float32)).to(tl.float16)
     if CERT:
-        q2g = tl.sum(q3 * q3, 2)  # [NG, BLOCK_H]
-        # |r| sum rounded up generously; 127.5 = max |c - xi|
-        rg = tl.sum(tl.abs(r3), 2) * (127.5 * (1.0 + 2.0**-16))
         radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
-        var_c = sm_scale * sm_scale / 12.0
+        # per-group sums of q^2 and of the split residual |r|, [BLOCK_H, 16] (columns >= NG are 0), once:
+        # per tile they meet the scales in one small tf32 dot each; tf32 rounds each operand by <= 2^-10
+        # relative and every term is >= 0, so scaling the result by (1 + 2^-8) keeps it an upper bound
+        offs_16 = tl.arange(0, 16)
+        qf = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+        if NOK > 0:
+            qf = tl.where((tl.sum((offs_d[:, None] == koc[None, :]).to(tl.int32), 1) > 0)[None, :], 0.0, qf)
+        rf = qf - qf.to(tl.float16).to(tl.float32)
+        if Q_SPLIT:
+            rf = rf - rf.to(tl.float16).to(tl.float32)
+        gmat = ((offs_d[:, None] // G) == offs_16[None, :]).to(tl.float32)  # [D, 16] group indicator
+        q2pad = tl.dot(qf * qf, gmat, input_precision="ieee")
+        rpad = tl.dot(tl.abs(rf), gmat, input_precision="ieee")
+        var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
+        det_c = sm_scale * 127.5 * (1.0 + 2.0**-8)  # 127.5 >= |c - xi| bounds what the query split left
         if NOK > 0:
             q_ko_abs = tl.abs(q_ko)
             q_ko_sum = tl.sum(q_ko_abs, 1)
@@ -580,9 +586,6 @@ def _decode_int8_stage1_tc(
         voc = tl.load(VOC + kvh * NOV + offs_ov, mask=mask_ov, other=-1).to(tl.int32)
         acc_vo = tl.zeros([BLOCK_H, NOV_P], dtype=tl.float32)
 
-    offs_d = tl.arange(0, D)
-    offs_j = tl.arange(0, G4)
-    cgrp = (offs_gi[:, None, None] * G4 + offs_j[None, None, :]).to(tl.uint32)  # [NG, 1, G4] Philox word index
     k0 = seed_lo.to(tl.uint32)
     k1 = seed_hi.to(tl.uint32)
     c3k = ((layer << 1) | 0).to(tl.uint32)
@@ -597,37 +600,48 @@ def _decode_int8_stage1_tc(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
-        # ---- keys as [NG, BLOCK_N, G]: codes exact in fp16, dither regenerated (one Philox call / 4 channels)
-        kc = tl.load(KC + slot[None, :, None] * s_kc_n + kvh * s_kc_h + ch3, mask=mask_n[None, :, None], other=0)
-        ks = tl.load(KS + slot[None, :] * s_ks_n + kvh * s_ks_h + offs_gi[:, None], mask=mask_n[None, :],
-                     other=0.0).to(tl.float32)  # [NG, BLOCK_N]
-        cc0 = slot.to(tl.uint32)[None, :, None] + tl.zeros([NG, BLOCK_N, G4], dtype=tl.uint32)
-        if SKIP_DITHER:  # timing only (the Philox cost on the roofline): a wrong dither, never a result
-            w0 = cc0
-            w1 = cc0
-            w2 = cc0
-            w3 = cc0
-        else:
-            w0, w1, w2, w3 = philox4x32(cc0, cgrp + tl.zeros_like(cc0), c2 + tl.zeros_like(cc0),
-                                        c3k + tl.zeros_like(cc0), k0, k1)
-        # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
-        xi = tl.reshape(tl.join(tl.join(_xi(w0), _xi(w2)), tl.join(_xi(w1), _xi(w3))), (NG, BLOCK_N, G))
-        kT = tl.permute(kc.to(tl.float16), (0, 2, 1))  # [NG, G, BLOCK_N]
-        xi16 = xi.to(tl.float16)
-        xT = tl.permute(xi16, (0, 2, 1))
-        sc = tl.dot(q_hi, kT)
-        sc = tl.dot(nq_hi, xT, sc)
-        if XI_SPLIT:  # xi - fp16(xi) is exact in fp32 and <= 2^-13: its fp16 rounding leaves <= 2^-25
-            xlT = tl.permute((xi - xi16.to(tl.float32)).to(tl.float16), (0, 2, 1))
-            sc = tl.dot(nq_hi, xlT, sc)
-        if Q_SPLIT:
-            sc = tl.dot(q_lo, kT, sc)
-            sc = tl.dot(nq_lo, xT, sc)
-        qk = tl.sum(sc * ks[:, None, :], 0)  # [BLOCK_H, BLOCK_N]
+        cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, G4], dtype=tl.uint32)
+        qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for g in tl.static_range(NG):
+            # ---- this group's query slice (outlier channels zeroed: their codes are 0, their dither unused)
+            qg = tl.load(q_row + g * G + offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+            if NOK > 0:
+                is_ok = tl.sum((g * G + offs_c[:, None] == koc[None, :]).to(tl.int32), 1) > 0
+                qg = tl.where(is_ok[None, :], 0.0, qg)
+            q_hi = qg.to(tl.float16)
+            if Q_SPLIT:
+                q_lo = (qg - q_hi.to(tl.float32)).to(tl.float16)  # the difference is exact in fp32
+            # ---- keys [BLOCK_N, G]: codes exact in fp16, dither regenerated (one Philox call per 4 channels)
+            kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :],
+                         mask=mask_n[:, None], other=0)
+            s_g = tl.load(KS + slot * s_ks_n + kvh * s_ks_h + g, mask=mask_n, other=0.0).to(tl.float32)
+            if SKIP_DITHER:  # timing only (the Philox cost on the roofline): a wrong dither, never a result
+                w0 = cs
+                w1 = cs
+                w2 = cs
+                w3 = cs
+            else:
+                cg = (g * G4 + offs_j).to(tl.uint32)[None, :] + tl.zeros_like(cs)
+                w0, w1, w2, w3 = philox4x32(cs, cg, c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs), k0, k1)
+            # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
+            xi = tl.reshape(tl.join(tl.join(_xi(w0), _xi(w2)), tl.join(_xi(w1), _xi(w3))), (BLOCK_N, G))
+            xi16 = xi.to(tl.float16)
+            kT = tl.trans(kc.to(tl.float16))
+            xT = tl.trans(xi16)
+            t = tl.dot(q_hi, kT)
+            t = tl.dot(-q_hi, xT, t)
+            if XI_SPLIT:  # xi - fp16(xi) is exact in fp32 and <= 2^-13: its fp16 rounding leaves <= 2^-25
+                t = tl.dot(-q_hi, tl.trans((xi - xi16.to(tl.float32)).to(tl.float16)), t)
+            if Q_SPLIT:
+                t = tl.dot(q_lo, kT, t)
+                t = tl.dot(-q_lo, xT, t)
+            qk += t * s_g[None, :]
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
-                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
-            qk += tl.sum(q_ko[:, None, :] * ko[None, :, :], 2)
+                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
+            koT = tl.trans(ko.to(tl.float16))
+            qk = tl.dot(qo_hi, koT, qk)
+            qk = tl.dot(qo_lo, koT, qk)
         qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -636,12 +650,14 @@ def _decode_int8_stage1_tc(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if CERT:
-            ks2 = ks * ks
-            var = tl.sum(q2g[:, :, None] * ks2[:, None, :], 0) * var_c  # [BLOCK_H, BLOCK_N]
-            u = tl.sqrt(var) * radm + sm_scale * tl.sum(rg[:, :, None] * ks[:, None, :], 0)
+            s1 = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + offs_16[None, :],
+                         mask=mask_n[:, None] & (offs_16[None, :] < NG), other=0.0).to(tl.float32)  # [BLOCK_N, 16]
+            var = tl.dot(q2pad, tl.trans(s1 * s1), input_precision="tf32")
+            det = tl.dot(rpad, tl.trans(s1), input_precision="tf32")
+            u = tl.sqrt(var * var_c) * radm + det * det_c
             if NOK > 0:
-                u += sm_scale * (tl.sum(q_ko_abs[:, None, :] * tl.abs(ko)[None, :, :], 2) * byp_rel
-                                 + q_ko_sum[:, None] * byp_abs)
+                byp = tl.dot(q_ko_abs, tl.trans(tl.abs(ko.to(tl.float32))), input_precision="tf32")
+                u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[:, None] * byp_abs)
             a_i = a_i * alpha + tl.sum(p * tl.exp(u), 1)
             if CERT_B:
                 b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 1)
@@ -692,7 +708,6 @@ def _decode_int8_stage1_tc(
         if CERT_B:
             tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
 
-
 def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice, never more splits than tiles (power of two)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -708,13 +723,14 @@ def decode_stage1(
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
     join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
-    _skip_dither: bool = False,
+    skip_philox: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off).
 
     ``impl``: ``"tc"`` (tensor-core dots, :func:`_decode_int8_stage1_tc`), ``"fma"`` (fp32 dots with
     ``k_precision``/``v_precision``/``join``/``var_dot``), or ``"auto"`` (``tc`` where the shape allows).
-    ``_skip_dither`` (tc only) replaces the key dither by garbage: a timing probe of the Philox cost.
+    ``skip_philox`` (tc only) replaces the key dither by garbage: a timing probe of the Philox cost,
+    never a result.
     """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
@@ -772,9 +788,10 @@ def decode_stage1(
             slots.stride(0),
             o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
             GQA=gqa, BLOCK_H=block_h, BLOCK_N=block_n, D=d, G=k.group,
-            NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
+            NOK=nok, NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov,
+            NOV_P=triton.next_power_of_2(max(nov, 1)),
             CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither, Q_SPLIT=q.dtype == torch.float32,
-            XI_SPLIT=xi_split, PV_TERMS=pv_terms, NUM_SPLITS=ns, SKIP_DITHER=_skip_dither,
+            XI_SPLIT=xi_split, PV_TERMS=pv_terms, NUM_SPLITS=ns, SKIP_DITHER=skip_philox,
             num_warps=num_warps, num_stages=num_stages,
         )
         return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
@@ -801,7 +818,7 @@ def decode_int8(
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
     k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int = 2,
     join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
-    fallback_to_reference: bool = True,
+    skip_philox: bool = False, fallback_to_reference: bool = True,
 ) -> DecodeOut:
     """Certified decode attention over the dithered INT8 pool (one query token per batch row).
 
@@ -821,7 +838,7 @@ def decode_int8(
         q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
         num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
         k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages, join=join,
-        var_dot=var_dot, impl=impl, pv_terms=pv_terms, xi_split=xi_split)
+        var_dot=var_dot, impl=impl, pv_terms=pv_terms, xi_split=xi_split, skip_philox=skip_philox)
     o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s)
     return DecodeOut(o, lse, A, Bv, two, one, vac)
 
