@@ -167,6 +167,10 @@ def bypass_radius(
     q64 = q.to(torch.float64)
     lead = torch.broadcast_shapes(q64.shape[:-1], oc.shape[:-1])
     qo = torch.gather(q64.expand(lead + (d,)), -1, oc.expand(lead + oc.shape[-1:])).abs()  # [..., m]
+    if inflate != 1.0:  # the tc kernel's bypass dot takes |q_o| rounded up to fp16
+        q16 = qo.to(torch.float16)
+        up = torch.nextafter(q16, torch.tensor(math.inf, dtype=torch.float16))
+        qo = torch.where(q16.to(torch.float64) < qo, up, q16).to(torch.float64)
     o = outliers.to(torch.float64).abs()  # [..., S, m]
     rel = FP16_REL + rounding_gamma(d)
     return sm_scale * ((qo.unsqueeze(-2) * o).sum(-1) * (rel * inflate) + qo.sum(-1, keepdim=True) * FP16_SUB)

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = [(2, 64)] if args.tiny else [(32, 16384), (2, 4096), (8, 32768), (64, 16384)]
     rep = 5.0 if args.tiny else 60.0
     grid = (list(itertools.product((16,), (4,), (1,))) if args.tiny
-            else list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3))))
+            else list(itertools.product((16, 32, 64), (4, 8), (1, 2, 3))))
     best_all: dict = {}
     first_cfg = None
     for B, S in shapes:

@@ -46,6 +46,7 @@ from kvlib.certificate import (
     radius_multiplier,
     rounding_gamma,
     score_radius,
+    variance_proxy,
 )
 from kvlib.kernels._backend import triton_available
 from kvlib.kernels.merge_tl import merge_splits
@@ -167,12 +168,15 @@ def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: in
     return x
 
 
-def _query_residual_radius(q: torch.Tensor, scales: torch.Tensor, sm: float, group: int,
-                           outlier_channels: torch.Tensor | None) -> torch.Tensor:
-    """The tc kernel's deterministic term for what its fp16 query split leaves, ``[gqa, L]`` float64.
+def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None
+                         ) -> torch.Tensor:
+    """The tc kernel's multiplier ``detm`` (per row, float64) for what its fp16 query split leaves.
 
-    fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once;
-    the residual ``r`` enters as ``sm * 127.5 * sum_c |r_c| s_c`` (``127.5 >= |c - xi|``).
+    fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once; the residual
+    ``r`` costs at most ``sm 127.5 sum_g R_g s_g`` (``R_g = sum_{c in g} |r_c|``, ``127.5 >= |c - xi|``),
+    which Cauchy-Schwarz bounds by ``detm * sqrt(var)`` with
+    ``detm = sm 127.5 i sqrt(sum_g R_g^2 / Q2_g) / sqrt(sm^2 i / 12)``, ``Q2_g = sum_{c in g} q_c^2``,
+    ``i`` = :data:`kvlib.certificate.TC_RADIUS_INFLATE`.
     """
     qf = q.float()
     if outlier_channels is not None:
@@ -182,7 +186,11 @@ def _query_residual_radius(q: torch.Tensor, scales: torch.Tensor, sm: float, gro
     if q.dtype == torch.float32:
         r = r - r.half().float()
     rg = r.abs().double().reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
-    return sm * 127.5 * TC_RADIUS_INFLATE * (rg @ scales.double().T)
+    q2 = qf.double().pow(2).reshape(qf.shape[0], -1, group).sum(-1)
+    ratio = torch.where(q2 > 0, rg.pow(2) / torch.where(q2 > 0, q2, torch.ones_like(q2)),
+                        torch.where(rg > 0, torch.full_like(rg, math.inf), torch.zeros_like(rg)))
+    var_c = sm * sm / 12.0 * TC_RADIUS_INFLATE
+    return sm * 127.5 * TC_RADIUS_INFLATE * ratio.sum(-1).sqrt() / math.sqrt(var_c)
 
 
 def decode_reference(
@@ -226,7 +234,9 @@ def decode_reference(
             u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
                              outlier_channels=oc, outliers=out, impl=impl)
             if impl == "tc":
-                u = u + _query_residual_radius(q[b, h * gqa:(h + 1) * gqa], k.scales[sl, h], sm, k.group, oc)
+                var = variance_proxy(qh, k.scales[sl, h].cpu(), sm_scale=sm, group=k.group, outlier_channels=oc)
+                detm = _query_residual_mult(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc)
+                u = u + (var * TC_RADIUS_INFLATE).sqrt() * (detm * TC_RADIUS_INFLATE).unsqueeze(-1)
             c = certificate_from_scores(z, u)
             A[b, h * gqa:(h + 1) * gqa] = c.A
             Bv[b, h * gqa:(h + 1) * gqa] = c.B
@@ -559,9 +569,8 @@ def _decode_int8_stage1_tc(
         qo_lo = (q_ko - qo_hi.to(tl.float32)).to(tl.float16)
     if CERT:
         radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
-        # per-group sums of q^2 and of the split residual |r|, [BLOCK_H, 16] (columns >= NG are 0), once:
-        # per tile they meet the scales in one small tf32 dot each; tf32 rounds each operand by <= 2^-10
-        # relative and every term is >= 0, so scaling the result by (1 + 2^-8) keeps it an upper bound
+        # per-group sums of q^2 and of the split residual |r|, [BLOCK_H, 16] (columns >= NG are 0), once;
+        # every term is >= 0, so the (1 + 2^-8) below keeps the fp32 sums upper bounds
         offs_16 = tl.arange(0, 16)
         qf = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
         if NOK > 0:
@@ -569,14 +578,22 @@ def _decode_int8_stage1_tc(
         rf = qf - qf.to(tl.float16).to(tl.float32)
         if Q_SPLIT:
             rf = rf - rf.to(tl.float16).to(tl.float32)
-        gmat = ((offs_d[:, None] // G) == offs_16[None, :]).to(tl.float32)  # [D, 16] group indicator
-        q2pad = tl.dot(qf * qf, gmat, input_precision="ieee")
-        rpad = tl.dot(tl.abs(rf), gmat, input_precision="ieee")
+        onehot = (tl.arange(0, NG)[:, None] == offs_16[None, :]).to(tl.float32)[None, :, :]  # [1, NG, 16]
+        q2pad = tl.sum(tl.sum(tl.reshape(qf * qf, (BLOCK_H, NG, G)), 2)[:, :, None] * onehot, 1)
+        rpad = tl.sum(tl.sum(tl.reshape(tl.abs(rf), (BLOCK_H, NG, G)), 2)[:, :, None] * onehot, 1)
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
-        det_c = sm_scale * 127.5 * (1.0 + 2.0**-8)  # 127.5 >= |c - xi| bounds what the query split left
-        if NOK > 0:
-            q_ko_abs = tl.abs(q_ko)
-            q_ko_sum = tl.sum(q_ko_abs, 1)
+        # what the query split left, sm 127.5 sum_g R_g s_g (127.5 >= |c - xi|), is bounded by Cauchy-Schwarz
+        # as detm * sqrt(var): one multiplier per row, no per-tile work (0 for fp16-exact queries)
+        rr = tl.sum(tl.where(q2pad > 0, rpad * rpad / tl.where(q2pad > 0, q2pad, 1.0),
+                             tl.where(rpad > 0, float("inf"), 0.0)), 1)
+        detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rr) / tl.sqrt(var_c)
+        radm_h = radm + detm * (1.0 + 2.0**-8)  # [BLOCK_H]
+        if NOK > 0:  # |q_o| rounded UP to fp16: the product with the exact fp16 |k_o| is then an upper bound
+            qa = tl.abs(q_ko)
+            qa16 = qa.to(tl.float16)
+            q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
+                tl.float16, bitcast=True), qa16)
+            q_ko_sum = tl.sum(qa, 1)
         a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -602,6 +619,8 @@ def _decode_int8_stage1_tc(
         slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
         cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, G4], dtype=tl.uint32)
         qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        if CERT:
+            var = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(NG):
             # ---- this group's query slice (outlier channels zeroed: their codes are 0, their dither unused)
             qg = tl.load(q_row + g * G + offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
@@ -636,6 +655,8 @@ def _decode_int8_stage1_tc(
                 t = tl.dot(q_lo, kT, t)
                 t = tl.dot(-q_lo, xT, t)
             qk += t * s_g[None, :]
+            if CERT:  # var = sum_g Q2_g s_g^2 (the group's q^2 sum is cheaper here than a hoisted column)
+                var += tl.sum(qg * qg, 1)[:, None] * (s_g * s_g)[None, :]
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
@@ -650,13 +671,9 @@ def _decode_int8_stage1_tc(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if CERT:
-            s1 = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + offs_16[None, :],
-                         mask=mask_n[:, None] & (offs_16[None, :] < NG), other=0.0).to(tl.float32)  # [BLOCK_N, 16]
-            var = tl.dot(q2pad, tl.trans(s1 * s1), input_precision="tf32")
-            det = tl.dot(rpad, tl.trans(s1), input_precision="tf32")
-            u = tl.sqrt(var * var_c) * radm + det * det_c
-            if NOK > 0:
-                byp = tl.dot(q_ko_abs, tl.trans(tl.abs(ko.to(tl.float32))), input_precision="tf32")
+            u = tl.sqrt(var * var_c) * radm_h[:, None]
+            if NOK > 0:  # fp32 accumulation of exact products: its rounding is inside the (1 + 2^-8)
+                byp = tl.dot(q_ko_abs16, tl.trans(tl.abs(ko)).to(tl.float16))
                 u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[:, None] * byp_abs)
             a_i = a_i * alpha + tl.sum(p * tl.exp(u), 1)
             if CERT_B:
