@@ -1,4 +1,4 @@
-"""A certificate-gated KV cache: head-level exact repair, written back once per request.
+"""A certificate-gated KV cache: head- or block-level exact repair, written back once per request.
 
 :class:`GatedCache` is a :class:`kvlib.hf_cache.KVFormatCache` that keeps an exact copy of every
 K/V it is given (the paper's fp16 backup "off-GPU"; here in ``backup_dtype`` on ``backup_device``)
@@ -26,6 +26,20 @@ Which certificate (``kind``):
   rounding of its input, fp16 rounding for the residual window), plus fp32 dot-product slack. It is
   sound with probability one, but conservative: expect it to flag far more than the dithered gate.
 
+Repair granularity (``level``):
+
+* ``"head"``: the whole KV head is paged in (every position so far) and stays exact.
+* ``"block"``: the positions of the KV head are cut in blocks of ``block_size`` tokens; the blocks
+  are ranked once by their share of the excess ``A - 1``, ``sum_{t in j} p_tilde_t (e^{u_t} - 1)``
+  (``mass_j (e^{u_j} - 1)`` for a block with one radius; summed over the group's over-threshold
+  query heads), paged in that order, and after each block the certificate of every query head of
+  the group is recomputed exactly (paged positions: exact scores, radius the fp32 dot-product slack
+  only); paging stops at the first point where all of them are ``<= tau`` (or every block is
+  paged). Paged positions stay exact for the rest of the request and each moves at most once;
+  positions written later are stored in the format and may be paged by a later step.
+  ``blocks_paged`` / ``bytes_moved`` are reported beside ``bytes_whole_head`` (what the head-level
+  gate would have moved at the same steps).
+
 A certificate is a bound on a total variation, which never exceeds 1, so a vacuous (``+inf``/NaN)
 certificate is read as 1: it is over every ``tau < 1``, and ``tau >= 1`` never repairs.
 At prefill only the last query row is certified (the row that produces the first generated token);
@@ -43,10 +57,15 @@ from typing import Any
 
 import torch
 
-from kvlib.certificate import FP16_REL, FP16_SUB, certificate_from_scores
+from kvlib.certificate import FP16_REL, FP16_SUB, certificate_from_scores, score_radius
+from kvlib.fallback import block_excess
 from kvlib.hf_cache import PROXY_OF_FORMAT, KVFormatCache, _is_stateful, make_cache
 
-__all__ = ["DETERMINISTIC_FORMATS", "GatedCache", "gate_kind", "make_gated_cache", "key_error_bound"]
+__all__ = ["DETERMINISTIC_FORMATS", "GATE_LEVELS", "GatedCache", "gate_kind", "make_gated_cache",
+           "key_error_bound"]
+
+#: repair granularities of the gate
+GATE_LEVELS = ("head", "block")
 
 #: key formats the gate certifies with a deterministic (worst-case) radius
 DETERMINISTIC_FORMATS = ("fp8-e4m3", "rtn-int8", "kivi2")
@@ -104,7 +123,11 @@ class GatedCache(KVFormatCache):
 
     def __init__(self, key_format: Any, value_format: Any, config: Any, *, tau: float = 0.2,
                  backup_dtype: torch.dtype | None = None, backup_device: str | torch.device = "cpu",
-                 gate: bool = True, **options: Any) -> None:
+                 gate: bool = True, level: str = "head", block_size: int = 32, **options: Any) -> None:
+        if level not in GATE_LEVELS:
+            raise ValueError(f"level must be one of {GATE_LEVELS}, got {level!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if options.get("telemetry"):
             raise ValueError("telemetry: a GatedCache records its own certificates (gate_summary); "
                              "pass telemetry=False")
@@ -117,11 +140,20 @@ class GatedCache(KVFormatCache):
         if self.kind != "deterministic":
             self.proxy = self.kind  # the base class certifies dithered keys with this proxy
         self.gate_on = bool(gate)
+        self.level = level
+        self.block_size = block_size
         self.backup_dtype = backup_dtype
         self.backup_device = torch.device(backup_device)
         n_layers = len(self.layers)
         self._exact: list[list[torch.Tensor | None]] = [[None, None] for _ in range(n_layers)]
         self.repaired: list[torch.Tensor | None] = [None] * n_layers  # bool [B, Hkv] per layer
+        self._exact_pos: list[torch.Tensor | None] = [None] * n_layers  # bool [B, Hkv, cap]: paged positions
+        self.blocks_paged = 0
+        self.positions_paged = 0
+        self.bytes_whole_head = 0
+        self._block_heads: set[tuple[int, int, int]] = set()  # (layer, row, kv head) the block gate touched
+        self.row_over: torch.Tensor | None = None  # [B] over-threshold certificates per batch row
+        self.row_max: torch.Tensor | None = None  # [B] largest finite certificate per batch row
         self.bytes_moved = 0
         self.n_certs = 0
         self.n_over = 0
@@ -164,6 +196,10 @@ class GatedCache(KVFormatCache):
         if self.repaired[layer_idx] is None:
             self.repaired[layer_idx] = torch.zeros(keys.shape[0], keys.shape[1], dtype=torch.bool)
         rep = self.repaired[layer_idx]
+        if self.level == "block":
+            self._grow_mask(layer_idx, keys.shape[0], keys.shape[1], layer.cumulative_length)
+            if _is_stateful(layer.formats[0]) or _is_stateful(layer.formats[1]):
+                self._reapply_blocks(layer_idx, keys, values)
         if bool(rep.any()):
             n = layer.cumulative_length
             for side, out in ((0, keys), (1, values)):
@@ -175,11 +211,89 @@ class GatedCache(KVFormatCache):
                     out[b, h, s0:n] = src[b, h, s0:n].to(device=out.device, dtype=out.dtype)
         return keys, values
 
+    # -- block-level state ----------------------------------------------------------------------
+    def _grow_mask(self, layer_idx: int, rows: int, heads: int, n: int) -> None:
+        m = self._exact_pos[layer_idx]
+        if m is None or m.shape[-1] < n:
+            cap = max(n, 2 * (0 if m is None else m.shape[-1]), 64)
+            grown = torch.zeros(rows, heads, cap, dtype=torch.bool)
+            if m is not None:
+                grown[..., :m.shape[-1]] = m
+            self._exact_pos[layer_idx] = grown
+
+    def _reapply_blocks(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A stateful format re-reads every row each step: write the paged positions back again."""
+        n = self.layers[layer_idx].cumulative_length
+        mask = self._exact_pos[layer_idx][..., :n]
+        if not bool(mask.any()):
+            return
+        for side, out in ((0, keys), (1, values)):
+            src = self._exact[layer_idx][side]
+            for b, h in mask.any(-1).nonzero().tolist():
+                pos = mask[b, h].nonzero().squeeze(-1)
+                out[b, h, pos] = src[b, h, pos].to(device=out.device, dtype=out.dtype)
+
+    def exact_positions(self, layer_idx: int) -> torch.Tensor:
+        """Bool ``[B, Hkv, S]``: positions whose stored K/V are the exact copy (paged or head-repaired)."""
+        layer = self.layers[layer_idx]
+        n = layer.cumulative_length
+        rep = self.repaired[layer_idx]
+        if rep is None:
+            return torch.zeros(0, self.n_kv, 0, dtype=torch.bool)
+        mask = rep.unsqueeze(-1).expand(*rep.shape, n).clone()
+        if self._exact_pos[layer_idx] is not None:
+            mask |= self._exact_pos[layer_idx][..., :n]
+        return mask
+
     # -- certificates ---------------------------------------------------------------------------
+    def scores_and_radius(self, layer_idx: int, b: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed scores and radii ``[Hkv, g, S]`` (float64) of row ``b`` for queries ``q [Hq, d]``.
+
+        Positions the block gate paged in carry only the fp32 dot-product slack as radius.
+        """
+        layer = self.layers[layer_idx]
+        g = self.n_heads // self.n_kv
+        sm = self.head_dim ** -0.5
+        k_hat = layer.keys[b].double()  # [Hkv, S, d]
+        qh = q.double().view(self.n_kv, g, self.head_dim)
+        z_hat = torch.einsum("hgd,hsd->hgs", qh, k_hat) * sm
+        qa_ka = torch.einsum("hgd,hsd->hgs", qh.abs(), k_hat.abs())
+        slack = sm * (self.head_dim + 2) * 2.0**-24 * qa_ka  # fp32 dot-product rounding
+        if self.kind == "deterministic":
+            err = torch.stack([key_error_bound(self.key_format.name, p, k_hat[h])
+                               for h, p in enumerate(layer.packed[0][b])])  # [Hkv, S, d]
+            u = sm * torch.einsum("hgd,hsd->hgs", qh.abs(), err) + slack
+        else:  # the base class's probabilistic radius (KVFormatCache.certify), unchanged
+            packs = layer.packed[0][b]
+            scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
+            oc = getattr(packs[0], "outlier_channels", None)
+            kw: dict[str, Any] = {}
+            if oc is not None and oc.numel():
+                kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
+                kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
+            u = score_radius(qh, scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
+                             group=packs[0].group, proxy=self.proxy, **kw)
+            u = u.expand_as(z_hat)
+        m = self._exact_pos[layer_idx]
+        if m is not None:
+            paged = m[b, :, :z_hat.shape[-1]].to(u.device).unsqueeze(1)  # [Hkv, 1, S]
+            if bool(paged.any()):
+                u = torch.where(paged, slack, u)
+        return z_hat, u
+
+    def _tv(self, z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        c = certificate_from_scores(z, u)
+        return c.tv_bound if self.two_sided else c.tv_bound_one
+
     def certify(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Certificates ``[B, Hq]`` (float64) for queries ``q [B, Hq, d]``; deterministic radius where needed."""
-        if self.kind != "deterministic":
+        if self.kind != "deterministic" and self.level == "head":
             return super().certify(layer_idx, q)
+        if self.level == "block":
+            out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
+            for b in range(q.shape[0]):
+                out[b] = self._tv(*self.scores_and_radius(layer_idx, b, q[b])).reshape(-1)
+            return out
         layer = self.layers[layer_idx]
         g = self.n_heads // self.n_kv
         sm = self.head_dim ** -0.5
@@ -206,12 +320,22 @@ class GatedCache(KVFormatCache):
         if rep is None or bool(rep.all()):
             return
         g = self.n_heads // self.n_kv
-        cert = self.certify(layer_idx, query[:, :, -1, :]).cpu()  # [B, Hq]
+        zu = None
+        if self.level == "block":  # scores and radii once per row, shared by the certificate and the repair
+            zu = [self.scores_and_radius(layer_idx, b, query[b, :, -1, :]) for b in range(query.shape[0])]
+            cert = torch.stack([self._tv(z, u).reshape(-1) for z, u in zu]).cpu()  # [B, Hq]
+        else:
+            cert = self.certify(layer_idx, query[:, :, -1, :]).cpu()  # [B, Hq]
         live = ~rep.repeat_interleave(g, dim=1)  # query heads of not-yet-repaired KV heads
         c = cert[live]
         fin = torch.isfinite(c)
         eff = torch.where(torch.isnan(cert), torch.ones_like(cert), cert.clamp(max=1.0))  # TV <= 1 always
         over = (eff > self.tau) & live
+        if self.row_over is None:
+            self.row_over = torch.zeros(cert.shape[0], dtype=torch.int64)
+            self.row_max = torch.full((cert.shape[0],), -math.inf, dtype=torch.float64)
+        self.row_over += over.sum(1)
+        self.row_max = torch.maximum(self.row_max, torch.where(live & torch.isfinite(cert), cert, -math.inf).amax(1))
         self.n_certs += int(c.numel())
         self.n_overflow += int((~fin).sum())
         self.n_over += int(over.sum())
@@ -220,7 +344,10 @@ class GatedCache(KVFormatCache):
         if self.gate_on:
             heads = over.view(over.shape[0], self.n_kv, g).any(-1)
             for b, h in heads.nonzero().tolist():
-                self._repair(layer_idx, b, h, float(cert[b, h * g:(h + 1) * g].max()))
+                if self.level == "head":
+                    self._repair(layer_idx, b, h, float(cert[b, h * g:(h + 1) * g].max()))
+                else:
+                    self._repair_blocks(layer_idx, b, h, query[b, :, -1, :], over[b, h * g:(h + 1) * g], zu[b])
         self.gate_seconds += time.perf_counter() - t0
 
     def _repair(self, layer_idx: int, b: int, h: int, cert: float) -> None:
@@ -234,8 +361,88 @@ class GatedCache(KVFormatCache):
             moved += src.numel() * src.element_size()
         self.repaired[layer_idx][b, h] = True
         self.bytes_moved += moved
+        self.bytes_whole_head += moved
         self.events.append(dict(layer=layer_idx, row=b, kv_head=h, tokens=n, bytes=moved, cert=cert,
                                 step=self.forward_steps))
+
+    def _repair_blocks(self, layer_idx: int, b: int, h: int, q: torch.Tensor, over: torch.Tensor,
+                       zu: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Page blocks of KV head ``h`` (row ``b``) by decreasing excess until every certificate of its
+        group is ``<= tau``; ``q [Hq, d]`` the step's queries, ``over [g]`` the over-threshold heads.
+
+        The certificate after each paged block is computed exactly for every prefix of the order at
+        once (one batched :func:`certificate_from_scores` over the candidate states), then the
+        shortest prefix that meets ``tau`` is paged in.
+        """
+        layer = self.layers[layer_idx]
+        n = layer.cumulative_length
+        bs = self.block_size
+        g = self.n_heads // self.n_kv
+        sm = self.head_dim ** -0.5
+        z_all, u_all = self.scores_and_radius(layer_idx, b, q) if zu is None else zu
+        z, u = z_all[h], u_all[h]  # [g, S], the state before this head's repair (other heads are untouched)
+        before = float(self._tv(z, u).nan_to_num(nan=1.0).clamp(max=1.0).max())
+        mask = self._exact_pos[layer_idx][b, h, :n]
+        exc = sum(block_excess(z[i], u[i], bs) for i in over.nonzero().squeeze(-1).tolist())
+        exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)
+        nb = exc.shape[0]
+        blk = torch.arange(n) // bs  # block of each position
+        open_ = torch.zeros(nb, dtype=torch.bool).index_put_((blk[~mask],), torch.tensor(True))
+        order = [j for j in torch.argsort(exc, descending=True, stable=True).tolist() if bool(open_[j])]
+        src_k = self._exact[layer_idx][0][b, h, :n]
+        src_v = self._exact[layer_idx][1][b, h, :n]
+        qh = q.double().view(self.n_kv, g, self.head_dim)[h]  # [g, d]
+        kd = src_k.double()
+        z_ex = sm * qh @ kd.T  # [g, S]: exact scores of every position
+        u_ex = sm * (self.head_dim + 2) * 2.0**-24 * (qh.abs() @ kd.abs().T)
+        # candidate states k = 0..len(order): the first k blocks of the order paged (plus earlier pages)
+        rank = torch.full((nb,), len(order) + 1, dtype=torch.long)
+        rank[torch.tensor(order, dtype=torch.long)] = torch.arange(1, len(order) + 1)
+        ex = (rank[blk].unsqueeze(0) <= torch.arange(len(order) + 1).unsqueeze(1)) & ~mask  # [K+1, S]
+        zs = torch.where(ex.unsqueeze(1), z_ex, z)  # [K+1, g, S]
+        us = torch.where(ex.unsqueeze(1), u_ex, u)
+        traj = self._tv(zs, us).nan_to_num(nan=1.0).clamp(max=1.0).amax(-1)  # [K+1]
+        ok = (traj <= self.tau).nonzero()
+        k = int(ok[0]) if ok.numel() else len(order)
+        pos = ex[k].nonzero().squeeze(-1)
+        layer.keys[b, h, pos] = src_k[pos].to(device=layer.keys.device, dtype=layer.keys.dtype)
+        layer.values[b, h, pos] = src_v[pos].to(device=layer.values.device, dtype=layer.values.dtype)
+        self._exact_pos[layer_idx][b, h, pos] = True
+        per_pos = 2 * self.head_dim * src_k.element_size()
+        moved = int(pos.numel()) * per_pos
+        key = (layer_idx, b, h)
+        first = key not in self._block_heads
+        self._block_heads.add(key)
+        whole = n * per_pos if first else 0  # the head-level gate pages a head once, all positions so far
+        self.blocks_paged += k
+        self.positions_paged += int(pos.numel())
+        self.bytes_moved += moved
+        self.bytes_whole_head += whole
+        self.events.append(dict(layer=layer_idx, row=b, kv_head=h, tokens=n, blocks=order[:k],
+                                positions=int(pos.numel()),
+                                priority=[float(exc[j]) for j in order], bytes=moved, bytes_whole_head=whole,
+                                cert=before, trajectory=[float(t) for t in traj[:k + 1]], step=self.forward_steps))
+
+    def row_summaries(self) -> list[dict[str, Any]]:
+        """Per batch row (request): flagged, over-threshold count, max certificate, what was paged."""
+        if self.row_over is None:
+            return []
+        out = []
+        for b in range(self.row_over.shape[0]):
+            ev = [e for e in self.events if e["row"] == b]
+            moved = sum(e["bytes"] for e in ev)
+            out.append({
+                "flagged": int(self.row_over[b] > 0),
+                "n_over": int(self.row_over[b]),
+                "max_cert": float(self.row_max[b]) if math.isfinite(float(self.row_max[b])) else float("nan"),
+                "heads_repaired": sum(1 for e in ev if "blocks" not in e),
+                "blocks_paged": sum(len(e.get("blocks", ())) for e in ev),
+                "bytes_moved": moved,
+                "bytes_whole_head": sum(e.get("bytes_whole_head", e["bytes"]) for e in ev),
+                "repair_events": len(ev),
+                "positions_paged": sum(e.get("positions", 0) for e in ev),
+            })
+        return out
 
     def gate_summary(self) -> dict[str, Any]:
         """Per-request record: flagged, heads repaired, bytes moved, certificate maxima and counts."""
@@ -252,16 +459,25 @@ class GatedCache(KVFormatCache):
             "heads_repaired": heads_repaired,
             "heads_total": len(self.layers) * rows * self.n_kv,
             "bytes_moved": self.bytes_moved,
+            "bytes_whole_head": self.bytes_whole_head,
+            "level": self.level,
+            "block_size": self.block_size,
+            "blocks_paged": self.blocks_paged,
+            "positions_paged": self.positions_paged,
+            "repair_events": len(self.events),
             "gate_seconds": self.gate_seconds,
             "steps": self.forward_steps,
         }
 
 
 def make_gated_cache(format: str, config: Any, *, tau: float = 0.2, backup_dtype: torch.dtype | None = None,
-                     backup_device: str | torch.device = "cpu", gate: bool = True, **options: Any) -> GatedCache:
-    """:func:`kvlib.hf_cache.make_cache` with the certificate gate (``tau``, exact-copy options).
+                     backup_device: str | torch.device = "cpu", gate: bool = True, level: str = "head",
+                     block_size: int = 32, **options: Any) -> GatedCache:
+    """:func:`kvlib.hf_cache.make_cache` with the certificate gate (``tau``, exact-copy options,
+    repair ``level`` ``"head"`` or ``"block"`` with ``block_size`` tokens per block).
 
     See :class:`GatedCache`; every other option goes to ``make_cache``.
     """
-    cls = functools.partial(GatedCache, backup_dtype=backup_dtype, backup_device=backup_device, gate=gate)
+    cls = functools.partial(GatedCache, backup_dtype=backup_dtype, backup_device=backup_device, gate=gate,
+                            level=level, block_size=block_size)
     return make_cache(format, config, cache_class=cls, tau=tau, **options)

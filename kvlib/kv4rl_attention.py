@@ -6,7 +6,9 @@ side buffer holding exactly what :class:`kvlib.formats.kv4rl.KV4RLFormat` would 
 same positions one by one (sinks in slots ``0..s-1``, recent positions in ring slots
 ``s + (p - s) mod w``). :func:`kv4_decode` attends over the INT4 cache; :func:`kv4rl_decode` attends
 over two disjoint regions (INT4 main ``[min(s,n), max(min(s,n), n-w))`` and the side slots) and merges
-the two ``(o, lse)`` states exactly with :func:`kvlib.merge.merge_states`.
+the two ``(o, lse)`` states exactly: by default in one launch (the side slots are one extra split per
+request and kv head, merged with the INT4 splits by the split merge, a fold of
+:func:`kvlib.merge.merge_states`), or as two launches merged by :func:`kvlib.merge.merge_states`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from kvlib._checks import check_tensor
 from kvlib.formats.kv4 import Int4Tensor, int4_dequantize, int4_quantize
 from kvlib.formats.kv4rl import int8_quantize
 from kvlib.hadamard import hadamard
-from kvlib.kernels.decode_int4 import QueryInt8, kv4_main_decode, prepare_query, region_attention_ref
+from kvlib.kernels.decode_int4 import (
+    KV4KernelConfig,
+    QueryInt8,
+    SideBuffer,
+    kv4_main_decode,
+    prepare_query,
+    region_attention_ref,
+)
 from kvlib.kernels.decode_protected import protected_decode
 from kvlib.merge import merge_states
 
@@ -136,40 +145,52 @@ def _check_q(q: torch.Tensor, cache: KV4Batch) -> None:
 
 
 def kv4_decode(
-    q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, int_pv: bool = False,
-    qp: QueryInt8 | None = None, backend: str = "auto",
+    q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, int_pv: bool | None = None,
+    qp: QueryInt8 | None = None, backend: str = "auto", config: KV4KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """KV4 decode: ``q [B, Hq, d]`` over all positions of the INT4 cache; returns ``(o, lse)``."""
+    """KV4 decode: ``q [B, Hq, d]`` over all positions of the INT4 cache; returns ``(o, lse)``.
+
+    ``config`` sets the kernel's launch parameters (default :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG`).
+    """
     _check_q(q, cache)
     qp = qp or prepare_query(q, rotate=True, backend=backend)
     c = cache
     start, end = c._zeros, c.lengths  # all positions, whether or not a side buffer exists
     return kv4_main_decode(
         qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-        sm_scale=sm_scale, int_pv=int_pv, backend=backend,
+        sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config,
     )  # fmt: skip
+
+
+def side_buffer(cache: KV4Batch) -> SideBuffer:
+    """The KV4-RL protected region of ``cache`` in the kernel's argument form."""
+    if not cache.protected:
+        raise ValueError("cache has no side buffer: build it with sink/recent for KV4-RL")
+    return SideBuffer(cache.k8, cache.k8_scale, cache.v8, cache.v8_scale, cache.side_count())
 
 
 def kv4rl_decode(
-    q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, int_pv: bool = False,
-    merge=merge_states, backend: str = "auto",
+    q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, int_pv: bool | None = None,
+    merge=merge_states, backend: str = "auto", config: KV4KernelConfig | None = None, fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """KV4-RL decode: INT4 main region and INT8 protected region, merged exactly by ``merge_states``.
+    """KV4-RL decode: INT4 main region and INT8 protected region, merged exactly.
 
-    ``merge`` may be a compiled ``merge_states`` (same function, fused) for benchmarking.
+    ``fused`` (default): one kernel launch whose extra program per (request, kv head) attends over
+    the side slots, its state merged with the INT4 split states by the same split merge (a fold of
+    :func:`~kvlib.merge.merge_states`), so KV4-RL costs the launches of KV4. ``fused=False``: two
+    launches (INT4 region, then :func:`~kvlib.kernels.decode_protected.protected_decode`) merged by
+    ``merge`` (``merge_states`` or a compiled copy of it).
     """
     _check_q(q, cache)
-    if not cache.protected:
-        raise ValueError("cache has no side buffer: build it with sink/recent for KV4-RL")
+    side = side_buffer(cache)
     c = cache
     qp = prepare_query(q, rotate=True, backend=backend)
     start, end = c.main_range()
-    o_m, lse_m = kv4_main_decode(
-        qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-        sm_scale=sm_scale, int_pv=int_pv, backend=backend,
-    )  # fmt: skip
-    count = c.side_count()
-    o_p, lse_p = protected_decode(qp, c.k8, c.k8_scale, c.v8, c.v8_scale, count, sm_scale=sm_scale, backend=backend)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    if fused:
+        return kv4_main_decode(*args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config, side=side)
+    o_m, lse_m = kv4_main_decode(*args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config)
+    o_p, lse_p = protected_decode(qp, *side, sm_scale=sm_scale, backend=backend)
     return merge(o_m, lse_m, o_p, lse_p)
 
 

@@ -24,8 +24,16 @@ from kvlib.certificate import (
     score_radius,
     variance_proxy,
 )
-from kvlib.formats.dither_int8 import dither_dequantize, dither_int8_bytes, dither_quantize
+from kvlib.formats.dither_int8 import (
+    dequantize_codes,
+    dither_dequantize,
+    dither_int8_bytes,
+    dither_quantize,
+    group_scales,
+    quantize_codes,
+)
 from kvlib.outliers import select_outlier_pairs
+from kvlib.philox import dither
 
 
 def pair_ids(channels: torch.Tensor, d: int) -> set[int]:
@@ -38,19 +46,23 @@ def jaccard(a: set[int], b: set[int]) -> float:
     return 1.0 if not (a or b) else len(a & b) / len(a | b)
 
 
-def pair_stability(acts: dict[int, dict[str, torch.Tensor]], m: int = 8) -> pd.DataFrame:
+def pair_stability(acts: dict[int, dict[str, torch.Tensor]], m: int = 8, calib: int | None = None) -> pd.DataFrame:
     """Top-``m`` energy pairs from the first half of the keys vs the second half, per (layer, kv head).
 
-    ``acts[layer]["k"]`` is ``[1, Hkv, S, d]`` (post-RoPE). Returns one row per (layer, kv_head)
-    with the Jaccard index of the two pair sets.
+    ``acts[layer]["k"]`` is ``[1, Hkv, S, d]`` (post-RoPE). With ``calib`` the first set comes from
+    the first ``calib`` tokens instead of the first half (a short calibration prefix held for a
+    long sequence). Returns one row per (layer, kv_head) with the Jaccard index of the two pair sets.
     """
     rows = []
     for layer, a in sorted(acts.items()):
         k = a["k"][0]  # [Hkv, S, d]
         n_kv, S, d = k.shape
         half = S // 2
+        cal = half if calib is None else calib
+        if not isinstance(cal, int) or not 1 <= cal <= half:
+            raise ValueError(f"calib must be an int in [1, S // 2 = {half}], got {calib!r}")
         for h in range(n_kv):
-            first = pair_ids(select_outlier_pairs(k[h, :half], m), d)
+            first = pair_ids(select_outlier_pairs(k[h, :cal], m), d)
             second = pair_ids(select_outlier_pairs(k[h, half:], m), d)
             rows.append({"layer": layer, "kv_head": h, "jaccard": jaccard(first, second)})
     return pd.DataFrame(rows)
@@ -59,6 +71,35 @@ def pair_stability(acts: dict[int, dict[str, torch.Tensor]], m: int = 8) -> pd.D
 def query_positions(S: int, n: int) -> list[int]:
     """``n`` query positions spread evenly over the second half of a length-``S`` sequence."""
     return sorted({int(round(x)) for x in np.linspace(S // 2, S - 1, n)})
+
+
+def dither_keys(x: torch.Tensor, xi: torch.Tensor, outlier_channels: torch.Tensor | None = None, *,
+                group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(k_hat fp32 [S, d], scales fp16, outliers fp16 | None)`` of one dithered INT8 write and read.
+
+    The same numbers as ``dither_dequantize(dither_quantize(x, ...))`` when ``xi`` is that write's
+    Philox dither (:func:`kvlib.philox.dither`), which does not depend on the outlier budget: a budget
+    sweep draws it once per (layer, kv head) instead of twice per budget (Philox in torch dominates).
+    """
+    x32 = x.to(torch.float32)
+    d = x32.shape[-1]
+    mask = None
+    if outlier_channels is not None and outlier_channels.numel():
+        mask = torch.zeros(d, dtype=torch.bool, device=x32.device)
+        mask[outlier_channels] = True
+    else:
+        outlier_channels = None
+    s16 = group_scales(x32, group, mask)
+    if not bool(torch.isfinite(s16).all()):
+        raise ValueError("x has values too large for an fp16 scale (amax / 126.5 > 65504)")
+    k_hat = dequantize_codes(quantize_codes(x32, s16, xi, group, zero=mask), s16, xi, group)
+    outliers = None
+    if outlier_channels is not None:
+        outliers = x32[:, outlier_channels].to(torch.float16)
+        if not bool(torch.isfinite(outliers).all()):
+            raise ValueError("an outlier channel of x overflows fp16")
+        k_hat[:, outlier_channels] = outliers.to(torch.float32)
+    return k_hat, s16, outliers
 
 
 def certify_budget(acts: dict[int, dict[str, torch.Tensor]], budgets: Sequence[int], *, n_layers: int,
@@ -83,17 +124,17 @@ def certify_budget(acts: dict[int, dict[str, torch.Tensor]], budgets: Sequence[i
         pos = query_positions(S, n_queries)
         cal = S // 2 if calib is None else calib
         for h in range(n_kv):
+            xi = dither(torch.arange(S), d, layer=layer, kv_head=h, seed=seed, side=0)  # one draw for all m
             for m in budgets:
                 oc = select_outlier_pairs(k[h, :cal], m) if m else None
-                qt = dither_quantize(k[h], layer=layer, kv_head=h, slots=torch.arange(S), seed=seed, group=group,
-                                     outlier_channels=oc)
-                khat = dither_dequantize(qt).double()
+                khat, scales, outliers = dither_keys(k[h], xi, oc, group=group)
+                khat = khat.double()
                 for t in pos:
                     qh = q[h * g:(h + 1) * g, t].double()  # [g, d]
                     z_hat = (qh @ khat[: t + 1].T) * sm
-                    u = score_radius(qh, qt.scales[: t + 1], sm_scale=sm, n=t + 1, delta=dloc, group=group,
-                                     outlier_channels=qt.outlier_channels,
-                                     outliers=None if qt.outliers is None else qt.outliers[: t + 1])
+                    u = score_radius(qh, scales[: t + 1], sm_scale=sm, n=t + 1, delta=dloc, group=group,
+                                     outlier_channels=oc,
+                                     outliers=None if outliers is None else outliers[: t + 1])
                     z = (qh @ k[h, : t + 1].double().T) * sm
                     c = certificate_from_scores(z_hat, u)
                     tv = 0.5 * (torch.softmax(z, -1) - torch.softmax(z_hat, -1)).abs().sum(-1)
@@ -125,11 +166,83 @@ def budget_table(certs: pd.DataFrame, *, tau: float = 0.2, d: int = 64, group: i
     return pd.DataFrame(out).set_index("m")
 
 
-def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """Post-RoPE q, k, v per layer of one cache-less forward over ``ids`` (thin wrapper)."""
-    from kvlib.model import prefill_activations
+def _exceeds(df: pd.DataFrame, tau: float, col: str) -> pd.Series:
+    """True where a certificate is above ``tau`` or not finite (overflow counts as no guarantee)."""
+    return ~(np.isfinite(df[col]) & (df[col] <= tau))
 
-    return prefill_activations(model, ids, layers)
+
+def group_exceedance(certs: pd.DataFrame, *, tau: float = 0.2, col: str = "cert") -> pd.DataFrame:
+    """How the exceedances of the query heads that share a KV head co-occur, per budget ``m``.
+
+    Columns: ``fallback`` (measured: some head of the group exceeds ``tau``, over (layer, kv head,
+    t[, doc])); ``fallback_if_independent`` (``1 - coverage^g`` from the pooled coverage, the
+    paper's comparison); ``fallback_if_independent_heads`` (the same with each head's own exceedance
+    rate, so that heads which simply differ in rate do not pass for correlation); ``phi_within`` and
+    ``phi_across``: Pearson (phi) correlation of the exceedance indicators of two query heads of the
+    same KV head, and of two heads of different KV heads of the same layer, after removing each
+    (layer, head) rate (NaN where no head varies).
+    """
+    keys = ["layer", "t", *(["doc"] if "doc" in certs else [])]
+    out = []
+    for m, df in certs.groupby("m"):
+        over = _exceeds(df, tau, col)
+        d = df.assign(over=over.astype(float))
+        g = int(d.groupby(["layer", "kv_head"])["q_head"].nunique().max())
+        grp_keys = ["layer", "kv_head", *keys[1:]]
+        fallback = float(d.groupby(grp_keys)["over"].max().mean())
+        rate = d.groupby(["layer", "q_head"])["over"].transform("mean")
+        p_ok = (1.0 - rate).groupby([d[k] for k in grp_keys]).prod()
+        wide = d.assign(c=d["over"] - rate).pivot_table(index=keys, columns="q_head", values="c", aggfunc="first")
+        head_kv = d.groupby("q_head")["kv_head"].first()
+        x = wide.fillna(0.0).to_numpy()
+        ss = (x * x).sum(0)
+        within, across = [], []
+        cols = list(wide.columns)
+        for i in range(len(cols)):
+            for j in range(i + 1, len(cols)):
+                if ss[i] == 0 or ss[j] == 0:
+                    continue
+                r = float((x[:, i] * x[:, j]).sum() / math.sqrt(ss[i] * ss[j]))
+                (within if head_kv[cols[i]] == head_kv[cols[j]] else across).append(r)
+        cov = 1.0 - float(over.mean())
+        out.append({"m": int(m), "fallback": fallback, "fallback_if_independent": 1.0 - cov ** g,
+                    "fallback_if_independent_heads": float((1.0 - p_ok).mean()),
+                    "phi_within": float(np.mean(within)) if within else math.nan,
+                    "phi_across": float(np.mean(across)) if across else math.nan,
+                    "pairs_within": len(within), "pairs_across": len(across)})
+    return pd.DataFrame(out).set_index("m")
+
+
+def head_max(certs: pd.DataFrame, *, col: str = "cert") -> pd.DataFrame:
+    """Maximum certificate per (layer, query head) over positions (and documents), one column per
+    budget ``m``, rows sorted by the smallest budget's maximum, largest first: the top rows are the
+    massive-activation heads. Overflow (inf) stays inf."""
+    mx = certs.groupby(["layer", "q_head", "m"])[col].max().unstack("m")
+    return mx.sort_values(mx.columns.min(), ascending=False)
+
+
+def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Post-RoPE q, k, v per layer of one cache-less forward over ``ids`` (``[S]`` or ``[1, S]``).
+
+    Runs the decoder stack only: no LM head (at 8k tokens its logits are 0.5 TFLOP and 1.6 GB that
+    nobody reads) and no layer after the last one asked for (:func:`kvlib.model.truncated_model`).
+    The captured tensors equal those of :func:`kvlib.model.prefill_activations`.
+    """
+    from kvlib.model import capture_qkv, instrument, truncated_model
+
+    if ids.ndim == 1:
+        ids = ids[None]
+    n = model.config.num_hidden_layers
+    if layers is not None:
+        layers = sorted({int(i) for i in layers})
+        if not layers or layers[0] < 0 or layers[-1] >= n:
+            raise ValueError(f"layers must be a non-empty set of layer indices in [0, {n}), got {layers!r}")
+    instrument(model)
+    if layers is not None and layers[-1] + 1 < n:
+        model = truncated_model(model, layers[-1] + 1)  # later layers cannot change the captured ones
+    with torch.no_grad(), capture_qkv(layers) as acts:
+        model.model(input_ids=ids.to(model.device), use_cache=False)
+    return dict(acts)
 
 
 def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:

@@ -39,6 +39,10 @@ __all__ = [
     "make_tasks",
     "run_tasks",
     "score",
+    "Prefill",
+    "prefill_exact",
+    "decode_from_prefill",
+    "first_number_done",
 ]
 
 TASK_KINDS = ("passkey", "kv", "multineedle")
@@ -555,3 +559,131 @@ def run_tasks(
             rec.update(inspect_cache(cache))
         records.append(rec)
     return records
+
+
+# ----------------------------------------------------------------------------- shared exact prefill
+@dataclass
+class Prefill:
+    """An exact (full-precision) prefill of a batch of equal-length prompts, shared by KV configurations.
+
+    ``kv[layer] = (keys, values)`` ``[B, H_kv, S - 1, d]`` of every prompt token but the last;
+    ``last_ids [B, 1]`` is the last prompt token, fed as the first decode step, so that the first
+    answer token already reads the configuration's (compressed) cache.
+    """
+
+    tasks: list[RetrievalTask]
+    input_ids: Any  # [B, S]
+    kv: list[tuple[Any, Any]]
+    seconds: float = 0.0
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def rows(self, idx: Sequence[int]) -> Prefill:
+        """The sub-batch of rows ``idx`` (views of the same tensors)."""
+        import torch
+
+        sel = torch.as_tensor(list(idx), dtype=torch.long)
+        return Prefill([self.tasks[i] for i in idx], self.input_ids[sel],
+                       [(k[sel], v[sel]) for k, v in self.kv], self.seconds)
+
+
+def prefill_exact(model: Any, tokenizer: Any, tasks: Sequence[RetrievalTask]) -> Prefill:
+    """Run all prompt tokens but the last through ``model`` with an exact cache, batched.
+
+    The prompts must tokenize to the same length (no padding, so no pad token can enter a
+    quantised group or a certificate): e.g. passkey prompts of one ``length``. The K/V are the
+    model's own (full precision); a configuration then stores them in its format, as KIVI-style
+    systems do (prefill attention in full precision, decode reads the quantised cache).
+    """
+    import time
+
+    import torch
+    from transformers import DynamicCache
+
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("tasks must not be empty")
+    for t in tasks:
+        if not isinstance(t, RetrievalTask):
+            raise TypeError(f"tasks must hold RetrievalTask objects, got {type(t).__name__}")
+    rows = [[int(i) for i in tokenizer(t.prompt(tokenizer), add_special_tokens=False, return_tensors="pt")
+             ["input_ids"][0]] for t in tasks]
+    lens = sorted({len(r) for r in rows})
+    if len(lens) != 1:
+        raise ValueError(f"tasks: prompts must have one token length to share a batch, got lengths {lens}")
+    if lens[0] < 2:
+        raise ValueError("tasks: prompts need at least two tokens")
+    device = next(model.parameters()).device
+    ids = torch.tensor(rows, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return Prefill(tasks, ids, kv, time.perf_counter() - t0)
+
+
+def first_number_done(text: str) -> bool:
+    """True once ``text`` holds a complete first number (digits followed by a non-digit)."""
+    return re.search(r"\d\D", text) is not None
+
+
+def decode_from_prefill(
+    model: Any,
+    tokenizer: Any,
+    prefill: Prefill,
+    cache: Any,
+    *,
+    max_new_tokens: int | None = None,
+    stop_early: bool = True,
+) -> list[str]:
+    """Greedy continuations of a shared prefill through ``cache`` (a fresh, empty ``Cache``).
+
+    The prefill K/V are written into ``cache`` layer by layer (``cache.update``: each format
+    quantises them as it stores them); then the last prompt token and every generated token are
+    decoded one at a time, reading ``cache``. ``max_new_tokens`` defaults to the longest answer's
+    digits plus 3. ``stop_early`` (single-answer tasks only): stop once every row has finished its
+    first number or emitted EOS; the score reads only the first number, so scores are unchanged.
+    """
+    import torch
+
+    if not isinstance(prefill, Prefill):
+        raise TypeError(f"prefill must be a Prefill, got {type(prefill).__name__}")
+    if cache.get_seq_length() != 0:
+        raise ValueError("cache must be empty (a fresh cache per decode)")
+    if max_new_tokens is None:
+        max_new_tokens = max(sum(len(a) for a in t.answers) + 3 for t in prefill.tasks)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    single = all(len(t.answers) == 1 for t in prefill.tasks)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for i, (k, v) in enumerate(prefill.kv):
+        cache.update(k, v, i)
+    pos = prefill.prompt_len - 1
+    tok = prefill.input_ids[:, -1:]
+    out: list[list[int]] = [[] for _ in range(prefill.n_rows)]
+    done = [False] * prefill.n_rows
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            res = model(input_ids=tok, past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([pos], device=tok.device),
+                        position_ids=torch.full_like(tok, pos))
+            tok = res.logits[:, -1:].argmax(-1)
+            pos += 1
+            for r, t in enumerate(tok[:, 0].tolist()):
+                if done[r]:
+                    continue
+                if t == eos:
+                    done[r] = True
+                    continue
+                out[r].append(t)
+                if stop_early and single and first_number_done(tokenizer.decode(out[r], skip_special_tokens=True)):
+                    done[r] = True
+            if all(done):
+                break
+    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]

@@ -74,3 +74,87 @@ def test_batched_probe_reuses_contexts(tiny_model):
     assert np.allclose(a.kl, b.kl, rtol=1e-5, atol=1e-9)
     with pytest.raises(ValueError, match="contexts"):
         batched_probe(tiny_model, prompts, resp, specs, batch=2, contexts=ctxs[:1])
+
+
+# ----------------------------------------------------------------------------- vectorised storage views
+def _chunk_then_decode(model, ids, cache, split, chunk):
+    """Logits of ``ids [B, N]`` fed as a prefix of ``split`` tokens then the rest (one chunk or token by token)."""
+    from kvlib.storage_probe import probe_attention
+
+    with torch.no_grad(), probe_attention(model):
+        rows = [model(ids[:, :split], past_key_values=cache, use_cache=True).logits]
+        if chunk:
+            rows.append(model(ids[:, split:], past_key_values=cache, use_cache=True).logits)
+        else:
+            rows += [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits
+                     for i in range(split, ids.shape[1])]
+    return torch.cat(rows, 1)
+
+
+@pytest.mark.parametrize("fmt,opts", [("fp32", {}), ("kv4", dict(rotate="none")), ("kv4", dict(rotate="kv")),
+                                      ("kv4-g16", {}), ("nvfp4", dict(rotate="k")), ("mxfp4", {})])
+def test_storage_view_equals_format_cache(tiny_model, fmt, opts):
+    """The vectorised view and the per-stream format cache hand attention the same K/V."""
+    from kvlib.hf_cache import make_cache
+    from kvlib.storage_probe import storage_view
+
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    ref = _chunk_then_decode(tiny_model, ids, make_cache(fmt, tiny_model.config, **opts), 20, True)
+    fast = _chunk_then_decode(tiny_model, ids, storage_view(fmt, **opts)(tiny_model.config), 20, True)
+    assert torch.allclose(ref, fast, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [dict(sink=2, recent=5), dict(sink=0, recent=7), dict(sink=9, recent=0),
+                                  dict(sink=3, recent=4, protect="bf16", rotate="kv"), dict(sink=4, recent=64)])
+def test_regional_chunk_equals_decode(tiny_model, opts):
+    """A chunk of forced tokens under the regional attention == the same tokens decoded one by one
+    (each query sees the protected set of its own step), for windows shorter and longer than the chunk."""
+    ids = torch.randint(0, 97, (2, 36), generator=torch.Generator().manual_seed(5))
+    chunk = _chunk_then_decode(tiny_model, ids, ProtectedCache(tiny_model.config, **opts), 12, True)
+    step = _chunk_then_decode(tiny_model, ids, ProtectedCache(tiny_model.config, **opts), 12, False)
+    int4 = _chunk_then_decode(tiny_model, ids, ProtectedCache(tiny_model.config, sink=0, recent=0), 12, True)
+    err = (chunk[:, 12:] - step[:, 12:]).abs().max()
+    effect = (chunk[:, 12:] - int4[:, 12:]).abs().max()
+    # equal up to float rounding (a chunk's K differs from a step's in the last bit, which can move a
+    # value across a bf16 / INT8 rounding boundary): far below what protection itself changes
+    assert err < 1e-4 and err < 0.01 * effect
+
+
+@pytest.mark.parametrize("sink,recent", [(0, 0), (3, 0), (0, 5), (2, 4), (7, 50)])
+def test_protected_region_matches_the_format_rule(sink, recent):
+    from kvlib.formats.kv4rl import protected_mask
+    from kvlib.storage_probe import protected_region
+
+    n = 23
+    q_pos = torch.arange(9, n)
+    m = protected_region(q_pos, n, sink, recent)
+    assert m.shape == (q_pos.numel(), n)
+    for i, t in enumerate(q_pos.tolist()):
+        assert torch.equal(m[i, :t + 1], protected_mask(t + 1, sink, recent))
+        assert int(m[i, :t + 1].sum()) == min(t + 1, sink + recent)
+
+
+def test_storage_view_bad_input(tiny_model):
+    from kvlib.formats import get_format
+    from kvlib.storage_probe import StorageCache, storage_view
+
+    with pytest.raises(ValueError, match="fmt"):
+        storage_view("kivi2")
+    with pytest.raises(ValueError, match="main"):
+        StorageCache(tiny_model.config, get_format("kivi2"))
+    with pytest.raises(TypeError, match="main"):
+        StorageCache(tiny_model.config, "kv4")
+    with pytest.raises(ValueError, match="capacity|sink"):
+        StorageCache(tiny_model.config, None, sink=-1)
+    with pytest.raises(ValueError, match="mode"):
+        batched_probe(tiny_model, torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), {},
+                      mode="fast")
+
+
+def test_probe_attention_restores_the_model(tiny_model):
+    from kvlib.storage_probe import REGIONAL_ATTN, probe_attention
+
+    before = tiny_model.config._attn_implementation
+    with probe_attention(tiny_model):
+        assert tiny_model.config._attn_implementation == REGIONAL_ATTN
+    assert tiny_model.config._attn_implementation == before

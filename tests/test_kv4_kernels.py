@@ -5,6 +5,10 @@ import torch
 
 from kvlib.formats import get_format
 from kvlib.kernels.decode_int4 import (
+    DEFAULT_CONFIG,
+    KV4KernelConfig,
+    SideBuffer,
+    default_num_splits,
     kv4_main_decode,
     kv4_main_decode_ref,
     prepare_query,
@@ -12,7 +16,14 @@ from kvlib.kernels.decode_int4 import (
     region_attention_ref,
 )
 from kvlib.kernels.decode_protected import protected_decode, protected_decode_ref
-from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, dequantized_kv, kv4_decode, kv4rl_decode
+from kvlib.kv4rl_attention import (
+    build_kv4_batch,
+    decode_ref,
+    dequantized_kv,
+    kv4_decode,
+    kv4rl_decode,
+    side_buffer,
+)
 from kvlib.merge import merge_states
 
 B, HQ, HKV, N, D = 3, 4, 2, 90, 32
@@ -49,11 +60,87 @@ def test_main_kernel_matches_reference_ragged(int_pv):
     qp = prepare_query_ref(q)
     start, end = torch.tensor([0, 10, 5]), torch.tensor([90, 60, 5])  # last request: empty region
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
-    o, lse = kv4_main_decode(*args, int_pv=int_pv, num_splits=3, backend="triton")
+    # int PV re-quantises p per block row: its error grows with block_n (bound checked at 64)
+    o, lse = kv4_main_decode(*args, int_pv=int_pv, num_splits=3, block_n=64 if int_pv else None, backend="triton")
     o_ref, lse_ref = kv4_main_decode_ref(*args)
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 5e-2 if int_pv else 2e-3)
     assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()
+
+
+VARIANTS = [
+    dict(k_mode="bytes"),
+    dict(k_mode="planes"),  # falls back to bytes below d = 128; exercised at d = 128 below
+    dict(k_mode="trans", tile_sums=False),
+    dict(rows=16, tile_sums=False),
+    dict(block_n=16, num_splits=8),  # more splits than blocks: empty splits merge away
+    dict(block_n=32, num_splits=1),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_kernel_variants_match_reference(kw):
+    q, k, v = _qkv(8)
+    c = build_kv4_batch(k, v, LENGTHS)
+    qp = prepare_query_ref(q)
+    start, end = torch.tensor([3, 10, 0]), torch.tensor([88, 11, 5])
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    o, lse = kv4_main_decode(*args, config=DEFAULT_CONFIG.replace(**kw), backend="triton")
+    o_ref, lse_ref = kv4_main_decode_ref(*args)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-3)
+
+
+@pytest.mark.parametrize(("k_mode", "n"), [("planes", 48), ("bytes", 45)])
+def test_kernel_d128_word_paths(k_mode, n):
+    """d = 128 (the int16/int32 word paths at full width); odd N takes the 16-bit scale loads."""
+    g = torch.Generator().manual_seed(9)
+    b, hkv, d = 2, 1, 128
+    q = torch.randn(b, 4, d, generator=g)
+    k, v = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    c = build_kv4_batch(k, v, torch.tensor([n, 7]))
+    qp = prepare_query_ref(q)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, torch.tensor([0, 2]), c.lengths)
+    o, lse = kv4_main_decode(*args, config=KV4KernelConfig(block_n=32, k_mode=k_mode), backend="triton")
+    o_ref, lse_ref = kv4_main_decode_ref(*args)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-3)
+
+
+def test_fused_kv4rl_matches_two_launches_and_reference():
+    q, k, v = _qkv(10)
+    lengths = torch.tensor([90, 17, 0])  # long, shorter than sink + recent, empty
+    cache = build_kv4_batch(k, v, lengths, sink=4, recent=16)
+    o_f, lse_f = kv4rl_decode(q, cache, backend="triton")
+    o_2, lse_2 = kv4rl_decode(q, cache, backend="triton", fused=False)
+    o_ref, lse_ref = decode_ref(q, cache)
+    _close(lse_f, lse_2, 1e-5)
+    _close(o_f, o_2, 1e-5)
+    _close(lse_f, lse_ref, 1e-4)
+    _close(o_f, o_ref, 2e-2)  # bf16 PV operands on the protected region
+    assert torch.isneginf(lse_f[2]).all() and (o_f[2] == 0).all()
+
+
+def test_side_buffer_argument_checks():
+    q, k, v = _qkv()
+    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+    qp = prepare_query_ref(q)
+    side = side_buffer(c)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *c.main_range())
+    with pytest.raises(ValueError, match="k8/v8"):
+        kv4_main_decode(*args, side=SideBuffer(side.k8[:, :, :, :8], *side[1:]))
+    with pytest.raises(ValueError, match="count"):
+        kv4_main_decode(*args, side=side._replace(count=side.count[:2]))
+    with pytest.raises(ValueError, match="k_mode"):
+        kv4_main_decode(*args, config=KV4KernelConfig(k_mode="nibbles"), backend="triton")
+    with pytest.raises(ValueError, match="rows"):
+        kv4_main_decode(*args, config=KV4KernelConfig(rows=3), backend="triton")
+
+
+def test_default_num_splits_bounds():
+    cpu = torch.device("cpu")
+    assert default_num_splits(4, 2, 100, 128, cpu) == 1
+    assert default_num_splits(4, 2, 1000, 128, cpu) == 2
 
 
 def test_protected_kernel_matches_reference():
@@ -152,3 +239,15 @@ def test_bad_inputs():
         build_kv4_batch(k[..., :24], v[..., :24], LENGTHS)
     with pytest.raises(ValueError, match="backend"):
         kv4_decode(q, c, backend="cuda")
+
+
+def test_sweep_tiny_wiring():
+    """The GPU tuning sweep's code path at tiny shapes under the interpreter (times mean nothing)."""
+    from kvlib.bench.kv4_sweep import TINY_SHAPES, Sweep, compile_variants
+
+    sw = Sweep(tiny=True)
+    ok = sw.check(compile_variants(tiny=True)[:1])
+    assert [name for name, _ in ok] == ["default"]
+    assert sw.results["check"]["default_oddN"]["pass"]
+    res = sw.shape(TINY_SHAPES[0], ok)
+    assert res["best"]["kv4_ms"] > 0 and set(res["kv4rl"]) >= {"best_fused", "best_two_launch"}

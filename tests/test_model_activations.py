@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -108,3 +109,77 @@ def test_truncated_capture_equals_full_capture() -> None:
             assert torch.equal(full[i][n], part[i][n])
     errs = ra.ablation_errors(part, m=4, n_layers=30, n_queries=2, steps=2)
     assert set(errs.quantizer) == {"dither", "rtn"} and (errs.rel_err >= 0).all()
+
+
+def test_dither_keys_equals_quantize_then_dequantize() -> None:
+    """The budget sweep's one-Philox-draw write/read gives bit for bit the format's numbers."""
+    from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize
+    from kvlib.philox import dither
+
+    k = planted_acts(S=48)[0]["k"][0, 1]
+    xi = dither(torch.arange(48), 64, layer=3, kv_head=1, seed=7)
+    for oc in (None, torch.tensor([3, 10, 35, 42])):
+        qt = dither_quantize(k, layer=3, kv_head=1, slots=torch.arange(48), seed=7, outlier_channels=oc)
+        k_hat, scales, outliers = ra.dither_keys(k, xi, oc)
+        assert torch.equal(k_hat, dither_dequantize(qt)) and torch.equal(scales, qt.scales)
+        assert (outliers is None) == (qt.outliers is None)
+        if outliers is not None:
+            assert torch.equal(outliers, qt.outliers)
+    with pytest.raises(ValueError, match="fp16 scale"):
+        ra.dither_keys(k * 1e9, xi)
+
+
+def _certs_frame(over: np.ndarray, g: int = 3) -> pd.DataFrame:
+    """Rows (m=0, layer 0, q_head j, t) with cert 1.0 where ``over[t, j]`` else 0.0."""
+
+    T, H = over.shape
+    return pd.DataFrame([{"m": 0, "layer": 0, "kv_head": j // g, "q_head": j, "t": t,
+                          "cert": 1.0 if over[t, j] else 0.0} for t in range(T) for j in range(H)])
+
+
+def test_group_exceedance_known_answers() -> None:
+    rng = np.random.default_rng(0)
+    T = 400
+    shared = rng.random((T, 2)) < 0.3  # one exceedance event per KV group, shared by its 3 heads
+    together = np.repeat(shared, 3, axis=1)
+    r = ra.group_exceedance(_certs_frame(together), tau=0.2).loc[0]
+    assert r.phi_within == pytest.approx(1.0)
+    assert abs(r.phi_across) < 0.2 and r.pairs_within == 6 and r.pairs_across == 9
+    assert r.fallback == pytest.approx(shared.mean())
+    assert r.fallback < r.fallback_if_independent_heads <= 1.0
+    alone = rng.random((T, 6)) < 0.3
+    r2 = ra.group_exceedance(_certs_frame(alone), tau=0.2).loc[0]
+    assert abs(r2.phi_within) < 0.15
+    assert r2.fallback == pytest.approx(r2.fallback_if_independent_heads, abs=0.06)
+    never = ra.group_exceedance(_certs_frame(np.zeros((10, 6), bool)), tau=0.2).loc[0]
+    assert np.isnan(never.phi_within) and never.fallback == 0.0
+
+
+def test_head_max_orders_massive_heads_first() -> None:
+    certs = ra.certify_budget(planted_acts(), [0, 1], n_layers=2, n_queries=4, delta_req=0.01, steps=4)
+    mx = ra.head_max(certs)
+    assert list(mx.columns) == [0, 1] and len(mx) == 2 * 4
+    assert (np.diff(mx[0].to_numpy()) <= 0).all()
+    assert mx[0].iloc[0] == certs.loc[certs.m == 0, "cert"].max()
+
+
+def test_pair_stability_calibration_prefix() -> None:
+    acts = planted_acts(S=64)
+    jac = ra.pair_stability(acts, m=1, calib=8)
+    assert (jac.jaccard == 1.0).all()
+    with pytest.raises(ValueError, match="calib"):
+        ra.pair_stability(acts, m=1, calib=33)
+
+
+@pytest.mark.skipif(not kvmodel.model_available(), reason=f"SmolLM2 GGUF absent; {kvmodel.install_command()}")
+def test_capture_skips_head_and_later_layers_without_changing_activations() -> None:
+    model, tok = kvmodel.load_model()
+    ids = tok("Once upon a time there was a key cache.", return_tensors="pt").input_ids
+    ref = kvmodel.prefill_activations(model, ids, [1, 4])
+    mine = ra.capture(model, ids[0], [4, 1])
+    assert sorted(mine) == [1, 4]
+    for i in (1, 4):
+        for n in ("q", "k", "v"):
+            assert torch.equal(ref[i][n], mine[i][n])
+    with pytest.raises(ValueError, match="layers"):
+        ra.capture(model, ids, [model.config.num_hidden_layers])

@@ -8,12 +8,16 @@ import pytest
 
 from kvlib.tasks import (
     TASK_KINDS,
+    Prefill,
     RetrievalTask,
     approx_token_count,
     count_tokens,
+    decode_from_prefill,
     extract_numbers,
+    first_number_done,
     make_task,
     make_tasks,
+    prefill_exact,
     run_tasks,
     score,
 )
@@ -264,3 +268,81 @@ def test_real_tokenizer_lengths_and_template() -> None:
         n = len(tok(prompt, add_special_tokens=False)["input_ids"])
         assert n == task.n_tokens
         assert length - 40 <= n <= length
+
+
+# ----------------------------------------------------------------------------- shared exact prefill
+def _tiny():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    class TinyTok(CharTokenizer):
+        eos_token_id = None
+
+        def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+            ids = torch.tensor([[ord(c) % 120 for c in text]])
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(48 + int(i) % 10) if int(i) % 3 else "." for i in ids)
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg).eval(), TinyTok(), transformers
+
+
+def test_decode_from_prefill_matches_generate_with_full_cache() -> None:
+    """Shared prefill + a fresh exact cache reproduces plain greedy generation, row by row."""
+    model, tok, transformers = _tiny()
+    tasks = make_tasks("passkey", 3, length=600, tokenizer=tok)
+    assert len({t.n_tokens for t in tasks}) == 1  # passkey prompts of one length share a batch
+    pf = prefill_exact(model, tok, tasks)
+    assert isinstance(pf, Prefill) and pf.n_rows == 3 and pf.prompt_len == tasks[0].n_tokens
+    assert pf.kv[0][0].shape[-2] == pf.prompt_len - 1  # every prompt token but the last
+    outs = decode_from_prefill(model, tok, pf, transformers.DynamicCache(config=model.config), max_new_tokens=5,
+                               stop_early=False)
+    want = [r["output"] for r in run_tasks(model, tok, tasks, max_new_tokens=5)]
+    assert outs == want
+    sub = pf.rows([2, 0])
+    assert [t.task_id for t in sub.tasks] == [tasks[2].task_id, tasks[0].task_id]
+    outs_sub = decode_from_prefill(model, tok, sub, transformers.DynamicCache(config=model.config),
+                                   max_new_tokens=5, stop_early=False)
+    assert outs_sub == [want[2], want[0]]
+
+
+def test_stop_early_keeps_the_score() -> None:
+    model, tok, transformers = _tiny()
+    tasks = make_tasks("passkey", 2, length=600, tokenizer=tok)
+    pf = prefill_exact(model, tok, tasks)
+    full = decode_from_prefill(model, tok, pf, transformers.DynamicCache(config=model.config), max_new_tokens=12,
+                               stop_early=False)
+    short = decode_from_prefill(model, tok, pf, transformers.DynamicCache(config=model.config), max_new_tokens=12)
+    for t, f, s_ in zip(tasks, full, short, strict=True):
+        assert f.startswith(s_)
+        assert score(t, f) == score(t, s_)
+        assert first_number_done(s_) or s_ == f
+
+
+def test_prefill_rejects_mixed_lengths_and_bad_input() -> None:
+    model, tok, transformers = _tiny()
+    a = make_task("passkey", length=600, tokenizer=tok)
+    b = make_task("passkey", length=500, tokenizer=tok)
+    with pytest.raises(ValueError, match="one token length"):
+        prefill_exact(model, tok, [a, b])
+    with pytest.raises(ValueError, match="empty"):
+        prefill_exact(model, tok, [])
+    with pytest.raises(TypeError, match="RetrievalTask"):
+        prefill_exact(model, tok, ["x"])
+    pf = prefill_exact(model, tok, [a])
+    cache = transformers.DynamicCache(config=model.config)
+    decode_from_prefill(model, tok, pf, cache, max_new_tokens=1)
+    with pytest.raises(ValueError, match="empty"):
+        decode_from_prefill(model, tok, pf, cache)
+    with pytest.raises(TypeError, match="Prefill"):
+        decode_from_prefill(model, tok, [a], transformers.DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize(("text", "done"), [(" 123", False), (" 123.", True), ("", False), (" 12 3", True)])
+def test_first_number_done(text: str, done: bool) -> None:
+    assert first_number_done(text) is done

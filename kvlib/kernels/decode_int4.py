@@ -8,16 +8,38 @@ main region excludes the protected positions).
 
 QK is INT8 query x INT4 codes on the tensor cores, with the query scale, key scale and key offset
 applied after the reduction: ``q̂·k̂ = s_q Δ_k (q8·c) + m_k (s_q Σ q8)``. PV is either dequantised
-(``fp16`` probabilities folded with ``Δ_v`` x fp16 codes, fp32 accumulate) or integer
-(``p Δ_v`` re-quantised to INT8 per block row, INT8 x INT4 codes, int32 accumulate); the offsets
-``m_v`` enter through ``Σ p m_v``. Split-KV partial states are combined by
-:func:`kvlib.kernels.merge_tl.merge_splits`, whose reference is a fold of :func:`kvlib.merge.merge_states`.
+(fp16 ``p Δ_v`` x fp16 ``1024 + c`` built by the magic-number trick ``0x6400 | c``, fp32
+accumulate; the default) or integer (``p Δ_v`` re-quantised to INT8 per block row, INT8 x INT4
+codes, int32 accumulate); the offsets ``m_v`` (and the ``1024 Σ p`` excess) enter through one sum.
+
+Decode reads each byte once, so the kernel is a streaming kernel: it must keep enough loads in flight
+and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64 positions). Design:
+
+* blocks are aligned to ``block_n`` in absolute positions and splits take whole blocks, so every
+  load is unmasked or masked with a mask constant over 16 positions; the fp16 scales are read as
+  int32 pairs; all loads then become the software pipeliner's asynchronous copies (``num_stages``);
+* V codes are read as int16 words (four codes) and dequantised per nibble plane in the tensor-core
+  operand layout (one ``lop3`` per two codes, operand loads by ``ldmatrix.trans``); K codes as
+  bytes (even/odd nibbles), the query as int16/int32 words split in registers (row-major operands);
+* query rows are the GQA group rounded to a power of two (not 16): the softmax arithmetic scales
+  with the rows; the QK operand is zero-padded to 16 rows and folded back (exact) to avoid
+  replicated tensor-core fragments;
+* the softmax sums can be kept as per-element tiles reduced once after the loop (``tile_sums``);
+* KV4-RL's protected region (INT8 side buffer) runs in the same launch as one extra split per
+  (request, kv head), its state merged with the INT4 splits by the same merge, so KV4-RL costs
+  the launches of KV4.
+
+Split-KV partial states are combined by :func:`kvlib.kernels.merge_tl.merge_splits`, whose reference
+is a fold of :func:`kvlib.merge.merge_states`. Launch parameters live in :class:`KV4KernelConfig`
+(tuned on the GPU by :mod:`kvlib.bench.kv4_sweep`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -149,145 +171,593 @@ def _nibbles_f16_plus1024(x, HIGH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _load_block(n0, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Codes and per-position scale/offset of positions ``n0 .. n0+BLOCK_N`` (masked at ``hi``)."""
-    half = tl.arange(0, HALF)
-    offs = n0 + tl.arange(0, BLOCK_N)
-    nm = offs < hi
-    pos = kv_row0 + offs
-    kc = tl.load(KC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-    vc = tl.load(VC + pos[:, None] * HALF + half[None, :], mask=nm[:, None], other=0)
-    ks = tl.load(KS + pos, mask=nm, other=0.0)
-    ko = tl.load(KO + pos, mask=nm, other=0.0)
-    vs = tl.load(VS + pos, mask=nm, other=0.0)
-    vo = tl.load(VO + pos, mask=nm, other=0.0)
-    return kc, ks, ko, vc, vs, vo
+def _plane_f16_plus1024(x, J: tl.constexpr, FAST: tl.constexpr):
+    """``1024 + nibble J`` (channel ``4i + J``) of int16 words holding four codes, as fp16 (exact).
+
+    FAST: one ``lop3`` (plus a shift for J > 0) per two codes: ``(w >> 4J) & 0x000F000F | 0x64006400``
+    gives the fp16 bits ``0x6400 | c`` of two words at once (the magic-number conversion)."""
+    if FAST:
+        if J == 0:
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [x], dtype=tl.float16, is_pure=True,
+                pack=2,
+            )  # fmt: skip
+        if J == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+                "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        if J == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+                "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+            "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+    return ((x >> (4 * J)) & 15).to(tl.float16) + 1024.0
 
 
 @triton.jit
-def _main_block(
-    n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
-    m_i, l_i, acc_e, acc_o, acc_m,
-    BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, FAST: tl.constexpr,
-):  # fmt: skip
-    """One block of BLOCK_N positions: INT4 codes x INT8 query, online softmax, PV; returns the updated state.
+def _plane_i8(x, J: tl.constexpr, FAST: tl.constexpr):
+    """Nibble J (channel ``4i + J``) of int16 words holding four codes, as int8. FAST: per four words,
+    shift and mask two registers and gather the four low bytes with one ``prmt``."""
+    if FAST:
+        if J == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b; and.b32 a, $1, 0x000F000F; and.b32 b, $2, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
+                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        if J == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b; shr.b32 a, $1, 4; shr.b32 b, $2, 4; and.b32 a, a, 0x000F000F; "
+                "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
+                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        if J == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 a, b; shr.b32 a, $1, 8; shr.b32 b, $2, 8; and.b32 a, a, 0x000F000F; "
+                "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
+                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 a, b; shr.b32 a, $1, 12; shr.b32 b, $2, 12; and.b32 a, a, 0x000F000F; "
+            "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
+            "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
+        )  # fmt: skip
+    return ((x >> (4 * J)) & 15).to(tl.int8)
 
-    Scores are computed transposed, ``s^T [BLOCK_N, GP] = codes @ q8^T``, so the packed codes are the
-    row-major A operand of the tensor-core dot (no transposition of 8-bit tiles).
+
+@triton.jit
+def _ld(ptrs, mask, EVEN: tl.constexpr):
+    """``tl.load(ptrs, mask, other=0)``, or unmasked when EVEN (every aligned block lies inside ``N``)."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _load_scales(ptr, n0, N, BLOCK_N: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr):
+    """fp16 per-position scales of ``[n0, n0 + BLOCK_N)`` as fp32. SCALE32 (``N`` and ``n0`` even): read as
+    int32 pairs, so each load is 32 bits wide whatever layout the compiler gives the vector (16-bit
+    loads are not turned into asynchronous copies by the pipeliner)."""
+    if SCALE32:
+        offs2 = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        w = _ld(ptr.to(tl.pointer_type(tl.int32)) + offs2, offs2 < N // 2, EVEN)
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N]).to(tl.float32)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    return _ld(ptr + offs, offs < N, EVEN).to(tl.float32)
+
+
+@triton.jit
+def _main_step(
+    n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
+    TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
+
+    Loads are masked only by ``offs < N`` (in-bounds memory: with ``N`` a multiple of 16 the masks are
+    constant over 16 positions, so every load, the fp16 scales included, is wide enough for the
+    software pipeliner's asynchronous copies); positions outside ``[start, end)`` are removed from the
+    scores (``-inf``) and their scales zeroed (padding may hold any bits). ``l_i``/``acc_m`` are
+    per-row sums, or with ``TILE_SUMS`` per-element tiles reduced once after the loop (fewer
+    cross-warp reductions per block). ``KMODE`` picks how the key codes meet the INT8 query (see
+    :class:`KV4KernelConfig`); V codes are read as int16 words (four codes, channels ``4i..4i+3``) and
+    dequantised per plane in the dot-operand layout, so no 8-bit tile is transposed byte by byte.
     """
-    nm = (n0 + tl.arange(0, BLOCK_N)) < hi
-    s_int = tl.dot(_nibbles_i8(kc, False, FAST), q_eT)
-    s_int += tl.dot(_nibbles_i8(kc, True, FAST), q_oT)
-    ks = ks.to(tl.float32)
-    ko = ko.to(tl.float32)
-    s = (s_int.to(tl.float32) * ks[:, None] * qs[None, :] + ko[:, None] * qsum[None, :]) * sm_scale_log2
-    s = tl.where(nm[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    half = tl.arange(0, HALF)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    inb = offs < N
+    valid = (offs >= start) & (offs < end)
+    ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
+    ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
+    vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+    vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+    if KMODE == 0:  # int16 words, four planes of channels 4i+J: q @ plane^T, K = d/4 each
+        QUARTER: tl.constexpr = HALF // 2
+        quarter = tl.arange(0, QUARTER)
+        kw = tl.trans(_ld(KWb + offs[:, None] * QUARTER + quarter[None, :], inb[:, None], EVEN))
+        s_int = tl.dot(q0, _plane_i8(kw, 0, FAST))
+        s_int = tl.dot(q1, _plane_i8(kw, 1, FAST), s_int, out_dtype=tl.int32)
+        s_int = tl.dot(q2, _plane_i8(kw, 2, FAST), s_int, out_dtype=tl.int32)
+        s_int = tl.dot(q3, _plane_i8(kw, 3, FAST), s_int, out_dtype=tl.int32)
+        s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+    else:  # bytes, even/odd channels: q @ codes^T
+        kct = tl.trans(_ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN))
+        s_int = tl.dot(q0, _nibbles_i8(kct, False, FAST))
+        s_int = tl.dot(q1, _nibbles_i8(kct, True, FAST), s_int, out_dtype=tl.int32)
+        if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
+            s_int = tl.sum(tl.reshape(s_int, [q0.shape[0] // m_i.shape[0], m_i.shape[0], BLOCK_N]), axis=0)
+        s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+    s = tl.where(valid[None, :], s, float("-inf"))  # [GP, BLOCK_N], log2 units
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, GP]
-    vs = vs.to(tl.float32)
-    vo = vo.to(tl.float32)
-    pv = tl.trans(p * vs[:, None])  # [GP, BLOCK_N]
+    p = tl.exp2(s - m_new[:, None])
+    # vo is folded in with a zero weight only so that its load feeds a dot: the software pipeliner
+    # turns only such loads into asynchronous copies (vs and vo are finite here, so this is exact)
+    pv = p * (vs + 0.0 * vo)[None, :]
     if INT_PV:
+        vc = _ld(VCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN)
         sc = tl.max(pv, axis=1) / 127.0
         sc = tl.where(sc > 0, sc, 1.0)
         pq = (pv / sc[:, None] + 0.5).to(tl.int8)
-        acc_e = acc_e * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, False, FAST)).to(tl.float32) * sc[:, None]
-        acc_o = acc_o * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, True, FAST)).to(tl.float32) * sc[:, None]
-        acc_m = acc_m * alpha + tl.sum(p * vo[:, None], axis=0)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, False, FAST)).to(tl.float32) * sc[:, None]
+        acc1 = acc1 * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, True, FAST)).to(tl.float32) * sc[:, None]
+        pm = p * vo[None, :]
     else:
-        # fp16 codes are 1024 + c (exact); the 1024 Σ p16 excess is removed through acc_m
+        # int16 words of four codes (channels 4i..4i+3); plane J is channel 4i+J as fp16 1024 + c
+        # (exact); the excess 1024 Σ p16 is removed through acc_m
+        QV: tl.constexpr = HALF // 2
+        qv = tl.arange(0, QV)
+        vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p16, _nibbles_f16_plus1024(vc, False, FAST))
-        acc_o = acc_o * alpha[:, None] + tl.dot(p16, _nibbles_f16_plus1024(vc, True, FAST))
-        excess = 1024.0 * tl.sum(p16.to(tl.float32), axis=1)
-        acc_m = acc_m * alpha + tl.sum(p * vo[:, None], axis=0) - excess
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    return m_new, l_i, acc_e, acc_o, acc_m
+        acc0 = tl.dot(p16, _plane_f16_plus1024(vw, 0, FAST), acc0 * alpha[:, None])
+        acc1 = tl.dot(p16, _plane_f16_plus1024(vw, 1, FAST), acc1 * alpha[:, None])
+        acc2 = tl.dot(p16, _plane_f16_plus1024(vw, 2, FAST), acc2 * alpha[:, None])
+        acc3 = tl.dot(p16, _plane_f16_plus1024(vw, 3, FAST), acc3 * alpha[:, None])
+        pm = p * vo[None, :] - 1024.0 * p16.to(tl.float32)
+    if TILE_SUMS:
+        l_i = l_i * alpha[:, None] + p
+        acc_m = acc_m * alpha[:, None] + pm
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc_m = acc_m * alpha + tl.sum(pm, axis=1)
+    return m_new, l_i, acc0, acc1, acc2, acc3, acc_m
 
 
 @triton.jit
-def _kv4_main_kernel(
-    Q8, QS, QSUM,
-    KC, KS, KO, VC, VS, VO,
-    START, END,
-    OUT, LSE,
-    sm_scale_log2, N,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INT_PV: tl.constexpr, INTERP: tl.constexpr, PREFETCH: tl.constexpr,
+def _main_region(
+    b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
+    TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+    QPAD: tl.constexpr = True,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
+    """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
+
+    QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
+    """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
-    start = _scalar_load(START + b)
-    end = _scalar_load(END + b)
-    length = tl.maximum(end - start, 0)
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + sp * chunk
-    hi = tl.minimum(lo + chunk, end)
+    start = _scalar_load(START + b).to(tl.int32)  # (the reduction widens; positions fit 32 bits)
+    end = tl.maximum(_scalar_load(END + b).to(tl.int32), start)
+    first = start // BLOCK_N
+    nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
+    bps = tl.cdiv(nblk, SPLITS)
+    blo = first + sp * bps
+    bhi = tl.minimum(blo + bps, first + nblk)
 
     rows = tl.arange(0, GP)
     row_ok = rows < G
     half = tl.arange(0, HALF)
     qrow = (b * HQ + h * G + rows).to(tl.int64)
-    q_eT = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None], mask=row_ok[None, :], other=0)  # [HALF, GP]
-    q_oT = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None] + 1, mask=row_ok[None, :], other=0)
-    qs = tl.load(QS + qrow, mask=row_ok, other=0.0)
-    qsum = tl.load(QSUM + qrow, mask=row_ok, other=0.0)
+    # q is read as whole words and split into bytes in registers, so the loop-invariant dot operand
+    # lands in shared memory row-major (the layout the tensor-core operand loads want)
+    if KMODE == 0:
+        QUARTER: tl.constexpr = HALF // 2
+        qw = tl.load(QW + qrow[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :], mask=row_ok[:, None], other=0)
+        q0 = qw.to(tl.int8)  # [GP, d/4], channels 4i + J
+        q1 = (qw >> 8).to(tl.int8)
+        q2 = (qw >> 16).to(tl.int8)
+        q3 = (qw >> 24).to(tl.int8)
+    else:
+        rq = tl.arange(0, 16 if QPAD else GP)
+        qrq = (b * HQ + h * G + rq).to(tl.int64)
+        qh = tl.load(QH + qrq[:, None] * HALF + half[None, :], mask=(rq < G)[:, None], other=0)
+        q0 = qh.to(tl.int8)  # [GP or 16, HALF], even channels
+        q1 = (qh >> 8).to(tl.int8)
+        q2 = q0
+        q3 = q1
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
 
     kv_row0 = (b * HKV + h).to(tl.int64) * N
+    KCb = KC + kv_row0 * HALF
+    KWb = KW + kv_row0 * (HALF // 2)
+    VCb = VC + kv_row0 * HALF
+    VWb = VW + kv_row0 * (HALF // 2)
+    KSb = KS + kv_row0
+    KOb = KO + kv_row0
+    VSb = VS + kv_row0
+    VOb = VO + kv_row0
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc_e = tl.zeros([GP, HALF], tl.float32)
-    acc_o = tl.zeros([GP, HALF], tl.float32)
-    acc_m = tl.zeros([GP], tl.float32)
-    # PREFETCH: register double buffering (next block's loads issued before this block's math);
-    # costs registers, hence occupancy.
+    if TILE_SUMS:
+        l_i = tl.zeros([GP, BLOCK_N], tl.float32)
+        acc_m = tl.zeros([GP, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([GP], tl.float32)
+        acc_m = tl.zeros([GP], tl.float32)
+    ACC_W: tl.constexpr = HALF if INT_PV else HALF // 2  # even/odd channels, or the four planes
+    acc0 = tl.zeros([GP, ACC_W], tl.float32)
+    acc1 = tl.zeros([GP, ACC_W], tl.float32)
+    acc2 = tl.zeros([GP, ACC_W], tl.float32)
+    acc3 = tl.zeros([GP, ACC_W], tl.float32)
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
-        kc, ks, ko, vc, vs, vo = _load_block(lo, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
-        n0 = lo
-        while n0 < hi:
-            nxt = _load_block(n0 + BLOCK_N, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
-            m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, BLOCK_N, INT_PV, False,
+        n0 = blo * BLOCK_N
+        while n0 < bhi * BLOCK_N:
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
+                n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, False,
             )  # fmt: skip
-            kc, ks, ko, vc, vs, vo = nxt
             n0 += BLOCK_N
     else:
-        if PREFETCH:
-            kc, ks, ko, vc, vs, vo = _load_block(lo, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
-        for n0 in range(lo, hi, BLOCK_N):
-            if PREFETCH:
-                nxt = _load_block(n0 + BLOCK_N, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
-            else:
-                kc, ks, ko, vc, vs, vo = _load_block(n0, hi, kv_row0, KC, KS, KO, VC, VS, VO, HALF, BLOCK_N)
-            m_i, l_i, acc_e, acc_o, acc_m = _main_block(
-                n0, hi, kc, ks, ko, vc, vs, vo, q_eT, q_oT, qs, qsum, sm_scale_log2,
-                m_i, l_i, acc_e, acc_o, acc_m, BLOCK_N, INT_PV, True,
+        for n0 in range(blo * BLOCK_N, bhi * BLOCK_N, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
+                n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, True,
             )  # fmt: skip
-            if PREFETCH:
-                kc, ks, ko, vc, vs, vo = nxt
+    if TILE_SUMS:
+        l_i = tl.sum(l_i, axis=1)
+        acc_m = tl.sum(acc_m, axis=1)
 
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    o_e = (acc_e + acc_m[:, None]) * inv[:, None]
-    o_o = (acc_o + acc_m[:, None]) * inv[:, None]
-    orow = qrow * SPLITS + sp
-    tl.store(OUT + orow[:, None] * D + 2 * half[None, :], o_e, mask=row_ok[:, None])
-    tl.store(OUT + orow[:, None] * D + 2 * half[None, :] + 1, o_o, mask=row_ok[:, None])
+    orow = qrow * NS + sp
+    obase = OUT + orow[:, None] * D
+    if INT_PV:
+        tl.store(obase + 2 * half[None, :], (acc0 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
+        tl.store(obase + 2 * half[None, :] + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
+    else:
+        qc = 4 * tl.arange(0, HALF // 2)[None, :]
+        tl.store(obase + qc, (acc0 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
+        tl.store(obase + qc + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
+        tl.store(obase + qc + 2, (acc2 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
+        tl.store(obase + qc + 3, (acc3 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
-def _num_splits(b: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:
+@triton.jit
+def _main_step_t(
+    n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
+    ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
+    N dimension (no replicated A fragments when the GQA group is below 16)."""
+    half = tl.arange(0, HALF)
+    QV: tl.constexpr = HALF // 2
+    qv = tl.arange(0, QV)
+    offs = n0 + tl.arange(0, BLOCK_N)
+    inb = offs < N
+    valid = (offs >= start) & (offs < end)
+    ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
+    ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
+    vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+    vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+    kc = _ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN)
+    s_int = tl.dot(_nibbles_i8(kc, False, FAST), q0)
+    s_int = tl.dot(_nibbles_i8(kc, True, FAST), q1, s_int, out_dtype=tl.int32)  # [BLOCK_N, GP]
+    s = s_int.to(tl.float32) * (ks[:, None] * a_q[None, :]) + ko[:, None] * c_q[None, :]
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    p16 = (p * (vs + 0.0 * vo)[:, None]).to(tl.float16)  # vo: see _main_step
+    vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))  # [QV, BLOCK_N]
+    acc0 = tl.dot(_plane_f16_plus1024(vwt, 0, FAST), p16, acc0 * alpha[None, :])  # [QV, GP]
+    acc1 = tl.dot(_plane_f16_plus1024(vwt, 1, FAST), p16, acc1 * alpha[None, :])
+    acc2 = tl.dot(_plane_f16_plus1024(vwt, 2, FAST), p16, acc2 * alpha[None, :])
+    acc3 = tl.dot(_plane_f16_plus1024(vwt, 3, FAST), p16, acc3 * alpha[None, :])
+    pm = p * vo[:, None] - 1024.0 * p16.to(tl.float32)
+    if TILE_SUMS:
+        l_i = l_i * alpha[None, :] + p
+        acc_m = acc_m * alpha[None, :] + pm
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc_m = acc_m * alpha + tl.sum(pm, axis=0)
+    return m_new, l_i, acc0, acc1, acc2, acc3, acc_m
+
+
+@triton.jit
+def _main_region_t(
+    b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """:func:`_main_region` with the transposed step (fp16 PV only)."""
+    HALF: tl.constexpr = D // 2
+    QV: tl.constexpr = HALF // 2
+    HQ: tl.constexpr = HKV * G
+    start = _scalar_load(START + b).to(tl.int32)
+    end = tl.maximum(_scalar_load(END + b).to(tl.int32), start)
+    first = start // BLOCK_N
+    nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
+    bps = tl.cdiv(nblk, SPLITS)
+    blo = first + sp * bps
+    bhi = tl.minimum(blo + bps, first + nblk)
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    half = tl.arange(0, HALF)
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    q0 = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None], mask=row_ok[None, :], other=0)  # [HALF, GP]
+    q1 = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None] + 1, mask=row_ok[None, :], other=0)
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    kv_row0 = (b * HKV + h).to(tl.int64) * N
+    KCb = KC + kv_row0 * HALF
+    VWb = VW + kv_row0 * QV
+    KSb = KS + kv_row0
+    KOb = KO + kv_row0
+    VSb = VS + kv_row0
+    VOb = VO + kv_row0
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    if TILE_SUMS:
+        l_i = tl.zeros([BLOCK_N, GP], tl.float32)
+        acc_m = tl.zeros([BLOCK_N, GP], tl.float32)
+    else:
+        l_i = tl.zeros([GP], tl.float32)
+        acc_m = tl.zeros([GP], tl.float32)
+    acc0 = tl.zeros([QV, GP], tl.float32)
+    acc1 = tl.zeros([QV, GP], tl.float32)
+    acc2 = tl.zeros([QV, GP], tl.float32)
+    acc3 = tl.zeros([QV, GP], tl.float32)
+    if INTERP:
+        n0 = blo * BLOCK_N
+        while n0 < bhi * BLOCK_N:
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
+                n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, False,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(blo * BLOCK_N, bhi * BLOCK_N, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
+                n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, True,
+            )  # fmt: skip
+    if TILE_SUMS:
+        l_i = tl.sum(l_i, axis=0)
+        acc_m = tl.sum(acc_m, axis=0)
+    nonempty = l_i > 0
+    inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    orow = qrow * NS + sp
+    obase = OUT + orow[None, :] * D + 4 * tl.arange(0, QV)[:, None]  # [QV, GP]
+    tl.store(obase, (acc0 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
+    tl.store(obase + 1, (acc1 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
+    tl.store(obase + 2, (acc2 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
+    tl.store(obase + 3, (acc3 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    tl.store(LSE + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _region(
+    b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
+    TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    if KMODE == 2:
+        _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP)
+    else:
+        _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
+                     INTERP)
+
+
+@triton.jit
+def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """Side slots ``[n0, n0 + BLOCK_P)`` (masked at ``cnt``): INT8 QK, online softmax, bf16 PV."""
+    cols = tl.arange(0, D)
+    offs = n0 + tl.arange(0, BLOCK_P)
+    nm = offs < cnt
+    slot = slot0 + offs
+    k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    ks = tl.load(K8S + slot, mask=nm, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * (a_q[:, None] * ks[None, :])
+    s = tl.where(nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
+    v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
+    if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _protected_region(
+    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
+    NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
+    HQ: tl.constexpr = HKV * G
+    cnt = tl.minimum(_scalar_load(COUNT + b), C)
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    cols = tl.arange(0, D)
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    slot0 = (b * HKV + h).to(tl.int64) * C
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if INTERP:
+        n0 = cnt * 0
+        while n0 < cnt:
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
+            n0 += BLOCK_P
+    else:
+        for n0 in range(0, cnt, BLOCK_P):
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
+    nonempty = l_i > 0
+    inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    orow = qrow * NS + orow_split
+    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    tl.store(LSE + orow, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
+def _kv4_decode_kernel(
+    Q8, QH, QW, QS, QSUM,
+    KC, KW, KS, KO, VC, VW, VS, VO, START, END,
+    K8, K8S, V8, V8S, COUNT,
+    OUT, LSE,
+    sm_scale_log2, N, C, SPLITS,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
+    TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
+    BLOCK_P: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
+    with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
+    KV4-RL costs one launch like KV4 and its states meet in the same split merge."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    NS = SPLITS + PROT
+    if PROT:
+        if sp == SPLITS:
+            _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
+                              HKV, G, GP, D, BLOCK_P, INTERP)
+        else:
+            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                         sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                         SCALE32, EVEN, INTERP)
+    else:
+        _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
+                     INTERP)
+
+
+@dataclass(frozen=True)
+class KV4KernelConfig:
+    """Launch parameters of :func:`kv4_main_decode` (the sweep in :mod:`kvlib.bench.kv4_sweep` tunes them).
+
+    - ``block_n``: positions per loop step; ``num_warps``; ``num_stages``: software-pipelined
+      asynchronous copies of the next blocks in flight.
+    - ``num_splits``: split-KV programs per (request, kv head); ``None``: the wave model of
+      :func:`default_num_splits` with ``ctas_per_sm`` programs resident per SM.
+    - ``int_pv``: integer PV (INT8 probabilities x INT4 codes) instead of dequantised fp16 PV.
+    - ``k_mode``: how QK reads the key codes: ``"bytes"`` uint8 even/odd nibbles (two INT8 dots of
+      K = d/2), ``"planes"`` int16 words split into four nibble planes (four dots of K = d/4; needs
+      d >= 128), ``"trans"`` bytes but transposed throughout (``s^T = codes @ q^T``,
+      ``o^T += V^T @ p^T``: code tiles as A operands, query rows in N; fp16 PV only).
+    - ``rows``: query rows per tile (``None``: the GQA group rounded up to a power of two; the
+      tensor cores pad small tiles themselves, so fewer rows means less softmax arithmetic).
+    - ``tile_sums``: per-element softmax-sum tiles (one reduction after the loop instead of two per block).
+    - ``block_p``: side slots per step of the protected region; ``maxnreg``: register cap.
+    """
+
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+    int_pv: bool = False
+    k_mode: str = "bytes"
+    tile_sums: bool = True
+    rows: int | None = None
+    block_p: int = 32
+    ctas_per_sm: int = 3
+    maxnreg: int | None = None
+
+    def replace(self, **kw) -> KV4KernelConfig:
+        """A copy with the given fields changed."""
+        return dataclasses.replace(self, **kw)
+
+
+_KMODES = ("planes", "bytes", "trans")
+DEFAULT_CONFIG = KV4KernelConfig()
+
+
+class SideBuffer(NamedTuple):
+    """KV4-RL protected region of a batch: int8 ``k8``/``v8 [B, Hkv, C, d]`` (keys rotated), fp16
+    per-slot scales ``[B, Hkv, C]``, and the occupied prefix length ``count [B]``."""
+
+    k8: torch.Tensor
+    k8_scale: torch.Tensor
+    v8: torch.Tensor
+    v8_scale: torch.Tensor
+    count: torch.Tensor
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: torch.device,
+                       ctas_per_sm: int = 3) -> int:
+    """Split-KV programs per (request, kv head), from a wave model: with ``R = SMs x ctas_per_sm``
+    programs resident, ``P = b x hkv`` pairs and ``s`` splits the time goes as
+    ``ceil(P s / R) / s`` (waves x work per program) plus a small per-split merge cost; the smallest
+    ``s`` (at most 32, at least two blocks per split) minimising it is taken. CPU: 2 when there is
+    more than one block (to exercise the merge)."""
+    blocks = triton.cdiv(max(max_len, 1), block_n)
     if device.type != "cuda":
-        return 2 if max_len > block_n else 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(4 * sms, b * hkv)
-    return int(max(1, min(want, triton.cdiv(max_len, 4 * block_n), 16)))
+        return 2 if blocks > 1 else 1
+    resident = _sm_count(device.index or 0) * max(ctas_per_sm, 1)
+    pairs = b * hkv
+    best, best_cost = 1, float("inf")
+    for s in range(1, max(1, min(32, blocks // 2)) + 1):
+        cost = -(-pairs * s // resident) / s + 0.01 * s
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
+    check_tensor("k8", side.k8, ndim=4, dtype=torch.int8)
+    check_tensor("v8", side.v8, ndim=4, dtype=torch.int8)
+    if side.k8.shape != side.v8.shape or side.k8.shape[:2] != (b, hkv) or side.k8.shape[3] != d:
+        raise ValueError(f"k8/v8 must both be [B={b}, Hkv={hkv}, C, d={d}], got {tuple(side.k8.shape)} and "
+                         f"{tuple(side.v8.shape)}")
+    c = side.k8.shape[2]
+    for name, t in (("k8_scale", side.k8_scale), ("v8_scale", side.v8_scale)):
+        check_tensor(name, t, ndim=3, dtype=torch.float16)
+        if t.shape != (b, hkv, c):
+            raise ValueError(f"{name} must be [{b}, {hkv}, {c}], got {tuple(t.shape)}")
+    check_tensor("count", side.count, ndim=1, floating=False)
+    if side.count.shape[0] != b:
+        raise ValueError(f"count must have one entry per request ({b}), got {side.count.shape[0]}")
+    return c
+
+
+def _words(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` viewed as wider words along its last dim (the kernel's packed reads); ``x`` itself if it
+    does not divide (the modes that need the view are then not chosen)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return x.view(dtype) if x.shape[-1] % size == 0 else x
 
 
 def kv4_main_decode(
@@ -295,17 +765,24 @@ def kv4_main_decode(
     k_codes: torch.Tensor, k_scale: torch.Tensor, k_off: torch.Tensor,
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
     start: torch.Tensor, end: torch.Tensor,
-    sm_scale: float | None = None, int_pv: bool = False, num_splits: int | None = None,
-    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, prefetch: bool = False, maxnreg: int | None = None,
-    backend: str = "auto",
+    sm_scale: float | None = None, int_pv: bool | None = None, num_splits: int | None = None,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    maxnreg: int | None = None, backend: str = "auto", *,
+    side: SideBuffer | None = None, config: KV4KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache.
+    """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache
+    and, with ``side`` (KV4-RL), also over the side buffer's occupied slots, in one launch.
 
-    Returns ``(o [B, Hq, d] fp32, lse [B, Hq] natural log)``; an empty range gives ``lse = -inf``, ``o = 0``.
-    Tuning knobs: ``block_n`` positions per step, ``num_warps``/``num_stages``, ``prefetch`` (register
-    double buffering), ``maxnreg`` (register cap). On the H200 the kernel was seen register-bound
-    (233 registers/thread at ``block_n=128`` with prefetch: 2 CTAs per SM, ~1.4 TB/s effective).
+    Returns ``(o [B, Hq, d] fp32, lse [B, Hq] natural log)``; an empty range gives ``lse = -inf``,
+    ``o = 0``. The split states (and the protected region's state) are combined by one
+    :func:`~kvlib.kernels.merge_tl.merge_splits` launch (a fold of :func:`kvlib.merge.merge_states`).
+    Launch parameters come from ``config`` (default :data:`DEFAULT_CONFIG`); the explicit keyword
+    arguments, when given, override it.
     """
+    cfg = config or DEFAULT_CONFIG
+    over = dict(int_pv=int_pv, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                num_stages=num_stages, maxnreg=maxnreg)
+    cfg = cfg.replace(**{k: v for k, v in over.items() if v is not None})
     b, hq, d = qp.q8.shape
     check_tensor("k_codes", k_codes, ndim=4, dtype=torch.uint8)
     check_tensor("v_codes", v_codes, ndim=4, dtype=torch.uint8)
@@ -322,27 +799,62 @@ def kv4_main_decode(
         check_tensor(name, t, ndim=1, floating=False)
         if t.shape[0] != b:
             raise ValueError(f"{name} must have one entry per request ({b}), got {t.shape[0]}")
+    c = _check_side(side, b, hkv, d) if side is not None else 0
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
     if not use_triton(qp.q8, backend):
-        return kv4_main_decode_ref(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, start, end, sm_scale)
+        o, lse = kv4_main_decode_ref(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, start, end, sm_scale)
+        if side is None:
+            return o, lse
+        from kvlib.kernels.decode_protected import protected_decode_ref
+        from kvlib.merge import merge_states
+
+        return merge_states(o, lse, *protected_decode_ref(qp, *side, sm_scale=sm_scale))
     g = hq // hkv
     if g > 16:
         raise ValueError(f"GQA group {g} > 16 is not supported by the kernel")
-    splits = num_splits or _num_splits(b, hkv, n, block_n, qp.q8.device)
-    o_s = torch.empty(b, hq, splits, d, dtype=torch.float32, device=qp.q8.device)
-    lse_s = torch.empty(b, hq, splits, dtype=torch.float32, device=qp.q8.device)
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes), ("k_scale", k_scale), ("k_off", k_off),
+                    ("v_scale", v_scale), ("v_off", v_off)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    dev = qp.q8.device
+    q8 = qp.q8.contiguous()
+    if cfg.k_mode not in _KMODES:
+        raise ValueError(f"k_mode must be one of {_KMODES}, got {cfg.k_mode!r}")
+    gp = cfg.rows or triton.next_power_of_2(g)
+    if gp < g or gp & (gp - 1):
+        raise ValueError(f"rows={cfg.rows} must be a power of two >= the GQA group {g}")
+    if qp.q8.is_cuda and d < 64:
+        raise ValueError(f"the KV4 kernel needs d >= 64 on the GPU (INT8 tensor-core dots take K >= 32), got d={d}")
+    k_mode = cfg.k_mode
+    if k_mode == "trans" and cfg.int_pv:
+        k_mode = "bytes"  # the transposed step has fp16 PV only
+    if k_mode == "planes" and (d < 128 or n % 2):
+        k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
+    splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm)
+    prot = side is not None
+    ns = splits + int(prot)
+    start32, end32 = start.to(torch.int32), end.to(torch.int32)
+    o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
+    lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
+    if prot:
+        k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
+        cnt = side.count.to(torch.int32)
+    else:
+        k8, k8s, v8, v8s, cnt = q8, k_scale, q8, k_scale, start32  # unused (same dtypes: one signature)
     global LAST_KERNEL
-    LAST_KERNEL = _kv4_main_kernel[(b, hkv, splits)](
-        qp.q8, qp.scale, qp.qsum,
-        k_codes, k_scale, k_off, v_codes, v_scale, v_off,
-        start.to(torch.int32), end.to(torch.int32),
-        o_s, lse_s, sm_scale * LOG2E, n,
-        HKV=hkv, G=g, GP=16, D=d, BLOCK_N=block_n, SPLITS=splits, INT_PV=bool(int_pv),
-        INTERP=not qp.q8.is_cuda,
-        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
+        q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
+        k_codes, _words(k_codes, torch.int16), k_scale, k_off, v_codes, _words(v_codes, torch.int16), v_scale, v_off,
+        start32, end32,
+        k8, k8s, v8, v8s, cnt,
+        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
+        HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
+        KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
+        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
+        INTERP=not qp.q8.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
-    if splits == 1:
+    if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     return merge_splits(o_s, lse_s, backend=backend)[:2]
 

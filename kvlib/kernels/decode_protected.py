@@ -1,5 +1,9 @@
 """Triton decode attention over the KV4-RL protected region (the INT8 side buffer), torch reference beside it.
 
+The kernel body is :func:`kvlib.kernels.decode_int4._protected_region`, which the fused KV4-RL launch
+(:func:`kvlib.kernels.decode_int4.kv4_main_decode` with ``side=``) also runs as one extra split per
+(request, kv head); this standalone launch serves the two-launch path and the tests.
+
 Layout (one layer): ``k8``/``v8`` int8 ``[B, Hkv, C, d]`` with fp16 per-slot scales ``[B, Hkv, C]``;
 request ``b`` has its first ``count_b`` slots occupied (sinks fill slots ``0..s-1`` in order, the
 recent ring fills ``s..`` in order, so occupancy is always a prefix). Slot order does not matter:
@@ -14,55 +18,18 @@ import triton
 import triton.language as tl
 
 from kvlib._checks import check_tensor
-from kvlib.kernels.decode_int4 import LN2_C, LOG2E, QueryInt8, region_attention_ref, use_triton
+from kvlib.kernels.decode_int4 import LOG2E, QueryInt8, _protected_region, region_attention_ref, use_triton
 
 
 @triton.jit
 def _protected_kernel(
-    Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2, C,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    HQ: tl.constexpr = HKV * G
-    cnt = tl.load(COUNT + b)
-    rows = tl.arange(0, GP)
-    row_ok = rows < G
-    cols = tl.arange(0, D)
-    qrow = (b * HQ + h * G + rows).to(tl.int64)
-    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
-    qs = tl.load(QS + qrow, mask=row_ok, other=0.0)
-    slot0 = (b * HKV + h).to(tl.int64) * C
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for n0 in range(0, C, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        nm = (offs < cnt) & (offs < C)
-        slot = slot0 + offs
-        k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
-        ks = tl.load(KS + slot, mask=nm, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qs[:, None] * ks[None, :] * sm_scale_log2
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
-        vs = tl.load(VS + slot, mask=nm, other=0.0).to(tl.float32)
-        v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
-        if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-    nonempty = l_i > 0
-    inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    tl.store(OUT + qrow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    tl.store(LSE + qrow, lse, mask=row_ok)
+    """Grid ``(B, Hkv)``: the same region code the fused KV4-RL launch runs as its extra split."""
+    _protected_region(tl.program_id(0), tl.program_id(1), Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2,
+                      C, 0, 1, HKV, G, GP, D, BLOCK_N, INTERP)
 
 
 def protected_decode_ref(
@@ -102,8 +69,10 @@ def protected_decode(
         return protected_decode_ref(qp, k8, k_scale, v8, v_scale, count, sm_scale)
     o = torch.empty(b, hq, d, dtype=torch.float32, device=k8.device)
     lse = torch.empty(b, hq, dtype=torch.float32, device=k8.device)
+    g = hq // hkv
     _protected_kernel[(b, hkv)](
-        qp.q8, qp.scale, k8, k_scale, v8, v_scale, count.to(torch.int32), o, lse, sm_scale * LOG2E,
-        HKV=hkv, G=hq // hkv, GP=16, D=d, C=c, BLOCK_N=block_n, INTERP=not k8.is_cuda, num_warps=4,
+        qp.q8.contiguous(), qp.scale, k8.contiguous(), k_scale.contiguous(), v8.contiguous(), v_scale.contiguous(),
+        count.to(torch.int32), o, lse, sm_scale * LOG2E, c,
+        HKV=hkv, G=g, GP=triton.next_power_of_2(g), D=d, BLOCK_N=block_n, INTERP=not k8.is_cuda, num_warps=4,
     )  # fmt: skip
     return o, lse

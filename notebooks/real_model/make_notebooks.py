@@ -46,68 +46,114 @@ high-energy pairs do not move along the sequence. The paper chose the top-8 pair
 $\sum_t (k_{t,i}^2 + k_{t,i+d/2}^2)$ on the first half of a sequence and on the second half and
 found Jaccard 0.940 on average (minimum 0.750) on Qwen2.5-7B. We repeat the measurement on the
 post-RoPE keys of SmolLM2-135M-Instruct (30 layers, 3 KV heads, $d = 64$, i.e. 32 pairs per head)
-over the three domains of the corpus (code, technical prose, narrative).
+over the three domains of the corpus (code, technical prose, narrative), at a 2k and an 8k context
+(the paper's length), and ask one deployment question more: does a set chosen on a short prefix
+(the first half of the short context) still match the second half of the long sequence?
 """),
         params("""
 profile = "cpu"
-S = 2048
+S = [2048, 8192]  # context lengths (an int runs one)
 docs_per_domain = 1
 layer_stride = 1
 m = 8
 """),
         hidden(SETUP + """
+import time
 from kvlib.book import Run
 from kvlib import real_activations as ra
 run = Run("real_outlier_stability", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain,
                                                               layer_stride=layer_stride, m=m))
+contexts = sorted({int(s_) for s_ in ([S] if isinstance(S, int) else S)})
 model, tok = load_model()
 layers = list(range(0, model.config.num_hidden_layers, layer_stride))
-frames = []
-for doc, ids in corpus.sequences(tok, S, per_domain=docs_per_domain):
-    acts = ra.capture(model, ids, layers)
-    frames.append(ra.pair_stability(acts, m).assign(domain=doc.domain, doc=doc.name))
-    del acts
+calib = contexts[0] // 2  # the short context's first half, held for the long sequence
+frames, prefix, wall = [], [], {}
+for s_ in contexts:
+    t0 = time.perf_counter()
+    for doc, ids in corpus.sequences(tok, s_, per_domain=docs_per_domain):
+        acts = ra.capture(model, ids, layers)
+        frames.append(ra.pair_stability(acts, m).assign(S=s_, domain=doc.domain, doc=doc.name))
+        if s_ == contexts[-1]:
+            prefix.append(ra.pair_stability(acts, m, calib=calib).assign(S=s_, domain=doc.domain, doc=doc.name))
+        del acts
+    wall[s_] = time.perf_counter() - t0
 jac = pd.concat(frames, ignore_index=True)
-by_domain = jac.groupby("domain")["jaccard"].agg(["mean", "min", "count"])
-run.glue("jac_mean", float(jac.jaccard.mean()))
-run.glue("jac_min", float(jac.jaccard.min()))
-run.glue("n_heads", int(len(jac)))
-run.glue("frac_perfect", float((jac.jaccard == 1).mean()))
+jac_prefix = pd.concat(prefix, ignore_index=True)
+by_domain = jac.groupby(["S", "domain"])["jaccard"].agg(["mean", "min", "count"]).unstack("S")
 run.record("jaccard", jac.to_dict(orient="list"))
+run.record("jaccard_prefix", jac_prefix.to_dict(orient="list"))
+run.record("wall_s", {str(k): v for k, v in wall.items()})
+roles = {"short": contexts[0], "long": contexts[-1]}
+for r, s_ in roles.items():
+    j = jac[jac.S == s_].jaccard
+    run.glue(f"S_{r}", s_)
+    run.glue(f"jac_mean_{r}", float(j.mean()))
+    run.glue(f"jac_min_{r}", float(j.min()))
+    run.glue(f"n_heads_{r}", int(len(j)))
+    run.glue(f"frac_perfect_{r}", float((j == 1).mean()))
+    run.glue(f"wall_{r}", float(wall[s_]))
+run.glue("calib_tokens", calib)
+run.glue("jac_prefix_mean", float(jac_prefix.jaccard.mean()))
+run.glue("jac_prefix_min", float(jac_prefix.jaccard.min()))
+run.glue("contexts_run", ", ".join(str(s_) for s_ in contexts))
 by_domain
 """),
         hidden("""
-fig, ax = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [3, 1]})
-piv = jac.groupby(["layer", "kv_head"])["jaccard"].mean().unstack()
-im = ax[0].imshow(piv.T.values, aspect="auto", vmin=0, vmax=1, cmap="viridis")
-ax[0].set_xticks(range(len(piv.index))[::max(1, len(piv.index) // 10)], piv.index[::max(1, len(piv.index) // 10)])
-ax[0].set_xlabel("layer"); ax[0].set_ylabel("KV head"); fig.colorbar(im, ax=ax[0], label="Jaccard (mean over docs)")
-jac.boxplot(column="jaccard", by="domain", ax=ax[1]); ax[1].set_title(""); ax[1].set_ylabel("Jaccard")
-fig.suptitle(f"top-{m} pairs, first vs second half, S = {S}")
+import seaborn as sns
+fig, ax = plt.subplots(1, len(contexts) + 1, figsize=(4.5 * len(contexts) + 3.5, 3.2),
+                       gridspec_kw={"width_ratios": [3] * len(contexts) + [2]})
+for i, s_ in enumerate(contexts):
+    piv = jac[jac.S == s_].groupby(["layer", "kv_head"])["jaccard"].mean().unstack()
+    im = ax[i].imshow(piv.T.values, aspect="auto", vmin=0, vmax=1, cmap="viridis")
+    step = max(1, len(piv.index) // 10)
+    ax[i].set_xticks(range(len(piv.index))[::step], piv.index[::step])
+    ax[i].set_yticks(range(len(piv.columns)), piv.columns)
+    ax[i].set_xlabel("layer"); ax[i].set_ylabel("KV head"); ax[i].set_title(f"S = {s_}")
+fig.colorbar(im, ax=ax[len(contexts) - 1], label="Jaccard (mean over docs)")
+both = pd.concat([jac, jac_prefix.assign(S=f"{contexts[-1]}, prefix {calib}")], ignore_index=True).astype({"S": str})
+sns.barplot(data=both, x="domain", y="jaccard", hue="S", ax=ax[-1], errorbar=None)
+sns.stripplot(data=both.groupby(["domain", "S"], as_index=False)["jaccard"].min(), x="domain", y="jaccard", hue="S",
+              dodge=True, marker="v", palette="dark:k", ax=ax[-1], legend=False)
+ax[-1].set_ylim(0, 1.05); ax[-1].set_ylabel("Jaccard: mean (bar), min (v)")
+ax[-1].legend(fontsize=7, title="S", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.suptitle(f"top-{m} pairs, first vs second half")
 fig.tight_layout()
 run.glue_fig("fig_jaccard", fig)
 fig
 """),
         md(r"""
-Over {glue:text}`n_heads` (layer, KV head, document) cases the mean Jaccard is
-{glue:text}`jac_mean:.3f` and the minimum {glue:text}`jac_min:.3f`;
-{glue:text}`frac_perfect:.0%` of the cases keep exactly the same 8 pairs. With 32 pairs per head,
-8 of them chosen at random would give an expected Jaccard near 0.14, so the top pairs are
-far from random in both halves.
+At $S$ = {glue:text}`S_short`, over {glue:text}`n_heads_short` (layer, KV head, document) cases, the
+mean Jaccard is {glue:text}`jac_mean_short:.3f` and the minimum {glue:text}`jac_min_short:.3f`
+({glue:text}`frac_perfect_short:.0%` of the cases keep exactly the same 8 pairs); at $S$ =
+{glue:text}`S_long` ({glue:text}`n_heads_long` cases) the mean is {glue:text}`jac_mean_long:.3f`, the
+minimum {glue:text}`jac_min_long:.3f` and {glue:text}`frac_perfect_long:.0%` are exact (contexts run:
+{glue:text}`contexts_run`; wall time {glue:text}`wall_short:.0f` s and {glue:text}`wall_long:.0f` s).
+A set chosen on the first {glue:text}`calib_tokens` tokens only and compared with the second half of
+the {glue:text}`S_long`-token sequence gives mean {glue:text}`jac_prefix_mean:.3f`, minimum
+{glue:text}`jac_prefix_min:.3f`. With 32 pairs per head, 8 of them chosen at random would give an
+expected Jaccard near 0.14, so the top pairs are far from random in both halves.
 """),
         hidden("""
-jm, jn = float(jac.jaccard.mean()), float(jac.jaccard.min())
-run.claim("witcert-real-pair-jaccard", ours=f"mean {jm:.3f}, min {jn:.3f} (SmolLM2-135M, S={S}, {len(jac)} cases)",
-          verdict="reproduced" if jm >= 0.85 else "differs",
-          why=("mean close to the paper's" if jm >= 0.85 else "SmolLM2's top pairs move more between halves than Qwen2.5-7B's")
-              + (f"; the minimum ({jn:.3f}) is below the paper's 0.750: a few heads swap pairs" if jn < 0.75 else ""))
+ctx = " and ".join(str(s_) for s_ in contexts)
+stats = {s_: (float(jac[jac.S == s_].jaccard.mean()), float(jac[jac.S == s_].jaccard.min()), int((jac.S == s_).sum()))
+         for s_ in contexts}
+ok = all(jm >= 0.85 for jm, _, _ in stats.values())
+low_min = min(jn for _, jn, _ in stats.values())
+run.claim("witcert-real-pair-jaccard",
+          ours="; ".join(f"S={s_}: mean {jm:.3f}, min {jn:.3f} ({n} cases)" for s_, (jm, jn, n) in stats.items())
+               + f"; prefix {calib} tokens vs second half of {contexts[-1]}: mean {jac_prefix.jaccard.mean():.3f}, min {jac_prefix.jaccard.min():.3f}",
+          verdict="reproduced" if ok else "differs",
+          why=f"SmolLM2-135M, contexts run: S = {ctx}, {docs_per_domain} doc(s) per domain, layer stride {layer_stride}; "
+              + ("mean close to the paper's" if ok else "SmolLM2's top pairs move more between halves than Qwen2.5-7B's")
+              + (f"; the minimum ({low_min:.3f}) is below the paper's 0.750: a few heads swap pairs" if low_min < 0.75 else ""))
 run.claims_table()
 """),
         md(r"""
 **Verdict.** The paper's design choice transfers if the mean Jaccard is high: a fixed per-(layer,
-KV head) set chosen on a calibration prefix captures the pairs the rest of the sequence needs. The
-minimum is what a deployment must plan for: a head whose set moves pays with a larger scale on
-the channels that left the set (the coverage notebook measures what that costs).
+KV head) set chosen on a calibration prefix captures the pairs the rest of the sequence needs, and
+the prefix comparison says whether a short prefix suffices for an 8k sequence. The minimum is what a
+deployment must plan for: a head whose set moves pays with a larger scale on the channels that left
+the set (the coverage notebook measures what that costs).
 """),
         code("run.save()"),
     ]
@@ -116,25 +162,29 @@ the channels that left the set (the coverage notebook measures what that costs).
 def coverage() -> list[NotebookNode]:
     return [
         md(r"""
-# Coverage against the outlier budget on real activations
+# Coverage against the outlier budget on real activations, at 2k and 8k tokens
 
 **Question.** How often is SmolLM2's dithered INT8 key cache certified (TV bound $\le \tau = 0.2$),
-as a function of the number $m$ of RoPE pairs bypassed in fp16? Is there a zero-fallback budget,
-and what margin to $\tau$ does it leave? Are the exceedances of the query heads that share a KV head
-correlated (the paper: 23.0 % any-of-group fallback against 72.6 % if independent)? What does
-each setting cost in bytes?
+as a function of the number $m$ of RoPE pairs bypassed in fp16, and does the answer change between
+a 2k and an 8k context (the paper measured at 8k and 32k)? Is there a zero-fallback budget, and what
+margin to $\tau$ does it leave? Are the exceedances of the query heads that share a KV head
+correlated (the paper: 23.0 % any-of-group fallback against 72.6 % if independent)? Do the
+massive-activation heads' certificates collapse monotonically as $m$ grows? What does each
+setting cost in bytes?
 
 Setting: post-RoPE queries and keys captured from one cache-less forward over each corpus sequence
-(fixed token history, so the theorem applies exactly); per (layer, KV head) the $m$ pairs are chosen
-on the first half and held fixed; keys dithered INT8 with group 32, bypassed channels excluded
-from the amax; the query at position $t$ (positions spread over the second half) certified against
-keys $0..t$ with the request-level allocation $\delta_\mathrm{loc} = \delta_\mathrm{req}/(L \cdot H_q \cdot T)$,
-$L = 30$, $H_q = 9$, $T$ = `steps`. The certificate is the two-accumulator bound $1 - B/A$.
+(fixed token history, so the theorem applies exactly), for every context length in `S`, on the
+same documents (the shorter sequence is a prefix of the longer one); per (layer, KV head) the
+$m$ pairs are chosen on the first half and held fixed; keys dithered INT8 with group 32, bypassed
+channels excluded from the amax; the query at position $t$ (positions spread over the second
+half) certified against keys $0..t$ with the request-level allocation
+$\delta_\mathrm{loc} = \delta_\mathrm{req}/(L \cdot H_q \cdot T)$, $L = 30$, $H_q = 9$,
+$T$ = `steps`. The certificate is the two-accumulator bound $1 - B/A$.
 """),
         params("""
 profile = "cpu"
-S = 2048
-docs_per_domain = 1
+S = [2048, 8192]  # context lengths (an int runs one)
+docs_per_domain = 2
 layer_stride = 3
 budgets = [0, 2, 4, 8, 16]
 n_queries = 8
@@ -142,104 +192,249 @@ tau = 0.2
 delta_req = 0.01
 steps = 256
 seed = 0
+n_massive = 5
 """),
         hidden(SETUP + """
+import time
 from kvlib.book import Run
 from kvlib import real_activations as ra
+from IPython.display import display
+from kvlib.certificate import request_delta
 run = Run("real_coverage", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain, layer_stride=layer_stride,
-                                                     budgets=budgets, n_queries=n_queries, tau=tau,
-                                                     delta_req=delta_req, steps=steps, seed=seed))
+                                                     budgets=budgets, n_queries=n_queries, tau=tau, delta_req=delta_req,
+                                                     steps=steps, seed=seed, n_massive=n_massive))
+contexts = sorted({int(s_) for s_ in ([S] if isinstance(S, int) else S)})
 model, tok = load_model()
 cfg = model.config
 layers = list(range(0, cfg.num_hidden_layers, layer_stride))
-frames = []
-for doc, ids in corpus.sequences(tok, S, per_domain=docs_per_domain):
-    acts = ra.capture(model, ids, layers)
-    c = ra.certify_budget(acts, budgets, n_layers=cfg.num_hidden_layers, n_queries=n_queries,
-                          delta_req=delta_req, steps=steps, seed=seed)
-    frames.append(c.assign(domain=doc.domain, doc=doc.name))
-    del acts
+frames, wall = [], {}
+for s_ in contexts:
+    t0 = time.perf_counter()
+    for doc, ids in corpus.sequences(tok, s_, per_domain=docs_per_domain):
+        acts = ra.capture(model, ids, layers)
+        c = ra.certify_budget(acts, budgets, n_layers=cfg.num_hidden_layers, n_queries=n_queries,
+                              delta_req=delta_req, steps=steps, seed=seed)
+        frames.append(c.assign(S=s_, domain=doc.domain, doc=doc.name))
+        del acts
+    wall[s_] = time.perf_counter() - t0
 certs = pd.concat(frames, ignore_index=True)
-tab = ra.budget_table(certs, tau=tau, d=cfg.head_dim)
-per_domain = pd.concat({dom: ra.budget_table(df, tau=tau, d=cfg.head_dim)["coverage"]
-                        for dom, df in certs.groupby("domain")}, axis=1)
+GROUP_COLS = ["fallback_if_independent_heads", "phi_within", "phi_across"]
+tab = pd.concat({s_: ra.budget_table(df, tau=tau, d=cfg.head_dim).join(ra.group_exceedance(df, tau=tau)[GROUP_COLS])
+                 for s_, df in certs.groupby("S")}, names=["S"])
+per_domain = pd.concat({s_: pd.concat({dom: ra.budget_table(d2, tau=tau, d=cfg.head_dim)["coverage"]
+                                       for dom, d2 in df.groupby("domain")}, axis=1)
+                        for s_, df in certs.groupby("S")}, names=["S"])
 run.record("budget_table", tab.reset_index().to_dict(orient="list"))
 run.record("coverage_by_domain", per_domain.reset_index().to_dict(orient="list"))
+run.record("wall_s", {str(k): v for k, v in wall.items()})
+# prose cites the shortest and the longest context run (the same one when only one is run)
+roles = {"short": contexts[0], "long": contexts[-1]}
+zero = {}
+for r, s_ in roles.items():
+    t_ = tab.loc[s_]
+    run.glue(f"S_{r}", s_)
+    run.glue(f"wall_{r}", float(wall[s_]))
+    run.glue(f"n_certs_{r}", int((certs.S == s_).sum() // len(budgets)))
+    run.glue(f"n_docs_{r}", int(certs.loc[certs.S == s_, "doc"].nunique()))
+    run.glue(f"violations_{r}", int(t_["violations"].sum()))
+    for m_ in budgets:
+        run.glue(f"cov_m{m_}_{r}", float(t_.loc[m_, "coverage"]))
+        run.glue(f"fb_m{m_}_{r}", float(t_.loc[m_, "fallback"]))
+        run.glue(f"max_m{m_}_{r}", float(t_.loc[m_, "max_cert"]))
+    m0 = budgets[0]
+    run.glue(f"fbind_m{m0}_{r}", float(t_.loc[m0, "fallback_if_independent"]))
+    run.glue(f"fbindh_m{m0}_{r}", float(t_.loc[m0, "fallback_if_independent_heads"]))
+    run.glue(f"phiw_m{m0}_{r}", float(t_.loc[m0, "phi_within"]))
+    run.glue(f"phia_m{m0}_{r}", float(t_.loc[m0, "phi_across"]))
+    ok = [m_ for m_ in budgets if t_.loc[m_, "coverage"] == 1.0]
+    zero[s_] = ok[0] if ok else None
+    run.glue(f"zero_fallback_m_{r}", -1 if zero[s_] is None else zero[s_])
+    run.glue(f"zero_fallback_margin_{r}", float("nan") if zero[s_] is None else tau / float(t_.loc[zero[s_], "max_cert"]))
+for s_ in contexts:
+    if s_ not in roles.values():
+        ok = [m_ for m_ in budgets if tab.loc[(s_, m_), "coverage"] == 1.0]
+        zero[s_] = ok[0] if ok else None
 for m_ in budgets:
-    run.glue(f"cov_m{m_}", float(tab.loc[m_, "coverage"]))
-    run.glue(f"fb_m{m_}", float(tab.loc[m_, "fallback"]))
-    run.glue(f"fbind_m{m_}", float(tab.loc[m_, "fallback_if_independent"]))
-    run.glue(f"max_m{m_}", float(tab.loc[m_, "max_cert"]))
-zero = [m_ for m_ in budgets if tab.loc[m_, "coverage"] == 1.0]
-m0 = zero[0] if zero else None
-run.glue("zero_fallback_m", -1 if m0 is None else m0)
-run.glue("zero_fallback_margin", float("nan") if m0 is None else tau / float(tab.loc[m0, "max_cert"]))
-run.glue("n_certs", int(len(certs) // len(budgets)))
-run.glue("violations", int(tab["violations"].sum()))
-tab.style.format({"coverage": "{:.3f}", "fallback": "{:.3f}", "fallback_if_independent": "{:.3f}",
+    run.glue(f"bytes_m{m_}", int(tab.loc[(contexts[0], m_), "key_bytes"]))
+run.glue("bytes_fp16", 2 * cfg.head_dim)
+run.glue("delta_loc", request_delta(delta_req, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads, steps=steps))
+run.glue("contexts_run", ", ".join(str(s_) for s_ in contexts))
+tab.style.format({"coverage": "{:.4f}", "fallback": "{:.3f}", "fallback_if_independent": "{:.3f}",
+                  "fallback_if_independent_heads": "{:.3f}", "phi_within": "{:.2f}", "phi_across": "{:.2f}",
                   "max_cert": "{:.3g}", "max_A": "{:.3g}", "overflow": "{:.3f}"})
 """),
         hidden("""
-fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-for dom in per_domain.columns:
-    ax[0].plot(per_domain.index, per_domain[dom], marker="o", label=dom)
-ax[0].set_xlabel("outlier budget m (RoPE pairs)"); ax[0].set_ylabel(f"coverage at tau = {tau}"); ax[0].legend()
-ax[0].set_xscale("symlog", linthresh=1); ax[0].set_xticks(budgets, budgets)
-mx = certs.groupby(["m", "layer", "q_head"])["cert"].max().unstack("m")
-ax[1].boxplot([mx[m_].values for m_ in budgets]); ax[1].set_xticks(range(1, len(budgets) + 1), [str(m_) for m_ in budgets])
-ax[1].axhline(tau, color="k", ls="--", lw=1); ax[1].set_yscale("log")
-ax[1].set_xlabel("m"); ax[1].set_ylabel("max certificate per (layer, head)")
+fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+styles = ["-", "--", ":", "-."]
+for i, s_ in enumerate(contexts):
+    pdm = per_domain.loc[s_]
+    for j, dom in enumerate(pdm.columns):
+        ax[0].plot(pdm.index, pdm[dom], marker="o", ls=styles[i % 4], color=f"C{j}", label=f"{dom}, S={s_}")
+    t_ = tab.loc[s_]
+    ax[1].plot(t_.index, t_["fallback"], marker="o", ls=styles[i % 4], color="C3", label=f"measured, S={s_}")
+    ax[1].plot(t_.index, t_["fallback_if_independent_heads"], marker="x", ls=styles[i % 4], color="C7",
+               label=f"if independent, S={s_}")
+for a in ax[:2]:
+    a.set_xscale("symlog", linthresh=1); a.set_xticks(budgets, budgets); a.set_xlabel("outlier budget m (RoPE pairs)")
+ax[0].set_ylabel(f"coverage at tau = {tau}"); ax[0].legend(fontsize=7)
+ax[1].set_ylabel("any-of-group fallback"); ax[1].legend(fontsize=7)
+mx = certs.groupby(["S", "m", "layer", "q_head"])["cert"].max().rename("max_cert").reset_index()
+import seaborn as sns
+sns.boxplot(data=mx, x="m", y="max_cert", hue="S", ax=ax[2], fliersize=2)
+ax[2].axhline(tau, color="k", ls="--", lw=1); ax[2].set_yscale("log")
+ax[2].set_xlabel("m"); ax[2].set_ylabel("max certificate per (layer, head)")
 fig.tight_layout()
 run.glue_fig("fig_coverage", fig)
 fig
 """),
         md(r"""
-Each budget is certified on {glue:text}`n_certs` (layer, query head, position, document) cases;
-the true TV of each case (exact keys vs dequantised keys, same query) never exceeded its
-certificate ({glue:text}`violations` violations over all budgets). Without bypass the coverage is
-{glue:text}`cov_m0:.3f`; with $m = 2$ it is {glue:text}`cov_m2:.3f`, with $m = 4$
-{glue:text}`cov_m4:.3f`, with $m = 8$ {glue:text}`cov_m8:.3f` and with $m = 16$ {glue:text}`cov_m16:.3f`.
-The first budget with coverage 1 is $m$ = {glue:text}`zero_fallback_m` (−1: none), with a margin
-$\tau / \max$ cert = {glue:text}`zero_fallback_margin:.2f`. Any-of-group fallback without bypass is
-{glue:text}`fb_m0:.3f` against {glue:text}`fbind_m0:.3f` if the three heads of a group exceeded
-independently. Key bytes per token per head: 64 codes + 2 fp16 scales + $2m$ fp16 bypass values.
+At $S$ = {glue:text}`S_short` each budget is certified on {glue:text}`n_certs_short` (layer,
+query head, position, document) cases from {glue:text}`n_docs_short` documents, at $S$ =
+{glue:text}`S_long` on {glue:text}`n_certs_long` cases from {glue:text}`n_docs_long` documents
+(contexts run: {glue:text}`contexts_run`; wall time {glue:text}`wall_short:.0f` s and
+{glue:text}`wall_long:.0f` s). The request-level budget $\delta_\mathrm{req}$ = `delta_req` gives
+$\delta_\mathrm{loc}$ = {glue:text}`delta_loc:.2e` per certificate. The true TV of each case (exact
+keys vs dequantised keys, same query) never exceeded its certificate ({glue:text}`violations_short`
+and {glue:text}`violations_long` violations over all budgets).
+
+| $m$ | key bytes / token / head | coverage, $S$ = {glue:text}`S_short` | coverage, $S$ = {glue:text}`S_long` | any-of-group fallback, {glue:text}`S_short` | fallback, {glue:text}`S_long` |
+|---|---|---|---|---|---|
+| 0 | {glue:text}`bytes_m0` | {glue:text}`cov_m0_short:.4f` | {glue:text}`cov_m0_long:.4f` | {glue:text}`fb_m0_short:.3f` | {glue:text}`fb_m0_long:.3f` |
+| 2 | {glue:text}`bytes_m2` | {glue:text}`cov_m2_short:.4f` | {glue:text}`cov_m2_long:.4f` | {glue:text}`fb_m2_short:.3f` | {glue:text}`fb_m2_long:.3f` |
+| 4 | {glue:text}`bytes_m4` | {glue:text}`cov_m4_short:.4f` | {glue:text}`cov_m4_long:.4f` | {glue:text}`fb_m4_short:.3f` | {glue:text}`fb_m4_long:.3f` |
+| 8 | {glue:text}`bytes_m8` | {glue:text}`cov_m8_short:.4f` | {glue:text}`cov_m8_long:.4f` | {glue:text}`fb_m8_short:.3f` | {glue:text}`fb_m8_long:.3f` |
+| 16 | {glue:text}`bytes_m16` | {glue:text}`cov_m16_short:.4f` | {glue:text}`cov_m16_long:.4f` | {glue:text}`fb_m16_short:.3f` | {glue:text}`fb_m16_long:.3f` |
+
+Key bytes are 64 int8 codes + 2 fp16 scales + $2m$ fp16 bypass values (an fp16 key is
+{glue:text}`bytes_fp16` bytes). The first budget with coverage 1 is $m$ =
+{glue:text}`zero_fallback_m_short` at {glue:text}`S_short` and $m$ = {glue:text}`zero_fallback_m_long`
+at {glue:text}`S_long` (−1: none up to 16), with margins $\tau / \max$ cert =
+{glue:text}`zero_fallback_margin_short:.2f` and {glue:text}`zero_fallback_margin_long:.2f`.
+
+**Correlation within a KV group.** Without bypass the measured any-of-3 fallback is
+{glue:text}`fb_m0_short:.3f` / {glue:text}`fb_m0_long:.3f` (short / long context) against
+{glue:text}`fbind_m0_short:.3f` / {glue:text}`fbind_m0_long:.3f` predicted by $1 - c^3$ from the pooled
+coverage $c$ (the paper's comparison), and {glue:text}`fbindh_m0_short:.3f` /
+{glue:text}`fbindh_m0_long:.3f` predicted from each head's own exceedance rate. The correlation of
+the exceedance indicators of two query heads, after removing each head's rate, is
+{glue:text}`phiw_m0_short:.2f` / {glue:text}`phiw_m0_long:.2f` for two heads of the same KV head and
+{glue:text}`phia_m0_short:.2f` / {glue:text}`phia_m0_long:.2f` for two heads of different KV heads of
+the same layer.
 """),
         hidden("""
-c0, c16 = float(tab.loc[budgets[0], "coverage"]), float(tab.loc[budgets[-1], "coverage"])
-mono = bool(np.all(np.diff(tab["coverage"].values) >= -1e-12))
+# massive-activation heads: the heads with the largest certificate without bypass, followed over m
+def monotone(row):
+    return bool(np.all(np.diff(row[budgets].to_numpy(dtype=float)) <= 1e-12))
+heads = {}
+for s_ in contexts:
+    hm = ra.head_max(certs[certs.S == s_]).head(n_massive)
+    heads[s_] = hm.assign(monotone=hm.apply(monotone, axis=1))
+massive = pd.concat(heads, names=["S"])
+run.glue("n_massive_heads", int(n_massive))
+run.record("massive_heads", massive.reset_index().to_dict(orient="list"))
+for r, s_ in roles.items():
+    mh = heads[s_]
+    run.glue(f"massive_mono_{r}", int(mh["monotone"].sum()))
+    top = mh.index[0]
+    run.glue(f"massive_top_{r}", f"layer {top[0]}, query head {top[1]}")
+    run.glue(f"massive_top_m0_{r}", float(mh.iloc[0][budgets[0]]))
+    run.glue(f"massive_top_mL_{r}", float(mh.iloc[0][budgets[-1]]))
+    worst = ra.head_max(certs[certs.S == s_])[budgets[-1]].idxmax()
+    run.glue(f"worst_mL_{r}", f"layer {worst[0]}, query head {worst[1]}")
+fig, ax = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.2), squeeze=False)
+for i, s_ in enumerate(contexts):
+    a = ax[0, i]
+    for (layer, qh), row in heads[s_].iterrows():
+        a.plot(budgets, row[budgets].to_numpy(dtype=float), marker="o", label=f"L{layer} h{qh}")
+    a.plot(budgets, tab.loc[s_, "max_cert"].to_numpy(), color="k", lw=2, ls=":", label="max over all heads")
+    a.axhline(tau, color="k", ls="--", lw=1)
+    a.set_xscale("symlog", linthresh=1); a.set_xticks(budgets, budgets); a.set_yscale("log")
+    a.set_xlabel("m"); a.set_ylabel("max certificate"); a.set_title(f"S = {s_}"); a.legend(fontsize=7)
+fig.tight_layout()
+run.glue_fig("fig_massive", fig)
+display(fig)
+massive.style.format({m_: "{:.3g}" for m_ in budgets})
+"""),
+        md(r"""
+**Massive-activation heads.** The table follows, per context, the {glue:text}`n_massive_heads`
+(layer, query head) pairs with the largest certificate without bypass: at $S$ = {glue:text}`S_long` the worst is
+{glue:text}`massive_top_long` (max {glue:text}`massive_top_m0_long:.3g` at $m = 0$,
+{glue:text}`massive_top_mL_long:.3g` at $m = 16$); at $S$ = {glue:text}`S_short` it is
+{glue:text}`massive_top_short` ({glue:text}`massive_top_m0_short:.3g` → {glue:text}`massive_top_mL_short:.3g`).
+Of these heads {glue:text}`massive_mono_short` (short context) and {glue:text}`massive_mono_long`
+(long context) decrease monotonically with $m$ (column `monotone`). The largest certificate at
+$m = 16$ (the dotted line, the maximum over all heads) belongs to {glue:text}`worst_mL_short` at
+{glue:text}`S_short` and to {glue:text}`worst_mL_long` at {glue:text}`S_long`.
+"""),
+        hidden("""
+ctx = " and ".join(str(s_) for s_ in contexts)
+RUN = f"contexts run: S = {ctx}; {docs_per_domain} doc(s) per domain, layer stride {layer_stride}"
+def seq(s_, col, fmt="{:.4f}"):
+    return " -> ".join(fmt.format(float(tab.loc[(s_, m_), col])) for m_ in budgets)
+mono = {s_: bool(np.all(np.diff(tab.loc[s_, "coverage"].to_numpy()) >= -1e-12)) for s_ in contexts}
+rises = {s_: float(tab.loc[(s_, budgets[-1]), "coverage"]) > float(tab.loc[(s_, budgets[0]), "coverage"]) for s_ in contexts}
 run.claim("witcert-real-coverage-budget",
-          ours=f"coverage {c0:.4f} (m=0) -> " + " -> ".join(f"{tab.loc[m_, 'coverage']:.4f}" for m_ in budgets[1:]) + f" (m={budgets[1:]})",
-          verdict="reproduced" if mono and c16 > c0 else "differs",
-          why="SmolLM2-135M, S = %d, every %d-th layer; the no-bypass coverage is model-specific" % (S, layer_stride))
-if m0 is not None:
-    mx0 = float(tab.loc[m0, "max_cert"])
-    run.claim("witcert-real-zero-fallback", ours=f"coverage 1.000 from m = {m0}; max cert {mx0:.3g} ({tau / mx0:.1f}x below tau)",
-              verdict="reproduced" if m0 <= 16 else "differs", why="" if m0 <= 16 else "zero-fallback only beyond m = 16")
-else:
-    mL = budgets[-1]
-    n_over = int(round((1 - float(tab.loc[mL, "coverage"])) * (len(certs) // len(budgets))))
-    run.claim("witcert-real-zero-fallback",
-              ours=f"no zero-fallback budget up to m = {mL}: there {n_over} of {len(certs) // len(budgets)} certificates exceed tau "
-                   f"(coverage {float(tab.loc[mL, 'coverage']):.4f}, max {float(tab.loc[mL, 'max_cert']):.3g})",
-              verdict="differs", why="SmolLM2's certificates exceed tau even at the largest budget"
-              + ("; the maximum is within 1.5x of tau, a marginal point that depends on the positions sampled"
-                 if float(tab.loc[mL, "max_cert"]) < 1.5 * tau else ""))
-fb, fi = float(tab.loc[budgets[0], "fallback"]), float(tab.loc[budgets[0], "fallback_if_independent"])
-run.claim("witcert-real-group-correlation", ours=f"m = 0: any-of-3 fallback {fb:.3f} vs {fi:.3f} if independent",
-          verdict="reproduced" if fb < 0.8 * fi else "differs",
-          why="groups of 3 query heads (SmolLM2), not 6" + ("" if fb < 0.8 * fi else "; exceedances look nearly independent here"))
-maxes = [float(tab.loc[m_, "max_cert"]) for m_ in budgets]
-dec = bool(np.all(np.diff(maxes) <= 1e-12))
-run.claim("witcert-real-massive-heads", ours="max 1-B/A: " + " -> ".join(f"{x:.3g}" for x in maxes) + "; max A: " + " -> ".join(f"{float(tab.loc[m_, 'max_A']):.3g}" for m_ in budgets),
-          verdict="reproduced" if dec else "differs",
-          why="our certificate 1-B/A is a TV bound, at most 1; the paper's 1.6e2 can only be an unnormalised quantity, so we compare the monotone collapse (offline capture, not generation)")
+          ours="; ".join(f"S={s_}: {seq(s_, 'coverage')}" for s_ in contexts) + f" (m = {budgets})",
+          verdict="reproduced" if all(mono.values()) and all(rises.values()) else "differs",
+          why=f"SmolLM2-135M, {RUN}; the no-bypass coverage is model-specific")
+parts = []
+for s_ in contexts:
+    if zero[s_] is not None:
+        mx0 = float(tab.loc[(s_, zero[s_]), "max_cert"])
+        parts.append(f"S={s_}: coverage 1 from m = {zero[s_]}, max cert {mx0:.3g} ({tau / mx0:.2f}x below tau)")
+    else:
+        mL = budgets[-1]
+        n_all = int((certs.S == s_).sum() // len(budgets))
+        n_over = int(round((1 - float(tab.loc[(s_, mL), "coverage"])) * n_all))
+        parts.append(f"S={s_}: none up to m = {mL} ({n_over} of {n_all} certificates above tau, max {float(tab.loc[(s_, mL), 'max_cert']):.3g})")
+all_zero = all(zero[s_] is not None for s_ in contexts)
+missing = [str(s_) for s_ in contexts if zero[s_] is None]
+margins = [f"{tau / float(tab.loc[(s_, zero[s_]), 'max_cert']):.2f}x at S={s_}" for s_ in contexts if zero[s_] is not None]
+run.claim("witcert-real-zero-fallback", ours="; ".join(parts),
+          verdict="reproduced" if all_zero else "differs",
+          why=RUN + ("" if all_zero else f"; no zero-fallback budget up to m = {budgets[-1]} at S = {', '.join(missing)}")
+              + (f"; margin {', '.join(margins)} against the paper's 2.3x" if margins else ""))
+m0 = budgets[0]
+corr = {s_: float(tab.loc[(s_, m0), "fallback"]) < 0.8 * float(tab.loc[(s_, m0), "fallback_if_independent"]) for s_ in contexts}
+group_ours = ("; ".join(f"S={s_}: any-of-3 fallback {tab.loc[(s_, m0), 'fallback']:.3f} vs {tab.loc[(s_, m0), 'fallback_if_independent']:.3f} "
+                         f"(1 - c^3), {tab.loc[(s_, m0), 'fallback_if_independent_heads']:.3f} (per-head rates); "
+                         f"phi within {tab.loc[(s_, m0), 'phi_within']:.2f} vs across {tab.loc[(s_, m0), 'phi_across']:.2f}"
+                         for s_ in contexts) + f" (m = {m0})")
+pos = all(float(tab.loc[(s_, m0), "phi_within"]) > float(tab.loc[(s_, m0), "phi_across"]) for s_ in contexts)
+run.claim("witcert-real-group-correlation", ours=group_ours,
+          verdict="reproduced" if all(corr.values()) else "differs",
+          why=f"groups of 3 query heads (SmolLM2), not 6; {RUN}"
+              + ("" if all(corr.values()) else
+                 "; exceedances " + ("are positively correlated within a KV group (phi above the across-group value), but "
+                                     if pos else "are not more correlated within a KV group than across, and ")
+                 + "at this coverage almost every group has some head above tau, so the any-of-3 fallback stays near the independence prediction"))
+dec = {s_: bool(np.all(np.diff(tab.loc[s_, "max_cert"].to_numpy()) <= 1e-12)) for s_ in contexts}
+run.claim("witcert-real-massive-heads",
+          ours="; ".join(f"S={s_}: max 1-B/A {seq(s_, 'max_cert', '{:.3g}')}, max A {seq(s_, 'max_A', '{:.3g}')}, "
+                         f"{int(heads[s_]['monotone'].sum())}/{len(heads[s_])} worst heads monotone" for s_ in contexts),
+          verdict="reproduced" if all(dec.values()) else "differs",
+          why="our certificate 1-B/A is a TV bound, at most 1; the paper's 1.6e2 can only be an unnormalised quantity, "
+              f"so we compare the monotone collapse (offline capture, not generation); {RUN}")
+if len(contexts) > 1:
+    lo, hi = contexts[0], contexts[-1]
+    dc = float(tab.loc[(hi, m0), "coverage"] - tab.loc[(lo, m0), "coverage"])
+    slow = abs(dc) <= 0.05
+    run.claim("witcert-real-coverage-context",
+              ours=f"{lo} -> {hi} tokens (m = {m0}): coverage {tab.loc[(lo, m0), 'coverage']:.3f} -> {tab.loc[(hi, m0), 'coverage']:.3f}, "
+                   f"fallback {tab.loc[(lo, m0), 'fallback']:.3f} -> {tab.loc[(hi, m0), 'fallback']:.3f}; "
+                   f"m = {budgets[-1]}: coverage {tab.loc[(lo, budgets[-1]), 'coverage']:.4f} -> {tab.loc[(hi, budgets[-1]), 'coverage']:.4f}",
+              verdict="reproduced" if slow else "differs",
+              why=f"a {hi / lo:g}x longer context within SmolLM2's native window; slow taken as |change| <= 5 points; {RUN}"
+                  + ("" if slow else f"; coverage moved {dc:+.3f}"))
 run.claims_table()
 """),
         md(r"""
-**Verdict.** The table answers the three questions for SmolLM2 at this length: where coverage
-saturates (the zero-fallback budget, if any, and its margin), how strongly exceedances cluster
-within a KV group, and what each budget adds in bytes. The certificates were computed from the
-model's own queries at a fixed token history, where the theorem holds exactly.
+**Verdict.** The tables answer the questions for SmolLM2 at both context lengths: where coverage
+saturates (the zero-fallback budget, if any, and its margin), whether the 4× longer context moves
+it, how strongly exceedances cluster within a KV group once each head's own rate is accounted
+for, whether the worst heads collapse monotonically with the bypass, and what each budget adds in
+bytes. The certificates were computed from the model's own queries at a fixed token history, where
+the theorem holds exactly.
 """),
         code("run.save()"),
     ]

@@ -351,26 +351,40 @@ def silent_failure() -> list[NotebookNode]:
 **Question.** When a KV format breaks a retrieval task, does anything in the raw system signal
 it, and does a certificate gate restore the answers? The WitCert paper's Table 18 shows raw fp8
 collapsing on RULER while gated configurations (a certificate above `tau` triggers an exact
-repair that is written back once) lose nothing. Here every configuration answers the *same*
-seeded prompts (`kvlib.tasks`), greedy, through the transformers cache adapter
-(`kvlib.make_cache`); each is compared with the fp32 reference by a paired bootstrap CI of the
-accuracy difference ($10^4$ resamples) and McNemar's exact test (`kvlib.stats`), per disjoint
-slice of prompts.
+repair that is written back once) lose nothing, on three disjoint slices of 150 prompts. Here
+every configuration answers the *same* seeded prompts (`kvlib.tasks`), greedy, through the
+transformers cache adapter (`kvlib.make_cache`); each is compared with the fp32 reference by a
+paired bootstrap CI of the accuracy difference ($10^4$ resamples) and McNemar's exact test
+(`kvlib.stats`), per disjoint slice and pooled.
 
-**The gate** (`kvlib.gate.make_gated_cache`): at every forward step, inside the attention hook and
-before the attention is computed, the last query row of every (layer, query head) is certified
-against the stored keys; a certificate above `tau` pages that KV head in from the exact copy kept
-aside, writes it into the store the attention reads, and keeps it exact for the rest of the request
-(head level, once per request; the bytes paged in are counted). For dither INT8 the certificate is
-the WitCert theorem's (probabilistic, with the fp16 outlier bypass of `m` RoPE pairs per head). The
-theorem does not hold for deterministic formats (fp8, KIVI); the paper's excerpt does not say how its
-fp8/KIVI gates decide, so their gate here uses a *worst-case* certificate (same TV bound, radius
-from an elementwise error bound of the format): sound, but conservative.
+**How a prompt is run** (`kvlib.tasks.prefill_exact`, `decode_from_prefill`). The prompt, all
+but its last token, is prefilled once in full precision, batched over prompts of equal length;
+every configuration then stores those K/V in its own format and decodes the last prompt token
+and the answer greedily, reading only its (compressed) cache. Prefill attention is thus exact
+and decode reads the quantised cache, as KIVI-style systems do; the first answer token already
+depends on the format. Decoding stops once every prompt has finished its first number (the
+score reads nothing else). One exact prefill shared by all configurations is what makes the
+slices affordable on two CPU cores; the `n` field of a configuration runs it on the first `n`
+prompts of each slice only (the costly Python-reference formats), and the tables say how many
+prompts each configuration saw.
+
+**The gates** (`kvlib.gate.make_gated_cache`): at every decode step, inside the attention hook
+and before the attention is computed, the last query row of every (layer, query head) is
+certified against the stored keys. Over `tau`, the *head-level* gate pages the whole KV head in
+from the exact copy kept aside and keeps it exact; the *block-level* gate ranks the head's
+blocks of `block_size` positions by their share of the excess, $\\sum_{t\\in j}\\tilde p_t(e^{u_t}-1)$
+($\\mathrm{mass}_j(e^{u_j}-1)$), pages them in that order, recomputes the certificate after each
+and stops at the first point where the group's certificates are all $\\le$ `tau`. Either way a
+position is paged in at most once per request and written back into the store the attention
+reads (bytes moved are counted from the copied tensors). For dither INT8 the certificate is the
+WitCert theorem's (probabilistic, with the fp16 outlier bypass of `m` RoPE pairs per head). The
+theorem does not hold for deterministic formats (fp8, KIVI); their gate uses a *worst-case*
+certificate (same TV bound, radius from an elementwise error bound of the format): sound, but
+conservative.
 
 **Flags of raw requests.** A gated run is bit-identical to its raw twin until the gate's first
-over-threshold certificate (before that, nothing differs), so "the certificate flagged this
-request" is the same event in both: a raw configuration named in a gated config's `raw` field
-takes its flags from that twin.
+over-threshold certificate, so "the certificate flagged this request" is the same event in both:
+a raw configuration named in a gated config's `raw` field takes its flags from that twin.
 """.strip()
         ),
         params(
@@ -380,15 +394,20 @@ kind = "passkey"
 length = 512
 n = 3  # prompts per slice
 n_slices = 1
+batch = 25  # prompts per shared exact prefill (equal-length prompts, no padding)
 seed = 0
 reference = "fp32"
 tau = 0.2  # certificate threshold of the gates
+block_size = 32  # positions per block of the block-level gate
 configs = [
     {"name": "fp32", "format": "fp32"},
-    {"name": "dither-int8-m16-gated", "format": "dither-int8", "gated": True, "outliers": 16},
-    {"name": "fp8-e4m3", "format": "fp8-e4m3"},
     {"name": "kivi2", "format": "kivi2"},
-    {"name": "kivi2-gated", "format": "kivi2", "gated": True, "raw": "kivi2"},
+    {"name": "kivi2-gated", "format": "kivi2", "gated": "head", "raw": "kivi2"},
+    {"name": "kivi2-gated-block", "format": "kivi2", "gated": "block", "raw": "kivi2"},
+    {"name": "rtn-int8", "format": "rtn-int8"},
+    {"name": "dither-int8", "format": "dither-int8", "outliers": 4},
+    {"name": "dither-int8-gated", "format": "dither-int8", "outliers": 4, "gated": "head", "raw": "dither-int8"},
+    {"name": "kv4", "format": "kv4"},
 ]
 outlier_calib_tokens = 256  # calibration prefix of the outlier table (a prompt outside every slice)
 collapse = 0.2  # an accuracy loss at least this large (fraction) with a CI excluding 0 counts as a collapse
@@ -412,15 +431,19 @@ from kvlib.hf_cache import make_cache
 from kvlib.model import load_model
 from kvlib.real_activations import outlier_table
 from kvlib.stats import flag_rates, paired_table
-from kvlib.tasks import make_tasks, run_tasks
+from kvlib.tasks import decode_from_prefill, make_tasks, prefill_exact, score
 
 run = Run("tasks_silent_failure", profile=profile,
-          params=dict(kind=kind, length=length, n=n, n_slices=n_slices, seed=seed, reference=reference, tau=tau,
-                      configs=configs, outlier_calib_tokens=outlier_calib_tokens, collapse=collapse,
-                      parity=parity, n_resamples=n_resamples))
+          params=dict(kind=kind, length=length, n=n, n_slices=n_slices, batch=batch, seed=seed, reference=reference,
+                      tau=tau, block_size=block_size, configs=configs, outlier_calib_tokens=outlier_calib_tokens,
+                      collapse=collapse, parity=parity, n_resamples=n_resamples))
+configs = [c | {"gated": "head"} if c.get("gated") is True else c for c in configs]  # gated: true = head level
 names = [c["name"] for c in configs]
 if reference not in names:
     raise ValueError(f"reference {reference!r} must be one of the configs {names}")
+n_of = {c["name"]: min(int(c.get("n", n)), n) for c in configs}  # prompts per slice of each config
+if n_of[reference] != n:
+    raise ValueError("the reference must run on every prompt (no 'n' field)")
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model, tok = load_model(device=device)
 cfg_model = model.config
@@ -434,73 +457,115 @@ for m in sorted({c["outliers"] for c in configs if c.get("outliers")}):
     tables[m] = outlier_table(model, ids.to(device), m)
 
 
-def factory_of(cfg):
+def cache_of(cfg):
     opts = dict(cfg.get("options", {}))
     if cfg.get("outliers"):
         opts["outlier_table"] = tables[cfg["outliers"]]
     if cfg.get("gated"):
-        return lambda: make_gated_cache(cfg["format"], cfg_model, tau=cfg.get("tau", tau), **opts)
-    return lambda: make_cache(cfg["format"], cfg_model, **opts)
+        return make_gated_cache(cfg["format"], cfg_model, tau=cfg.get("tau", tau), level=cfg["gated"],
+                                block_size=block_size, **opts)
+    return make_cache(cfg["format"], cfg_model, **opts)
 
 
-def inspect(cache):
-    seq = cache.get_seq_length()
-    rec = {"packed_bytes": cache.packed_nbytes(),
-           "bytes_per_pos": cache.packed_nbytes() / (2 * len(cache.layers) * n_kv * seq)}
-    if hasattr(cache, "gate_summary"):
-        s = cache.gate_summary()
-        rec.update({k: s[k] for k in ("flagged", "heads_repaired", "heads_total", "bytes_moved", "max_cert",
-                                      "n_over", "n_certs", "gate_seconds")})
-    elif cache.telemetry_on:
-        tel = cache.telemetry_summary()
-        rec.update(coverage=tel["coverage"], flagged=int(tel["n"] > 0 and tel["coverage"] < 1.0))
-    return rec
+records, seconds, prefill_seconds = [], {c["name"]: 0.0 for c in configs}, 0.0
+t_start = time.perf_counter()
 
 
-records, seconds = [], {c["name"]: 0.0 for c in configs}
-for sl in range(n_slices):
-    tasks = make_tasks(kind, n, length=length, seed=seed, start=sl * n, tokenizer=tok)
-    for cfg in configs:
-        t0 = time.perf_counter()
-        for rec in run_tasks(model, tok, tasks, cache_factory=factory_of(cfg), inspect_cache=inspect):
-            records.append(rec | {"config": cfg["name"], "slice": sl})
-        seconds[cfg["name"]] += time.perf_counter() - t0
+def run_slices(first, stop):
+    \"\"\"Run slices first .. stop-1 (those below n_slices): one shared exact prefill per batch.\"\"\"
+    global prefill_seconds
+    for sl in range(first, min(stop, n_slices)):
+        tasks = make_tasks(kind, n, length=length, seed=seed, start=sl * n, tokenizer=tok)
+        for b0 in range(0, n, batch):
+            pf = prefill_exact(model, tok, tasks[b0:b0 + batch])
+            prefill_seconds += pf.seconds
+            for cfg in configs:
+                rows = [i for i in range(pf.n_rows) if b0 + i < n_of[cfg["name"]]]
+                if not rows:
+                    continue
+                sub = pf if len(rows) == pf.n_rows else pf.rows(rows)
+                cache = cache_of(cfg)
+                t0 = time.perf_counter()
+                outs = decode_from_prefill(model, tok, sub, cache)
+                seconds[cfg["name"]] += time.perf_counter() - t0
+                bpp = cache.packed_nbytes() / (2 * len(cache.layers) * n_kv * cache.get_seq_length() * sub.n_rows)
+                gate_rows = (cache.row_summaries() if hasattr(cache, "row_summaries") else []) or [{}] * sub.n_rows
+                for t, out, g in zip(sub.tasks, outs, gate_rows, strict=True):
+                    records.append(dict(task_id=t.task_id, slice=sl, index=t.index, depth=t.depths[0],
+                                        answer=t.answer, output=out, correct=score(t, out), config=cfg["name"],
+                                        bytes_per_pos=bpp) | g)
+                del cache
+        print(f"slice {sl}: {time.perf_counter() - t_start:.0f} s elapsed", flush=True)
+"""
+        ),
+        hidden("run_slices(0, 1)  # one cell per slice: the runner limits the time of each cell"),
+        hidden("run_slices(1, 2)"),
+        hidden("run_slices(2, n_slices)"),
+        hidden(
+            """
+wall = time.perf_counter() - t_start
 df = pd.DataFrame(records)
-# raw twins take the flags of their gated config (identical runs up to the first flag)
+# raw twins take the flags of their gated configs (identical runs up to the first flag)
 if "flagged" not in df:
     df["flagged"] = np.nan
 df["flag_from"] = np.where(df["flagged"].notna(), df["config"], "")
+flag_agree = {}
 for c in configs:
     if c.get("gated") and c.get("raw") in names:
         flag_of = df[df["config"] == c["name"]].set_index("task_id")["flagged"]
-        raw_rows = df["config"] == c["raw"]
-        df.loc[raw_rows, "flagged"] = df.loc[raw_rows, "task_id"].map(flag_of).to_numpy()
+        raw_rows = (df["config"] == c["raw"]) & df["task_id"].isin(flag_of.index)
+        new = df.loc[raw_rows, "task_id"].map(flag_of).to_numpy()
+        old = df.loc[raw_rows, "flagged"].to_numpy()
+        if c["raw"] in flag_agree or np.isfinite(old.astype(float)).any():
+            flag_agree[c["raw"]] = flag_agree.get(c["raw"], True) and bool(np.array_equal(old, new))
+        df.loc[raw_rows, "flagged"] = new
         df.loc[raw_rows, "flag_from"] = c["name"]
 run.record("samples", df.to_dict("records"))
 run.record("seconds_per_config", seconds)
-print("seconds per configuration:", {k: round(v, 1) for k, v in seconds.items()})
+run.record("prompts_per_slice", n_of)
+run.glue("prefill_s", prefill_seconds)
+run.glue("wall_min", wall / 60)
+print("prefill", round(prefill_seconds), "s; seconds per configuration:", {k: round(v) for k, v in seconds.items()},
+      "; gated twins agree on raw flags:", flag_agree)
 """
         ),
         hidden(
             """
-overall = paired_table(df, reference, n_resamples=n_resamples, seed=seed)
-overall = overall.set_index("config").loc[names].reset_index()  # the order of configs
-per_slice = paired_table(df, reference, by="slice", n_resamples=n_resamples, seed=seed)
+def paired_rows(frame, by=None):
+    \"\"\"paired_table of every configuration against the reference on the prompts it ran.\"\"\"
+    parts = []
+    for name in names:
+        ids_ = set(frame.loc[frame["config"] == name, "task_id"])
+        sub = frame[frame["config"].isin([name, reference]) & frame["task_id"].isin(ids_)]
+        t = paired_table(sub, reference, by=by, n_resamples=n_resamples, seed=seed)
+        parts.append(t[t["config"] == name])
+    return pd.concat(parts, ignore_index=True)
+
+
+overall = paired_rows(df)
+per_slice = paired_rows(df, by="slice")
 run.record("paired_overall", overall.to_dict("records"))
 run.record("paired_per_slice", per_slice.to_dict("records"))
 
 flags = {}
 for name, g in df.groupby("config", sort=False):
-    if "flagged" in g and g["flagged"].notna().all():
+    if g["flagged"].notna().all():
         flags[name] = flag_rates(g["flagged"].astype(int), g["correct"])
 by_cfg = df.groupby("config", sort=False)
 rows = []
 for r in overall.itertuples():
     f = flags.get(r.config)
     g = by_cfg.get_group(r.config)
-    gated_cfg = "heads_repaired" in g and g["heads_repaired"].notna().all()
+    level = next(c.get("gated") for c in configs if c["name"] == r.config)
+    if level == "head":
+        repaired = f"{(g['heads_repaired'] / (len(model.model.layers) * n_kv)).mean():.0%} of heads"
+    elif level == "block":
+        repaired = f"{g['blocks_paged'].mean():.0f} blocks"
+    else:
+        repaired = "-"
     rows.append({
         "config": r.config,
+        "prompts": int(r.n),
         "B/pos/side": f"{g['bytes_per_pos'].mean():.1f}",
         "accuracy": f"{r.mean_a:.1%}",
         "diff vs ref (pp)": f"{100 * r.diff:+.1f} [{100 * r.low:+.1f}, {100 * r.high:+.1f}]",
@@ -508,21 +573,24 @@ for r in overall.itertuples():
         "McNemar p": f"{r.mcnemar_p:.3g}",
         "flagged (wrong / right)": "-" if f is None else
             f"{f['wrong']['flagged']}/{f['wrong']['n']} / {f['right']['flagged']}/{f['right']['n']}",
-        "heads repaired": "-" if not gated_cfg else f"{(g['heads_repaired'] / g['heads_total']).mean():.0%}",
-        "MB paged / req": "-" if not gated_cfg else f"{g['bytes_moved'].mean() / 2**20:.1f}",
-        "max cert": "-" if not gated_cfg else f"{g['max_cert'].max():.3g}",
+        "paged per req": repaired,
+        "MB paged / req": "-" if not level else f"{g['bytes_moved'].mean() / 2**20:.2f}",
+        "whole-head MB / req": "-" if not level else f"{g['bytes_whole_head'].mean() / 2**20:.2f}",
+        "max cert": "-" if not level else f"{g['max_cert'].max():.3g}",
     })
-display(Markdown(pd.DataFrame(rows).to_markdown(index=False)))
+summary = pd.DataFrame(rows)
+run.record("summary_table", rows)
+display(Markdown(summary.to_markdown(index=False)))
 
-fig, ax = plt.subplots(figsize=(6.5, 3.4))
+fig, ax = plt.subplots(figsize=(7.5, 3.6))
 order = list(overall["config"])
 for sl, g in per_slice.groupby("slice"):
-    g = g.set_index("config").loc[order]
+    g = g.set_index("config").reindex(order)
     x = np.arange(len(order)) + 0.12 * (sl - (n_slices - 1) / 2)
     ax.errorbar(x, 100 * g["diff"], yerr=[100 * (g["diff"] - g["low"]), 100 * (g["high"] - g["diff"])],
                 fmt="o", capsize=3, label=f"slice {sl}")
 ax.axhline(0, color="k", lw=0.8)
-ax.set_xticks(range(len(order)), order, rotation=20)
+ax.set_xticks(range(len(order)), [f"{c}\\n(n={n_of[c]}/slice)" for c in order], rotation=30, ha="right", fontsize=7)
 ax.set_ylabel(f"accuracy - {reference} (pp)")
 ax.set_title(f"{kind} at {length} tokens: paired difference, 95% bootstrap CI")
 ax.legend(fontsize=8)
@@ -535,14 +603,18 @@ plt.close(fig)
 o = overall.set_index("config")
 run.glue("ref_acc", float(o.loc[reference, "mean_a"]))
 run.glue("n_prompts", int(n * n_slices))
+run.glue("n_per_slice", int(n))
+run.glue("n_slices", int(n_slices))
 run.glue("tau", float(tau))
-# a loss is significant when the paired CI lies below zero and McNemar's exact test rejects at 5%
-n_total = int(o.loc[reference, "n"])
-min_n = next(k for k in range(1, 64) if 2 * 0.5**k < 0.05)  # fewer prompts can never reject
+min_n = next(k for k in range(1, 64) if 2 * 0.5**k < 0.05)  # fewer discordant prompts can never reject
 
 
 def is_loss(r):
     return r["high"] < 0 and r["mcnemar_p"] < 0.05
+
+
+def at_parity(r):
+    return not is_loss(r) and r["diff"] >= -parity
 
 
 def describe(name):
@@ -556,37 +628,64 @@ collapsed = [c for c in significant if o.loc[c, "diff"] <= -collapse]
 run.glue("collapsed", ", ".join(collapsed) or "none")
 run.glue("significant", ", ".join(significant) or "none")
 gated = [c for c in configs if c.get("gated")]
-twins = {c["raw"]: c["name"] for c in gated if c.get("raw") in names}
+twins = {}
+for c in gated:
+    if c.get("raw") in names:
+        twins.setdefault(c["raw"], []).append(c["name"])
+
+# per-slice directional conclusions: loss / parity / neither, for each configuration and slice
+ps = per_slice.assign(verdict=[("loss" if is_loss(r) else "parity" if at_parity(r) else "neither")
+                               for _, r in per_slice.iterrows()])
+cell = ps.assign(txt=[f"{100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}] p={r['mcnemar_p']:.2g}"
+                      f" ({r['verdict']})" for _, r in ps.iterrows()])
+wide = cell.pivot(index="config", columns="slice", values="txt").reindex(names)
+wide.columns = [f"slice {s}" for s in wide.columns]
+display(Markdown(wide.reset_index().to_markdown(index=False)))
+run.record("per_slice_verdicts", ps[["slice", "config", "verdict"]].to_dict("records"))
+judged = [c for c in names if c != reference and n_of[c] >= min_n]  # a slice this small can never reject
+# the directional conclusion is binary: a significant loss, or none (parity is judged in its own claim)
+consistent = {c: ps.loc[ps["config"] == c, "verdict"].eq("loss").nunique() == 1 for c in judged}
+run.glue("slices_consistent", ", ".join(c for c in judged if consistent[c]) or "none")
+run.glue("slices_inconsistent", ", ".join(c for c in judged if not consistent[c]) or "none")
+run.glue("small_configs", ", ".join(f"{c} ({n_of[c]}/slice)" for c in names if n_of[c] < n) or "none")
 
 
-def at_parity(name):
-    r = o.loc[name]
-    return not is_loss(r) and r["diff"] >= -parity
+def slice_line(name):
+    g = ps[ps["config"] == name]
+    return "; ".join(f"slice {int(r['slice'])} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]"
+                     for _, r in g.iterrows())
 
 
-def verdict_loss(name, claim_id, what, gate_restores=False):
+def claim_loss(name, claim_id, size, gate_restores=False):
     if name not in o.index:
         run.claim(claim_id, ours=f"{name} not run at this profile", verdict="not reproducible here",
                   why=f"{name} is not among this profile's configurations")
         return
     ours = describe(name)
-    twin = twins.get(name)
-    if gate_restores and twin:
-        ours += f"; gated: {100 * o.loc[twin, 'diff']:+.1f} pp"
-    if n_total < min_n:
+    if n_slices > 1:
+        ours += f" (per slice: {slice_line(name)})"
+    for t in twins.get(name, []) if gate_restores else []:
+        ours += f"; {t}: {100 * o.loc[t, 'diff']:+.1f} pp [{100 * o.loc[t, 'low']:+.1f}, {100 * o.loc[t, 'high']:+.1f}]"
+    if n_of[name] * n_slices < min_n:
         run.claim(claim_id, ours=ours, verdict="not reproducible here",
-                  why=f"{n_total} prompts cannot give a significant paired test (at least {min_n} needed)")
+                  why=f"{n_of[name] * n_slices} prompts cannot give a significant paired test (needs {min_n})")
         return
-    ok = what(o.loc[name])
-    why = "" if ok else f"no significant loss of that size for {name} on {kind} at {length} tokens"
+    r = o.loc[name]
+    ok = is_loss(r) and r["diff"] <= -size
+    why = "" if ok else f"no significant loss of at least {size:.0%} for {name} on {kind} at {length} tokens"
     if ok and gate_restores:
-        ok = twin is not None and at_parity(twin)
-        why = "" if ok else ("no gated twin in this run" if twin is None else f"{twin} does not restore parity")
+        restored = [t for t in twins.get(name, []) if at_parity(o.loc[t])]
+        ok = bool(twins.get(name)) and len(restored) == len(twins[name])
+        why = "" if ok else "no gated twin restores parity"
+    if ok and n_slices > 1 and not all(ps.loc[ps["config"] == c, "verdict"].eq(v).all()
+                                       for c, v in [(name, "loss")] + [(t, "parity") for t in twins.get(name, [])
+                                                                       if gate_restores]):
+        ok, why = False, "the pooled conclusion does not hold on every slice"
     run.claim(claim_id, ours=ours, verdict="reproduced" if ok else "differs", why=why)
 
 
-verdict_loss("fp8-e4m3", "witcert-t18-raw-fp8-collapse", lambda r: is_loss(r) and r["diff"] <= -collapse)
-verdict_loss("kivi2", "witcert-t18-kivi-silent-tail", is_loss, gate_restores=True)
+claim_loss("fp8-e4m3", "witcert-t18-raw-fp8-collapse", collapse)
+claim_loss("kivi2", "witcert-t18-kivi-silent-tail", 0.0, gate_restores=True)
 
 if gated:
     parts, ok = [], True
@@ -594,20 +693,19 @@ if gated:
         r = o.loc[c["name"]]
         differ = int(r["n_a_only"] + r["n_b_only"])
         parts.append(f"{c['name']} {100 * r['diff']:+.1f} pp [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}], "
-                     f"differs from {reference} on {differ}/{int(r['n'])} samples")
-        ok = ok and at_parity(c["name"])
-    why = "" if ok else "a gated configuration loses more than the parity margin or significantly"
-    if ok and n_total < min_n:
-        why = f"parity on {n_total} prompts only: a loss could not be significant below {min_n}"
+                     f"differs from {reference} on {differ}/{int(r['n'])} prompts")
+        ok = ok and at_parity(r) and bool((ps.loc[ps["config"] == c["name"], "verdict"] == "parity").all())
+    why = "" if ok else "a gated configuration loses more than the parity margin or significantly on some slice"
+    small = [c["name"] for c in gated if n_of[c["name"]] < n]
+    if ok and small:
+        why = f"parity of {', '.join(small)} rests on {min(n_of[s] for s in small)} prompts per slice only"
     run.claim("witcert-t18-gated-parity", ours="; ".join(parts), verdict="reproduced" if ok else "differs", why=why)
 else:
     run.claim("witcert-t18-gated-parity", ours="no gated configuration in this run", verdict="not reproducible here",
               why="no configuration with certificate-triggered repair was run (configs marked gated: none)")
 
-# Does the flag single out the failures? Raw requests only: configs whose flag is their own telemetry or
-# their gated twin's (gated configs' own answers were repaired, so their errors are not the raw system's).
-raw_flagged = df[(df["config"].isin(twins) | (df["flag_from"] == df["config"])) & df["flagged"].notna()
-                 & ~df["config"].isin([c["name"] for c in gated])]
+# Does the flag single out the failures? Raw requests of configurations with a gated twin.
+raw_flagged = df[df["config"].isin(twins) & df["flagged"].notna()]
 if len(raw_flagged):
     fr = flag_rates(raw_flagged["flagged"].astype(int), raw_flagged["correct"])
     w, rt = fr["wrong"], fr["right"]
@@ -617,36 +715,44 @@ if len(raw_flagged):
     run.glue("flag_right", f"{rt['flagged']}/{rt['n']}")
     if w["n"] == 0:
         verdict, why = "not reproducible here", "no raw failures to flag in this run"
-    elif rt["n"] == 0:
-        verdict = "not reproducible here" if w["flagged"] == w["n"] else "differs"
-        why = ("every failure is flagged, but the flagged raw configuration answered nothing right, so "
-               "discrimination (no vacuous alarms) cannot be measured here" if verdict != "differs"
-               else "some failures were not flagged")
-    vacuous = [t for r_, t in twins.items() if df.loc[df["config"] == t, "max_cert"].max() >= 1.0]
-    if vacuous:
-        why += f"; the certificate of {', '.join(vacuous)} reached 1 (vacuous): it flags every request of that format"
     else:
-        ok = w["rate"] > rt["rate"] and fr["fisher_p"] < 0.05
+        ok = w["rate"] > rt["rate"] and fr["fisher_p"] < 0.05 if rt["n"] else False
         verdict = "reproduced" if ok else "differs"
-        why = "" if ok else "the flag rate among right answers is not clearly below that among wrong answers"
+        why = "" if ok else ("every failure is flagged but so is every right answer: the flag does not discriminate"
+                             if w["flagged"] == w["n"] and rt["n"] and rt["flagged"] == rt["n"] else
+                             "the flag rate among right answers is not clearly below that among wrong answers")
+    vac = [t for ts in twins.values() for t in ts if (df.loc[df["config"] == t, "max_cert"] >= 1.0).any()]
+    if vac:
+        why += (("; " if why else "") + f"the worst-case certificate of {', '.join(vac)} reaches 1 (vacuous)")
 else:
     ours, verdict, why = "no raw configuration carries a flag", "not reproducible here", "no flag-carrying raw config"
     run.glue("flag_wrong", "-")
     run.glue("flag_right", "-")
 run.claim("witcert-gate-flags-failures", ours=ours, verdict=verdict, why=why)
 
-if n_slices >= 2 and n >= min_n:
-    sign = per_slice.assign(loss=per_slice.apply(is_loss, axis=1)).groupby("config")["loss"].agg(["min", "max"])
-    agree = bool((sign["min"] == sign["max"]).all())
-    if agree:
-        ours = f"significant-loss verdicts agree across {n_slices} slices for every configuration"
-    else:
-        ours = "slices disagree for " + ", ".join(sign.index[sign["min"] != sign["max"]])
+if n_slices >= 2 and judged:
+    agree = all(consistent.values())
+    ours = (f"{n_slices} disjoint slices of {n} prompts: the directional conclusion (significant loss or not) of "
+            + ", ".join(f"{c} ({'loss' if ps.loc[ps['config'] == c, 'verdict'].eq('loss').all() else 'no loss'})"
+                        for c in judged if consistent[c])
+            + " holds on every slice")
+    if not agree:
+        ours += "; differs between slices for " + ", ".join(c for c in judged if not consistent[c])
     run.claim("witcert-t18-repeatability", ours=ours, verdict="reproduced" if agree else "differs",
-              why="" if agree else "directional conclusions differ between slices")
+              why="" if agree else "some directional conclusion changes between slices")
 else:
     run.claim("witcert-t18-repeatability", ours=f"{n_slices} slice(s) of {n} prompts", verdict="not reproducible here",
-              why=f"needs at least two slices of at least {min_n} prompts; the gpu profile runs three of 150")
+              why=f"needs at least two slices with at least {min_n} prompts per configuration")
+
+# block-level against head-level traffic, for formats gated both ways
+for c in gated:
+    if c["gated"] == "block":
+        g = df[df["config"] == c["name"]]
+        moved, whole = float(g["bytes_moved"].sum()), float(g["bytes_whole_head"].sum())
+        key = c["name"].replace("-", "_")
+        run.glue(f"{key}_traffic_ratio", whole / moved if moved else float("nan"))
+        run.glue(f"{key}_blocks", float(g["blocks_paged"].mean()))
+        run.glue(f"{key}_mb", float(g["bytes_moved"].mean()) / 2**20)
 """
         ),
         md(
@@ -654,20 +760,31 @@ else:
 ```{glue:figure} fig_silent_failure
 :name: fig-tasks-silent-failure
 Accuracy difference of each KV configuration against the fp32 reference on the same prompts,
-with paired 95% bootstrap intervals, per disjoint slice.
+with paired 95% bootstrap intervals, per disjoint slice (n: prompts per slice of each configuration).
 ```
 
-The reference answers {glue:text}`ref_acc:.0%` of the {glue:text}`n_prompts` prompts.
-Configurations whose loss is significant (paired CI below zero and McNemar p < 0.05):
+This run: {glue:text}`n_slices` disjoint slices of {glue:text}`n_per_slice` prompts
+({glue:text}`n_prompts` in all); configurations run on fewer prompts per slice:
+{glue:text}`small_configs`. Shared exact prefill {glue:text}`prefill_s:.0f` s, whole run
+{glue:text}`wall_min:.0f` min on one CPU thread. The reference answers {glue:text}`ref_acc:.0%`.
+
+Configurations whose pooled loss is significant (paired CI below zero and McNemar p < 0.05):
 {glue:text}`significant`; of those, a collapse (a loss of at least the `collapse` parameter):
-{glue:text}`collapsed`. The raw formats give no signal of their own when they fail: the only
-per-request signal is the certificate's flag. Among raw requests that carry one, the flag fired on
-{glue:text}`flag_wrong` wrong answers and {glue:text}`flag_right` right ones (`tau` =
-{glue:text}`tau`). The columns "heads repaired", "MB paged / req" and "max cert" describe the gates:
-the share of (layer, KV head) pairs paged in from the exact copy per request, the bytes that moved,
-and the largest certificate seen before repair. A gated run that repaired nothing is the raw run,
-bit for bit; a gate whose certificate is vacuous (the worst-case certificate of a 2-bit format)
-repairs every head and is the reference, bit for bit: parity bought with no compression left.
+{glue:text}`collapsed`. The per-slice table classifies every configuration on every slice as a
+significant loss, parity (no significant loss and within the `parity` margin) or neither. The
+directional conclusion (a significant loss or not) is the same on every slice for
+{glue:text}`slices_consistent` and changes for {glue:text}`slices_inconsistent` (configurations
+with fewer than six prompts per slice are not judged: no paired test on so few prompts can reject).
+
+The raw formats give no signal of their own when they fail: the only per-request signal is the
+certificate's flag. Among raw requests that carry one, the flag fired on {glue:text}`flag_wrong`
+wrong answers and {glue:text}`flag_right` right ones (`tau` = {glue:text}`tau`). The columns
+"paged per req", "MB paged / req" and "whole-head MB / req" describe the gates: what was paged
+in from the exact copy per request, and what the head-level gate pages for the same heads. A
+gated run that repaired nothing is the raw run, bit for bit; a gate whose certificate is vacuous
+(the worst-case certificate of a 2-bit format) flags every request: the head-level gate then
+repairs every head and is the reference, parity bought with no compression left, while the
+block-level gate stops as soon as the certificate allows and moves less.
 """.strip()
         ),
         md("## Paper vs this run"),
