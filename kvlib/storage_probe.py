@@ -93,7 +93,9 @@ class _ViewLayer(CacheLayerMixin):
         store = self._bufs[kind]
         buf = store[side]
         if buf is None or buf.shape[-2] < n_new:
-            cap = max(n_new, 2 * (0 if buf is None else buf.shape[-2]), 64)
+            # exact size for a chunk (the probe writes two chunks: context, forced tokens); doubling for steps
+            step = like.shape[-2] == 1
+            cap = max(n_new, 2 * (0 if buf is None else buf.shape[-2]), 64) if step else n_new
             grown = like.new_empty((*like.shape[:2], cap, like.shape[-1]))
             if buf is not None:
                 grown[:, :, : self.n] = buf[:, :, : self.n]

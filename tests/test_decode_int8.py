@@ -45,8 +45,10 @@ def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=Fa
 
 
 def _assert_close(out, ref, atol=2e-6):
+    # the GPU's fast exp/division carry a few ulp more than the interpreter's numpy
+    atol, rtol = (atol, 1e-5) if DEV == "cpu" else (5 * atol, 1e-4)
     for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
-        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=1e-5)
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("impl", ["tc", "fma"])

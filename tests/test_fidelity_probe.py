@@ -158,3 +158,20 @@ def test_probe_attention_restores_the_model(tiny_model):
     with probe_attention(tiny_model):
         assert tiny_model.config._attn_implementation == REGIONAL_ATTN
     assert tiny_model.config._attn_implementation == before
+
+
+def test_kl_mean_ratio_properties():
+    from kvlib.fidelity import ProbeResult, kl_mean_ratio
+
+    rng = np.random.default_rng(0)
+    path = np.repeat(np.arange(10), 8)
+    a = ProbeResult("a", rng.gamma(1.0, 1e-2, path.size), np.ones(path.size), path)
+    assert kl_mean_ratio(a, a, n_resamples=500) == (1.0, 1.0, 1.0)
+    scaled = ProbeResult("s", 7.0 * a.kl, a.top1, path)
+    r, lo, hi = kl_mean_ratio(scaled, a, n_resamples=500)
+    assert np.allclose([r, lo, hi], 7.0)
+    b = ProbeResult("b", rng.gamma(1.0, 1e-3, path.size), a.top1, path)
+    r, lo, hi = kl_mean_ratio(a, b, n_resamples=500)
+    assert lo <= r <= hi and r == pytest.approx(a.kl.mean() / b.kl.mean())
+    with pytest.raises(ValueError, match="same paths"):
+        kl_mean_ratio(a, ProbeResult("c", a.kl, a.top1, path[::-1]))

@@ -600,17 +600,19 @@ def _protected_region(
 ):  # fmt: skip
     """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
+    # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
+    RP: tl.constexpr = GP if GP >= 16 else 16
     cnt = tl.minimum(_scalar_load(COUNT + b), C)
-    rows = tl.arange(0, GP)
+    rows = tl.arange(0, RP)
     row_ok = rows < G
     cols = tl.arange(0, D)
     qrow = (b * HQ + h * G + rows).to(tl.int64)
     q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
     a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
     slot0 = (b * HKV + h).to(tl.int64) * C
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, D], tl.float32)
     if INTERP:
         n0 = cnt * 0
         while n0 < cnt:

@@ -420,7 +420,7 @@ import torch
 from IPython.display import Markdown, display
 
 from kvlib.book import Run
-from kvlib.fidelity import geometric_kl_ratio, probe_positions
+from kvlib.fidelity import geometric_kl_ratio, kl_mean_ratio, probe_positions
 from kvlib.formats import get_format
 from kvlib.model import load_model
 from kvlib.storage_probe import batched_probe, corpus_prompts, kv4rl_view, prefill_context, sample_responses
@@ -602,19 +602,28 @@ close = 0.5 <= nv / kv4k <= 2
 fp4_ok = nvk > nv and close
 run.claim("kv4rl-fp4-kl", ours=f"NVFP4 {g(nv)}, NVFP4+Krot {g(nvk)}, INT4+Krot {g(kv4k)}, MXFP4 {g(m('MXFP4'))}",
           verdict="reproduced" if fp4_ok else "differs",
-          why="" if fp4_ok else ("NVFP4 not within 2x of INT4+Krot; " if not close else "")
-          + ("K rotation does not raise NVFP4 KL" if nvk <= nv else ""))
+          why="" if fp4_ok else ("NVFP4 not within 2x of INT4+Krot; " if not close else "NVFP4 is within 2x of INT4+Krot, but ")
+          + (f"K rotation lowers NVFP4 KL here ({g(nv)} -> {g(nvk)})" if nvk <= nv else ""))
 
 # allocations of 144 positions
 sr, s144, r144 = m("sink 16 + recent 128"), m("sink 144"), m("recent 144")
-cut = kv4k / sr
-run.glue("cut_sink_recent", cut)
+# "cuts mean KL 7.0x": ratio of mean KLs, CI from a paired bootstrap over paths
+cut, cut_lo, cut_hi = kl_mean_ratio(R["KV4 K rotation"], R["sink 16 + recent 128"], n_resamples=n_boot, seed=seed)
+vs_r, vs_r_lo, vs_r_hi = geometric_kl_ratio(R["recent 144"], R["sink 16 + recent 128"], n_resamples=n_boot, seed=seed)
+for k_, v_ in dict(cut_sink_recent=cut, cut_lo=cut_lo, cut_hi=cut_hi, cut_sink144=kv4k / s144, cut_recent144=kv4k / r144,
+                   recent144_ratio=vs_r, recent144_lo=vs_r_lo, recent144_hi=vs_r_hi).items():
+    run.glue(k_, v_)
 best = sr < s144 and sr < r144
-near = 3.5 <= cut <= 14
-run.claim("kv4rl-sink-recent-kl", ours=f"{cut:.1f}x vs KV4 (K rot); sink 144 {kv4k / s144:.1f}x, recent 144 {kv4k / r144:.1f}x",
+near = cut_lo <= 7.0 and cut_hi >= 5.7  # the CI meets the paper's 5.7x (8B) - 7.0x (4B)
+run.claim("kv4rl-sink-recent-kl",
+          ours=f"{cut:.1f}x [{cut_lo:.1f}, {cut_hi:.1f}] vs KV4 (K rot); sink 144 {kv4k / s144:.1f}x, recent 144 "
+          f"{kv4k / r144:.1f}x (paired geometric ratio recent 144 / sink16+recent128 {vs_r:.2f} [{vs_r_lo:.2f}, {vs_r_hi:.2f}])",
           verdict="reproduced" if best and near else "differs",
-          why=("" if best else "sink 16 + recent 128 is not the best allocation here; ")
-          + ("" if near else f"factor {cut:.1f}x is not within 2x of 7.0x (contexts {states[0]}-{states[-1]}, 135M model)"))
+          why=("sink 16 + recent 128 has the lowest mean of the three allocations; " if best
+               else "sink 16 + recent 128 is not the best allocation here; ")
+          + ("its cut agrees with the paper's" if near else
+             f"but its cut ({cut:.1f}x, 95% CI {cut_lo:.1f}-{cut_hi:.1f}) is " + ("larger" if cut_lo > 7.0 else "smaller")
+             + f" than the paper's 5.7-7.0x (contexts {states[0]}-{states[-1]}, 135M model)"))
 
 # recent width
 w16, w128, w512 = m("sink 16 + recent 16"), sr, m("sink 16 + recent 512")
@@ -640,7 +649,11 @@ The same-process repeat of the full-precision reference gives a KL of exactly
 paired geometric ratio of KL without rotation to KL with K rotation is {glue:text}`krot_ratio:.2f`
 (95% CI {glue:text}`krot_lo:.2f`-{glue:text}`krot_hi:.2f`); K+V against K only is
 {glue:text}`kv_ratio:.2f` ({glue:text}`kv_lo:.2f`-{glue:text}`kv_hi:.2f`). Protecting sink 16 +
-recent 128 positions in INT8 cuts the mean KL of KV4 by {glue:text}`cut_sink_recent:.1f`x.
+recent 128 positions in INT8 cuts the mean KL of KV4 by {glue:text}`cut_sink_recent:.1f`x (95% CI
+{glue:text}`cut_lo:.1f`-{glue:text}`cut_hi:.1f`); the same 144 positions cut it
+{glue:text}`cut_recent144:.1f`x when all are recent and {glue:text}`cut_sink144:.1f`x when all are
+sinks (paired geometric ratio recent 144 over sink 16 + recent 128: {glue:text}`recent144_ratio:.2f`,
+CI {glue:text}`recent144_lo:.2f`-{glue:text}`recent144_hi:.2f`).
 Caveats: a 135M model in float32 rather than Qwen3-4B/8B in bf16; contexts of
 {glue:text}`ctx_min`-{glue:text}`ctx_max` positions, of which the 144 protected ones are
 {glue:text}`share_144_min:.0%`-{glue:text}`share_144_max:.0%`; corpus windows as prompts (not math
@@ -662,7 +675,7 @@ display(Markdown(
     f"{states[0]}-{states[-1]} positions: " + ", ".join(f"`{c}`" for c in reproduced) + ". "
     + ("Differs: " + "; ".join(differs) + ". " if differs else "")
     + "Each verdict is computed from the numbers above (orderings of means, overlap of bootstrap intervals, "
-    "whether a paired ratio's interval excludes 1, a factor within 2x of the paper's); the paper's absolute KL "
+    "whether a paired ratio's interval excludes 1, whether a factor's interval meets the paper's); the paper's absolute KL "
     "values belong to Qwen3-4B/8B in bf16 and are not expected here, only orderings and factors."))
 """,
             hide_input=True,
