@@ -177,7 +177,7 @@ class Sweep:
     # ------------------------------------------------------------------------------------------
     def check(self, variants: list[tuple[str, object]]) -> list[tuple[str, object]]:
         """Each variant vs the torch reference on a small ragged batch; returns the variants that pass."""
-        from kvlib.kernels.decode_int4 import kv4_main_decode_ref, prepare_query_ref
+        from kvlib.kernels.decode_int4 import kv4_main_decode_ref, prepare_query, prepare_query_ref
         from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 
         tiny = self.tiny
@@ -197,14 +197,14 @@ class Sweep:
         c = cache
         o_ref, lse_ref = kv4_main_decode_ref(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off,
                                              c._zeros, c.lengths)
-        orl_ref, lserl_ref = decode_ref(q, cache)
+        orl_ref, lserl_ref = decode_ref(q, cache, qp=prepare_query(q))  # the kernels' own INT8 query
         ok = []
         print("== correctness vs torch reference (small ragged batch)", flush=True)
         n_odd = n - 5  # odd and off every block size: masked loads, 16-bit scale loads
         oc = build_kv4_batch(k[:, :, :n_odd].contiguous(), v[:, :, :n_odd].contiguous(), lengths.clamp(max=n_odd),
                              sink=sink, recent=recent)
         odd = (oc, kv4_main_decode_ref(qp, oc.k_codes, oc.k_scale, oc.k_off, oc.v_codes, oc.v_scale, oc.v_off,
-                                       oc._zeros, oc.lengths), decode_ref(q, oc))
+                                       oc._zeros, oc.lengths), decode_ref(q, oc, qp=prepare_query(q)))
         extra = [("default_oddN", dict(variants)["default"])] if "default" in dict(variants) else []
         for name, cfg in variants + extra:
             row = {}
