@@ -43,7 +43,9 @@ the certificate cost, and how does certified INT8 decode compare with torch SDPA
 The theorem and the role of each kernel detail are on the {doc}`theorem page </book/witcert_certificate/theorem>`. Here the
 kernel runs under the Triton CPU interpreter on a small shape (same code as on the GPU); the GPU
 numbers come from `python -m kvlib.bench witcert_decode` (file `data/results/gpu/witcert_decode.json`).
-Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`.
+Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`. The kernel is the
+tensor-core one (`impl="tc"`): scores from exact fp16 operands per scale group, its remaining rounding
+inside the radius (the theorem page, Step 3).
 """),
         params("""
 profile = "cpu"
@@ -111,9 +113,9 @@ if gpu is None:
     lat = None
 else:
     r = gpu["results"]
-    print("measured on", r["device"], "| commit", gpu["provenance"].get("git_commit", "?"))
+    print("measured on", r["device"], "| commit", gpu["provenance"].get("commit", "?"))
     agr = pd.DataFrame(r["agreement"]["splits"]).T
-    exact = agr[agr.index.str.startswith("exact")]  # fp32 IEEE dots; "fast" uses fp16 P.V (error ~1e-4)
+    exact = agr[agr.index.str.startswith("exact")]  # every tensor-core operand exact; "fast" drops two lo parts
     run.glue("gpu_max_do", float(exact["max_abs_do"].max()))
     run.glue("gpu_max_dcert", float(exact["max_abs_dcert"].max()))
     cg = r["cuda_graph"]
