@@ -698,7 +698,7 @@ if gated:
     why = "" if ok else "a gated configuration loses more than the parity margin or significantly on some slice"
     small = [c["name"] for c in gated if n_of[c["name"]] < n]
     if ok and small:
-        why = f"parity of {', '.join(small)} rests on {min(n_of[s] for s in small)} prompts per slice only"
+        why = "parity on fewer prompts per slice for " + ", ".join(f"{s} ({n_of[s]})" for s in small)
     run.claim("witcert-t18-gated-parity", ours="; ".join(parts), verdict="reproduced" if ok else "differs", why=why)
 else:
     run.claim("witcert-t18-gated-parity", ours="no gated configuration in this run", verdict="not reproducible here",
