@@ -90,6 +90,9 @@ def test_impl_choice_and_errors():
 
     assert resolve_impl("auto", 128, 32) == "tc" and resolve_impl("auto", 96, 32) == "fma"
     assert resolve_impl("auto", 64, 8) == "fma"
+    assert resolve_impl("auto", 128, 32, v_dither=True) == "fma"  # dithered values take the fma kernel
+    with pytest.raises(ValueError, match="v_dither"):
+        resolve_impl("tc", 128, 32, v_dither=True)
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("tc", 64, 8)
     with pytest.raises(ValueError, match="impl"):
