@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from kvlib.certificate import FP16_REL, FP16_SUB, certificate_from_scores, score_radius
+from kvlib.certificate import FP16_REL, FP16_SUB, certificate_from_scores
 from kvlib.fallback import block_excess
 from kvlib.hf_cache import PROXY_OF_FORMAT, KVFormatCache, _is_stateful, make_cache
 
@@ -264,16 +264,7 @@ class GatedCache(KVFormatCache):
                                for h, p in enumerate(layer.packed[0][b])])  # [Hkv, S, d]
             u = sm * torch.einsum("hgd,hsd->hgs", qh.abs(), err) + slack
         else:  # the base class's probabilistic radius (KVFormatCache.certify), unchanged
-            packs = layer.packed[0][b]
-            scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
-            oc = getattr(packs[0], "outlier_channels", None)
-            kw: dict[str, Any] = {}
-            if oc is not None and oc.numel():
-                kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
-                kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
-            u = score_radius(qh, scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
-                             group=packs[0].group, proxy=self.proxy, **kw)
-            u = u.expand_as(z_hat)
+            u = self._packed_radius(layer.packed[0][b], qh, sm, z_hat.shape[-1]).expand_as(z_hat)
         m = self._exact_pos[layer_idx]
         if m is not None:
             paged = m[b, :, :z_hat.shape[-1]].to(u.device).unsqueeze(1)  # [Hkv, 1, S]

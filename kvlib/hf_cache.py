@@ -379,7 +379,7 @@ class KVFormatCache(Cache):
         when vacuous. ``p_tilde`` comes from the dequantised keys the attention used. All KV heads
         of a batch row are certified in one batched call.
         """
-        from kvlib.certificate import certificate_from_scores, score_radius
+        from kvlib.certificate import certificate_from_scores
 
         layer = self.layers[layer_idx]
         g = self.n_heads // self.n_kv
@@ -389,17 +389,22 @@ class KVFormatCache(Cache):
             packs = layer.packed[0][b]
             qh = q[b].double().view(self.n_kv, g, self.head_dim)  # [Hkv, g, d]
             z_hat = torch.einsum("hgd,hsd->hgs", qh, layer.keys[b].double()) * sm  # [Hkv, g, S]
-            scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
-            oc = getattr(packs[0], "outlier_channels", None)
-            kw: dict[str, Any] = {}
-            if oc is not None and oc.numel():
-                kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
-                kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
-            u = score_radius(qh, scales, sm_scale=sm, n=z_hat.shape[-1], delta=self.delta_loc,
-                             group=packs[0].group, proxy=self.proxy, **kw)
-            c = certificate_from_scores(z_hat, u)
+            c = certificate_from_scores(z_hat, self._packed_radius(packs, qh, sm, z_hat.shape[-1]))
             out[b] = (c.tv_bound if self.two_sided else c.tv_bound_one).reshape(-1)
         return out
+
+    def _packed_radius(self, packs: list, qh: torch.Tensor, sm: float, n: int) -> torch.Tensor:
+        """Score radius ``[Hkv, g, S]`` of one batch row from its packed keys (scales, fp16 outliers)."""
+        from kvlib.certificate import score_radius
+
+        scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
+        oc = getattr(packs[0], "outlier_channels", None)
+        kw: dict[str, Any] = {}
+        if oc is not None and oc.numel():
+            kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
+            kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
+        return score_radius(qh, scales, sm_scale=sm, n=n, delta=self.delta_loc, group=packs[0].group,
+                            proxy=self.proxy, **kw)
 
     def telemetry_summary(self) -> dict[str, Any]:
         """Coverage at ``tau``, overflow fraction, finite mean/max, calls and seconds (one host sync)."""

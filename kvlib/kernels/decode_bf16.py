@@ -18,7 +18,7 @@ import triton.language as tl
 from kvlib._checks import check_tensor
 from kvlib.kernels._backend import triton_available
 from kvlib.kernels.decode_int8 import DecodeOut, default_num_splits
-from kvlib.kernels.merge_tl import merge_splits
+from kvlib.kernels.merge_tl import merge_splits, split_range
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -64,10 +64,7 @@ def _decode_bf16_stage1(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SEQ + b).to(tl.int32)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
     heads = kvh * GQA + offs_h

@@ -49,7 +49,7 @@ from kvlib.certificate import (
     variance_proxy,
 )
 from kvlib.kernels._backend import triton_available
-from kvlib.kernels.merge_tl import merge_splits
+from kvlib.kernels.merge_tl import merge_splits, split_range
 from kvlib.kernels.philox_tl import philox4x32
 from kvlib.philox import dither, seed_key
 
@@ -316,10 +316,7 @@ def _decode_int8_stage1(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     D4: tl.constexpr = D // 4
-    seq_len = tl.load(SEQ + b).to(tl.int32)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA
@@ -552,10 +549,7 @@ def _decode_int8_stage1_tc(
     split = tl.program_id(2)
     NG: tl.constexpr = D // G
     G4: tl.constexpr = G // 4
-    seq_len = tl.load(SEQ + b).to(tl.int32)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQA

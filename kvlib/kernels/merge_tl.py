@@ -71,6 +71,16 @@ def merge_splits_ref(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor |
     return MergedSplits(o[..., :d], lse, A, B, two.to(A.dtype), one.to(A.dtype), vac)
 
 
+
+@triton.jit
+def split_range(SEQ, b, split, NUM_SPLITS: tl.constexpr):
+    """``(seq_len, start, end)`` of split ``split`` of batch row ``b``: ``ceil(len / NUM_SPLITS)`` positions
+    per split, the one partition every split-KV stage 1 uses and :func:`merge_splits` folds back."""
+    seq_len = tl.load(SEQ + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    return seq_len, start, tl.minimum(start + split_len, seq_len)
+
 @triton.jit
 def not_finite_or_nan(x):
     """True for NaN and +-inf (fp32 overflow of an accumulator)."""
