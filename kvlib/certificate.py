@@ -16,10 +16,11 @@ Radius, exactly as implemented (both here and in the kernel)::
     radius_multiplier = sqrt(2 ln(2n/delta)) + sqrt(12 d) * rounding_slack(d, impl)
     rounding_slack(d, 'fma') = 2^-25 + 127.5 * (d + 2) * 2^-24      (fp32 kernel)
     rounding_slack(d, 'tc')  = 2^-25 + 2^-13 + 127.5 * (d + 16) * 2^-24   (tensor-core kernel)
+    rounding_slack(d, 'h10') = 2^-11 + 2 * 127.5 * (d + 16) * 2^-24     (h10-layout tensor-core kernel)
     bypass_t = sm_scale * sum_{c in outliers} |q_c| (|k_hat_c| * (2^-11/(1-2^-11) + (d+2) 2^-24) + 2^-25)
 
 The small second term of the multiplier covers the dither's mean (at most ``2^-25 s`` per channel on
-the 24-bit grid) and the fp32 rounding of the kernel's dequantisation and dot product, both bounded
+the 24-bit grid, ``2^-11 s`` on the h10 layout's 10-bit grid, :data:`kvlib.philox.DITHER_BIAS`) and the fp32 rounding of the kernel's dequantisation and dot product, both bounded
 through Cauchy-Schwarz by a multiple of ``varsigma_t``; ``bypass_t`` is the deterministic fp16
 rounding of the outlier channels (plus their fp32 dot rounding). Pass ``slack=False`` for the bare
 ``sqrt(2 ln(2n/delta))`` of the paper.
@@ -51,29 +52,44 @@ def rounding_gamma(d: int) -> float:
     return (d + 2) * 2.0**-24
 
 
-#: kernel rounding models the slack can cover: ``fma`` (fp32 dequantise + fp32 dot) and ``tc``
-#: (tensor-core dots: codes and the fp16-rounded dither as fp16 operands, fp32 accumulation)
-IMPLS = ("fma", "tc")
+#: kernel rounding models the slack can cover: ``fma`` (fp32 dequantise + fp32 dot), ``tc``
+#: (tensor-core dots: codes and the fp16-rounded dither as fp16 operands, fp32 accumulation) and
+#: ``h10`` (tensor-core dots over the h10 dither layout, whose dither is exact in fp16)
+IMPLS = ("fma", "tc", "h10")
 
 
-def rounding_slack(d: int, impl: str = "fma") -> float:
+def rounding_slack(d: int, impl: str = "fma", layout: str = "w24") -> float:
     """Per-channel deterministic error bound of the computed score, in units of ``|q_c| s_c``.
 
-    ``fma``: dither mean ``2^-25`` plus fp32 dequantise-and-dot rounding ``127.5 (d+2) 2^-24``.
-    ``tc``: dither mean ``2^-25``, the dither rounded to fp16 (``|xi - fp16(xi)| <= 2^-13`` for
-    ``|xi| < 1/2``), and tensor-core accumulation modelled pessimistically as one truncation
-    (``2^-23`` of the sum of magnitudes) per 16-deep step over at most ``4d`` products plus the fp32
-    group scaling and sums: ``127.5 (d + 16) 2^-24``.
+    Every form starts with the dither layout's mean bound (:data:`kvlib.philox.DITHER_BIAS`:
+    ``2^-25`` for ``w24``, ``2^-11`` for ``h10``).
+    ``fma``: plus fp32 dequantise-and-dot rounding ``127.5 (d+2) 2^-24``.
+    ``tc``: plus the dither rounded to fp16 (``|xi - fp16(xi)| <= 2^-13`` for ``|xi| < 1/2``), and
+    tensor-core accumulation modelled pessimistically as one truncation (``2^-23`` of the sum of
+    magnitudes) per 16-deep step over at most ``4d`` products plus the fp32 group scaling and sums:
+    ``127.5 (d + 16) 2^-24``.
+    ``h10`` (layout ``h10`` only): the dither is exact in fp16 (``1 + (v >> 6) 2^-10`` and a constant);
+    per group the kernel sums three dots (codes x query hi and lo, dither x query hi) whose magnitudes
+    stay below ``(127 + 2 + 1.5) |q_c|``, so twice the ``tc`` accumulation term covers them.
     """
+    from kvlib.philox import DITHER_BIAS, check_layout
+
+    bias = DITHER_BIAS[check_layout(layout)]
     if impl == "fma":
-        return 2.0**-25 + CODE_MAX * rounding_gamma(d)
+        return bias + CODE_MAX * rounding_gamma(d)
     if impl == "tc":
-        return 2.0**-25 + 2.0**-13 + CODE_MAX * (d + 16) * 2.0**-24
+        if layout != "w24":
+            raise ValueError("impl='tc' reads the w24 dither layout only")
+        return bias + 2.0**-13 + CODE_MAX * (d + 16) * 2.0**-24
+    if impl == "h10":
+        if layout != "h10":
+            raise ValueError("impl='h10' reads the h10 dither layout only")
+        return bias + 2.0 * CODE_MAX * (d + 16) * 2.0**-24
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def radius_multiplier(n: int | torch.Tensor, delta: float, d: int, *, slack: bool = True,
-                      impl: str = "fma") -> torch.Tensor | float:
+                      impl: str = "fma", layout: str = "w24") -> torch.Tensor | float:
     """The factor multiplying ``varsigma_t``: ``sqrt(2 ln(2n/delta))`` (+ dither-mean and rounding slack).
 
     ``n`` is the union-bound count (tokens in the row); a tensor ``n`` (one per batch row) gives a
@@ -82,7 +98,7 @@ def radius_multiplier(n: int | torch.Tensor, delta: float, d: int, *, slack: boo
     sqrt(12 d) e varsigma_t / sm_scale``, so it enters as ``sqrt(12 d) e`` in the multiplier.
     """
     delta = check_open_unit("delta", delta)
-    extra = math.sqrt(12.0 * d) * rounding_slack(d, impl) if slack else 0.0
+    extra = math.sqrt(12.0 * d) * rounding_slack(d, impl, layout) if slack else 0.0
     if isinstance(n, torch.Tensor):
         return torch.sqrt(2.0 * torch.log(2.0 * n.to(torch.float64) / delta)) + extra
     check_positive_int("n", n)
@@ -189,20 +205,22 @@ def score_radius(
     proxy: str = "dither",
     slack: bool = True,
     impl: str = "fma",
+    layout: str = "w24",
 ) -> torch.Tensor:
     """Radius ``u`` ``[..., S]`` (float64) with ``P(exists t: |z_hat_t - z_t| > u_t) <= delta``.
 
     ``n`` is the union-bound count (normally ``S``); ``delta`` the per-row failure probability
     (use :func:`request_delta` for the request-level allocation). See the module docstring for the
-    exact formula, including the fp16 outlier term when ``outliers`` are given.
+    exact formula, including the fp16 outlier term when ``outliers`` are given. ``layout`` is the
+    dither layout of the stored keys (:data:`kvlib.philox.DITHER_LAYOUTS`).
     """
     delta = check_open_unit("delta", delta)
     check_positive_int("n", n)
     if (outliers is None) != (outlier_channels is None) and outliers is not None:
         raise ValueError("outliers needs outlier_channels")
     var = variance_proxy(q, scales, sm_scale=sm_scale, group=group, outlier_channels=outlier_channels, proxy=proxy)
-    inflate = TC_RADIUS_INFLATE if impl == "tc" else 1.0
-    u = (var * inflate).sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl)
+    inflate = TC_RADIUS_INFLATE if impl in ("tc", "h10") else 1.0
+    u = (var * inflate).sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl, layout=layout)
     if outliers is not None and outlier_channels is not None and outlier_channels.numel():
         u = u + bypass_radius(q, outliers, outlier_channels, sm_scale=sm_scale, inflate=inflate)
     return u

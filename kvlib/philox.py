@@ -14,7 +14,18 @@ Dither contract (see :mod:`kvlib.paged` for the whole storage contract): for (la
 slot, channel c, side) the counter is ``(slot, c // 4, kv_head, (layer << 1) | side)``, the key is
 ``(seed & 0xFFFFFFFF, seed >> 32)``, the word is ``philox(counter, key)[c % 4]`` and
 ``xi = (w >> 8) * 2^-24 + 2^-25 - 1/2``, exact in float32 (computed as the odd integer
-``2 (w >> 8) + 1 - 2^24`` times ``2^-25``; both factors are exact in fp32).
+``2 (w >> 8) + 1 - 2^24`` times ``2^-25``; both factors are exact in fp32). That is layout
+``"w24"`` (the paper's: four dithers per Philox call).
+
+Layout ``"h10"`` (eight dithers per call, the spec's "16-bit halves" made fp16-exact): the counter
+is ``(slot, j, kv_head, (layer << 1) | side)`` with ``j < d // 8``; word ``i`` half ``h`` (low half
+first) serves channel ``c = i (d/4) + 2j + h``; of the 16-bit half ``v`` the top ten bits give
+``xi = ((v >> 6) + 1/2) 2^-10 - 1/2``. So word ``i`` covers the contiguous channels
+``[i d/4, (i+1) d/4)`` (one scale group of 32 at ``d = 128``) and ``1 + (v >> 6) 2^-10`` is an
+exact fp16 number a kernel builds with two integer instructions per two channels. The dither is
+uniform on a 1024-point grid: the subtractive-dither error is then uniform on a shifted 1024-point
+grid, i.e. a symmetric discrete uniform (strictly sub-Gaussian, proxy below ``s^2/12``) plus a mean
+of at most ``2^-11 s`` (:data:`DITHER_BIAS`), which the radius carries.
 """
 
 from __future__ import annotations
@@ -29,6 +40,17 @@ PHILOX_M1 = 0xCD9E8D57  # multiplier applied to counter word 2
 PHILOX_W0 = 0x9E3779B9  # key bump (golden ratio)
 PHILOX_W1 = 0xBB67AE85  # key bump (sqrt(3) - 1)
 XI_BITS = 24  # the dither uses the top 24 bits of a word
+#: dither layouts: "w24" (one 24-bit dither per word, the paper's) and "h10" (one 10-bit dither per half word)
+DITHER_LAYOUTS = ("w24", "h10")
+#: largest mean of the subtractive-dither error per channel, in units of the scale (half the grid step)
+DITHER_BIAS = {"w24": 2.0**-25, "h10": 2.0**-11}
+
+
+def check_layout(layout: object) -> str:
+    """The dither layout name, or a ValueError naming ``dither_layout``."""
+    if layout not in DITHER_LAYOUTS:
+        raise ValueError(f"dither_layout must be one of {DITHER_LAYOUTS}, got {layout!r}")
+    return layout  # type: ignore[return-value]
 
 
 def mulhilo32(a: torch.Tensor | int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,13 +116,17 @@ def _check_u32(name: str, v: int) -> int:
 
 
 def dither_counter(
-    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, side: int = 0
+    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, side: int = 0, layout: str = "w24"
 ) -> torch.Tensor:
-    """Philox counters int64 ``[S, ceil(d/4), 4]`` = ``(slot, c // 4, kv_head, (layer << 1) | side)``.
+    """Philox counters int64 ``[S, n, 4]`` = ``(slot, j, kv_head, (layer << 1) | side)``, ``j < n``.
 
-    One call serves four consecutive channels; the slot (not the sequence position) enters the
-    counter so the stream survives paging and prefix sharing.
+    ``w24``: ``n = ceil(d/4)``, call ``j`` serves channels ``4j .. 4j+3``; ``h10``: ``n = d // 8``
+    (see the module docstring for its channel map). The slot (not the sequence position) enters
+    the counter so the stream survives paging and prefix sharing.
     """
+    check_layout(layout)
+    if layout == "h10" and (not isinstance(d, int) or d < 8 or d % 8):
+        raise ValueError(f"the h10 dither layout needs d a multiple of 8, got d={d!r}")
     check_tensor("slots", slots, ndim=1, floating=False)
     if side not in (0, 1):
         raise ValueError(f"side must be 0 (keys) or 1 (values), got {side!r}")
@@ -109,7 +135,7 @@ def dither_counter(
     slots = slots.to(torch.int64)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) > MASK32):
         raise ValueError("slots must lie in [0, 2^32)")
-    n4 = (d + 3) // 4
+    n4 = (d + 3) // 4 if layout == "w24" else d // 8
     grp = torch.arange(n4, dtype=torch.int64, device=slots.device)
     S = slots.shape[0]
     c0 = slots[:, None].expand(S, n4)
@@ -125,12 +151,31 @@ def word_to_xi(w: torch.Tensor) -> torch.Tensor:
     return n.to(torch.float32) * (2.0**-25)
 
 
+def half_to_xi(v: torch.Tensor) -> torch.Tensor:
+    """h10 dither of a 16-bit half ``v``: ``((v >> 6) + 1/2) 2^-10 - 1/2``, exact, in [-1/2 + 2^-11, 1/2 - 2^-11]."""
+    n = 2 * ((v.to(torch.int64) >> 6) & 0x3FF) + 1 - (1 << 10)  # odd, |n| < 2^10
+    return n.to(torch.float32) * (2.0**-11)
+
+
+def h10_channel_map(d: int) -> torch.Tensor:
+    """``[d // 8, 4, 2]`` int64: the channel served by call ``j``, word ``i``, half ``h`` (h10 layout)."""
+    j = torch.arange(d // 8)[:, None, None]
+    i = torch.arange(4)[None, :, None]
+    h = torch.arange(2)[None, None, :]
+    return i * (d // 4) + 2 * j + h
+
+
 def dither(
-    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0
+    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0, layout: str = "w24"
 ) -> torch.Tensor:
     """The dither float32 ``[S, d]`` for one (layer, kv_head, side) at the given slots."""
-    ctr = dither_counter(slots, d, layer=layer, kv_head=kv_head, side=side)
+    ctr = dither_counter(slots, d, layer=layer, kv_head=kv_head, side=side, layout=layout)
     k0, k1 = seed_key(seed)
     key = torch.tensor([k0, k1], dtype=torch.int64, device=ctr.device)
-    words = philox4x32_10(ctr, key)  # [S, n4, 4]
-    return word_to_xi(words.reshape(words.shape[0], -1)[:, :d])
+    words = philox4x32_10(ctr, key)  # [S, n, 4]
+    if layout == "w24":
+        return word_to_xi(words.reshape(words.shape[0], -1)[:, :d])
+    halves = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], dim=-1)  # [S, d/8, 4, 2]
+    xi = torch.empty(words.shape[0], d, dtype=torch.float32, device=words.device)
+    xi[:, h10_channel_map(d).reshape(-1).to(words.device)] = half_to_xi(halves.reshape(words.shape[0], -1))
+    return xi
