@@ -20,9 +20,10 @@ Radius, exactly as implemented (both here and in the kernel)::
     bypass_t = sm_scale * sum_{c in outliers} |q_c| (|k_hat_c| * (2^-11/(1-2^-11) + (d+2) 2^-24) + 2^-25)
 
 The small second term of the multiplier covers the dither's mean (at most ``2^-25 s`` per channel on
-the 24-bit grid, ``2^-11 s`` on the h10 layout's 10-bit grid, :data:`kvlib.philox.DITHER_BIAS`) and the fp32 rounding of the kernel's dequantisation and dot product, both bounded
-through Cauchy-Schwarz by a multiple of ``varsigma_t``; ``bypass_t`` is the deterministic fp16
-rounding of the outlier channels (plus their fp32 dot rounding). Pass ``slack=False`` for the bare
+the 24-bit grid, ``2^-11 s`` on the h10 layout's 10-bit grid, :data:`kvlib.philox.DITHER_BIAS`) and
+the fp32 rounding of the kernel's dequantisation and dot product, both bounded through Cauchy-Schwarz
+by a multiple of ``varsigma_t``; ``bypass_t`` is the deterministic fp16 rounding of the outlier
+channels (plus their fp32 dot rounding). Pass ``slack=False`` for the bare
 ``sqrt(2 ln(2n/delta))`` of the paper.
 """
 

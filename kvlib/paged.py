@@ -13,8 +13,13 @@ both honour it; the torch reference is :func:`kvlib.formats.dither_int8.dither_q
   pool is built with ``include_outliers_in_amax=True``, the paper's controlled experiment).
 * Dither for (layer, kv_head, slot, channel c, side): Philox4x32-10 with counter
   ``(slot, c // 4, kv_head, (layer << 1) | side)`` and key ``(seed & 0xFFFFFFFF, seed >> 32)``;
-  word ``w = out[c % 4]``; ``xi = (w >> 8) 2^-24 + 2^-25 - 1/2`` (exact in fp32). Implemented once
-  per language: :mod:`kvlib.philox` (torch), :mod:`kvlib.kernels.philox_tl` (Triton).
+  word ``w = out[c % 4]``; ``xi = (w >> 8) 2^-24 + 2^-25 - 1/2`` (exact in fp32). That is dither
+  layout ``"w24"`` (the default, the paper's). A pool built with ``dither_layout="h10"`` uses eight
+  10-bit dithers per call instead: counter ``(slot, j, kv_head, (layer << 1) | side)``, ``j < d // 8``,
+  word ``i`` half ``h`` (low first) -> channel ``i (d/4) + 2j + h``, ``xi = ((v >> 6) + 1/2) 2^-10 - 1/2``
+  (needs ``d % 8 == 0``). Implemented once per language: :mod:`kvlib.philox` (torch),
+  :mod:`kvlib.kernels.philox_tl` (Triton). The layout is a property of the pool (``pool.dither_layout``,
+  also on every :class:`LayerView`), so writer and readers cannot disagree.
 * Quantize: ``s = fp16(amax / 126.5)`` (the STORED scale; if fp16 rounding gives ``127 s < amax``,
   possible only for subnormal scales, ``s`` is bumped to the next fp16 up; ``amax == 0`` stores
   ``s = 0`` with codes 0, so the read ``0 * (0 - xi)`` is exactly 0); then in fp32 with ``s``
@@ -36,6 +41,7 @@ import dataclasses
 import torch
 
 from kvlib._checks import check_group, check_positive_int, check_tensor
+from kvlib.philox import check_layout
 
 
 def bytes_per_token_head(d: int, group: int = 32, n_out: int = 0) -> int:
@@ -52,6 +58,7 @@ class LayerView:
     scales: torch.Tensor  # fp16 [n_slots, H, d // G]
     outliers: torch.Tensor  # fp16 [n_slots, H, n_out]
     outlier_channels: torch.Tensor  # int64 [H, n_out]
+    dither_layout: str = "w24"  # Philox dither layout of the pool (kvlib.philox.DITHER_LAYOUTS)
 
 
 class PagedPool:
@@ -71,6 +78,7 @@ class PagedPool:
         include_outliers_in_amax: bool = False,
         dithered: bool = True,
         device: str | torch.device = "cpu",
+        dither_layout: str = "w24",
     ) -> None:
         for name, v in (("n_layers", n_layers), ("n_slots", n_slots), ("n_kv_heads", n_kv_heads), ("d", d)):
             check_positive_int(name, v)
@@ -80,6 +88,9 @@ class PagedPool:
             raise ValueError(f"n_out must be an even number of channels (m RoPE pairs) <= d, got {n_out}")
         if side not in (0, 1):
             raise ValueError(f"side must be 0 (K) or 1 (V), got {side!r}")
+        self.dither_layout = check_layout(dither_layout)
+        if dither_layout == "h10" and d % 8:
+            raise ValueError(f"dither_layout='h10' needs d a multiple of 8, got d={d}")
         self.n_layers, self.n_slots, self.n_kv_heads, self.d = n_layers, n_slots, n_kv_heads, d
         self.group, self.n_out, self.side, self.seed = group, n_out, side, seed
         self.include_outliers_in_amax = include_outliers_in_amax
@@ -102,7 +113,8 @@ class PagedPool:
         """Views of layer ``layer`` (contiguous, shapes as in the storage contract)."""
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must lie in [0, {self.n_layers}), got {layer}")
-        return LayerView(self.codes[layer], self.scales[layer], self.outliers[layer], self.outlier_channels[layer])
+        return LayerView(self.codes[layer], self.scales[layer], self.outliers[layer], self.outlier_channels[layer],
+                         self.dither_layout)
 
     def set_outlier_channels(self, layer: int, channels: torch.Tensor) -> None:
         """Fix the outlier set of ``layer``: int64 ``[H, n_out]`` (each row sorted, unique, in [0, d))."""
@@ -127,7 +139,8 @@ class PagedPool:
         out = torch.empty(slots.shape[0], self.n_kv_heads, self.d, dtype=torch.float32, device=self.device)
         for h in range(self.n_kv_heads):
             if self.dithered:
-                xi = dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side).to(self.device)
+                xi = dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side,
+                            layout=self.dither_layout).to(self.device)
             else:
                 xi = torch.zeros(slots.shape[0], self.d, device=self.device)
             out[:, h] = dequantize_codes(v.codes[slots, h], v.scales[slots, h], xi, self.group)
@@ -153,7 +166,8 @@ class PagedPool:
 
 class PagedKV:
     """K and V pools (side 0 and side 1) sharing slots; V has its own outlier count (often 0) and
-    may be stored RTN (``dither_v=False``: only keys need the dither for the certificate)."""
+    may be stored RTN (``dither_v=False``: only keys need the dither for the certificate). Every other
+    keyword (``dither_layout`` included) goes to both :class:`PagedPool` sides."""
 
     def __init__(self, *, n_out_k: int = 0, n_out_v: int = 0, dither_v: bool = True, **kw: object) -> None:
         self.k = PagedPool(side=0, n_out=n_out_k, **kw)  # type: ignore[arg-type]

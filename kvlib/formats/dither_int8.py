@@ -4,7 +4,10 @@ Write: ``s = fp16(amax / 126.5)`` over each group of ``G`` channels (outlier cha
 ``amax`` unless ``include_outliers_in_amax``), ``c = clamp(rne(x / s + xi), -127, 127)`` computed in
 fp32 **with the stored fp16 scale**, outlier channels stored as fp16 with code 0.
 Read: ``k_hat = s (c - xi)`` with ``xi`` regenerated from the same Philox counters
-(:func:`kvlib.philox.dither`). The full storage contract is in :mod:`kvlib.paged`.
+(:func:`kvlib.philox.dither`). The full storage contract is in :mod:`kvlib.paged`. The dither
+layout (``dither_layout``: ``"w24"``, the paper's 24-bit word per channel, or ``"h10"``, a 10-bit
+dither per 16-bit half word, see :mod:`kvlib.philox`) is part of the stored tensor and must be the
+same at write and read.
 
 Edge cases (documented contract): a group with ``amax == 0`` gets ``s = 0`` and codes 0, so the
 read gives exactly 0; where fp16 rounding of ``amax / 126.5`` would put ``s * 127 < amax`` (only
@@ -21,7 +24,7 @@ import torch
 
 from kvlib._checks import check_group, check_tensor
 from kvlib.formats.base import KVFormat, per_token, register_format
-from kvlib.philox import dither, seed_key
+from kvlib.philox import check_layout, dither, seed_key
 
 QMAX = 127
 BOUND_SLACK = 2.0**-16  # fp32 rounding slack of the s/2 bound, in units of s (see residual())
@@ -115,6 +118,16 @@ class DitherQTensor:
     side: int = 0
     group: int = 32
     dithered: bool = True  # False: same layout and scale rule, xi = 0 (RTN; e.g. values)
+    dither_layout: str = "w24"  # Philox dither layout (kvlib.philox.DITHER_LAYOUTS)
+
+
+def _xi(qt: DitherQTensor) -> torch.Tensor:
+    """The dither of ``qt`` (float32 ``[S, d]`` on the codes' device), regenerated from its counters."""
+    d = qt.codes.shape[-1]
+    if not qt.dithered:
+        return torch.zeros(qt.codes.shape, dtype=torch.float32, device=qt.codes.device)
+    return dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side,
+                  layout=check_layout(qt.dither_layout)).to(qt.codes.device)
 
 
 def dither_quantize(
@@ -130,6 +143,7 @@ def dither_quantize(
     include_outliers_in_amax: bool = False,
     dithered: bool = True,
     quantize_scale: str = "stored",
+    dither_layout: str = "w24",
 ) -> DitherQTensor:
     """Quantize ``x [S, d]`` of one (layer, kv_head, side) with the WitCert subtractive dither.
 
@@ -137,8 +151,10 @@ def dither_quantize(
     controlled experiment: the scale then does not drop). ``dithered=False`` stores the same layout
     with ``xi = 0`` (round to nearest; the read side's RTN-values mode). ``quantize_scale="fp32"``
     reproduces the paper's bug for the contract chapter: codes computed with the fp32 ``amax / 126.5``
-    while the fp16 scale is stored (and used at read).
+    while the fp16 scale is stored (and used at read). ``dither_layout``: ``"w24"`` (the paper's) or
+    ``"h10"`` (needs ``d % 8 == 0``); see :mod:`kvlib.philox`.
     """
+    check_layout(dither_layout)
     check_x(x)
     check_tensor("x", x, ndim=2)
     S, d = x.shape
@@ -158,7 +174,7 @@ def dither_quantize(
         raise ValueError("x has values too large for an fp16 scale (amax / 126.5 > 65504)")
     slots = slots.to(torch.int64)
     if dithered:
-        xi = dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side).to(x.device)
+        xi = dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side, layout=dither_layout).to(x.device)
     else:
         xi = torch.zeros_like(x32)
     if quantize_scale == "stored":
@@ -174,19 +190,14 @@ def dither_quantize(
         outliers = x32[:, oc.to(x.device)].to(torch.float16)
         if not bool(torch.isfinite(outliers).all()):
             raise ValueError("an outlier channel of x overflows fp16")
-    return DitherQTensor(codes, s16, slots, outliers, oc, layer, kv_head, seed, side, group, dithered)
+    return DitherQTensor(codes, s16, slots, outliers, oc, layer, kv_head, seed, side, group, dithered, dither_layout)
 
 
 def dither_dequantize(qt: DitherQTensor) -> torch.Tensor:
     """fp32 ``[S, d]``: ``s (c - xi)`` with the dither regenerated from the stored counters."""
     if not isinstance(qt, DitherQTensor):
         raise TypeError(f"qt must be a DitherQTensor, got {type(qt).__name__}")
-    d = qt.codes.shape[-1]
-    if qt.dithered:
-        xi = dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side).to(qt.codes.device)
-    else:
-        xi = torch.zeros(qt.codes.shape, dtype=torch.float32, device=qt.codes.device)
-    out = dequantize_codes(qt.codes, qt.scales, xi, qt.group)
+    out = dequantize_codes(qt.codes, qt.scales, _xi(qt), qt.group)
     if qt.outlier_channels is not None and qt.outliers is not None:
         out[:, qt.outlier_channels.to(out.device)] = qt.outliers.to(torch.float32)
     return out
@@ -204,11 +215,7 @@ def residual(x: torch.Tensor, qt: DitherQTensor) -> tuple[torch.Tensor, torch.Te
     fp32 ``s (c - xi)`` adds at most another ``2^-17 s``. Checks use ``|err| <= s/2 + 2^-16 s``
     (:data:`BOUND_SLACK`) and report the strict counts beside it.
     """
-    d = qt.codes.shape[-1]
-    if qt.dithered:
-        xi = dither(qt.slots, d, layer=qt.layer, kv_head=qt.kv_head, seed=qt.seed, side=qt.side).double()
-    else:
-        xi = torch.zeros(qt.codes.shape, dtype=torch.float64)
+    xi = _xi(qt).double().cpu()
     s = qt.scales.double().cpu().repeat_interleave(qt.group, -1)
     eps = (s * (qt.codes.double().cpu() - xi) - x.double().cpu()) / s
     if qt.outlier_channels is not None:
@@ -226,9 +233,11 @@ def dither_int8_bytes(d: int, group: int = 32, n_out: int = 0) -> int:
 class DitherInt8(KVFormat):
     """WitCert storage (per-token, per-group scale; ``m`` outlier RoPE pairs in fp16)."""
 
-    options = ("group", "outlier_channels", "include_outliers_in_amax")
+    options = ("group", "outlier_channels", "include_outliers_in_amax", "dither_layout")
 
-    def __init__(self, group: int = 32, outlier_channels: Any = None, include_outliers_in_amax: bool = False) -> None:
+    def __init__(self, group: int = 32, outlier_channels: Any = None, include_outliers_in_amax: bool = False,
+                 dither_layout: str = "w24") -> None:
+        self.dither_layout = check_layout(dither_layout)
         self.group = group
         self.outlier_channels = outlier_channels
         self.include_outliers_in_amax = include_outliers_in_amax
@@ -242,7 +251,7 @@ class DitherInt8(KVFormat):
         return dither_quantize(
             x, layer=ctx.get("layer", 0), kv_head=ctx.get("kv_head", 0), slots=slots, seed=ctx.get("seed", 0),
             group=self.group, outlier_channels=oc, side=ctx.get("side", 0),
-            include_outliers_in_amax=self.include_outliers_in_amax,
+            include_outliers_in_amax=self.include_outliers_in_amax, dither_layout=self.dither_layout,
         )
 
     def read(self, packed: DitherQTensor) -> torch.Tensor:

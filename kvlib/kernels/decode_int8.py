@@ -51,7 +51,7 @@ from kvlib.certificate import (
 from kvlib.kernels._backend import triton_available
 from kvlib.kernels.merge_tl import merge_splits, split_range
 from kvlib.kernels.philox_tl import philox4x32
-from kvlib.philox import dither, seed_key
+from kvlib.philox import check_layout, dither, seed_key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,6 +65,7 @@ class PoolSide:
     outliers: torch.Tensor | None = None
     outlier_channels: torch.Tensor | None = None
     group: int = 32
+    dither_layout: str = "w24"  # Philox dither layout of the stored codes (kvlib.philox.DITHER_LAYOUTS)
 
 
 def as_side(x: Any, name: str) -> PoolSide:
@@ -76,10 +77,11 @@ def as_side(x: Any, name: str) -> PoolSide:
         if group is None and x.scales.ndim == 3 and x.scales.shape[-1]:
             group = x.codes.shape[-1] // x.scales.shape[-1]  # e.g. kvlib.paged.LayerView
         side = PoolSide(x.codes, x.scales, getattr(x, "outliers", None), getattr(x, "outlier_channels", None),
-                        int(group or 32))
+                        int(group or 32), getattr(x, "dither_layout", "w24"))
     else:
         raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), "
                         f"got {type(x).__name__}")
+    check_layout(side.dither_layout)
     check_tensor(f"{name}.codes", side.codes, ndim=3, dtype=torch.int8)
     n_slots, hkv, d = side.codes.shape
     check_group(f"{name}.group", side.group, d)
@@ -99,7 +101,7 @@ def as_side(x: Any, name: str) -> PoolSide:
         if tuple(side.outliers.shape) != (n_slots, hkv, m):
             raise ValueError(f"{name}.outliers must have shape {(n_slots, hkv, m)}, got {tuple(side.outliers.shape)}")
         if m == 0:
-            side = PoolSide(side.codes, side.scales, None, None, side.group)
+            side = PoolSide(side.codes, side.scales, None, None, side.group, side.dither_layout)
     return side
 
 
@@ -135,13 +137,33 @@ def _check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tenso
         raise ValueError(f"d={d} and group={k.group} must be multiples of 4 (one Philox call per four channels)")
 
 
-def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False) -> str:
+def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: str = "w24") -> str:
     """``"tc"``/``"fma"`` as asked; ``"auto"`` is ``tc`` where its rules hold (``d`` and ``group``
     powers of two, ``group >= 16`` for the 16-deep tensor-core dot, RTN values), else ``fma``.
 
     Dithered values go to ``fma``: the tc kernel's value-dither path matched the reference under the
     CPU interpreter but not on the H200 (2026-11-29), so it was removed rather than shipped unexplained.
+
+    ``layout`` is the key pool's dither layout. ``"h10"``: ``"auto"``/``"h10"`` give ``"h10"`` (the
+    kernel needs ``group == d // 4``, ``group`` in (32, 64), ``d // 8 >= 16``; other shapes raise),
+    ``"fma"`` stays ``"fma"`` for :func:`decode_reference` only (the Triton fma kernel reads ``w24``),
+    ``"tc"`` raises. ``"w24"``: ``"h10"`` raises, the rest as above.
     """
+    if check_layout(layout) == "h10":
+        if impl in ("auto", "h10"):
+            if group != d // 4 or group not in (32, 64) or d // 8 < 16:
+                raise ValueError(f"impl='h10' (dither_layout='h10') needs group == d // 4 with group in (32, 64) "
+                                 f"and d // 8 >= 16, got d={d}, group={group}; other h10 shapes have only the "
+                                 f"torch reference (decode_reference with impl='fma')")
+            return "h10"
+        if impl == "fma":
+            return "fma"
+        if impl == "tc":
+            raise ValueError("impl='tc' reads the w24 dither layout only, got dither_layout='h10' "
+                             "(use impl='h10' or 'auto')")
+        raise ValueError(f"impl must be 'auto', 'h10' or 'fma' for dither_layout='h10', got {impl!r}")
+    if impl == "h10":
+        raise ValueError("impl='h10' reads the h10 dither layout only, got dither_layout='w24'")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
     ok = pow2(d) and pow2(group) and group >= 16 and not v_dither
     if impl == "auto":
@@ -163,7 +185,8 @@ def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: in
     s = side.scales[slots, kv_head].to(torch.float64).repeat_interleave(side.group, dim=-1)
     d = codes.shape[-1]
     if dithered:
-        xi = dither(slots.to(torch.int64).cpu(), d, layer=layer, kv_head=kv_head, seed=seed, side=side_id)
+        xi = dither(slots.to(torch.int64).cpu(), d, layer=layer, kv_head=kv_head, seed=seed, side=side_id,
+                    layout=side.dither_layout)
         x = s * (codes - xi.to(codes.device, torch.float64))
     else:
         x = s * codes
@@ -198,6 +221,30 @@ def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channel
     return sm * 127.5 * TC_RADIUS_INFLATE * ratio.sum(-1).sqrt() / math.sqrt(var_c)
 
 
+def _query_residual_mult_h10(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None
+                             ) -> torch.Tensor:
+    """The h10 kernel's ``detm`` (per row, float64): as :func:`_query_residual_mult`, but the h10 kernel
+    dots the codes with the fp16 query ``hi + lo`` (fp32 queries) and the dither with ``hi`` only.
+
+    With ``r1 = q - fp16(q)`` and ``r2 = r1 - fp16(r1)`` (fp32 queries; ``r2 = r1`` for fp16/bf16)
+    the per-channel error is at most ``127 |r2_c| + |xi| |r1_c| <= 127.5 (|r2_c| + |r1_c| / 255)``, so
+    ``R'_g = sum_{c in g} (|r2_c| + |r1_c| / 255)`` replaces ``R_g`` in the same ``detm`` formula.
+    """
+    qf = q.float()
+    if outlier_channels is not None:
+        qf = qf.clone()
+        qf[:, outlier_channels.to(torch.int64)] = 0.0
+    r1 = qf - qf.half().float()
+    r2 = r1 - r1.half().float() if q.dtype == torch.float32 else r1
+    r = r2.abs().double() + r1.abs().double() / 255.0
+    rg = r.reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
+    q2 = qf.double().pow(2).reshape(qf.shape[0], -1, group).sum(-1)
+    ratio = torch.where(q2 > 0, rg.pow(2) / torch.where(q2 > 0, q2, torch.ones_like(q2)),
+                        torch.where(rg > 0, torch.full_like(rg, math.inf), torch.zeros_like(rg)))
+    var_c = sm * sm / 12.0 * TC_RADIUS_INFLATE
+    return sm * 127.5 * TC_RADIUS_INFLATE * ratio.sum(-1).sqrt() / math.sqrt(var_c)
+
+
 def decode_reference(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
@@ -205,14 +252,17 @@ def decode_reference(
 ) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
     """float64 torch reference of :func:`decode_int8` (same radius, same certificate).
 
-    ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`).
+    ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`, with the key
+    pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``).
     """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
     _check_request(q, k, v, slots, seq_lens)
     delta = check_open_unit("delta", delta)
-    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither)
+    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
+    layouts = (k.dither_layout, v.dither_layout)
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
+    k.dither_layout, v.dither_layout = layouts  # fresh PoolSide objects: keep each side's layout
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -237,10 +287,11 @@ def decode_reference(
             oc = k.outlier_channels[h].cpu() if k.outliers is not None else None
             out = k.outliers[sl, h].cpu() if k.outliers is not None else None
             u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
-                             outlier_channels=oc, outliers=out, impl=impl)
-            if impl == "tc":
+                             outlier_channels=oc, outliers=out, impl=impl, layout=k.dither_layout)
+            if impl in ("tc", "h10"):
                 var = variance_proxy(qh, k.scales[sl, h].cpu(), sm_scale=sm, group=k.group, outlier_channels=oc)
-                detm = _query_residual_mult(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc)
+                qres = _query_residual_mult if impl == "tc" else _query_residual_mult_h10
+                detm = qres(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc)
                 u = u + (var * TC_RADIUS_INFLATE).sqrt() * (detm * TC_RADIUS_INFLATE).unsqueeze(-1)
             c = certificate_from_scores(z, u)
             A[b, h * gqa:(h + 1) * gqa] = c.A
@@ -254,7 +305,8 @@ def decode_reference(
 
 def _side_cpu(side: PoolSide) -> PoolSide:
     mv = lambda t: None if t is None else t.cpu()  # noqa: E731
-    return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group)
+    return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group,
+                    side.dither_layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -766,12 +818,14 @@ def decode_stage1(
     vw = v.codes.contiguous().view(torch.int32)
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
-    impl = resolve_impl(impl, d, k.group, v_dither)
+    impl = resolve_impl(impl, d, k.group, v_dither, k.dither_layout)
     if num_stages is None:  # the H200 sweep's best (kvlib.bench.int8_sweep): 3 for tc, 2 for fma
         num_stages = 3 if impl == "tc" else 2
     if pv_terms not in (1, 2, 3):
         raise ValueError(f"pv_terms must be 1, 2 or 3, got {pv_terms!r}")
-    rad_extra = radius_multiplier(1, delta, d, impl=impl) - radius_multiplier(1, delta, d, slack=False)
+    layout = "h10" if impl == "h10" else "w24"
+    rad_extra = (radius_multiplier(1, delta, d, impl=impl, layout=layout)
+                 - radius_multiplier(1, delta, d, slack=False))
     o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
     a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert else lse_s
@@ -783,6 +837,18 @@ def decode_stage1(
     vo = v.outliers.contiguous() if nov else vs
     voc = v.outlier_channels.contiguous() if nov else slots
     block_h = max(16, triton.next_power_of_2(gqa))
+    if impl != "h10" and k.dither_layout != "w24":
+        raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 pool needs impl='h10'")
+    if impl == "h10":
+        from kvlib.kernels.decode_int8_h10 import launch_h10
+
+        if v_dither:
+            raise ValueError("impl='h10' reads RTN values only (v_dither=False)")
+        launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, byp_rel=FP16_REL + rounding_gamma(d),
+                   byp_abs=FP16_SUB, delta=delta, rad_extra=rad_extra, layer=layer, k0=k0, k1=k1, ns=ns, cert=cert,
+                   cert_b=cert_b, block_n=block_n, num_warps=num_warps, num_stages=num_stages, pv_terms=pv_terms,
+                   skip_philox=skip_philox)
+        return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
     if impl == "tc":
         kc = k.codes.contiguous()
         vc = v.codes.contiguous()
@@ -854,12 +920,14 @@ def decode_int8(
 def make_pool_side(
     x: torch.Tensor, *, layer: int, seed: int, side: int, group: int = 32, n_slots: int | None = None,
     slot_ids: torch.Tensor | None = None, outlier_channels: torch.Tensor | None = None, dithered: bool = True,
+    dither_layout: str = "w24",
 ) -> PoolSide:
     """Quantise ``x [T, H_kv, d]`` into a fresh pool side, token ``t`` at slot ``slot_ids[t]``.
 
     Keys/dithered values go through :func:`kvlib.formats.dither_int8.dither_quantize` (the write path);
     ``dithered=False`` stores round-to-nearest codes with the same scales (RTN values).
-    ``outlier_channels`` ``[H_kv, m]`` bypass in fp16. For tests, notebooks and benchmarks.
+    ``outlier_channels`` ``[H_kv, m]`` bypass in fp16. ``dither_layout`` (``"w24"``/``"h10"``) is the
+    Philox dither layout, recorded on the returned side. For tests, notebooks and benchmarks.
     """
     from kvlib.formats.dither_int8 import dither_quantize, group_scales, quantize_codes
 
@@ -875,7 +943,7 @@ def make_pool_side(
         oc = outlier_channels[h] if m else None
         if dithered:
             qt = dither_quantize(x[:, h].float().cpu(), layer=layer, kv_head=h, slots=slot_ids, seed=seed,
-                                 group=group, outlier_channels=oc, side=side)
+                                 group=group, outlier_channels=oc, side=side, dither_layout=dither_layout)
             codes[slot_ids, h] = qt.codes
             scales[slot_ids, h] = qt.scales
             if m:
@@ -893,4 +961,4 @@ def make_pool_side(
                 outs[slot_ids, h] = x32[:, oc].to(torch.float16)
     dev = x.device
     return PoolSide(codes.to(dev), scales.to(dev), outs.to(dev) if m else None,
-                    outlier_channels.to(dev, torch.int64) if m else None, group)
+                    outlier_channels.to(dev, torch.int64) if m else None, group, dither_layout)

@@ -9,6 +9,12 @@ hit "at round two"). Bit identity with the int64 torch reference and with Triton
 ``tl.philox`` is tested in ``tests/test_philox.py``. Triton's ``tl.philox(seed, c0, c1, c2, c3)``
 with 32-bit counters is exactly Random123 philox4x32 with key ``(seed & 0xFFFFFFFF, seed >> 32)``
 (same round function, key bumped between rounds), so the cross-check needs no adaptation.
+
+Both dither layouts of :mod:`kvlib.philox` are here: :func:`dither_tile` (``"w24"``, the paper's,
+one 24-bit dither per word) and :func:`dither_tile_h10` (``"h10"``, one 10-bit dither per 16-bit
+half word, eight per Philox call). A kernel picks one with a constexpr branch (a string default on
+a ``constexpr`` parameter of a device function does not compile on the GPU with triton 3.6, so the
+two are separate functions rather than one with ``LAYOUT="w24"``).
 """
 
 from __future__ import annotations
@@ -70,9 +76,37 @@ def dither_words(slot, grp, kv_head, layer, side, k0, k1):
 
 
 @triton.jit
+def half_to_xi(v):
+    """h10 dither of a 16-bit half ``v``: ``((v >> 6) + 1/2) 2^-10 - 1/2`` in float32, exact."""
+    n = 2 * ((v.to(tl.uint32) >> 6) & 0x3FF).to(tl.int32) + (1 - (1 << 10))
+    return n.to(tl.float32) * 0.00048828125  # 2^-11
+
+
+@triton.jit
+def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+    """h10 dither float32 ``[BLOCK_S, D]``: one Philox call per eight channels (``D // 8`` calls per
+    slot, each computed once), word ``i`` half ``h`` of call ``j`` -> channel ``i (D/4) + 2j + h``
+    (D % 8 == 0, D // 8 a power of 2).
+    """
+    BS: tl.constexpr = slot.shape[0]
+    j = tl.arange(0, D // 8)
+    s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 8), tl.uint32)
+    j2 = j[None, :].to(tl.uint32) + tl.zeros_like(s2)
+    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1)
+    # word i -> its contiguous block of D/4 channels: join(lo, hi)[s, j, h] is channel 2j + h
+    b0 = tl.reshape(tl.join(half_to_xi(w0 & 0xFFFF), half_to_xi(w0 >> 16)), (BS, D // 4))
+    b1 = tl.reshape(tl.join(half_to_xi(w1 & 0xFFFF), half_to_xi(w1 >> 16)), (BS, D // 4))
+    b2 = tl.reshape(tl.join(half_to_xi(w2 & 0xFFFF), half_to_xi(w2 >> 16)), (BS, D // 4))
+    b3 = tl.reshape(tl.join(half_to_xi(w3 & 0xFFFF), half_to_xi(w3 >> 16)), (BS, D // 4))
+    # join(join(b0, b2), join(b1, b3))[s, k, a, b] = b_{2a + b}[s, k]; move k last: channel (2a + b) D/4 + k
+    xi = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 3, 1))
+    return tl.reshape(xi, (BS, D))
+
+
+@triton.jit
 def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
-    """Dither float32 ``[BLOCK_S, D]`` for a block of slots ``[BLOCK_S]``: one Philox call per
-    four channels, its words spread over channels ``4g .. 4g+3`` (D % 4 == 0, D // 4 a power of 2).
+    """Dither float32 ``[BLOCK_S, D]`` for a block of slots ``[BLOCK_S]`` (layout ``w24``): one Philox
+    call per four channels, its words spread over channels ``4g .. 4g+3`` (D % 4 == 0, D // 4 a power of 2).
     """
     grp = tl.arange(0, D // 4)
     s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 4), tl.uint32)

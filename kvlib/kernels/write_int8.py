@@ -4,7 +4,8 @@ One launch writes ``x [N, H_kv, d]`` (N new tokens, all KV heads of one layer an
 slots ``slots [N]`` of a :class:`kvlib.paged.PagedPool`, following the storage contract in
 :mod:`kvlib.paged`. :func:`write_int8_reference` is the torch reference beside it (it calls
 :func:`kvlib.formats.dither_int8.dither_quantize` per head); ``tests/test_dither_write.py`` binds
-the two bit for bit.
+the two bit for bit. The dither layout is the pool's (``pool.dither_layout``, a constexpr of the
+kernel: ``"w24"`` or ``"h10"``, see :mod:`kvlib.philox`).
 
 Bit identity rests on doing the same IEEE fp32 operations in the same order: ``amax / 126.5`` and
 ``x / s`` with ``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU),
@@ -25,7 +26,7 @@ from triton.language.extra import libdevice
 
 from kvlib._checks import check_tensor
 from kvlib.formats.dither_int8 import check_x, dither_quantize
-from kvlib.kernels.philox_tl import dither_tile
+from kvlib.kernels.philox_tl import dither_tile, dither_tile_h10
 from kvlib.paged import PagedPool
 from kvlib.philox import seed_key
 
@@ -47,7 +48,7 @@ def _write_int8_kernel(
     layer, side, k0, k1,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
-    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,7 +79,11 @@ def _write_int8_kernel(
 
     y = tl.math.div_rn(x, s32)
     if DITHER:
-        y = y + tl.reshape(dither_tile(slot, h, layer, side, k0, k1, D), (BLOCK_S, NG, G))
+        if LAYOUT == "h10":
+            xi = dither_tile_h10(slot, h, layer, side, k0, k1, D)
+        else:
+            xi = dither_tile(slot, h, layer, side, k0, k1, D)
+        y = y + tl.reshape(xi, (BLOCK_S, NG, G))
     if USE_RINT:
         r = libdevice.rint(y)  # one cvt.rni on the GPU
     else:
@@ -131,7 +136,7 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
         qt = dither_quantize(
             x[:, h], layer=layer, kv_head=h, slots=slots, seed=pool.seed, group=pool.group,
             outlier_channels=oc, side=pool.side, include_outliers_in_amax=pool.include_outliers_in_amax,
-            dithered=pool.dithered,
+            dithered=pool.dithered, dither_layout=pool.dither_layout,
         )
         v.codes[slots, h] = qt.codes
         v.scales[slots, h] = qt.scales
@@ -180,6 +185,8 @@ def write_int8(
     d, G = pool.d, pool.group
     if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
         raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
+    if pool.dither_layout == "h10" and d % 8:
+        raise ValueError(f"the h10 dither layout needs d a multiple of 8, got d={d}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     k0, k1 = seed_key(pool.seed)
@@ -195,5 +202,6 @@ def write_int8(
         layer, pool.side, k0, k1,
         H=H, D=d, G=G, NOUT=nout, NOUT_P2=max(triton.next_power_of_2(nout), 1) if nout else 1,
         INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered if dither is None else dither,
-        USE_RINT=bool(use_rint and x.is_cuda and not _interpreting()), BLOCK_S=block_s, num_warps=num_warps,
+        USE_RINT=bool(use_rint and x.is_cuda and not _interpreting()), BLOCK_S=block_s,
+        LAYOUT=pool.dither_layout, num_warps=num_warps,
     )
