@@ -37,6 +37,8 @@ import triton.language as tl
 from kvlib.kernels.merge_tl import split_range
 from kvlib.kernels.philox_tl import philox4x32
 
+#: the swapped-operand kernel (:func:`_decode_int8_stage1_h10t`) unless a launch says otherwise
+SWAP = True
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -59,19 +61,17 @@ def _codes_f16(c, FAST: tl.constexpr):
 def _words_f16(w, FAST: tl.constexpr):
     """int32 words of four int8 codes ``[R, C]`` -> exact fp16 ``[R, 4 C]`` in channel order.
 
-    FAST: each word is laid out as ``(w, w, w >> 16, w >> 16)`` (adjacent in a thread) and one asm call
-    per two elements turns its low two bytes into one fp16x2 register (``prmt`` under ``0x64`` =
-    1152 + c, then ``- 1152``): the converted pairs are the channel pairs a tensor-core operand holds."""
-    x = tl.join(w, w >> 16)
-    ww = tl.reshape(tl.join(x, x), (w.shape[0], 4 * w.shape[1]))  # element 4k + 2i + j: w_k >> 16 i
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, k; xor.b32 t, $1, 0x00008080; mov.b32 k, 0x64806480; "
-            "prmt.b32 $0, t, 0x64646464, 0x4140; sub.rn.f16x2 $0, $0, k; }",
-            "=r,r,r", [ww], dtype=tl.float16, is_pure=True, pack=2,
-        )  # fmt: skip
-    j = (tl.arange(0, 4 * w.shape[1]) % 2)[None, :]
-    return ((ww << (24 - 8 * j)) >> 24).to(tl.float16)
+    Integer-to-float conversions run at a quarter rate on Hopper, so the fp16 bits are built instead:
+    the sign-extended byte plus ``0x6480`` is the fp16 ``1152 + c`` (``c in [-127, 127]``), and one
+    packed fp16 subtract per two codes removes the 1152. The bytes are split with shifts and joined
+    (not read as an int8 tile) so the compiler transposes 16-bit values (``ldmatrix.trans``), not bytes."""
+    c0 = ((w << 24) >> 24) + 0x6480
+    c1 = ((w << 16) >> 24) + 0x6480
+    c2 = ((w << 8) >> 24) + 0x6480
+    c3 = (w >> 24) + 0x6480
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [..., i, j] = c_{2i + j}: channel 4 k + 2 i + j
+    x = tl.reshape(x, (w.shape[0], 4 * w.shape[1])).to(tl.int16).to(tl.float16, bitcast=True)
+    return x - 1152.0
 
 
 @triton.jit
@@ -353,6 +353,229 @@ def _decode_int8_stage1_h10(
             tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
 
 
+# ---------------------------------------------------------------------------------------------
+# Swapped operands ("swap AB"): the streamed tiles are the tensor-core A operand (16 positions or
+# channels per fragment), the GQA group the N dimension (8 heads fill an n8 fragment exactly), so
+# nothing is padded or replicated and the loop-invariant query is the small B operand.
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr):
+    """Transposed query operands of group ``g`` (outlier channels zeroed): hi/lo ``[G, BH]`` and per head
+    ``sum q_hi``, ``sum q^2``, ``R'_g = sum |r2| + |r1| / 255`` (``[BH]``)."""
+    offs_c = tl.arange(0, G)
+    qg = tl.load(Q_T + (g * G + offs_c)[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
+    if NOK > 0:
+        qg = tl.where((tl.sum((g * G + offs_c[:, None] == koc[None, :]).to(tl.int32), 1) > 0)[:, None], 0.0, qg)
+    q_hi = qg.to(tl.float16)
+    r1 = qg - q_hi.to(tl.float32)
+    if Q_SPLIT:
+        q_lo = r1.to(tl.float16)
+        r2 = r1 - q_lo.to(tl.float32)
+    else:
+        q_lo = q_hi  # unused
+        r2 = r1
+    q1 = tl.sum(q_hi.to(tl.float32), 0)
+    q2 = tl.sum(qg * qg, 0)
+    rr = tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 0)
+    return q_hi, q_lo, q1, q2, rr
+
+
+@triton.jit
+def _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w, s_g, q_hi, q_lo, q1,
+              g: tl.constexpr, G: tl.constexpr, Q_SPLIT: tl.constexpr, FAST: tl.constexpr,
+              SKIP_DITHER: tl.constexpr):
+    """Group ``g``'s scores ``s_g t_g`` transposed, ``[BLOCK_N, BH]``."""
+    offs_c = tl.arange(0, G)
+    kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :], mask=mask_n[:, None], other=0)
+    k16 = _codes_f16(kc, FAST)
+    t = tl.dot(k16, q_hi)
+    if Q_SPLIT:
+        t = tl.dot(k16, q_lo, t)
+    if not SKIP_DITHER:
+        t = tl.dot(_neg_m(w, FAST), q_hi, t)  # element 2j + h = channel g G + 2j + h
+    return (t + XI_CONST * q1[None, :]) * s_g[:, None]
+
+
+@triton.jit
+def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
+              g: tl.constexpr, G: tl.constexpr, PV_TERMS: tl.constexpr, FAST: tl.constexpr):
+    """``acc_g^T alpha + c_g^T (1024 p s_g)^T`` ``[G, BH]``."""
+    offs_w = tl.arange(0, G // 4)
+    vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w[None, :], mask=mask_n[:, None],
+                 other=0)
+    vT = tl.trans(_words_f16(vw, FAST))
+    ps = ppT * vs[:, None]
+    p_hi = ps.to(tl.float16)
+    accT = accT * alpha[None, :]
+    accT = tl.dot(vT, p_hi, accT)
+    if PV_TERMS >= 2:
+        accT = tl.dot(vT, (ps - p_hi.to(tl.float32)).to(tl.float16), accT)
+    return accT
+
+
+@triton.jit
+def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr, G: tl.constexpr):
+    offs_c = tl.arange(0, G)
+    keep = tl.sum(((g * G + offs_c)[:, None] == voc[None, :]).to(tl.int32), 1) == 0
+    tl.store(o_base + heads[None, :] * s_os_h + (g * G + offs_c)[:, None], accT * sc[None, :],
+             mask=mask_h[None, :] & keep[:, None])
+
+
+@triton.jit
+def _decode_int8_stage1_h10t(
+    Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
+    O_S, LSE_S, A_S, B_S,
+    sm_scale, byp_rel, byp_abs, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
+    s_qb, s_qh,
+    s_kc_n, s_kc_h, s_ks_n, s_ks_h, s_ko_n, s_ko_h,
+    s_vc_n, s_vc_h, s_vs_n, s_vs_h, s_vo_n, s_vo_h,
+    s_sl_b,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
+    CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
+):
+    """Stage 1 over the h10 layout with swapped operands (every tile transposed: positions x heads)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    D8: tl.constexpr = D // 8
+    seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQA
+    heads = kvh * GQA + offs_h
+    Q_T = Q + b * s_qb + heads[None, :] * s_qh  # [1, BH] row pointer; channels go down the rows
+    koc = tl.zeros([1], dtype=tl.int32)
+    if NOK > 0:
+        offs_ok = tl.arange(0, NOK_P)
+        mask_ok = offs_ok < NOK
+        koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
+        q_koT = tl.load(Q_T + koc[:, None], mask=mask_ok[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+        qo_hi = q_koT.to(tl.float16)
+        qo_lo = (q_koT - qo_hi.to(tl.float32)).to(tl.float16)
+    qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT)
+    qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT)
+    qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT)
+    qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT)
+    if CERT:
+        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
+        var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
+        rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
+        detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rat) / tl.sqrt(var_c)
+        radm_h = radm + detm * (1.0 + 2.0**-8)
+        v0 = q20 * var_c
+        v1 = q21 * var_c
+        v2 = q22 * var_c
+        v3 = q23 * var_c
+        if NOK > 0:
+            qa = tl.abs(q_koT)
+            qa16 = qa.to(tl.float16)
+            q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
+                tl.float16, bitcast=True), qa16)
+            q_ko_sum = tl.sum(qa, 0)
+        a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if CERT_B:
+            b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    voc = tl.full([1], -1, dtype=tl.int32)
+    if NOV > 0:
+        offs_ov = tl.arange(0, NOV_P)
+        mask_ov = offs_ov < NOV
+        voc = tl.load(VOC + kvh * NOV + offs_ov, mask=mask_ov, other=-1).to(tl.int32)
+        acc_voT = tl.zeros([NOV_P, BLOCK_H], dtype=tl.float32)
+
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    c3k = ((layer << 1) | 0).to(tl.uint32)
+    c2 = kvh.to(tl.uint32)
+    cj = tl.arange(0, D8).to(tl.uint32)[None, :]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
+            w0 = slot.to(tl.uint32)[:, None] + cj
+            w1 = w0
+            w2 = w0
+            w3 = w0
+        else:
+            cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
+            w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
+                                        c3k + tl.zeros_like(cs), k0, k1)
+        s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
+        qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST, SKIP_DITHER)
+              + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
+                          SKIP_DITHER))
+        qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
+                         SKIP_DITHER)
+               + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
+                           SKIP_DITHER))
+        if NOK > 0:
+            ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
+                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
+            ko16 = ko.to(tl.float16)
+            qk = tl.dot(ko16, qo_hi, qk)
+            qk = tl.dot(ko16, qo_lo, qk)
+        qk = tl.where(mask_n[:, None], qk * sm_scale, float("-inf"))  # [BLOCK_N, BH]
+
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        if CERT:
+            var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
+                (s2 * s2)[:, None] * v2[None, :] + (s3 * s3)[:, None] * v3[None, :])
+            u = tl.sqrt(var) * radm_h[None, :]
+            if NOK > 0:
+                byp = tl.dot(tl.abs(ko16), q_ko_abs16)
+                u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
+            a_i = a_i * alpha + tl.sum(p * tl.exp(u), 0)
+            if CERT_B:
+                b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 0)
+
+        pp = p * 1024.0
+        vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
+        acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
+        acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
+        acc2 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, pp, acc2, alpha, 2, G, PV_TERMS, FAST)
+        acc3 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, pp, acc3, alpha, 3, G, PV_TERMS, FAST)
+        if NOV > 0:
+            vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
+                         mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
+            acc_voT = acc_voT * alpha[None, :] + tl.sum(vo[:, :, None] * p[:, None, :], 0)
+
+    nonempty = l_i != 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_base = O_S + b * s_os_b + split * s_os_s
+    sc = inv_l * (1.0 / 1024.0)
+    _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
+    _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
+    _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
+    _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    if NOV > 0:
+        tl.store(o_base + heads[None, :] * s_os_h + voc[:, None], acc_voT * inv_l[None, :],
+                 mask=mask_ov[:, None] & mask_h[None, :])
+    l_off = b * s_ls_b + heads * s_ls_h + split
+    tl.store(LSE_S + l_off, lse, mask=mask_h)
+    if CERT:
+        tl.store(A_S + l_off, a_i * inv_l, mask=mask_h)
+        if CERT_B:
+            tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
+
+
 def check_h10_shape(d: int, group: int) -> None:
     """The kernel's shape rule: ``d = 4 G`` (Philox word ``i`` feeds group ``i``) and ``G in (32, 64)``."""
     if group not in (32, 64) or d != 4 * group:
@@ -362,7 +585,8 @@ def check_h10_shape(d: int, group: int) -> None:
 
 def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp_rel: float, byp_abs: float,
                delta: float, rad_extra: float, layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool,
-               block_n: int, num_warps: int, num_stages: int, pv_terms: int, skip_philox: bool) -> None:
+               block_n: int, num_warps: int, num_stages: int, pv_terms: int, skip_philox: bool,
+               swap: bool | None = None) -> None:
     """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
@@ -370,6 +594,7 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
     check_h10_shape(d, k.group)
     nok = k.outliers.shape[-1] if k.outliers is not None else 0
     nov = v.outliers.shape[-1] if v.outliers is not None else 0
+    swap = SWAP if swap is None else swap
     kc = k.codes.contiguous()
     vc = v.codes.contiguous().view(torch.int32)  # four codes per word (d % 4 == 0)
     ks = k.scales.contiguous()
@@ -378,7 +603,8 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
     koc = k.outlier_channels.contiguous() if nok else slots
     vo = v.outliers.contiguous() if nov else vs
     voc = v.outlier_channels.contiguous() if nov else slots
-    _decode_int8_stage1_h10[(B, hkv, ns)](
+    kernel = _decode_int8_stage1_h10t if swap else _decode_int8_stage1_h10
+    kernel[(B, hkv, ns)](
         q, kc, ks, ko, koc, vc, vs, vo, voc, slots, seq_lens,
         o_s, lse_s, a_s, b_s,
         sm, byp_rel, byp_abs, math.log(2.0 / delta), rad_extra, layer, k0, k1,
