@@ -779,7 +779,8 @@ def decode_stage1(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
-    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int | None = None,
+    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int | None = None,
+    num_stages: int | None = None,
     join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
     skip_philox: bool = False,
 ) -> tuple[torch.Tensor, ...]:
@@ -819,8 +820,10 @@ def decode_stage1(
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
     impl = resolve_impl(impl, d, k.group, v_dither, k.dither_layout)
-    if num_stages is None:  # the H200 sweep's best (kvlib.bench.int8_sweep): 3 for tc, 2 for fma
+    if num_stages is None:  # the H200 sweeps' best (kvlib.bench.int8_sweep, _h10_probe): 3 for tc, 2 otherwise
         num_stages = 3 if impl == "tc" else 2
+    if num_warps is None:  # h10: two warps per 64-position tile (H200 probe); the others four
+        num_warps = 2 if impl == "h10" else 4
     if pv_terms not in (1, 2, 3):
         raise ValueError(f"pv_terms must be 1, 2 or 3, got {pv_terms!r}")
     layout = "h10" if impl == "h10" else "w24"
@@ -890,7 +893,8 @@ def decode_int8(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, num_splits: int | None = None,
     cert: bool = True, cert_b: bool = True, v_dither: bool = False, block_n: int = 64,
-    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int = 4, num_stages: int | None = None,
+    k_precision: str = "ieee", v_precision: str = "ieee", num_warps: int | None = None,
+    num_stages: int | None = None,
     join: bool = False, var_dot: bool = True, impl: str = "auto", pv_terms: int = 3, xi_split: bool = True,
     skip_philox: bool = False, fallback_to_reference: bool = True,
 ) -> DecodeOut:

@@ -10,8 +10,11 @@ the ``w24`` kernels, following the spec's performance facts (``../shared/spec/wi
 * the dither enters the tensor-core dot exactly: ``-xi = -(1 + (v >> 6) 2^-10) + (1.5 - 2^-11)``,
   the first term built as fp16 bits ``0xBC00 | (v >> 6)`` (one shift and one ``lop3`` per two
   channels), the constant folded into ``(1.5 - 2^-11) sum_c q_c`` once per query;
-* int8 codes become exact fp16 with byte permutes (``0x64 | (c ^ 0x80)`` then ``- 1152``), never with
-  integer-to-float conversions (a quarter-rate pipe on Hopper);
+* int8 codes become exact fp16 from their bits, never through integer-to-float conversions (a
+  quarter-rate pipe on Hopper): key bytes permuted under ``0x64`` (``0x64 | (c ^ 0x80)`` = 1152 + c),
+  value bytes sign-extended plus ``0x6480``, then one packed fp16 subtract of 1152 per two codes;
+* operands are swapped: the streamed tiles are the tensor-core A operand and the GQA group the N
+  dimension, so no query row is padded or replicated;
 * the key scale is applied to the group's dot result and the value scale to the probabilities
   (``sum_t p_t s_t c_t = (p s) . c``), so neither side dequantises per element.
 
@@ -37,8 +40,6 @@ import triton.language as tl
 from kvlib.kernels.merge_tl import split_range
 from kvlib.kernels.philox_tl import philox4x32
 
-#: the swapped-operand kernel (:func:`_decode_int8_stage1_h10t`) unless a launch says otherwise
-SWAP = True
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -91,62 +92,6 @@ def _neg_m(w, FAST: tl.constexpr):
 
 
 @triton.jit
-def _fold(x, BH: tl.constexpr):
-    """Rows ``[R, N]`` -> ``[BH, N]`` by summing the ``R / BH`` row blocks: exact when only the first
-    block is non-zero (the tensor-core operand's zero padding to 16 query rows)."""
-    if x.shape[0] == BH:
-        return x
-    return tl.sum(tl.reshape(x, (x.shape[0] // BH, BH, x.shape[1])), 0)
-
-
-@triton.jit
-def _fold1(x, BH: tl.constexpr):
-    if x.shape[0] == BH:
-        return x
-    return tl.sum(tl.reshape(x, (x.shape[0] // BH, BH)), 0)
-
-
-@triton.jit
-def _q_group(q_row, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr,
-             BH: tl.constexpr):
-    """Query operands of group ``g`` (outlier channels zeroed): hi/lo ``[QR, G]`` (``QR >= 16`` rows, zero past
-    the GQA group), and per head (``[BH]``) ``sum q_hi``, ``sum q^2`` and ``R'_g = sum |r2| + |r1| / 255``."""
-    offs_c = tl.arange(0, G)
-    qg = tl.load(q_row + g * G + offs_c[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
-    if NOK > 0:
-        qg = tl.where((tl.sum((g * G + offs_c[:, None] == koc[None, :]).to(tl.int32), 1) > 0)[None, :], 0.0, qg)
-    q_hi = qg.to(tl.float16)
-    r1 = qg - q_hi.to(tl.float32)
-    if Q_SPLIT:
-        q_lo = r1.to(tl.float16)
-        r2 = r1 - q_lo.to(tl.float32)
-    else:
-        q_lo = q_hi  # unused
-        r2 = r1
-    q1 = _fold1(tl.sum(q_hi.to(tl.float32), 1), BH)
-    q2 = _fold1(tl.sum(qg * qg, 1), BH)
-    rr = _fold1(tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 1), BH)
-    return q_hi, q_lo, q1, q2, rr
-
-
-@triton.jit
-def _k_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w, s_g,
-             q_hi, q_lo, q1,
-             g: tl.constexpr, G: tl.constexpr, Q_SPLIT: tl.constexpr, FAST: tl.constexpr,
-             SKIP_DITHER: tl.constexpr, BH: tl.constexpr):
-    """Group ``g``'s score part ``s_g t_g`` ``[BLOCK_H, BLOCK_N]`` (``s_g`` the group's key scales)."""
-    offs_c = tl.arange(0, G)
-    kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :], mask=mask_n[:, None], other=0)
-    kT = tl.trans(_codes_f16(kc, FAST))
-    t = tl.dot(q_hi, kT)
-    if Q_SPLIT:
-        t = tl.dot(q_lo, kT, t)
-    if not SKIP_DITHER:
-        t = tl.dot(q_hi, tl.trans(_neg_m(w, FAST)), t)  # element 2j + h = channel g G + 2j + h
-    return (_fold(t, BH) + XI_CONST * q1[:, None]) * s_g[None, :]
-
-
-@triton.jit
 def _scales4(S, slot, mask_n, kvh, s_n, s_h):
     """The four groups' fp16 scales of a tile as fp32 ``[BLOCK_N]`` each, from one 8-byte load per position."""
     x = tl.load(S + slot[:, None] * s_n + kvh * s_h + tl.arange(0, 4)[None, :], mask=mask_n[:, None], other=0.0)
@@ -156,208 +101,6 @@ def _scales4(S, slot, mask_n, kvh, s_n, s_h):
     return s0, s1, s2, s3
 
 
-@triton.jit
-def _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, pp, acc, alpha,
-             g: tl.constexpr, G: tl.constexpr, PV_TERMS: tl.constexpr, FAST: tl.constexpr):
-    """``acc_g alpha + (1024 p s_g) . c_g`` with ``1024 p s`` as fp16 hi (+ lo) and the codes exact."""
-    offs_w = tl.arange(0, G // 4)
-    vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w[None, :], mask=mask_n[:, None],
-                 other=0)
-    v16 = _words_f16(vw, False)
-    ps = pp * vs[None, :]
-    p_hi = ps.to(tl.float16)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p_hi, v16, acc)
-    if PV_TERMS >= 2:
-        acc = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v16, acc)
-    return acc
-
-
-@triton.jit
-def _rat(rg, q2g):
-    """``R'_g^2 / Q2_g`` (``inf`` where the group's query is 0 but its residual is not)."""
-    return tl.where(q2g > 0, rg * rg / tl.where(q2g > 0, q2g, 1.0), tl.where(rg > 0, float("inf"), 0.0))
-
-
-@triton.jit
-def _store_group(o_base, a, sc, mask_h, voc, g: tl.constexpr, G: tl.constexpr):
-    """Store group ``g``'s output columns, skipping the value-outlier channels (written separately)."""
-    offs_c = tl.arange(0, G)
-    keep = tl.sum((voc[:, None] == (g * G + offs_c)[None, :]).to(tl.int32), 0) == 0
-    tl.store(o_base + g * G + offs_c[None, :], a * sc, mask=mask_h[:, None] & keep[None, :])
-
-
-@triton.jit
-def _decode_int8_stage1_h10(
-    Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
-    O_S, LSE_S, A_S, B_S,
-    sm_scale, byp_rel, byp_abs, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
-    s_qb, s_qh,
-    s_kc_n, s_kc_h, s_ks_n, s_ks_h, s_ko_n, s_ko_h,
-    s_vc_n, s_vc_h, s_vs_n, s_vs_h, s_vo_n, s_vo_h,
-    s_sl_b,
-    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
-    CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
-):
-    """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    D8: tl.constexpr = D // 8
-    seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < GQA
-    heads = kvh * GQA + offs_h
-    q_row = Q + b * s_qb + heads[:, None] * s_qh
-    QR: tl.constexpr = 16 if BLOCK_H < 16 else BLOCK_H  # tensor-core rows: zero-padded, folded back after the dot
-    offs_h16 = tl.arange(0, QR)
-    mask_h16 = offs_h16 < GQA
-    q_row16 = Q + b * s_qb + (kvh * GQA + offs_h16)[:, None] * s_qh
-    koc = tl.zeros([1], dtype=tl.int32)
-    if NOK > 0:  # NOK_P >= 16: the bypass dots run on the tensor cores too
-        offs_ok = tl.arange(0, NOK_P)
-        mask_ok = offs_ok < NOK
-        koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
-        q_ko = tl.load(q_row + koc[None, :], mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
-        qo_hi = q_ko.to(tl.float16)
-        qo_lo = (q_ko - qo_hi.to(tl.float32)).to(tl.float16)
-    # the four groups' query operands, hoisted out of the loop
-    qh0, ql0, q10, q20, rr0 = _q_group(q_row16, mask_h16, koc, 0, G, NOK, Q_SPLIT, BLOCK_H)
-    qh1, ql1, q11, q21, rr1 = _q_group(q_row16, mask_h16, koc, 1, G, NOK, Q_SPLIT, BLOCK_H)
-    qh2, ql2, q12, q22, rr2 = _q_group(q_row16, mask_h16, koc, 2, G, NOK, Q_SPLIT, BLOCK_H)
-    qh3, ql3, q13, q23, rr3 = _q_group(q_row16, mask_h16, koc, 3, G, NOK, Q_SPLIT, BLOCK_H)
-    if CERT:
-        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
-        var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
-        # query rounding: sm 127.5 sum_g R'_g s_g <= detm sqrt(var) (Cauchy-Schwarz), one multiplier per row
-        rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
-        detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rat) / tl.sqrt(var_c)
-        radm_h = radm + detm * (1.0 + 2.0**-8)
-        # the variance's per-group q^2 sums, inflated so the fp32 sums stay upper bounds
-        v0 = q20 * var_c
-        v1 = q21 * var_c
-        v2 = q22 * var_c
-        v3 = q23 * var_c
-        if NOK > 0:  # |q_o| rounded UP to fp16: the product with the exact fp16 |k_o| is then an upper bound
-            qa = tl.abs(q_ko)
-            qa16 = qa.to(tl.float16)
-            q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
-                tl.float16, bitcast=True), qa16)
-            q_ko_sum = tl.sum(qa, 1)
-        a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if CERT_B:
-            b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if NOV > 0:
-        offs_ov = tl.arange(0, NOV_P)
-        mask_ov = offs_ov < NOV
-        voc = tl.load(VOC + kvh * NOV + offs_ov, mask=mask_ov, other=-1).to(tl.int32)
-        acc_vo = tl.zeros([BLOCK_H, NOV_P], dtype=tl.float32)
-
-    k0 = seed_lo.to(tl.uint32)
-    k1 = seed_hi.to(tl.uint32)
-    c3k = ((layer << 1) | 0).to(tl.uint32)
-    c2 = kvh.to(tl.uint32)
-    cj = tl.arange(0, D8).to(tl.uint32)[None, :]
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
-        if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
-            w0 = slot.to(tl.uint32)[:, None] + cj
-            w1 = w0
-            w2 = w0
-            w3 = w0
-        else:
-            cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
-            w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
-                                        c3k + tl.zeros_like(cs), k0, k1)
-        s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
-        t0 = _k_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10,
-                        0, G, Q_SPLIT, FAST, SKIP_DITHER, BLOCK_H)
-        t1 = _k_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11,
-                        1, G, Q_SPLIT, FAST, SKIP_DITHER, BLOCK_H)
-        t2 = _k_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12,
-                        2, G, Q_SPLIT, FAST, SKIP_DITHER, BLOCK_H)
-        t3 = _k_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13,
-                        3, G, Q_SPLIT, FAST, SKIP_DITHER, BLOCK_H)
-        qk = (t0 + t1) + (t2 + t3)
-        if NOK > 0:
-            ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
-                         mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
-            koT = tl.trans(ko.to(tl.float16))
-            qk = tl.dot(qo_hi, koT, qk)
-            qk = tl.dot(qo_lo, koT, qk)
-        qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        if CERT:
-            var = (v0[:, None] * (s0 * s0)[None, :] + v1[:, None] * (s1 * s1)[None, :]) + (
-                v2[:, None] * (s2 * s2)[None, :] + v3[:, None] * (s3 * s3)[None, :])
-            u = tl.sqrt(var) * radm_h[:, None]
-            if NOK > 0:  # fp32 accumulation of exact products: its rounding is inside the (1 + 2^-8)
-                byp = tl.dot(q_ko_abs16, tl.trans(tl.abs(ko)).to(tl.float16))
-                u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[:, None] * byp_abs)
-            a_i = a_i * alpha + tl.sum(p * tl.exp(u), 1)
-            if CERT_B:
-                b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 1)
-
-        pp = p * 1024.0  # keeps small weights out of fp16's subnormal range; undone at the end
-        vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
-        acc0 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
-        acc1 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
-        acc2 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, pp, acc2, alpha, 2, G, PV_TERMS, FAST)
-        acc3 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, pp, acc3, alpha, 3, G, PV_TERMS, FAST)
-        if NOV > 0:
-            vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
-                         mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
-            acc_vo = acc_vo * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
-
-    nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
-    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    o_base = O_S + b * s_os_b + heads[:, None] * s_os_h + split * s_os_s
-    offs_c = tl.arange(0, G)
-    sc = (inv_l * (1.0 / 1024.0))[:, None]
-    if NOV > 0:
-        _store_group(o_base, acc0, sc, mask_h, voc, 0, G)
-        _store_group(o_base, acc1, sc, mask_h, voc, 1, G)
-        _store_group(o_base, acc2, sc, mask_h, voc, 2, G)
-        _store_group(o_base, acc3, sc, mask_h, voc, 3, G)
-        tl.store(o_base + voc[None, :], acc_vo * inv_l[:, None], mask=mask_h[:, None] & mask_ov[None, :])
-    else:
-        tl.store(o_base + 0 * G + offs_c[None, :], acc0 * sc, mask=mask_h[:, None])
-        tl.store(o_base + 1 * G + offs_c[None, :], acc1 * sc, mask=mask_h[:, None])
-        tl.store(o_base + 2 * G + offs_c[None, :], acc2 * sc, mask=mask_h[:, None])
-        tl.store(o_base + 3 * G + offs_c[None, :], acc3 * sc, mask=mask_h[:, None])
-    l_off = b * s_ls_b + heads * s_ls_h + split
-    tl.store(LSE_S + l_off, lse, mask=mask_h)
-    if CERT:
-        tl.store(A_S + l_off, a_i * inv_l, mask=mask_h)
-        if CERT_B:
-            tl.store(B_S + l_off, b_i * inv_l, mask=mask_h)
-
-
-# ---------------------------------------------------------------------------------------------
-# Swapped operands ("swap AB"): the streamed tiles are the tensor-core A operand (16 positions or
-# channels per fragment), the GQA group the N dimension (8 heads fill an n8 fragment exactly), so
-# nothing is padded or replicated and the loop-invariant query is the small B operand.
-# ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -416,6 +159,12 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
+def _rat(rg, q2g):
+    """``R'_g^2 / Q2_g`` (``inf`` where the group's query is 0 but its residual is not)."""
+    return tl.where(q2g > 0, rg * rg / tl.where(q2g > 0, q2g, 1.0), tl.where(rg > 0, float("inf"), 0.0))
+
+
+@triton.jit
 def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr, G: tl.constexpr):
     offs_c = tl.arange(0, G)
     keep = tl.sum(((g * G + offs_c)[:, None] == voc[None, :]).to(tl.int32), 1) == 0
@@ -424,7 +173,7 @@ def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr,
 
 
 @triton.jit
-def _decode_int8_stage1_h10t(
+def _decode_int8_stage1_h10(
     Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
     O_S, LSE_S, A_S, B_S,
     sm_scale, byp_rel, byp_abs, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
@@ -438,7 +187,12 @@ def _decode_int8_stage1_h10t(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
 ):
-    """Stage 1 over the h10 layout with swapped operands (every tile transposed: positions x heads)."""
+    """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
+
+    Operands are swapped ("swap AB"): the streamed tiles are the tensor-core A operand (16 positions
+    or channels per fragment) and the GQA group the N dimension (8 heads fill an n8 fragment), so no
+    query row is padded or replicated and the loop-invariant query is the small B operand; every
+    score tile is ``[positions, heads]``."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -585,8 +339,7 @@ def check_h10_shape(d: int, group: int) -> None:
 
 def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp_rel: float, byp_abs: float,
                delta: float, rad_extra: float, layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool,
-               block_n: int, num_warps: int, num_stages: int, pv_terms: int, skip_philox: bool,
-               swap: bool | None = None) -> None:
+               block_n: int, num_warps: int, num_stages: int, pv_terms: int, skip_philox: bool) -> None:
     """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
@@ -594,7 +347,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
     check_h10_shape(d, k.group)
     nok = k.outliers.shape[-1] if k.outliers is not None else 0
     nov = v.outliers.shape[-1] if v.outliers is not None else 0
-    swap = SWAP if swap is None else swap
     kc = k.codes.contiguous()
     vc = v.codes.contiguous().view(torch.int32)  # four codes per word (d % 4 == 0)
     ks = k.scales.contiguous()
@@ -603,8 +355,7 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
     koc = k.outlier_channels.contiguous() if nok else slots
     vo = v.outliers.contiguous() if nov else vs
     voc = v.outlier_channels.contiguous() if nov else slots
-    kernel = _decode_int8_stage1_h10t if swap else _decode_int8_stage1_h10
-    kernel[(B, hkv, ns)](
+    _decode_int8_stage1_h10[(B, hkv, ns)](
         q, kc, ks, ko, koc, vc, vs, vo, voc, slots, seq_lens,
         o_s, lse_s, a_s, b_s,
         sm, byp_rel, byp_abs, math.log(2.0 / delta), rad_extra, layer, k0, k1,

@@ -1,0 +1,107 @@
+"""The h10-layout certified INT8 decode kernel (TRITON_INTERPRET=1 on CPU) against its float64 reference."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kvlib.certificate import rounding_slack, tv_distance
+from kvlib.kernels.decode_int8 import PoolSide, decode_int8, decode_reference, make_pool_side
+
+SEED = 2**33 + 777
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(side: PoolSide) -> PoolSide:
+    mv = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    return dataclasses.replace(side, codes=side.codes.to(DEV), scales=side.scales.to(DEV),
+                               outliers=mv(side.outliers), outlier_channels=mv(side.outlier_channels))
+
+
+def _setup(B=2, hq=7, hkv=1, S=40, *, k_out=True, v_out=False, qdtype=torch.float32, layer=2, d=128):
+    g = torch.Generator().manual_seed(hq * 10 + hkv + S)
+    T = B * S
+    K = torch.randn(T, hkv, d, generator=g)
+    K[:, :, 9] *= 25  # a massive channel, bypassed below
+    V = torch.randn(T, hkv, d, generator=g)
+    n_slots = T + 5
+    slot_ids = torch.randperm(n_slots, generator=g)[:T]
+    koc = torch.stack([torch.tensor([8, 9]) + 32 * h for h in range(hkv)]) if k_out else None
+    voc = torch.stack([torch.tensor([0, 3, 70]) for _ in range(hkv)]) if v_out else None
+    kp = make_pool_side(K, layer=layer, seed=SEED, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc,
+                        dither_layout="h10")
+    vp = make_pool_side(V, layer=layer, seed=SEED, side=1, n_slots=n_slots, slot_ids=slot_ids,
+                        outlier_channels=voc, dithered=False)
+    slots = slot_ids.view(B, S).to(torch.int32)
+    seq = torch.tensor([S - 5 * b for b in range(B)], dtype=torch.int32)
+    q = (2 * torch.randn(B, hq, d, generator=g)).to(qdtype)
+    kw = dict(layer=layer, seed=SEED)
+    return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), kw, (K, slot_ids)
+
+
+def _assert_close(out, ref, atol=3e-6):
+    atol, rtol = (atol, 2e-5) if DEV == "cpu" else (5 * atol, 1e-4)
+    for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("hq,hkv,qdtype,k_out,v_out", [
+    (7, 1, torch.float32, True, False),  # the paper's GQA 7: eight heads per tile, one padded
+    (4, 2, torch.bfloat16, False, True),  # GQA 4: the N dimension narrower than a fragment
+    (2, 2, torch.float16, True, True),
+])
+def test_kernel_matches_reference(hq, hkv, qdtype, k_out, v_out):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype, k_out=k_out, v_out=v_out)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=3, block_n=16, **kw)  # auto -> h10 for an h10 pool
+    _assert_close(out, ref)
+
+
+def test_certificate_is_the_same_whichever_way_the_row_is_split():
+    q, kp, vp, slots, seq, kw, _ = _setup(S=64)
+    outs = [decode_int8(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw) for ns in (1, 4)]
+    torch.testing.assert_close(outs[0].tv_bound, outs[1].tv_bound, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outs[0].o, outs[1].o, atol=1e-5, rtol=1e-5)
+
+
+def test_certificate_bounds_the_true_tv_on_a_fixed_seed_batch():
+    q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(hq=4, hkv=2, S=48)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, impl="h10", **kw)
+    pos = {int(s): t for t, s in enumerate(slot_ids)}
+    q, slots = q.cpu(), slots.cpu()
+    gqa = q.shape[1] // K.shape[1]
+    for b in range(q.shape[0]):
+        rows = [pos[int(s)] for s in slots[b, : int(seq[b])]]
+        for h in range(q.shape[1]):
+            z = (q[b, h].double() @ K[rows, h // gqa].double().T) / math.sqrt(q.shape[-1])
+            assert tv_distance(torch.softmax(z, -1), probs[b][h]) <= out.tv_bound[b, h].cpu()
+
+
+def test_nonfinite_scale_gives_a_vacuous_certificate():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
+    bad = kp.scales.clone()
+    bad[int(slots[0, 5]), 0, 1] = math.nan
+    out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, num_splits=2, block_n=16, **kw)
+    assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()
+    assert torch.isfinite(out.tv_bound[1]).all()
+
+
+def test_h10_slack_carries_the_larger_dither_mean():
+    # the 10-bit grid's mean (2^-11) dominates; the kernel's rounding term is the tc one, doubled
+    assert rounding_slack(128, "h10", "h10") > rounding_slack(128, "tc", "w24")
+    assert rounding_slack(128, "h10", "h10") >= 2.0**-11
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=2, hkv=1)
+    with pytest.raises(ValueError, match="v_dither"):
+        decode_int8(q, kp, vp, slots, seq, v_dither=True, fallback_to_reference=False, **kw)
+    with pytest.raises(ValueError, match="h10"):
+        decode_int8(q, kp, vp, slots, seq, impl="tc", **kw)
+    with pytest.raises(ValueError, match="h10"):  # the Triton fma kernel reads w24 only
+        decode_int8(q, kp, vp, slots, seq, impl="fma", fallback_to_reference=False, **kw)
+    q64, kp64, vp64, slots64, seq64, kw64, _ = _setup(hq=2, hkv=1, d=64, k_out=False)
+    with pytest.raises(ValueError, match="group"):
+        decode_int8(q64, kp64, vp64, slots64, seq64, **kw64)
