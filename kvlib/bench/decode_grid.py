@@ -12,6 +12,10 @@ Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one qu
   (``skip_philox=True``, a timing probe only), so the Philox cost is measured directly. (An earlier
   ``int8_philox2`` variant, values dithered too, ran the tensor-core kernel's value-dither path, which
   later failed its H200 check; it was dropped.)
+* ``int8_h10_cert`` / ``int8_h10_nocert`` / ``int8_h10_nophilox``: the same pools read through the
+  h10 dither layout (eight 10-bit dithers per Philox call) by its own kernel
+  (:mod:`kvlib.kernels.decode_int8_h10`, certificate with A only, as the w24 ``int8_cert`` is timed with
+  A and B: see ``int8_h10_certAB``), where the shape allows it (``d = 4 * 32``);
 * ``kv4`` / ``kv4rl``: KV4 INT4 decode and KV4-RL (INT4 main region + INT8 sink/recent side
   buffer merged with ``merge_states``), :mod:`kvlib.kv4rl_attention`.
 
@@ -52,7 +56,8 @@ INT8_MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, 
 SKIP_PHILOX_ARGS = ("skip_philox", "k_dither", "philox", "dither")
 
 ALL_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_cert_exact",
-               "int8_nophilox", "kv4", "kv4rl")
+               "int8_nophilox", "int8_h10_cert", "int8_h10_certAB", "int8_h10_nocert", "int8_h10_nophilox",
+               "kv4", "kv4rl")
 #: which format's byte account each method reads
 METHOD_FORMAT = {"sdpa_bf16": "bf16", "triton_bf16": "bf16", "kv4": "kv4", "kv4rl": "kv4rl",
                  **{m: "dither-int8" for m in ALL_METHODS if m.startswith("int8")}}
@@ -261,6 +266,16 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
     elif "int8_nophilox" in want:
         notes.append("int8_nophilox: decode_int8 exposes no switch that skips Philox "
                      f"(looked for {SKIP_PHILOX_ARGS})")
+    if shape.d == 4 * INT8_GROUP:
+        import dataclasses
+
+        kp10 = dataclasses.replace(kp, dither_layout="h10")
+        h10 = lambda **kw: (lambda: decode_int8(qb, kp10, vp, slots, lengths, **base, **kw))  # noqa: E731
+        variants |= {"int8_h10_cert": h10(cert=True, cert_b=False), "int8_h10_certAB": h10(cert=True, cert_b=True),
+                     "int8_h10_nocert": h10(cert=False),
+                     "int8_h10_nophilox": h10(cert=True, cert_b=False, skip_philox=True)}
+    elif want & {m for m in ALL_METHODS if m.startswith("int8_h10")}:
+        notes.append(f"int8_h10_*: the h10 kernel needs d = 4 * {INT8_GROUP}, got d={shape.d}")
     for name, fn in variants.items():
         if name in want:
             record(name, fn)
@@ -293,6 +308,14 @@ def derived(row: dict[str, Any]) -> dict[str, float]:
         out["kv4rl_frac_of_kv4"] = m["kv4"] / m["kv4rl"]
     if "int8_nophilox" in m and "int8_cert" in m:
         out["philox_share_skip"] = 1.0 - m["int8_nophilox"] / m["int8_cert"]
+    if "int8_h10_cert" in m and "int8_h10_nocert" in m:
+        out["h10_cert_cost"] = m["int8_h10_cert"] / m["int8_h10_nocert"] - 1.0
+    if "int8_h10_certAB" in m and "int8_h10_nocert" in m:
+        out["h10_cert_cost_AB"] = m["int8_h10_certAB"] / m["int8_h10_nocert"] - 1.0
+    if "int8_h10_nophilox" in m and "int8_h10_cert" in m:
+        out["h10_philox_share_skip"] = 1.0 - m["int8_h10_nophilox"] / m["int8_h10_cert"]
+    if "int8_h10_certAB" in m and "int8_cert" in m:
+        out["h10_vs_w24_certAB"] = m["int8_cert"] / m["int8_h10_certAB"]
     return out
 
 
@@ -300,7 +323,7 @@ def grid_config(profile: str) -> dict[str, Any]:
     """Shapes and timing budget of each profile."""
     if profile == "gpu":
         return dict(shape=GPU_SHAPE, batches=(1, 8, 32, 128, 512), ctxs=(1024, 4096, 16384, 32768),
-                    budget_bytes=30e9, rep_ms=40.0, warmup_ms=10.0, time_budget_s=230.0)
+                    budget_bytes=30e9, rep_ms=40.0, warmup_ms=10.0, time_budget_s=400.0)
     return dict(shape=CPU_SHAPE, batches=(1, 2), ctxs=(40, 96), budget_bytes=1e8, rep_ms=1.0, warmup_ms=0.0,
                 time_budget_s=600.0)
 

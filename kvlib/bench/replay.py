@@ -35,7 +35,7 @@ import torch
 from kvlib.bench.decode_grid import CPU_SHAPE, GPU_SHAPE, HeadShape, time_state
 from kvlib.bench.timing import copy_bandwidth, profile_device
 
-REPLAY_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "kv4", "kv4rl")
+REPLAY_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_h10_cert", "kv4", "kv4rl")
 REFERENCES = ("sdpa_bf16", "triton_bf16")
 
 

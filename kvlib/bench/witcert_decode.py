@@ -18,6 +18,7 @@ On CPU (profiles ci/cpu) it is a wiring check only: tiny shapes, no speed claim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -28,14 +29,16 @@ from kvlib.bench.timing import bench_ms, capture_graph, profile_device
 
 PAPER = dict(B=2, S=4096, hq=28, hkv=4, d=128)
 LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 32768)]
-#: the tensor-core kernel with every operand exact ("exact") or with the cheaper fp16 operands ("fast");
-#: kvlib.bench.decode_grid.INT8_MODES says what each drops
-MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2)}
+#: the tensor-core kernel with every operand exact ("exact") or with the cheaper fp16 operands ("fast")
+#: (kvlib.bench.decode_grid.INT8_MODES says what each drops), both over the paper's w24 dither layout;
+#: "h10": the h10 layout (eight 10-bit dithers per Philox call) read by its own kernel
+MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2), "h10": dict(impl="h10")}
+LAYOUT = {"exact": "w24", "fast": "w24", "h10": "h10"}
 SEED = 0x5EED_0000_1234
 LAYER = 3
 
 
-def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8):
+def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8, layout: str = "w24"):
     """A quantised pool from the real write path (K dithered with fp16 outliers, V RTN)."""
     from kvlib.kernels.decode_int8 import make_pool_side
 
@@ -45,11 +48,12 @@ def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out:
     V = torch.randn(B * S, hkv, d, generator=g)
     oc = torch.arange(n_out).expand(hkv, n_out).contiguous() if n_out else None
     perm = torch.randperm(B * S, generator=g)
-    kp = make_pool_side(K, layer=LAYER, seed=SEED, side=0, slot_ids=perm, outlier_channels=oc)
+    kp = make_pool_side(K, layer=LAYER, seed=SEED, side=0, slot_ids=perm, outlier_channels=oc, dither_layout=layout)
     vp = make_pool_side(V, layer=LAYER, seed=SEED, side=1, slot_ids=perm, dithered=False)
     move = lambda s: type(s)(s.codes.to(device), s.scales.to(device),  # noqa: E731
                              None if s.outliers is None else s.outliers.to(device),
-                             None if s.outlier_channels is None else s.outlier_channels.to(device), s.group)
+                             None if s.outlier_channels is None else s.outlier_channels.to(device), s.group,
+                             s.dither_layout)
     slots = perm.view(B, S).to(torch.int32).to(device)
     seq = torch.full((B,), S, dtype=torch.int32, device=device)
     q = torch.randn(B, hq, d, generator=g).to(device)
@@ -64,9 +68,15 @@ def _agreement(device: str) -> dict:
     t0 = time.perf_counter()
     ref = decode_reference(q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED)
     out: dict[str, Any] = {"shape": p, "reference_s": time.perf_counter() - t0, "splits": {}}
+    refs = {"w24": ref}
     for mode, kw in MODES.items():
         if device != "cuda" and mode != "exact":
             continue
+        if LAYOUT[mode] != "w24":  # the same keys and query written through the other dither layout
+            q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device,
+                                                  layout=LAYOUT[mode])
+            ref = refs.setdefault(LAYOUT[mode], decode_reference(
+                q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED, impl=kw["impl"]))
         for ns in (1, 2, 8, 32):
             r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, **kw)
             out["splits"][f"{mode}/{ns}"] = {
@@ -76,21 +86,25 @@ def _agreement(device: str) -> dict:
                 "max_abs_dcert": float((r.tv_bound.cpu() - ref.tv_bound).abs().max()),
                 "max_abs_dcert_one": float((r.tv_bound_one.cpu() - ref.tv_bound_one).abs().max()),
             }
-    out["cert_range"] = [float(ref.tv_bound.min()), float(ref.tv_bound.max())]
+    out["cert_range"] = [float(refs["w24"].tv_bound.min()), float(refs["w24"].tv_bound.max())]
+    if "h10" in refs:
+        out["cert_range_h10"] = [float(refs["h10"].tv_bound.min()), float(refs["h10"].tv_bound.max())]
+        out["cert_h10_over_w24_max"] = float((refs["h10"].tv_bound / refs["w24"].tv_bound).max())
     return out
 
 
 def _cpu(side):
     return type(side)(side.codes.cpu(), side.scales.cpu(), None if side.outliers is None else side.outliers.cpu(),
-                      None if side.outlier_channels is None else side.outlier_channels.cpu(), side.group)
+                      None if side.outlier_channels is None else side.outlier_channels.cpu(), side.group,
+                      side.dither_layout)
 
 
-def _graph_replay(device: str) -> dict:
+def _graph_replay(device: str, layout: str = "w24") -> dict:
     """Capture one certified decode step; interleave eager runs and replays; compare bitwise."""
     from kvlib.kernels.decode_int8 import decode_int8
 
     p = PAPER
-    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
+    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout)
     q_static = q.clone()
     step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8)  # noqa: E731
     eager = step()  # compile outside the capture
@@ -143,6 +157,7 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     from kvlib.kernels.decode_int8 import decode_int8
 
     kp, vp = _random_pools(B, S, hkv, d, device)
+    pools = {"w24": kp, "h10": dataclasses.replace(kp, dither_layout="h10")}  # same codes, other dither
     slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)
     seq = torch.full((B,), S, dtype=torch.int32, device=device)
     q = torch.randn(B, hq, d, device=device)
@@ -159,8 +174,10 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     t["ours_bf16"] = bench_ms(lambda: decode_bf16(qb, kb, vb, slots, seq), rep_ms=rep_ms).as_dict()
     for mode, kw in MODES.items():
         base = dict(layer=LAYER, seed=SEED, **kw)
+        kpm = pools[LAYOUT[mode]]
         for name, cert, cert_b in (("int8", False, False), ("int8_cert_A", True, False), ("int8_cert_AB", True, True)):
-            fn = lambda c=cert, cb=cert_b, kw=base: decode_int8(qb, kp, vp, slots, seq, cert=c, cert_b=cb, **kw)  # noqa: E731
+            fn = lambda c=cert, cb=cert_b, kw=base, kpm=kpm: decode_int8(qb, kpm, vp, slots, seq, cert=c,  # noqa: E731
+                                                                         cert_b=cb, **kw)
             t[f"{name}_{mode}"] = bench_ms(fn, rep_ms=rep_ms).as_dict()
         off = t[f"int8_{mode}"]["median_ms"]
         t[f"cert_cost_A_{mode}"] = t[f"int8_cert_A_{mode}"]["median_ms"] / off - 1
@@ -173,6 +190,13 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     t["int8_fast_graph"] = _graph_ms(lambda: decode_int8(qb, kp, vp, slots, seq, cert=False, **fast), rep_ms)
     t["int8_cert_A_fast_graph"] = _graph_ms(
         lambda: decode_int8(qb, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
+    h10 = dict(layer=LAYER, seed=SEED, **MODES["h10"])
+    t["int8_h10_graph"] = _graph_ms(lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=False, **h10), rep_ms)
+    t["int8_cert_A_h10_graph"] = _graph_ms(
+        lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, **h10), rep_ms)
+    t["int8_cert_A_h10_nophilox"] = bench_ms(
+        lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, skip_philox=True, **h10),
+        rep_ms=rep_ms).as_dict()
     int8_bytes = 2 * B * S * hkv * (d + 2 * d // 32)
     bf16_bytes = 2 * B * S * hkv * d * 2
     gbps = {m: int8_bytes / (t[f"int8_cert_A_{m}"]["median_ms"] * 1e-3) / 1e9 for m in MODES}
@@ -241,7 +265,9 @@ def run(profile: str) -> dict:
     res["agreement"] = _agreement(device)
     print(f"   agreement done ({time.perf_counter() - t0:.1f}s)", flush=True)
     res["cuda_graph"] = _graph_replay(device)
-    print(f"   graph replay: {res['cuda_graph']['bit_identical']}", flush=True)
+    res["cuda_graph_h10"] = _graph_replay(device, layout="h10")
+    print(f"   graph replay: {res['cuda_graph']['bit_identical']}, h10 {res['cuda_graph_h10']['bit_identical']}",
+          flush=True)
     shapes = [(PAPER["B"], PAPER["S"])] + LONG
     res["latency"] = _latency(device, shapes, PAPER["hq"], PAPER["hkv"], PAPER["d"], rep_ms=100.0)
     long = [r for r in res["latency"] if r["S"] >= 16384 and "timings" in r]
