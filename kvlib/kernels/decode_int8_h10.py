@@ -40,6 +40,8 @@ import triton.language as tl
 from kvlib.kernels.merge_tl import split_range
 from kvlib.kernels.philox_tl import philox4x32
 
+#: keep the softmax/certificate sums per (position, head) and reduce them once after the loop
+TILE_SUMS = True
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -159,6 +161,14 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
+def _rows(x, KEEP: tl.constexpr):
+    """``x`` itself (per-position sums, reduced after the loop) or its sum over positions ``[1, BH]``."""
+    if KEEP:
+        return x
+    return tl.sum(x, 0)[None, :]
+
+
+@triton.jit
 def _rat(rg, q2g):
     """``R'_g^2 / Q2_g`` (``inf`` where the group's query is 0 but its residual is not)."""
     return tl.where(q2g > 0, rg * rg / tl.where(q2g > 0, q2g, 1.0), tl.where(rg > 0, float("inf"), 0.0))
@@ -185,7 +195,7 @@ def _decode_int8_stage1_h10(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -231,9 +241,6 @@ def _decode_int8_stage1_h10(
             q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
                 tl.float16, bitcast=True), qa16)
             q_ko_sum = tl.sum(qa, 0)
-        a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if CERT_B:
-            b_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     voc = tl.full([1], -1, dtype=tl.int32)
     if NOV > 0:
         offs_ov = tl.arange(0, NOV_P)
@@ -248,7 +255,14 @@ def _decode_int8_stage1_h10(
     cj = tl.arange(0, D8).to(tl.uint32)[None, :]
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # softmax and certificate sums kept per (position, head) and reduced once after the loop: a
+    # per-tile sum over positions crosses warps (shared memory and a barrier), an FMA does not
+    TR: tl.constexpr = BLOCK_N if TILE_SUMS else 1
+    l_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
+    if CERT:
+        a_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
+        if CERT_B:
+            b_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
     acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
     acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
@@ -286,7 +300,7 @@ def _decode_int8_stage1_h10(
         m_new = tl.maximum(m_i, tl.max(qk, 0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
+        l_t = l_t * alpha[None, :] + _rows(p, TILE_SUMS)
         m_i = m_new
         if CERT:
             var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
@@ -295,9 +309,9 @@ def _decode_int8_stage1_h10(
             if NOK > 0:
                 byp = tl.dot(tl.abs(ko16), q_ko_abs16)
                 u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
-            a_i = a_i * alpha + tl.sum(p * tl.exp(u), 0)
+            a_t = a_t * alpha[None, :] + _rows(p * tl.exp(u), TILE_SUMS)
             if CERT_B:
-                b_i = b_i * alpha + tl.sum(p * tl.exp(-u), 0)
+                b_t = b_t * alpha[None, :] + _rows(p * tl.exp(-u), TILE_SUMS)
 
         pp = p * 1024.0
         vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
@@ -310,6 +324,11 @@ def _decode_int8_stage1_h10(
                          mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
             acc_voT = acc_voT * alpha[None, :] + tl.sum(vo[:, :, None] * p[:, None, :], 0)
 
+    l_i = tl.sum(l_t, 0)
+    if CERT:
+        a_i = tl.sum(a_t, 0)
+        if CERT_B:
+            b_i = tl.sum(b_t, 0)
     nonempty = l_i != 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -368,6 +387,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOK=nok, NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov,
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
-        NUM_SPLITS=ns, FAST=q.device.type == "cuda", SKIP_DITHER=skip_philox,
+        NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox,
         num_warps=num_warps, num_stages=num_stages,
     )

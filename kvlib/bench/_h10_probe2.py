@@ -1,0 +1,45 @@
+"""Development probe: the h10 kernel's per-tile vs per-position softmax/certificate sums on the GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import kvlib.kernels.decode_int8_h10 as H
+from kvlib.bench._h10_probe import _pools, _sdpa_ms
+from kvlib.bench.timing import bench_ms
+from kvlib.bench.witcert_decode import LAYER, SEED
+
+
+def _time(fn, args, kw) -> float:
+    return bench_ms(lambda: fn(*args, layer=LAYER, seed=SEED, **kw), rep_ms=30.0).median_ms
+
+
+def main() -> None:
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    rows = []
+    for B, S in ((32, 16384), (8, 32768), (128, 4096)):
+        hq, hkv, d = 28, 4, 128
+        slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
+        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+        sd = _sdpa_ms(qb.view(B, hq, 1, d), B, S, hkv, d, 30.0)
+        kp, vp = _pools(B, S, hkv, d, "h10")
+        for ts in (True, False):
+            H.TILE_SUMS = ts
+            for bn, nw in ((64, 2), (128, 4), (32, 2)):
+                for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
+                                 ("certAB", dict(cert=True, cert_b=True))):
+                    ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **kw))
+                    rows.append(dict(B=B, S=S, tile_sums=ts, block_n=bn, num_warps=nw, name=name, ms=ms,
+                                     vs_sdpa=sd / ms))
+                    print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
