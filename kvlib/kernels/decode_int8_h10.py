@@ -161,14 +161,6 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _rows(x, KEEP: tl.constexpr):
-    """``x`` itself (per-position sums, reduced after the loop) or its sum over positions ``[1, BH]``."""
-    if KEEP:
-        return x
-    return tl.sum(x, 0)[None, :]
-
-
-@triton.jit
 def _rat(rg, q2g):
     """``R'_g^2 / Q2_g`` (``inf`` where the group's query is 0 but its residual is not)."""
     return tl.where(q2g > 0, rg * rg / tl.where(q2g > 0, q2g, 1.0), tl.where(rg > 0, float("inf"), 0.0))
@@ -300,7 +292,10 @@ def _decode_int8_stage1_h10(
         m_new = tl.maximum(m_i, tl.max(qk, 0))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[None, :])
-        l_t = l_t * alpha[None, :] + _rows(p, TILE_SUMS)
+        if TILE_SUMS:
+            l_t = l_t * alpha[None, :] + p
+        else:
+            l_t = l_t * alpha[None, :] + tl.sum(p, 0)[None, :]
         m_i = m_new
         if CERT:
             var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
@@ -309,9 +304,17 @@ def _decode_int8_stage1_h10(
             if NOK > 0:
                 byp = tl.dot(tl.abs(ko16), q_ko_abs16)
                 u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
-            a_t = a_t * alpha[None, :] + _rows(p * tl.exp(u), TILE_SUMS)
+            pa = p * tl.exp(u)
+            if TILE_SUMS:
+                a_t = a_t * alpha[None, :] + pa
+            else:
+                a_t = a_t * alpha[None, :] + tl.sum(pa, 0)[None, :]
             if CERT_B:
-                b_t = b_t * alpha[None, :] + _rows(p * tl.exp(-u), TILE_SUMS)
+                pb = p * tl.exp(-u)
+                if TILE_SUMS:
+                    b_t = b_t * alpha[None, :] + pb
+                else:
+                    b_t = b_t * alpha[None, :] + tl.sum(pb, 0)[None, :]
 
         pp = p * 1024.0
         vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
