@@ -280,6 +280,14 @@ def run(profile: str) -> dict:
             "median_cert_cost_A": {m: float(torch.tensor([r["timings"][f"cert_cost_A_{m}"] for r in res["latency"]
                                                           if "timings" in r]).median()) for m in MODES},
         }
+        graphed = [r for r in res["latency"] if "timings" in r and "int8_cert_A_h10_graph" in r["timings"]]
+        if graphed:  # CUDA-graph timings: no host launch overhead (eager timings of sub-0.3 ms steps carry it)
+            g = lambda r, k: r["timings"][k]["median_ms"]  # noqa: E731
+            res["summary"]["h10_graph"] = {
+                "min_speedup_vs_sdpa_S>=16k": min(g(r, "sdpa_bf16_graph") / g(r, "int8_cert_A_h10_graph")
+                                                  for r in graphed if r["S"] >= 16384),
+                "cert_cost_A": [g(r, "int8_cert_A_h10_graph") / g(r, "int8_h10_graph") - 1 for r in graphed],
+            }
     res["runtime_s"] = time.perf_counter() - t0
     if not math.isfinite(res["runtime_s"]):
         raise RuntimeError("bad clock")
