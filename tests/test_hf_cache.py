@@ -175,3 +175,30 @@ def test_telemetry_counts_stride_and_soundness(small, ids) -> None:
         qh = q[0, h].double() / math.sqrt(cfg.head_dim)
         tv = 0.5 * (torch.softmax(k @ qh, -1) - torch.softmax(kh @ qh, -1)).abs().sum()
         assert float(tv) <= float(cert[0, h]), h
+
+
+@torch.no_grad()
+def test_h10_dither_layout_reaches_the_cache_and_its_radius(small, ids) -> None:
+    from kvlib.certificate import certificate_from_scores, request_delta, score_radius
+
+    model = small
+    cfg = model.config
+    L, Hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    g = Hq // cfg.num_key_value_heads
+    layer = 1
+    with kvmodel.capture_qkv(layers=[layer]) as acts:
+        model(ids, past_key_values=make_cache("fp32", cfg))
+        q = acts[layer]["q"][:, :, -1]
+    cache = make_cache("dither-int8", cfg, dither_layout="h10")
+    model(ids, past_key_values=cache)
+    pk = cache.layers[layer].packed[0][0][1]
+    assert pk.dither_layout == "h10"
+    cert = cache.certify(layer, q)
+    qh = q[0, g:2 * g].double()
+    kh = cache.layers[layer].keys[0, 1].double()
+    dl = request_delta(1e-2, layers=L, heads=Hq, steps=256)
+    kw = dict(sm_scale=cfg.head_dim ** -0.5, n=kh.shape[0], delta=dl)
+    u = score_radius(qh, pk.scales, layout="h10", **kw)
+    assert (u > score_radius(qh, pk.scales, **kw)).all()  # the 10-bit grid's mean widens the radius
+    ref = certificate_from_scores((qh @ kh.T) * cfg.head_dim ** -0.5, u).tv_bound_one
+    torch.testing.assert_close(cert[0, g:2 * g], ref, rtol=1e-12, atol=1e-12)
