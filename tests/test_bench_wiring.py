@@ -46,6 +46,9 @@ def test_decode_grid_wiring_tiny():
     res = grid.run("ci", batches=(1,), ctxs=(40,))
     (row,) = res["rows"]
     expected = set(grid.ALL_METHODS) - {"int8_nophilox"} if grid.skip_philox_kw() is None else set(grid.ALL_METHODS)
+    if grid.CPU_SHAPE.d != 4 * grid.INT8_GROUP:  # the h10 kernel's shape rule: skipped with a note, not silently
+        expected -= {m for m in grid.ALL_METHODS if m.startswith("int8_h10")}
+        assert any("int8_h10" in n for n in row["notes"])
     assert set(row["methods"]) == expected, row["notes"]
     for name, t in row["methods"].items():
         assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
@@ -131,3 +134,10 @@ def test_timing_profile_and_graph_fallback():
     assert ok == cuda and (replay is fn) == (not cuda)
     t = timing.bench_graphed(fn, warmup_ms=0.0, rep_ms=0.0)
     assert t["graphed"] == cuda and t["q25_ms"] <= t["median_ms"] <= t["q75_ms"] and calls
+
+
+def test_decode_grid_h10_wiring_at_d128():
+    shape = grid.HeadShape(4, 1, 128)  # the h10 kernel's shape rule: d = 4 x 32
+    out = grid.time_state([40], methods=("int8_h10_cert", "int8_h10_nocert"), shape=shape, device="cpu", rep_ms=0.0)
+    assert set(out["methods"]) == {"int8_h10_cert", "int8_h10_nocert"}, out["notes"]
+    assert "h10_cert_cost" in grid.derived({"methods": out["methods"]})

@@ -7,6 +7,8 @@ import torch
 from kvlib.certificate import bounds_from_AB
 from kvlib.kernels.merge_tl import merge_splits, merge_splits_ref
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
+
 
 def _close(a, b, atol):
     fin = torch.isfinite(b)
@@ -20,7 +22,7 @@ def _states(lead=(2, 3), ns=5, d=16, seed=2):
     lse_s = torch.randn(*lead, ns, generator=g)
     a_s = 1.0 + torch.rand(*lead, ns, generator=g)  # A >= 1, B <= 1 as for real accumulators
     b_s = torch.rand(*lead, ns, generator=g)
-    return o_s, lse_s, a_s, b_s
+    return o_s.to(DEV), lse_s.to(DEV), a_s.to(DEV), b_s.to(DEV)
 
 
 @pytest.mark.parametrize("lead", [(2, 3), (7,)])
@@ -77,11 +79,11 @@ def test_splitting_one_softmax_is_exact(backend):
     o_s, lse_s, a_s = torch.stack(o_s, 1), torch.stack(lse_s, 1), torch.stack(a_s, 1)
     tol = 1e-5 if backend == "triton" else 1e-12
     if backend == "triton":  # the kernel computes in fp32
-        o_s, lse_s, a_s = o_s.float(), lse_s.float(), a_s.float()
+        o_s, lse_s, a_s = o_s.float().to(DEV), lse_s.float().to(DEV), a_s.float().to(DEV)
     out = merge_splits(o_s, lse_s, a_s, backend=backend)
-    _close(out.o.double(), torch.einsum("rs,rsd->rd", p, v), tol)
-    _close(out.lse.double(), scores.logsumexp(-1), tol)
-    _close(out.A.double(), (p * a).sum(-1), tol)
+    _close(out.o.double().cpu(), torch.einsum("rs,rsd->rd", p, v), tol)
+    _close(out.lse.double().cpu(), scores.logsumexp(-1), tol)
+    _close(out.A.double().cpu(), (p * a).sum(-1), tol)
 
 
 def test_bad_shapes_are_named():
