@@ -103,18 +103,20 @@ tl = triton.language
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kvlib.kernels.philox_tl import dither_tile, philox4x32  # noqa: E402
+from kvlib.kernels.philox_tl import dither_tile, philox4x32, philox4x32_wide  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
-def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
     i = tl.arange(0, BLOCK)
-    w0, w1, w2, w3 = philox4x32(
-        tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2), tl.load(c_ptr + 4 * i + 3),
-        tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1), N_ROUNDS,
-    )
+    args = (tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2), tl.load(c_ptr + 4 * i + 3),
+            tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1))
+    if WIDE:
+        w0, w1, w2, w3 = philox4x32_wide(*args, N_ROUNDS)
+    else:
+        w0, w1, w2, w3 = philox4x32(*args, N_ROUNDS)
     tl.store(o_ptr + 4 * i, w0.to(tl.int64))
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
@@ -142,11 +144,19 @@ def _dither_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr,
     tl.store(o_ptr + r[:, None] * D + tl.arange(0, D)[None, :], xi)
 
 
-def _run_triton(ctr: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> torch.Tensor:
+def _run_triton(ctr: torch.Tensor, key: torch.Tensor, rounds: int = 10, wide: bool = False) -> torch.Tensor:
     n = ctr.shape[0]
     out = torch.empty(n, 4, dtype=torch.int64, device=DEV)
-    _philox_kernel[(1,)](ctr.contiguous().to(DEV), key.contiguous().to(DEV), out, N_ROUNDS=rounds, BLOCK=n)
+    _philox_kernel[(1,)](ctr.contiguous().to(DEV), key.contiguous().to(DEV), out, N_ROUNDS=rounds, BLOCK=n, WIDE=wide)
     return out.cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: GPU only")
+def test_wide_multiply_philox_is_bit_identical():
+    g = torch.Generator().manual_seed(5)
+    ctr = torch.randint(0, 2**32, (256, 4), generator=g, dtype=torch.int64)
+    key = torch.randint(0, 2**32, (256, 2), generator=g, dtype=torch.int64)
+    assert torch.equal(_run_triton(ctr, key, wide=True), philox4x32_10(ctr, key))
 
 
 def test_known_answers_triton():

@@ -38,10 +38,13 @@ import triton
 import triton.language as tl
 
 from kvlib.kernels.merge_tl import split_range
-from kvlib.kernels.philox_tl import philox4x32
+from kvlib.kernels.philox_tl import philox4x32, philox4x32_wide
 
 #: keep the softmax/certificate sums per (position, head) and reduce them once after the loop
 TILE_SUMS = True
+#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32_wide`): about 9%
+#: fewer loop instructions at the default tile (sm_90 SASS counted offline); off until timed on the GPU
+WIDE_MUL = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -188,6 +191,7 @@ def _decode_int8_stage1_h10(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
+    WIDE_MUL: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -271,8 +275,12 @@ def _decode_int8_stage1_h10(
             w3 = w0
         else:
             cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
-            w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
-                                        c3k + tl.zeros_like(cs), k0, k1)
+            if WIDE_MUL and FAST:  # one mul.wide per product instead of mul.hi + mul.lo
+                w0, w1, w2, w3 = philox4x32_wide(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
+                                                 c3k + tl.zeros_like(cs), k0, k1)
+            else:
+                w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
+                                            c3k + tl.zeros_like(cs), k0, k1)
         s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
         qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST, SKIP_DITHER)
               + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
@@ -390,6 +398,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOK=nok, NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov,
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
-        NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox,
+        NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
         num_warps=num_warps, num_stages=num_stages,
     )
