@@ -1,4 +1,5 @@
-"""Development probe: the h10 kernel's per-tile vs per-position softmax/certificate sums on the GPU."""
+"""Development probe of the h10 kernel's switches on the GPU: per-tile vs per-position softmax/certificate sums
+(``TILE_SUMS``) and one wide multiply per Philox product (``WIDE_MUL``)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,17 @@ def main() -> None:
         qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
         sd = _sdpa_ms(qb.view(B, hq, 1, d), B, S, hkv, d, 30.0)
         kp, vp = _pools(B, S, hkv, d, "h10")
-        for ts in (True, False):
-            H.TILE_SUMS = ts
+        for ts, wide in ((True, False), (False, False), (True, True)):
+            H.TILE_SUMS, H.WIDE_MUL = ts, wide
             for bn, nw in ((64, 2), (128, 4), (32, 2)):
                 for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
                                  ("certAB", dict(cert=True, cert_b=True))):
                     ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **kw))
-                    rows.append(dict(B=B, S=S, tile_sums=ts, block_n=bn, num_warps=nw, name=name, ms=ms,
+                    rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, block_n=bn, num_warps=nw, name=name, ms=ms,
                                      vs_sdpa=sd / ms))
                     print(rows[-1], flush=True)
         torch.cuda.empty_cache()
+    H.TILE_SUMS, H.WIDE_MUL = True, False
     json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "w"), indent=1)
 
 
