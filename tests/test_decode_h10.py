@@ -99,3 +99,17 @@ def test_bad_inputs_raise_clear_errors():
     q64, kp64, vp64, slots64, seq64, kw64, _ = _setup(hq=2, hkv=1, d=64, k_out=False)
     with pytest.raises(ValueError, match="group"):
         decode_int8(q64, kp64, vp64, slots64, seq64, **kw64)
+
+
+def test_variance_by_tf32_dot_only_widens_the_radius(monkeypatch):
+    import kvlib.kernels.decode_int8_h10 as h10
+
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=48)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    plain = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    monkeypatch.setattr(h10, "VAR_DOT", True)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    cert, rc = out.tv_bound.double().cpu(), ref.tv_bound
+    # operands rounded UP to tf32 (2^-10 relative each): never below the exact radius, at most ~0.2% above
+    assert (cert >= rc - 1e-6).all() and (cert <= rc * (1 + 2e-3) + 1e-6).all()
+    assert torch.equal(out.o, plain.o) and torch.equal(out.lse, plain.lse)  # the radius only

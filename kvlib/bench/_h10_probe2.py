@@ -1,5 +1,6 @@
 """Development probe of the h10 kernel's switches on the GPU: per-tile vs per-position softmax/certificate sums
-(``TILE_SUMS``) and one wide multiply per Philox product (``WIDE_MUL``)."""
+(``TILE_SUMS``), one wide multiply per Philox product (``WIDE_MUL``) and the variance by a tf32 dot
+(``VAR_DOT``), timed from CUDA graphs beside SDPA bf16."""
 
 from __future__ import annotations
 
@@ -39,17 +40,18 @@ def main() -> None:
         qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, d), hkv, S)
         kp, vp = _pools(B, S, hkv, d, "h10")
-        for ts, wide in ((True, False), (False, False), (True, True)):
-            H.TILE_SUMS, H.WIDE_MUL = ts, wide
-            for bn, nw in ((64, 2), (128, 4), (32, 2)):
+        for ts, wide, vd in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
+                             (True, True, True)):
+            H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = ts, wide, vd
+            for bn, nw in ((64, 2), (128, 4)):
                 for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
                                  ("certAB", dict(cert=True, cert_b=True))):
                     ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **kw))
-                    rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, block_n=bn, num_warps=nw, name=name, ms=ms,
-                                     vs_sdpa=sd / ms))
+                    rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, var_dot=vd, block_n=bn, num_warps=nw,
+                                     name=name, ms=ms, vs_sdpa=sd / ms))
                     print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    H.TILE_SUMS, H.WIDE_MUL = True, False
+    H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
     json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "w"), indent=1)
 
 

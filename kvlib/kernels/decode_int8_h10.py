@@ -45,6 +45,9 @@ TILE_SUMS = True
 #: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32_wide`): about 9%
 #: fewer loop instructions at the default tile (sm_90 SASS counted offline); off until timed on the GPU
 WIDE_MUL = False
+#: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
+#: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"); off until timed
+VAR_DOT = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -106,6 +109,22 @@ def _scales4(S, slot, mask_n, kvh, s_n, s_h):
     return s0, s1, s2, s3
 
 
+
+
+@triton.jit
+def _tf32_up(x):
+    """The smallest tf32 value >= ``x`` for ``x >= 0`` (fp32 with the low 13 mantissa bits cleared after
+    adding them: carries roll into the exponent; inf and NaN stay what they are)."""
+    b = x.to(tl.int32, bitcast=True)
+    return ((b + 0x1FFF) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pad4to16(x):
+    """``[R, 4]`` -> ``[R, 16]`` with column ``g`` at ``4 g`` and zeros elsewhere (a 16-deep dot operand)."""
+    z = tl.zeros_like(x)
+    y = tl.reshape(tl.join(x, z), (x.shape[0], 8))
+    return tl.reshape(tl.join(y, tl.zeros_like(y)), (x.shape[0], 16))
 
 
 @triton.jit
@@ -191,7 +210,7 @@ def _decode_int8_stage1_h10(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
-    WIDE_MUL: tl.constexpr = False,
+    WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -231,6 +250,10 @@ def _decode_int8_stage1_h10(
         v1 = q21 * var_c
         v2 = q22 * var_c
         v3 = q23 * var_c
+        if VAR_DOT:  # rows 4 g hold v_g (rounded up to tf32), the others 0: the operand _pad4to16 expects
+            r16 = tl.arange(0, 16)[:, None]
+            vmat = _tf32_up(tl.where(r16 == 0, v0[None, :], tl.where(r16 == 4, v1[None, :], tl.where(
+                r16 == 8, v2[None, :], tl.where(r16 == 12, v3[None, :], 0.0)))))
         if NOK > 0:
             qa = tl.abs(q_koT)
             qa16 = qa.to(tl.float16)
@@ -306,8 +329,13 @@ def _decode_int8_stage1_h10(
             l_t = l_t * alpha[None, :] + tl.sum(p, 0)[None, :]
         m_i = m_new
         if CERT:
-            var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
-                (s2 * s2)[:, None] * v2[None, :] + (s3 * s3)[:, None] * v3[None, :])
+            if VAR_DOT:  # one 16-deep tf32 dot of s^2 with the per-head v_g, both rounded UP to tf32
+                ks4 = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + tl.arange(0, 4)[None, :],
+                              mask=mask_n[:, None], other=0.0).to(tl.float32)
+                var = tl.dot(_pad4to16(_tf32_up(ks4 * ks4)), vmat, input_precision="tf32")
+            else:
+                var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
+                    (s2 * s2)[:, None] * v2[None, :] + (s3 * s3)[:, None] * v3[None, :])
             u = tl.sqrt(var) * radm_h[None, :]
             if NOK > 0:
                 byp = tl.dot(tl.abs(ko16), q_ko_abs16)
@@ -399,5 +427,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
+        VAR_DOT=VAR_DOT,
         num_warps=num_warps, num_stages=num_stages,
     )
