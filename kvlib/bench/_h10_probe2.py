@@ -50,6 +50,13 @@ def main() -> None:
                     rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, var_dot=vd, block_n=bn, num_warps=nw,
                                      name=name, ms=ms, vs_sdpa=sd / ms))
                     print(rows[-1], flush=True)
+        for cap in (168, 128):  # occupancy against spills, at the default switches
+            H.MAXNREG = cap
+            for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
+                ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=64, num_warps=2, **kw))
+                rows.append(dict(B=B, S=S, maxnreg=cap, block_n=64, num_warps=2, name=name, ms=ms, vs_sdpa=sd / ms))
+                print(rows[-1], flush=True)
+        H.MAXNREG = None
         torch.cuda.empty_cache()
     H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
     json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "w"), indent=1)

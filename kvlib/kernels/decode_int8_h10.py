@@ -48,6 +48,9 @@ WIDE_MUL = False
 #: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
 #: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"); off until timed
 VAR_DOT = False
+#: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
+#: per scheduler); a probe knob for occupancy against spills
+MAXNREG: int | None = None
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -428,5 +431,5 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
         VAR_DOT=VAR_DOT,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
