@@ -50,6 +50,7 @@ def main() -> None:
                     rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, var_dot=vd, block_n=bn, num_warps=nw,
                                      name=name, ms=ms, vs_sdpa=sd / ms))
                     print(rows[-1], flush=True)
+        H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
         for cap in (168, 128):  # occupancy against spills, at the default switches
             H.MAXNREG = cap
             for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
