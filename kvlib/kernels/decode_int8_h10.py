@@ -70,7 +70,7 @@ def _codes_f16(c, FAST: tl.constexpr):
 
 
 @triton.jit
-def _words_f16(w, FAST: tl.constexpr):
+def _words_f16(w):
     """int32 words of four int8 codes ``[R, C]`` -> exact fp16 ``[R, 4 C]`` in channel order.
 
     Integer-to-float conversions run at a quarter rate on Hopper, so the fp16 bits are built instead:
@@ -110,8 +110,6 @@ def _scales4(S, slot, mask_n, kvh, s_n, s_h):
     s0, s2 = tl.split(a)
     s1, s3 = tl.split(b)
     return s0, s1, s2, s3
-
-
 
 
 @triton.jit
@@ -175,7 +173,7 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
     offs_w = tl.arange(0, G // 4)
     vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w[None, :], mask=mask_n[:, None],
                  other=0)
-    vT = tl.trans(_words_f16(vw, FAST))
+    vT = tl.trans(_words_f16(vw))
     ps = ppT * vs[:, None]
     p_hi = ps.to(tl.float16)
     accT = accT * alpha[None, :]
