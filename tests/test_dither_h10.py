@@ -22,7 +22,6 @@ from kvlib.formats.dither_int8 import DitherQTensor, dither_dequantize, dither_q
 from kvlib.kernels.decode_int8 import (
     PoolSide,
     _query_residual_mult,
-    _query_residual_mult_h10,
     as_side,
     decode_reference,
     make_pool_side,
@@ -266,8 +265,8 @@ def test_radius_h10_not_below_w24():
     assert bool((u_h10 > score_radius(q, scales, impl="tc", **kw)).all())
     assert rounding_slack(d, "fma", "h10") - rounding_slack(d, "fma", "w24") == DITHER_BIAS["h10"] - DITHER_BIAS["w24"]
     # query residual: h10 (dither dot with hi only) never below tc; zero for fp16 queries
-    assert bool((_query_residual_mult_h10(q, 0.1, 32, None) >= _query_residual_mult(q, 0.1, 32, None)).all())
-    assert float(_query_residual_mult_h10(q.half(), 0.1, 32, None).abs().max()) == 0.0
+    assert bool((_query_residual_mult(q, 0.1, 32, None, "h10") >= _query_residual_mult(q, 0.1, 32, None)).all())
+    assert float(_query_residual_mult(q.half(), 0.1, 32, None, "h10").abs().max()) == 0.0
 
 
 def test_query_residual_h10_bounds_split_error():
@@ -285,7 +284,7 @@ def test_query_residual_h10_bounds_split_error():
     exact = sm * (q.double() @ (s_c * (codes - xi)).T)
     split = sm * ((hi + lo).double() @ (s_c * codes).T - hi.double() @ (s_c * xi).T)
     var = sm**2 / 12 * TC_RADIUS_INFLATE * (q.double().pow(2).reshape(2, -1, G).sum(-1) @ s.pow(2).T)
-    detm = _query_residual_mult_h10(q, sm, G, None)
+    detm = _query_residual_mult(q, sm, G, None, "h10")
     bound = var.sqrt() * (detm * TC_RADIUS_INFLATE)[:, None]
     assert bool(((split - exact).abs() <= bound).all())
 

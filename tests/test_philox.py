@@ -103,7 +103,7 @@ tl = triton.language
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kvlib.kernels.philox_tl import dither_tile, philox4x32, philox4x32_wide  # noqa: E402
+from kvlib.kernels.philox_tl import dither_tile, philox4x32  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,10 +113,7 @@ def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.conste
     i = tl.arange(0, BLOCK)
     args = (tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2), tl.load(c_ptr + 4 * i + 3),
             tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1))
-    if WIDE:
-        w0, w1, w2, w3 = philox4x32_wide(*args, N_ROUNDS)
-    else:
-        w0, w1, w2, w3 = philox4x32(*args, N_ROUNDS)
+    w0, w1, w2, w3 = philox4x32(*args, N_ROUNDS, WIDE)
     tl.store(o_ptr + 4 * i, w0.to(tl.int64))
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))

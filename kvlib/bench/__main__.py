@@ -18,7 +18,9 @@ from kvlib.provenance import PROFILES, save_result
 
 
 def topics() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name not in {"timing", "__main__"})
+    # modules starting with "_" are development probes run on their own (python -m kvlib.bench._name)
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)
+                  if m.name not in {"timing", "__main__"} and not m.name.startswith("_"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
+import datetime
 import sys
 
 import torch
 
-from kvlib.bench._h10_probe import _pools
+from kvlib.bench._h10_probe import _pools, write_probe
 from kvlib.bench.timing import bench_ms
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -16,6 +16,7 @@ def main() -> None:
     from kvlib.kernels.decode_int8 import decode_int8, decode_stage1
     from kvlib.kernels.merge_tl import merge_splits
 
+    started = datetime.datetime.now(datetime.UTC)
     rows = []
     for B, S in ((16, 16384), (32, 16384)):
         hq, hkv, d = 28, 4, 128
@@ -34,7 +35,8 @@ def main() -> None:
                 mg = bench_ms(lambda parts=parts: merge_splits(*parts), rep_ms=25.0).median_ms
                 rows.append(dict(B=B, S=S, ns=ns, name=name, full=full, stage1=st1, merge=mg))
                 print(rows[-1], flush=True)
-    json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "diag.json", "w"), indent=1)
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "diag.json", "h10_diag_splits", rows, started,
+                {"command": "python -m kvlib.bench._h10_diag_splits"})
 
 
 if __name__ == "__main__":

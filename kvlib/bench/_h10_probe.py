@@ -7,14 +7,16 @@ book's numbers come from :mod:`kvlib.bench.witcert_decode`.
 
 from __future__ import annotations
 
-import json
+import datetime
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from kvlib.bench.timing import bench_ms
 from kvlib.bench.witcert_decode import LAYER, PAPER, SEED
+from kvlib.provenance import provenance, write_json_atomic
 
 
 def _problem(B, S, hq, hkv, d, layout, n_out=8, qdtype=torch.float32):
@@ -123,8 +125,15 @@ def timing(B=32, S=16384, hq=28, hkv=4, d=128, rep_ms=40.0, cfgs=None) -> list[d
     return rows
 
 
+def write_probe(path: str, name: str, results: object, started: datetime.datetime, params: dict) -> None:
+    """The probe's output with the project's provenance envelope (commit, device, packages, params, time)."""
+    write_json_atomic(Path(path), {"name": name, "profile": "gpu", "provenance": provenance(params, started),
+                                   "results": results})
+
+
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "h10_probe.json"
+    started = datetime.datetime.now(datetime.UTC)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "agreement": agreement()}
     res["timing"] = timing()
@@ -132,8 +141,7 @@ def main() -> None:
     res["timing_paper"] = timing(B=2, S=4096, rep_ms=20.0, cfgs=best)
     res["timing_64_32k"] = timing(B=64, S=32768, rep_ms=40.0, cfgs=best)
     res["seconds"] = time.time() - t0
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_probe(out, "h10_probe", res, started, {"command": "python -m kvlib.bench._h10_probe"})
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
-import json
+import datetime
 import sys
 
 import torch
 
 import kvlib.kernels.decode_int8_h10 as H
-from kvlib.bench._h10_probe import _pools
+from kvlib.bench._h10_probe import _pools, write_probe
 from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -32,6 +32,7 @@ def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
 def main() -> None:
     from kvlib.kernels.decode_int8 import decode_int8
 
+    started = datetime.datetime.now(datetime.UTC)
     rows = []
     for B, S in ((32, 16384), (8, 32768), (128, 4096)):
         hq, hkv, d = 28, 4, 128
@@ -60,7 +61,8 @@ def main() -> None:
         H.MAXNREG = None
         torch.cuda.empty_cache()
     H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
-    json.dump(rows, open(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "w"), indent=1)
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "h10_probe2", rows, started,
+                {"command": "python -m kvlib.bench._h10_probe2"})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from kvlib.certificate import (
     variance_proxy,
 )
 from kvlib.kernels._backend import triton_available
+from kvlib.kernels.cert_tl import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.merge_tl import merge_splits, split_range
 from kvlib.kernels.philox_tl import philox4x32
 from kvlib.philox import check_layout, dither, seed_key
@@ -196,39 +197,18 @@ def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: in
     return x
 
 
-def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None
-                         ) -> torch.Tensor:
-    """The tc kernel's multiplier ``detm`` (per row, float64) for what its fp16 query split leaves.
+def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None,
+                         impl: str = "tc") -> torch.Tensor:
+    """The tensor-core kernels' multiplier ``detm`` (per row, float64) for what their fp16 query split leaves.
 
-    fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once; the residual
+    ``tc``: fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once; the residual
     ``r`` costs at most ``sm 127.5 sum_g R_g s_g`` (``R_g = sum_{c in g} |r_c|``, ``127.5 >= |c - xi|``),
     which Cauchy-Schwarz bounds by ``detm * sqrt(var)`` with
     ``detm = sm 127.5 i sqrt(sum_g R_g^2 / Q2_g) / sqrt(sm^2 i / 12)``, ``Q2_g = sum_{c in g} q_c^2``,
     ``i`` = :data:`kvlib.certificate.TC_RADIUS_INFLATE`.
-    """
-    qf = q.float()
-    if outlier_channels is not None:
-        qf = qf.clone()
-        qf[:, outlier_channels.to(torch.int64)] = 0.0
-    r = qf - qf.half().float()
-    if q.dtype == torch.float32:
-        r = r - r.half().float()
-    rg = r.abs().double().reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
-    q2 = qf.double().pow(2).reshape(qf.shape[0], -1, group).sum(-1)
-    ratio = torch.where(q2 > 0, rg.pow(2) / torch.where(q2 > 0, q2, torch.ones_like(q2)),
-                        torch.where(rg > 0, torch.full_like(rg, math.inf), torch.zeros_like(rg)))
-    var_c = sm * sm / 12.0 * TC_RADIUS_INFLATE
-    return sm * 127.5 * TC_RADIUS_INFLATE * ratio.sum(-1).sqrt() / math.sqrt(var_c)
-
-
-def _query_residual_mult_h10(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None
-                             ) -> torch.Tensor:
-    """The h10 kernel's ``detm`` (per row, float64): as :func:`_query_residual_mult`, but the h10 kernel
-    dots the codes with the fp16 query ``hi + lo`` (fp32 queries) and the dither with ``hi`` only.
-
-    With ``r1 = q - fp16(q)`` and ``r2 = r1 - fp16(r1)`` (fp32 queries; ``r2 = r1`` for fp16/bf16)
-    the per-channel error is at most ``127 |r2_c| + |xi| |r1_c| <= 127.5 (|r2_c| + |r1_c| / 255)``, so
-    ``R'_g = sum_{c in g} (|r2_c| + |r1_c| / 255)`` replaces ``R_g`` in the same ``detm`` formula.
+    ``h10``: the codes meet ``hi + lo`` but the dither only ``hi``; with ``r1 = q - fp16(q)`` and
+    ``r2 = r1 - fp16(r1)`` (``r2 = r1`` for fp16/bf16 queries) a channel errs by at most
+    ``127 |r2_c| + |xi| |r1_c| <= 127.5 (|r2_c| + |r1_c| / 255)``, which replaces ``|r_c|`` in ``R_g``.
     """
     qf = q.float()
     if outlier_channels is not None:
@@ -236,7 +216,7 @@ def _query_residual_mult_h10(q: torch.Tensor, sm: float, group: int, outlier_cha
         qf[:, outlier_channels.to(torch.int64)] = 0.0
     r1 = qf - qf.half().float()
     r2 = r1 - r1.half().float() if q.dtype == torch.float32 else r1
-    r = r2.abs().double() + r1.abs().double() / 255.0
+    r = r2.abs().double() + (r1.abs().double() / 255.0 if impl == "h10" else 0.0)
     rg = r.reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
     q2 = qf.double().pow(2).reshape(qf.shape[0], -1, group).sum(-1)
     ratio = torch.where(q2 > 0, rg.pow(2) / torch.where(q2 > 0, q2, torch.ones_like(q2)),
@@ -260,9 +240,7 @@ def decode_reference(
     _check_request(q, k, v, slots, seq_lens)
     delta = check_open_unit("delta", delta)
     impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
-    layouts = (k.dither_layout, v.dither_layout)
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
-    k.dither_layout, v.dither_layout = layouts  # fresh PoolSide objects: keep each side's layout
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -290,8 +268,7 @@ def decode_reference(
                              outlier_channels=oc, outliers=out, impl=impl, layout=k.dither_layout)
             if impl in ("tc", "h10"):
                 var = variance_proxy(qh, k.scales[sl, h].cpu(), sm_scale=sm, group=k.group, outlier_channels=oc)
-                qres = _query_residual_mult if impl == "tc" else _query_residual_mult_h10
-                detm = qres(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc)
+                detm = _query_residual_mult(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc, impl)
                 u = u + (var * TC_RADIUS_INFLATE).sqrt() * (detm * TC_RADIUS_INFLATE).unsqueeze(-1)
             c = certificate_from_scores(z, u)
             A[b, h * gqa:(h + 1) * gqa] = c.A
@@ -415,7 +392,7 @@ def _decode_int8_stage1(
         # [BLOCK_H, NG]: sum of q^2 over each scale group (outlier channels already zeroed)
         q2g = tl.sum(tl.where(sgrp[None, None, :] == offs_ng[None, :, None], qsq[:, None, :], 0.0), 2)
         # sqrt(2 ln(2N/delta)) + slack, N = this row's length (kvlib.certificate.radius_multiplier)
-        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
+        radm = union_radius(seq_len, log_2_over_delta, rad_extra)
         var_c = sm_scale * sm_scale / 12.0
         if NOK > 0:
             q_ko_abs = tl.abs(q_ko)
@@ -616,10 +593,9 @@ def _decode_int8_stage1_tc(
         koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
         q_ko = tl.load(q_row + koc[None, :], mask=mask_h[:, None] & mask_ok[None, :], other=0.0).to(tl.float32)
         # stored outliers are fp16: q_ko as hi + lo fp16 leaves <= 2^-22 |q|, inside byp_rel's fp32 allowance
-        qo_hi = q_ko.to(tl.float16)
-        qo_lo = (q_ko - qo_hi.to(tl.float32)).to(tl.float16)
+        qo_hi, qo_lo = split_fp16(q_ko)
     if CERT:
-        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
+        radm = union_radius(seq_len, log_2_over_delta, rad_extra)
         # per-group sums of q^2 and of the split residual |r|, [BLOCK_H, 16] (columns >= NG are 0), once;
         # every term is >= 0, so the (1 + 2^-8) below keeps the fp32 sums upper bounds
         offs_16 = tl.arange(0, 16)
@@ -640,11 +616,8 @@ def _decode_int8_stage1_tc(
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rr) / tl.sqrt(var_c)
         radm_h = radm + detm * (1.0 + 2.0**-8)  # [BLOCK_H]
         if NOK > 0:  # |q_o| rounded UP to fp16: the product with the exact fp16 |k_o| is then an upper bound
-            qa = tl.abs(q_ko)
-            qa16 = qa.to(tl.float16)
-            q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
-                tl.float16, bitcast=True), qa16)
-            q_ko_sum = tl.sum(qa, 1)
+            q_ko_abs16 = abs_up_fp16(q_ko)
+            q_ko_sum = tl.sum(tl.abs(q_ko), 1)
         a_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_i = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -21,7 +21,7 @@ the ``w24`` kernels, following the spec's performance facts (``../shared/spec/wi
 Scores per group ``g``: ``t_g = q_hi.c + q_lo.c + q_hi.(-m) + (1.5 - 2^-11) sum q_hi`` (``q_lo`` only
 for fp32 queries); ``z = sm sum_g s_g t_g``. What the query rounding leaves (``r2 = q - hi - lo``
 against the codes, ``r1 = q - hi`` against the dither, ``|xi| <= 1/2``) enters the radius as a per-row
-Cauchy-Schwarz multiplier (:func:`kvlib.kernels.decode_int8._query_residual_mult_h10`); the
+Cauchy-Schwarz multiplier (:func:`kvlib.kernels.decode_int8._query_residual_mult` ``"h10"``); the
 accumulation rounding and the dither mean are :func:`kvlib.certificate.rounding_slack` ``"h10"``.
 
 The fast integer paths are inline PTX (GPU only); under the CPU interpreter (``FAST=False``) the
@@ -37,12 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlib.kernels.cert_tl import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.merge_tl import split_range
-from kvlib.kernels.philox_tl import philox4x32, philox4x32_wide
+from kvlib.kernels.philox_tl import philox4x32
 
 #: keep the softmax/certificate sums per (position, head) and reduce them once after the loop
 TILE_SUMS = True
-#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32_wide`): about 9%
+#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32` ``WIDE``): about 9%
 #: fewer loop instructions at the default tile (sm_90 SASS counted offline); off until timed on the GPU
 WIDE_MUL = False
 #: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
@@ -235,14 +236,13 @@ def _decode_int8_stage1_h10(
         mask_ok = offs_ok < NOK
         koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
         q_koT = tl.load(Q_T + koc[:, None], mask=mask_ok[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
-        qo_hi = q_koT.to(tl.float16)
-        qo_lo = (q_koT - qo_hi.to(tl.float32)).to(tl.float16)
+        qo_hi, qo_lo = split_fp16(q_koT)
     qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT)
     qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT)
     qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT)
     qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT)
     if CERT:
-        radm = tl.sqrt(2.0 * (tl.log(tl.maximum(seq_len, 1).to(tl.float32)) + log_2_over_delta)) + rad_extra
+        radm = union_radius(seq_len, log_2_over_delta, rad_extra)
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
         rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rat) / tl.sqrt(var_c)
@@ -256,11 +256,8 @@ def _decode_int8_stage1_h10(
             vmat = _tf32_up(tl.where(r16 == 0, v0[None, :], tl.where(r16 == 4, v1[None, :], tl.where(
                 r16 == 8, v2[None, :], tl.where(r16 == 12, v3[None, :], 0.0)))))
         if NOK > 0:
-            qa = tl.abs(q_koT)
-            qa16 = qa.to(tl.float16)
-            q_ko_abs16 = tl.where(qa16.to(tl.float32) < qa, (qa16.to(tl.int16, bitcast=True) + 1).to(
-                tl.float16, bitcast=True), qa16)
-            q_ko_sum = tl.sum(qa, 0)
+            q_ko_abs16 = abs_up_fp16(q_koT)
+            q_ko_sum = tl.sum(tl.abs(q_koT), 0)
     voc = tl.full([1], -1, dtype=tl.int32)
     if NOV > 0:
         offs_ov = tl.arange(0, NOV_P)
@@ -299,12 +296,8 @@ def _decode_int8_stage1_h10(
             w3 = w0
         else:
             cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
-            if WIDE_MUL and FAST:  # one mul.wide per product instead of mul.hi + mul.lo
-                w0, w1, w2, w3 = philox4x32_wide(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
-                                                 c3k + tl.zeros_like(cs), k0, k1)
-            else:
-                w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
-                                            c3k + tl.zeros_like(cs), k0, k1)
+            w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs),
+                                        k0, k1, WIDE=WIDE_MUL and FAST)  # WIDE: one mul.wide per product
         s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
         qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST, SKIP_DITHER)
               + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,

@@ -35,8 +35,30 @@ def _scalar(v):
 
 
 @triton.jit
-def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10):
-    """Random123 philox4x32-N on uint32 blocks (counter c0..c3, key k0, k1); returns 4 words."""
+def _mulhilo_m0(a):
+    """``(hi, lo)`` of ``a * 0xD2511F53`` (uint32) from one ``mul.wide.u32`` (one IMAD.WIDE on sm_90)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mulhilo_m1(a):
+    """``(hi, lo)`` of ``a * 0xCD9E8D57`` (uint32), as :func:`_mulhilo_m0`."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10, WIDE: tl.constexpr = False):
+    """Random123 philox4x32-N on uint32 blocks (counter c0..c3, key k0, k1); returns 4 words.
+
+    ``WIDE`` (GPU only: inline PTX) takes each round's two 32x32 products from one ``mul.wide.u32`` each:
+    ptxas turns ``umulhi`` and ``*`` of the same operands into two instructions, the wide form into one,
+    which matters where Philox is a quarter of a kernel's instructions."""
     # blocks or 0-d tensors (pass scalar kernel arguments through _scalar first)
     c0 = c0.to(tl.uint32)
     c1 = c1.to(tl.uint32)
@@ -52,12 +74,20 @@ def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10):
         if r > 0:
             k0 = k0 + w0
             k1 = k1 + w1
-        _c0 = c0
-        _c2 = c2
-        c0 = tl.umulhi(m1, _c2) ^ c1 ^ k0
-        c2 = tl.umulhi(m0, _c0) ^ c3 ^ k1
-        c1 = m1 * _c2
-        c3 = m0 * _c0
+        if WIDE:
+            hi0, lo0 = _mulhilo_m0(c0)
+            hi1, lo1 = _mulhilo_m1(c2)
+            c0 = hi1 ^ c1 ^ k0
+            c2 = hi0 ^ c3 ^ k1
+            c1 = lo1
+            c3 = lo0
+        else:  # (the order the GPU results were measured with)
+            _c0 = c0
+            _c2 = c2
+            c0 = tl.umulhi(m1, _c2) ^ c1 ^ k0
+            c2 = tl.umulhi(m0, _c0) ^ c3 ^ k1
+            c1 = m1 * _c2
+            c3 = m0 * _c0
     return c0, c1, c2, c3
 
 
@@ -116,47 +146,3 @@ def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
     w = tl.reshape(w, (slot.shape[0], D))
     return word_to_xi(w)
-
-
-@triton.jit
-def _mulhilo_m0(a):
-    """``(hi, lo)`` of ``a * 0xD2511F53`` (uint32) from one ``mul.wide.u32`` (one IMAD.WIDE on sm_90)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _mulhilo_m1(a):
-    """``(hi, lo)`` of ``a * 0xCD9E8D57`` (uint32), as :func:`_mulhilo_m0`."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def philox4x32_wide(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10):
-    """:func:`philox4x32` with each round's two 32x32 products taken from one wide multiply each (GPU
-    only: inline PTX). ptxas turns ``umulhi`` and ``*`` of the same operands into two instructions;
-    the wide form is one, which matters where Philox is a quarter of a kernel's instructions."""
-    c0 = c0.to(tl.uint32)
-    c1 = c1.to(tl.uint32)
-    c2 = c2.to(tl.uint32)
-    c3 = c3.to(tl.uint32)
-    k0 = k0.to(tl.uint32)
-    k1 = k1.to(tl.uint32)
-    w0 = tl.full((), PHILOX_W0, tl.uint32)
-    w1 = tl.full((), PHILOX_W1, tl.uint32)
-    for r in tl.static_range(N_ROUNDS):
-        if r > 0:
-            k0 = k0 + w0
-            k1 = k1 + w1
-        hi0, lo0 = _mulhilo_m0(c0)
-        hi1, lo1 = _mulhilo_m1(c2)
-        c0 = hi1 ^ c1 ^ k0
-        c2 = hi0 ^ c3 ^ k1
-        c1 = lo1
-        c3 = lo0
-    return c0, c1, c2, c3

@@ -1,0 +1,118 @@
+"""Instruction counts of the INT8 decode kernels' main loops, compiled for the H200 (sm_90) without a GPU.
+
+``python -m kvlib.bench sass_count --profile cpu`` compiles each kernel with Triton's own toolchain
+(``ptxas``, ``cuobjdump`` ship with Triton), finds the main loop in the SASS (the longest backward
+branch) and records per thread per tile: instructions, instructions per stored K/V element, registers,
+spills and an opcode histogram. The shapes are the latency benchmarks' (d = 128, groups of 32, GQA 7,
+bf16 queries) and the launch parameters the kernels' defaults. This is how the chapters know *why* a
+kernel sits below the memory roofline (issue-bound or not), measured from the binary, not guessed.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+#: pointer arguments of the INT8 decode kernels and their element types
+POINTERS = {"Q": "*fp16", "KC": "*i8", "KS": "*fp16", "KO": "*fp16", "KOC": "*i64", "VC": "*i8", "VS": "*fp16",
+            "VO": "*fp16", "VOC": "*i64", "SLOTS": "*i32", "SEQ": "*i32", "O_S": "*fp32", "LSE_S": "*fp32",
+            "A_S": "*fp32", "B_S": "*fp32"}
+FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra"}
+#: integer arguments that are multiples of 16 at the benchmark shapes (Triton specialises them so at launch)
+DIV16 = {"s_qb", "s_qh", "s_kc_n", "s_kc_h", "s_ks_n", "s_vc_n", "s_vc_h", "s_vs_n", "s_sl_b", "s_os_b", "s_os_h",
+         "s_os_s", "s_ls_b"}
+GQA, D, G, NUM_SPLITS = 7, 128, 32, 8
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise RuntimeError(f"{name} not found next to Triton ({path}): this count needs Triton's NVIDIA backend")
+    return path
+
+
+def loop_stats(sass: str) -> dict[str, Any]:
+    """The longest backward-branch body of a SASS listing: instruction count and opcode histogram."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((addr - int(m.group(1), 16), int(m.group(1), 16), addr))
+    if not loops:
+        raise ValueError("no loop found in the SASS")
+    _, lo, hi = max(loops)
+    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= hi]
+    ops = collections.Counter(op.split(".")[0] for op in body)
+    return {"instructions": len(body), "top_opcodes": dict(ops.most_common(12))}
+
+
+def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
+                  block_n: int, pointers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Compile ``kernel`` for sm_90 and count its main loop (per thread per ``block_n``-position tile)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptrs = POINTERS | (pointers or {})
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = ("constexpr" if name in constexprs else ptrs.get(name)
+                     or ("fp32" if name in FLOATS else "i32"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}
+    cc = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(cc.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
+    out = loop_stats(sass)
+    per_thread = block_n * D * 2 / (32 * num_warps)  # K and V elements each thread handles per tile
+    out.update(registers=res.get("reg"), stack_bytes=res.get("stack"), block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages, per_element=out["instructions"] / per_thread)
+    return out
+
+
+def run(profile: str) -> dict[str, Any]:
+    """Counts of the h10 kernel (certificate A on/off, Philox skipped, the two opt-in switches) and the w24
+    tensor-core kernel (the benchmarks' "fast" mode). ``profile`` does not change the work: the compile
+    targets sm_90 whatever this machine is."""
+    from kvlib.kernels.decode_int8 import _decode_int8_stage1_tc
+    from kvlib.kernels.decode_int8_h10 import _decode_int8_stage1_h10
+
+    h10 = dict(GQA=GQA, BLOCK_H=8, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
+               Q_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, FAST=True, TILE_SUMS=True, SKIP_DITHER=False,
+               WIDE_MUL=False, VAR_DOT=False)
+    tc = dict(GQA=GQA, BLOCK_H=16, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
+              Q_SPLIT=False, XI_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, SKIP_DITHER=False)
+    variants = {
+        "h10_certA": (_decode_int8_stage1_h10, h10, 2, 2),
+        "h10_nocert": (_decode_int8_stage1_h10, h10 | {"CERT": False}, 2, 2),
+        "h10_certA_nophilox": (_decode_int8_stage1_h10, h10 | {"SKIP_DITHER": True}, 2, 2),
+        "h10_certA_wide_mul": (_decode_int8_stage1_h10, h10 | {"WIDE_MUL": True}, 2, 2),
+        "h10_certA_wide_mul_var_dot": (_decode_int8_stage1_h10, h10 | {"WIDE_MUL": True, "VAR_DOT": True}, 2, 2),
+        "w24_tc_certA": (_decode_int8_stage1_tc, tc, 4, 3),
+    }
+    out: dict[str, Any] = {"target": "sm_90", "shape": {"d": D, "group": G, "gqa": GQA, "query": "bf16"}}
+    for name, (kernel, const, nw, ns) in variants.items():
+        # the h10 kernel reads value codes as int32 words of four (kvlib.kernels.decode_int8_h10.launch_h10)
+        ptrs = {"VC": "*i32"} if name.startswith("h10") else None
+        out[name] = compile_count(kernel, const, num_warps=nw, num_stages=ns, block_n=const["BLOCK_N"], pointers=ptrs)
+        print(f"   {name}: {out[name]['instructions']} instructions per tile-thread, "
+              f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
+    a, n = out["h10_certA"]["instructions"], out["h10_nocert"]["instructions"]
+    out["h10_cert_share"] = (a - n) / n
+    out["h10_philox_share"] = 1 - out["h10_certA_nophilox"]["instructions"] / a
+    return out
