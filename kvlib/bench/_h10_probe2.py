@@ -34,7 +34,7 @@ def main() -> None:
 
     started = datetime.datetime.now(datetime.UTC)
     rows = []
-    for B, S in ((32, 16384), (8, 32768), (128, 4096)):
+    for B, S in ((32, 16384), (8, 32768)):
         hq, hkv, d = 28, 4, 128
         slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
         seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
@@ -44,7 +44,7 @@ def main() -> None:
         for ts, wide, vd in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
                              (True, True, True)):
             H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = ts, wide, vd
-            for bn, nw in ((64, 2), (128, 4)):
+            for bn, nw in ((64, 2),):  # (128, 4) was slower at every shape of the earlier probes
                 for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
                                  ("certAB", dict(cert=True, cert_b=True))):
                     ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **kw))

@@ -44,11 +44,29 @@ TINY_SHAPES = (
 )
 
 
-def compile_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
-    they are a run-time argument, no recompilation)."""
+def tma_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default beside TMA-descriptor variants (``KV4KernelConfig.tma``) and register caps."""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
+    t = base.replace(tma=True)
+    out = [("default", base), ("tma", t), ("tma_trans", t.replace(k_mode="trans", tile_sums=False))]
+    if tiny:
+        return out + [("tma_bn32_w2", t.replace(block_n=32, num_warps=2))]
+    out += [("tma_bn128_w4", t.replace(block_n=128)), ("tma_bn256_w8", t.replace(num_warps=8)),
+            ("tma_stages2", t.replace(num_stages=2)), ("tma_stages4", t.replace(num_stages=4)),
+            ("tma_ctas2", t.replace(ctas_per_sm=2)), ("tma_ctas4", t.replace(ctas_per_sm=4)),
+            ("tma_maxnreg168", t.replace(maxnreg=168)), ("maxnreg168", base.replace(maxnreg=168)),
+            ("tma_bn128_w4_stages4", t.replace(block_n=128, num_stages=4))]
+    return out
+
+
+def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
+    """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
+    they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    if family == "tma":
+        return tma_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -66,7 +84,7 @@ def compile_variants(tiny: bool = False) -> list[tuple[str, object]]:
     if not tiny:
         out.append(("bn256_w4_stages2", base.replace(block_n=256, num_warps=4, num_stages=2)))
         out.append(("bn128_w2_stages4", base.replace(block_n=128, num_warps=2, num_stages=4)))
-    return out
+    return out + tma_variants(tiny)[1:]
 
 
 def _cfg_dict(cfg) -> dict:
@@ -332,7 +350,7 @@ class Sweep:
         return res
 
 
-def sweep(tiny: bool = False, budget_s: float = 150.0) -> dict:
+def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> dict:
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
@@ -343,7 +361,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0) -> dict:
         s.results["device"] = torch.cuda.get_device_name()
         s.results["copy_bandwidth"] = copy_bandwidth()
         print(f"copy bandwidth {s.results['copy_bandwidth']['bandwidth_GBps'] / 1e3:.2f} TB/s", flush=True)
-    variants = compile_variants(tiny)
+    variants = compile_variants(tiny, family)
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
@@ -386,14 +404,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--family", choices=("all", "tma"), default="all",
+                    help="'tma': only the default beside the TMA-descriptor variants and register caps")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
         # the interpreter must be chosen before triton is imported: run again in a fresh process
         env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny"] + (["--json", args.json] if args.json else [])
+        cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny", "--family", args.family] + (
+            ["--json", args.json] if args.json else [])
         return subprocess.call(cmd, env=env)
-    res = sweep(tiny=tiny)
+    res = sweep(tiny=tiny, family=args.family)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -253,11 +253,25 @@ def _load_scales(ptr, n0, N, BLOCK_N: tl.constexpr, SCALE32: tl.constexpr, EVEN:
 
 
 @triton.jit
+def _tma_scales(desc, bh, n0, BLOCK_N: tl.constexpr):
+    """fp16 per-position scales of ``[n0, n0 + BLOCK_N)`` of row ``bh`` through a TMA descriptor, as fp32."""
+    return tl.reshape(desc.load([bh, n0]), [BLOCK_N]).to(tl.float32)
+
+
+@triton.jit
+def _tma_rows(desc, bh, n0, BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """Code rows ``[n0, n0 + BLOCK_N)`` (``W`` words each) of row ``bh`` through a TMA descriptor (past
+    ``N`` the copy engine fills zeros)."""
+    return tl.reshape(desc.load([bh, n0, 0]), [BLOCK_N, W])
+
+
+@triton.jit
 def _main_step(
     n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
+    TMA: tl.constexpr = False, bh=0,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -269,15 +283,23 @@ def _main_step(
     cross-warp reductions per block). ``KMODE`` picks how the key codes meet the INT8 query (see
     :class:`KV4KernelConfig`); V codes are read as int16 words (four codes, channels ``4i..4i+3``) and
     dequantised per plane in the dot-operand layout, so no 8-bit tile is transposed byte by byte.
+    ``TMA`` (bytes mode, fp16 PV): the code tiles and scales arrive through TMA descriptors (row
+    ``bh`` of ``[B*Hkv, N, ...]`` views) instead of per-thread addresses.
     """
     half = tl.arange(0, HALF)
     offs = n0 + tl.arange(0, BLOCK_N)
     inb = offs < N
     valid = (offs >= start) & (offs < end)
-    ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
-    ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
-    vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
-    vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+    if TMA:
+        ks = _tma_scales(KSb, bh, n0, BLOCK_N)
+        ko = _tma_scales(KOb, bh, n0, BLOCK_N)
+        vs = tl.where(valid, _tma_scales(VSb, bh, n0, BLOCK_N), 0.0)
+        vo = tl.where(valid, _tma_scales(VOb, bh, n0, BLOCK_N), 0.0)
+    else:
+        ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
+        ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
+        vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+        vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
     if KMODE == 0:  # int16 words, four planes of channels 4i+J: q @ plane^T, K = d/4 each
         QUARTER: tl.constexpr = HALF // 2
         quarter = tl.arange(0, QUARTER)
@@ -288,7 +310,10 @@ def _main_step(
         s_int = tl.dot(q3, _plane_i8(kw, 3, FAST), s_int, out_dtype=tl.int32)
         s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
     else:  # bytes, even/odd channels: q @ codes^T
-        kct = tl.trans(_ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN))
+        if TMA:
+            kct = tl.trans(_tma_rows(KCb, bh, n0, BLOCK_N, HALF))
+        else:
+            kct = tl.trans(_ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN))
         s_int = tl.dot(q0, _nibbles_i8(kct, False, FAST))
         s_int = tl.dot(q1, _nibbles_i8(kct, True, FAST), s_int, out_dtype=tl.int32)
         if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
@@ -314,7 +339,10 @@ def _main_step(
         # (exact); the excess 1024 Σ p16 is removed through acc_m
         QV: tl.constexpr = HALF // 2
         qv = tl.arange(0, QV)
-        vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
+        if TMA:
+            vw = _tma_rows(VWb, bh, n0, BLOCK_N, QV)
+        else:
+            vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
         acc0 = tl.dot(p16, _plane_f16_plus1024(vw, 0, FAST), acc0 * alpha[:, None])
         acc1 = tl.dot(p16, _plane_f16_plus1024(vw, 1, FAST), acc1 * alpha[:, None])
@@ -336,7 +364,7 @@ def _main_region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    QPAD: tl.constexpr = True,
+    QPAD: tl.constexpr = True, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -376,15 +404,19 @@ def _main_region(
     a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
     c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
 
-    kv_row0 = (b * HKV + h).to(tl.int64) * N
-    KCb = KC + kv_row0 * HALF
-    KWb = KW + kv_row0 * (HALF // 2)
-    VCb = VC + kv_row0 * HALF
-    VWb = VW + kv_row0 * (HALF // 2)
-    KSb = KS + kv_row0
-    KOb = KO + kv_row0
-    VSb = VS + kv_row0
-    VOb = VO + kv_row0
+    bh = b * HKV + h
+    if TMA:  # descriptors over [B*Hkv, N, ...]: the row index replaces the base pointer
+        KCb, KWb, VCb, VWb, KSb, KOb, VSb, VOb = KC, KW, VC, VW, KS, KO, VS, VO
+    else:
+        kv_row0 = bh.to(tl.int64) * N
+        KCb = KC + kv_row0 * HALF
+        KWb = KW + kv_row0 * (HALF // 2)
+        VCb = VC + kv_row0 * HALF
+        VWb = VW + kv_row0 * (HALF // 2)
+        KSb = KS + kv_row0
+        KOb = KO + kv_row0
+        VSb = VS + kv_row0
+        VOb = VO + kv_row0
     m_i = tl.full([GP], float("-inf"), tl.float32)
     if TILE_SUMS:
         l_i = tl.zeros([GP, BLOCK_N], tl.float32)
@@ -403,6 +435,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, False,
+                TMA, bh,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -411,6 +444,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, True,
+                TMA, bh,
             )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
@@ -438,7 +472,7 @@ def _main_step_t(
     n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
-    EVEN: tl.constexpr, FAST: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0,
 ):  # fmt: skip
     """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
     ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
@@ -449,11 +483,18 @@ def _main_step_t(
     offs = n0 + tl.arange(0, BLOCK_N)
     inb = offs < N
     valid = (offs >= start) & (offs < end)
-    ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
-    ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
-    vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
-    vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
-    kc = _ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN)
+    if TMA:
+        ks = _tma_scales(KSb, bh, n0, BLOCK_N)
+        ko = _tma_scales(KOb, bh, n0, BLOCK_N)
+        vs = tl.where(valid, _tma_scales(VSb, bh, n0, BLOCK_N), 0.0)
+        vo = tl.where(valid, _tma_scales(VOb, bh, n0, BLOCK_N), 0.0)
+        kc = _tma_rows(KCb, bh, n0, BLOCK_N, HALF)
+    else:
+        ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
+        ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
+        vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+        vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+        kc = _ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN)
     s_int = tl.dot(_nibbles_i8(kc, False, FAST), q0)
     s_int = tl.dot(_nibbles_i8(kc, True, FAST), q1, s_int, out_dtype=tl.int32)  # [BLOCK_N, GP]
     s = s_int.to(tl.float32) * (ks[:, None] * a_q[None, :]) + ko[:, None] * c_q[None, :]
@@ -462,7 +503,10 @@ def _main_step_t(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     p16 = (p * (vs + 0.0 * vo)[:, None]).to(tl.float16)  # vo: see _main_step
-    vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))  # [QV, BLOCK_N]
+    if TMA:
+        vwt = tl.trans(_tma_rows(VWb, bh, n0, BLOCK_N, QV))  # [QV, BLOCK_N]
+    else:
+        vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))
     acc0 = tl.dot(_plane_f16_plus1024(vwt, 0, FAST), p16, acc0 * alpha[None, :])  # [QV, GP]
     acc1 = tl.dot(_plane_f16_plus1024(vwt, 1, FAST), p16, acc1 * alpha[None, :])
     acc2 = tl.dot(_plane_f16_plus1024(vwt, 2, FAST), p16, acc2 * alpha[None, :])
@@ -482,6 +526,7 @@ def _main_region_t(
     b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_main_region` with the transposed step (fp16 PV only)."""
     HALF: tl.constexpr = D // 2
@@ -502,13 +547,17 @@ def _main_region_t(
     q1 = tl.load(Q8 + qrow[None, :] * D + 2 * half[:, None] + 1, mask=row_ok[None, :], other=0)
     a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
     c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-    kv_row0 = (b * HKV + h).to(tl.int64) * N
-    KCb = KC + kv_row0 * HALF
-    VWb = VW + kv_row0 * QV
-    KSb = KS + kv_row0
-    KOb = KO + kv_row0
-    VSb = VS + kv_row0
-    VOb = VO + kv_row0
+    bh = b * HKV + h
+    if TMA:
+        KCb, VWb, KSb, KOb, VSb, VOb = KC, VW, KS, KO, VS, VO
+    else:
+        kv_row0 = bh.to(tl.int64) * N
+        KCb = KC + kv_row0 * HALF
+        VWb = VW + kv_row0 * QV
+        KSb = KS + kv_row0
+        KOb = KO + kv_row0
+        VSb = VS + kv_row0
+        VOb = VO + kv_row0
     m_i = tl.full([GP], float("-inf"), tl.float32)
     if TILE_SUMS:
         l_i = tl.zeros([BLOCK_N, GP], tl.float32)
@@ -525,7 +574,7 @@ def _main_region_t(
         while n0 < bhi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, False,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, False, TMA, bh,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -533,7 +582,7 @@ def _main_region_t(
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, True,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, True, TMA, bh,
             )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=0)
@@ -556,14 +605,15 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
-                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP)
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA)
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP)
+                     INTERP, True, TMA)
 
 
 @triton.jit
@@ -639,7 +689,7 @@ def _kv4_decode_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
-    BLOCK_P: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -655,11 +705,11 @@ def _kv4_decode_kernel(
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP)
+                         SCALE32, EVEN, INTERP, TMA)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP)
+                     INTERP, TMA)
 
 
 @dataclass(frozen=True)
@@ -679,6 +729,9 @@ class KV4KernelConfig:
       tensor cores pad small tiles themselves, so fewer rows means less softmax arithmetic).
     - ``tile_sums``: per-element softmax-sum tiles (one reduction after the loop instead of two per block).
     - ``block_p``: side slots per step of the protected region; ``maxnreg``: register cap.
+    - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
+      copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
+      so every row stride is 16-byte aligned; otherwise the pointer loads are used).
     """
 
     block_n: int = 128
@@ -692,6 +745,7 @@ class KV4KernelConfig:
     block_p: int = 32
     ctas_per_sm: int = 3
     maxnreg: int | None = None
+    tma: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -760,6 +814,29 @@ def _words(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     does not divide (the modes that need the view are then not chosen)."""
     size = torch.tensor([], dtype=dtype).element_size()
     return x.view(dtype) if x.shape[-1] % size == 0 else x
+
+
+def tma_applies(config: KV4KernelConfig, n: int, d: int) -> bool:
+    """Whether ``config.tma`` takes effect at capacity ``n`` and head dim ``d``: TMA rows must be 16-byte
+    aligned (``n`` a multiple of 8 for the fp16 scales) and the step reading them is the bytes or
+    transposed one with fp16 PV."""
+    return bool(config.tma) and config.k_mode != "planes" and not config.int_pv and n % 8 == 0 and d % 4 == 0
+
+
+def _tma_descriptors(kc, vw, ks, ko, vs, vo, block_n: int) -> tuple:
+    """Host TMA descriptors over the ``[B*Hkv, N, ...]`` views of the code words and scales (one
+    ``block_n``-row box each); the kernel indexes them by ``b * Hkv + h``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def rows(t):
+        v = t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+        return TensorDescriptor.from_tensor(v, [1, block_n, v.shape[2]])
+
+    def scales(t):
+        v = t.view(t.shape[0] * t.shape[1], t.shape[2])
+        return TensorDescriptor.from_tensor(v, [1, block_n])
+
+    return rows(kc), rows(vw), scales(ks), scales(ko), scales(vs), scales(vo)
 
 
 def kv4_main_decode(
@@ -843,17 +920,22 @@ def kv4_main_decode(
         cnt = side.count.to(torch.int32)
     else:
         k8, k8s, v8, v8s, cnt = q8, k_scale, q8, k_scale, start32  # unused (same dtypes: one signature)
+    kc, kw, ks, ko, vc, vw, vs, vo = (k_codes, _words(k_codes, torch.int16), k_scale, k_off, v_codes,
+                                      _words(v_codes, torch.int16), v_scale, v_off)
+    tma = tma_applies(cfg.replace(k_mode=k_mode), n, d)
+    if tma:
+        kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
-        k_codes, _words(k_codes, torch.int16), k_scale, k_off, v_codes, _words(v_codes, torch.int16), v_scale, v_off,
+        kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
         o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
-        INTERP=not qp.q8.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERP=not qp.q8.is_cuda, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     if ns == 1:
