@@ -43,11 +43,14 @@ from kvlib.kernels.philox_tl import philox4x32
 
 #: keep the softmax/certificate sums per (position, head) and reduce them once after the loop
 TILE_SUMS = True
-#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32` ``WIDE``): about 9%
-#: fewer loop instructions at the default tile (sm_90 SASS counted offline); off until timed on the GPU
-WIDE_MUL = False
+#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.philox_tl.philox4x32` ``WIDE``): 9%
+#: fewer loop instructions (sm_90 SASS) and 5-6% faster under CUDA graphs on the H200 (data/results/gpu/dev/
+#: h10_probe2.json); bit-identical Philox (tests/test_philox.py, GPU)
+WIDE_MUL = True
 #: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
-#: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"); off until timed
+#: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"). Measured on the H200:
+#: 2-3% faster with the certificate on, but the certificate is up to 0.2% above the exact-arithmetic one, so
+#: kernel-vs-reference agreement of the certificate would drop from ~1e-7 to ~1e-4: opt-in
 VAR_DOT = False
 #: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
 #: per scheduler); a probe knob for occupancy against spills
