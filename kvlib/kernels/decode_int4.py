@@ -253,6 +253,27 @@ def _load_scales(ptr, n0, N, BLOCK_N: tl.constexpr, SCALE32: tl.constexpr, EVEN:
 
 
 @triton.jit
+def _keep(x, valid, fill, MASKED: tl.constexpr):
+    """``x`` where ``valid`` else ``fill`` in an edge block; ``x`` itself in an interior one (no select)."""
+    if MASKED:
+        return tl.where(valid, x, fill)
+    return x
+
+
+@triton.jit
+def _edges(start, end, blo, bhi, BLOCK_N: tl.constexpr):
+    """Split ``[blo, bhi)`` of aligned blocks as ``(head, i_lo, i_hi, tail)``: interior blocks ``[i_lo, i_hi)``
+    lie wholly inside ``[start, end)`` (no masks); ``head``/``tail`` are the partial edge blocks of the
+    split (``-1`` when there is none). A block that is both is the head: then ``i_hi >= i_lo > blo = bhi - 1``,
+    so it is not also the tail."""
+    i_lo = tl.maximum(blo, tl.cdiv(start, BLOCK_N))
+    i_hi = tl.maximum(tl.minimum(bhi, end // BLOCK_N), i_lo)
+    head = tl.where(blo < tl.minimum(i_lo, bhi), blo, -1)
+    tail = tl.where(bhi - 1 >= i_hi, bhi - 1, -1)
+    return head, i_lo, i_hi, tail
+
+
+@triton.jit
 def _tma_scales(desc, bh, n0, BLOCK_N: tl.constexpr):
     """fp16 per-position scales of ``[n0, n0 + BLOCK_N)`` of row ``bh`` through a TMA descriptor, as fp32."""
     return tl.reshape(desc.load([bh, n0]), [BLOCK_N]).to(tl.float32)
@@ -271,7 +292,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -293,13 +314,13 @@ def _main_step(
     if TMA:
         ks = _tma_scales(KSb, bh, n0, BLOCK_N)
         ko = _tma_scales(KOb, bh, n0, BLOCK_N)
-        vs = tl.where(valid, _tma_scales(VSb, bh, n0, BLOCK_N), 0.0)
-        vo = tl.where(valid, _tma_scales(VOb, bh, n0, BLOCK_N), 0.0)
+        vs = _keep(_tma_scales(VSb, bh, n0, BLOCK_N), valid, 0.0, MASKED)
+        vo = _keep(_tma_scales(VOb, bh, n0, BLOCK_N), valid, 0.0, MASKED)
     else:
         ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
         ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
-        vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
-        vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+        vs = _keep(_load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
+        vo = _keep(_load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
     if KMODE == 0:  # int16 words, four planes of channels 4i+J: q @ plane^T, K = d/4 each
         QUARTER: tl.constexpr = HALF // 2
         quarter = tl.arange(0, QUARTER)
@@ -319,7 +340,8 @@ def _main_step(
         if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
             s_int = tl.sum(tl.reshape(s_int, [q0.shape[0] // m_i.shape[0], m_i.shape[0], BLOCK_N]), axis=0)
         s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
-    s = tl.where(valid[None, :], s, float("-inf"))  # [GP, BLOCK_N], log2 units
+    if MASKED:  # edge blocks only: interior blocks lie inside [start, end)
+        s = tl.where(valid[None, :], s, float("-inf"))  # [GP, BLOCK_N], log2 units
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -373,7 +395,7 @@ def _main_region(
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
     start = _scalar_load(START + b).to(tl.int32)  # (the reduction widens; positions fit 32 bits)
-    end = tl.maximum(_scalar_load(END + b).to(tl.int32), start)
+    end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
     bps = tl.cdiv(nblk, SPLITS)
@@ -429,23 +451,39 @@ def _main_region(
     acc1 = tl.zeros([GP, ACC_W], tl.float32)
     acc2 = tl.zeros([GP, ACC_W], tl.float32)
     acc3 = tl.zeros([GP, ACC_W], tl.float32)
+    # interior blocks run unmasked (no position masks, no load masks: they lie inside [start, end) and so
+    # inside N); the split's partial head and tail blocks run the masked step
+    head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
+    FAST: tl.constexpr = not INTERP
+    if head >= 0:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
+            head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
+            TMA, bh, True,
+        )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
-        n0 = blo * BLOCK_N
-        while n0 < bhi * BLOCK_N:
+        n0 = i_lo * BLOCK_N
+        while n0 < i_hi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, False,
-                TMA, bh,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, False,
+                TMA, bh, False,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(blo * BLOCK_N, bhi * BLOCK_N, BLOCK_N):
+        for n0 in range(i_lo * BLOCK_N, i_hi * BLOCK_N, BLOCK_N):
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, True,
-                TMA, bh,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, True,
+                TMA, bh, False,
             )  # fmt: skip
+    if tail >= 0:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
+            tail * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
+            TMA, bh, True,
+        )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
         acc_m = tl.sum(acc_m, axis=1)
@@ -472,7 +510,7 @@ def _main_step_t(
     n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
-    EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0,
+    EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
     ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
@@ -486,19 +524,20 @@ def _main_step_t(
     if TMA:
         ks = _tma_scales(KSb, bh, n0, BLOCK_N)
         ko = _tma_scales(KOb, bh, n0, BLOCK_N)
-        vs = tl.where(valid, _tma_scales(VSb, bh, n0, BLOCK_N), 0.0)
-        vo = tl.where(valid, _tma_scales(VOb, bh, n0, BLOCK_N), 0.0)
+        vs = _keep(_tma_scales(VSb, bh, n0, BLOCK_N), valid, 0.0, MASKED)
+        vo = _keep(_tma_scales(VOb, bh, n0, BLOCK_N), valid, 0.0, MASKED)
         kc = _tma_rows(KCb, bh, n0, BLOCK_N, HALF)
     else:
         ks = _load_scales(KSb, n0, N, BLOCK_N, SCALE32, EVEN)
         ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
-        vs = tl.where(valid, _load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
-        vo = tl.where(valid, _load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), 0.0)
+        vs = _keep(_load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
+        vo = _keep(_load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
         kc = _ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN)
     s_int = tl.dot(_nibbles_i8(kc, False, FAST), q0)
     s_int = tl.dot(_nibbles_i8(kc, True, FAST), q1, s_int, out_dtype=tl.int32)  # [BLOCK_N, GP]
     s = s_int.to(tl.float32) * (ks[:, None] * a_q[None, :]) + ko[:, None] * c_q[None, :]
-    s = tl.where(valid[:, None], s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
@@ -533,7 +572,7 @@ def _main_region_t(
     QV: tl.constexpr = HALF // 2
     HQ: tl.constexpr = HKV * G
     start = _scalar_load(START + b).to(tl.int32)
-    end = tl.maximum(_scalar_load(END + b).to(tl.int32), start)
+    end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
     bps = tl.cdiv(nblk, SPLITS)
@@ -569,21 +608,35 @@ def _main_region_t(
     acc1 = tl.zeros([QV, GP], tl.float32)
     acc2 = tl.zeros([QV, GP], tl.float32)
     acc3 = tl.zeros([QV, GP], tl.float32)
+    head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)  # see _main_region
+    FAST: tl.constexpr = not INTERP
+    if head >= 0:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
+            head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+        )  # fmt: skip
     if INTERP:
-        n0 = blo * BLOCK_N
-        while n0 < bhi * BLOCK_N:
+        n0 = i_lo * BLOCK_N
+        while n0 < i_hi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, False, TMA, bh,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, False, TMA, bh,
+                False,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(blo * BLOCK_N, bhi * BLOCK_N, BLOCK_N):
+        for n0 in range(i_lo * BLOCK_N, i_hi * BLOCK_N, BLOCK_N):
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, True, TMA, bh,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, True, TMA, bh,
+                False,
             )  # fmt: skip
+    if tail >= 0:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
+            tail * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+        )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=0)
         acc_m = tl.sum(acc_m, axis=0)
