@@ -115,6 +115,21 @@ def test_kernel_d128_word_paths(k_mode, n):
     _close(o, o_ref, 2e-3)
 
 
+@pytest.mark.parametrize("prot_mode", ["own", "last"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fused_kv4rl_prot_modes_match_reference(prot_mode, splits):
+    """The protected region as its own program or run by the last INT4 split: same states, same merge."""
+    q, k, v = _qkv(11)
+    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, prot_mode=prot_mode)
+    o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
+    o_ref, lse_ref = decode_ref(q, cache)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
+    with pytest.raises(ValueError, match="prot_mode"):
+        kv4rl_decode(q, cache, backend="triton", config=cfg.replace(prot_mode="first"))
+
+
 def test_fused_kv4rl_matches_two_launches_and_reference():
     q, k, v = _qkv(10)
     lengths = torch.tensor([90, 17, 0])  # long, shorter than sink + recent, empty

@@ -742,17 +742,26 @@ def _kv4_decode_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
-    BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
+    BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
-    KV4-RL costs one launch like KV4 and its states meet in the same split merge."""
+    KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
+    ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
+    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     NS = SPLITS + PROT
     if PROT:
-        if sp == SPLITS:
+        if PROT_LAST:
+            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                    SCALE32, EVEN, INTERP, TMA)
+            if sp == SPLITS - 1:
+                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
+                                  HKV, G, GP, D, BLOCK_P, INTERP)
+        elif sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
@@ -785,6 +794,9 @@ class KV4KernelConfig:
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
+    - ``prot_mode`` (KV4-RL): ``"own"``: the protected region is one extra program per (request, kv
+      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs, so no extra
+      wave when the INT4 splits already fill the GPU).
     """
 
     block_n: int = 128
@@ -799,6 +811,7 @@ class KV4KernelConfig:
     ctas_per_sm: int = 3
     maxnreg: int | None = None
     tma: bool = False
+    prot_mode: str = "last"
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -979,7 +992,10 @@ def kv4_main_decode(
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
+    if cfg.prot_mode not in ("own", "last"):
+        raise ValueError(f"prot_mode must be 'own' or 'last', got {cfg.prot_mode!r}")
+    prot_last = prot and cfg.prot_mode == "last"
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -987,7 +1003,7 @@ def kv4_main_decode(
         o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
-        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
+        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         INTERP=not qp.q8.is_cuda, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip

@@ -1,0 +1,61 @@
+"""Development probe on the GPU: KV4-RL's protected region as its own program per (request, kv head) vs run
+by the last INT4 split (``KV4KernelConfig.prot_mode``), timed from CUDA graphs beside KV4 at the kv4
+benchmark's fixed shapes, with an accuracy check of both modes against the torch reference."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+
+from kvlib.bench._h10_probe import write_probe
+from kvlib.bench.kv4 import HKV, HQ, D, _time, random_kv4_batch
+from kvlib.kernels.decode_int4 import DEFAULT_CONFIG
+from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
+
+SHAPES = ((32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 16384), (512, 1024), (512, 4096))
+
+
+def _shape_row(b: int, n: int) -> dict:
+    """KV4 and KV4-RL in both protected-region modes at batch ``b``, context ``n`` (CUDA-graph medians)."""
+    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    cache = random_kv4_batch(lengths, n)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kv4_ms = _time(lambda: kv4_decode(q, cache))[0]
+    row = dict(batch=b, ctx=n, kv4_ms=kv4_ms)
+    for mode in ("own", "last"):
+        cfg = DEFAULT_CONFIG.replace(prot_mode=mode)
+        ms = _time(lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg))[0]
+        row[f"kv4rl_{mode}_ms"] = ms
+        row[f"frac_{mode}"] = kv4_ms / ms
+    return row
+
+
+def main() -> None:
+    started = datetime.datetime.now(datetime.UTC)
+    rows: list[dict] = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = torch.tensor([768, 1, 300, 129, 145, 144, 16, 17], device="cuda")
+    b, n = lengths.shape[0], int(lengths.max())
+    k = torch.randn(b, HKV, n, D, device="cuda", generator=g)
+    v = torch.randn(b, HKV, n, D, device="cuda", generator=g)
+    q = torch.randn(b, HQ, D, device="cuda", generator=g)
+    cache = build_kv4_batch(k, v, lengths)
+    from kvlib.kernels.decode_int4 import prepare_query
+
+    o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
+    for mode in ("own", "last"):
+        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(prot_mode=mode))
+        rows.append(dict(check=mode, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
+        print(rows[-1], flush=True)
+    for b, n in SHAPES:
+        rows.append(_shape_row(b, n))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "kv4rl_probe.json", "kv4rl_probe", rows, started,
+                {"command": "python -m kvlib.bench._kv4rl_probe", "shapes": SHAPES})
+
+
+if __name__ == "__main__":
+    main()
