@@ -10,22 +10,26 @@ import sys
 import torch
 
 from kvlib.bench._h10_probe import write_probe
-from kvlib.bench.kv4 import HKV, HQ, D, _time, random_kv4_batch
+from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, _time, random_kv4_batch
 from kvlib.kernels.decode_int4 import DEFAULT_CONFIG
 from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 
 SHAPES = ((32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 16384), (512, 1024), (512, 4096))
+#: variants of the fused KV4-RL launch timed against KV4 (``--block-p``: side slots per protected step)
+MODES = {"own": dict(prot_mode="own"), "last": dict(prot_mode="last")}
+BLOCK_P = {"own_bp32": dict(block_p=32), "own_bp64": dict(block_p=64), "own_bp128": dict(block_p=128),
+           "own_bp256": dict(block_p=256)}
 
 
-def _shape_row(b: int, n: int) -> dict:
+def _shape_row(b: int, n: int, variants: dict) -> dict:
     """KV4 and KV4-RL in both protected-region modes at batch ``b``, context ``n`` (CUDA-graph medians)."""
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
     cache = random_kv4_batch(lengths, n)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     kv4_ms = _time(lambda: kv4_decode(q, cache))[0]
     row = dict(batch=b, ctx=n, kv4_ms=kv4_ms)
-    for mode in ("own", "last"):
-        cfg = DEFAULT_CONFIG.replace(prot_mode=mode)
+    for mode, kw in variants.items():
+        cfg = DEFAULT_CONFIG.replace(**kw)
         ms = _time(lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg))[0]
         row[f"kv4rl_{mode}_ms"] = ms
         row[f"frac_{mode}"] = kv4_ms / ms
@@ -41,20 +45,24 @@ def main() -> None:
     k = torch.randn(b, HKV, n, D, device="cuda", generator=g)
     v = torch.randn(b, HKV, n, D, device="cuda", generator=g)
     q = torch.randn(b, HQ, D, device="cuda", generator=g)
-    cache = build_kv4_batch(k, v, lengths)
+    cache = build_kv4_batch(k, v, lengths, sink=SINK, recent=RECENT)
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
-    for mode in ("own", "last"):
-        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(prot_mode=mode))
+    variants = BLOCK_P if "--block-p" in sys.argv else MODES
+    shapes = ((32, 1024), (32, 4096), (32, 16384), (128, 16384)) if "--block-p" in sys.argv else SHAPES
+    for mode, kw in variants.items():
+        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(**kw))
         rows.append(dict(check=mode, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
         print(rows[-1], flush=True)
-    for b, n in SHAPES:
-        rows.append(_shape_row(b, n))
+    for b, n in shapes:
+        rows.append(_shape_row(b, n, variants))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "kv4rl_probe.json", "kv4rl_probe", rows, started,
-                {"command": "python -m kvlib.bench._kv4rl_probe", "shapes": SHAPES})
+    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_probe.json")
+    write_probe(out, "kv4rl_probe", rows, started,
+                {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]), "shapes": shapes,
+                 "variants": variants})
 
 
 if __name__ == "__main__":

@@ -795,8 +795,10 @@ class KV4KernelConfig:
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
     - ``prot_mode`` (KV4-RL): ``"own"``: the protected region is one extra program per (request, kv
-      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs, so no extra
-      wave when the INT4 splits already fill the GPU).
+      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs). Measured on
+      the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
+      the last split becomes the straggler, while the extra programs of "own" fill the last wave's
+      idle slots), so "own" is the default (data/results/gpu/dev/kv4_prot_last.json).
     """
 
     block_n: int = 128
@@ -811,7 +813,7 @@ class KV4KernelConfig:
     ctas_per_sm: int = 3
     maxnreg: int | None = None
     tma: bool = False
-    prot_mode: str = "last"
+    prot_mode: str = "own"
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
