@@ -22,10 +22,15 @@ from typing import Any
 POINTERS = {"Q": "*fp16", "KC": "*i8", "KS": "*fp16", "KO": "*fp16", "KOC": "*i64", "VC": "*i8", "VS": "*fp16",
             "VO": "*fp16", "VOC": "*i64", "SLOTS": "*i32", "SEQ": "*i32", "O_S": "*fp32", "LSE_S": "*fp32",
             "A_S": "*fp32", "B_S": "*fp32"}
-FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra"}
+FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra", "sm_scale_log2"}
+#: pointer arguments of the KV4 decode kernel (:mod:`kvlib.kernels.decode_int4`)
+KV4_POINTERS = {"Q8": "*i8", "QH": "*i16", "QW": "*i32", "QS": "*fp32", "QSUM": "*fp32", "KC": "*u8", "KW": "*i16",
+                "KS": "*fp16", "KO": "*fp16", "VC": "*u8", "VW": "*i16", "VS": "*fp16", "VO": "*fp16",
+                "START": "*i32", "END": "*i32", "K8": "*i8", "K8S": "*fp16", "V8": "*i8", "V8S": "*fp16",
+                "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32"}
 #: integer arguments that are multiples of 16 at the benchmark shapes (Triton specialises them so at launch)
 DIV16 = {"s_qb", "s_qh", "s_kc_n", "s_kc_h", "s_ks_n", "s_vc_n", "s_vc_h", "s_vs_n", "s_sl_b", "s_os_b", "s_os_h",
-         "s_os_s", "s_ls_b"}
+         "s_os_s", "s_ls_b", "N"}
 GQA, D, G, NUM_SPLITS = 7, 128, 32, 8
 
 
@@ -114,7 +119,27 @@ def run(profile: str) -> dict[str, Any]:
         out[name] = compile_count(kernel, const, num_warps=nw, num_stages=ns, block_n=const["BLOCK_N"], pointers=ptrs)
         print(f"   {name}: {out[name]['instructions']} instructions per tile-thread, "
               f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
+    out["kv4"] = kv4_count()
+    print(f"   kv4: {out['kv4']['instructions']} instructions per tile-thread, "
+          f"{out['kv4']['per_element']:.2f} per 4-bit code, {out['kv4']['registers']} registers", flush=True)
     a, n = out["h10_certA"]["instructions"], out["h10_nocert"]["instructions"]
     out["h10_cert_share"] = (a - n) / n
     out["h10_philox_share"] = 1 - out["h10_certA_nophilox"]["instructions"] / a
+    return out
+
+
+def kv4_count() -> dict[str, Any]:
+    """The KV4 main-region kernel at :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG` and the kv4 benchmark's
+    shape (d = 128, GQA 32:8, a capacity that is a multiple of the block): its pipelined interior loop, per
+    thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V)."""
+    from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, _kv4_decode_kernel
+
+    cfg = DEFAULT_CONFIG
+    const = dict(HKV=8, G=4, GP=4, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
+                 TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=False, BLOCK_P=cfg.block_p, INTERP=False,
+                 TMA=False)
+    out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        block_n=cfg.block_n, pointers=KV4_POINTERS)
+    out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                     "k_mode": cfg.k_mode}
     return out

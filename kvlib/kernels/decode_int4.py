@@ -18,6 +18,9 @@ and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64
 * blocks are aligned to ``block_n`` in absolute positions and splits take whole blocks, so every
   load is unmasked or masked with a mask constant over 16 positions; the fp16 scales are read as
   int32 pairs; all loads then become the software pipeliner's asynchronous copies (``num_stages``);
+* a split's interior blocks (wholly inside ``[start_b, end_b)``) run a step with no position or load
+  masks in the pipelined loop; only its partial head and tail blocks run the masked step (17% fewer
+  loop instructions at the default tile, sm_90 SASS);
 * V codes are read as int16 words (four codes) and dequantised per nibble plane in the tensor-core
   operand layout (one ``lop3`` per two codes, operand loads by ``ldmatrix.trans``); K codes as
   bytes (even/odd nibbles), the query as int16/int32 words split in registers (row-major operands);
