@@ -384,7 +384,7 @@ if res is not None and sass is not None and "kv4" in sass["results"]:
     row = fixed[(fixed.batch == 32) & (fixed.ctx_max == 16384)].iloc[0]
     codes = 32 * r["shape"]["hkv"] * 16384 * d_ * 2  # stored 4-bit codes, K and V
     issue_ms = codes * k4["per_element"] / ISSUE * 1e3
-    byte_ms = 32 * 16384 * b4 * r["shape"]["hkv"] / (row.sdpa_GBps * 1e9) * 1e3
+    byte_ms = 32 * 16384 * r["shape"]["hkv"] * 2 * b4 / (row.sdpa_GBps * 1e9) * 1e3  # b4: per side (K, V)
     warps = (65536 // (k4["registers"] * 32 * k4["num_warps"])) * k4["num_warps"]
     run.glue("kv4_sass_per_code", k4["per_element"])
     run.glue("kv4_sass_regs", int(k4["registers"]))
