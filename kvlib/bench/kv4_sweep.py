@@ -60,13 +60,45 @@ def tma_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return out
 
 
+def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default beside register-leaner variants that fit more CTAs per SM. Registers per thread and
+    loop instructions per 4-bit code from the offline sm_90 count (``kvlib.bench.sass_count``, d = 128,
+    GQA 4, 4 warps; the default: 255 registers, 2 CTAs, 2.17 per code):
+
+    ========================  =========  ============  ============
+    variant                   registers  CTAs per SM   per code
+    ========================  =========  ============  ============
+    rows8_sums_off            168        3             2.20
+    bn128_maxnreg168          149        3             2.47
+    bn128_sums_off            128        4             2.64
+    bn128_rows8_sums_off      127        4             2.81
+    ========================  =========  ============  ============
+
+    ``ctas_per_sm`` is set to the CTAs that fit, so the split-count wave model plans for them."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    out = [("default", base), ("rows8_sums_off", base.replace(rows=8, tile_sums=False, ctas_per_sm=3))]
+    if tiny:
+        return out
+    return out + [
+        ("rows8_sums_off_ctas2", base.replace(rows=8, tile_sums=False, ctas_per_sm=2)),
+        ("bn128_maxnreg168", base.replace(block_n=128, maxnreg=168, ctas_per_sm=3)),
+        ("bn128_sums_off", base.replace(block_n=128, tile_sums=False, ctas_per_sm=4)),
+        ("bn128_rows8_sums_off", base.replace(block_n=128, rows=8, tile_sums=False, ctas_per_sm=4)),
+        ("rows8", base.replace(rows=8)),
+    ]
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
-    they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only."""
+    they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
+    ``family="occupancy"``: :func:`occupancy_variants` only."""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
     if family == "tma":
         return tma_variants(tiny)
+    if family == "occupancy":
+        return occupancy_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -84,7 +116,7 @@ def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str,
     if not tiny:
         out.append(("bn256_w4_stages2", base.replace(block_n=256, num_warps=4, num_stages=2)))
         out.append(("bn128_w2_stages4", base.replace(block_n=128, num_warps=2, num_stages=4)))
-    return out + tma_variants(tiny)[1:]
+    return out + tma_variants(tiny)[1:] + occupancy_variants(tiny)[1:]
 
 
 def _cfg_dict(cfg) -> dict:
@@ -404,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma"), default="all",
-                    help="'tma': only the default beside the TMA-descriptor variants and register caps")
+    ap.add_argument("--family", choices=("all", "tma", "occupancy"), default="all",
+                    help="'tma': only the default beside the TMA-descriptor variants and register caps; "
+                         "'occupancy': only the default beside register-leaner variants")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
