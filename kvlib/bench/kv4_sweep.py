@@ -81,6 +81,7 @@ def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
     if tiny:
         return out
     return out + [
+        ("ctas2", base.replace(ctas_per_sm=2)),  # the default's true occupancy (255 registers: 2 CTAs per SM)
         ("rows8_sums_off_ctas2", base.replace(rows=8, tile_sums=False, ctas_per_sm=2)),
         ("bn128_maxnreg168", base.replace(block_n=128, maxnreg=168, ctas_per_sm=3)),
         ("bn128_sums_off", base.replace(block_n=128, tile_sums=False, ctas_per_sm=4)),
