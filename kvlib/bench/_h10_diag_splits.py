@@ -5,9 +5,7 @@ from __future__ import annotations
 import datetime
 import sys
 
-import torch
-
-from kvlib.bench._h10_probe import _pools, write_probe
+from kvlib.bench._h10_probe import h10_problem, write_probe
 from kvlib.bench.timing import bench_ms
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -20,11 +18,7 @@ def main() -> None:
     rows = []
     for B, S in ((16, 16384), (32, 16384)):
         hq, hkv, d = 28, 4, 128
-        slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
-        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-        qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
-        kp, vp = _pools(B, S, hkv, d, "h10")
-        args = (qb, kp, vp, slots, seq)
+        args = h10_problem(B, S, hq, hkv, d)
         for ns in (4, 8, 16):
             for name, kw in (("nocert", dict(cert=False)), ("certA", dict(cert=True, cert_b=False)),
                              ("certAB", dict(cert=True, cert_b=True))):

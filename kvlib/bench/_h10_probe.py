@@ -70,6 +70,16 @@ def _pools(B, S, hkv, d, layout):
     return mk(layout), mk("w24")
 
 
+def h10_problem(B: int, S: int, hq: int = 28, hkv: int = 4, d: int = 128) -> tuple:
+    """``(q bf16, k_pool h10, v_pool, slots, seq_lens)`` of a full batch (random codes; timing does not depend
+    on values): the decode arguments the timing probes share."""
+    slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+    kp, vp = _pools(B, S, hkv, d, "h10")
+    return qb, kp, vp, slots, seq
+
+
 def _sdpa_ms(q4, B, S, hkv, d, rep_ms):
     k4 = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
     v4 = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)

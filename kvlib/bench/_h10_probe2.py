@@ -10,7 +10,7 @@ import sys
 import torch
 
 import kvlib.kernels.decode_int8_h10 as H
-from kvlib.bench._h10_probe import _pools, write_probe
+from kvlib.bench._h10_probe import h10_problem, write_probe
 from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -36,11 +36,8 @@ def main() -> None:
     rows = []
     for B, S in ((32, 16384), (8, 32768)):
         hq, hkv, d = 28, 4, 128
-        slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
-        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-        qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+        qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv, d)
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, d), hkv, S)
-        kp, vp = _pools(B, S, hkv, d, "h10")
         for ts, wide, vd in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
                              (True, True, True)):
             H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = ts, wide, vd

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import kvlib.kernels.decode_int8_h10 as H
-from kvlib.bench._h10_probe import _pools, write_probe
+from kvlib.bench._h10_probe import h10_problem, write_probe
 from kvlib.bench._h10_probe2 import _sdpa_graph_ms, _time
 
 CONFIGS = ((64, 2, 2), (32, 1, 2), (32, 1, 3), (32, 1, 4), (32, 2, 2), (64, 2, 3), (64, 4, 2), (128, 4, 2),
@@ -22,14 +22,10 @@ def main() -> None:
 
     started = datetime.datetime.now(datetime.UTC)
     rows = []
-    H.WIDE_MUL = True
     for B, S in ((32, 16384), (8, 32768)):
         hq, hkv, d = 28, 4, 128
-        slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
-        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-        qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+        qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv, d)
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, d), hkv, S)
-        kp, vp = _pools(B, S, hkv, d, "h10")
         for bn, nw, st in CONFIGS:
             for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
                 try:
@@ -38,8 +34,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     ms = None
                     print(f"FAIL {bn} {nw} {st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append(dict(B=B, S=S, wide_mul=True, block_n=bn, num_warps=nw, num_stages=st, name=name, ms=ms,
-                                 vs_sdpa=None if ms is None else sd / ms, sdpa_ms=sd))
+                rows.append(dict(B=B, S=S, wide_mul=H.WIDE_MUL, block_n=bn, num_warps=nw, num_stages=st, name=name,
+                                 ms=ms, vs_sdpa=None if ms is None else sd / ms, sdpa_ms=sd))
                 print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe3.json", "h10_probe3", rows, started,

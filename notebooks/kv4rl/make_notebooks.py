@@ -393,13 +393,15 @@ if res is not None and sass is not None and "kv4" in sass["results"]:
     run.glue("kv4_byte_ms", byte_ms)
     run.glue("kv4_ms_b32_16k", float(row.kv4_ms))
     run.glue("kv4_issue_share", issue_ms / byte_ms)
+    run.glue("kv4_sass_bitops_share", (k4["top_opcodes"].get("LOP3", 0) + k4["top_opcodes"].get("SHF", 0))
+             / k4["instructions"])
     display(Markdown(
         f"B=32, S=16k: the loop issues {k4['per_element']:.2f} instructions per stored code at "
         f"{k4['registers']} registers ({warps} warps per SM); at perfect issue that is {issue_ms:.3f} ms, "
         f"reading the bytes at SDPA's measured bandwidth {byte_ms:.3f} ms; measured {row.kv4_ms:.3f} ms."))
 else:
     for k in ("kv4_sass_per_code", "kv4_sass_regs", "kv4_warps_per_sm", "kv4_issue_ms", "kv4_byte_ms",
-              "kv4_ms_b32_16k", "kv4_issue_share"):
+              "kv4_ms_b32_16k", "kv4_issue_share", "kv4_sass_bitops_share"):
         run.glue(k, float("nan"))
 """,
             hide_input=True,
@@ -420,8 +422,8 @@ efficiently keeps at most {glue:text}`kv4rl_byte_bound_1k:.0%` of KV4's speed at
 **Why KV4 stops short of 3.0x.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
 measured bandwidth, would take {glue:text}`kv4_byte_ms:.3f` ms; we measure {glue:text}`kv4_ms_b32_16k:.3f` ms.
 The compiled main loop (sm_90, counted offline by `python -m kvlib.bench sass_count`) issues
-{glue:text}`kv4_sass_per_code:.2f` instructions per stored 4-bit code, mostly nibble extraction and the
-fp16 magic-number conversion of V, and holds {glue:text}`kv4_sass_regs` registers per thread, so only
+{glue:text}`kv4_sass_per_code:.2f` instructions per stored 4-bit code ({glue:text}`kv4_sass_bitops_share:.0%`
+of them the shifts and logic ops of nibble extraction and V's fp16 magic-number conversion), and holds {glue:text}`kv4_sass_regs` registers per thread, so only
 {glue:text}`kv4_warps_per_sm` warps share an SM. At perfect issue the loop alone would take
 {glue:text}`kv4_issue_ms:.3f` ms, {glue:text}`kv4_issue_share:.0%` of the byte time: with two warps per
 scheduler, the dependent chain of each step (shared-memory loads, nibble operations, tensor-core
