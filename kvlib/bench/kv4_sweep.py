@@ -38,6 +38,15 @@ GPU_SHAPES = (
     dict(name="b8_s32k", b=8, n=32768),
     dict(name="ragged_b320_mean4k", b=320, n=16384, mean=4000.0, seed=2),
 )
+#: the "waves" family's shapes: the issue's long-context points and short contexts, where split counts matter
+WAVE_SHAPES = (
+    dict(name="b32_s16k", b=32, n=16384),
+    dict(name="b128_s16k", b=128, n=16384),
+    dict(name="b8_s32k", b=8, n=32768),
+    dict(name="b64_s4k", b=64, n=4096),
+    dict(name="b32_s1k", b=32, n=1024),
+    dict(name="ragged_b320_mean4k", b=320, n=16384, mean=4000.0, seed=2),
+)
 TINY_SHAPES = (
     dict(name="tiny", b=2, n=96, hq=8, hkv=2, d=64),
     dict(name="tiny_ragged", b=3, n=96, mean=40.0, seed=2, hq=8, hkv=2, d=64),
@@ -90,6 +99,24 @@ def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
     ]
 
 
+def wave_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default beside other split-count plans (``ctas_per_sm`` of the wave model: 1 gives about one
+    program per SM) and the in-launch merge (``fuse_merge``); KV4-RL is timed for each of them."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    f = base.replace(fuse_merge=True)
+    out = [("default", base), ("fuse", f)]
+    if tiny:
+        return out
+    return out + [
+        ("ctas1", base.replace(ctas_per_sm=1)),
+        ("ctas1_fuse", f.replace(ctas_per_sm=1)),
+        ("ctas2_fuse", f.replace(ctas_per_sm=2)),
+        ("rows8_sums_off_ctas1_fuse", f.replace(rows=8, tile_sums=False, ctas_per_sm=1)),
+        ("tma_ctas1_fuse", f.replace(tma=True, ctas_per_sm=1)),
+    ]
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
     they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
@@ -100,6 +127,8 @@ def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str,
         return tma_variants(tiny)
     if family == "occupancy":
         return occupancy_variants(tiny)
+    if family == "waves":
+        return wave_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -201,10 +230,11 @@ def precompile(variants: list[tuple[str, object]], workers: int | None = None) -
 class Sweep:
     """State of one sweep: device, timing function, printed log and JSON-able results."""
 
-    def __init__(self, tiny: bool, budget_s: float = 150.0) -> None:
+    def __init__(self, tiny: bool, budget_s: float = 150.0, rl_each: bool = False) -> None:
         from kvlib.bench.timing import bench_graphed, bench_ms
 
         self.tiny = tiny
+        self.rl_each = rl_each  # time KV4-RL (fused launch) beside KV4 for every variant
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
         self.dev = "cpu" if tiny else "cuda"
@@ -339,11 +369,28 @@ class Sweep:
                   f"{extra}", flush=True)
             return row
 
+        outs: dict = {}
         for name, cfg in variants:
             if self.over_budget() and name != "default":
                 print(f"  {name:28s}skipped (time budget)", flush=True)
                 continue
             res["kv4"][name] = report(name, self.time(lambda cfg=cfg: kv4_decode(q, cache, config=cfg)), by4)
+            if self.rl_each and res["kv4"][name].get("ms"):
+                # after the timed graph replays: an eager call must still agree with the default's output
+                # (the in-launch merge's counters must be back at 0), KV4 and KV4-RL
+                for key, fn in (("kv4", kv4_decode), ("kv4rl", kv4rl_decode)):
+                    o, lse = fn(q, cache, config=cfg)
+                    if name == "default":
+                        outs[key] = (o, lse)
+                    elif key in outs:
+                        res["kv4"][name][f"{key}_max_do_vs_default"] = float((o - outs[key][0]).abs().max())
+                        res["kv4"][name][f"{key}_max_dlse_vs_default"] = float((lse - outs[key][1]).abs().max())
+                ms = self.time(lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg))
+                kv4_ms = res["kv4"][name]["ms"]
+                row = report(f"  kv4rl {name}", ms, byrl, f"  KV4-RL/KV4 {kv4_ms / ms:5.3f}" if ms else "")
+                if ms:
+                    row["frac_of_kv4"] = kv4_ms / ms
+                res["kv4rl"][f"{name}_fused"] = row
         timed = [(r["ms"], name) for name, r in res["kv4"].items() if r.get("ms")]
         if not timed:
             return res
@@ -387,7 +434,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
-    s = Sweep(tiny, budget_s if not tiny else 1e9)
+    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family == "waves")
     if not tiny:
         from kvlib.bench.timing import copy_bandwidth
 
@@ -398,7 +445,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
-    for shape in TINY_SHAPES if tiny else GPU_SHAPES:
+    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family == "waves" else GPU_SHAPES):
         try:
             s.results["shapes"][shape["name"]] = s.shape(shape, variants)
         except Exception:  # noqa: BLE001 - keep the other shapes
@@ -437,9 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma", "occupancy"), default="all",
+    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves"), default="all",
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
-                         "'occupancy': only the default beside register-leaner variants")
+                         "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
+                         "plans and the in-launch merge, KV4-RL timed for each, at six shapes")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
@@ -448,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny", "--family", args.family] + (
             ["--json", args.json] if args.json else [])
         return subprocess.call(cmd, env=env)
-    res = sweep(tiny=tiny, family=args.family)
+    res = sweep(tiny=tiny, family=args.family, budget_s=args.budget_s)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -735,23 +735,83 @@ def _protected_region(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
+@triton.jit
+def _ticket(SEM, INTERP: tl.constexpr):
+    """Arrival number of this program at its (request, kv head) counter (0, 1, ...). Release: every
+    thread's state stores precede the barrier, and the barrier the one gpu-scope acq_rel add (CUTLASS's
+    semaphore pattern); acquire: the last arrival then reads the other programs' states."""
+    tl.debug_barrier()
+    if INTERP:  # the interpreter returns shape (1,) for pointer ops: keep it 0-d
+        return tl.sum(tl.atomic_add(SEM + tl.arange(0, 1), tl.full([1], 1, tl.int32), sem="acq_rel", scope="gpu"), 0)
+    return tl.atomic_add(SEM, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den):
+    lse_s = tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    empty = lse_s == float("-inf")
+    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe))
+    o_s = tl.load(OUT + (qrow * NS + s)[:, None] * cols.shape[0] + cols[None, :], mask=row_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    return o + tl.where(empty[:, None], 0.0, w[:, None] * o_s), den + w  # an empty split's o may be 0/0
+
+
+@triton.jit
+def _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                 D: tl.constexpr, INTERP: tl.constexpr):
+    """The split merge of :func:`~kvlib.kernels.merge_tl.merge_splits` for the ``G`` query rows of one
+    (request, kv head), done by the program that arrives last. The states are read through L2 (``.cg``):
+    other SMs wrote them during this launch."""
+    HQ: tl.constexpr = HKV * G
+    rows = tl.arange(0, GP)
+    row_ok = rows < G
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    cols = tl.arange(0, D)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    o = tl.zeros([GP, D], tl.float32)
+    if INTERP:  # the interpreter's runtime scalars are arrays: while loops, as in _protected_region
+        s = NS * 0
+        while s < NS:
+            m = tl.maximum(m, tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf")))
+            s += 1
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        s = NS * 0
+        while s < NS:
+            o, den = _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den)
+            s += 1
+    else:
+        for s in range(0, NS):
+            m = tl.maximum(m, tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        for s in range(0, NS):
+            o, den = _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den)
+    nonempty = m > float("-inf")  # all splits empty: o = 0, lse = -inf
+    den = tl.where(nonempty, den, 1.0)
+    tl.store(O_F + qrow[:, None] * D + cols[None, :], o / den[:, None], mask=row_ok[:, None])
+    tl.store(LSE_F + qrow, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
 def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
-    OUT, LSE,
+    OUT, LSE, SEM, O_F, LSE_F,
     sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
+    FUSE_MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
-    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot."""
+    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
+    ``FUSE_MERGE``: the program that finishes last for its (request, kv head), counted on ``SEM`` (which
+    it resets to 0 for the next launch), merges the states into ``O_F``/``LSE_F``: no merge launch."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -775,6 +835,11 @@ def _kv4_decode_kernel(
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
                      INTERP, TMA)
+    if FUSE_MERGE:
+        sem = SEM + b * HKV + h
+        if _ticket(sem, INTERP) == SPLITS + PROT - PROT_LAST - 1:
+            _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV, G, GP, D, INTERP)
+            tl.store(sem + tl.arange(0, 1), tl.zeros([1], tl.int32))  # stream order publishes it to the next launch
 
 
 @dataclass(frozen=True)
@@ -802,6 +867,8 @@ class KV4KernelConfig:
       the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
       the last split becomes the straggler, while the extra programs of "own" fill the last wave's
       idle slots), so "own" is the default (data/results/gpu/dev/kv4_prot_last.json).
+    - ``fuse_merge``: the last program of each (request, kv head) to finish merges the split states
+      (an arrival counter per pair, reset by that program), instead of a second launch.
     """
 
     block_n: int = 128
@@ -817,6 +884,7 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
+    fuse_merge: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -861,6 +929,25 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``fuse_merge``, one per (request, kv head), kept per device:
+    every launch leaves them at 0 again, so no memset launch is needed and CUDA-graph replays reuse them.
+    Two fused launches must therefore not run at the same time on one device (streams in parallel):
+    there, set ``fuse_merge=False``."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fuse_merge: run the decode once outside CUDA-graph capture first (its arrival "
+                               "counters are allocated on first use)")
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
@@ -1000,18 +1087,27 @@ def kv4_main_decode(
     if cfg.prot_mode not in ("own", "last"):
         raise ValueError(f"prot_mode must be 'own' or 'last', got {cfg.prot_mode!r}")
     prot_last = prot and cfg.prot_mode == "last"
+    fuse = bool(cfg.fuse_merge) and ns > 1
+    if fuse:
+        o_f = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
+        lse_f = torch.empty(b, hq, dtype=torch.float32, device=dev)
+        sem = _arrival_counters(dev, b * hkv)
+    else:
+        o_f, lse_f, sem = o_s, lse_s, cnt  # unused
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, sem, o_f, lse_f, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
-        INTERP=not qp.q8.is_cuda, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
+    if fuse:
+        return o_f, lse_f
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     return merge_splits(o_s, lse_s, backend=backend)[:2]
