@@ -115,10 +115,11 @@ def test_kernel_d128_word_paths(k_mode, n):
     _close(o, o_ref, 2e-3)
 
 
-@pytest.mark.parametrize("prot_mode", ["own", "last"])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("prot_mode", ["own", "last", "spread"])
+@pytest.mark.parametrize("splits", [1, 3, 8])
 def test_fused_kv4rl_prot_modes_match_reference(prot_mode, splits):
-    """The protected region as its own program or run by the last INT4 split: same states, same merge."""
+    """The protected region as its own program, run by the last INT4 split, or sliced over the splits
+    and merged into each split's state in place (more splits than side slots: empty slices): same result."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
     cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, prot_mode=prot_mode)
@@ -320,7 +321,8 @@ def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mo
 
 
 @pytest.mark.parametrize(("splits", "prot_mode", "with_side"), [(3, "own", False), (1, "own", True), (3, "own", True),
-                                                                  (2, "last", True), (8, "own", False)])
+                                                                  (2, "last", True), (8, "own", False),
+                                                                  (3, "spread", True)])
 def test_fused_merge_matches_merge_launch_and_resets_counters(splits, prot_mode, with_side):
     """The last program to arrive merges the states in the decode launch itself: same output and LSE as
     the merge launch (empty requests and empty splits included), and the arrival counters are back at 0
@@ -341,3 +343,23 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, prot_mode,
         assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()  # the empty request
         counters = decode_int4._COUNTERS.get(("cpu", None))
         assert counters is not None and int(counters.abs().sum()) == 0
+
+
+def test_wave_model_split_plans(monkeypatch):
+    """The GPU branch of the split plan (132 SMs, as an H200): one wave when the pairs fill it, splits when
+    they do not, and the per-program overhead keeps a large ragged batch from near-empty splits."""
+    from kvlib.kernels import decode_int4
+
+    monkeypatch.setattr(decode_int4, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    plan = lambda b, n, **kw: default_num_splits(b, 8, n, 256, gpu, **kw)  # noqa: E731
+    assert plan(32, 16384, ctas_per_sm=2, overhead_blocks=1) == 1  # 256 pairs <= 264 resident
+    assert plan(8, 32768, ctas_per_sm=2, overhead_blocks=1) == 4  # 64 pairs: 4 splits fill one wave
+    assert plan(320, 16384, ctas_per_sm=2, overhead_blocks=1) == 1  # 2560 pairs: ten waves already
+    assert plan(320, 16384, ctas_per_sm=2, overhead_blocks=0) > 4  # without the overhead it splits them
+    assert plan(32, 16384, ctas_per_sm=3, overhead_blocks=0) == 3  # the earlier plan: 768 programs, two waves
+    assert plan(8, 32768, ctas_per_sm=3, overhead_blocks=0) == 6  # 48 of 64 x 6 = 384 <= 396
+    for b in (1, 4, 32, 512):
+        for n in (512, 4096, 65536):
+            s = plan(b, n, ctas_per_sm=2, overhead_blocks=1)
+            assert 1 <= s <= 32 and (s == 1 or 2 * s <= -(-n // 256))

@@ -117,6 +117,19 @@ def wave_variants(tiny: bool = False) -> list[tuple[str, object]]:
     ]
 
 
+def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default beside the earlier split plan (three CTAs per SM, no per-program cost) and protection
+    layout ("own": an extra program per pair), each change alone; KV4-RL is timed for each."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    old = base.replace(ctas_per_sm=3, overhead_blocks=0.0, prot_mode="own")
+    out = [("default", base), ("old_plan_own", old)]
+    if tiny:
+        return out
+    return out + [("old_plan_spread", old.replace(prot_mode="spread")), ("own", base.replace(prot_mode="own")),
+                  ("last", base.replace(prot_mode="last"))]
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
     they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
@@ -129,6 +142,8 @@ def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str,
         return occupancy_variants(tiny)
     if family == "waves":
         return wave_variants(tiny)
+    if family == "plans":
+        return plan_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -434,7 +449,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
-    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family == "waves")
+    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans"))
     if not tiny:
         from kvlib.bench.timing import copy_bandwidth
 
@@ -445,7 +460,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
-    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family == "waves" else GPU_SHAPES):
+    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans") else GPU_SHAPES):
         try:
             s.results["shapes"][shape["name"]] = s.shape(shape, variants)
         except Exception:  # noqa: BLE001 - keep the other shapes
@@ -484,10 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves"), default="all",
+    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans"), default="all",
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
-                         "plans and the in-launch merge, KV4-RL timed for each, at six shapes")
+                         "plans and the in-launch merge, KV4-RL timed for each, at six shapes; 'plans': the "
+                         "default's split plan and protection layout against the earlier ones")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -702,13 +702,18 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, part=0, parts=1, MERGE_INTO: tl.constexpr = False,
 ):  # fmt: skip
-    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
+    """The KV4-RL side slots (INT8 QK, bf16 PV, fp32 accumulate): part ``part`` of ``parts`` equal slices of
+    ``0..count_b-1``, state to slot ``orow_split``. ``MERGE_INTO``: that slot already holds this program's
+    INT4 split state (written before a CTA barrier); the two are merged by their LSEs into it."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
     cnt = tl.minimum(_scalar_load(COUNT + b), C)
+    per = tl.cdiv(cnt, parts)
+    lo = part * per
+    hi = tl.minimum(lo + per, cnt)
     rows = tl.arange(0, RP)
     row_ok = rows < G
     cols = tl.arange(0, D)
@@ -720,18 +725,33 @@ def _protected_region(
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, D], tl.float32)
     if INTERP:
-        n0 = cnt * 0
-        while n0 < cnt:
-            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _protected_step(n0, hi, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
             n0 += BLOCK_P
     else:
-        for n0 in range(0, cnt, BLOCK_P):
-            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
+        for n0 in range(lo, hi, BLOCK_P):
+            m_i, l_i, acc = _protected_step(n0, hi, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + orow_split
-    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    o = acc * inv[:, None]
+    if MERGE_INTO:
+        tl.debug_barrier()  # the split state was stored by other threads of this CTA
+        lse0 = tl.load(LSE + orow, mask=row_ok, other=float("-inf"))
+        o0 = tl.load(OUT + orow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+        m = tl.maximum(lse0, lse)
+        any_ = m > float("-inf")
+        m_safe = tl.where(any_, m, 0.0)
+        w0 = tl.where(lse0 == float("-inf"), 0.0, tl.exp(lse0 - m_safe))
+        w1 = tl.where(nonempty, tl.exp(lse - m_safe), 0.0)
+        den = tl.where(any_, w0 + w1, 1.0)
+        # an empty side's o is 0 (never 0/0 here), so the weighted sum needs no select
+        o = (w0[:, None] * o0 + w1[:, None] * o) / den[:, None]
+        lse = tl.where(any_, m_safe + tl.log(den), float("-inf"))
+        tl.debug_barrier()  # every thread has read the old state before any overwrites it
+    tl.store(OUT + orow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
@@ -803,21 +823,29 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    FUSE_MERGE: tl.constexpr = False,
+    FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
     so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
+    ``PROT_SPREAD`` (grid ``(B, Hkv, SPLITS)``): split ``sp`` also takes slice ``sp`` of the side slots and
+    merges it into its own state in place: KV4's programs, states and merge, each a little longer.
     ``FUSE_MERGE``: the program that finishes last for its (request, kv head), counted on ``SEM`` (which
     it resets to 0 for the next launch), merges the states into ``O_F``/``LSE_F``: no merge launch."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT
+    NS = SPLITS + (PROT and not PROT_SPREAD)
     if PROT:
-        if PROT_LAST:
+        if PROT_SPREAD:
+            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                    SCALE32, EVEN, INTERP, TMA)
+            _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, sp, NS,
+                              HKV, G, GP, D, BLOCK_P, INTERP, sp, SPLITS, True)
+        elif PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
                     SCALE32, EVEN, INTERP, TMA)
@@ -837,7 +865,7 @@ def _kv4_decode_kernel(
                      INTERP, TMA)
     if FUSE_MERGE:
         sem = SEM + b * HKV + h
-        if _ticket(sem, INTERP) == SPLITS + PROT - PROT_LAST - 1:
+        if _ticket(sem, INTERP) == SPLITS + (PROT and not PROT_LAST and not PROT_SPREAD) - 1:
             _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV, G, GP, D, INTERP)
             tl.store(sem + tl.arange(0, 1), tl.zeros([1], tl.int32))  # stream order publishes it to the next launch
 
@@ -849,7 +877,8 @@ class KV4KernelConfig:
     - ``block_n``: positions per loop step; ``num_warps``; ``num_stages``: software-pipelined
       asynchronous copies of the next blocks in flight.
     - ``num_splits``: split-KV programs per (request, kv head); ``None``: the wave model of
-      :func:`default_num_splits` with ``ctas_per_sm`` programs resident per SM.
+      :func:`default_num_splits` with ``ctas_per_sm`` programs resident per SM and a fixed cost per
+      program of ``overhead_blocks`` position blocks (0: the earlier model, without it).
     - ``int_pv``: integer PV (INT8 probabilities x INT4 codes) instead of dequantised fp16 PV.
     - ``k_mode``: how QK reads the key codes: ``"bytes"`` uint8 even/odd nibbles (two INT8 dots of
       K = d/2), ``"planes"`` int16 words split into four nibble planes (four dots of K = d/4; needs
@@ -866,7 +895,9 @@ class KV4KernelConfig:
       head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs). Measured on
       the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
       the last split becomes the straggler, while the extra programs of "own" fill the last wave's
-      idle slots), so "own" is the default (data/results/gpu/dev/kv4_prot_last.json).
+      idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"spread"``: split ``sp`` also takes
+      slice ``sp`` of the side slots and merges it into its own state in place, so KV4-RL launches
+      KV4's programs and states (one split: no merge launch either).
     - ``fuse_merge``: the last program of each (request, kv head) to finish merges the split states
       (an arrival counter per pair, reset by that program), instead of a second launch.
     """
@@ -881,6 +912,7 @@ class KV4KernelConfig:
     rows: int | None = None
     block_p: int = 32
     ctas_per_sm: int = 3
+    overhead_blocks: float = 0.0
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
@@ -892,7 +924,10 @@ class KV4KernelConfig:
 
 
 _KMODES = ("planes", "bytes", "trans")
-DEFAULT_CONFIG = KV4KernelConfig(block_n=256)  # the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep)
+#: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
+#: two CTAs per SM that 255 registers allow, with one block of fixed cost per program (the "waves" sweep: one
+#: wave of programs beats more splits, and ragged batches lose with many splits); "spread" protection
+DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0, prot_mode="spread")
 
 
 class SideBuffer(NamedTuple):
@@ -912,12 +947,15 @@ def _sm_count(index: int) -> int:
 
 
 def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: torch.device,
-                       ctas_per_sm: int = 3) -> int:
+                       ctas_per_sm: int = 2, overhead_blocks: float = 1.0) -> int:
     """Split-KV programs per (request, kv head), from a wave model: with ``R = SMs x ctas_per_sm``
-    programs resident, ``P = b x hkv`` pairs and ``s`` splits the time goes as
-    ``ceil(P s / R) / s`` (waves x work per program) plus a small per-split merge cost; the smallest
-    ``s`` (at most 32, at least two blocks per split) minimising it is taken. CPU: 2 when there is
-    more than one block (to exercise the merge)."""
+    programs resident, ``P = b x hkv`` pairs and ``s`` splits of ``blocks`` position blocks, the time
+    goes as ``ceil(P s / R) x (blocks / s + overhead_blocks)`` (waves x work per program, each program
+    paying a fixed prologue/epilogue worth ``overhead_blocks`` blocks); the smallest ``s`` (at most 32,
+    at least two blocks per split) minimising it is taken. ``max_len`` is the capacity: with ragged
+    lengths most programs are shorter than it, and the overhead term keeps the plan from splitting
+    short requests into many near-empty programs. CPU: 2 when there is more than one block (to
+    exercise the merge)."""
     blocks = triton.cdiv(max(max_len, 1), block_n)
     if device.type != "cuda":
         return 2 if blocks > 1 else 1
@@ -925,8 +963,10 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
     pairs = b * hkv
     best, best_cost = 1, float("inf")
     for s in range(1, max(1, min(32, blocks // 2)) + 1):
-        cost = -(-pairs * s // resident) / s + 0.01 * s
-        if cost < best_cost - 1e-9:
+        cost = -(-pairs * s // resident) * (blocks / s + overhead_blocks)
+        if overhead_blocks == 0:
+            cost += 0.01 * s * blocks  # the model before the overhead term: a small per-split merge cost
+        if cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
     return best
 
@@ -1067,9 +1107,12 @@ def kv4_main_decode(
         k_mode = "bytes"  # the transposed step has fp16 PV only
     if k_mode == "planes" and (d < 128 or n % 2):
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
-    splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm)
+    splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
-    ns = splits + int(prot)
+    if cfg.prot_mode not in ("own", "last", "spread"):
+        raise ValueError(f"prot_mode must be 'own', 'last' or 'spread', got {cfg.prot_mode!r}")
+    prot_spread = prot and cfg.prot_mode == "spread"
+    ns = splits + int(prot and not prot_spread)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1084,8 +1127,6 @@ def kv4_main_decode(
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
-    if cfg.prot_mode not in ("own", "last"):
-        raise ValueError(f"prot_mode must be 'own' or 'last', got {cfg.prot_mode!r}")
     prot_last = prot and cfg.prot_mode == "last"
     fuse = bool(cfg.fuse_merge) and ns > 1
     if fuse:
@@ -1094,7 +1135,7 @@ def kv4_main_decode(
         sem = _arrival_counters(dev, b * hkv)
     else:
         o_f, lse_f, sem = o_s, lse_s, cnt  # unused
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_spread else ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -1103,7 +1144,8 @@ def kv4_main_decode(
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
-        INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, PROT_SPREAD=prot_spread,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     if fuse:
