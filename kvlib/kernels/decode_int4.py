@@ -926,8 +926,9 @@ class KV4KernelConfig:
 _KMODES = ("planes", "bytes", "trans")
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
 #: two CTAs per SM that 255 registers allow, with one block of fixed cost per program (the "waves" sweep: one
-#: wave of programs beats more splits, and ragged batches lose with many splits); "spread" protection
-DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0, prot_mode="spread")
+#: wave of programs beats more splits, and ragged batches lose with many splits); "own" protection (the "plans"
+#: sweep: "spread" and "last" are slower for KV4-RL at every shape timed, data/results/gpu/dev/kv4_sweep_plans.json)
+DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
 
 
 class SideBuffer(NamedTuple):
