@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -513,10 +514,16 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny", "--family", args.family] + (
             ["--json", args.json] if args.json else [])
         return subprocess.call(cmd, env=env)
+    started = datetime.datetime.now(datetime.UTC)
     res = sweep(tiny=tiny, family=args.family, budget_s=args.budget_s)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        from pathlib import Path
+
+        from kvlib.provenance import provenance, write_json_atomic
+
+        cmd = "python -m kvlib.bench.kv4_sweep " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_json_atomic(Path(args.json), {"name": "kv4_sweep", "profile": "gpu" if not tiny else "cpu",
+                                            "provenance": provenance({"command": cmd}, started), "results": res})
     return 0
 
 

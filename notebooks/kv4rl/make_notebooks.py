@@ -419,7 +419,23 @@ protected positions in INT8, about twice an INT4 entry, so even a kernel that re
 efficiently keeps at most {glue:text}`kv4rl_byte_bound_1k:.0%` of KV4's speed at S = 1k,
 {glue:text}`kv4rl_byte_bound_4k:.0%` at 4k and {glue:text}`kv4rl_byte_bound_16k:.1%` at 16k (the dotted line).
 
-**Why KV4 stops short of 3.0x.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
+**How the work is split.** `default_num_splits` plans one wave of programs: it counts the two CTAs per
+SM that the kernel's registers allow and charges each program a fixed cost of about one position block
+(prologue, state write, merge), so pairs that already fill the GPU get one split each (no merge
+launch for KV4), few pairs get more splits, and a ragged batch is not cut into near-empty programs.
+The sweeps behind this choice, and the layouts that lost, are in `data/results/gpu/dev/`
+(`kv4_sweep_waves.json`, `kv4_sweep_plans.json`).
+
+**Why KV4-RL keeps less than its byte bound at long context.** Its protected region is one extra
+program per (request, kv head); when the INT4 programs fill every slot, these run in a short tail
+wave, and their states need the merge launch that KV4 alone no longer pays. Three other layouts were
+timed and were slower at every shape: the side slots handled by the last split (`prot_mode="last"`),
+sliced over the splits and merged in place (`"spread"`), and the merge done inside the decode launch
+by the last program to finish (`fuse_merge=True`). The protected step itself is short in bytes but
+latency-bound (`sink + recent` slots in steps of `block_p`, each a load, two small dots and a softmax), so it shows on the
+critical path however it is placed.
+
+**Where KV4 loses to its byte limit.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
 measured bandwidth, would take {glue:text}`kv4_byte_ms:.3f` ms; we measure {glue:text}`kv4_ms_b32_16k:.3f` ms.
 The compiled main loop (sm_90, counted offline by `python -m kvlib.bench sass_count`) issues
 {glue:text}`kv4_sass_per_code:.2f` instructions per stored 4-bit code ({glue:text}`kv4_sass_bitops_share:.0%`
