@@ -1,6 +1,8 @@
 """Development probe on the GPU: KV4-RL's protected region as its own program per (request, kv head) vs run
 by the last INT4 split (``KV4KernelConfig.prot_mode``), timed from CUDA graphs beside KV4 at the kv4
-benchmark's fixed shapes, with an accuracy check of both modes against the torch reference."""
+benchmark's fixed shapes, with an accuracy check of both modes against the torch reference.
+``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
+structure (extra programs, merge launch: timed with an empty side buffer) and its protected work."""
 
 from __future__ import annotations
 
@@ -36,6 +38,33 @@ def _shape_row(b: int, n: int, variants: dict) -> dict:
     return row
 
 
+def _decompose_row(b: int, n: int) -> dict:
+    """KV4, KV4-RL with an empty side buffer (its extra programs and merge launch, no protected work) and
+    KV4-RL, at the default configuration: what the structure costs and what the protected work costs."""
+    from kvlib.kernels.decode_int4 import kv4_main_decode, prepare_query
+    from kvlib.kv4rl_attention import side_buffer
+
+    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    cache = random_kv4_batch(lengths, n)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    side = side_buffer(cache)
+    empty = side._replace(count=torch.zeros_like(side.count))
+    start, end = cache.main_range()
+    c = cache
+
+    def structure_only():
+        qp = prepare_query(q, rotate=True)
+        return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
+                               side=empty)
+
+    row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0],
+               kv4rl_empty_side_ms=_time(structure_only)[0], kv4rl_ms=_time(lambda: kv4rl_decode(q, cache))[0])
+    row["structure_ms"] = row["kv4rl_empty_side_ms"] - row["kv4_ms"]
+    row["protected_work_ms"] = row["kv4rl_ms"] - row["kv4rl_empty_side_ms"]
+    row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
+    return row
+
+
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     rows: list[dict] = []
@@ -49,6 +78,16 @@ def main() -> None:
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
+    if "--decompose" in sys.argv:
+        for b, n in ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)):
+            rows.append(_decompose_row(b, n))
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+            torch.cuda.empty_cache()
+        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_decompose.json")
+        write_probe(out, "kv4rl_probe", rows, started,
+                    {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
+                     "config": str(DEFAULT_CONFIG)})
+        return
     variants = BLOCK_P if "--block-p" in sys.argv else MODES
     shapes = ((32, 1024), (32, 4096), (32, 16384), (128, 16384)) if "--block-p" in sys.argv else SHAPES
     for mode, kw in variants.items():
