@@ -767,47 +767,29 @@ def _ticket(SEM, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den):
-    lse_s = tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    empty = lse_s == float("-inf")
-    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe))
-    o_s = tl.load(OUT + (qrow * NS + s)[:, None] * cols.shape[0] + cols[None, :], mask=row_ok[:, None], other=0.0,
-                  cache_modifier=".cg")
-    return o + tl.where(empty[:, None], 0.0, w[:, None] * o_s), den + w  # an empty split's o may be 0/0
-
-
-@triton.jit
 def _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr, INTERP: tl.constexpr):
+                 D: tl.constexpr, NS_P: tl.constexpr):
     """The split merge of :func:`~kvlib.kernels.merge_tl.merge_splits` for the ``G`` query rows of one
-    (request, kv head), done by the program that arrives last. The states are read through L2 (``.cg``):
-    other SMs wrote them during this launch."""
+    (request, kv head), done by the program that arrives last: all ``NS`` states in two independent loads
+    (``NS_P`` a power of two >= NS), read through L2 (``.cg``): other SMs wrote them during this launch."""
     HQ: tl.constexpr = HKV * G
     rows = tl.arange(0, GP)
     row_ok = rows < G
     qrow = (b * HQ + h * G + rows).to(tl.int64)
     cols = tl.arange(0, D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    o = tl.zeros([GP, D], tl.float32)
-    if INTERP:  # the interpreter's runtime scalars are arrays: while loops, as in _protected_region
-        s = NS * 0
-        while s < NS:
-            m = tl.maximum(m, tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf")))
-            s += 1
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        s = NS * 0
-        while s < NS:
-            o, den = _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den)
-            s += 1
-    else:
-        for s in range(0, NS):
-            m = tl.maximum(m, tl.load(LSE + qrow * NS + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        for s in range(0, NS):
-            o, den = _merge_term(OUT, LSE, qrow, row_ok, cols, s, NS, m_safe, o, den)
+    sidx = tl.arange(0, NS_P)
+    ok = row_ok[:, None] & (sidx[None, :] < NS)
+    srow = qrow[:, None] * NS + sidx[None, :]  # [GP, NS_P]
+    lse_s = tl.load(LSE + srow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o_s = tl.load(OUT + srow[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0,
+                  cache_modifier=".cg")  # [GP, NS_P, D]
+    m = tl.max(lse_s, 1)
     nonempty = m > float("-inf")  # all splits empty: o = 0, lse = -inf
-    den = tl.where(nonempty, den, 1.0)
+    m_safe = tl.where(nonempty, m, 0.0)
+    empty = lse_s == float("-inf")
+    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe[:, None]))
+    den = tl.where(nonempty, tl.sum(w, 1), 1.0)
+    o = tl.sum(tl.where(empty[:, :, None], 0.0, w[:, :, None] * o_s), 1)  # an empty split's o may be 0/0
     tl.store(O_F + qrow[:, None] * D + cols[None, :], o / den[:, None], mask=row_ok[:, None])
     tl.store(LSE_F + qrow, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
 
@@ -823,7 +805,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False,
+    FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False, NS_P: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -866,7 +848,7 @@ def _kv4_decode_kernel(
     if FUSE_MERGE:
         sem = SEM + b * HKV + h
         if _ticket(sem, INTERP) == SPLITS + (PROT and not PROT_LAST and not PROT_SPREAD) - 1:
-            _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV, G, GP, D, INTERP)
+            _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV, G, GP, D, NS_P)
             tl.store(sem + tl.arange(0, 1), tl.zeros([1], tl.int32))  # stream order publishes it to the next launch
 
 
@@ -1146,6 +1128,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, PROT_SPREAD=prot_spread,
+        NS_P=triton.next_power_of_2(ns) if fuse else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
