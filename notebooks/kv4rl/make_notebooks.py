@@ -427,13 +427,15 @@ The sweeps behind this choice, and the layouts that lost, are in `data/results/g
 (`kv4_sweep_waves.json`, `kv4_sweep_plans.json`).
 
 **Why KV4-RL keeps less than its byte bound at long context.** Its protected region is one extra
-program per (request, kv head); when the INT4 programs fill every slot, these run in a short tail
-wave, and their states need the merge launch that KV4 alone no longer pays. Three other layouts were
-timed and were slower at every shape: the side slots handled by the last split (`prot_mode="last"`),
-sliced over the splits and merged in place (`"spread"`), and the merge done inside the decode launch
-by the last program to finish (`fuse_merge=True`). The protected step itself is short in bytes but
-latency-bound (`sink + recent` slots in steps of `block_p`, each a load, two small dots and a softmax), so it shows on the
-critical path however it is placed.
+program per (request, kv head) in the same launch, and its states meet KV4's in the split merge. Timing
+the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
+`data/results/gpu/dev/kv4rl_decompose.json`) shows that at S = 16k most of KV4-RL's extra time is this
+structure, not the protected work: the extra programs wait for slots behind the INT4 programs, the
+kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
+launch that KV4 with one split does not. Four other layouts were timed and none was faster
+(`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"`), sliced over
+the splits and merged in place (`"spread"`), and the merge done inside the decode launch by the last
+program to finish (`fuse_merge=True`, with serial and with vectorised state reads).
 
 **Where KV4 loses to its byte limit.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
 measured bandwidth, would take {glue:text}`kv4_byte_ms:.3f` ms; we measure {glue:text}`kv4_ms_b32_16k:.3f` ms.
