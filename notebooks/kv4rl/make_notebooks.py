@@ -437,6 +437,16 @@ launch that KV4 with one split does not. Four other layouts were timed and none 
 the splits and merged in place (`"spread"`), and the merge done inside the decode launch by the last
 program to finish (`fuse_merge=True`, with serial and with vectorised state reads).
 
+**Accuracy at long context (found late, not yet fixed).** The accuracy check above runs at short
+context. At 16k and 32k positions the kernel's output error against the float64 reference of the
+dequantised cache grows in proportion to the positions each split accumulates
+(`python -m kvlib.bench._kv4_split_accuracy`, `data/results/gpu/dev/kv4_split_accuracy.json`). The
+cause is the V path: codes enter the fp16 tensor-core dot as `1024 + c` and the offset is removed
+after the loop, so the fp32 accumulator carries about a thousand times the output's scale and its
+rounding accumulates over the split. The split plan above, which gives long requests few splits, makes
+this error largest. The timings stand, but the fix (a fresh accumulator per block, or subtracting the
+offset before the dot) has to be timed before these speeds can be called free.
+
 **Where KV4 loses to its byte limit.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
 measured bandwidth, would take {glue:text}`kv4_byte_ms:.3f` ms; we measure {glue:text}`kv4_ms_b32_16k:.3f` ms.
 The compiled main loop (sm_90, counted offline by `python -m kvlib.bench sass_count`) issues
