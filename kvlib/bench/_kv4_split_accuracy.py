@@ -37,7 +37,11 @@ def main() -> None:
                              o_abs_mean=float(o_ref.abs().mean())))
             print(rows[-1], flush=True)
     out = sys.argv[1] if len(sys.argv) > 1 else "kv4_split_accuracy.json"
-    write_probe(out, "kv4_split_accuracy", rows, started, {"command": "python -m kvlib.bench._kv4_split_accuracy"})
+    write_probe(out, "kv4_split_accuracy", rows, started, {"command": "python -m kvlib.bench._kv4_split_accuracy",
+                                                           "config": str(DEFAULT_CONFIG)})
+    worst = max(r["max_err_o"] for r in rows if r["splits"] == 16)
+    if worst > 5e-2:  # broken, not merely inaccurate: stop a chained GPU run before the benchmarks
+        sys.exit(f"KV4 output error {worst:.2e} at 16 splits: the kernel is wrong")
 
 
 if __name__ == "__main__":

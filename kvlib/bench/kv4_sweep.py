@@ -131,6 +131,13 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
                   ("last", base.replace(prot_mode="last"))]
 
 
+def pv_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default (V codes as subnormal fp16 ``c 2^-24``) beside the magic-number ``1024 + c`` PV."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    return [("default", base), ("pv_1024", base.replace(pv_subnormal=False))]
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
     they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
@@ -145,6 +152,8 @@ def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str,
         return wave_variants(tiny)
     if family == "plans":
         return plan_variants(tiny)
+    if family == "pv":
+        return pv_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -450,7 +459,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
-    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans"))
+    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans", "pv"))
     if not tiny:
         from kvlib.bench.timing import copy_bandwidth
 
@@ -461,7 +470,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
-    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans") else GPU_SHAPES):
+    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans", "pv") else GPU_SHAPES):
         try:
             s.results["shapes"][shape["name"]] = s.shape(shape, variants)
         except Exception:  # noqa: BLE001 - keep the other shapes
@@ -500,11 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans"), default="all",
+    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans", "pv"), default="all",
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans and the in-launch merge, KV4-RL timed for each, at six shapes; 'plans': the "
-                         "default's split plan and protection layout against the earlier ones")
+                         "default's split plan and protection layout against the earlier ones; 'pv': subnormal "
+                         "vs 1024-offset V codes in the PV dot")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -8,9 +8,10 @@ main region excludes the protected positions).
 
 QK is INT8 query x INT4 codes on the tensor cores, with the query scale, key scale and key offset
 applied after the reduction: ``q̂·k̂ = s_q Δ_k (q8·c) + m_k (s_q Σ q8)``. PV is either dequantised
-(fp16 ``p Δ_v`` x fp16 ``1024 + c`` built by the magic-number trick ``0x6400 | c``, fp32
-accumulate; the default) or integer (``p Δ_v`` re-quantised to INT8 per block row, INT8 x INT4
-codes, int32 accumulate); the offsets ``m_v`` (and the ``1024 Σ p`` excess) enter through one sum.
+(fp16 ``p Δ_v`` x the codes as the exact subnormal fp16 ``c 2^-24``, whose bits are the code itself,
+fp32 accumulate, scaled back by ``2^24`` after the loop; the default) or integer (``p Δ_v``
+re-quantised to INT8 per block row, INT8 x INT4 codes, int32 accumulate); the offsets ``m_v`` enter
+through one sum. (The magic number ``0x6400 | c = 1024 + c`` is kept as ``pv_subnormal=False``.)
 
 Decode reads each byte once, so the kernel is a streaming kernel: it must keep enough loads in flight
 and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64 positions). Design:
@@ -57,6 +58,8 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
+#: 2^24: the V planes enter the PV dot as the subnormal fp16 c 2^-24 (``KV4KernelConfig.pv_subnormal``)
+V_UNSUB: tl.constexpr = tl.constexpr(16777216.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,32 +177,53 @@ def _nibbles_f16_plus1024(x, HIGH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _plane_f16_plus1024(x, J: tl.constexpr, FAST: tl.constexpr):
-    """``1024 + nibble J`` (channel ``4i + J``) of int16 words holding four codes, as fp16 (exact).
+def _plane_f16_plus1024(x, J: tl.constexpr, FAST: tl.constexpr, SUB: tl.constexpr = False):
+    """Nibble J (channel ``4i + J``) of int16 words holding four codes, as exact fp16: ``1024 + c``
+    (``SUB=False``) or the subnormal ``c 2^-24`` (``SUB=True``).
 
     FAST: one ``lop3`` (plus a shift for J > 0) per two codes: ``(w >> 4J) & 0x000F000F | 0x64006400``
-    gives the fp16 bits ``0x6400 | c`` of two words at once (the magic-number conversion)."""
-    if FAST:
-        if J == 0:
-            return tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [x], dtype=tl.float16, is_pure=True,
-                pack=2,
-            )  # fmt: skip
-        if J == 1:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-                "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
-            )  # fmt: skip
-        if J == 2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-                "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
-            )  # fmt: skip
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-            "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2,
-        )  # fmt: skip
-    return ((x >> (4 * J)) & 15).to(tl.float16) + 1024.0
+    gives the fp16 bits ``0x6400 | c`` of two words at once (the magic-number conversion); without the
+    ``| 0x64006400`` the bits ``c`` are the subnormal ``c 2^-24``, which the tensor cores take exactly.
+    The subnormal form keeps the fp32 accumulator at the output's scale: with ``1024 + c`` it carries
+    about a thousand times that, and its rounding grows with the positions a split accumulates
+    (``python -m kvlib.bench._kv4_split_accuracy``)."""
+    if FAST:  # the same two instructions either way; only the OR constant differs
+        if SUB:
+            if J == 0:
+                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0, 0xEA;",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            elif J == 1:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            elif J == 2:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            if J == 0:
+                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            elif J == 1:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            elif J == 2:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+            else:
+                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; "
+                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    c = ((x >> (4 * J)) & 15).to(tl.float16)
+    if SUB:
+        return c * 5.960464477539063e-08  # 2^-24: exact in fp16 (subnormal)
+    return c + 1024.0
 
 
 @triton.jit
@@ -295,7 +319,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True, PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -369,11 +393,14 @@ def _main_step(
         else:
             vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
-        acc0 = tl.dot(p16, _plane_f16_plus1024(vw, 0, FAST), acc0 * alpha[:, None])
-        acc1 = tl.dot(p16, _plane_f16_plus1024(vw, 1, FAST), acc1 * alpha[:, None])
-        acc2 = tl.dot(p16, _plane_f16_plus1024(vw, 2, FAST), acc2 * alpha[:, None])
-        acc3 = tl.dot(p16, _plane_f16_plus1024(vw, 3, FAST), acc3 * alpha[:, None])
-        pm = p * vo[None, :] - 1024.0 * p16.to(tl.float32)
+        acc0 = tl.dot(p16, _plane_f16_plus1024(vw, 0, FAST, PV_SUB), acc0 * alpha[:, None])
+        acc1 = tl.dot(p16, _plane_f16_plus1024(vw, 1, FAST, PV_SUB), acc1 * alpha[:, None])
+        acc2 = tl.dot(p16, _plane_f16_plus1024(vw, 2, FAST, PV_SUB), acc2 * alpha[:, None])
+        acc3 = tl.dot(p16, _plane_f16_plus1024(vw, 3, FAST, PV_SUB), acc3 * alpha[:, None])
+        if PV_SUB:  # acc holds sum p16 c 2^-24 (scaled back after the loop)
+            pm = p * vo[None, :]
+        else:
+            pm = p * vo[None, :] - 1024.0 * p16.to(tl.float32)
     if TILE_SUMS:
         l_i = l_i * alpha[:, None] + p
         acc_m = acc_m * alpha[:, None] + pm
@@ -389,7 +416,7 @@ def _main_region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    QPAD: tl.constexpr = True, TMA: tl.constexpr = False,
+    QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -462,7 +489,7 @@ def _main_region(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True,
+            TMA, bh, True, PV_SUB,
         )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
         n0 = i_lo * BLOCK_N
@@ -470,7 +497,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, False,
-                TMA, bh, False,
+                TMA, bh, False, PV_SUB,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -479,13 +506,13 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, True,
-                TMA, bh, False,
+                TMA, bh, False, PV_SUB,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             tail * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True,
+            TMA, bh, True, PV_SUB,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
@@ -500,6 +527,8 @@ def _main_region(
         tl.store(obase + 2 * half[None, :] + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
     else:
         qc = 4 * tl.arange(0, HALF // 2)[None, :]
+        if PV_SUB:  # the planes were c 2^-24
+            acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
         tl.store(obase + qc, (acc0 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
         tl.store(obase + qc + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
         tl.store(obase + qc + 2, (acc2 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
@@ -514,6 +543,7 @@ def _main_step_t(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
     EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
+    PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
     ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
@@ -549,11 +579,14 @@ def _main_step_t(
         vwt = tl.trans(_tma_rows(VWb, bh, n0, BLOCK_N, QV))  # [QV, BLOCK_N]
     else:
         vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))
-    acc0 = tl.dot(_plane_f16_plus1024(vwt, 0, FAST), p16, acc0 * alpha[None, :])  # [QV, GP]
-    acc1 = tl.dot(_plane_f16_plus1024(vwt, 1, FAST), p16, acc1 * alpha[None, :])
-    acc2 = tl.dot(_plane_f16_plus1024(vwt, 2, FAST), p16, acc2 * alpha[None, :])
-    acc3 = tl.dot(_plane_f16_plus1024(vwt, 3, FAST), p16, acc3 * alpha[None, :])
-    pm = p * vo[:, None] - 1024.0 * p16.to(tl.float32)
+    acc0 = tl.dot(_plane_f16_plus1024(vwt, 0, FAST, PV_SUB), p16, acc0 * alpha[None, :])  # [QV, GP]
+    acc1 = tl.dot(_plane_f16_plus1024(vwt, 1, FAST, PV_SUB), p16, acc1 * alpha[None, :])
+    acc2 = tl.dot(_plane_f16_plus1024(vwt, 2, FAST, PV_SUB), p16, acc2 * alpha[None, :])
+    acc3 = tl.dot(_plane_f16_plus1024(vwt, 3, FAST, PV_SUB), p16, acc3 * alpha[None, :])
+    if PV_SUB:
+        pm = p * vo[:, None]
+    else:
+        pm = p * vo[:, None] - 1024.0 * p16.to(tl.float32)
     if TILE_SUMS:
         l_i = l_i * alpha[None, :] + p
         acc_m = acc_m * alpha[None, :] + pm
@@ -568,7 +601,7 @@ def _main_region_t(
     b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_main_region` with the transposed step (fp16 PV only)."""
     HALF: tl.constexpr = D // 2
@@ -617,6 +650,7 @@ def _main_region_t(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+            PV_SUB,
         )  # fmt: skip
     if INTERP:
         n0 = i_lo * BLOCK_N
@@ -624,7 +658,7 @@ def _main_region_t(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, False, TMA, bh,
-                False,
+                False, PV_SUB,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -633,12 +667,13 @@ def _main_region_t(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, True, TMA, bh,
-                False,
+                False, PV_SUB,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             tail * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+            PV_SUB,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=0)
@@ -647,6 +682,8 @@ def _main_region_t(
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + sp
     obase = OUT + orow[None, :] * D + 4 * tl.arange(0, QV)[:, None]  # [QV, GP]
+    if PV_SUB:  # the planes were c 2^-24
+        acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
     tl.store(obase, (acc0 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
     tl.store(obase + 1, (acc1 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
     tl.store(obase + 2, (acc2 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
@@ -661,15 +698,15 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
-                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA)
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA, PV_SUB)
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA)
+                     INTERP, True, TMA, PV_SUB)
 
 
 @triton.jit
@@ -806,6 +843,7 @@ def _kv4_decode_kernel(
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
     FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False, NS_P: tl.constexpr = 1,
+    PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -824,13 +862,13 @@ def _kv4_decode_kernel(
         if PROT_SPREAD:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA)
+                    SCALE32, EVEN, INTERP, TMA, PV_SUB)
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, sp, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP, sp, SPLITS, True)
         elif PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA)
+                    SCALE32, EVEN, INTERP, TMA, PV_SUB)
             if sp == SPLITS - 1:
                 _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                                   HKV, G, GP, D, BLOCK_P, INTERP)
@@ -840,11 +878,11 @@ def _kv4_decode_kernel(
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP, TMA)
+                         SCALE32, EVEN, INTERP, TMA, PV_SUB)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA)
+                     INTERP, TMA, PV_SUB)
     if FUSE_MERGE:
         sem = SEM + b * HKV + h
         if _ticket(sem, INTERP) == SPLITS + (PROT and not PROT_LAST and not PROT_SPREAD) - 1:
@@ -882,6 +920,9 @@ class KV4KernelConfig:
       KV4's programs and states (one split: no merge launch either).
     - ``fuse_merge``: the last program of each (request, kv head) to finish merges the split states
       (an arrival counter per pair, reset by that program), instead of a second launch.
+    - ``pv_subnormal`` (fp16 PV): V codes enter the dot as the subnormal fp16 ``c 2^-24`` (the default)
+      instead of ``1024 + c``, whose fp32 accumulator carries a thousand times the output's scale and
+      loses accuracy in proportion to the positions a split accumulates.
     """
 
     block_n: int = 128
@@ -899,6 +940,7 @@ class KV4KernelConfig:
     tma: bool = False
     prot_mode: str = "own"
     fuse_merge: bool = False
+    pv_subnormal: bool = True
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1128,7 +1170,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, PROT_SPREAD=prot_spread,
-        NS_P=triton.next_power_of_2(ns) if fuse else 1,
+        NS_P=triton.next_power_of_2(ns) if fuse else 1, PV_SUB=bool(cfg.pv_subnormal),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
