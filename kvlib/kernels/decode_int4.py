@@ -156,28 +156,7 @@ def _nibbles_i8(x, HIGH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _nibbles_f16_plus1024(x, HIGH: tl.constexpr, FAST: tl.constexpr):
-    """``1024 + nibble`` as fp16 (exact). FAST: builds the fp16 bits ``0x6400 | c`` with byte permutes,
-    avoiding integer-to-float conversions (two PTX ops per 4 codes)."""
-    if FAST:
-        if HIGH:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, u; shr.u32 u, $2, 4; and.b32 t, u, 0x0F0F0F0F; "
-                "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; }",
-                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
-            )  # fmt: skip
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; and.b32 t, $2, 0x0F0F0F0F; "
-            "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; }",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
-        )  # fmt: skip
-    if HIGH:
-        return (x >> 4).to(tl.float16) + 1024.0
-    return (x & 15).to(tl.float16) + 1024.0
-
-
-@triton.jit
-def _plane_f16_plus1024(x, J: tl.constexpr, FAST: tl.constexpr, SUB: tl.constexpr = False):
+def _plane_f16(x, J: tl.constexpr, FAST: tl.constexpr, SUB: tl.constexpr = False):
     """Nibble J (channel ``4i + J``) of int16 words holding four codes, as exact fp16: ``1024 + c``
     (``SUB=False``) or the subnormal ``c 2^-24`` (``SUB=True``).
 
@@ -393,10 +372,10 @@ def _main_step(
         else:
             vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
-        acc0 = tl.dot(p16, _plane_f16_plus1024(vw, 0, FAST, PV_SUB), acc0 * alpha[:, None])
-        acc1 = tl.dot(p16, _plane_f16_plus1024(vw, 1, FAST, PV_SUB), acc1 * alpha[:, None])
-        acc2 = tl.dot(p16, _plane_f16_plus1024(vw, 2, FAST, PV_SUB), acc2 * alpha[:, None])
-        acc3 = tl.dot(p16, _plane_f16_plus1024(vw, 3, FAST, PV_SUB), acc3 * alpha[:, None])
+        acc0 = tl.dot(p16, _plane_f16(vw, 0, FAST, PV_SUB), acc0 * alpha[:, None])
+        acc1 = tl.dot(p16, _plane_f16(vw, 1, FAST, PV_SUB), acc1 * alpha[:, None])
+        acc2 = tl.dot(p16, _plane_f16(vw, 2, FAST, PV_SUB), acc2 * alpha[:, None])
+        acc3 = tl.dot(p16, _plane_f16(vw, 3, FAST, PV_SUB), acc3 * alpha[:, None])
         if PV_SUB:  # acc holds sum p16 c 2^-24 (scaled back after the loop)
             pm = p * vo[None, :]
         else:
@@ -579,10 +558,10 @@ def _main_step_t(
         vwt = tl.trans(_tma_rows(VWb, bh, n0, BLOCK_N, QV))  # [QV, BLOCK_N]
     else:
         vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))
-    acc0 = tl.dot(_plane_f16_plus1024(vwt, 0, FAST, PV_SUB), p16, acc0 * alpha[None, :])  # [QV, GP]
-    acc1 = tl.dot(_plane_f16_plus1024(vwt, 1, FAST, PV_SUB), p16, acc1 * alpha[None, :])
-    acc2 = tl.dot(_plane_f16_plus1024(vwt, 2, FAST, PV_SUB), p16, acc2 * alpha[None, :])
-    acc3 = tl.dot(_plane_f16_plus1024(vwt, 3, FAST, PV_SUB), p16, acc3 * alpha[None, :])
+    acc0 = tl.dot(_plane_f16(vwt, 0, FAST, PV_SUB), p16, acc0 * alpha[None, :])  # [QV, GP]
+    acc1 = tl.dot(_plane_f16(vwt, 1, FAST, PV_SUB), p16, acc1 * alpha[None, :])
+    acc2 = tl.dot(_plane_f16(vwt, 2, FAST, PV_SUB), p16, acc2 * alpha[None, :])
+    acc3 = tl.dot(_plane_f16(vwt, 3, FAST, PV_SUB), p16, acc3 * alpha[None, :])
     if PV_SUB:
         pm = p * vo[:, None]
     else:
