@@ -138,6 +138,20 @@ def pv_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return [("default", base), ("pv_1024", base.replace(pv_subnormal=False))]
 
 
+def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default ("own": the protected region as extra programs of the one launch) beside the standalone
+    protected kernel on a forked stream (``prot_mode="parallel"``), whose small CTAs fit beside two
+    main-kernel CTAs per SM (offline sm_90 count: 2 warps x 127 registers at 16 slots per step)."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    par = base.replace(prot_mode="parallel")
+    out = [("default", base), ("parallel", par)]
+    if tiny:
+        return out
+    return out + [("parallel_w1", par.replace(side_warps=1)),
+                  ("parallel_bp32_w4", par.replace(side_block_p=32, side_warps=4))]
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
     they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
@@ -154,6 +168,8 @@ def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str,
         return plan_variants(tiny)
     if family == "pv":
         return pv_variants(tiny)
+    if family == "par":
+        return par_variants(tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -459,7 +475,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
-    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans", "pv"))
+    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans", "pv", "par"))
     if not tiny:
         from kvlib.bench.timing import copy_bandwidth
 
@@ -470,7 +486,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
-    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans", "pv") else GPU_SHAPES):
+    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans", "pv", "par") else GPU_SHAPES):
         try:
             s.results["shapes"][shape["name"]] = s.shape(shape, variants)
         except Exception:  # noqa: BLE001 - keep the other shapes
@@ -509,12 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans", "pv"), default="all",
+    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans", "pv", "par"), default="all",
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans and the in-launch merge, KV4-RL timed for each, at six shapes; 'plans': the "
                          "default's split plan and protection layout against the earlier ones; 'pv': subnormal "
-                         "vs 1024-offset V codes in the PV dot")
+                         "vs 1024-offset V codes in the PV dot; 'par': the protected kernel on a forked stream")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -138,7 +138,7 @@ def kv4_count() -> dict[str, Any]:
     const = dict(HKV=8, G=4, GP=4, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
                  TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=False, BLOCK_P=cfg.block_p, INTERP=False,
                  TMA=False, PROT_LAST=False, FUSE_MERGE=False, PROT_SPREAD=False, NS_P=1,
-                 PV_SUB=cfg.pv_subnormal)
+                 PV_SUB=cfg.pv_subnormal, PROT_PAR=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

@@ -40,6 +40,7 @@ is a fold of :func:`kvlib.merge.merge_states`. Launch parameters live in :class:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -822,7 +823,7 @@ def _kv4_decode_kernel(
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
     FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False, NS_P: tl.constexpr = 1,
-    PV_SUB: tl.constexpr = True,
+    PV_SUB: tl.constexpr = True, PROT_PAR: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -831,12 +832,14 @@ def _kv4_decode_kernel(
     so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
     ``PROT_SPREAD`` (grid ``(B, Hkv, SPLITS)``): split ``sp`` also takes slice ``sp`` of the side slots and
     merges it into its own state in place: KV4's programs, states and merge, each a little longer.
+    ``PROT_PAR`` (with ``PROT`` off): one more state slot per row, ``SPLITS``, which the standalone
+    protected kernel fills from a parallel stream (``prot_mode="parallel"``).
     ``FUSE_MERGE``: the program that finishes last for its (request, kv head), counted on ``SEM`` (which
     it resets to 0 for the next launch), merges the states into ``O_F``/``LSE_F``: no merge launch."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + (PROT and not PROT_SPREAD)
+    NS = SPLITS + (PROT and not PROT_SPREAD) + PROT_PAR
     if PROT:
         if PROT_SPREAD:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
@@ -896,7 +899,10 @@ class KV4KernelConfig:
       the last split becomes the straggler, while the extra programs of "own" fill the last wave's
       idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"spread"``: split ``sp`` also takes
       slice ``sp`` of the side slots and merges it into its own state in place, so KV4-RL launches
-      KV4's programs and states (one split: no merge launch either).
+      KV4's programs and states (one split: no merge launch either). ``"parallel"``: the standalone
+      protected kernel (``side_warps`` warps, ``side_block_p`` slots per step: small enough to fit beside
+      two main-kernel CTAs on an SM) runs on a forked stream while the main kernel (compiled without the
+      protected path) runs; its state takes the last slot of the same split merge.
     - ``fuse_merge``: the last program of each (request, kv head) to finish merges the split states
       (an arrival counter per pair, reset by that program), instead of a second launch.
     - ``pv_subnormal`` (fp16 PV): V codes enter the dot as the subnormal fp16 ``c 2^-24`` (the default)
@@ -920,6 +926,8 @@ class KV4KernelConfig:
     prot_mode: str = "own"
     fuse_merge: bool = False
     pv_subnormal: bool = True
+    side_block_p: int = 16
+    side_warps: int = 2
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -973,6 +981,34 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
     return best
+
+
+_PROT_MODES = ("own", "last", "spread", "parallel")
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _fork(device: torch.device):
+    """A side stream (one per device, reused) that first waits for the current stream; ``None`` on the
+    CPU. Forking and joining by stream waits is what CUDA-graph capture records as parallel branches."""
+    if device.type != "cuda":
+        return None
+    side = _SIDE_STREAMS.get(device.index or 0)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(device.index or 0, torch.cuda.Stream(device))
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _join(device: torch.device, stream) -> None:
+    """The current stream waits for the side stream. The side launch only reads inputs and writes its slot
+    of the split states, which the current stream allocated and reads after this wait, so no tensor is
+    freed or reused while the side stream still uses it."""
+    if stream is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -1113,9 +1149,10 @@ def kv4_main_decode(
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
-    if cfg.prot_mode not in ("own", "last", "spread"):
-        raise ValueError(f"prot_mode must be 'own', 'last' or 'spread', got {cfg.prot_mode!r}")
+    if cfg.prot_mode not in _PROT_MODES:
+        raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
     prot_spread = prot and cfg.prot_mode == "spread"
+    prot_par = prot and cfg.prot_mode == "parallel"
     ns = splits + int(prot and not prot_spread)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
@@ -1132,14 +1169,26 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     prot_last = prot and cfg.prot_mode == "last"
-    fuse = bool(cfg.fuse_merge) and ns > 1
+    fuse = bool(cfg.fuse_merge) and ns > 1 and not prot_par  # the side kernel does not count arrivals
+    side_stream = _fork(dev) if prot_par else None
+    if prot_par:
+        from kvlib.kernels.decode_protected import _protected_kernel
+
+        # its own small binary, launched first from a forked stream: with the main kernel's two CTAs per
+        # SM resident, a 2-warp protected CTA still fits beside them (registers, shared memory)
+        with _on(side_stream):
+            _protected_kernel[(b, hkv)](
+                q8, qp.scale, k8, k8s, v8, v8s, cnt, o_s, lse_s, sm_scale * LOG2E, c, splits, ns,
+                HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.side_block_p, INTERP=not qp.q8.is_cuda,
+                num_warps=cfg.side_warps,
+            )  # fmt: skip
     if fuse:
         o_f = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
         lse_f = torch.empty(b, hq, dtype=torch.float32, device=dev)
         sem = _arrival_counters(dev, b * hkv)
     else:
         o_f, lse_f, sem = o_s, lse_s, cnt  # unused
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_spread else ns - int(prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_spread or prot_par else ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -1147,12 +1196,15 @@ def kv4_main_decode(
         o_s, lse_s, sem, o_f, lse_f, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
-        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
+        EVEN=n % cfg.block_n == 0, PROT=prot and not prot_par, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
+        PROT_PAR=prot_par,
         INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, PROT_SPREAD=prot_spread,
         NS_P=triton.next_power_of_2(ns) if fuse else 1, PV_SUB=bool(cfg.pv_subnormal),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
+    if side_stream is not None:
+        _join(dev, side_stream)
     if fuse:
         return o_f, lse_f
     if ns == 1:
