@@ -1,5 +1,6 @@
 """Development check on the GPU: KV4 kernel error against the float64 reference of the dequantised cache, by
-split count, at long context (fewer splits mean longer fp32 accumulations of the +1024-offset PV terms).
+split count, at long context (fewer splits mean longer fp32 accumulations in the PV dot; this check found
+the error of the former ``1024 + c`` V codes, ``data/results/gpu/dev/kv4_split_accuracy.json``).
 
 ``PYTHONPATH=. python -m kvlib.bench._kv4_split_accuracy OUT.json``
 """

@@ -102,40 +102,30 @@ def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
 
 def wave_variants(tiny: bool = False) -> list[tuple[str, object]]:
     """The default beside other split-count plans (``ctas_per_sm`` of the wave model: 1 gives about one
-    program per SM) and the in-launch merge (``fuse_merge``); KV4-RL is timed for each of them."""
+    program per SM, 3 with no per-program cost the earlier plan); KV4-RL is timed for each. (An in-launch
+    merge timed in this family at d9bbbbd and 1d9399c gained nothing and was removed.)"""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
-    f = base.replace(fuse_merge=True)
-    out = [("default", base), ("fuse", f)]
+    out = [("default", base), ("ctas1", base.replace(ctas_per_sm=1))]
     if tiny:
         return out
     return out + [
-        ("ctas1", base.replace(ctas_per_sm=1)),
-        ("ctas1_fuse", f.replace(ctas_per_sm=1)),
-        ("ctas2_fuse", f.replace(ctas_per_sm=2)),
-        ("rows8_sums_off_ctas1_fuse", f.replace(rows=8, tile_sums=False, ctas_per_sm=1)),
-        ("tma_ctas1_fuse", f.replace(tma=True, ctas_per_sm=1)),
+        ("old_plan", base.replace(ctas_per_sm=3, overhead_blocks=0.0)),
+        ("rows8_sums_off_ctas1", base.replace(rows=8, tile_sums=False, ctas_per_sm=1)),
+        ("tma_ctas1", base.replace(tma=True, ctas_per_sm=1)),
     ]
 
 
 def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default beside the earlier split plan (three CTAs per SM, no per-program cost) and protection
-    layout ("own": an extra program per pair), each change alone; KV4-RL is timed for each."""
+    """The default beside the earlier split plan (three CTAs per SM, no per-program cost) and the
+    ``"last"`` protection layout; KV4-RL is timed for each. (A ``"spread"`` layout timed here at 2ee8c83
+    was slower at every shape and was removed.)"""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
-    old = base.replace(ctas_per_sm=3, overhead_blocks=0.0, prot_mode="own")
-    out = [("default", base), ("old_plan_own", old)]
+    out = [("default", base), ("old_plan", base.replace(ctas_per_sm=3, overhead_blocks=0.0))]
     if tiny:
         return out
-    return out + [("old_plan_spread", old.replace(prot_mode="spread")), ("own", base.replace(prot_mode="own")),
-                  ("last", base.replace(prot_mode="last"))]
-
-
-def pv_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default (V codes as subnormal fp16 ``c 2^-24``) beside the magic-number ``1024 + c`` PV."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
-
-    return [("default", base), ("pv_1024", base.replace(pv_subnormal=False))]
+    return out + [("last", base.replace(prot_mode="last"))]
 
 
 def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
@@ -152,24 +142,22 @@ def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
                   ("parallel_bp32_w4", par.replace(side_block_p=32, side_warps=4))]
 
 
+#: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
+FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
+    "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
+    "par": par_variants,
+}
+#: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
+RL_EACH = ("waves", "plans", "par")
+
+
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
     """``(name, KV4KernelConfig)`` of every compiled variant timed (split counts are swept separately:
-    they are a run-time argument, no recompilation); ``family="tma"``: :func:`tma_variants` only,
-    ``family="occupancy"``: :func:`occupancy_variants` only."""
+    they are a run-time argument, no recompilation); another ``family`` gives :data:`FAMILIES`' list."""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
-    if family == "tma":
-        return tma_variants(tiny)
-    if family == "occupancy":
-        return occupancy_variants(tiny)
-    if family == "waves":
-        return wave_variants(tiny)
-    if family == "plans":
-        return plan_variants(tiny)
-    if family == "pv":
-        return pv_variants(tiny)
-    if family == "par":
-        return par_variants(tiny)
+    if family in FAMILIES:
+        return FAMILIES[family](tiny)
     out = [("default", base)]
     grid = ((32, 2), (64, 4)) if tiny else tuple((bn, nw) for bn in (64, 128, 256) for nw in (2, 4, 8))
     for bn, nw in grid:
@@ -475,7 +463,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     """The whole sweep (see the module docstring); returns JSON-able results. Past ``budget_s`` seconds
     only the default variant (and the split counts of the best) is timed on the remaining shapes."""
     t0 = time.perf_counter()
-    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in ("waves", "plans", "pv", "par"))
+    s = Sweep(tiny, budget_s if not tiny else 1e9, rl_each=family in RL_EACH)
     if not tiny:
         from kvlib.bench.timing import copy_bandwidth
 
@@ -486,7 +474,7 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     if not tiny:
         precompile(variants)
     variants = s.check(variants)
-    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in ("waves", "plans", "pv", "par") else GPU_SHAPES):
+    for shape in TINY_SHAPES if tiny else (WAVE_SHAPES if family in RL_EACH else GPU_SHAPES):
         try:
             s.results["shapes"][shape["name"]] = s.shape(shape, variants)
         except Exception:  # noqa: BLE001 - keep the other shapes
@@ -525,12 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", "tma", "occupancy", "waves", "plans", "pv", "par"), default="all",
+    ap.add_argument("--family", choices=("all", *FAMILIES), default="all",
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
-                         "plans and the in-launch merge, KV4-RL timed for each, at six shapes; 'plans': the "
-                         "default's split plan and protection layout against the earlier ones; 'pv': subnormal "
-                         "vs 1024-offset V codes in the PV dot; 'par': the protected kernel on a forked stream")
+                         "plans; 'plans': the default's split plan and protection layout against the earlier "
+                         "ones; 'par': the protected kernel on a forked stream (the last three time KV4-RL for "
+                         "each variant, at six shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

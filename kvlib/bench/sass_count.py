@@ -27,7 +27,7 @@ FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra", "sm
 KV4_POINTERS = {"Q8": "*i8", "QH": "*i16", "QW": "*i32", "QS": "*fp32", "QSUM": "*fp32", "KC": "*u8", "KW": "*i16",
                 "KS": "*fp16", "KO": "*fp16", "VC": "*u8", "VW": "*i16", "VS": "*fp16", "VO": "*fp16",
                 "START": "*i32", "END": "*i32", "K8": "*i8", "K8S": "*fp16", "V8": "*i8", "V8S": "*fp16",
-                "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32", "SEM": "*i32", "O_F": "*fp32", "LSE_F": "*fp32"}
+                "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32"}
 #: integer arguments that are multiples of 16 at the benchmark shapes (Triton specialises them so at launch)
 DIV16 = {"s_qb", "s_qh", "s_kc_n", "s_kc_h", "s_ks_n", "s_vc_n", "s_vc_h", "s_vs_n", "s_sl_b", "s_os_b", "s_os_h",
          "s_os_s", "s_ls_b", "N"}
@@ -137,8 +137,7 @@ def kv4_count() -> dict[str, Any]:
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=4, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
                  TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=False, BLOCK_P=cfg.block_p, INTERP=False,
-                 TMA=False, PROT_LAST=False, FUSE_MERGE=False, PROT_SPREAD=False, NS_P=1,
-                 PV_SUB=cfg.pv_subnormal, PROT_PAR=False)
+                 TMA=False, PROT_LAST=False, PROT_PAR=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

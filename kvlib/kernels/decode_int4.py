@@ -11,7 +11,9 @@ applied after the reduction: ``q̂·k̂ = s_q Δ_k (q8·c) + m_k (s_q Σ q8)``. 
 (fp16 ``p Δ_v`` x the codes as the exact subnormal fp16 ``c 2^-24``, whose bits are the code itself,
 fp32 accumulate, scaled back by ``2^24`` after the loop; the default) or integer (``p Δ_v``
 re-quantised to INT8 per block row, INT8 x INT4 codes, int32 accumulate); the offsets ``m_v`` enter
-through one sum. (The magic number ``0x6400 | c = 1024 + c`` is kept as ``pv_subnormal=False``.)
+through one sum. (The magic number ``0x6400 | c = 1024 + c`` used before made the fp32 accumulator carry
+about a thousand times the output's scale; its error grew with the positions a split accumulates,
+``data/results/gpu/dev/kv4_split_accuracy.json``.)
 
 Decode reads each byte once, so the kernel is a streaming kernel: it must keep enough loads in flight
 and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64 positions). Design:
@@ -59,7 +61,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
-#: 2^24: the V planes enter the PV dot as the subnormal fp16 c 2^-24 (``KV4KernelConfig.pv_subnormal``)
+#: 2^24: the V planes enter the PV dot as the subnormal fp16 c 2^-24 (:func:`_plane_f16`)
 V_UNSUB: tl.constexpr = tl.constexpr(16777216.0)
 
 
@@ -157,53 +159,26 @@ def _nibbles_i8(x, HIGH: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _plane_f16(x, J: tl.constexpr, FAST: tl.constexpr, SUB: tl.constexpr = False):
-    """Nibble J (channel ``4i + J``) of int16 words holding four codes, as exact fp16: ``1024 + c``
-    (``SUB=False``) or the subnormal ``c 2^-24`` (``SUB=True``).
+def _plane_f16(x, J: tl.constexpr, FAST: tl.constexpr):
+    """Nibble J (channel ``4i + J``) of int16 words holding four codes, as the exact subnormal fp16
+    ``c 2^-24`` (its bits are the code itself; the tensor cores take subnormals exactly).
 
-    FAST: one ``lop3`` (plus a shift for J > 0) per two codes: ``(w >> 4J) & 0x000F000F | 0x64006400``
-    gives the fp16 bits ``0x6400 | c`` of two words at once (the magic-number conversion); without the
-    ``| 0x64006400`` the bits ``c`` are the subnormal ``c 2^-24``, which the tensor cores take exactly.
-    The subnormal form keeps the fp32 accumulator at the output's scale: with ``1024 + c`` it carries
-    about a thousand times that, and its rounding grows with the positions a split accumulates
-    (``python -m kvlib.bench._kv4_split_accuracy``)."""
-    if FAST:  # the same two instructions either way; only the OR constant differs
-        if SUB:
-            if J == 0:
-                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0, 0xEA;",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            elif J == 1:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            elif J == 2:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    FAST: one ``and`` (plus a shift for J > 0) per two codes. Unlike the magic number ``0x6400 | c``
+    (``1024 + c``), this keeps the fp32 accumulator at the output's scale (``V_UNSUB`` after the loop)."""
+    if FAST:
+        if J == 0:
+            return tl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [x], dtype=tl.float16,
+                                             is_pure=True, pack=2)
+        elif J == 1:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }",
+                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 2:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }",
+                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
         else:
-            if J == 0:
-                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            elif J == 1:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            elif J == 2:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-            else:
-                return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; "
-                                                 "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
-                                                 "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-    c = ((x >> (4 * J)) & 15).to(tl.float16)
-    if SUB:
-        return c * 5.960464477539063e-08  # 2^-24: exact in fp16 (subnormal)
-    return c + 1024.0
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }",
+                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    return ((x >> (4 * J)) & 15).to(tl.float16) * 5.960464477539063e-08  # 2^-24: exact in fp16 (subnormal)
 
 
 @triton.jit
@@ -299,7 +274,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True, PV_SUB: tl.constexpr = True,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -364,8 +339,8 @@ def _main_step(
         acc1 = acc1 * alpha[:, None] + tl.dot(pq, _nibbles_i8(vc, True, FAST)).to(tl.float32) * sc[:, None]
         pm = p * vo[None, :]
     else:
-        # int16 words of four codes (channels 4i..4i+3); plane J is channel 4i+J as fp16 1024 + c
-        # (exact); the excess 1024 Σ p16 is removed through acc_m
+        # int16 words of four codes (channels 4i..4i+3); plane J is channel 4i+J as the subnormal fp16
+        # c 2^-24 (exact)
         QV: tl.constexpr = HALF // 2
         qv = tl.arange(0, QV)
         if TMA:
@@ -373,14 +348,11 @@ def _main_step(
         else:
             vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
-        acc0 = tl.dot(p16, _plane_f16(vw, 0, FAST, PV_SUB), acc0 * alpha[:, None])
-        acc1 = tl.dot(p16, _plane_f16(vw, 1, FAST, PV_SUB), acc1 * alpha[:, None])
-        acc2 = tl.dot(p16, _plane_f16(vw, 2, FAST, PV_SUB), acc2 * alpha[:, None])
-        acc3 = tl.dot(p16, _plane_f16(vw, 3, FAST, PV_SUB), acc3 * alpha[:, None])
-        if PV_SUB:  # acc holds sum p16 c 2^-24 (scaled back after the loop)
-            pm = p * vo[None, :]
-        else:
-            pm = p * vo[None, :] - 1024.0 * p16.to(tl.float32)
+        acc0 = tl.dot(p16, _plane_f16(vw, 0, FAST), acc0 * alpha[:, None])
+        acc1 = tl.dot(p16, _plane_f16(vw, 1, FAST), acc1 * alpha[:, None])
+        acc2 = tl.dot(p16, _plane_f16(vw, 2, FAST), acc2 * alpha[:, None])
+        acc3 = tl.dot(p16, _plane_f16(vw, 3, FAST), acc3 * alpha[:, None])
+        pm = p * vo[None, :]  # acc holds sum p16 c 2^-24 (scaled back after the loop)
     if TILE_SUMS:
         l_i = l_i * alpha[:, None] + p
         acc_m = acc_m * alpha[:, None] + pm
@@ -396,7 +368,7 @@ def _main_region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
+    QPAD: tl.constexpr = True, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -469,7 +441,7 @@ def _main_region(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True, PV_SUB,
+            TMA, bh, True,
         )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
         n0 = i_lo * BLOCK_N
@@ -477,7 +449,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, False,
-                TMA, bh, False, PV_SUB,
+                TMA, bh, False,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -486,13 +458,13 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, True,
-                TMA, bh, False, PV_SUB,
+                TMA, bh, False,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             tail * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True, PV_SUB,
+            TMA, bh, True,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
@@ -507,8 +479,8 @@ def _main_region(
         tl.store(obase + 2 * half[None, :] + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
     else:
         qc = 4 * tl.arange(0, HALF // 2)[None, :]
-        if PV_SUB:  # the planes were c 2^-24
-            acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
+        # the planes were c 2^-24
+        acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
         tl.store(obase + qc, (acc0 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
         tl.store(obase + qc + 1, (acc1 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
         tl.store(obase + qc + 2, (acc2 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
@@ -523,7 +495,6 @@ def _main_step_t(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
     EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
-    PV_SUB: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
     ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
@@ -559,14 +530,11 @@ def _main_step_t(
         vwt = tl.trans(_tma_rows(VWb, bh, n0, BLOCK_N, QV))  # [QV, BLOCK_N]
     else:
         vwt = tl.trans(_ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN))
-    acc0 = tl.dot(_plane_f16(vwt, 0, FAST, PV_SUB), p16, acc0 * alpha[None, :])  # [QV, GP]
-    acc1 = tl.dot(_plane_f16(vwt, 1, FAST, PV_SUB), p16, acc1 * alpha[None, :])
-    acc2 = tl.dot(_plane_f16(vwt, 2, FAST, PV_SUB), p16, acc2 * alpha[None, :])
-    acc3 = tl.dot(_plane_f16(vwt, 3, FAST, PV_SUB), p16, acc3 * alpha[None, :])
-    if PV_SUB:
-        pm = p * vo[:, None]
-    else:
-        pm = p * vo[:, None] - 1024.0 * p16.to(tl.float32)
+    acc0 = tl.dot(_plane_f16(vwt, 0, FAST), p16, acc0 * alpha[None, :])  # [QV, GP]
+    acc1 = tl.dot(_plane_f16(vwt, 1, FAST), p16, acc1 * alpha[None, :])
+    acc2 = tl.dot(_plane_f16(vwt, 2, FAST), p16, acc2 * alpha[None, :])
+    acc3 = tl.dot(_plane_f16(vwt, 3, FAST), p16, acc3 * alpha[None, :])
+    pm = p * vo[:, None]
     if TILE_SUMS:
         l_i = l_i * alpha[None, :] + p
         acc_m = acc_m * alpha[None, :] + pm
@@ -581,7 +549,7 @@ def _main_region_t(
     b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_main_region` with the transposed step (fp16 PV only)."""
     HALF: tl.constexpr = D // 2
@@ -630,7 +598,6 @@ def _main_region_t(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
-            PV_SUB,
         )  # fmt: skip
     if INTERP:
         n0 = i_lo * BLOCK_N
@@ -638,7 +605,7 @@ def _main_region_t(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, False, TMA, bh,
-                False, PV_SUB,
+                False,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -647,13 +614,12 @@ def _main_region_t(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, True, TMA, bh,
-                False, PV_SUB,
+                False,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             tail * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
-            PV_SUB,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=0)
@@ -662,8 +628,8 @@ def _main_region_t(
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + sp
     obase = OUT + orow[None, :] * D + 4 * tl.arange(0, QV)[:, None]  # [QV, GP]
-    if PV_SUB:  # the planes were c 2^-24
-        acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
+    # the planes were c 2^-24
+    acc0, acc1, acc2, acc3 = acc0 * V_UNSUB, acc1 * V_UNSUB, acc2 * V_UNSUB, acc3 * V_UNSUB
     tl.store(obase, (acc0 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
     tl.store(obase + 1, (acc1 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
     tl.store(obase + 2, (acc2 + acc_m[None, :]) * inv[None, :], mask=row_ok[None, :])
@@ -678,15 +644,15 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PV_SUB: tl.constexpr = True,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
-                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA, PV_SUB)
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA)
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PV_SUB)
+                     INTERP, True, TMA)
 
 
 @triton.jit
@@ -719,18 +685,13 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr, part=0, parts=1, MERGE_INTO: tl.constexpr = False,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
-    """The KV4-RL side slots (INT8 QK, bf16 PV, fp32 accumulate): part ``part`` of ``parts`` equal slices of
-    ``0..count_b-1``, state to slot ``orow_split``. ``MERGE_INTO``: that slot already holds this program's
-    INT4 split state (written before a CTA barrier); the two are merged by their LSEs into it."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
     cnt = tl.minimum(_scalar_load(COUNT + b), C)
-    per = tl.cdiv(cnt, parts)
-    lo = part * per
-    hi = tl.minimum(lo + per, cnt)
     rows = tl.arange(0, RP)
     row_ok = rows < G
     cols = tl.arange(0, D)
@@ -742,73 +703,19 @@ def _protected_region(
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, D], tl.float32)
     if INTERP:
-        n0 = lo
-        while n0 < hi:
-            m_i, l_i, acc = _protected_step(n0, hi, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
+        n0 = cnt * 0
+        while n0 < cnt:
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
             n0 += BLOCK_P
     else:
-        for n0 in range(lo, hi, BLOCK_P):
-            m_i, l_i, acc = _protected_step(n0, hi, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
+        for n0 in range(0, cnt, BLOCK_P):
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + orow_split
+    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    o = acc * inv[:, None]
-    if MERGE_INTO:
-        tl.debug_barrier()  # the split state was stored by other threads of this CTA
-        lse0 = tl.load(LSE + orow, mask=row_ok, other=float("-inf"))
-        o0 = tl.load(OUT + orow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
-        m = tl.maximum(lse0, lse)
-        any_ = m > float("-inf")
-        m_safe = tl.where(any_, m, 0.0)
-        w0 = tl.where(lse0 == float("-inf"), 0.0, tl.exp(lse0 - m_safe))
-        w1 = tl.where(nonempty, tl.exp(lse - m_safe), 0.0)
-        den = tl.where(any_, w0 + w1, 1.0)
-        # an empty side's o is 0 (never 0/0 here), so the weighted sum needs no select
-        o = (w0[:, None] * o0 + w1[:, None] * o) / den[:, None]
-        lse = tl.where(any_, m_safe + tl.log(den), float("-inf"))
-        tl.debug_barrier()  # every thread has read the old state before any overwrites it
-    tl.store(OUT + orow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
     tl.store(LSE + orow, lse, mask=row_ok)
-
-
-@triton.jit
-def _ticket(SEM, INTERP: tl.constexpr):
-    """Arrival number of this program at its (request, kv head) counter (0, 1, ...). Release: every
-    thread's state stores precede the barrier, and the barrier the one gpu-scope acq_rel add (CUTLASS's
-    semaphore pattern); acquire: the last arrival then reads the other programs' states."""
-    tl.debug_barrier()
-    if INTERP:  # the interpreter returns shape (1,) for pointer ops: keep it 0-d
-        return tl.sum(tl.atomic_add(SEM + tl.arange(0, 1), tl.full([1], 1, tl.int32), sem="acq_rel", scope="gpu"), 0)
-    return tl.atomic_add(SEM, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr, NS_P: tl.constexpr):
-    """The split merge of :func:`~kvlib.kernels.merge_tl.merge_splits` for the ``G`` query rows of one
-    (request, kv head), done by the program that arrives last: all ``NS`` states in two independent loads
-    (``NS_P`` a power of two >= NS), read through L2 (``.cg``): other SMs wrote them during this launch."""
-    HQ: tl.constexpr = HKV * G
-    rows = tl.arange(0, GP)
-    row_ok = rows < G
-    qrow = (b * HQ + h * G + rows).to(tl.int64)
-    cols = tl.arange(0, D)
-    sidx = tl.arange(0, NS_P)
-    ok = row_ok[:, None] & (sidx[None, :] < NS)
-    srow = qrow[:, None] * NS + sidx[None, :]  # [GP, NS_P]
-    lse_s = tl.load(LSE + srow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    o_s = tl.load(OUT + srow[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0,
-                  cache_modifier=".cg")  # [GP, NS_P, D]
-    m = tl.max(lse_s, 1)
-    nonempty = m > float("-inf")  # all splits empty: o = 0, lse = -inf
-    m_safe = tl.where(nonempty, m, 0.0)
-    empty = lse_s == float("-inf")
-    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe[:, None]))
-    den = tl.where(nonempty, tl.sum(w, 1), 1.0)
-    o = tl.sum(tl.where(empty[:, :, None], 0.0, w[:, :, None] * o_s), 1)  # an empty split's o may be 0/0
-    tl.store(O_F + qrow[:, None] * D + cols[None, :], o / den[:, None], mask=row_ok[:, None])
-    tl.store(LSE_F + qrow, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
@@ -816,41 +723,30 @@ def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
-    OUT, LSE, SEM, O_F, LSE_F,
+    OUT, LSE,
     sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    FUSE_MERGE: tl.constexpr = False, PROT_SPREAD: tl.constexpr = False, NS_P: tl.constexpr = 1,
-    PV_SUB: tl.constexpr = True, PROT_PAR: tl.constexpr = False,
+    PROT_PAR: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
     so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
-    ``PROT_SPREAD`` (grid ``(B, Hkv, SPLITS)``): split ``sp`` also takes slice ``sp`` of the side slots and
-    merges it into its own state in place: KV4's programs, states and merge, each a little longer.
     ``PROT_PAR`` (with ``PROT`` off): one more state slot per row, ``SPLITS``, which the standalone
-    protected kernel fills from a parallel stream (``prot_mode="parallel"``).
-    ``FUSE_MERGE``: the program that finishes last for its (request, kv head), counted on ``SEM`` (which
-    it resets to 0 for the next launch), merges the states into ``O_F``/``LSE_F``: no merge launch."""
+    protected kernel fills from a parallel stream (``prot_mode="parallel"``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + (PROT and not PROT_SPREAD) + PROT_PAR
+    NS = SPLITS + PROT + PROT_PAR
     if PROT:
-        if PROT_SPREAD:
+        if PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA, PV_SUB)
-            _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, sp, NS,
-                              HKV, G, GP, D, BLOCK_P, INTERP, sp, SPLITS, True)
-        elif PROT_LAST:
-            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
-                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA, PV_SUB)
+                    SCALE32, EVEN, INTERP, TMA)
             if sp == SPLITS - 1:
                 _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                                   HKV, G, GP, D, BLOCK_P, INTERP)
@@ -860,16 +756,11 @@ def _kv4_decode_kernel(
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP, TMA, PV_SUB)
+                         SCALE32, EVEN, INTERP, TMA)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA, PV_SUB)
-    if FUSE_MERGE:
-        sem = SEM + b * HKV + h
-        if _ticket(sem, INTERP) == SPLITS + (PROT and not PROT_LAST and not PROT_SPREAD) - 1:
-            _merge_group(OUT, LSE, O_F, LSE_F, b, h, NS, HKV, G, GP, D, NS_P)
-            tl.store(sem + tl.arange(0, 1), tl.zeros([1], tl.int32))  # stream order publishes it to the next launch
+                     INTERP, TMA)
 
 
 @dataclass(frozen=True)
@@ -897,17 +788,10 @@ class KV4KernelConfig:
       head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs). Measured on
       the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
       the last split becomes the straggler, while the extra programs of "own" fill the last wave's
-      idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"spread"``: split ``sp`` also takes
-      slice ``sp`` of the side slots and merges it into its own state in place, so KV4-RL launches
-      KV4's programs and states (one split: no merge launch either). ``"parallel"``: the standalone
+      idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"parallel"``: the standalone
       protected kernel (``side_warps`` warps, ``side_block_p`` slots per step: small enough to fit beside
       two main-kernel CTAs on an SM) runs on a forked stream while the main kernel (compiled without the
       protected path) runs; its state takes the last slot of the same split merge.
-    - ``fuse_merge``: the last program of each (request, kv head) to finish merges the split states
-      (an arrival counter per pair, reset by that program), instead of a second launch.
-    - ``pv_subnormal`` (fp16 PV): V codes enter the dot as the subnormal fp16 ``c 2^-24`` (the default)
-      instead of ``1024 + c``, whose fp32 accumulator carries a thousand times the output's scale and
-      loses accuracy in proportion to the positions a split accumulates.
     """
 
     block_n: int = 128
@@ -924,8 +808,6 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
-    fuse_merge: bool = False
-    pv_subnormal: bool = True
     side_block_p: int = 16
     side_warps: int = 2
 
@@ -938,7 +820,8 @@ _KMODES = ("planes", "bytes", "trans")
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
 #: two CTAs per SM that 255 registers allow, with one block of fixed cost per program (the "waves" sweep: one
 #: wave of programs beats more splits, and ragged batches lose with many splits); "own" protection (the "plans"
-#: sweep: "spread" and "last" are slower for KV4-RL at every shape timed, data/results/gpu/dev/kv4_sweep_plans.json)
+#: sweep: "last" and a since-removed "spread" layout are slower for KV4-RL at every shape timed,
+#: data/results/gpu/dev/kv4_sweep_plans.json)
 DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
 
 
@@ -983,7 +866,7 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
     return best
 
 
-_PROT_MODES = ("own", "last", "spread", "parallel")
+_PROT_MODES = ("own", "last", "parallel")
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -1009,25 +892,6 @@ def _join(device: torch.device, stream) -> None:
     freed or reused while the side stream still uses it."""
     if stream is not None:
         torch.cuda.current_stream(device).wait_stream(stream)
-
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``fuse_merge``, one per (request, kv head), kept per device:
-    every launch leaves them at 0 again, so no memset launch is needed and CUDA-graph replays reuse them.
-    Two fused launches must therefore not run at the same time on one device (streams in parallel):
-    there, set ``fuse_merge=False``."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fuse_merge: run the decode once outside CUDA-graph capture first (its arrival "
-                               "counters are allocated on first use)")
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
@@ -1151,9 +1015,8 @@ def kv4_main_decode(
     prot = side is not None
     if cfg.prot_mode not in _PROT_MODES:
         raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
-    prot_spread = prot and cfg.prot_mode == "spread"
     prot_par = prot and cfg.prot_mode == "parallel"
-    ns = splits + int(prot and not prot_spread)
+    ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1169,7 +1032,6 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     prot_last = prot and cfg.prot_mode == "last"
-    fuse = bool(cfg.fuse_merge) and ns > 1 and not prot_par  # the side kernel does not count arrivals
     side_stream = _fork(dev) if prot_par else None
     if prot_par:
         from kvlib.kernels.decode_protected import _protected_kernel
@@ -1182,31 +1044,22 @@ def kv4_main_decode(
                 HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.side_block_p, INTERP=not qp.q8.is_cuda,
                 num_warps=cfg.side_warps,
             )  # fmt: skip
-    if fuse:
-        o_f = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
-        lse_f = torch.empty(b, hq, dtype=torch.float32, device=dev)
-        sem = _arrival_counters(dev, b * hkv)
-    else:
-        o_f, lse_f, sem = o_s, lse_s, cnt  # unused
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_spread or prot_par else ns - int(prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_par else ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, sem, o_f, lse_f, sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot and not prot_par, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         PROT_PAR=prot_par,
-        INTERP=not qp.q8.is_cuda, TMA=tma, FUSE_MERGE=fuse, PROT_SPREAD=prot_spread,
-        NS_P=triton.next_power_of_2(ns) if fuse else 1, PV_SUB=bool(cfg.pv_subnormal),
+        INTERP=not qp.q8.is_cuda, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     if side_stream is not None:
         _join(dev, side_stream)
-    if fuse:
-        return o_f, lse_f
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     return merge_splits(o_s, lse_s, backend=backend)[:2]

@@ -440,10 +440,10 @@ the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe -
 `data/results/gpu/dev/kv4rl_decompose.json`) shows that at S = 16k most of KV4-RL's extra time is this
 structure, not the protected work: the extra programs wait for slots behind the INT4 programs, the
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
-launch that KV4 with one split does not. Four other layouts were timed and none was faster
-(`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"`), sliced over
-the splits and merged in place (`"spread"`), and the merge done inside the decode launch by the last
-program to finish (`fuse_merge=True`, with serial and with vectorised state reads).
+launch that KV4 with one split does not. Other layouts were timed and none was faster
+(`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"`), and two that
+were removed after losing: the slots sliced over the splits and merged in place, and the merge done
+inside the decode launch by the last program to finish.
 
 **Accuracy at long context.** The PV dot accumulates over every position of a split, so its rounding
 shows only at long context: with one split over 16k positions (what the plan gives pairs that fill
