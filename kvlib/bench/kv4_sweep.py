@@ -138,8 +138,10 @@ def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
     out = [("default", base), ("parallel", par)]
     if tiny:
         return out
+    # rows8 (8 query rows: tied the default on uniform shapes, won the ragged one) with each layout
     return out + [("parallel_w1", par.replace(side_warps=1)),
-                  ("parallel_bp32_w4", par.replace(side_block_p=32, side_warps=4))]
+                  ("parallel_bp32_w4", par.replace(side_block_p=32, side_warps=4)),
+                  ("rows8", base.replace(rows=8)), ("parallel_rows8", par.replace(rows=8))]
 
 
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
