@@ -115,7 +115,7 @@ def test_kernel_d128_word_paths(k_mode, n):
     _close(o, o_ref, 2e-3)
 
 
-@pytest.mark.parametrize("prot_mode", ["own", "last", "parallel"])
+@pytest.mark.parametrize("prot_mode", ["own", "packed", "last", "parallel"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_fused_kv4rl_prot_modes_match_reference(prot_mode, splits):
     """The protected region as its own program, run by the last INT4 split, or by the standalone kernel

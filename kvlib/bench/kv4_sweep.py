@@ -144,13 +144,26 @@ def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
                   ("rows8", base.replace(rows=8)), ("parallel_rows8", par.replace(rows=8))]
 
 
+def packed_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """The default ("own": one extra program per pair, dispatched after the INT4 programs) beside
+    ``prot_mode="packed"`` (the protected regions in the first programs, several pairs each, as many
+    programs as the last wave has idle slots: :func:`kvlib.kernels.decode_int4.protected_plan`), each
+    also with 8 query rows."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    out = [("default", base), ("packed", base.replace(prot_mode="packed"))]
+    if tiny:
+        return out
+    return out + [("rows8", base.replace(rows=8)), ("packed_rows8", base.replace(prot_mode="packed", rows=8))]
+
+
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
 FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
     "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
-    "par": par_variants,
+    "par": par_variants, "packed": packed_variants,
 }
 #: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
-RL_EACH = ("waves", "plans", "par")
+RL_EACH = ("waves", "plans", "par", "packed")
 
 
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
@@ -519,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
-                         "ones; 'par': the protected kernel on a forked stream (the last three time KV4-RL for "
-                         "each variant, at six shapes)")
+                         "ones; 'par': the protected kernel on a forked stream; 'packed': the protected regions packed "
+                         "into the first programs (the last four time KV4-RL for each variant, at six shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -137,7 +137,7 @@ def kv4_count() -> dict[str, Any]:
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=4, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
                  TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=False, BLOCK_P=cfg.block_p, INTERP=False,
-                 TMA=False, PROT_LAST=False, PROT_PAR=False)
+                 TMA=False, PROT_LAST=False, PROT_PAR=False, PROT_FIRST=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

@@ -718,18 +718,80 @@ def _protected_region(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
+@triton.jit
+def _protected_pairs(j0, j1, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
+                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                     INTERP: tl.constexpr):  # fmt: skip
+    """The protected regions of (request, kv head) pairs ``j0..j1-1`` (pair ``j`` = ``(j // HKV, j % HKV)``),
+    as :func:`_protected_region` each, in one flat loop over (pair, step): a loop over pairs around the
+    step loop made the compiler lengthen the INT4 loop of the same kernel by 7% (sm_90 SASS)."""
+    HQ: tl.constexpr = HKV * G
+    RP: tl.constexpr = GP if GP >= 16 else 16
+    rows = tl.arange(0, RP)
+    row_ok = rows < G
+    cols = tl.arange(0, D)
+    spp = tl.cdiv(C, BLOCK_P)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, D], tl.float32)
+    if INTERP:
+        t = j0 * 0
+        while t < (j1 - j0) * spp:
+            m_i, l_i, acc = _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE,
+                                                 sm_scale_log2, C, SPLITS, NS, HQ, HKV, G, RP, D, BLOCK_P, INTERP)
+            t += 1
+    else:
+        for t in range(0, (j1 - j0) * spp):
+            m_i, l_i, acc = _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE,
+                                                 sm_scale_log2, C, SPLITS, NS, HQ, HKV, G, RP, D, BLOCK_P, INTERP)
+
+
+@triton.jit
+def _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C,
+                         SPLITS, NS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
+                         D: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """Step ``t % spp`` of pair ``j0 + t // spp``: a fresh state at its first step, stored at its last."""
+    j = j0 + t // spp
+    st = t % spp
+    b = j // HKV
+    h = j % HKV
+    rows = tl.arange(0, RP)
+    row_ok = rows < G
+    cols = tl.arange(0, D)
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    first = st == 0
+    m_i = tl.where(first, float("-inf"), m_i)
+    l_i = tl.where(first, 0.0, l_i)
+    acc = tl.where(first, 0.0, acc)
+    cnt = tl.minimum(_scalar_load(COUNT + b), C)
+    n0 = st * BLOCK_P
+    if n0 < cnt:
+        q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
+        a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+        m_i, l_i, acc = _protected_step(n0, cnt, (b * HKV + h).to(tl.int64) * C, q, a_q, K8, K8S, V8, V8S, m_i, l_i,
+                                        acc, D, BLOCK_P, INTERP)
+    if st == spp - 1:
+        nonempty = l_i > 0
+        inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+        orow = qrow * NS + SPLITS
+        tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
+        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+        tl.store(LSE + orow, lse, mask=row_ok)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["C", "SPLITS", "NPROT", "PACK"])  # one binary for every split count and plan
 def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
     OUT, LSE,
-    sm_scale_log2, N, C, SPLITS,
+    sm_scale_log2, N, C, SPLITS, NPROT, PACK,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    PROT_PAR: tl.constexpr = False,
+    PROT_PAR: tl.constexpr = False, PROT_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -737,12 +799,28 @@ def _kv4_decode_kernel(
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
     so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
     ``PROT_PAR`` (with ``PROT`` off): one more state slot per row, ``SPLITS``, which the standalone
-    protected kernel fills from a parallel stream (``prot_mode="parallel"``)."""
+    protected kernel fills from a parallel stream (``prot_mode="parallel"``). ``PROT_FIRST``
+    (``prot_mode="packed"``): the protected programs are the plane ``sp = 0``, dispatched first; its
+    first ``NPROT`` programs (in dispatch order) take ``PACK`` pairs each, the others exit, and the
+    INT4 splits are the planes ``1..SPLITS``."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     NS = SPLITS + PROT + PROT_PAR
-    if PROT:
+    if PROT_FIRST:
+        if sp == 0:
+            li = b + tl.num_programs(0) * h
+            if li < NPROT:
+                j0 = li * PACK
+                _protected_pairs(j0, tl.minimum(j0 + PACK, tl.num_programs(0) * HKV), Q8, QS, K8, K8S, V8, V8S,
+                                 COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS, HKV, G, GP, D, BLOCK_P, INTERP)
+        else:
+            spm = sp - 1
+            tl.assume(spm >= 0)  # keeps the split's index arithmetic as narrow as a program id's
+            _region(b, h, spm, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                    SCALE32, EVEN, INTERP, TMA)
+    elif PROT:
         if PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
@@ -791,7 +869,10 @@ class KV4KernelConfig:
       idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"parallel"``: the standalone
       protected kernel (``side_warps`` warps, ``side_block_p`` slots per step: small enough to fit beside
       two main-kernel CTAs on an SM) runs on a forked stream while the main kernel (compiled without the
-      protected path) runs; its state takes the last slot of the same split merge.
+      protected path) runs; its state takes the last slot of the same split merge. ``"packed"``: the
+      protected regions go to the programs dispatched first, several pairs each (:func:`protected_plan`:
+      as many programs as the last wave has idle slots, when the packed work is no longer than an INT4
+      program), so at uniform long contexts they add no wave.
     """
 
     block_n: int = 128
@@ -866,7 +947,38 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
     return best
 
 
-_PROT_MODES = ("own", "last", "parallel")
+def protected_plan(pairs: int, splits: int, max_len: int, side_cap: int, block_n: int, device: torch.device,
+                   ctas_per_sm: int = 2, overhead_blocks: float = 1.0) -> tuple[int, int]:
+    """``(programs, pairs per program)`` for the protected regions of ``prot_mode="packed"``.
+
+    The same wave model as :func:`default_num_splits`: with ``R`` programs resident and ``M = pairs x
+    splits`` INT4 programs of ``max_len / (splits block_n) + overhead_blocks`` blocks each, ``k`` pairs per
+    protected program cost ``k x (2 side_cap / block_n + overhead_blocks / 2)`` blocks (an INT8 slot
+    reads about twice an INT4 position's bytes); the smallest ``k`` minimising ``waves x longest program``
+    is taken, so the protected work fills the last wave's idle slots instead of adding a wave (one pair
+    each when no slot is idle). CPU: two pairs per program (to exercise the packing)."""
+    if device.type != "cuda":
+        k = 2 if pairs > 1 else 1
+        return -(-pairs // k), k
+    resident = _sm_count(device.index or 0) * max(ctas_per_sm, 1)
+    blocks = triton.cdiv(max(max_len, 1), block_n)
+    main = blocks / splits + overhead_blocks
+    per_pair = 2 * side_cap / block_n + overhead_blocks / 2
+    m = pairs * splits
+    best, best_cost = 1, float("inf")
+    k = 1
+    while True:
+        progs = -(-pairs // k)
+        cost = -(-(m + progs) // resident) * max(main, k * per_pair + overhead_blocks / 2)
+        if cost < best_cost * (1 - 1e-9):
+            best, best_cost = k, cost
+        if k >= pairs:
+            break
+        k = min(pairs, 2 * k)
+    return -(-pairs // best), best
+
+
+_PROT_MODES = ("own", "packed", "last", "parallel")
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -1044,16 +1156,19 @@ def kv4_main_decode(
                 HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.side_block_p, INTERP=not qp.q8.is_cuda,
                 num_warps=cfg.side_warps,
             )  # fmt: skip
+    n_prot, pack = 0, 1
+    if prot and cfg.prot_mode == "packed":
+        n_prot, pack = protected_plan(b * hkv, splits, n, c, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_par else ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits, n_prot, pack,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot and not prot_par, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
-        PROT_PAR=prot_par,
+        PROT_PAR=prot_par, PROT_FIRST=prot and cfg.prot_mode == "packed",
         INTERP=not qp.q8.is_cuda, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
