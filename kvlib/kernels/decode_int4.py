@@ -727,9 +727,6 @@ def _protected_pairs(j0, j1, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale
     step loop made the compiler lengthen the INT4 loop of the same kernel by 7% (sm_90 SASS)."""
     HQ: tl.constexpr = HKV * G
     RP: tl.constexpr = GP if GP >= 16 else 16
-    rows = tl.arange(0, RP)
-    row_ok = rows < G
-    cols = tl.arange(0, D)
     spp = tl.cdiv(C, BLOCK_P)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
