@@ -747,7 +747,9 @@ def _protected_pairs(j0, j1, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale
 def _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C,
                          SPLITS, NS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
                          D: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Step ``t % spp`` of pair ``j0 + t // spp``: a fresh state at its first step, stored at its last."""
+    """Step ``t % spp`` of pair ``j0 + t // spp``: a fresh state at its first step, stored at its last.
+    Every load is unconditional (masked) so the compiler can pipeline the loop across steps and pairs;
+    a step past the pair's count is all masked and leaves the state as it is (NaN-safe maximum)."""
     j = j0 + t // spp
     st = t % spp
     b = j // HKV
@@ -757,16 +759,32 @@ def _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, CO
     cols = tl.arange(0, D)
     qrow = (b * HQ + h * G + rows).to(tl.int64)
     first = st == 0
+    cnt = tl.minimum(_scalar_load(COUNT + b), C)
+    offs = st * BLOCK_P + tl.arange(0, BLOCK_P)
+    nm = offs < cnt
+    slot = (b * HKV + h).to(tl.int64) * C + offs
+    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    ks = tl.load(K8S + slot, mask=nm, other=0.0).to(tl.float32)
+    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
     m_i = tl.where(first, float("-inf"), m_i)
     l_i = tl.where(first, 0.0, l_i)
     acc = tl.where(first, 0.0, acc)
-    cnt = tl.minimum(_scalar_load(COUNT + b), C)
-    n0 = st * BLOCK_P
-    if n0 < cnt:
-        q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
-        a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-        m_i, l_i, acc = _protected_step(n0, cnt, (b * HKV + h).to(tl.int64) * C, q, a_q, K8, K8S, V8, V8S, m_i, l_i,
-                                        acc, D, BLOCK_P, INTERP)
+    sc = tl.dot(q, tl.trans(k)).to(tl.float32) * (a_q[:, None] * ks[None, :])
+    sc = tl.where(nm[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
+    if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_i = m_new
     if st == spp - 1:
         nonempty = l_i > 0
         inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
