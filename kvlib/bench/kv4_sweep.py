@@ -96,7 +96,7 @@ def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
         ("bn128_maxnreg168", base.replace(block_n=128, maxnreg=168, ctas_per_sm=3)),
         ("bn128_sums_off", base.replace(block_n=128, tile_sums=False, ctas_per_sm=4)),
         ("bn128_rows8_sums_off", base.replace(block_n=128, rows=8, tile_sums=False, ctas_per_sm=4)),
-        ("rows8", base.replace(rows=8)),
+        ("rows4", base.replace(rows=4)),  # the GQA group's own rows (the default before MIN_ROWS)
     ]
 
 
@@ -128,42 +128,12 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return out + [("last", base.replace(prot_mode="last"))]
 
 
-def par_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default ("own": the protected region as extra programs of the one launch) beside the standalone
-    protected kernel on a forked stream (``prot_mode="parallel"``), whose small CTAs fit beside two
-    main-kernel CTAs per SM (offline sm_90 count: 2 warps x 127 registers at 16 slots per step)."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
-
-    par = base.replace(prot_mode="parallel")
-    out = [("default", base), ("parallel", par)]
-    if tiny:
-        return out
-    # rows8 (8 query rows: tied the default on uniform shapes, won the ragged one) with each layout
-    return out + [("parallel_w1", par.replace(side_warps=1)),
-                  ("parallel_bp32_w4", par.replace(side_block_p=32, side_warps=4)),
-                  ("rows8", base.replace(rows=8)), ("parallel_rows8", par.replace(rows=8))]
-
-
-def packed_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default ("own": one extra program per pair, dispatched after the INT4 programs) beside
-    ``prot_mode="packed"`` (the protected regions in the first programs, several pairs each, as many
-    programs as the last wave has idle slots: :func:`kvlib.kernels.decode_int4.protected_plan`), each
-    also with 8 query rows."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
-
-    out = [("default", base), ("packed", base.replace(prot_mode="packed"))]
-    if tiny:
-        return out
-    return out + [("rows8", base.replace(rows=8)), ("packed_rows8", base.replace(prot_mode="packed", rows=8))]
-
-
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
 FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
     "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
-    "par": par_variants, "packed": packed_variants,
 }
 #: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
-RL_EACH = ("waves", "plans", "par", "packed")
+RL_EACH = ("waves", "plans")
 
 
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
@@ -532,8 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
-                         "ones; 'par': the protected kernel on a forked stream; 'packed': the protected regions packed "
-                         "into the first programs (the last four time KV4-RL for each variant, at six shapes)")
+                         "ones (the last two time KV4-RL for each variant, at six shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

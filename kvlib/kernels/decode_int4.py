@@ -42,7 +42,6 @@ is a fold of :func:`kvlib.merge.merge_states`. Launch parameters live in :class:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -718,124 +717,28 @@ def _protected_region(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
-@triton.jit
-def _protected_pairs(j0, j1, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                     INTERP: tl.constexpr):  # fmt: skip
-    """The protected regions of (request, kv head) pairs ``j0..j1-1`` (pair ``j`` = ``(j // HKV, j % HKV)``),
-    as :func:`_protected_region` each, in one flat loop over (pair, step): a loop over pairs around the
-    step loop made the compiler lengthen the INT4 loop of the same kernel by 7% (sm_90 SASS)."""
-    HQ: tl.constexpr = HKV * G
-    RP: tl.constexpr = GP if GP >= 16 else 16
-    spp = tl.cdiv(C, BLOCK_P)
-    m_i = tl.full([RP], float("-inf"), tl.float32)
-    l_i = tl.zeros([RP], tl.float32)
-    acc = tl.zeros([RP, D], tl.float32)
-    if INTERP:
-        t = j0 * 0
-        while t < (j1 - j0) * spp:
-            m_i, l_i, acc = _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE,
-                                                 sm_scale_log2, C, SPLITS, NS, HQ, HKV, G, RP, D, BLOCK_P, INTERP)
-            t += 1
-    else:
-        for t in range(0, (j1 - j0) * spp):
-            m_i, l_i, acc = _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE,
-                                                 sm_scale_log2, C, SPLITS, NS, HQ, HKV, G, RP, D, BLOCK_P, INTERP)
-
-
-@triton.jit
-def _protected_flat_step(t, j0, spp, m_i, l_i, acc, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C,
-                         SPLITS, NS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, RP: tl.constexpr,
-                         D: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Step ``t % spp`` of pair ``j0 + t // spp``: a fresh state at its first step, stored at its last.
-    Every load is unconditional (masked) so the compiler can pipeline the loop across steps and pairs;
-    a step past the pair's count is all masked and leaves the state as it is (NaN-safe maximum)."""
-    j = j0 + t // spp
-    st = t % spp
-    b = j // HKV
-    h = j % HKV
-    rows = tl.arange(0, RP)
-    row_ok = rows < G
-    cols = tl.arange(0, D)
-    qrow = (b * HQ + h * G + rows).to(tl.int64)
-    first = st == 0
-    cnt = tl.minimum(_scalar_load(COUNT + b), C)
-    offs = st * BLOCK_P + tl.arange(0, BLOCK_P)
-    nm = offs < cnt
-    slot = (b * HKV + h).to(tl.int64) * C + offs
-    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
-    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-    k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
-    ks = tl.load(K8S + slot, mask=nm, other=0.0).to(tl.float32)
-    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
-    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
-    m_i = tl.where(first, float("-inf"), m_i)
-    l_i = tl.where(first, 0.0, l_i)
-    acc = tl.where(first, 0.0, acc)
-    sc = tl.dot(q, tl.trans(k)).to(tl.float32) * (a_q[:, None] * ks[None, :])
-    sc = tl.where(nm[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(sc - m_safe[:, None])
-    v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
-    if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
-    else:
-        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    m_i = m_new
-    if st == spp - 1:
-        nonempty = l_i > 0
-        inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-        orow = qrow * NS + SPLITS
-        tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
-        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-        tl.store(LSE + orow, lse, mask=row_ok)
-    return m_i, l_i, acc
-
-
-@triton.jit(do_not_specialize=["C", "SPLITS", "NPROT", "PACK"])  # one binary for every split count and plan
+@triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
 def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
     OUT, LSE,
-    sm_scale_log2, N, C, SPLITS, NPROT, PACK,
+    sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    PROT_PAR: tl.constexpr = False, PROT_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
-    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
-    ``PROT_PAR`` (with ``PROT`` off): one more state slot per row, ``SPLITS``, which the standalone
-    protected kernel fills from a parallel stream (``prot_mode="parallel"``). ``PROT_FIRST``
-    (``prot_mode="packed"``): the protected programs are the plane ``sp = 0``, dispatched first; its
-    first ``NPROT`` programs (in dispatch order) take ``PACK`` pairs each, the others exit, and the
-    INT4 splits are the planes ``1..SPLITS``."""
+    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT + PROT_PAR
-    if PROT_FIRST:
-        if sp == 0:
-            li = b + tl.num_programs(0) * h
-            if li < NPROT:
-                j0 = li * PACK
-                _protected_pairs(j0, tl.minimum(j0 + PACK, tl.num_programs(0) * HKV), Q8, QS, K8, K8S, V8, V8S,
-                                 COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS, HKV, G, GP, D, BLOCK_P, INTERP)
-        else:
-            spm = sp - 1
-            tl.assume(spm >= 0)  # keeps the split's index arithmetic as narrow as a program id's
-            _region(b, h, spm, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
-                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA)
-    elif PROT:
+    NS = SPLITS + PROT
+    if PROT:
         if PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
@@ -870,8 +773,9 @@ class KV4KernelConfig:
       K = d/2), ``"planes"`` int16 words split into four nibble planes (four dots of K = d/4; needs
       d >= 128), ``"trans"`` bytes but transposed throughout (``s^T = codes @ q^T``,
       ``o^T += V^T @ p^T``: code tiles as A operands, query rows in N; fp16 PV only).
-    - ``rows``: query rows per tile (``None``: the GQA group rounded up to a power of two; the
-      tensor cores pad small tiles themselves, so fewer rows means less softmax arithmetic).
+    - ``rows``: query rows per tile (``None``: the GQA group rounded up to a power of two, at least
+      :data:`MIN_ROWS`; the tensor cores pad small tiles themselves, so fewer rows means less softmax
+      arithmetic, but 8 rows timed at least as fast as 4 at GQA 4, ``data/results/gpu/dev/kv4_sweep_packed2.json``).
     - ``tile_sums``: per-element softmax-sum tiles (one reduction after the loop instead of two per block).
     - ``block_p``: side slots per step of the protected region; ``maxnreg``: register cap.
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
@@ -881,13 +785,11 @@ class KV4KernelConfig:
       head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs). Measured on
       the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
       the last split becomes the straggler, while the extra programs of "own" fill the last wave's
-      idle slots) (data/results/gpu/dev/kv4_prot_last.json). ``"parallel"``: the standalone
-      protected kernel (``side_warps`` warps, ``side_block_p`` slots per step: small enough to fit beside
-      two main-kernel CTAs on an SM) runs on a forked stream while the main kernel (compiled without the
-      protected path) runs; its state takes the last slot of the same split merge. ``"packed"``: the
-      protected regions go to the programs dispatched first, several pairs each (:func:`protected_plan`:
-      as many programs as the last wave has idle slots, when the packed work is no longer than an INT4
-      program), so at uniform long contexts they add no wave.
+      idle slots) (data/results/gpu/dev/kv4_prot_last.json). Two more layouts were timed and removed
+      (``data/results/gpu/dev/kv4_sweep_par.json``, ``kv4_sweep_packed2.json``): the standalone
+      protected kernel on a forked stream beside the INT4 kernel, and the protected regions packed
+      several pairs per program into the last wave's idle slots; both were slower than ``"own"``
+      at every shape timed (a protected pair is latency-bound while the INT4 programs saturate memory).
     """
 
     block_n: int = 128
@@ -904,8 +806,6 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
-    side_block_p: int = 16
-    side_warps: int = 2
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -913,6 +813,10 @@ class KV4KernelConfig:
 
 
 _KMODES = ("planes", "bytes", "trans")
+#: fewest query rows per tile when ``rows`` is None: 8 rows (218 registers) tied or beat the GQA group's 4 at
+#: every shape of three H200 sweeps (B=32, S=16k: 0.161 vs 0.163 ms; ragged B=320: 0.464 vs 0.483 ms;
+#: data/results/gpu/dev/kv4_sweep_par.json, kv4_sweep_packed.json, kv4_sweep_packed2.json)
+MIN_ROWS = 8
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
 #: two CTAs per SM that 255 registers allow, with one block of fixed cost per program (the "waves" sweep: one
 #: wave of programs beats more splits, and ragged batches lose with many splits); "own" protection (the "plans"
@@ -962,65 +866,7 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
     return best
 
 
-def protected_plan(pairs: int, splits: int, max_len: int, side_cap: int, block_n: int, device: torch.device,
-                   ctas_per_sm: int = 2, overhead_blocks: float = 1.0) -> tuple[int, int]:
-    """``(programs, pairs per program)`` for the protected regions of ``prot_mode="packed"``.
-
-    The same wave model as :func:`default_num_splits`: with ``R`` programs resident and ``M = pairs x
-    splits`` INT4 programs of ``max_len / (splits block_n) + overhead_blocks`` blocks each, ``k`` pairs per
-    protected program cost ``k x (2 side_cap / block_n + overhead_blocks / 2)`` blocks (an INT8 slot
-    reads about twice an INT4 position's bytes); the smallest ``k`` minimising ``waves x longest program``
-    is taken, so the protected work fills the last wave's idle slots instead of adding a wave (one pair
-    each when no slot is idle). CPU: two pairs per program (to exercise the packing)."""
-    if device.type != "cuda":
-        k = 2 if pairs > 1 else 1
-        return -(-pairs // k), k
-    resident = _sm_count(device.index or 0) * max(ctas_per_sm, 1)
-    blocks = triton.cdiv(max(max_len, 1), block_n)
-    main = blocks / splits + overhead_blocks
-    per_pair = 2 * side_cap / block_n + overhead_blocks / 2
-    m = pairs * splits
-    best, best_cost = 1, float("inf")
-    k = 1
-    while True:
-        progs = -(-pairs // k)
-        cost = -(-(m + progs) // resident) * max(main, k * per_pair + overhead_blocks / 2)
-        if cost < best_cost * (1 - 1e-9):
-            best, best_cost = k, cost
-        if k >= pairs:
-            break
-        k = min(pairs, 2 * k)
-    return -(-pairs // best), best
-
-
-_PROT_MODES = ("own", "packed", "last", "parallel")
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _fork(device: torch.device):
-    """A side stream (one per device, reused) that first waits for the current stream; ``None`` on the
-    CPU. Forking and joining by stream waits is what CUDA-graph capture records as parallel branches."""
-    if device.type != "cuda":
-        return None
-    side = _SIDE_STREAMS.get(device.index or 0)
-    if side is None:
-        side = _SIDE_STREAMS.setdefault(device.index or 0, torch.cuda.Stream(device))
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
-
-
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _join(device: torch.device, stream) -> None:
-    """The current stream waits for the side stream. The side launch only reads inputs and writes its slot
-    of the split states, which the current stream allocated and reads after this wait, so no tensor is
-    freed or reused while the side stream still uses it."""
-    if stream is not None:
-        torch.cuda.current_stream(device).wait_stream(stream)
-
-
+_PROT_MODES = ("own", "last")
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
     check_tensor("k8", side.k8, ndim=4, dtype=torch.int8)
     check_tensor("v8", side.v8, ndim=4, dtype=torch.int8)
@@ -1128,7 +974,7 @@ def kv4_main_decode(
     q8 = qp.q8.contiguous()
     if cfg.k_mode not in _KMODES:
         raise ValueError(f"k_mode must be one of {_KMODES}, got {cfg.k_mode!r}")
-    gp = cfg.rows or triton.next_power_of_2(g)
+    gp = cfg.rows or max(MIN_ROWS, triton.next_power_of_2(g))
     if gp < g or gp & (gp - 1):
         raise ValueError(f"rows={cfg.rows} must be a power of two >= the GQA group {g}")
     if qp.q8.is_cuda and d < 64:
@@ -1142,7 +988,6 @@ def kv4_main_decode(
     prot = side is not None
     if cfg.prot_mode not in _PROT_MODES:
         raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
-    prot_par = prot and cfg.prot_mode == "parallel"
     ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
@@ -1159,37 +1004,19 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     prot_last = prot and cfg.prot_mode == "last"
-    side_stream = _fork(dev) if prot_par else None
-    if prot_par:
-        from kvlib.kernels.decode_protected import _protected_kernel
-
-        # its own small binary, launched first from a forked stream: with the main kernel's two CTAs per
-        # SM resident, a 2-warp protected CTA still fits beside them (registers, shared memory)
-        with _on(side_stream):
-            _protected_kernel[(b, hkv)](
-                q8, qp.scale, k8, k8s, v8, v8s, cnt, o_s, lse_s, sm_scale * LOG2E, c, splits, ns,
-                HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.side_block_p, INTERP=not qp.q8.is_cuda,
-                num_warps=cfg.side_warps,
-            )  # fmt: skip
-    n_prot, pack = 0, 1
-    if prot and cfg.prot_mode == "packed":
-        n_prot, pack = protected_plan(b * hkv, splits, n, c, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if prot_par else ns - int(prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits, n_prot, pack,
+        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
-        EVEN=n % cfg.block_n == 0, PROT=prot and not prot_par, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
-        PROT_PAR=prot_par, PROT_FIRST=prot and cfg.prot_mode == "packed",
+        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         INTERP=not qp.q8.is_cuda, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
-    if side_stream is not None:
-        _join(dev, side_stream)
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     return merge_splits(o_s, lse_s, backend=backend)[:2]

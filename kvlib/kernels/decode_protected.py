@@ -21,16 +21,15 @@ from kvlib._checks import check_tensor
 from kvlib.kernels.decode_int4 import LOG2E, QueryInt8, _protected_region, region_attention_ref, use_triton
 
 
-@triton.jit(do_not_specialize=["SLOT", "NS"])
+@triton.jit
 def _protected_kernel(
-    Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2, C, SLOT, NS,
+    Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2, C,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(B, Hkv)``: the same region code the fused KV4-RL launch runs as its extra split; the state goes
-    to slot ``SLOT`` of ``NS`` per row (``0`` of ``1``: plain ``[B, Hq, d]`` outputs)."""
+    """Grid ``(B, Hkv)``: the same region code the fused KV4-RL launch runs as its extra split."""
     _protected_region(tl.program_id(0), tl.program_id(1), Q8, QS, K8, KS, V8, VS, COUNT, OUT, LSE, sm_scale_log2,
-                      C, SLOT, NS, HKV, G, GP, D, BLOCK_N, INTERP)
+                      C, 0, 1, HKV, G, GP, D, BLOCK_N, INTERP)
 
 
 def protected_decode_ref(
@@ -73,7 +72,7 @@ def protected_decode(
     g = hq // hkv
     _protected_kernel[(b, hkv)](
         qp.q8.contiguous(), qp.scale, k8.contiguous(), k_scale.contiguous(), v8.contiguous(), v_scale.contiguous(),
-        count.to(torch.int32), o, lse, sm_scale * LOG2E, c, 0, 1,
+        count.to(torch.int32), o, lse, sm_scale * LOG2E, c,
         HKV=hkv, G=g, GP=triton.next_power_of_2(g), D=d, BLOCK_N=block_n, INTERP=not k8.is_cuda, num_warps=4,
     )  # fmt: skip
     return o, lse
