@@ -135,7 +135,8 @@ def kv4_count() -> dict[str, Any]:
     from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, MIN_ROWS, _kv4_decode_kernel
 
     cfg = DEFAULT_CONFIG
-    const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
+    const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv,
+                 KMODE=_KMODES.index(cfg.k_mode),
                  TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=False, BLOCK_P=cfg.block_p, INTERP=False,
                  TMA=False, PROT_LAST=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
