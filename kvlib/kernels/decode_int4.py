@@ -88,7 +88,8 @@ def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
 
 
 @triton.jit
-def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr):
+def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr,
+                       PREC: tl.constexpr = "ieee"):
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rok = rows < n_rows
@@ -97,7 +98,7 @@ def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.conste
     q = tl.load(Q + offs, mask=rok[:, None], other=0.0).to(tl.float32)
     if ROTATE:
         h = tl.load(H + cols[:, None] * D + cols[None, :])
-        q = tl.dot(q, h, input_precision="ieee")
+        q = tl.dot(q, h, input_precision=PREC)
     amax = tl.max(tl.abs(q), axis=1)
     scale = amax / 127.0
     safe = tl.where(scale > 0, scale, 1.0)
@@ -113,8 +114,13 @@ def _hmat(d: int, device: str) -> torch.Tensor:
     return hadamard_matrix(d, torch.float32).to(device).contiguous()
 
 
-def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto") -> QueryInt8:
-    """Rotate ``q [B, Hq, d]`` by the normalised Hadamard (keys are stored rotated) and quantise to INT8."""
+def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", precision: str = "ieee") -> QueryInt8:
+    """Rotate ``q [B, Hq, d]`` by the normalised Hadamard (keys are stored rotated) and quantise to INT8.
+
+    ``precision``: the rotation dot's ``input_precision`` on the GPU (``"ieee"``: fp32 FMAs; ``"tf32x3"``:
+    three tf32 tensor-core dots, about fp32 accuracy)."""
+    if precision not in ("ieee", "tf32x3", "tf32"):
+        raise ValueError(f"precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
     check_tensor("q", q, ndim=3, floating=True)
     if not use_triton(q, backend):
         return prepare_query_ref(q, rotate)
@@ -125,7 +131,8 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto") -
     qsum = torch.empty_like(qs)
     r = 16
     n = b * hq
-    _prep_query_kernel[(triton.cdiv(n, r),)](qc, _hmat(d, str(q.device)), q8, qs, qsum, n, D=d, R=r, ROTATE=rotate)
+    _prep_query_kernel[(triton.cdiv(n, r),)](qc, _hmat(d, str(q.device)), q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
+                                             PREC=precision if q.is_cuda else "ieee")
     return QueryInt8(q8, qs, qsum)
 
 
