@@ -153,11 +153,11 @@ def kv4_decode(
     ``config`` sets the kernel's launch parameters (default :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG`).
     """
     _check_q(q, cache)
+    qp = qp or prepare_query(q, rotate=True, backend=backend)
     c = cache
     start, end = c._zeros, c.lengths  # all positions, whether or not a side buffer exists
-    # the raw query: the decode kernel rotates and quantises it itself (KV4KernelConfig.fuse_query)
     return kv4_main_decode(
-        q if qp is None else qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
+        qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
         sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config,
     )  # fmt: skip
 
@@ -184,13 +184,12 @@ def kv4rl_decode(
     _check_q(q, cache)
     side = side_buffer(cache)
     c = cache
-    start, end = c.main_range()
-    args = (c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
-    if fused:  # the raw query: the kernel prepares its own rows (KV4KernelConfig.fuse_query)
-        return kv4_main_decode(q, *args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config,
-                               side=side)
     qp = prepare_query(q, rotate=True, backend=backend)
-    o_m, lse_m = kv4_main_decode(qp, *args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config)
+    start, end = c.main_range()
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    if fused:
+        return kv4_main_decode(*args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config, side=side)
+    o_m, lse_m = kv4_main_decode(*args, sm_scale=sm_scale, int_pv=int_pv, backend=backend, config=config)
     o_p, lse_p = protected_decode(qp, *side, sm_scale=sm_scale, backend=backend)
     return merge(o_m, lse_m, o_p, lse_p)
 

@@ -61,31 +61,6 @@ def test_prepare_query_kernel_matches_reference():
     assert torch.allclose(a.qsum, b.qsum, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_side", [False, True])
-def test_fused_query_preparation_is_exact(dtype, with_side):
-    """Given the raw query, the decode kernel rotates and quantises its own rows (the Hadamard butterfly
-    and IEEE divisions of prepare_query_ref): the result equals the launch given the reference's
-    prepared query, bit for bit, with and without the protected region."""
-    q, k, v = _qkv(12)
-    q = q.to(dtype)
-    lengths = torch.tensor([90, 17, 0])
-    cache = build_kv4_batch(k, v, lengths, sink=4, recent=16)
-    start, end = cache.main_range()
-    args = (cache.k_codes, cache.k_scale, cache.k_off, cache.v_codes, cache.v_scale, cache.v_off, start, end)
-    side = side_buffer(cache) if with_side else None
-    cfg = DEFAULT_CONFIG.replace(block_n=16)
-    o_f, lse_f = kv4_main_decode(q, *args, backend="triton", config=cfg, side=side)
-    o_r, lse_r = kv4_main_decode(prepare_query_ref(q), *args, backend="triton", config=cfg, side=side)
-    assert torch.equal(o_f, o_r) and torch.equal(lse_f, lse_r)
-    # without fusion the raw query goes through the prepare_query launch first: same values
-    o_u, lse_u = kv4_main_decode(q, *args, backend="triton", config=cfg.replace(fuse_query=False), side=side)
-    _close(lse_u, lse_r, 1e-5)
-    _close(o_u, o_r, 1e-4)
-    with pytest.raises(TypeError, match="qp"):
-        kv4_main_decode(q.tolist(), *args, backend="triton", config=cfg)
-
-
 @pytest.mark.parametrize("int_pv", [False, True])
 def test_main_kernel_matches_reference_ragged(int_pv):
     q, k, v = _qkv()

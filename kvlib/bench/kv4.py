@@ -138,14 +138,14 @@ def _accuracy_check(dev: str) -> dict:
     # long context: the PV accumulation runs over every position of a split, so its rounding shows only
     # here; one split (what the split plan gives pairs that fill the GPU) against sixteen. Reference with
     # the kernel's own INT8 query, values with a mean offset as real ones have
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG, prepare_query_ref
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG, prepare_query
 
     b2, n2 = 2, 16384
     k2 = torch.randn(b2, HKV, n2, D, device=dev, generator=g)
     v2 = torch.randn(b2, HKV, n2, D, device=dev, generator=g) + 1.0
     q2 = torch.randn(b2, HQ, D, device=dev, generator=g)
     c2 = build_kv4_batch(k2, v2, torch.full((b2,), n2, device=dev))
-    o_ref, lse_ref = decode_ref(q2, c2, qp=prepare_query_ref(q2))  # the kernel's own query (fuse_query: exact)
+    o_ref, lse_ref = decode_ref(q2, c2, qp=prepare_query(q2))
     for s in (1, 16):
         o, lse = kv4_decode(q2, c2, config=DEFAULT_CONFIG.replace(num_splits=s))
         out[f"kv4_16k_splits{s}_max_abs_err_o"] = float((o - o_ref).abs().max())

@@ -128,21 +128,12 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return out + [("last", base.replace(prot_mode="last"))]
 
 
-def fuse_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default (each decode program rotates and quantises its own query rows) beside the query
-    prepared by its own launch first (``fuse_query=False``)."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
-
-    return [("default", base), ("prep_launch", base.replace(fuse_query=False))]
-
-
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
 FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
     "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
-    "fuse": fuse_variants,
 }
 #: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
-RL_EACH = ("waves", "plans", "fuse")
+RL_EACH = ("waves", "plans")
 
 
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
@@ -204,10 +195,12 @@ def _precompile_one(item: tuple[str, dict, bool]) -> tuple[str, bool, float, str
     name, cfg_dict, prot = item
     t0 = time.perf_counter()
     try:
-        from kvlib.kernels.decode_int4 import KV4KernelConfig, SideBuffer, kv4_main_decode
+        from kvlib.kernels.decode_int4 import KV4KernelConfig, QueryInt8, SideBuffer, kv4_main_decode
 
         dev, b, n, c = "cuda", 1, 1024, SINK + RECENT
-        qp = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)  # raw: the kernel prepares it (fuse_query)
+        q8 = torch.randint(-127, 128, (b, HQ, D), dtype=torch.int8, device=dev)
+        qs = torch.rand(b, HQ, device=dev) * 0.01
+        qp = QueryInt8(q8, qs, qs * q8.float().sum(-1))
         codes = torch.randint(0, 256, (b, HKV, n, D // 2), dtype=torch.uint8, device=dev)
         sc = torch.rand(b, HKV, n, device=dev).half() * 0.1
         start, end = torch.zeros(b, dtype=torch.int32, device=dev), torch.full((b,), n, dtype=torch.int32, device=dev)
@@ -279,7 +272,7 @@ class Sweep:
     # ------------------------------------------------------------------------------------------
     def check(self, variants: list[tuple[str, object]]) -> list[tuple[str, object]]:
         """Each variant vs the torch reference on a small ragged batch; returns the variants that pass."""
-        from kvlib.kernels.decode_int4 import kv4_main_decode_ref, prepare_query_ref
+        from kvlib.kernels.decode_int4 import kv4_main_decode_ref, prepare_query, prepare_query_ref
         from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 
         tiny = self.tiny
@@ -299,14 +292,14 @@ class Sweep:
         c = cache
         o_ref, lse_ref = kv4_main_decode_ref(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off,
                                              c._zeros, c.lengths)
-        orl_ref, lserl_ref = decode_ref(q, cache, qp=qp)  # the kernels' own INT8 query (fuse_query: exact)
+        orl_ref, lserl_ref = decode_ref(q, cache, qp=prepare_query(q))  # the kernels' own INT8 query
         ok = []
         print("== correctness vs torch reference (small ragged batch)", flush=True)
         n_odd = n - 5  # odd and off every block size: masked loads, 16-bit scale loads
         oc = build_kv4_batch(k[:, :, :n_odd].contiguous(), v[:, :, :n_odd].contiguous(), lengths.clamp(max=n_odd),
                              sink=sink, recent=recent)
         odd = (oc, kv4_main_decode_ref(qp, oc.k_codes, oc.k_scale, oc.k_off, oc.v_codes, oc.v_scale, oc.v_off,
-                                       oc._zeros, oc.lengths), decode_ref(q, oc, qp=qp))
+                                       oc._zeros, oc.lengths), decode_ref(q, oc, qp=prepare_query(q)))
         extra = [("default_oddN", dict(variants)["default"])] if "default" in dict(variants) else []
         for name, cfg in variants + extra:
             row = {}
@@ -509,8 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
-                         "ones; 'fuse': the query prepared in the decode kernel or by its own launch (the last "
-                         "three time KV4-RL for each variant, at six shapes)")
+                         "ones (the last two time KV4-RL for each variant, at six shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -109,37 +109,6 @@ def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.conste
     tl.store(QSUM + rows, scale * tl.sum(qi, axis=1), mask=rok)
 
 
-@triton.jit
-def _rotate_quantize(Q, qrow, row_ok, D: tl.constexpr):
-    """Rows ``qrow`` of the raw query ``Q`` (any float dtype; rows not ``row_ok`` are zero): the normalised
-    Walsh-Hadamard transform (the butterfly of :func:`kvlib.hadamard.hadamard`, same order, fp32) and the
-    INT8 quantisation of :func:`prepare_query_ref` (IEEE divisions). Returns the codes (fp32 values) and
-    the per-row scales: the decode kernel prepares its own query rows (no launch before it)."""
-    cols = tl.arange(0, D)
-    x = tl.load(Q + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    R: tl.constexpr = x.shape[0]
-    for k in tl.static_range(16):  # widths 1, 2, 4, ... below D (D a power of two)
-        if (1 << k) < D:
-            y = tl.permute(tl.reshape(x, [R, D // (2 << k), 2, 1 << k]), [0, 1, 3, 2])
-            a, b = tl.split(y)
-            x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
-    x = x * (D**-0.5)  # the fp32 value of 1/sqrt(D), as the reference multiplies
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([R], 127.0, tl.float32))
-    safe = tl.where(scale > 0, scale, 1.0)
-    qi = tl.floor(tl.math.div_rn(x, tl.broadcast_to(safe[:, None], [R, D])) + 0.5)
-    return tl.minimum(tl.maximum(qi, -127.0), 127.0), scale
-
-
-@triton.jit
-def _fold_rows(x, GP: tl.constexpr):
-    """The first ``GP`` entries of the row vector ``x`` (its length a multiple of ``GP``)."""
-    R: tl.constexpr = x.shape[0]
-    if R == GP:
-        return x
-    y = tl.reshape(x, [R // GP, GP])
-    return tl.sum(tl.where(tl.arange(0, R // GP)[:, None] == 0, y, 0.0), axis=0)
-
-
 @functools.lru_cache(maxsize=8)
 def _hmat(d: int, device: str) -> torch.Tensor:
     return hadamard_matrix(d, torch.float32).to(device).contiguous()
@@ -405,12 +374,11 @@ def _main_region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    QPAD: tl.constexpr = True, TMA: tl.constexpr = False, FUSE_Q: tl.constexpr = False,
+    QPAD: tl.constexpr = True, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
     QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
-    FUSE_Q (bytes mode): ``Q8`` is the raw query, rotated and quantised here (:func:`_rotate_quantize`).
     """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
@@ -428,17 +396,7 @@ def _main_region(
     qrow = (b * HQ + h * G + rows).to(tl.int64)
     # q is read as whole words and split into bytes in registers, so the loop-invariant dot operand
     # lands in shared memory row-major (the layout the tensor-core operand loads want)
-    if FUSE_Q:
-        rq = tl.arange(0, 16 if QPAD else GP)
-        qi, qsc = _rotate_quantize(Q8, (b * HQ + h * G + rq).to(tl.int64), rq < G, D)
-        ev, od = tl.split(tl.reshape(qi, [16 if QPAD else GP, HALF, 2]))
-        q0 = ev.to(tl.int8)  # [GP or 16, HALF], even channels
-        q1 = od.to(tl.int8)
-        q2 = q0
-        q3 = q1
-        a_q = _fold_rows(qsc, GP) * sm_scale_log2
-        c_q = _fold_rows(qsc * tl.sum(qi, axis=1), GP) * sm_scale_log2
-    elif KMODE == 0:
+    if KMODE == 0:
         QUARTER: tl.constexpr = HALF // 2
         qw = tl.load(QW + qrow[:, None] * QUARTER + tl.arange(0, QUARTER)[None, :], mask=row_ok[:, None], other=0)
         q0 = qw.to(tl.int8)  # [GP, d/4], channels 4i + J
@@ -453,9 +411,8 @@ def _main_region(
         q1 = (qh >> 8).to(tl.int8)
         q2 = q0
         q3 = q1
-    if not FUSE_Q:
-        a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-        c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
 
     bh = b * HKV + h
     if TMA:  # descriptors over [B*Hkv, N, ...]: the row index replaces the base pointer
@@ -693,7 +650,7 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, FUSE_Q: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
@@ -701,7 +658,7 @@ def _region(
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, FUSE_Q)
+                     INTERP, True, TMA)
 
 
 @triton.jit
@@ -734,10 +691,9 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr, FUSE_Q: tl.constexpr = False,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
-    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``.
-    FUSE_Q: ``Q8`` is the raw query, rotated and quantised here."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
@@ -746,13 +702,8 @@ def _protected_region(
     row_ok = rows < G
     cols = tl.arange(0, D)
     qrow = (b * HQ + h * G + rows).to(tl.int64)
-    if FUSE_Q:
-        qi, qsc = _rotate_quantize(Q8, qrow, row_ok, D)
-        q = qi.to(tl.int8)
-        a_q = qsc * sm_scale_log2
-    else:
-        q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
-        a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
     slot0 = (b * HKV + h).to(tl.int64) * C
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
@@ -784,14 +735,12 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
-    FUSE_Q: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
-    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot.
-    ``FUSE_Q``: ``Q8`` is the raw query; each program rotates and quantises its own rows."""
+    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -800,21 +749,21 @@ def _kv4_decode_kernel(
         if PROT_LAST:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA, FUSE_Q)
+                    SCALE32, EVEN, INTERP, TMA)
             if sp == SPLITS - 1:
                 _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                                  HKV, G, GP, D, BLOCK_P, INTERP, FUSE_Q)
+                                  HKV, G, GP, D, BLOCK_P, INTERP)
         elif sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                              HKV, G, GP, D, BLOCK_P, INTERP, FUSE_Q)
+                              HKV, G, GP, D, BLOCK_P, INTERP)
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP, TMA, FUSE_Q)
+                         SCALE32, EVEN, INTERP, TMA)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA, FUSE_Q)
+                     INTERP, TMA)
 
 
 @dataclass(frozen=True)
@@ -848,8 +797,6 @@ class KV4KernelConfig:
       protected kernel on a forked stream beside the INT4 kernel, and the protected regions packed
       several pairs per program into the last wave's idle slots; both were slower than ``"own"``
       at every shape timed (a protected pair is latency-bound while the INT4 programs saturate memory).
-    - ``fuse_query``: given the raw query, each decode program rotates and quantises its own query
-      rows (``"bytes"`` key mode), instead of a :func:`prepare_query` launch before the decode kernel.
     """
 
     block_n: int = 128
@@ -866,7 +813,6 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
-    fuse_query: bool = True
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -976,7 +922,7 @@ def _tma_descriptors(kc, vw, ks, ko, vs, vo, block_n: int) -> tuple:
 
 
 def kv4_main_decode(
-    qp: QueryInt8 | torch.Tensor,
+    qp: QueryInt8,
     k_codes: torch.Tensor, k_scale: torch.Tensor, k_off: torch.Tensor,
     v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor,
     start: torch.Tensor, end: torch.Tensor,
@@ -985,12 +931,8 @@ def kv4_main_decode(
     maxnreg: int | None = None, backend: str = "auto", *,
     side: SideBuffer | None = None, config: KV4KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Decode attention of the query over positions ``[start_b, end_b)`` of the INT4 cache and, with
-    ``side`` (KV4-RL), also over the side buffer's occupied slots, in one launch.
-
-    ``qp``: the prepared query (:func:`prepare_query`), or the raw query ``[B, Hq, d]`` (float), which
-    the decode kernel rotates and quantises itself, bit for bit as :func:`prepare_query_ref` does, when
-    ``config.fuse_query`` and the key mode is ``"bytes"`` (otherwise :func:`prepare_query` runs first).
+    """Decode attention of the prepared query over positions ``[start_b, end_b)`` of the INT4 cache
+    and, with ``side`` (KV4-RL), also over the side buffer's occupied slots, in one launch.
 
     Returns ``(o [B, Hq, d] fp32, lse [B, Hq] natural log)``; an empty range gives ``lse = -inf``,
     ``o = 0``. The split states (and the protected region's state) are combined by one
@@ -1002,15 +944,7 @@ def kv4_main_decode(
     over = dict(int_pv=int_pv, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
                 num_stages=num_stages, maxnreg=maxnreg)
     cfg = cfg.replace(**{k: v for k, v in over.items() if v is not None})
-    raw = None
-    if isinstance(qp, torch.Tensor):
-        check_tensor("qp", qp, ndim=3, floating=True)
-        raw, qsrc = qp, qp
-    elif isinstance(qp, QueryInt8):
-        qsrc = qp.q8
-    else:
-        raise TypeError(f"qp must be a QueryInt8 or a raw query tensor, got {type(qp).__name__}")
-    b, hq, d = qsrc.shape
+    b, hq, d = qp.q8.shape
     check_tensor("k_codes", k_codes, ndim=4, dtype=torch.uint8)
     check_tensor("v_codes", v_codes, ndim=4, dtype=torch.uint8)
     _, hkv, n, half = k_codes.shape
@@ -1028,9 +962,7 @@ def kv4_main_decode(
             raise ValueError(f"{name} must have one entry per request ({b}), got {t.shape[0]}")
     c = _check_side(side, b, hkv, d) if side is not None else 0
     sm_scale = d**-0.5 if sm_scale is None else float(sm_scale)
-    if not use_triton(qsrc, backend):
-        if raw is not None:
-            qp = prepare_query_ref(raw)
+    if not use_triton(qp.q8, backend):
         o, lse = kv4_main_decode_ref(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, start, end, sm_scale)
         if side is None:
             return o, lse
@@ -1045,30 +977,20 @@ def kv4_main_decode(
                     ("v_scale", v_scale), ("v_off", v_off)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    dev = qsrc.device
+    dev = qp.q8.device
+    q8 = qp.q8.contiguous()
     if cfg.k_mode not in _KMODES:
         raise ValueError(f"k_mode must be one of {_KMODES}, got {cfg.k_mode!r}")
     gp = cfg.rows or max(MIN_ROWS, triton.next_power_of_2(g))
     if gp < g or gp & (gp - 1):
         raise ValueError(f"rows={cfg.rows} must be a power of two >= the GQA group {g}")
-    if qsrc.is_cuda and d < 64:
+    if qp.q8.is_cuda and d < 64:
         raise ValueError(f"the KV4 kernel needs d >= 64 on the GPU (INT8 tensor-core dots take K >= 32), got d={d}")
     k_mode = cfg.k_mode
     if k_mode == "trans" and cfg.int_pv:
         k_mode = "bytes"  # the transposed step has fp16 PV only
     if k_mode == "planes" and (d < 128 or n % 2):
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
-    fuse_q = raw is not None and cfg.fuse_query and k_mode == "bytes"
-    if raw is not None and not fuse_q:
-        qp = prepare_query(raw, rotate=True, backend=backend)
-    if fuse_q:  # the raw query takes Q8's place; the other query arguments are unused (same dtypes)
-        q8 = raw.contiguous()
-        qargs = (q8, q8, q8, k_scale, k_scale)
-        dummy8 = k_codes.view(torch.int8)
-    else:
-        q8 = qp.q8.contiguous()
-        qargs = (q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum)
-        dummy8 = q8
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
     if cfg.prot_mode not in _PROT_MODES:
@@ -1081,7 +1003,7 @@ def kv4_main_decode(
         k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
         cnt = side.count.to(torch.int32)
     else:
-        k8, k8s, v8, v8s, cnt = dummy8, k_scale, dummy8, k_scale, start32  # unused (same dtypes: one signature)
+        k8, k8s, v8, v8s, cnt = q8, k_scale, q8, k_scale, start32  # unused (same dtypes: one signature)
     kc, kw, ks, ko, vc, vw, vs, vo = (k_codes, _words(k_codes, torch.int16), k_scale, k_off, v_codes,
                                       _words(v_codes, torch.int16), v_scale, v_off)
     tma = tma_applies(cfg.replace(k_mode=k_mode), n, d)
@@ -1090,7 +1012,7 @@ def kv4_main_decode(
     global LAST_KERNEL
     prot_last = prot and cfg.prot_mode == "last"
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
-        *qargs,
+        q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
@@ -1098,7 +1020,7 @@ def kv4_main_decode(
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
-        INTERP=not qsrc.is_cuda, TMA=tma, FUSE_Q=fuse_q,
+        INTERP=not qp.q8.is_cuda, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
