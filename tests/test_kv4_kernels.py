@@ -53,9 +53,14 @@ def _close(a, b, atol):
     assert (a[fin] - b[fin]).abs().max() <= atol
 
 
-def test_prepare_query_kernel_matches_reference():
+@pytest.mark.parametrize("precision", ["mma", "ieee"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prepare_query_kernel_matches_reference(precision, dtype):
+    """The rotation as bf16 pieces (exact for each input dtype) against +-1 Hadamard, or one fp32 dot:
+    codes within one step of the reference (ties), scales to fp32 rounding."""
     q, _, _ = _qkv()
-    a, b = prepare_query(q, backend="triton"), prepare_query_ref(q)
+    q = q.to(dtype)
+    a, b = prepare_query(q, backend="triton", precision=precision), prepare_query_ref(q)
     assert (a.q8.int() - b.q8.int()).abs().max() <= 1
     assert torch.allclose(a.scale, b.scale, rtol=1e-5)
     assert torch.allclose(a.qsum, b.qsum, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """Development probe on the GPU: what KV4's query preparation (Hadamard rotation + INT8 quantisation, its own
 launch before the decode kernel) costs, timed from CUDA graphs at the kv4 benchmark's shapes: the whole
 decode, the decode kernel alone (query prepared outside the graph), the preparation alone with the fp32
-(``ieee``) rotation dot and with ``tf32x3``, and how often the two rotations give different INT8 codes."""
+(``ieee``) rotation dot and with bf16 pieces on tensor cores (``mma``), and how often they give different
+INT8 codes from the float reference."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from kvlib.bench._h10_probe import write_probe
 from kvlib.bench.kv4 import HQ, D, _time, random_kv4_batch
-from kvlib.kernels.decode_int4 import prepare_query
+from kvlib.kernels.decode_int4 import prepare_query, prepare_query_ref
 from kvlib.kv4rl_attention import kv4_decode
 
 SHAPES = ((32, 1024), (32, 4096), (32, 16384), (128, 4096), (128, 16384), (512, 4096))
@@ -23,16 +24,18 @@ def _row(b: int, n: int) -> dict:
     cache = random_kv4_batch(lengths, n)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     qp = prepare_query(q)
-    a, t = prepare_query(q), prepare_query(q, precision="tf32x3")
+    ref, a, m = prepare_query_ref(q), prepare_query(q, precision="ieee"), prepare_query(q, precision="mma")
     return dict(
         batch=b, ctx=n,
         kv4_ms=_time(lambda: kv4_decode(q, cache))[0],
         kernel_only_ms=_time(lambda: kv4_decode(q, cache, qp=qp))[0],
-        prep_ieee_ms=_time(lambda: prepare_query(q))[0],
-        prep_tf32x3_ms=_time(lambda: prepare_query(q, precision="tf32x3"))[0],
-        kv4_tf32x3_ms=_time(lambda: kv4_decode(q, cache, qp=prepare_query(q, precision="tf32x3")))[0],
-        code_mismatch_frac=float((a.q8 != t.q8).float().mean()),
-        scale_max_rel_diff=float(((a.scale - t.scale).abs() / a.scale.abs().clamp_min(1e-30)).max()),
+        prep_ieee_ms=_time(lambda: prepare_query(q, precision="ieee"))[0],
+        prep_mma_ms=_time(lambda: prepare_query(q, precision="mma"))[0],
+        kv4_ieee_ms=_time(lambda: kv4_decode(q, cache, qp=prepare_query(q, precision="ieee")))[0],
+        code_mismatch_ieee=float((a.q8 != ref.q8).float().mean()),
+        code_mismatch_mma=float((m.q8 != ref.q8).float().mean()),
+        code_maxdiff_mma=int((m.q8.int() - ref.q8.int()).abs().max()),
+        scale_max_rel_diff_mma=float(((m.scale - ref.scale).abs() / ref.scale.abs().clamp_min(1e-30)).max()),
     )
 
 

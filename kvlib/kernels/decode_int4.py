@@ -89,7 +89,11 @@ def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
 
 @triton.jit
 def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr,
-                       PREC: tl.constexpr = "ieee"):
+                       PIECES: tl.constexpr = 0, INTERP: tl.constexpr = False):
+    """Rotate and quantise ``R`` query rows. ``PIECES = 0``: one fp32 (IEEE, FMA) dot with the normalised
+    Hadamard ``H``; ``PIECES = 1..3``: ``H`` is the +-1 Hadamard in bf16 (exact) and the rows enter
+    tensor-core dots as 1-3 bf16 pieces (hi, mid, lo: exact for bf16 / fp16 / fp32 inputs, so only the fp32
+    accumulation rounds), scaled by ``1/sqrt(D)`` after."""
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rok = rows < n_rows
@@ -98,7 +102,21 @@ def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.conste
     q = tl.load(Q + offs, mask=rok[:, None], other=0.0).to(tl.float32)
     if ROTATE:
         h = tl.load(H + cols[:, None] * D + cols[None, :])
-        q = tl.dot(q, h, input_precision=PREC)
+        if PIECES == 0:
+            q = tl.dot(q, h, input_precision="ieee")
+        else:
+            if INTERP:  # the CPU interpreter's bf16 dot is wrong: the same exact pieces in an fp32 dot
+                h = h.to(tl.float32)
+            hi = q.to(tl.bfloat16)
+            acc = tl.dot(hi.to(tl.float32) if INTERP else hi, h)
+            if PIECES > 1:
+                r = q - hi.to(tl.float32)
+                mid = r.to(tl.bfloat16)
+                acc = tl.dot(mid.to(tl.float32) if INTERP else mid, h, acc)
+                if PIECES > 2:
+                    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+                    acc = tl.dot(lo.to(tl.float32) if INTERP else lo, h, acc)
+            q = acc * (D**-0.5)
     amax = tl.max(tl.abs(q), axis=1)
     scale = amax / 127.0
     safe = tl.where(scale > 0, scale, 1.0)
@@ -114,13 +132,23 @@ def _hmat(d: int, device: str) -> torch.Tensor:
     return hadamard_matrix(d, torch.float32).to(device).contiguous()
 
 
-def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", precision: str = "ieee") -> QueryInt8:
+@functools.lru_cache(maxsize=8)
+def _hmat_pm1(d: int, device: str) -> torch.Tensor:
+    """The unnormalised (+-1) Sylvester Hadamard in bf16: exact."""
+    return (hadamard_matrix(d, torch.float64) * d**0.5).round().to(torch.bfloat16).to(device).contiguous()
+
+
+#: bf16 pieces that hold a query element exactly
+_PIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", precision: str = "mma") -> QueryInt8:
     """Rotate ``q [B, Hq, d]`` by the normalised Hadamard (keys are stored rotated) and quantise to INT8.
 
-    ``precision``: the rotation dot's ``input_precision`` on the GPU (``"ieee"``: fp32 FMAs; ``"tf32x3"``:
-    three tf32 tensor-core dots, about fp32 accuracy)."""
-    if precision not in ("ieee", "tf32x3", "tf32"):
-        raise ValueError(f"precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
+    ``precision`` (GPU): ``"mma"``: tensor-core dots of the exact bf16 pieces of ``q`` with the +-1
+    Hadamard; ``"ieee"``: one fp32 FMA dot with the normalised Hadamard (slower)."""
+    if precision not in ("mma", "ieee"):
+        raise ValueError(f"precision must be 'mma' or 'ieee', got {precision!r}")
     check_tensor("q", q, ndim=3, floating=True)
     if not use_triton(q, backend):
         return prepare_query_ref(q, rotate)
@@ -131,8 +159,10 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", p
     qsum = torch.empty_like(qs)
     r = 16
     n = b * hq
-    _prep_query_kernel[(triton.cdiv(n, r),)](qc, _hmat(d, str(q.device)), q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
-                                             PREC=precision if q.is_cuda else "ieee")
+    mma = precision == "mma" and q.dtype in _PIECES
+    h = _hmat_pm1(d, str(q.device)) if mma else _hmat(d, str(q.device))
+    _prep_query_kernel[(triton.cdiv(n, r),)](qc, h, q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
+                                             PIECES=_PIECES[q.dtype] if mma else 0, INTERP=not q.is_cuda)
     return QueryInt8(q8, qs, qsum)
 
 
