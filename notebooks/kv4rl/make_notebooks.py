@@ -457,6 +457,14 @@ about 1.8 µs, so protected work that overlaps the INT4 stream runs slower, not 
 count drops (218 vs 221) and the loop is shorter, and in three sweeps 8 rows tied or beat 4 at every
 shape (`kv4_sweep_par.json`, `kv4_sweep_packed*.json`).
 
+**The query's preparation.** Before the decode kernel a small launch rotates the query by the
+Hadamard matrix and quantises it to INT8. It runs the rotation as tensor-core dots of the query's
+exact bf16 pieces with the ±1 matrix, so its codes equal the float reference's (no ties lost), and it
+is faster than the fp32 FMA dot it replaced: KV4 at B = 32, S = 1k went from 27.5 to 24.3 µs
+(`_kv4_prep_probe`, `kv4_prep_probe_mma.json`). Folding the preparation into the decode kernel itself,
+with the butterfly in registers, was slower at every shape (`kv4_sweep_fuse.json`): the butterfly's
+layout shuffles cost more than the launch they save.
+
 **Accuracy at long context.** The PV dot accumulates over every position of a split, so its rounding
 shows only at long context: with one split over 16k positions (what the plan gives pairs that fill
 the GPU) the output's mean error against the float64 reference is {glue:text}`kv4_16k_err_s1:.1e`,
