@@ -120,6 +120,23 @@ def test_kernel_d128_word_paths(k_mode, n):
     _close(o, o_ref, 2e-3)
 
 
+@pytest.mark.parametrize("group", [1, 3, 12])
+def test_query_rows_cover_any_group(group):
+    """The default tile's query rows: at least MIN_ROWS, the group rounded up to a power of two above it
+    (12 -> 16); KV4-RL (protected region included) matches the reference for each group size."""
+    g = torch.Generator().manual_seed(13)
+    hkv, n, d = 2, 40, 32
+    q = torch.randn(2, hkv * group, d, generator=g)
+    k, v = torch.randn(2, hkv, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g)
+    cache = build_kv4_batch(k, v, torch.tensor([40, 9]), sink=2, recent=8)
+    o, lse = kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(block_n=16))
+    o_ref, lse_ref = decode_ref(q, cache)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)
+    with pytest.raises(ValueError, match="rows"):
+        kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
+
+
 @pytest.mark.parametrize("prot_mode", ["own", "last"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_fused_kv4rl_prot_modes_match_reference(prot_mode, splits):

@@ -855,8 +855,9 @@ _KMODES = ("planes", "bytes", "trans")
 #: data/results/gpu/dev/kv4_sweep_par.json, kv4_sweep_packed.json, kv4_sweep_packed2.json)
 MIN_ROWS = 8
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
-#: two CTAs per SM that 255 registers allow, with one block of fixed cost per program (the "waves" sweep: one
-#: wave of programs beats more splits, and ragged batches lose with many splits); "own" protection (the "plans"
+#: two CTAs per SM that its registers allow (218 at 8 query rows, 4 warps), with one block of fixed cost per
+#: program (the "waves" sweep: one wave of programs beats more splits, and ragged batches lose with many
+#: splits); "own" protection (the "plans"
 #: sweep: "last" and a since-removed "spread" layout are slower for KV4-RL at every shape timed,
 #: data/results/gpu/dev/kv4_sweep_plans.json)
 DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
