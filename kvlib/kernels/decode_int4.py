@@ -721,9 +721,11 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, MERGE_INTO: tl.constexpr = False,
 ):  # fmt: skip
-    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``.
+    MERGE_INTO: that slot already holds this program's INT4 state; the two are merged (the log-sum-exp
+    merge of :func:`kvlib.merge.merge_states`) and the merged state replaces it."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
@@ -749,9 +751,44 @@ def _protected_region(
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + orow_split
-    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
+    o = acc * inv[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    if MERGE_INTO:
+        tl.debug_barrier()  # the INT4 state was stored by other threads of this program
+        o_m = tl.load(OUT + orow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+        lse_m = tl.load(LSE + orow, mask=row_ok, other=float("-inf"))
+        top = tl.maximum(lse, lse_m)
+        some = top > float("-inf")
+        top_s = tl.where(some, top, 0.0)
+        w_p = tl.exp(lse - top_s)  # 0 for an empty region
+        w_m = tl.exp(lse_m - top_s)
+        tot = w_p + w_m
+        inv_t = tl.where(some, 1.0 / tl.where(some, tot, 1.0), 0.0)
+        o = (o * w_p[:, None] + o_m * w_m[:, None]) * inv_t[:, None]
+        lse = tl.where(some, top_s + tl.log(tl.where(some, tot, 1.0)), float("-inf"))
+        tl.debug_barrier()  # every thread has read the INT4 state before it is replaced
+    tl.store(OUT + orow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
     tl.store(LSE + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _prefetch_side(b, h, K8, K8S, V8, V8S, C, HKV: tl.constexpr, D: tl.constexpr, NT: tl.constexpr):
+    """Ask L2 for the side buffer of (request ``b``, kv head ``h``) (``prefetch.global.L2``: no registers,
+    no wait), so the protected region read after the INT4 blocks finds it near."""
+    pair = (b * HKV + h).to(tl.int64) * C
+    lines = tl.arange(0, NT).to(tl.int64) * 128
+    kv_bytes = C.to(tl.int64) * D
+    kv = tl.minimum(lines, kv_bytes - 1)
+    sc = tl.minimum(lines, 2 * C.to(tl.int64) - 1)
+    ptr_k = K8.to(tl.pointer_type(tl.int8)) + pair * D + kv
+    ptr_v = V8.to(tl.pointer_type(tl.int8)) + pair * D + kv
+    ptr_ks = K8S.to(tl.pointer_type(tl.int8)) + pair * 2 + sc
+    ptr_vs = V8S.to(tl.pointer_type(tl.int8)) + pair * 2 + sc
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; prefetch.global.L2 [$3]; prefetch.global.L2 [$4]; "
+        "mov.u32 $0, 0;",
+        "=r,l,l,l,l", [ptr_k, ptr_v, ptr_ks, ptr_vs], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
@@ -770,19 +807,24 @@ def _kv4_decode_kernel(
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
-    so KV4-RL launches no more programs than KV4 (no extra wave); its state goes to the same slot."""
+    so KV4-RL launches no more programs than KV4 (no extra wave): it asks L2 for the side buffer before
+    its INT4 blocks and merges the protected state into its own slot (no extra slot: with one split, no
+    merge launch either)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT
+    NS = SPLITS + PROT - PROT_LAST
     if PROT:
         if PROT_LAST:
+            if not INTERP:
+                if sp == SPLITS - 1:
+                    _prefetch_side(b, h, K8, K8S, V8, V8S, C, HKV, D, 256)
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
                     SCALE32, EVEN, INTERP, TMA)
             if sp == SPLITS - 1:
-                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                                  HKV, G, GP, D, BLOCK_P, INTERP)
+                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS - 1, NS,
+                                  HKV, G, GP, D, BLOCK_P, INTERP, True)
         elif sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
@@ -1026,7 +1068,8 @@ def kv4_main_decode(
     prot = side is not None
     if cfg.prot_mode not in _PROT_MODES:
         raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
-    ns = splits + int(prot)
+    prot_last = prot and cfg.prot_mode == "last"
+    ns = splits + int(prot and not prot_last)  # "last" merges the protected state into the last split's slot
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1041,8 +1084,7 @@ def kv4_main_decode(
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
-    prot_last = prot and cfg.prot_mode == "last"
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits + int(prot and not prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
