@@ -861,10 +861,12 @@ class KV4KernelConfig:
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
     - ``prot_mode`` (KV4-RL): ``"own"``: the protected region is one extra program per (request, kv
-      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs). Measured on
-      the H200, "last" is slower (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k; 0.92 vs 0.98 at B=128, 16k:
-      the last split becomes the straggler, while the extra programs of "own" fill the last wave's
-      idle slots) (data/results/gpu/dev/kv4_prot_last.json). Two more layouts were timed and removed
+      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs), having asked
+      L2 for the side buffer before them, and merges the protected state into its own slot (no extra
+      slot; with one split no merge launch). Its first form (no prefetch, its own slot) was slower on
+      the H200 (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k: data/results/gpu/dev/kv4_prot_last.json,
+      kv4_sweep_plans.json); this form is untimed (``python -m kvlib.bench.kv4_sweep --family plans``),
+      so ``"own"`` stays the default. Two more layouts were timed and removed
       (``data/results/gpu/dev/kv4_sweep_par.json``, ``kv4_sweep_packed2.json``): the standalone
       protected kernel on a forked stream beside the INT4 kernel, and the protected regions packed
       several pairs per program into the last wave's idle slots; both were slower than ``"own"``
