@@ -125,7 +125,9 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
     out = [("default", base), ("old_plan", base.replace(ctas_per_sm=3, overhead_blocks=0.0))]
     if tiny:
         return out
-    return out + [("last", base.replace(prot_mode="last"))]
+    # "last" (reworked: L2 prefetch, merge in place) with 32 and 64 side slots per step (offline sm_90: the
+    # INT4 loop 1051 and 1034 instructions, 226 and 227 registers; 128 slots spill)
+    return out + [("last", base.replace(prot_mode="last")), ("last_bp64", base.replace(prot_mode="last", block_p=64))]
 
 
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
