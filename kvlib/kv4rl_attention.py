@@ -22,6 +22,7 @@ from kvlib.formats.kv4 import Int4Tensor, int4_dequantize, int4_quantize
 from kvlib.formats.kv4rl import int8_quantize
 from kvlib.hadamard import hadamard
 from kvlib.kernels.decode_int4 import (
+    DEFAULT_CONFIG,
     KV4KernelConfig,
     QueryInt8,
     SideBuffer,
@@ -153,7 +154,7 @@ def kv4_decode(
     ``config`` sets the kernel's launch parameters (default :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG`).
     """
     _check_q(q, cache)
-    qp = qp or prepare_query(q, rotate=True, backend=backend)
+    qp = qp or prepare_query(q, rotate=True, backend=backend, pdl=(config or DEFAULT_CONFIG).pdl)
     c = cache
     start, end = c._zeros, c.lengths  # all positions, whether or not a side buffer exists
     return kv4_main_decode(
@@ -184,7 +185,7 @@ def kv4rl_decode(
     _check_q(q, cache)
     side = side_buffer(cache)
     c = cache
-    qp = prepare_query(q, rotate=True, backend=backend)
+    qp = prepare_query(q, rotate=True, backend=backend, pdl=(config or DEFAULT_CONFIG).pdl and fused)
     start, end = c.main_range()
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
     if fused:

@@ -130,12 +130,25 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return out + [("last", base.replace(prot_mode="last")), ("last_bp64", base.replace(prot_mode="last", block_p=64))]
 
 
+def pdl_variants(tiny: bool = False) -> list[tuple[str, object]]:
+    """Programmatic dependent launch (``pdl``: the decode kernel launches while the query preparation
+    finishes, the merge while the decode finishes) on the default and on the reworked ``"last"`` layout."""
+    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
+
+    out = [("default", base), ("pdl", base.replace(pdl=True))]
+    if tiny:
+        return out
+    return out + [("last_bp64", base.replace(prot_mode="last", block_p=64)),
+                  ("last_bp64_pdl", base.replace(prot_mode="last", block_p=64, pdl=True))]
+
+
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
 FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
     "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
+    "pdl": pdl_variants,
 }
 #: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
-RL_EACH = ("waves", "plans")
+RL_EACH = ("waves", "plans", "pdl")
 
 
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
@@ -504,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
-                         "ones (the last two time KV4-RL for each variant, at six shapes)")
+                         "ones; 'pdl': programmatic dependent launch (the last three time KV4-RL for each "
+                         "variant, at six shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

@@ -146,3 +146,37 @@ def kv4_count(prot_mode: str | None = None) -> dict[str, Any]:
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                      "k_mode": cfg.k_mode}
     return out
+
+
+def pdl_check() -> dict[str, list]:
+    """Compile the KV4 path's three kernels for sm_90 with programmatic dependent launch on
+    (``KV4KernelConfig.pdl``): per kernel, the PTX's ``griddepcontrol.wait`` and ``launch_dependents``
+    counts and whether the launch attribute is set (the preparation only triggers, the merge only waits)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, _kv4_decode_kernel, _prep_query_kernel
+    from kvlib.kernels.merge_tl import _merge_splits_kernel
+
+    def one(kernel, constexprs, ptrs, num_warps, num_stages, pdl):
+        sig = {name: "constexpr" if name in constexprs else ptrs.get(name, "fp32" if name in FLOATS else "i32")
+               for name in inspect.signature(kernel.fn).parameters}
+        cc = triton.compile(ASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
+        ptx = cc.asm["ptx"]
+        return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+                bool(cc.metadata.launch_pdl)]
+
+    cfg = DEFAULT_CONFIG
+    const = dict(HKV=8, G=4, GP=8, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
+                 TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=True, BLOCK_P=cfg.block_p, INTERP=False,
+                 TMA=False, PROT_LAST=False, PDL=True)
+    merge_ptrs = {k: "*fp32" for k in ("O_S", "LSE_S", "A_S", "B_S", "OUT", "LSE", "A", "B", "TV", "TV1", "VAC")}
+    return {
+        "prepare_query": one(_prep_query_kernel, dict(D=D, R=16, ROTATE=True, PIECES=1, INTERP=False, PDL=True),
+                             {"Q": "*bf16", "H": "*bf16", "Q8": "*i8", "QS": "*fp32", "QSUM": "*fp32"}, 4, 2, False),
+        "decode": one(_kv4_decode_kernel, const, KV4_POINTERS, cfg.num_warps, cfg.num_stages, True),
+        "merge": one(_merge_splits_kernel, dict(NS=2, NS_P=2, D=D, CERT=False, CERT_B=False, PDL=True), merge_ptrs,
+                     4, 2, True),
+    }

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvlib._checks import check_tensor
 from kvlib.hadamard import hadamard, hadamard_matrix
@@ -89,11 +90,14 @@ def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
 
 @triton.jit
 def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr,
-                       PIECES: tl.constexpr = 0, INTERP: tl.constexpr = False):
+                       PIECES: tl.constexpr = 0, INTERP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Rotate and quantise ``R`` query rows. ``PIECES = 0``: one fp32 (IEEE, FMA) dot with the normalised
     Hadamard ``H``; ``PIECES = 1..3``: ``H`` is the +-1 Hadamard in bf16 (exact) and the rows enter
     tensor-core dots as 1-3 bf16 pieces (hi, mid, lo: exact for bf16 / fp16 / fp32 inputs, so only the fp32
-    accumulation rounds), scaled by ``1/sqrt(D)`` after."""
+    accumulation rounds), scaled by ``1/sqrt(D)`` after. PDL: let the decode kernel launch now (it waits
+    for this kernel's stores before it reads the query)."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
     rok = rows < n_rows
@@ -142,11 +146,13 @@ def _hmat_pm1(d: int, device: str) -> torch.Tensor:
 _PIECES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
-def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", precision: str = "mma") -> QueryInt8:
+def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", precision: str = "mma",
+                  pdl: bool = False) -> QueryInt8:
     """Rotate ``q [B, Hq, d]`` by the normalised Hadamard (keys are stored rotated) and quantise to INT8.
 
     ``precision`` (GPU): ``"mma"``: tensor-core dots of the exact bf16 pieces of ``q`` with the +-1
-    Hadamard; ``"ieee"``: one fp32 FMA dot with the normalised Hadamard (slower)."""
+    Hadamard; ``"ieee"``: one fp32 FMA dot with the normalised Hadamard (slower). ``pdl`` (GPU): let a
+    decode kernel launched with programmatic dependent launch start early (``KV4KernelConfig.pdl``)."""
     if precision not in ("mma", "ieee"):
         raise ValueError(f"precision must be 'mma' or 'ieee', got {precision!r}")
     check_tensor("q", q, ndim=3, floating=True)
@@ -162,7 +168,8 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", p
     mma = precision == "mma" and q.dtype in _PIECES
     h = _hmat_pm1(d, str(q.device)) if mma else _hmat(d, str(q.device))
     _prep_query_kernel[(triton.cdiv(n, r),)](qc, h, q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
-                                             PIECES=_PIECES[q.dtype] if mma else 0, INTERP=not q.is_cuda)
+                                             PIECES=_PIECES[q.dtype] if mma else 0, INTERP=not q.is_cuda,
+                                             PDL=pdl and q.is_cuda)
     return QueryInt8(q8, qs, qsum)
 
 
@@ -802,6 +809,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -809,7 +817,11 @@ def _kv4_decode_kernel(
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
     so KV4-RL launches no more programs than KV4 (no extra wave): it asks L2 for the side buffer before
     its INT4 blocks and merges the protected state into its own slot (no extra slot: with one split, no
-    merge launch either)."""
+    merge launch either). PDL (programmatic dependent launch): this kernel may start while the query
+    preparation finishes, so it waits for it first, and lets the split merge after it launch early."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -871,6 +883,9 @@ class KV4KernelConfig:
       protected kernel on a forked stream beside the INT4 kernel, and the protected regions packed
       several pairs per program into the last wave's idle slots; both were slower than ``"own"``
       at every shape timed (a protected pair is latency-bound while the INT4 programs saturate memory).
+    - ``pdl``: programmatic dependent launch (Hopper): the decode kernel may launch while the query
+      preparation finishes, and the split merge while the decode kernel finishes; each waits
+      (``griddepcontrol.wait``) before reading what the one before wrote. Untimed, so off by default.
     """
 
     block_n: int = 128
@@ -887,6 +902,7 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     prot_mode: str = "own"
+    pdl: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1086,6 +1102,7 @@ def kv4_main_decode(
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
+    pdl = cfg.pdl and qp.q8.is_cuda
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits + int(prot and not prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
@@ -1096,12 +1113,14 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
         INTERP=not qp.q8.is_cuda, TMA=tma,
+        PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
-    return merge_splits(o_s, lse_s, backend=backend)[:2]
+    return merge_splits(o_s, lse_s, backend=backend, pdl=pdl)[:2]
 
 
 def _unpack(c: torch.Tensor) -> torch.Tensor:

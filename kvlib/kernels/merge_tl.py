@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kvlib._checks import check_tensor
 from kvlib.certificate import bounds_from_AB
@@ -91,8 +92,12 @@ def not_finite_or_nan(x):
 def _merge_splits_kernel(
     O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
     NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs)."""
+    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs). PDL (programmatic
+    dependent launch): launched before the kernel that writes the states has finished; wait for it here."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NS_P)
     mask_s = s < NS
@@ -129,11 +134,12 @@ def _merge_splits_kernel(
 
 
 def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
-                 B_s: torch.Tensor | None = None, *, backend: str = "auto") -> MergedSplits:
+                 B_s: torch.Tensor | None = None, *, backend: str = "auto", pdl: bool = False) -> MergedSplits:
     """N-way merge of split-KV states in one launch (fp32 outputs); the same algebra as
     :func:`merge_splits_ref`, which runs instead when Triton cannot (or ``backend="torch"``).
 
-    No host synchronisation: CUDA-graph safe.
+    No host synchronisation: CUDA-graph safe. ``pdl`` (GPU): a programmatic dependent launch, which may
+    start while the kernel before it (that wrote the states) is finishing; the kernel waits for it first.
     """
     if not use_triton(o_s, backend):
         return merge_splits_ref(o_s, lse_s, A_s, B_s)
@@ -155,6 +161,7 @@ def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | Non
         A_s.contiguous() if cert else lse_s, B_s.contiguous() if cert_b else lse_s,
         o, lse, A if cert else lse, B if cert_b else lse, tv if cert else lse, tv1 if cert else lse,
         vac if cert else lse,
-        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b,
+        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b, PDL=pdl and o_s.is_cuda,
+        **({"launch_pdl": True} if pdl and o_s.is_cuda else {}),
     )  # fmt: skip
     return MergedSplits(o, lse, A, B, tv, tv1, vac.view(torch.bool) if cert else None)
