@@ -415,6 +415,18 @@ else:
     for k in ("kv4_sass_per_code", "kv4_sass_regs", "kv4_warps_per_sm", "kv4_issue_ms", "kv4_byte_ms",
               "kv4_ms_b32_16k", "kv4_issue_share", "kv4_sass_bitops_share"):
         run.glue(k, float("nan"))
+
+# development probes behind the design notes below (data/results/gpu/dev/, each with its provenance envelope)
+prep = load_result("dev/kv4_prep_probe_mma", "gpu")
+row1k = next((x for x in prep["results"]["rows"] if x["batch"] == 32 and x["ctx"] == 1024), None) if prep else None
+run.glue("prep_kv4_ieee_us", row1k["kv4_ieee_ms"] * 1e3 if row1k else float("nan"))
+run.glue("prep_kv4_mma_us", row1k["kv4_ms"] * 1e3 if row1k else float("nan"))
+run.glue("prep_mismatch_mma", max(x["code_mismatch_mma"] for x in prep["results"]["rows"]) if prep else float("nan"))
+run.glue("prep_mismatch_ieee", max(x["code_mismatch_ieee"] for x in prep["results"]["rows"]) if prep else float("nan"))
+packed = load_result("dev/kv4_sweep_packed2", "gpu")
+rl = packed["results"]["shapes"]["b32_s16k"]["kv4rl"] if packed else None
+run.glue("packed_rl_ms", rl["packed_fused"]["ms"] if rl else float("nan"))
+run.glue("own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
 """,
             hide_input=True,
         ),
@@ -451,18 +463,21 @@ one split needs no merge launch, is built and tested on the CPU but not yet time
 were removed after losing: the slots sliced over the splits and merged in place; the merge done
 inside the decode launch by the last program to finish; a small standalone protected kernel on a
 parallel stream beside the INT4 kernel; and the protected regions packed several pairs per program
-into the last wave's idle slots. The last two show why: a protected pair is a short chain of
-dependent loads (five 32-slot steps), and while the INT4 programs saturate memory each step waits
-about 1.8 µs, so protected work that overlaps the INT4 stream runs slower, not free.
+into the last wave's idle slots (B = 32, S = 16k: KV4-RL {glue:text}`packed_rl_ms:.3f` ms packed
+against {glue:text}`own_rl_ms:.3f` ms, `kv4_sweep_packed2.json`). The last two show why: a protected
+pair is a short chain of dependent loads (five 32-slot steps), and while the INT4 programs saturate
+memory each step waits on it, so protected work that overlaps the INT4 stream runs slower, not free.
 
-**Query rows.** The GQA group of 4 is padded to 8 query rows per tile (`MIN_ROWS`): the register
-count drops (218 vs 221) and the loop is shorter, and in three sweeps 8 rows tied or beat 4 at every
-shape (`kv4_sweep_par.json`, `kv4_sweep_packed*.json`).
+**Query rows.** The GQA group of 4 is padded to 8 query rows per tile (`MIN_ROWS`): fewer registers
+and a shorter loop than with 4 rows (offline sm_90 count), and in three sweeps 8 rows tied or beat 4
+at every shape (`kv4_sweep_par.json`, `kv4_sweep_packed*.json`).
 
 **The query's preparation.** Before the decode kernel a small launch rotates the query by the
 Hadamard matrix and quantises it to INT8. It runs the rotation as tensor-core dots of the query's
-exact bf16 pieces with the ±1 matrix, so its codes equal the float reference's (no ties lost), and it
-is faster than the fp32 FMA dot it replaced: KV4 at B = 32, S = 1k went from 27.5 to 24.3 µs
+exact bf16 pieces with the ±1 matrix, so its codes equal the float reference's (fraction of codes
+that differ: {glue:text}`prep_mismatch_mma:.1e`; with the fp32 FMA dot it replaced,
+{glue:text}`prep_mismatch_ieee:.1e`), and it is faster: KV4 at B = 32, S = 1k takes
+{glue:text}`prep_kv4_mma_us:.1f` µs with it and {glue:text}`prep_kv4_ieee_us:.1f` µs with the FMA dot
 (`_kv4_prep_probe`, `kv4_prep_probe_mma.json`). Folding the preparation into the decode kernel itself,
 with the butterfly in registers, was slower at every shape (`kv4_sweep_fuse.json`): the butterfly's
 layout shuffles cost more than the launch they save.
