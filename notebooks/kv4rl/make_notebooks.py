@@ -427,6 +427,20 @@ packed = load_result("dev/kv4_sweep_packed2", "gpu")
 rl = packed["results"]["shapes"]["b32_s16k"]["kv4rl"] if packed else None
 run.glue("packed_rl_ms", rl["packed_fused"]["ms"] if rl else float("nan"))
 run.glue("own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
+dec = load_result("dev/kv4rl_decompose_rows8", "gpu")
+if dec:
+    dd = pd.DataFrame(dec["results"])
+    b32 = dd[(dd.batch == 32) & (dd.ctx == 16384)].iloc[0]
+    run.glue("dec_structure_us", float(b32.structure_ms) * 1e3)
+    run.glue("dec_protected_us", float(b32.protected_work_ms) * 1e3)
+    display(Markdown("KV4-RL's extra time over KV4, split by timing the same launch with an empty side buffer "
+                     "(`data/results/gpu/dev/kv4rl_decompose_rows8.json`, µs):"))
+    display(pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4": dd.kv4_ms * 1e3, "structure": dd.structure_ms * 1e3,
+                          "protected work": dd.protected_work_ms * 1e3, "KV4-RL/KV4": dd.frac}).round(3)
+            .set_index(["B", "S"]))
+else:
+    run.glue("dec_structure_us", float("nan"))
+    run.glue("dec_protected_us", float("nan"))
 """,
             hide_input=True,
         ),
@@ -453,8 +467,9 @@ The sweeps behind this choice, and the layouts that lost, are in `data/results/g
 **Why KV4-RL keeps less than its byte bound at long context.** Its protected region is one extra
 program per (request, kv head) in the same launch, and its states meet KV4's in the split merge. Timing
 the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
-`data/results/gpu/dev/kv4rl_decompose.json`) shows that at S = 16k most of KV4-RL's extra time is this
-structure, not the protected work: the extra programs wait for slots behind the INT4 programs, the
+`data/results/gpu/dev/kv4rl_decompose_rows8.json`, table above) shows that at S = 16k most of KV4-RL's
+extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
+against {glue:text}`dec_protected_us:.1f` µs): the extra programs wait for slots behind the INT4 programs, the
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
 launch that KV4 with one split does not. Other layouts were timed and none was faster
 (`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"` in its first
