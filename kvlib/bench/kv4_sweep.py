@@ -513,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench.kv4_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU wiring check under TRITON_INTERPRET=1 (tiny shapes)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    ap.add_argument("--family", choices=("all", *FAMILIES), default="all",
-                    help="'tma': only the default beside the TMA-descriptor variants and register caps; "
+    ap.add_argument("--family", choices=("all", *FAMILIES), default=["all"], nargs="+",
+                    help="one or more, run one after another in this process (one GPU start; with --json, "
+                         "one file per family, the name's suffix added); "
+                         "'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
                          "ones; 'pdl': programmatic dependent launch (the last three time KV4-RL for each "
@@ -525,19 +527,24 @@ def main(argv: list[str] | None = None) -> int:
     if tiny and os.environ.get("TRITON_INTERPRET") != "1":
         # the interpreter must be chosen before triton is imported: run again in a fresh process
         env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny", "--family", args.family] + (
+        cmd = [sys.executable, "-m", "kvlib.bench.kv4_sweep", "--tiny", "--family", *args.family] + (
             ["--json", args.json] if args.json else [])
         return subprocess.call(cmd, env=env)
-    started = datetime.datetime.now(datetime.UTC)
-    res = sweep(tiny=tiny, family=args.family, budget_s=args.budget_s)
-    if args.json:
-        from pathlib import Path
+    from pathlib import Path
 
-        from kvlib.provenance import provenance, write_json_atomic
+    from kvlib.provenance import provenance, write_json_atomic
 
-        cmd = "python -m kvlib.bench.kv4_sweep " + " ".join(sys.argv[1:] if argv is None else argv)
-        write_json_atomic(Path(args.json), {"name": "kv4_sweep", "profile": "gpu" if not tiny else "cpu",
-                                            "provenance": provenance({"command": cmd}, started), "results": res})
+    cmd = "python -m kvlib.bench.kv4_sweep " + " ".join(sys.argv[1:] if argv is None else argv)
+    for family in args.family:
+        started = datetime.datetime.now(datetime.UTC)
+        res = sweep(tiny=tiny, family=family, budget_s=args.budget_s)
+        if args.json:
+            out = Path(args.json)
+            if len(args.family) > 1:
+                out = out.with_name(f"{out.stem}_{family}{out.suffix}")
+            write_json_atomic(out, {"name": "kv4_sweep", "profile": "gpu" if not tiny else "cpu",
+                                    "provenance": provenance({"command": cmd, "family": family}, started),
+                                    "results": res})
     return 0
 
 
