@@ -91,7 +91,6 @@ def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
     if tiny:
         return out
     return out + [
-        ("ctas2", base.replace(ctas_per_sm=2)),  # the default's true occupancy (255 registers: 2 CTAs per SM)
         ("rows8_sums_off_ctas2", base.replace(rows=8, tile_sums=False, ctas_per_sm=2)),
         ("bn128_maxnreg168", base.replace(block_n=128, maxnreg=168, ctas_per_sm=3)),
         ("bn128_sums_off", base.replace(block_n=128, tile_sums=False, ctas_per_sm=4)),
@@ -125,8 +124,7 @@ def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
     out = [("default", base), ("old_plan", base.replace(ctas_per_sm=3, overhead_blocks=0.0))]
     if tiny:
         return out
-    # "last" (reworked: L2 prefetch, merge in place) with 32 and 64 side slots per step (offline sm_90: the
-    # INT4 loop 1051 and 1034 instructions, 226 and 227 registers; 128 slots spill)
+    # "last" (reworked: the side buffer prefetched to L2) with 32 and 64 side slots per step
     return out + [("last", base.replace(prot_mode="last")), ("last_bp64", base.replace(prot_mode="last", block_p=64))]
 
 
@@ -405,8 +403,8 @@ class Sweep:
                 continue
             res["kv4"][name] = report(name, self.time(lambda cfg=cfg: kv4_decode(q, cache, config=cfg)), by4)
             if self.rl_each and res["kv4"][name].get("ms"):
-                # after the timed graph replays: an eager call must still agree with the default's output
-                # (the in-launch merge's counters must be back at 0), KV4 and KV4-RL
+                # after the timed graph replays: an eager call must still agree with the default's output,
+                # KV4 and KV4-RL
                 for key, fn in (("kv4", kv4_decode), ("kv4rl", kv4rl_decode)):
                     o, lse = fn(q, cache, config=cfg)
                     if name == "default":

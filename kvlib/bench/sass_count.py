@@ -60,9 +60,8 @@ def loop_stats(sass: str) -> dict[str, Any]:
     return {"instructions": len(body), "top_opcodes": dict(ops.most_common(12))}
 
 
-def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
-                  block_n: int, pointers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Compile ``kernel`` for sm_90 and count its main loop (per thread per ``block_n``-position tile)."""
+def _compile(kernel: Any, constexprs: dict[str, Any], pointers: dict[str, str] | None, **options: Any) -> Any:
+    """``kernel`` compiled for sm_90 without a GPU (pointer types from :data:`POINTERS` and ``pointers``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -73,8 +72,14 @@ def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, nu
         sig[name] = ("constexpr" if name in constexprs else ptrs.get(name)
                      or ("fp32" if name in FLOATS else "i32"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}
-    cc = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
+                  block_n: int, pointers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Compile ``kernel`` for sm_90 and count its main loop (per thread per ``block_n``-position tile)."""
+    cc = _compile(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -152,18 +157,11 @@ def pdl_check() -> dict[str, list]:
     """Compile the KV4 path's three kernels for sm_90 with programmatic dependent launch on
     (``KV4KernelConfig.pdl``): per kernel, the PTX's ``griddepcontrol.wait`` and ``launch_dependents``
     counts and whether the launch attribute is set (the preparation only triggers, the merge only waits)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, _kv4_decode_kernel, _prep_query_kernel
     from kvlib.kernels.merge_tl import _merge_splits_kernel
 
     def one(kernel, constexprs, ptrs, num_warps, num_stages, pdl):
-        sig = {name: "constexpr" if name in constexprs else ptrs.get(name, "fp32" if name in FLOATS else "i32")
-               for name in inspect.signature(kernel.fn).parameters}
-        cc = triton.compile(ASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
+        cc = _compile(kernel, constexprs, ptrs, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         ptx = cc.asm["ptx"]
         return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
                 bool(cc.metadata.launch_pdl)]

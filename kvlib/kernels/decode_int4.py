@@ -728,11 +728,9 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr, MERGE_INTO: tl.constexpr = False,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
-    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``.
-    MERGE_INTO: that slot already holds this program's INT4 state; the two are merged (the log-sum-exp
-    merge of :func:`kvlib.merge.merge_states`) and the merged state replaces it."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
@@ -758,23 +756,8 @@ def _protected_region(
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + orow_split
-    o = acc * inv[:, None]
+    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    if MERGE_INTO:
-        tl.debug_barrier()  # the INT4 state was stored by other threads of this program
-        o_m = tl.load(OUT + orow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
-        lse_m = tl.load(LSE + orow, mask=row_ok, other=float("-inf"))
-        top = tl.maximum(lse, lse_m)
-        some = top > float("-inf")
-        top_s = tl.where(some, top, 0.0)
-        w_p = tl.exp(lse - top_s)  # 0 for an empty region
-        w_m = tl.exp(lse_m - top_s)
-        tot = w_p + w_m
-        inv_t = tl.where(some, 1.0 / tl.where(some, tot, 1.0), 0.0)
-        o = (o * w_p[:, None] + o_m * w_m[:, None]) * inv_t[:, None]
-        lse = tl.where(some, top_s + tl.log(tl.where(some, tot, 1.0)), float("-inf"))
-        tl.debug_barrier()  # every thread has read the INT4 state before it is replaced
-    tl.store(OUT + orow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
@@ -816,16 +799,16 @@ def _kv4_decode_kernel(
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
     ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
     so KV4-RL launches no more programs than KV4 (no extra wave): it asks L2 for the side buffer before
-    its INT4 blocks and merges the protected state into its own slot (no extra slot: with one split, no
-    merge launch either). PDL (programmatic dependent launch): this kernel may start while the query
-    preparation finishes, so it waits for it first, and lets the split merge after it launch early."""
+    its INT4 blocks; the protected state goes to the same extra slot as with ``PROT``. PDL (programmatic
+    dependent launch): this kernel may start while the query preparation finishes, so it waits for it
+    first, and lets the split merge after it launch early."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT - PROT_LAST
+    NS = SPLITS + PROT
     if PROT:
         if PROT_LAST:
             if not INTERP:
@@ -835,8 +818,8 @@ def _kv4_decode_kernel(
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
                     SCALE32, EVEN, INTERP, TMA)
             if sp == SPLITS - 1:
-                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS - 1, NS,
-                                  HKV, G, GP, D, BLOCK_P, INTERP, True)
+                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
+                                  HKV, G, GP, D, BLOCK_P, INTERP)
         elif sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
@@ -874,8 +857,9 @@ class KV4KernelConfig:
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
     - ``prot_mode`` (KV4-RL): ``"own"``: the protected region is one extra program per (request, kv
       head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs), having asked
-      L2 for the side buffer before them, and merges the protected state into its own slot (no extra
-      slot; with one split no merge launch). Its first form (no prefetch, its own slot) was slower on
+      L2 for the side buffer before them (its state still meets the others in the split merge: an
+      in-launch merge gained nothing, data/results/gpu/dev/kv4_sweep_fuse2.json). Its first form
+      (without the prefetch) was slower on
       the H200 (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k: data/results/gpu/dev/kv4_prot_last.json,
       kv4_sweep_plans.json); this form is untimed (``python -m kvlib.bench.kv4_sweep --family plans``),
       so ``"own"`` stays the default. Two more layouts were timed and removed
@@ -917,9 +901,8 @@ MIN_ROWS = 8
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
 #: two CTAs per SM that its registers allow (218 at 8 query rows, 4 warps), with one block of fixed cost per
 #: program (the "waves" sweep: one wave of programs beats more splits, and ragged batches lose with many
-#: splits); "own" protection (the "plans"
-#: sweep: "last" and a since-removed "spread" layout are slower for KV4-RL at every shape timed,
-#: data/results/gpu/dev/kv4_sweep_plans.json)
+#: splits); "own" protection (the "plans" sweep: "last" in its first form and a since-removed "spread"
+#: layout are slower for KV4-RL at every shape timed, data/results/gpu/dev/kv4_sweep_plans.json)
 DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
 
 
@@ -965,6 +948,8 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
 
 
 _PROT_MODES = ("own", "last")
+
+
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
     check_tensor("k8", side.k8, ndim=4, dtype=torch.int8)
     check_tensor("v8", side.v8, ndim=4, dtype=torch.int8)
@@ -1087,7 +1072,7 @@ def kv4_main_decode(
     if cfg.prot_mode not in _PROT_MODES:
         raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
     prot_last = prot and cfg.prot_mode == "last"
-    ns = splits + int(prot and not prot_last)  # "last" merges the protected state into the last split's slot
+    ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1103,7 +1088,7 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     pdl = cfg.pdl and qp.q8.is_cuda
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits + int(prot and not prot_last))](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,

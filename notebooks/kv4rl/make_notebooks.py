@@ -473,8 +473,8 @@ against {glue:text}`dec_protected_us:.1f` µs): the extra programs wait for slot
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
 launch that KV4 with one split does not. Other layouts were timed and none was faster
 (`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"` in its first
-form; a reworked form, which asks L2 for the side buffer before the INT4 blocks and merges in place so
-one split needs no merge launch, is built and tested on the CPU but not yet timed), and four that
+form; a reworked form, which asks L2 for the side buffer before the INT4 blocks, is built and tested
+on the CPU but not yet timed), and four that
 were removed after losing: the slots sliced over the splits and merged in place; the merge done
 inside the decode launch by the last program to finish; a small standalone protected kernel on a
 parallel stream beside the INT4 kernel; and the protected regions packed several pairs per program
