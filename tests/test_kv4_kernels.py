@@ -137,19 +137,16 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize("prot_mode", ["own", "last"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_prot_modes_match_reference(prot_mode, splits):
-    """The protected region as its own program or run by the last INT4 split: same result."""
+def test_fused_kv4rl_split_counts_match_reference(splits):
+    """The protected region's extra program meets any number of INT4 splits in the merge."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, prot_mode=prot_mode)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
-    with pytest.raises(ValueError, match="prot_mode"):
-        kv4rl_decode(q, cache, backend="triton", config=cfg.replace(prot_mode="first"))
 
 
 def test_fused_kv4rl_matches_two_launches_and_reference():
@@ -359,3 +356,11 @@ def test_wave_model_split_plans(monkeypatch):
         for n in (512, 4096, 65536):
             s = plan(b, n, ctas_per_sm=2, overhead_blocks=1)
             assert 1 <= s <= 32 and (s == 1 or 2 * s <= -(-n // 256))
+
+
+def test_pdl_is_ignored_off_hopper():
+    """KV4KernelConfig.pdl is on by default, but only sm_90+ CUDA launches use it (the CPU path runs plainly)."""
+    from kvlib.kernels._backend import pdl_supported
+
+    assert DEFAULT_CONFIG.pdl
+    assert not pdl_supported(torch.zeros(1))

@@ -1,6 +1,7 @@
-"""Development probe on the GPU: KV4-RL's protected region as its own program per (request, kv head) vs run
-by the last INT4 split (``KV4KernelConfig.prot_mode``), timed from CUDA graphs beside KV4 at the kv4
-benchmark's fixed shapes, with an accuracy check of both modes against the torch reference.
+"""Development probe on the GPU: KV4-RL (its protected region one extra program per request and kv head) timed
+from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accuracy check against the torch
+reference. (It first compared that layout with the protected region run by the last INT4 split, since removed:
+data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
 structure (extra programs, merge launch: timed with an empty side buffer) and its protected work."""
 
@@ -18,7 +19,7 @@ from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl
 
 SHAPES = ((32, 1024), (32, 4096), (32, 16384), (128, 1024), (128, 16384), (512, 1024), (512, 4096))
 #: variants of the fused KV4-RL launch timed against KV4 (``--block-p``: side slots per protected step)
-MODES = {"own": dict(prot_mode="own"), "last": dict(prot_mode="last")}
+MODES = {"own": {}}
 BLOCK_P = {"own_bp32": dict(block_p=32), "own_bp64": dict(block_p=64), "own_bp128": dict(block_p=128),
            "own_bp256": dict(block_p=256)}
 

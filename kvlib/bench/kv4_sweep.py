@@ -116,28 +116,21 @@ def wave_variants(tiny: bool = False) -> list[tuple[str, object]]:
 
 
 def plan_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """The default beside the earlier split plan (three CTAs per SM, no per-program cost) and the
-    ``"last"`` protection layout; KV4-RL is timed for each. (A ``"spread"`` layout timed here at 2ee8c83
-    was slower at every shape and was removed.)"""
+    """The default beside the earlier split plan (three CTAs per SM, no per-program cost) and 64 side
+    slots per protected step; KV4-RL is timed for each. (The layouts ``"spread"`` and ``"last"``, timed
+    here at 2ee8c83 and d222feb, were slower at every shape and were removed.)"""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
     out = [("default", base), ("old_plan", base.replace(ctas_per_sm=3, overhead_blocks=0.0))]
-    if tiny:
-        return out
-    # "last" (reworked: the side buffer prefetched to L2) with 32 and 64 side slots per step
-    return out + [("last", base.replace(prot_mode="last")), ("last_bp64", base.replace(prot_mode="last", block_p=64))]
+    return out if tiny else out + [("bp64", base.replace(block_p=64))]
 
 
 def pdl_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """Programmatic dependent launch (``pdl``: the decode kernel launches while the query preparation
-    finishes, the merge while the decode finishes) on the default and on the reworked ``"last"`` layout."""
+    """Programmatic dependent launch (``pdl``, the default on sm_90+: the decode kernel launches while the
+    query preparation finishes, the merge while the decode finishes) against three ordinary launches."""
     from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
 
-    out = [("default", base), ("pdl", base.replace(pdl=True))]
-    if tiny:
-        return out
-    return out + [("last_bp64", base.replace(prot_mode="last", block_p=64)),
-                  ("last_bp64_pdl", base.replace(prot_mode="last", block_p=64, pdl=True))]
+    return [("default", base), ("no_pdl", base.replace(pdl=False))]
 
 
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)

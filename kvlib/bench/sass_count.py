@@ -91,8 +91,7 @@ def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, nu
     out = loop_stats(sass)
     per_thread = block_n * D * 2 / (32 * num_warps)  # K and V elements each thread handles per tile
     out.update(registers=res.get("reg"), stack_bytes=res.get("stack"), block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, per_element=out["instructions"] / per_thread,
-               l2_prefetches=len(re.findall(r"\bCCTL\b", sass)))  # prefetch.global.L2 in the whole kernel
+               num_stages=num_stages, per_element=out["instructions"] / per_thread)
     return out
 
 
@@ -134,18 +133,17 @@ def run(profile: str) -> dict[str, Any]:
     return out
 
 
-def kv4_count(prot_mode: str | None = None) -> dict[str, Any]:
+def kv4_count(prot: bool = False) -> dict[str, Any]:
     """The KV4 main-region kernel at :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG` and the kv4 benchmark's
     shape (d = 128, GQA 32:8, a capacity that is a multiple of the block): its pipelined interior loop, per
-    thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V). ``prot_mode``:
-    the KV4-RL kernel with that protection layout instead (the INT4 loop is still the longest)."""
+    thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V). ``prot``: the
+    KV4-RL kernel instead (the INT4 loop is still the longest)."""
     from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, MIN_ROWS, _kv4_decode_kernel
 
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv,
                  KMODE=_KMODES.index(cfg.k_mode), TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True,
-                 PROT=prot_mode is not None, BLOCK_P=cfg.block_p, INTERP=False, TMA=False,
-                 PROT_LAST=prot_mode == "last")
+                 PROT=prot, BLOCK_P=cfg.block_p, INTERP=False, TMA=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
@@ -169,7 +167,7 @@ def pdl_check() -> dict[str, list]:
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=8, D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv, KMODE=_KMODES.index(cfg.k_mode),
                  TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True, PROT=True, BLOCK_P=cfg.block_p, INTERP=False,
-                 TMA=False, PROT_LAST=False, PDL=True)
+                 TMA=False, PDL=True)
     merge_ptrs = {k: "*fp32" for k in ("O_S", "LSE_S", "A_S", "B_S", "OUT", "LSE", "A", "B", "TV", "TV1", "VAC")}
     return {
         "prepare_query": one(_prep_query_kernel, dict(D=D, R=16, ROTATE=True, PIECES=1, INTERP=False, PDL=True),

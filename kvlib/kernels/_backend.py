@@ -25,3 +25,9 @@ def use_triton(t: torch.Tensor, backend: str = "auto") -> bool:
     if backend == "triton" and not ok:
         raise RuntimeError("backend='triton' needs a CUDA tensor or TRITON_INTERPRET=1 set before importing triton")
     return ok
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """True when programmatic dependent launch applies to kernels on ``t``'s device: CUDA on Hopper or
+    newer (``griddepcontrol`` needs sm_90); elsewhere the flag is ignored."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9

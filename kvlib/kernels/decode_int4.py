@@ -54,7 +54,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvlib._checks import check_tensor
 from kvlib.hadamard import hadamard, hadamard_matrix
-from kvlib.kernels._backend import use_triton
+from kvlib.kernels._backend import pdl_supported, use_triton
 from kvlib.kernels.merge_tl import merge_splits
 
 LOG2E = 1.4426950408889634
@@ -152,7 +152,8 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", p
 
     ``precision`` (GPU): ``"mma"``: tensor-core dots of the exact bf16 pieces of ``q`` with the +-1
     Hadamard; ``"ieee"``: one fp32 FMA dot with the normalised Hadamard (slower). ``pdl`` (GPU): let a
-    decode kernel launched with programmatic dependent launch start early (``KV4KernelConfig.pdl``)."""
+    decode kernel launched with programmatic dependent launch start early (``KV4KernelConfig.pdl``; ignored
+    before sm_90 and off the GPU)."""
     if precision not in ("mma", "ieee"):
         raise ValueError(f"precision must be 'mma' or 'ieee', got {precision!r}")
     check_tensor("q", q, ndim=3, floating=True)
@@ -169,7 +170,7 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", p
     h = _hmat_pm1(d, str(q.device)) if mma else _hmat(d, str(q.device))
     _prep_query_kernel[(triton.cdiv(n, r),)](qc, h, q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
                                              PIECES=_PIECES[q.dtype] if mma else 0, INTERP=not q.is_cuda,
-                                             PDL=pdl and q.is_cuda)
+                                             PDL=pdl and pdl_supported(q))
     return QueryInt8(q8, qs, qsum)
 
 
@@ -761,26 +762,6 @@ def _protected_region(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
-@triton.jit
-def _prefetch_side(b, h, K8, K8S, V8, V8S, C, HKV: tl.constexpr, D: tl.constexpr, NT: tl.constexpr):
-    """Ask L2 for the side buffer of (request ``b``, kv head ``h``) (``prefetch.global.L2``: no registers,
-    no wait), so the protected region read after the INT4 blocks finds it near."""
-    pair = (b * HKV + h).to(tl.int64) * C
-    lines = tl.arange(0, NT).to(tl.int64) * 128
-    kv_bytes = C.to(tl.int64) * D
-    kv = tl.minimum(lines, kv_bytes - 1)
-    sc = tl.minimum(lines, 2 * C.to(tl.int64) - 1)
-    ptr_k = K8.to(tl.pointer_type(tl.int8)) + pair * D + kv
-    ptr_v = V8.to(tl.pointer_type(tl.int8)) + pair * D + kv
-    ptr_ks = K8S.to(tl.pointer_type(tl.int8)) + pair * 2 + sc
-    ptr_vs = V8S.to(tl.pointer_type(tl.int8)) + pair * 2 + sc
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; prefetch.global.L2 [$3]; prefetch.global.L2 [$4]; "
-        "mov.u32 $0, 0;",
-        "=r,l,l,l,l", [ptr_k, ptr_v, ptr_ks, ptr_vs], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
 def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
@@ -791,15 +772,12 @@ def _kv4_decode_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
-    BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False, PROT_LAST: tl.constexpr = False,
+    BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
-    KV4-RL costs one launch like KV4 and its states meet in the same split merge. ``PROT_LAST`` (grid
-    ``(B, Hkv, SPLITS)``): split ``SPLITS - 1`` also takes the protected region after its INT4 blocks,
-    so KV4-RL launches no more programs than KV4 (no extra wave): it asks L2 for the side buffer before
-    its INT4 blocks; the protected state goes to the same extra slot as with ``PROT``. PDL (programmatic
+    KV4-RL costs one launch like KV4 and its states meet in the same split merge. PDL (programmatic
     dependent launch): this kernel may start while the query preparation finishes, so it waits for it
     first, and lets the split merge after it launch early."""
     if PDL:
@@ -810,17 +788,7 @@ def _kv4_decode_kernel(
     sp = tl.program_id(2)
     NS = SPLITS + PROT
     if PROT:
-        if PROT_LAST:
-            if not INTERP:
-                if sp == SPLITS - 1:
-                    _prefetch_side(b, h, K8, K8S, V8, V8S, C, HKV, D, 256)
-            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
-                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA)
-            if sp == SPLITS - 1:
-                _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                                  HKV, G, GP, D, BLOCK_P, INTERP)
-        elif sp == SPLITS:
+        if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
@@ -855,21 +823,17 @@ class KV4KernelConfig:
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
-    - ``prot_mode`` (KV4-RL): ``"own"``: the protected region is one extra program per (request, kv
-      head); ``"last"``: the last INT4 split runs it after its blocks (no extra programs), having asked
-      L2 for the side buffer before them (its state still meets the others in the split merge: an
-      in-launch merge gained nothing, data/results/gpu/dev/kv4_sweep_fuse2.json). Its first form
-      (without the prefetch) was slower on
-      the H200 (KV4-RL/KV4 0.93 vs 0.97 at B=32, 16k: data/results/gpu/dev/kv4_prot_last.json,
-      kv4_sweep_plans.json); this form is untimed (``python -m kvlib.bench.kv4_sweep --family plans``),
-      so ``"own"`` stays the default. Two more layouts were timed and removed
-      (``data/results/gpu/dev/kv4_sweep_par.json``, ``kv4_sweep_packed2.json``): the standalone
-      protected kernel on a forked stream beside the INT4 kernel, and the protected regions packed
-      several pairs per program into the last wave's idle slots; both were slower than ``"own"``
-      at every shape timed (a protected pair is latency-bound while the INT4 programs saturate memory).
-    - ``pdl``: programmatic dependent launch (Hopper): the decode kernel may launch while the query
-      preparation finishes, and the split merge while the decode kernel finishes; each waits
-      (``griddepcontrol.wait``) before reading what the one before wrote. Untimed, so off by default.
+    - KV4-RL's protected region is one extra program per (request, kv head). Four other layouts were
+      timed on the H200 and removed, each slower for KV4-RL: the last INT4 split running it after its
+      blocks, without and with an L2 prefetch of the side buffer (B=32, S=16k: 0.174 vs 0.167 ms;
+      data/results/gpu/dev/kv4_prot_last.json, kv4_sweep_plans2.json), a standalone protected kernel
+      on a forked stream (kv4_sweep_par.json), and the protected regions packed several pairs per
+      program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
+      latency-bound while the INT4 programs saturate memory.
+    - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
+      while the query preparation finishes, and the split merge while the decode kernel finishes; each
+      waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
+      time on mean over the sweep's shapes, 3% at B=32, S=1k (data/results/gpu/dev/kv4_sweep_pdl.json).
     """
 
     block_n: int = 128
@@ -885,8 +849,7 @@ class KV4KernelConfig:
     overhead_blocks: float = 0.0
     maxnreg: int | None = None
     tma: bool = False
-    prot_mode: str = "own"
-    pdl: bool = False
+    pdl: bool = True
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -945,9 +908,6 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
     return best
-
-
-_PROT_MODES = ("own", "last")
 
 
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
@@ -1069,9 +1029,6 @@ def kv4_main_decode(
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
-    if cfg.prot_mode not in _PROT_MODES:
-        raise ValueError(f"prot_mode must be one of {_PROT_MODES}, got {cfg.prot_mode!r}")
-    prot_last = prot and cfg.prot_mode == "last"
     ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
@@ -1087,8 +1044,8 @@ def kv4_main_decode(
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
-    pdl = cfg.pdl and qp.q8.is_cuda
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns - int(prot_last))](
+    pdl = cfg.pdl and pdl_supported(qp.q8)
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -1096,7 +1053,7 @@ def kv4_main_decode(
         o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
-        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p, PROT_LAST=prot_last,
+        EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
         PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),

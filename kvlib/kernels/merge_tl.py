@@ -21,7 +21,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from kvlib._checks import check_tensor
 from kvlib.certificate import bounds_from_AB
-from kvlib.kernels._backend import use_triton
+from kvlib.kernels._backend import pdl_supported, use_triton
 from kvlib.merge import merge_states
 
 
@@ -161,7 +161,7 @@ def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | Non
         A_s.contiguous() if cert else lse_s, B_s.contiguous() if cert_b else lse_s,
         o, lse, A if cert else lse, B if cert_b else lse, tv if cert else lse, tv1 if cert else lse,
         vac if cert else lse,
-        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b, PDL=pdl and o_s.is_cuda,
-        **({"launch_pdl": True} if pdl and o_s.is_cuda else {}),
+        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b, PDL=pdl and pdl_supported(o_s),
+        **({"launch_pdl": True} if pdl and pdl_supported(o_s) else {}),
     )  # fmt: skip
     return MergedSplits(o, lse, A, B, tv, tv1, vac.view(torch.bool) if cert else None)

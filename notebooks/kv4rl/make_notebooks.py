@@ -427,6 +427,21 @@ packed = load_result("dev/kv4_sweep_packed2", "gpu")
 rl = packed["results"]["shapes"]["b32_s16k"]["kv4rl"] if packed else None
 run.glue("packed_rl_ms", rl["packed_fused"]["ms"] if rl else float("nan"))
 run.glue("own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
+plans2 = load_result("dev/kv4_sweep_plans2", "gpu")
+rl = plans2["results"]["shapes"]["b32_s16k"]["kv4rl"] if plans2 else None
+run.glue("last_rl_ms", rl["last_fused"]["ms"] if rl else float("nan"))
+run.glue("last_own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
+pdl = load_result("dev/kv4_sweep_pdl", "gpu")
+if pdl:
+    sh = pdl["results"]["shapes"]
+    # the sweep ran with pdl off by default: its "pdl" variant against its "default"
+    ratios = [v["kv4"]["pdl"]["ms"] / v["kv4"]["default"]["ms"] for v in sh.values()]
+    run.glue("pdl_mean_ratio", sum(ratios) / len(ratios))
+    run.glue("pdl_b32_1k_us", sh["b32_s1k"]["kv4"]["pdl"]["ms"] * 1e3)
+    run.glue("nopdl_b32_1k_us", sh["b32_s1k"]["kv4"]["default"]["ms"] * 1e3)
+else:
+    for k in ("pdl_mean_ratio", "pdl_b32_1k_us", "nopdl_b32_1k_us"):
+        run.glue(k, float("nan"))
 dec = load_result("dev/kv4rl_decompose_rows8", "gpu")
 if dec:
     dd = pd.DataFrame(dec["results"])
@@ -472,16 +487,24 @@ extra time is this structure, not the protected work (B = 32: {glue:text}`dec_st
 against {glue:text}`dec_protected_us:.1f` µs): the extra programs wait for slots behind the INT4 programs, the
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
 launch that KV4 with one split does not. Other layouts were timed and none was faster
-(`data/results/gpu/dev/`): the side slots handled by the last split (`prot_mode="last"` in its first
-form; a reworked form, which asks L2 for the side buffer before the INT4 blocks, is built and tested
-on the CPU but not yet timed), and four that
-were removed after losing: the slots sliced over the splits and merged in place; the merge done
+(`data/results/gpu/dev/`), and each was removed after losing: the side slots handled by the last
+INT4 split after its blocks, first plain, then with the side buffer asked into L2 before the INT4
+blocks (B = 32, S = 16k: KV4-RL {glue:text}`last_rl_ms:.3f` ms against {glue:text}`last_own_rl_ms:.3f` ms,
+`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the slots sliced
+over the splits and merged in place; the merge done
 inside the decode launch by the last program to finish; a small standalone protected kernel on a
 parallel stream beside the INT4 kernel; and the protected regions packed several pairs per program
 into the last wave's idle slots (B = 32, S = 16k: KV4-RL {glue:text}`packed_rl_ms:.3f` ms packed
 against {glue:text}`own_rl_ms:.3f` ms, `kv4_sweep_packed2.json`). The last two show why: a protected
 pair is a short chain of dependent loads (five 32-slot steps), and while the INT4 programs saturate
 memory each step waits on it, so protected work that overlaps the INT4 stream runs slower, not free.
+
+**Three launches that overlap.** The query preparation, the decode kernel and (when there is more
+than one state) the split merge are separate launches. With programmatic dependent launch (Hopper;
+`KV4KernelConfig.pdl`, on by default) each launches while the one before finishes and waits, on the
+GPU, before reading what it wrote. Measured side by side under CUDA graphs (`kv4_sweep_pdl.json`) it
+takes {glue:text}`pdl_mean_ratio:.3f` of the time on mean over the sweep's six shapes, most at short
+context (B = 32, S = 1k: {glue:text}`pdl_b32_1k_us:.1f` µs against {glue:text}`nopdl_b32_1k_us:.1f` µs).
 
 **Query rows.** The GQA group of 4 is padded to 8 query rows per tile (`MIN_ROWS`): fewer registers
 and a shorter loop than with 4 rows (offline sm_90 count), and in three sweeps 8 rows tied or beat 4
