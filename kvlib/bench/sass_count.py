@@ -67,8 +67,13 @@ def _compile(kernel: Any, constexprs: dict[str, Any], pointers: dict[str, str] |
     from triton.compiler import ASTSource
 
     ptrs = POINTERS | (pointers or {})
+    params = inspect.signature(kernel.fn).parameters
+    # a constexpr left to its default must still be a constant: typed "i32" it would become a runtime
+    # argument, and every branch on it would be compiled in (a different kernel from the one launched)
+    constexprs = {n: p.default for n, p in params.items()
+                  if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty} | constexprs
     sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
+    for name in params:
         sig[name] = ("constexpr" if name in constexprs else ptrs.get(name)
                      or ("fp32" if name in FLOATS else "i32"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}

@@ -55,6 +55,10 @@ VAR_DOT = False
 #: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
 #: per scheduler); a probe knob for occupancy against spills
 MAXNREG: int | None = None
+#: timing-only ablations for development probes (bit mask; never a result): 1 drops the QK path (key loads,
+#: conversions, dots), 2 the PV path (value loads and dots), 4 computes slots as ``b * stride + position``
+#: instead of loading them (right only for the probes' identity slot table)
+ABLATE = 0
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -215,7 +219,7 @@ def _decode_int8_stage1_h10(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
-    WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False,
+    WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -291,7 +295,10 @@ def _decode_int8_stage1_h10(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if ABLATE & 4:
+            slot = (b * s_sl_b + offs_n).to(tl.int64)
+        else:
+            slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
             w0 = slot.to(tl.uint32)[:, None] + cj
             w1 = w0
@@ -302,13 +309,18 @@ def _decode_int8_stage1_h10(
             w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs),
                                         k0, k1, WIDE=WIDE_MUL and FAST)  # WIDE: one mul.wide per product
         s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
-        qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST, SKIP_DITHER)
-              + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
-                          SKIP_DITHER))
-        qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
-                         SKIP_DITHER)
-               + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
-                           SKIP_DITHER))
+        if ABLATE & 1:
+            wx = (w0 ^ w1 ^ w2 ^ w3).to(tl.float32)  # keeps the Philox work alive
+            qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
+        else:
+            qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST,
+                            SKIP_DITHER)
+                  + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
+                              SKIP_DITHER))
+            qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
+                             SKIP_DITHER)
+                   + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
+                               SKIP_DITHER))
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
@@ -351,10 +363,13 @@ def _decode_int8_stage1_h10(
 
         pp = p * 1024.0
         vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
-        acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
-        acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
-        acc2 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, pp, acc2, alpha, 2, G, PV_TERMS, FAST)
-        acc3 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, pp, acc3, alpha, 3, G, PV_TERMS, FAST)
+        if ABLATE & 2:
+            acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
+        else:
+            acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
+            acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
+            acc2 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, pp, acc2, alpha, 2, G, PV_TERMS, FAST)
+            acc3 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, pp, acc3, alpha, 3, G, PV_TERMS, FAST)
         if NOV > 0:
             vo = tl.load(VO + slot[:, None] * s_vo_n + kvh * s_vo_h + offs_ov[None, :],
                          mask=mask_n[:, None] & mask_ov[None, :], other=0.0).to(tl.float32)
@@ -424,6 +439,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
