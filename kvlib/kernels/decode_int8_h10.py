@@ -59,6 +59,14 @@ MAXNREG: int | None = None
 #: conversions, dots), 2 the PV path (value loads and dots), 4 computes slots as ``b * stride + position``
 #: instead of loading them (right only for the probes' identity slot table)
 ABLATE = 0
+#: load the next tile's slot indices and its key and value scales one iteration ahead (carried in registers
+#: through the loop), so their global-memory latency overlaps the current tile's work; probe knob
+PREFETCH_META = False
+#: PV without shared-memory round trips for the probabilities: ``p`` transposed once per tile and the product
+#: taken the natural way, ``acc_g[heads, G] += (p s_g)_hi V_g + (p s_g)_lo V_g`` (``p s`` the A operand from
+#: registers, the value tile the B operand); 1 builds ``V_g`` from the int32 words (:func:`_words_f16`), 2 reads
+#: the value codes as an int8 tile (:func:`_codes_f16`, like the keys). Same exact pieces; probe knob
+PV_DIRECT = 0
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -192,6 +200,38 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
+def _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, acc, alpha,
+             g: tl.constexpr, G: tl.constexpr, PV_TERMS: tl.constexpr, FAST: tl.constexpr, PV_DIRECT: tl.constexpr):
+    """``acc_g alpha + (1024 p s_g) c_g`` ``[BH, G]`` (:data:`PV_DIRECT`): ``ppT`` is ``1024 p^T`` ``[BH, BLOCK_N]``,
+    the A operand; the value tile ``[BLOCK_N, G]`` (exact fp16 codes) the B operand."""
+    if PV_DIRECT == 2:  # the int32 word pointer read as bytes: four codes per word, channel order
+        offs_c = tl.arange(0, G)
+        vc = tl.load(VC.to(tl.pointer_type(tl.int8)) + slot[:, None] * (4 * s_vc_n) + kvh * (4 * s_vc_h) + g * G
+                     + offs_c[None, :], mask=mask_n[:, None], other=0)
+        v16 = _codes_f16(vc, FAST)
+    else:
+        offs_w = tl.arange(0, G // 4)
+        vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w[None, :],
+                     mask=mask_n[:, None], other=0)
+        v16 = _words_f16(vw)
+    ps = ppT * vs[None, :]
+    p_hi = ps.to(tl.float16)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p_hi, v16, acc)
+    if PV_TERMS >= 2:
+        acc = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v16, acc)
+    return acc
+
+
+@triton.jit
+def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr):
+    """A tile's slot indices (int64); ``ABLATE & 4``: the probes' identity table, computed."""
+    if ABLATE & 4:
+        return (b * s_sl_b + offs_n).to(tl.int64)
+    return tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+
+
+@triton.jit
 def _rat(rg, q2g):
     """``R'_g^2 / Q2_g`` (``inf`` where the group's query is 0 but its residual is not)."""
     return tl.where(q2g > 0, rg * rg / tl.where(q2g > 0, q2g, 1.0), tl.where(rg > 0, float("inf"), 0.0))
@@ -203,6 +243,15 @@ def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr,
     keep = tl.sum(((g * G + offs_c)[:, None] == voc[None, :]).to(tl.int32), 1) == 0
     tl.store(o_base + heads[None, :] * s_os_h + (g * G + offs_c)[:, None], accT * sc[None, :],
              mask=mask_h[None, :] & keep[:, None])
+
+
+@triton.jit
+def _store_group(o_base, s_os_h, heads, acc, sc, mask_h, voc, g: tl.constexpr, G: tl.constexpr):
+    """:func:`_storeT_group` for a ``[BH, G]`` accumulator (:data:`PV_DIRECT`)."""
+    offs_c = tl.arange(0, G)
+    keep = tl.sum(((g * G + offs_c)[None, :] == voc[:, None]).to(tl.int32), 0) == 0
+    tl.store(o_base + heads[:, None] * s_os_h + (g * G + offs_c)[None, :], acc * sc[:, None],
+             mask=mask_h[:, None] & keep[None, :])
 
 
 @triton.jit
@@ -220,6 +269,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, PV_DIRECT: tl.constexpr = 0,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -287,18 +337,37 @@ def _decode_int8_stage1_h10(
         a_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    if PV_DIRECT:
+        acc0 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    if PREFETCH:  # the first tile's metadata; the loop loads tile i + 1's while it works on tile i
+        offs_x = start + tl.arange(0, BLOCK_N)
+        mask_x = offs_x < end
+        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+        ks0_x, ks1_x, ks2_x, ks3_x = _scales4(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
+        vs0_x, vs1_x, vs2_x, vs3_x = _scales4(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if ABLATE & 4:
-            slot = (b * s_sl_b + offs_n).to(tl.int64)
+        if PREFETCH:
+            slot = slot_x
+            s0, s1, s2, s3 = ks0_x, ks1_x, ks2_x, ks3_x
+            vs0, vs1, vs2, vs3 = vs0_x, vs1_x, vs2_x, vs3_x
+            offs_x = offs_n + BLOCK_N
+            mask_x = offs_x < end  # all false on the last tile: nothing is read
+            slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+            ks0_x, ks1_x, ks2_x, ks3_x = _scales4(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
+            vs0_x, vs1_x, vs2_x, vs3_x = _scales4(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         else:
-            slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+            slot = _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
             w0 = slot.to(tl.uint32)[:, None] + cj
             w1 = w0
@@ -308,7 +377,8 @@ def _decode_int8_stage1_h10(
             cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
             w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs),
                                         k0, k1, WIDE=WIDE_MUL and FAST)  # WIDE: one mul.wide per product
-        s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
+        if not PREFETCH:
+            s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
         if ABLATE & 1:
             wx = (w0 ^ w1 ^ w2 ^ w3).to(tl.float32)  # keeps the Philox work alive
             qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
@@ -362,9 +432,23 @@ def _decode_int8_stage1_h10(
                     b_t = b_t * alpha[None, :] + tl.sum(pb, 0)[None, :]
 
         pp = p * 1024.0
-        vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
+        if not PREFETCH:
+            vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
         if ABLATE & 2:
-            acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
+            if PV_DIRECT:
+                acc0 = acc0 * alpha[:, None] + tl.sum(pp * vs0[:, None], 0)[:, None]
+            else:
+                acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
+        elif PV_DIRECT:
+            ppT = tl.trans(pp)  # [BH, BLOCK_N]: once per tile, the A operand of all four groups
+            acc0 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, ppT, acc0, alpha, 0, G, PV_TERMS, FAST,
+                            PV_DIRECT)
+            acc1 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, ppT, acc1, alpha, 1, G, PV_TERMS, FAST,
+                            PV_DIRECT)
+            acc2 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, ppT, acc2, alpha, 2, G, PV_TERMS, FAST,
+                            PV_DIRECT)
+            acc3 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, ppT, acc3, alpha, 3, G, PV_TERMS, FAST,
+                            PV_DIRECT)
         else:
             acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
             acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
@@ -385,10 +469,16 @@ def _decode_int8_stage1_h10(
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
-    _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
-    _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
-    _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
-    _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    if PV_DIRECT:
+        _store_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
+        _store_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
+        _store_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
+        _store_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    else:
+        _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
+        _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
+        _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
+        _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
     if NOV > 0:
         tl.store(o_base + heads[None, :] * s_os_h + voc[:, None], acc_voT * inv_l[None, :],
                  mask=mask_ov[:, None] & mask_h[None, :])
@@ -439,6 +529,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PREFETCH=PREFETCH_META, PV_DIRECT=int(PV_DIRECT),
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
