@@ -137,12 +137,14 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
+@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits):
-    """The protected region's extra program meets any number of INT4 splits in the merge."""
+def test_fused_kv4rl_split_counts_match_reference(splits, interleave):
+    """The protected region's extra program meets any number of INT4 splits in the merge, in either
+    dispatch order."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, interleave=interleave)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)
@@ -285,8 +287,10 @@ def test_bad_inputs():
 
 def test_sweep_tiny_wiring():
     """The GPU tuning sweep's code path at tiny shapes under the interpreter (times mean nothing)."""
-    from kvlib.bench.kv4_sweep import TINY_SHAPES, Sweep, compile_variants
+    from kvlib.bench.kv4_sweep import FAMILIES, TINY_SHAPES, Sweep, compile_variants
 
+    for family, variants in FAMILIES.items():  # every family's configs are valid KV4KernelConfig copies
+        assert variants(True)[0][0] == "default", family
     sw = Sweep(tiny=True)
     ok = sw.check(compile_variants(tiny=True)[:1])
     assert [name for name, _ in ok] == ["default"]
