@@ -773,25 +773,19 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, INTERLEAVE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. PDL (programmatic
     dependent launch): this kernel may start while the query preparation finishes, so it waits for it
-    first, and lets the split merge after it launch early. INTERLEAVE: grid ``(SPLITS + PROT, B, Hkv)``, the
-    split index fastest, so each pair's programs (its protected one included) are dispatched together."""
+    first, and lets the split merge after it launch early."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    if INTERLEAVE:
-        sp = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-    else:
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
     NS = SPLITS + PROT
     if PROT:
         if sp == SPLITS:
@@ -840,10 +834,6 @@ class KV4KernelConfig:
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
       time on mean over the sweep's shapes, 3% at B=32, S=1k (data/results/gpu/dev/kv4_sweep_pdl.json).
-    - ``interleave``: dispatch order. Blocks start in grid order; by default every pair's first split
-      comes before any second one, so KV4-RL's protected programs (the last split index) all start after
-      the INT4 programs, as the launch's tail. ``True`` puts the split index fastest: each pair's programs,
-      the protected one included, start together, and the protected work spreads through the launch.
     """
 
     block_n: int = 128
@@ -860,7 +850,6 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     pdl: bool = True
-    interleave: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1056,7 +1045,7 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     pdl = cfg.pdl and pdl_supported(qp.q8)
-    LAST_KERNEL = _kv4_decode_kernel[(ns, b, hkv) if cfg.interleave else (b, hkv, ns)](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -1066,7 +1055,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, INTERLEAVE=bool(cfg.interleave),
+        PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
