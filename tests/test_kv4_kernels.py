@@ -137,14 +137,12 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize("prot_prefetch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits, prot_prefetch):
-    """The protected region's extra program meets any number of INT4 splits in the merge, with its side
-    steps loaded as they run or one step ahead."""
+def test_fused_kv4rl_split_counts_match_reference(splits):
+    """The protected region's extra program meets any number of INT4 splits in the merge."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, prot_prefetch=prot_prefetch, block_p=4)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)

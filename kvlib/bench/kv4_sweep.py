@@ -135,25 +135,16 @@ def pdl_variants(tiny: bool = False) -> list[tuple[str, object]]:
     return [("default", base), ("no_pdl", base.replace(pdl=False))]
 
 
-def prot_variants(tiny: bool = False) -> list[tuple[str, object]]:
-    """KV4-RL's protected program with its side steps loaded one step ahead (``prot_prefetch``), at 32 and
-    64 side slots per step."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG as base
-
-    out = [("default", base), ("prot_prefetch", base.replace(prot_prefetch=True))]
-    return out if tiny else out + [("prot_prefetch_bp64", base.replace(prot_prefetch=True, block_p=64)),
-                                   ("bp64", base.replace(block_p=64))]
-
-
 # (an "order" family, the split index fastest in the grid so KV4-RL's protected programs spread through
-# the launch, was slower for KV4-RL at every shape and was removed: data/results/gpu/dev/kv4_sweep_order.json)
+# the launch, and a "prot" family, the protected program's side steps loaded one step ahead, were slower
+# for KV4-RL and were removed: data/results/gpu/dev/kv4_sweep_order.json, kv4_sweep_prot.json)
 #: ``--family`` name -> its variant list (``all``: the launch-parameter grid plus tma and occupancy)
 FAMILIES: dict[str, Callable[[bool], list[tuple[str, object]]]] = {
     "tma": tma_variants, "occupancy": occupancy_variants, "waves": wave_variants, "plans": plan_variants,
-    "pdl": pdl_variants, "prot": prot_variants,
+    "pdl": pdl_variants,
 }
 #: families that time KV4-RL beside KV4 for every variant, at :data:`WAVE_SHAPES`
-RL_EACH = ("waves", "plans", "pdl", "prot")
+RL_EACH = ("waves", "plans", "pdl")
 
 
 def compile_variants(tiny: bool = False, family: str = "all") -> list[tuple[str, object]]:
@@ -524,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                          "'tma': only the default beside the TMA-descriptor variants and register caps; "
                          "'occupancy': only the default beside register-leaner variants; 'waves': split-count "
                          "plans; 'plans': the default's split plan and protection layout against the earlier "
-                         "ones; 'pdl': programmatic dependent launch; 'prot': the protected program's loads one "
-                         "step ahead (the last four time KV4-RL for each variant, at eight shapes)")
+                         "ones; 'pdl': programmatic dependent launch (the last three time KV4-RL for each "
+                         "variant, at eight shapes)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="time budget before only the default is timed")
     args = ap.parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()

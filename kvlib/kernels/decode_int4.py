@@ -700,29 +700,22 @@ def _region(
 
 
 @triton.jit
-def _protected_load(n0, cnt, slot0, K8, K8S, V8, V8S, D: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Side slots ``[n0, n0 + BLOCK_P)`` (masked at ``cnt``: nothing is read past it): key and value codes and
-    their scales."""
+def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """Side slots ``[n0, n0 + BLOCK_P)`` (masked at ``cnt``): INT8 QK, online softmax, bf16 PV."""
     cols = tl.arange(0, D)
     offs = n0 + tl.arange(0, BLOCK_P)
     nm = offs < cnt
     slot = slot0 + offs
     k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
     ks = tl.load(K8S + slot, mask=nm, other=0.0).to(tl.float32)
-    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
-    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
-    return k, ks, v8, vs
-
-
-@triton.jit
-def _protected_math(n0, cnt, q, a_q, k, ks, v8, vs, m_i, l_i, acc, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):
-    """One step's INT8 QK, online softmax and bf16 PV on loaded side slots."""
-    nm = n0 + tl.arange(0, BLOCK_P) < cnt
     s = tl.dot(q, tl.trans(k)).to(tl.float32) * (a_q[:, None] * ks[None, :])
     s = tl.where(nm[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
+    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
     v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
     if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
@@ -733,22 +726,12 @@ def _protected_math(n0, cnt, q, a_q, k, ks, v8, vs, m_i, l_i, acc, BLOCK_P: tl.c
 
 
 @triton.jit
-def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                    INTERP: tl.constexpr):
-    """Side slots ``[n0, n0 + BLOCK_P)`` (masked at ``cnt``): INT8 QK, online softmax, bf16 PV."""
-    k, ks, v8, vs = _protected_load(n0, cnt, slot0, K8, K8S, V8, V8S, D, BLOCK_P)
-    return _protected_math(n0, cnt, q, a_q, k, ks, v8, vs, m_i, l_i, acc, BLOCK_P, INTERP)
-
-
-@triton.jit
 def _protected_region(
     b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
     NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr, PREFETCH: tl.constexpr = False,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
-    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``.
-    The region runs inside a branch of the decode kernel, where loads are not software-pipelined; PREFETCH
-    issues each step's loads one step ahead into registers (a dependent load chain of one step, not two)."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
@@ -763,21 +746,7 @@ def _protected_region(
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, D], tl.float32)
-    if PREFETCH:
-        k, ks, v8, vs = _protected_load(0, cnt, slot0, K8, K8S, V8, V8S, D, BLOCK_P)
-        if INTERP:
-            n0 = cnt * 0
-            while n0 < cnt:
-                kn, ksn, v8n, vsn = _protected_load(n0 + BLOCK_P, cnt, slot0, K8, K8S, V8, V8S, D, BLOCK_P)
-                m_i, l_i, acc = _protected_math(n0, cnt, q, a_q, k, ks, v8, vs, m_i, l_i, acc, BLOCK_P, True)
-                k, ks, v8, vs = kn, ksn, v8n, vsn
-                n0 += BLOCK_P
-        else:
-            for n0 in range(0, cnt, BLOCK_P):
-                kn, ksn, v8n, vsn = _protected_load(n0 + BLOCK_P, cnt, slot0, K8, K8S, V8, V8S, D, BLOCK_P)
-                m_i, l_i, acc = _protected_math(n0, cnt, q, a_q, k, ks, v8, vs, m_i, l_i, acc, BLOCK_P, False)
-                k, ks, v8, vs = kn, ksn, v8n, vsn
-    elif INTERP:
+    if INTERP:
         n0 = cnt * 0
         while n0 < cnt:
             m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
@@ -804,7 +773,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PROT_PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -821,7 +790,7 @@ def _kv4_decode_kernel(
     if PROT:
         if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                              HKV, G, GP, D, BLOCK_P, INTERP, PROT_PREFETCH)
+                              HKV, G, GP, D, BLOCK_P, INTERP)
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
@@ -865,8 +834,6 @@ class KV4KernelConfig:
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
       time on mean over the sweep's shapes, 3% at B=32, S=1k (data/results/gpu/dev/kv4_sweep_pdl.json).
-    - ``prot_prefetch`` (KV4-RL): the protected program loads each side step one step ahead into registers
-      (its loop sits in a branch, where the compiler does not pipeline loads). Untimed, so off by default.
     """
 
     block_n: int = 128
@@ -883,7 +850,6 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     pdl: bool = True
-    prot_prefetch: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1089,7 +1055,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PROT_PREFETCH=bool(cfg.prot_prefetch),
+        PDL=pdl,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
