@@ -121,7 +121,18 @@ def _neg_m(w, FAST: tl.constexpr):
 @triton.jit
 def _scales4(S, slot, mask_n, kvh, s_n, s_h):
     """The four groups' fp16 scales of a tile as fp32 ``[BLOCK_N]`` each, from one 8-byte load per position."""
-    x = tl.load(S + slot[:, None] * s_n + kvh * s_h + tl.arange(0, 4)[None, :], mask=mask_n[:, None], other=0.0)
+    return _split4(_scales_tile(S, slot, mask_n, kvh, s_n, s_h))
+
+
+@triton.jit
+def _scales_tile(S, slot, mask_n, kvh, s_n, s_h):
+    """A tile's four fp16 scales per position, ``[BLOCK_N, 4]`` (one 8-byte load per position)."""
+    return tl.load(S + slot[:, None] * s_n + kvh * s_h + tl.arange(0, 4)[None, :], mask=mask_n[:, None], other=0.0)
+
+
+@triton.jit
+def _split4(x):
+    """``[BLOCK_N, 4]`` fp16 scales -> the four groups' fp32 ``[BLOCK_N]``."""
     a, b = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], 2, 2)))  # a: groups 0, 2; b: groups 1, 3
     s0, s2 = tl.split(a)
     s1, s3 = tl.split(b)
@@ -200,27 +211,57 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, acc, alpha,
+def _pos3(x, W: tl.constexpr):
+    """A tile's ``[BLOCK_N]`` vector as ``[W, BLOCK_N / W]``: position ``C (W j + w) + i`` to ``[w, C j + i]``,
+    ``C = 16`` (the positions warp ``w`` holds in the score tile's ``mma`` layout, warps along the positions)."""
+    n: tl.constexpr = x.shape[0]
+    C: tl.constexpr = min(16, n // W)
+    return tl.reshape(tl.permute(tl.reshape(x, (n // (C * W), W, C)), (1, 0, 2)), (W, n // W))
+
+
+@triton.jit
+def _pos3T(x, W: tl.constexpr):
+    """``[BLOCK_N, BH]`` -> ``[W, BH, BLOCK_N / W]`` in :func:`_pos3`'s position order."""
+    n: tl.constexpr = x.shape[0]
+    h: tl.constexpr = x.shape[1]
+    C: tl.constexpr = min(16, n // W)
+    return tl.reshape(tl.permute(tl.reshape(x, (n // (C * W), W, C, h)), (1, 3, 0, 2)), (W, h, n // W))
+
+
+@triton.jit
+def _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, vs3, ppT, acc, alpha2,
              g: tl.constexpr, G: tl.constexpr, PV_TERMS: tl.constexpr, FAST: tl.constexpr, PV_DIRECT: tl.constexpr):
-    """``acc_g alpha + (1024 p s_g) c_g`` ``[BH, G]`` (:data:`PV_DIRECT`): ``ppT`` is ``1024 p^T`` ``[BH, BLOCK_N]``,
-    the A operand; the value tile ``[BLOCK_N, G]`` (exact fp16 codes) the B operand."""
-    if PV_DIRECT == 2:  # the int32 word pointer read as bytes: four codes per word, channel order
-        offs_c = tl.arange(0, G)
-        vc = tl.load(VC.to(tl.pointer_type(tl.int8)) + slot[:, None] * (4 * s_vc_n) + kvh * (4 * s_vc_h) + g * G
-                     + offs_c[None, :], mask=mask_n[:, None], other=0)
+    """``acc_g alpha + (1024 p s_g) c_g`` as ``[W, R BH, G]`` (:data:`PV_DIRECT`), one batch per position slice
+    ``w`` (summed after the loop). ``ppT`` is ``1024 p^T`` ``[W, BH, K]`` (:func:`_pos3T`), ``slot3``, ``mask3``,
+    ``vs3`` ``[W, K]``. The A operand stacks the hi piece (rows ``0..BH-1``) over the lo piece (rows
+    ``BH..2BH-1``, ``R = 2`` when ``PV_TERMS >= 2``): one m16 fragment holds both, so eight heads pad nothing;
+    the value tile ``[W, K, G]`` (exact fp16 codes) is the B operand."""
+    W: tl.constexpr = ppT.shape[0]
+    BH: tl.constexpr = ppT.shape[1]
+    K: tl.constexpr = ppT.shape[2]
+    if PV_DIRECT == 2:  # the int32 word pointer read as bytes: four codes per word, in channel order
+        offs_c = tl.arange(0, G)[None, None, :]
+        vc = tl.load(VC.to(tl.pointer_type(tl.int8)) + slot3[:, :, None] * (4 * s_vc_n) + kvh * (4 * s_vc_h)
+                     + g * G + offs_c, mask=mask3[:, :, None], other=0)
         v16 = _codes_f16(vc, FAST)
     else:
-        offs_w = tl.arange(0, G // 4)
-        vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w[None, :],
-                     mask=mask_n[:, None], other=0)
-        v16 = _words_f16(vw)
-    ps = ppT * vs[None, :]
+        offs_w = tl.arange(0, G // 4)[None, None, :]
+        vw = tl.load(VC + slot3[:, :, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w,
+                     mask=mask3[:, :, None], other=0)
+        c0 = ((vw << 24) >> 24) + 0x6480  # as _words_f16, one batch dimension more
+        c1 = ((vw << 16) >> 24) + 0x6480
+        c2 = ((vw << 8) >> 24) + 0x6480
+        c3 = (vw >> 24) + 0x6480
+        x = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+        v16 = tl.reshape(x, (W, K, G)).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    ps = ppT * vs3[:, None, :]
     p_hi = ps.to(tl.float16)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p_hi, v16, acc)
     if PV_TERMS >= 2:
-        acc = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v16, acc)
-    return acc
+        p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
+        a = tl.reshape(tl.permute(tl.join(p_hi, p_lo), (0, 3, 1, 2)), (W, 2 * BH, K))
+    else:
+        a = p_hi
+    return tl.dot(a, v16, acc * alpha2[None, :, None])
 
 
 @triton.jit
@@ -243,6 +284,15 @@ def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr,
     keep = tl.sum(((g * G + offs_c)[:, None] == voc[None, :]).to(tl.int32), 1) == 0
     tl.store(o_base + heads[None, :] * s_os_h + (g * G + offs_c)[:, None], accT * sc[None, :],
              mask=mask_h[None, :] & keep[:, None])
+
+
+@triton.jit
+def _fold(acc, PR: tl.constexpr):
+    """``[W, PR BH, G]`` -> ``[BH, G]``: the sum over the position slices and the ``PR`` row blocks."""
+    a = tl.sum(acc, 0)
+    if PR == 2:
+        a = tl.sum(tl.reshape(a, (2, a.shape[0] // 2, a.shape[1])), 0)
+    return a
 
 
 @triton.jit
@@ -269,7 +319,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False, PV_DIRECT: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, PV_DIRECT: tl.constexpr = 0, PV_W: tl.constexpr = 2,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -337,11 +387,12 @@ def _decode_int8_stage1_h10(
         a_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
+    PR: tl.constexpr = 2 if PV_TERMS >= 2 else 1  # PV_DIRECT: rows of hi (and lo) pieces per accumulator
     if PV_DIRECT:
-        acc0 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
+        acc0 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
+        acc1 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
+        acc2 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
+        acc3 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
     else:
         acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
         acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
@@ -351,21 +402,21 @@ def _decode_int8_stage1_h10(
         offs_x = start + tl.arange(0, BLOCK_N)
         mask_x = offs_x < end
         slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
-        ks0_x, ks1_x, ks2_x, ks3_x = _scales4(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
-        vs0_x, vs1_x, vs2_x, vs3_x = _scales4(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
+        ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
+        vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         if PREFETCH:
             slot = slot_x
-            s0, s1, s2, s3 = ks0_x, ks1_x, ks2_x, ks3_x
-            vs0, vs1, vs2, vs3 = vs0_x, vs1_x, vs2_x, vs3_x
+            s0, s1, s2, s3 = _split4(ks_x)
+            vs0, vs1, vs2, vs3 = _split4(vs_x)
             offs_x = offs_n + BLOCK_N
             mask_x = offs_x < end  # all false on the last tile: nothing is read
             slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
-            ks0_x, ks1_x, ks2_x, ks3_x = _scales4(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
-            vs0_x, vs1_x, vs2_x, vs3_x = _scales4(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
+            ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
+            vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         else:
             slot = _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
@@ -436,19 +487,26 @@ def _decode_int8_stage1_h10(
             vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
         if ABLATE & 2:
             if PV_DIRECT:
-                acc0 = acc0 * alpha[:, None] + tl.sum(pp * vs0[:, None], 0)[:, None]
+                acc0 = acc0 * alpha[None, :, None] + tl.sum(pp * vs0[:, None], 0)[None, :, None]
             else:
                 acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
         elif PV_DIRECT:
-            ppT = tl.trans(pp)  # [BH, BLOCK_N]: once per tile, the A operand of all four groups
-            acc0 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, ppT, acc0, alpha, 0, G, PV_TERMS, FAST,
-                            PV_DIRECT)
-            acc1 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, ppT, acc1, alpha, 1, G, PV_TERMS, FAST,
-                            PV_DIRECT)
-            acc2 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs2, ppT, acc2, alpha, 2, G, PV_TERMS, FAST,
-                            PV_DIRECT)
-            acc3 = _v_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs3, ppT, acc3, alpha, 3, G, PV_TERMS, FAST,
-                            PV_DIRECT)
+            ppT = _pos3T(pp, PV_W)  # [W, BH, K]: once per tile, the A operand of all four groups
+            offs3 = _pos3(offs_n, PV_W)
+            mask3 = offs3 < end
+            slot3 = _pos3(slot, PV_W)
+            if PR == 2:
+                alpha2 = tl.reshape(tl.trans(tl.join(alpha, alpha)), (2 * BLOCK_H,))
+            else:
+                alpha2 = alpha
+            acc0 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs0, PV_W), ppT, acc0, alpha2, 0, G,
+                            PV_TERMS, FAST, PV_DIRECT)
+            acc1 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs1, PV_W), ppT, acc1, alpha2, 1, G,
+                            PV_TERMS, FAST, PV_DIRECT)
+            acc2 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs2, PV_W), ppT, acc2, alpha2, 2, G,
+                            PV_TERMS, FAST, PV_DIRECT)
+            acc3 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs3, PV_W), ppT, acc3, alpha2, 3, G,
+                            PV_TERMS, FAST, PV_DIRECT)
         else:
             acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
             acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
@@ -469,11 +527,11 @@ def _decode_int8_stage1_h10(
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
-    if PV_DIRECT:
-        _store_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
-        _store_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
-        _store_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
-        _store_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    if PV_DIRECT:  # the position slices, then the lo rows onto the hi rows
+        _store_group(o_base, s_os_h, heads, _fold(acc0, PR), sc, mask_h, voc, 0, G)
+        _store_group(o_base, s_os_h, heads, _fold(acc1, PR), sc, mask_h, voc, 1, G)
+        _store_group(o_base, s_os_h, heads, _fold(acc2, PR), sc, mask_h, voc, 2, G)
+        _store_group(o_base, s_os_h, heads, _fold(acc3, PR), sc, mask_h, voc, 3, G)
     else:
         _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
         _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
@@ -530,5 +588,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
         VAR_DOT=VAR_DOT, ABLATE=ABLATE, PREFETCH=PREFETCH_META, PV_DIRECT=int(PV_DIRECT),
+        PV_W=num_warps if PV_DIRECT and block_n >= 16 * num_warps else 1,  # a dot's K is at least 16
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
