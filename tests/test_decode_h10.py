@@ -47,25 +47,12 @@ def _assert_close(out, ref, atol=3e-6):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=rtol)
 
 
-#: the kernel's opt-in variants (module flags of kvlib.kernels.decode_int8_h10): (PREFETCH_META, PV_DIRECT)
-VARIANTS = [(False, 0), (True, 0), (False, 1), (True, 1), (False, 2), (True, 2)]
-
-
-@pytest.fixture(params=VARIANTS, ids=lambda v: f"prefetch{int(v[0])}-pvdirect{v[1]}")
-def variant(request, monkeypatch):
-    import kvlib.kernels.decode_int8_h10 as h10
-
-    monkeypatch.setattr(h10, "PREFETCH_META", request.param[0])
-    monkeypatch.setattr(h10, "PV_DIRECT", request.param[1])
-    return request.param
-
-
 @pytest.mark.parametrize("hq,hkv,qdtype,k_out,v_out", [
     (7, 1, torch.float32, True, False),  # the paper's GQA 7: eight heads per tile, one padded
     (4, 2, torch.bfloat16, False, True),  # GQA 4: the N dimension narrower than a fragment
     (2, 2, torch.float16, True, True),
 ])
-def test_kernel_matches_reference(hq, hkv, qdtype, k_out, v_out, variant):
+def test_kernel_matches_reference(hq, hkv, qdtype, k_out, v_out):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype, k_out=k_out, v_out=v_out)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     out = decode_int8(q, kp, vp, slots, seq, num_splits=3, block_n=16, **kw)  # auto -> h10 for an h10 pool
@@ -73,16 +60,16 @@ def test_kernel_matches_reference(hq, hkv, qdtype, k_out, v_out, variant):
 
 
 @pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 2), (64, 4)])
-def test_kernel_matches_reference_at_wider_tiles(block_n, num_warps, variant):
-    # tiles of 16 positions per warp and more: PV_DIRECT splits the positions across the warps; rows of 88 and
-    # 83 positions end inside a tile (PREFETCH_META's last look-ahead reads nothing)
+def test_kernel_matches_reference_at_wider_tiles(block_n, num_warps):
+    # rows of 88 and 83 positions end inside a tile: the slots and scales loaded one tile ahead read nothing
+    # past the row
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, S=88, v_out=True)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     out = decode_int8(q, kp, vp, slots, seq, num_splits=1, block_n=block_n, num_warps=num_warps, **kw)
     _assert_close(out, ref)
 
 
-def test_certificate_is_the_same_whichever_way_the_row_is_split(variant):
+def test_certificate_is_the_same_whichever_way_the_row_is_split():
     q, kp, vp, slots, seq, kw, _ = _setup(S=64)
     outs = [decode_int8(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw) for ns in (1, 4)]
     torch.testing.assert_close(outs[0].tv_bound, outs[1].tv_bound, atol=1e-6, rtol=1e-5)

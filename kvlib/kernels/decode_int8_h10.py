@@ -59,14 +59,6 @@ MAXNREG: int | None = None
 #: conversions, dots), 2 the PV path (value loads and dots), 4 computes slots as ``b * stride + position``
 #: instead of loading them (right only for the probes' identity slot table)
 ABLATE = 0
-#: load the next tile's slot indices and its key and value scales one iteration ahead (carried in registers
-#: through the loop), so their global-memory latency overlaps the current tile's work; probe knob
-PREFETCH_META = False
-#: PV without shared-memory round trips for the probabilities: ``p`` transposed once per tile and the product
-#: taken the natural way, ``acc_g[heads, G] += (p s_g)_hi V_g + (p s_g)_lo V_g`` (``p s`` the A operand from
-#: registers, the value tile the B operand); 1 builds ``V_g`` from the int32 words (:func:`_words_f16`), 2 reads
-#: the value codes as an int8 tile (:func:`_codes_f16`, like the keys). Same exact pieces; probe knob
-PV_DIRECT = 0
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -116,12 +108,6 @@ def _neg_m(w, FAST: tl.constexpr):
     h = (tl.arange(0, 2 * w.shape[1]) % 2)[None, :].to(tl.uint32)
     v = ((ww >> (6 + 16 * h)) & 0x3FF).to(tl.float32)
     return (-(1.0 + v * 0.0009765625)).to(tl.float16)
-
-
-@triton.jit
-def _scales4(S, slot, mask_n, kvh, s_n, s_h):
-    """The four groups' fp16 scales of a tile as fp32 ``[BLOCK_N]`` each, from one 8-byte load per position."""
-    return _split4(_scales_tile(S, slot, mask_n, kvh, s_n, s_h))
 
 
 @triton.jit
@@ -211,60 +197,6 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _pos3(x, W: tl.constexpr):
-    """A tile's ``[BLOCK_N]`` vector as ``[W, BLOCK_N / W]``: position ``C (W j + w) + i`` to ``[w, C j + i]``,
-    ``C = 16`` (the positions warp ``w`` holds in the score tile's ``mma`` layout, warps along the positions)."""
-    n: tl.constexpr = x.shape[0]
-    C: tl.constexpr = min(16, n // W)
-    return tl.reshape(tl.permute(tl.reshape(x, (n // (C * W), W, C)), (1, 0, 2)), (W, n // W))
-
-
-@triton.jit
-def _pos3T(x, W: tl.constexpr):
-    """``[BLOCK_N, BH]`` -> ``[W, BH, BLOCK_N / W]`` in :func:`_pos3`'s position order."""
-    n: tl.constexpr = x.shape[0]
-    h: tl.constexpr = x.shape[1]
-    C: tl.constexpr = min(16, n // W)
-    return tl.reshape(tl.permute(tl.reshape(x, (n // (C * W), W, C, h)), (1, 3, 0, 2)), (W, h, n // W))
-
-
-@triton.jit
-def _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, vs3, ppT, acc, alpha2,
-             g: tl.constexpr, G: tl.constexpr, PV_TERMS: tl.constexpr, FAST: tl.constexpr, PV_DIRECT: tl.constexpr):
-    """``acc_g alpha + (1024 p s_g) c_g`` as ``[W, R BH, G]`` (:data:`PV_DIRECT`), one batch per position slice
-    ``w`` (summed after the loop). ``ppT`` is ``1024 p^T`` ``[W, BH, K]`` (:func:`_pos3T`), ``slot3``, ``mask3``,
-    ``vs3`` ``[W, K]``. The A operand stacks the hi piece (rows ``0..BH-1``) over the lo piece (rows
-    ``BH..2BH-1``, ``R = 2`` when ``PV_TERMS >= 2``): one m16 fragment holds both, so eight heads pad nothing;
-    the value tile ``[W, K, G]`` (exact fp16 codes) is the B operand."""
-    W: tl.constexpr = ppT.shape[0]
-    BH: tl.constexpr = ppT.shape[1]
-    K: tl.constexpr = ppT.shape[2]
-    if PV_DIRECT == 2:  # the int32 word pointer read as bytes: four codes per word, in channel order
-        offs_c = tl.arange(0, G)[None, None, :]
-        vc = tl.load(VC.to(tl.pointer_type(tl.int8)) + slot3[:, :, None] * (4 * s_vc_n) + kvh * (4 * s_vc_h)
-                     + g * G + offs_c, mask=mask3[:, :, None], other=0)
-        v16 = _codes_f16(vc, FAST)
-    else:
-        offs_w = tl.arange(0, G // 4)[None, None, :]
-        vw = tl.load(VC + slot3[:, :, None] * s_vc_n + kvh * s_vc_h + g * (G // 4) + offs_w,
-                     mask=mask3[:, :, None], other=0)
-        c0 = ((vw << 24) >> 24) + 0x6480  # as _words_f16, one batch dimension more
-        c1 = ((vw << 16) >> 24) + 0x6480
-        c2 = ((vw << 8) >> 24) + 0x6480
-        c3 = (vw >> 24) + 0x6480
-        x = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-        v16 = tl.reshape(x, (W, K, G)).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
-    ps = ppT * vs3[:, None, :]
-    p_hi = ps.to(tl.float16)
-    if PV_TERMS >= 2:
-        p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
-        a = tl.reshape(tl.permute(tl.join(p_hi, p_lo), (0, 3, 1, 2)), (W, 2 * BH, K))
-    else:
-        a = p_hi
-    return tl.dot(a, v16, acc * alpha2[None, :, None])
-
-
-@triton.jit
 def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr):
     """A tile's slot indices (int64); ``ABLATE & 4``: the probes' identity table, computed."""
     if ABLATE & 4:
@@ -287,24 +219,6 @@ def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr,
 
 
 @triton.jit
-def _fold(acc, PR: tl.constexpr):
-    """``[W, PR BH, G]`` -> ``[BH, G]``: the sum over the position slices and the ``PR`` row blocks."""
-    a = tl.sum(acc, 0)
-    if PR == 2:
-        a = tl.sum(tl.reshape(a, (2, a.shape[0] // 2, a.shape[1])), 0)
-    return a
-
-
-@triton.jit
-def _store_group(o_base, s_os_h, heads, acc, sc, mask_h, voc, g: tl.constexpr, G: tl.constexpr):
-    """:func:`_storeT_group` for a ``[BH, G]`` accumulator (:data:`PV_DIRECT`)."""
-    offs_c = tl.arange(0, G)
-    keep = tl.sum(((g * G + offs_c)[None, :] == voc[:, None]).to(tl.int32), 0) == 0
-    tl.store(o_base + heads[:, None] * s_os_h + (g * G + offs_c)[None, :], acc * sc[:, None],
-             mask=mask_h[:, None] & keep[None, :])
-
-
-@triton.jit
 def _decode_int8_stage1_h10(
     Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
     O_S, LSE_S, A_S, B_S,
@@ -319,7 +233,6 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False, PV_DIRECT: tl.constexpr = 0, PV_W: tl.constexpr = 2,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -387,38 +300,31 @@ def _decode_int8_stage1_h10(
         a_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
-    PR: tl.constexpr = 2 if PV_TERMS >= 2 else 1  # PV_DIRECT: rows of hi (and lo) pieces per accumulator
-    if PV_DIRECT:
-        acc0 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
-        acc1 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
-        acc2 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
-        acc3 = tl.zeros([PV_W, PR * BLOCK_H, G], dtype=tl.float32)
-    else:
-        acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-        acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-        acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-        acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    if PREFETCH:  # the first tile's metadata; the loop loads tile i + 1's while it works on tile i
-        offs_x = start + tl.arange(0, BLOCK_N)
-        mask_x = offs_x < end
-        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
-        ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
-        vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
+    acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    # the slots and scales of tile i + 1 are loaded while tile i is worked on: they are plain loads (the
+    # pipeliner leaves them synchronous), and every tile's key and value addresses and dot scales depend on them.
+    # Bit-identical output, 4% less time at B=8, S=32k and B=32, S=16k on the H200 (data/results/gpu/dev/
+    # h10_probe5.json; the same run found PV with the probabilities as the A operand slower, so it was removed)
+    offs_x = start + tl.arange(0, BLOCK_N)
+    mask_x = offs_x < end
+    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+    ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
+    vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if PREFETCH:
-            slot = slot_x
-            s0, s1, s2, s3 = _split4(ks_x)
-            vs0, vs1, vs2, vs3 = _split4(vs_x)
-            offs_x = offs_n + BLOCK_N
-            mask_x = offs_x < end  # all false on the last tile: nothing is read
-            slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
-            ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
-            vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
-        else:
-            slot = _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE)
+        slot = slot_x
+        s0, s1, s2, s3 = _split4(ks_x)
+        vs0, vs1, vs2, vs3 = _split4(vs_x)
+        offs_x = offs_n + BLOCK_N
+        mask_x = offs_x < end  # all false on the last tile: nothing is read
+        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+        ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
+        vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
             w0 = slot.to(tl.uint32)[:, None] + cj
             w1 = w0
@@ -428,8 +334,6 @@ def _decode_int8_stage1_h10(
             cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
             w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs),
                                         k0, k1, WIDE=WIDE_MUL and FAST)  # WIDE: one mul.wide per product
-        if not PREFETCH:
-            s0, s1, s2, s3 = _scales4(KS, slot, mask_n, kvh, s_ks_n, s_ks_h)
         if ABLATE & 1:
             wx = (w0 ^ w1 ^ w2 ^ w3).to(tl.float32)  # keeps the Philox work alive
             qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
@@ -483,30 +387,8 @@ def _decode_int8_stage1_h10(
                     b_t = b_t * alpha[None, :] + tl.sum(pb, 0)[None, :]
 
         pp = p * 1024.0
-        if not PREFETCH:
-            vs0, vs1, vs2, vs3 = _scales4(VS, slot, mask_n, kvh, s_vs_n, s_vs_h)
         if ABLATE & 2:
-            if PV_DIRECT:
-                acc0 = acc0 * alpha[None, :, None] + tl.sum(pp * vs0[:, None], 0)[None, :, None]
-            else:
-                acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
-        elif PV_DIRECT:
-            ppT = _pos3T(pp, PV_W)  # [W, BH, K]: once per tile, the A operand of all four groups
-            offs3 = _pos3(offs_n, PV_W)
-            mask3 = offs3 < end
-            slot3 = _pos3(slot, PV_W)
-            if PR == 2:
-                alpha2 = tl.reshape(tl.trans(tl.join(alpha, alpha)), (2 * BLOCK_H,))
-            else:
-                alpha2 = alpha
-            acc0 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs0, PV_W), ppT, acc0, alpha2, 0, G,
-                            PV_TERMS, FAST, PV_DIRECT)
-            acc1 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs1, PV_W), ppT, acc1, alpha2, 1, G,
-                            PV_TERMS, FAST, PV_DIRECT)
-            acc2 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs2, PV_W), ppT, acc2, alpha2, 2, G,
-                            PV_TERMS, FAST, PV_DIRECT)
-            acc3 = _v_group(VC, slot3, mask3, kvh, s_vc_n, s_vc_h, _pos3(vs3, PV_W), ppT, acc3, alpha2, 3, G,
-                            PV_TERMS, FAST, PV_DIRECT)
+            acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
         else:
             acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
             acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
@@ -527,16 +409,10 @@ def _decode_int8_stage1_h10(
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
-    if PV_DIRECT:  # the position slices, then the lo rows onto the hi rows
-        _store_group(o_base, s_os_h, heads, _fold(acc0, PR), sc, mask_h, voc, 0, G)
-        _store_group(o_base, s_os_h, heads, _fold(acc1, PR), sc, mask_h, voc, 1, G)
-        _store_group(o_base, s_os_h, heads, _fold(acc2, PR), sc, mask_h, voc, 2, G)
-        _store_group(o_base, s_os_h, heads, _fold(acc3, PR), sc, mask_h, voc, 3, G)
-    else:
-        _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
-        _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
-        _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
-        _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
+    _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
+    _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
+    _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
     if NOV > 0:
         tl.store(o_base + heads[None, :] * s_os_h + voc[:, None], acc_voT * inv_l[None, :],
                  mask=mask_ov[:, None] & mask_h[None, :])
@@ -587,7 +463,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PREFETCH=PREFETCH_META, PV_DIRECT=int(PV_DIRECT),
-        PV_W=num_warps if PV_DIRECT and block_n >= 16 * num_warps else 1,  # a dot's K is at least 16
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
