@@ -69,6 +69,25 @@ def test_kernel_matches_reference_at_wider_tiles(block_n, num_warps):
     _assert_close(out, ref)
 
 
+@pytest.mark.parametrize("v_out", [False, True])
+def test_dequantised_pv_is_within_fp16_rounding_and_leaves_the_certificate(v_out, monkeypatch):
+    """PV_DEQUANT: values rounded to fp16 once (``s c``) and ``1024 p`` as one fp16 piece. Softmax and
+    certificate are untouched; the output moves by at most the two roundings (2^-11 relative each) of the
+    values the output averages."""
+    import kvlib.kernels.decode_int8_h10 as h10
+
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, S=88, v_out=v_out)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    monkeypatch.setattr(h10, "PV_DEQUANT", True)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=32, **kw)
+    for f in ("lse", "A", "tv_bound", "tv_bound_one"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=3e-6, rtol=2e-5)
+    vmax = float((vp.codes.abs().amax(-1).double() * vp.scales.double().amax(-1)).max())
+    err = (out.o.double().cpu() - ref.o).abs().max()
+    assert err <= 2 * 2.0**-11 * vmax + 1e-6, (float(err), vmax)
+    assert err > 0 or DEV != "cpu"  # not the exact path by accident
+
+
 def test_certificate_is_the_same_whichever_way_the_row_is_split():
     q, kp, vp, slots, seq, kw, _ = _setup(S=64)
     outs = [decode_int8(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw) for ns in (1, 4)]

@@ -59,6 +59,11 @@ MAXNREG: int | None = None
 #: conversions, dots), 2 the PV path (value loads and dots), 4 computes slots as ``b * stride + position``
 #: instead of loading them (right only for the probes' identity slot table)
 ABLATE = 0
+#: PV over the whole tile in one dot: values dequantised to fp16 (``s c`` rounded, relative error up to 2^-11
+#: per element) and ``1024 p`` as one fp16 operand, so the tile takes one value transpose and one probability
+#: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
+#: operand exact); probe knob
+PV_DEQUANT = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 
@@ -233,6 +238,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+    PV_DEQUANT: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -300,10 +306,13 @@ def _decode_int8_stage1_h10(
         a_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
         if CERT_B:
             b_t = tl.zeros([TR, BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
-    acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+    if PV_DEQUANT:
+        acc0 = tl.zeros([D, BLOCK_H], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc2 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
+        acc3 = tl.zeros([G, BLOCK_H], dtype=tl.float32)
     # the slots and scales of tile i + 1 are loaded while tile i is worked on: they are plain loads (the
     # pipeliner leaves them synchronous), and every tile's key and value addresses and dot scales depend on them.
     # Bit-identical output, 4% less time at B=8, S=32k and B=32, S=16k on the H200 (data/results/gpu/dev/
@@ -319,6 +328,7 @@ def _decode_int8_stage1_h10(
         mask_n = offs_n < end
         slot = slot_x
         s0, s1, s2, s3 = _split4(ks_x)
+        vs_t = vs_x
         vs0, vs1, vs2, vs3 = _split4(vs_x)
         offs_x = offs_n + BLOCK_N
         mask_x = offs_x < end  # all false on the last tile: nothing is read
@@ -389,6 +399,12 @@ def _decode_int8_stage1_h10(
         pp = p * 1024.0
         if ABLATE & 2:
             acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
+        elif PV_DEQUANT:
+            vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + tl.arange(0, D // 4)[None, :],
+                         mask=mask_n[:, None], other=0)
+            vsc = tl.reshape(tl.broadcast_to(vs_t[:, :, None], (BLOCK_N, 4, G)), (BLOCK_N, D))
+            vT = tl.trans(_words_f16(vw) * vsc)  # [D, BLOCK_N] fp16
+            acc0 = tl.dot(vT, pp.to(tl.float16), acc0 * alpha[None, :])
         else:
             acc0 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs0, pp, acc0, alpha, 0, G, PV_TERMS, FAST)
             acc1 = _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs1, pp, acc1, alpha, 1, G, PV_TERMS, FAST)
@@ -409,10 +425,13 @@ def _decode_int8_stage1_h10(
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
-    _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
-    _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
-    _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
-    _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
+    if PV_DEQUANT:
+        _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, D)
+    else:
+        _storeT_group(o_base, s_os_h, heads, acc0, sc, mask_h, voc, 0, G)
+        _storeT_group(o_base, s_os_h, heads, acc1, sc, mask_h, voc, 1, G)
+        _storeT_group(o_base, s_os_h, heads, acc2, sc, mask_h, voc, 2, G)
+        _storeT_group(o_base, s_os_h, heads, acc3, sc, mask_h, voc, 3, G)
     if NOV > 0:
         tl.store(o_base + heads[None, :] * s_os_h + voc[:, None], acc_voT * inv_l[None, :],
                  mask=mask_ov[:, None] & mask_h[None, :])
@@ -463,6 +482,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
