@@ -43,11 +43,14 @@ the certificate cost, and how does certified INT8 decode compare with torch SDPA
 The theorem and the role of each kernel detail are on the {doc}`theorem page </book/witcert_certificate/theorem>`. Here the
 kernel runs under the Triton CPU interpreter on a small shape (same code as on the GPU); the GPU
 numbers come from `python -m kvlib.bench witcert_decode` (file `data/results/gpu/witcert_decode.json`).
-Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`. The kernel is the
-tensor-core one (`impl="tc"`): scores from exact fp16 operands per scale group, its remaining rounding
-inside the radius (the theorem page, Step 3).
+Keys are dithered with fp16 outlier pairs, values RTN, per-row $\delta$ = `delta`. Two kernels: the
+tensor-core one over the paper's dither layout (`impl="tc"`, layout `w24`: one 24-bit dither per Philox
+word, four per call), scores from exact fp16 operands per scale group, its remaining rounding inside
+the radius (the theorem page, Step 3); and the streaming kernel over the `h10` layout (`impl="h10"`:
+eight 10-bit dithers per Philox call, exact in fp16; the theorem page's h10 section says what the
+coarser dither costs the radius).
 """),
-        params("""
+        params(r"""
 profile = "cpu"
 B = 2
 S = 256
@@ -58,7 +61,13 @@ splits = [1, 2, 8, 32]
 delta = 1e-2
 seed = 0
 """),
-        code(SETUP + """
+        code(r"""
+import os
+import torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+torch.set_num_threads(1)  # small tensors: threads only add contention
+
 from kvlib.book import Run, fmt
 run = Run("witcert_kernel", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, splits=splits,
                                                           delta=delta, seed=seed))
@@ -105,7 +114,50 @@ $\max|\Delta o|$ = {glue:text}`max_do:.2e` and $\max|\Delta \mathrm{cert}|$ = {g
 changes by at most {glue:text}`split_spread:.1e` between 1 and 32 splits: the per-split $A_s$,
 normalised by the split's own exp-sum, merge under the output's LSE weights exactly (rounding only).
 """),
-        code("""
+        code(r"""
+# the h10 layout: the same keys written with eight 10-bit dithers per Philox call, read by its kernel
+# (d = 4 x 32 channels: each Philox word feeds one scale group)
+d10, S10 = 128, min(S, 128)
+g10 = torch.Generator().manual_seed(seed + 1)
+K10 = torch.randn(B * S10, hkv, d10, generator=g10)
+K10[:, :, :2] *= 10
+V10 = torch.randn(B * S10, hkv, d10, generator=g10)
+perm10 = torch.randperm(B * S10, generator=g10)
+oc10 = torch.tensor([0, 1, d10 // 2, d10 // 2 + 1]).expand(hkv, 4).contiguous()
+pools = {lay: make_pool_side(K10, layer=1, seed=seed + 7, side=0, slot_ids=perm10, outlier_channels=oc10,
+                             dither_layout=lay) for lay in ("w24", "h10")}
+vp10 = make_pool_side(V10, layer=1, seed=seed + 7, side=1, slot_ids=perm10, dithered=False)
+slots10 = perm10.view(B, S10)
+seq10 = torch.tensor([S10 - 5 * b for b in range(B)])
+q10 = 2 * torch.randn(B, hq, d10, generator=g10)
+refs = {lay: decode_reference(q10, kp_, vp10, slots10, seq10, layer=1, seed=seed + 7, delta=delta,
+                              impl="h10" if lay == "h10" else "tc") for lay, kp_ in pools.items()}
+rows10, certs10 = [], []
+for ns in [s for s in splits if s <= 4]:
+    out = decode_int8(q10, pools["h10"], vp10, slots10, seq10, layer=1, seed=seed + 7, delta=delta, num_splits=ns,
+                      block_n=16)
+    certs10.append(out.tv_bound.double())
+    rows10.append({"splits": ns, "max|do|": float((out.o.double() - refs["h10"].o).abs().max()),
+                   "max|dcert|": float((out.tv_bound - refs["h10"].tv_bound).abs().max())})
+tab10 = pd.DataFrame(rows10).set_index("splits")
+run.glue("h10_max_do", float(tab10["max|do|"].max()))
+run.glue("h10_max_dcert", float(tab10["max|dcert|"].max()))
+run.glue("h10_split_spread", float((torch.stack(certs10).amax(0) - torch.stack(certs10).amin(0)).max()))
+ratio10 = refs["h10"].tv_bound / refs["w24"].tv_bound
+run.glue("h10_cert_ratio_max", float(ratio10.max()))
+run.glue("h10_cert_ratio_median", float(ratio10.median()))
+run.record("agreement_h10", rows10)
+tab10.style.format("{:.2e}")
+"""),
+        md(r"""
+With the h10 layout the kernel agrees with its reference to $\max|\Delta o|$ =
+{glue:text}`h10_max_do:.1e` and $\max|\Delta\mathrm{cert}|$ = {glue:text}`h10_max_dcert:.1e` (split spread
+{glue:text}`h10_split_spread:.1e`). The same keys certified through the two layouts: the h10 certificate
+is at most {glue:text}`h10_cert_ratio_max:.3f` times the w24 one (median {glue:text}`h10_cert_ratio_median:.3f`):
+the 10-bit grid's mean ($2^{-11} s$ per channel) and the kernel's rounding term widen the radius by a
+few percent, and the keys' dither differs, so the two certificates are different draws.
+"""),
+        code(r"""
 gpu = load_result("witcert_decode", "gpu")
 if gpu is None:
     print("GPU results pending: run `python -m kvlib.bench witcert_decode` on the H200 "
@@ -120,17 +172,27 @@ else:
     run.glue("gpu_max_dcert", float(exact["max_abs_dcert"].max()))
     cg = r["cuda_graph"]
     run.glue("graph_identical", bool(cg["bit_identical"]))
+    h10 = agr[agr.index.str.startswith("h10")]
+    if len(h10):
+        run.glue("gpu_h10_max_do", float(h10["max_abs_do"].max()))
+        run.glue("gpu_h10_max_dcert", float(h10["max_abs_dcert"].max()))
+    cg10 = r.get("cuda_graph_h10")
     lat = pd.DataFrame([{"B": x["B"], "S": x["S"], **{k: v["median_ms"] for k, v in x["timings"].items()
                          if isinstance(v, dict)}} for x in r["latency"] if "timings" in x])
     display(agr.style.format("{:.2e}"))
     display(lat.set_index(["B", "S"]).style.format("{:.3f}"))
 """, hide_input=True),
-        code("""
+        code(r"""
+if lat is None:  # the figure directive below needs a figure either way
+    fig, ax = plt.subplots(figsize=(6.5, 1.2))
+    ax.text(0.5, 0.5, "GPU results pending: python -m kvlib.bench witcert_decode", ha="center", va="center")
+    ax.axis("off")
+    run.glue_fig("fig_latency", fig)
 if lat is not None:
     modes = list(gpu["results"]["modes"])
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     x = range(len(lat))
-    labels = [f"B={b}\\nS={s // 1024}k" for b, s in zip(lat.B, lat.S)]
+    labels = [f"B={b}\nS={s // 1024}k" for b, s in zip(lat.B, lat.S)]
     ax.plot(x, lat["sdpa_bf16"], "k-o", label="torch SDPA bf16")
     ax.plot(x, lat["ours_bf16"], "-s", label="our bf16 split-KV")
     for m in modes:
@@ -145,22 +207,138 @@ if lat is not None:
     best = max(modes, key=lambda m: summ["min_speedup_vs_sdpa_S>=16k"][m]) if summ else modes[0]
     run.glue("speedup_long", float(summ["min_speedup_vs_sdpa_S>=16k"][best]) if summ else float("nan"))
     run.glue("cert_cost_median", float(summ["median_cert_cost_A"][best]) if summ else float("nan"))
+    if summ and "h10" in summ["max_cert_cost_A"]:
+        run.glue("cert_cost_max_h10", float(summ["max_cert_cost_A"]["h10"]))
     paper_shape = lat[(lat.B == 2) & (lat.S == 4096)].iloc[0]
     run.glue("ratio_paper_shape", float(paper_shape[f"int8_cert_A_{best}"] / paper_shape["sdpa_bf16"]))
     graph_note = ""
-    if "int8_cert_A_fast_graph" in lat:  # CUDA-graph replay removes host launch overhead
+    gcol = "int8_cert_A_h10_graph" if "int8_cert_A_h10_graph" in lat else "int8_cert_A_fast_graph"
+    if gcol in lat:  # CUDA-graph replay removes host launch overhead
         lg = lat[lat.S >= 16384]
-        run.glue("speedup_long_graph", float((lg["sdpa_bf16_graph"] / lg["int8_cert_A_fast_graph"]).min()))
-        graph_note = f"; under CUDA graphs >= {run.values['speedup_long_graph']:.2f}x"
+        run.glue("speedup_long_graph", float((lg["sdpa_bf16_graph"] / lg[gcol]).min()))
+        graph_note = f"; under CUDA graphs >= {run.values['speedup_long_graph']:.2f}x ({gcol})"
+    # the per-mode picture at the shape the goal names (B=32, S=16k) and the largest one
+    if "int8_cert_A_h10_graph" in lat:  # graph timings: eager ones of sub-0.3 ms steps carry host launch overhead
+        run.glue("h10_graph_cert_cost_median", float((lat["int8_cert_A_h10_graph"] / lat["int8_h10_graph"] - 1).median()))
+        run.glue("h10_graph_cert_cost_max", float((lat["int8_cert_A_h10_graph"] / lat["int8_h10_graph"] - 1).max()))
+        lg10 = lat[lat.S >= 16384]
+        run.glue("h10_graph_speedup_min", float((lg10["sdpa_bf16_graph"] / lg10["int8_cert_A_h10_graph"]).min()))
+        run.glue("h10_graph_speedup_max", float((lg10["sdpa_bf16_graph"] / lg10["int8_cert_A_h10_graph"]).max()))
+        pg = lat[(lat.B == 2) & (lat.S == 4096)].iloc[0]
+        run.glue("h10_graph_paper_shape", float(pg["int8_cert_A_h10_graph"] / pg["sdpa_bf16_graph"]))
+    rows_m = []
+    for (b_, s_) in ((32, 16384), (64, 32768)):
+        sel = lat[(lat.B == b_) & (lat.S == s_)]
+        if len(sel):
+            x_ = sel.iloc[0]
+            rows_m += [{"B": b_, "S": s_, "mode": m, "cert A (ms)": x_[f"int8_cert_A_{m}"],
+                        "SDPA / cert A": x_["sdpa_bf16"] / x_[f"int8_cert_A_{m}"],
+                        "cert cost A": x_[f"int8_cert_A_{m}"] / x_[f"int8_{m}"] - 1,
+                        "cert cost AB": x_[f"int8_cert_AB_{m}"] / x_[f"int8_{m}"] - 1} for m in modes]
+    mt = pd.DataFrame(rows_m)
+    if len(mt):
+        h = mt[(mt["mode"] == "h10") & (mt.B == 32)]
+        if len(h):
+            run.glue("h10_speedup_32_16k", float(h["SDPA / cert A"].iloc[0]))
+            run.glue("h10_cert_cost_32_16k", float(h["cert cost A"].iloc[0]))
+        w = mt[(mt["mode"] == "fast") & (mt.B == 32)]
+        if len(w):
+            run.glue("w24_speedup_32_16k", float(w["SDPA / cert A"].iloc[0]))
+        display(mt.set_index(["B", "S", "mode"]).style.format("{:.3f}"))
+# why the kernels sit below the roofline, from their compiled sm_90 loops (python -m kvlib.bench sass_count)
+sass = load_result("sass_count", "cpu")
+if sass is not None:
+    sr = sass["results"]
+    run.glue("sass_h10_per_elem", float(sr["h10_certA"]["per_element"]))
+    run.glue("sass_h10_regs", int(sr["h10_certA"]["registers"]))
+    run.glue("sass_h10_philox_share", float(sr["h10_philox_share"]))
+    run.glue("sass_w24_per_elem", float(sr["w24_tc_certA"]["per_element"]))
+
 """, hide_input=True),
-        md("## Paper vs this run"),
-        code("""
+        md(r"""
+```{glue:figure} fig_latency
+:name: fig-witcert-latency
+Decode-step latency on the H200 (eager timings, log scale): torch SDPA bf16, our bf16 split-KV kernel, and
+INT8 without and with certificate A for each kernel mode.
+```
+"""),
+        md(r"""
+## Where the certified step's time goes
+
+The h10 kernel streams half of SDPA's bytes yet takes longer. Development probes on the H200 (CUDA-graph
+timings at B = 8, S = 32k, 28 query / 4 KV heads; files under `data/results/gpu/dev/`, each with its
+provenance) take the step apart. Dropping one part at a time (`_h10_probe4`, timing only: an ablated
+kernel computes no attention) shows that no single part is the gap: without the PV path the step takes
+{glue:text}`abl_no_pv_ms:.3f` ms, without the QK path {glue:text}`abl_no_qk_ms:.3f` ms, without Philox
+{glue:text}`abl_nophilox_ms:.3f` ms, against {glue:text}`abl_cert_ms:.3f` ms whole and
+{glue:text}`abl_sdpa_ms:.3f` ms for SDPA. With QK, PV and Philox all gone, what is left (slot indices,
+scales, softmax, certificate) still takes {glue:text}`abl_floor_ms:.3f` ms: a chain of small synchronous
+loads per 64-position tile. Loading those one tile ahead (now the kernel's only path, bit-identical)
+took the step from {glue:text}`pf_off_ms:.3f` to {glue:text}`pf_on_ms:.3f` ms (`_h10_probe5`). PV
+through fewer shared-memory round trips helps a little more but not enough: values rounded to fp16
+once and one dot per tile (`decode_int8_h10.PV_DEQUANT`, opt-in because it is not exact: outputs move
+by up to {glue:text}`deq_max_do:.1e`) takes {glue:text}`deq_ms:.3f` ms (`_h10_probe6`). Beating SDPA
+needs a different structure (larger tiles and more warps per SM, which the 255 registers of this loop
+do not allow), not a tweak of this one.
+"""),
+        code(r"""
+abl = load_result("dev/h10_probe4", "gpu")
+p5 = load_result("dev/h10_probe5", "gpu")
+p6 = load_result("dev/h10_probe6", "gpu")
+if abl and p5 and p6:
+    a = pd.DataFrame(abl["results"])
+    a = a[(a.B == 8) & (a.S == 32768)].set_index("name")
+    for key, name in (("abl_cert_ms", "certA"), ("abl_no_pv_ms", "no_pv"), ("abl_no_qk_ms", "no_qk"),
+                      ("abl_nophilox_ms", "nophilox"), ("abl_floor_ms", "no_qk_pv_nophilox")):
+        run.glue(key, float(a.loc[name, "ms"]))
+    run.glue("abl_sdpa_ms", float(a["sdpa_ms"].iloc[0]))
+    t5 = [r for r in p5["results"] if r["kind"] == "timing" and r["B"] == 8 and r["S"] == 32768]
+    run.glue("pf_off_ms", next(r["ms"] for r in t5 if list(r["combo"]) == [2, 64, False, 0]))
+    run.glue("pf_on_ms", next(r["ms"] for r in t5 if list(r["combo"]) == [2, 64, True, 0]))
+    t6 = {r["name"]: r for r in p6["results"] if r["kind"] == "timing" and r["B"] == 8 and r["S"] == 32768}
+    run.glue("deq_ms", t6["dequant"]["ms"])
+    run.glue("deq_max_do", next(r["max_abs_do"] for r in p6["results"]
+                                if r["kind"] == "agreement" and r["name"] == "dequant"))
+    parts = pd.Series({"whole step": a.loc["certA", "ms"], "without PV": a.loc["no_pv", "ms"],
+                       "without QK": a.loc["no_qk", "ms"], "without Philox": a.loc["nophilox", "ms"],
+                       "without QK, PV, Philox": a.loc["no_qk_pv_nophilox", "ms"]})
+    fig, ax = plt.subplots(figsize=(6.0, 2.4))
+    ax.barh(parts.index[::-1], parts.values[::-1], color="tab:blue")
+    ax.axvline(float(a["sdpa_ms"].iloc[0]), color="k", ls="--", label="SDPA bf16")
+    ax.set_xlabel("certified h10 step (ms), B=8, S=32k, ablations")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    run.glue_fig("fig_h10_ablation", fig)
+else:
+    for k in ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
+              "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do"):
+        run.glue(k, float("nan"))
+    fig, ax = plt.subplots(figsize=(6.0, 1.2))
+    ax.text(0.5, 0.5, "development probes not found under data/results/gpu/dev/", ha="center", va="center")
+    ax.axis("off")
+    run.glue_fig("fig_h10_ablation", fig)
+""", hide_input=True),
+        md(r"""
+```{glue:figure} fig_h10_ablation
+:name: fig-h10-ablation
+The certified h10 step at B = 8, S = 32k with one part dropped at a time (timing only), against SDPA bf16
+(dashed). Source: `data/results/gpu/dev/h10_probe4.json`.
+```
+"""),
+        md(r"""
+## Paper vs this run
+"""),
+        code(r"""
 run.claim("witcert-kernel-do", ours=f"max|do| = {run.values['max_do']:.1e} (interpreter, splits {splits})"
-          + (f"; H200 (exact mode) {run.values['gpu_max_do']:.1e}" if gpu else ""),
+          + (f"; H200 (exact mode) {run.values['gpu_max_do']:.1e}" if gpu else "")
+          + (f"; h10 kernel: interpreter {run.values['h10_max_do']:.1e}"
+             + (f", H200 {run.values['gpu_h10_max_do']:.1e}" if "gpu_h10_max_do" in run.values else "")),
           verdict="reproduced" if run.values["max_do"] < 1e-5 else "differs",
           why="fp32 kernel vs float64 reference on the same stored codes; same order as the paper's 2.9e-6")
 run.claim("witcert-kernel-dcert", ours=f"max|dcert| = {run.values['max_dcert']:.1e}"
-          + (f"; H200 {run.values['gpu_max_dcert']:.1e}" if gpu else ""),
+          + (f"; H200 {run.values['gpu_max_dcert']:.1e}" if gpu else "")
+          + (f"; h10 kernel: interpreter {run.values['h10_max_dcert']:.1e}"
+             + (f", H200 {run.values['gpu_h10_max_dcert']:.1e}" if "gpu_h10_max_dcert" in run.values else "")),
           verdict="reproduced" if run.values["max_dcert"] < 1e-5 else "differs",
           why="our radius includes the fp32/dither-mean slack in both kernel and reference")
 run.claim("witcert-split-merge-exact", ours=f"certificate spread over {splits} splits: {spread:.1e}",
@@ -170,14 +348,24 @@ if gpu is None:
         run.claim(cid, ours="pending: no GPU result file", verdict="not reproducible here",
                   why="needs `python -m kvlib.bench witcert_decode` on the H200")
 else:
+    ok10 = cg10 is None or (cg10["bit_identical"] and cg10["finite_cert_every_step"])
     run.claim("witcert-graph-replay", ours=f"{cg['interleaved_replays']} interleaved replays bit-identical: "
-              f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}",
-              verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] else "differs")
-    run.claim("witcert-cert-marginal-cost", ours=f"median {run.values['cert_cost_median']:+.1%} (A only, {best})",
+              f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}"
+              + (f"; h10 kernel: {cg10['bit_identical']} / {cg10['finite_cert_every_step']}" if cg10 else ""),
+              verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] and ok10 else "differs")
+    run.claim("witcert-cert-marginal-cost", ours=f"median {run.values['cert_cost_median']:+.1%} (A only, {best}, eager)"
+              + (f"; h10 kernel under CUDA graphs: median {run.values['h10_graph_cert_cost_median']:+.1%}, "
+                 f"max {run.values['h10_graph_cert_cost_max']:+.1%} over all shapes"
+                 if "h10_graph_cert_cost_median" in run.values else ""),
               verdict="reproduced" if run.values["cert_cost_median"] <= 0.03 else "differs",
               why="our goal: <= 3%")
     run.claim("witcert-latency-vs-fp16", ours=f"INT8+cert / SDPA bf16 = {run.values['ratio_paper_shape']:.2f}x at the "
-              f"paper shape; SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best}){graph_note}",
+              f"paper shape; SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best}){graph_note}"
+              + (f"; at B=32, S=16k SDPA / INT8+cert = {run.values['h10_speedup_32_16k']:.2f}x (h10) vs "
+                 f"{run.values['w24_speedup_32_16k']:.2f}x (w24 tc)" if "h10_speedup_32_16k" in run.values else "")
+              + (f"; h10 under CUDA graphs {run.values['h10_graph_speedup_min']:.2f}-"
+                 f"{run.values['h10_graph_speedup_max']:.2f}x at S >= 16k, {run.values['h10_graph_paper_shape']:.2f}x "
+                 f"slower than SDPA at the paper shape" if "h10_graph_speedup_min" in run.values else ""),
               verdict="differs", why="H200 vs RTX 4090; our goal is faster than SDPA bf16 at S >= 16k")
 run.claims_table()
 run.save()
@@ -187,7 +375,24 @@ run.save()
 ($\max|\Delta o|$ {glue:text}`max_do:.1e`, $\max|\Delta\mathrm{cert}|$ {glue:text}`max_dcert:.1e`), and the
 certificate is split-invariant because $A$ and $B$ ride the output's LSE weights. The GPU rows
 (graph replay, certificate cost, latency against SDPA bf16) are read from the benchmark file when it
-exists; where they say *differs*, the kernel is correct but not yet at the bandwidth roofline.
+exists; where they say *differs*, the kernel is correct but not yet at the bandwidth roofline. The h10
+layout is what made the largest step: one Philox call now serves eight channels, the dither enters
+the tensor-core dot exactly, and codes become fp16 without integer-to-float conversions, so certified
+INT8 decode at B=32, S=16k moved from {glue:text}`w24_speedup_32_16k:.2f`x to
+{glue:text}`h10_speedup_32_16k:.2f`x of SDPA bf16's speed; the certificate's marginal cost there is
+{glue:text}`h10_cert_cost_32_16k:.1%`. Under CUDA graphs (no host launch overhead) certified h10 decode
+runs at {glue:text}`h10_graph_speedup_min:.2f`-{glue:text}`h10_graph_speedup_max:.2f`x of SDPA's speed at
+S ≥ 16k and the certificate costs {glue:text}`h10_graph_cert_cost_median:.1%` (at most
+{glue:text}`h10_graph_cert_cost_max:.1%`) at every shape. (Eager timings of the smaller steps, about 0.2 ms
+of GPU work, carry the host's launch overhead and show up to {glue:text}`cert_cost_max_h10:.0%`; the graph
+timings are the kernel's.) Both stay short of the goals (faster than SDPA, at most 3%). Its compiled
+sm_90 loop (`python -m kvlib.bench sass_count`, file `data/results/cpu/sass_count.json`) issues
+{glue:text}`sass_h10_per_elem:.1f` instructions per stored K/V element (the w24 kernel
+{glue:text}`sass_w24_per_elem:.1f`), {glue:text}`sass_h10_philox_share:.0%` of them Philox, with
+{glue:text}`sass_h10_regs` registers per thread (two warps per scheduler): it is issue- and
+latency-bound, not memory-bound. The ablations above locate the rest: the PV path, the QK path, Philox and a chain of per-tile
+metadata loads each cost a comparable share, so no single change closes the gap to SDPA; the
+certified INT8 goal needs a kernel with larger tiles and more resident warps.
 """),
     ]
     return cells
