@@ -116,3 +116,27 @@ def test_glue_key_twice_is_an_error(sandbox):
     run.glue("x", 1)
     with pytest.raises(ValueError, match="glued twice"):
         run.glue("x", 2)
+
+
+def test_every_glued_figure_is_shown():
+    """``run.glue_fig`` glues without displaying: a figure reaches the page only through a ``{glue:figure}``
+    directive, a ``display(fig)`` or ``fig`` as the last line of the cell that glues it (a glued figure nobody
+    places is lost)."""
+    import re
+
+    import nbformat
+
+    lost = []
+    for nb in all_notebooks():
+        cells = nbformat.read(repo_root() / nb.path, as_version=4).cells
+        md = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+        placed = set(re.findall(r"\{glue:figure\}\s+([\w-]+)", md))
+        for c in cells:
+            if c.cell_type != "code":
+                continue
+            last = [ln for ln in c.source.splitlines() if ln.strip()][-1:]
+            for key, var in re.findall(r"glue_fig\(\s*[\"']([\w-]+)[\"']\s*,\s*([\w.]+)", c.source):
+                shown = f"display({var})" in c.source or last == [var]  # a bare last expression is displayed
+                if key not in placed and not shown:
+                    lost.append(f"{nb.name}: {key}")
+    assert not lost, f"glued figures never shown: {lost}"
