@@ -431,6 +431,11 @@ plans2 = load_result("dev/kv4_sweep_plans2", "gpu")
 rl = plans2["results"]["shapes"]["b32_s16k"]["kv4rl"] if plans2 else None
 run.glue("last_rl_ms", rl["last_fused"]["ms"] if rl else float("nan"))
 run.glue("last_own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
+for stem, variant, key in (("kv4_sweep_order", "interleave_fused", "order"), ("kv4_sweep_prot", "prot_prefetch_fused", "pref")):
+    sweep = load_result(f"dev/{stem}", "gpu")
+    rl = sweep["results"]["shapes"]["b512_s4k"]["kv4rl"] if sweep else None
+    run.glue(f"{key}_rl_ms", rl[variant]["ms"] if rl else float("nan"))
+    run.glue(f"{key}_own_rl_ms", rl["default_fused"]["ms"] if rl else float("nan"))
 pdl = load_result("dev/kv4_sweep_pdl", "gpu")
 if pdl:
     sh = pdl["results"]["shapes"]
@@ -490,7 +495,11 @@ launch that KV4 with one split does not. Other layouts were timed and none was f
 (`data/results/gpu/dev/`), and each was removed after losing: the side slots handled by the last
 INT4 split after its blocks, first plain, then with the side buffer asked into L2 before the INT4
 blocks (B = 32, S = 16k: KV4-RL {glue:text}`last_rl_ms:.3f` ms against {glue:text}`last_own_rl_ms:.3f` ms,
-`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the slots sliced
+`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the grid
+ordered so each pair's protected program starts beside its INT4 program instead of in the launch's tail
+(B = 512, S = 4k: {glue:text}`order_rl_ms:.3f` ms against {glue:text}`order_own_rl_ms:.3f` ms,
+`kv4_sweep_order.json`); the protected program's side steps loaded one step ahead
+({glue:text}`pref_rl_ms:.3f` ms against {glue:text}`pref_own_rl_ms:.3f` ms, `kv4_sweep_prot.json`); the slots sliced
 over the splits and merged in place; the merge done
 inside the decode launch by the last program to finish; a small standalone protected kernel on a
 parallel stream beside the INT4 kernel; and the protected regions packed several pairs per program
