@@ -140,3 +140,10 @@ def test_every_glued_figure_is_shown():
                 if key not in placed and not shown:
                     lost.append(f"{nb.name}: {key}")
     assert not lost, f"glued figures never shown: {lost}"
+
+
+def test_every_notebook_cell_has_an_id():
+    """nbformat 4.5 cells carry ids (a missing one is a warning today and an error in future nbformat)."""
+    missing = [nb.name for nb in all_notebooks()
+               if any("id" not in c for c in json.loads((repo_root() / nb.path).read_text())["cells"])]
+    assert not missing, missing
