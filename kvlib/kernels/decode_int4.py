@@ -864,8 +864,8 @@ MIN_ROWS = 8
 #: block_n 256: the H200 sweep's best mean over its shapes (kvlib.bench.kv4_sweep); the split plan plans for the
 #: two CTAs per SM that its registers allow (218 at 8 query rows, 4 warps), with one block of fixed cost per
 #: program (the "waves" sweep: one wave of programs beats more splits, and ragged batches lose with many
-#: splits); "own" protection (the "plans" sweep: "last" in its first form and a since-removed "spread"
-#: layout are slower for KV4-RL at every shape timed, data/results/gpu/dev/kv4_sweep_plans.json)
+#: splits); the protected region as one extra program per pair (every other layout timed was slower for KV4-RL:
+#: see the ``KV4KernelConfig`` docstring); programmatic dependent launch (``pdl``, on by default)
 DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
 
 
