@@ -277,9 +277,13 @@ loads per 64-position tile. Loading those one tile ahead (now the kernel's only 
 took the step from {glue:text}`pf_off_ms:.3f` to {glue:text}`pf_on_ms:.3f` ms (`_h10_probe5`). PV
 through fewer shared-memory round trips helps a little more but not enough: values rounded to fp16
 once and one dot per tile (`decode_int8_h10.PV_DEQUANT`, opt-in because it is not exact: outputs move
-by up to {glue:text}`deq_max_do:.1e`) takes {glue:text}`deq_ms:.3f` ms (`_h10_probe6`). Beating SDPA
-needs a different structure (larger tiles and more warps per SM, which the 255 registers of this loop
-do not allow), not a tweak of this one.
+by up to {glue:text}`deq_max_do:.1e`) takes {glue:text}`deq_ms:.3f` ms (`_h10_probe6`). A different
+structure alone is not enough either: a prototype of just the QK stage as a KV4-style kernel would
+compute it (INT8 tensor-core dots of the codes against a two-piece INT8 query, the dither's fp16 dot
+generated in the operand's own layout; `_proto_qk`) scores the keys of the same shape in
+{glue:text}`proto_qk_ms:.3f` ms, against {glue:text}`proto_copy_ms:.3f` ms to copy those key bytes, before
+any softmax or value work. Beating SDPA needs both a leaner loop and less dither regeneration per
+element (for example more dithers per Philox call, which the certificate pays for in its mean term).
 """),
         code(r"""
 abl = load_result("dev/h10_probe4", "gpu")
@@ -299,6 +303,10 @@ if abl and p5 and p6:
     run.glue("deq_ms", t6["dequant"]["ms"])
     run.glue("deq_max_do", next(r["max_abs_do"] for r in p6["results"]
                                 if r["kind"] == "agreement" and r["name"] == "dequant"))
+    pq = load_result("dev/proto_qk", "gpu")
+    pq_rows = {r["name"]: r for r in pq["results"]} if pq else {}
+    run.glue("proto_qk_ms", min((r["ms"] for k, r in pq_rows.items() if k.startswith("proto_qk")), default=float("nan")))
+    run.glue("proto_copy_ms", pq_rows["copy_keys"]["ms"] if pq_rows else float("nan"))
     parts = pd.Series({"whole step": a.loc["certA", "ms"], "without PV": a.loc["no_pv", "ms"],
                        "without QK": a.loc["no_qk", "ms"], "without Philox": a.loc["nophilox", "ms"],
                        "without QK, PV, Philox": a.loc["no_qk_pv_nophilox", "ms"]})
@@ -311,7 +319,7 @@ if abl and p5 and p6:
     run.glue_fig("fig_h10_ablation", fig)
 else:
     for k in ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
-              "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do"):
+              "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do", "proto_qk_ms", "proto_copy_ms"):
         run.glue(k, float("nan"))
     fig, ax = plt.subplots(figsize=(6.0, 1.2))
     ax.text(0.5, 0.5, "development probes not found under data/results/gpu/dev/", ha="center", va="center")
@@ -392,7 +400,7 @@ sm_90 loop (`python -m kvlib.bench sass_count`, file `data/results/cpu/sass_coun
 {glue:text}`sass_h10_regs` registers per thread (two warps per scheduler): it is issue- and
 latency-bound, not memory-bound. The ablations above locate the rest: the PV path, the QK path, Philox and a chain of per-tile
 metadata loads each cost a comparable share, so no single change closes the gap to SDPA; the
-certified INT8 goal needs a kernel with larger tiles and more resident warps.
+certified INT8 goal needs both a leaner loop and less dither regeneration per element.
 """),
     ]
     return cells
