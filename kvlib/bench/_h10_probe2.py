@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 
@@ -27,6 +28,43 @@ def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
     v4 = torch.randn_like(k4)
     f = torch.nn.functional.scaled_dot_product_attention
     return bench_graphed(lambda: f(q4, k4, v4, enable_gqa=True), warmup_ms=5.0, rep_ms=30.0)["median_ms"]
+
+
+@contextlib.contextmanager
+def h10_flags(**flags):
+    """Set module flags of :mod:`kvlib.kernels.decode_int8_h10` (``ABLATE``, ``PV_DEQUANT``, ...) for a call."""
+    saved = {k: getattr(H, k) for k in flags}
+    for k, v in flags.items():
+        setattr(H, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(H, k, v)
+
+
+def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384))) -> list[dict]:
+    """The h10 decode step for each variant ``name -> (module flags, decode_int8 keywords)`` beside SDPA bf16, at
+    the paper's heads (28 query / 4 KV, d = 128) and each ``(B, S)``: CUDA-graph medians, one row per variant
+    and shape (``kind="timing"``); a variant that fails is reported with ``ms=None``, not fatal."""
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    rows = []
+    for B, S in shapes:
+        qb, kp, vp, slots, seq = h10_problem(B, S)
+        sd = _sdpa_graph_ms(qb.view(B, 28, 1, 128), 4, S)
+        for name, (flags, kw) in variants.items():
+            try:
+                with h10_flags(**flags):
+                    ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(impl="h10", cert=True, cert_b=False) | kw)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                ms = None
+                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append(dict(kind="timing", B=B, S=S, name=name, flags=flags, kw=kw, ms=ms, sdpa_ms=sd,
+                             vs_sdpa=ms and sd / ms))
+            print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:

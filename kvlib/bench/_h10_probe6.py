@@ -8,31 +8,19 @@ from __future__ import annotations
 import datetime
 import sys
 
-import torch
-
-import kvlib.kernels.decode_int8_h10 as H
 from kvlib.bench._h10_probe import h10_problem, write_probe
-from kvlib.bench._h10_probe2 import LAYER, SEED, _sdpa_graph_ms, _time
+from kvlib.bench._h10_probe2 import LAYER, SEED, h10_flags, time_variants
 
-#: name -> (decode_int8 keywords, PV_DEQUANT)
+#: name -> (module flags of decode_int8_h10, decode_int8 keywords)
 VARIANTS = {
-    "default": (dict(), False),
-    "pv_terms1": (dict(pv_terms=1), False),
-    "dequant": (dict(), True),
-    "dequant_nocert": (dict(cert=False), True),
-    "nocert": (dict(cert=False), False),
-    "dequant_4w": (dict(num_warps=4), True),
-    "dequant_4w_bn128": (dict(num_warps=4, block_n=128), True),
+    "default": ({}, {}),
+    "pv_terms1": ({}, dict(pv_terms=1)),
+    "dequant": ({"PV_DEQUANT": True}, {}),
+    "dequant_nocert": ({"PV_DEQUANT": True}, dict(cert=False)),
+    "nocert": ({}, dict(cert=False)),
+    "dequant_4w": ({"PV_DEQUANT": True}, dict(num_warps=4)),
+    "dequant_4w_bn128": ({"PV_DEQUANT": True}, dict(num_warps=4, block_n=128)),
 }
-
-
-def _run(fn, name):
-    kw, deq = VARIANTS[name]
-    H.PV_DEQUANT = deq
-    try:
-        return fn(dict(impl="h10", cert=True, cert_b=False) | kw)
-    finally:
-        H.PV_DEQUANT = False
 
 
 def main() -> None:
@@ -43,34 +31,24 @@ def main() -> None:
     qb, kp, vp, slots, seq = h10_problem(2, 4096)
     base = decode_int8(qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert=True, cert_b=False)
     scale = float(base.o.float().abs().max())
-    for name in VARIANTS:
+    for name, (flags, kw) in VARIANTS.items():
         if "nocert" in name:
             continue
         try:
-            out = _run(lambda kw: decode_int8(qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, **kw), name)
-            rows.append(dict(kind="agreement", name=name, max_abs_o=scale,
-                             max_abs_do=float((out.o.float() - base.o.float()).abs().max()),
-                             mean_abs_do=float((out.o.float() - base.o.float()).abs().mean()),
+            with h10_flags(**flags):
+                out = decode_int8(qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert=True,
+                                  cert_b=False, **kw)
+            do = (out.o.float() - base.o.float()).abs()
+            rows.append(dict(kind="agreement", name=name, max_abs_o=scale, max_abs_do=float(do.max()),
+                             mean_abs_do=float(do.mean()),
                              max_abs_dcert=float((out.tv_bound.nan_to_num(posinf=9.0)
                                                   - base.tv_bound.nan_to_num(posinf=9.0)).abs().max())))
         except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
             rows.append(dict(kind="agreement", name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
         print(rows[-1], flush=True)
-    for B, S in ((8, 32768), (32, 16384)):
-        qb, kp, vp, slots, seq = h10_problem(B, S)
-        sd = _sdpa_graph_ms(qb.view(B, 28, 1, 128), 4, S)
-        for name in VARIANTS:
-            try:
-                ms = _run(lambda kw, a=(qb, kp, vp, slots, seq): _time(decode_int8, a, kw), name)
-            except Exception as e:  # noqa: BLE001
-                ms = None
-                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append(dict(kind="timing", B=B, S=S, name=name, ms=ms, sdpa_ms=sd, vs_sdpa=ms and sd / ms))
-            print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
+    rows += time_variants(VARIANTS)
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe6.json", "h10_probe6", rows, started,
-                {"command": "python -m kvlib.bench._h10_probe6",
-                 "variants": {k: [v[0], v[1]] for k, v in VARIANTS.items()}})
+                {"command": "python -m kvlib.bench._h10_probe6", "variants": VARIANTS})
 
 
 if __name__ == "__main__":

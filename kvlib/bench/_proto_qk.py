@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.kernels.decode_int8_h10 import _neg_m
+from kvlib.kernels.decode_int8_h10 import _neg_m, _scales_tile, _split4
 from kvlib.kernels.philox_tl import philox4x32
 
 
@@ -34,10 +34,7 @@ def proto_qk(Q1, Q2, QH, KC, KS, SLOTS, OUT, n, k0, k1, BLOCK_N: tl.constexpr, D
         cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
         w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), kvh.to(tl.uint32) + tl.zeros_like(cs),
                                     tl.zeros_like(cs), k0, k1, WIDE=FAST)
-        sc = tl.load(KS + slot[:, None] * (HKV * 4) + kvh * 4 + tl.arange(0, 4)[None, :], mask=m[:, None], other=0.0)
-        a, bb = tl.split(tl.reshape(sc.to(tl.float32), (BLOCK_N, 2, 2)))
-        s0, s2 = tl.split(a)
-        s1, s3 = tl.split(bb)
+        s0, s1, s2, s3 = _split4(_scales_tile(KS, slot, m, kvh, HKV * 4, 4))
         score = tl.zeros([RP, BLOCK_N], tl.float32)
         for g in tl.static_range(4):
             offs_c = g * G + tl.arange(0, G)

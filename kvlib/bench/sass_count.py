@@ -138,17 +138,16 @@ def run(profile: str) -> dict[str, Any]:
     return out
 
 
-def kv4_count(prot: bool = False) -> dict[str, Any]:
+def kv4_count() -> dict[str, Any]:
     """The KV4 main-region kernel at :data:`~kvlib.kernels.decode_int4.DEFAULT_CONFIG` and the kv4 benchmark's
     shape (d = 128, GQA 32:8, a capacity that is a multiple of the block): its pipelined interior loop, per
-    thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V). ``prot``: the
-    KV4-RL kernel instead (the INT4 loop is still the longest)."""
+    thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V)."""
     from kvlib.kernels.decode_int4 import _KMODES, DEFAULT_CONFIG, MIN_ROWS, _kv4_decode_kernel
 
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv,
                  KMODE=_KMODES.index(cfg.k_mode), TILE_SUMS=cfg.tile_sums, SCALE32=True, EVEN=True,
-                 PROT=prot, BLOCK_P=cfg.block_p, INTERP=False, TMA=False)
+                 PROT=False, BLOCK_P=cfg.block_p, INTERP=False, TMA=False)
     out = compile_count(_kv4_decode_kernel, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

@@ -442,10 +442,11 @@ if pdl:
     # the sweep ran with pdl off by default: its "pdl" variant against its "default"
     ratios = [v["kv4"]["pdl"]["ms"] / v["kv4"]["default"]["ms"] for v in sh.values()]
     run.glue("pdl_mean_ratio", sum(ratios) / len(ratios))
+    run.glue("pdl_n_shapes", len(ratios))
     run.glue("pdl_b32_1k_us", sh["b32_s1k"]["kv4"]["pdl"]["ms"] * 1e3)
     run.glue("nopdl_b32_1k_us", sh["b32_s1k"]["kv4"]["default"]["ms"] * 1e3)
 else:
-    for k in ("pdl_mean_ratio", "pdl_b32_1k_us", "nopdl_b32_1k_us"):
+    for k in ("pdl_mean_ratio", "pdl_n_shapes", "pdl_b32_1k_us", "nopdl_b32_1k_us"):
         run.glue(k, float("nan"))
 dec = load_result("dev/kv4rl_decompose_rows8", "gpu")
 if dec:
@@ -512,7 +513,7 @@ memory each step waits on it, so protected work that overlaps the INT4 stream ru
 than one state) the split merge are separate launches. With programmatic dependent launch (Hopper;
 `KV4KernelConfig.pdl`, on by default) each launches while the one before finishes and waits, on the
 GPU, before reading what it wrote. Measured side by side under CUDA graphs (`kv4_sweep_pdl.json`) it
-takes {glue:text}`pdl_mean_ratio:.3f` of the time on mean over the sweep's six shapes, most at short
+takes {glue:text}`pdl_mean_ratio:.3f` of the time on mean over the sweep's {glue:text}`pdl_n_shapes` shapes, most at short
 context (B = 32, S = 1k: {glue:text}`pdl_b32_1k_us:.1f` µs against {glue:text}`nopdl_b32_1k_us:.1f` µs).
 
 **Query rows.** The GQA group of 4 is padded to 8 query rows per tile (`MIN_ROWS`): fewer registers
