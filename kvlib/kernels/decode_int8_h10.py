@@ -50,7 +50,9 @@ WIDE_MUL = True
 #: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
 #: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"). Measured on the H200:
 #: 2-3% faster with the certificate on, but the certificate is up to 0.2% above the exact-arithmetic one, so
-#: kernel-vs-reference agreement of the certificate would drop from ~1e-7 to ~1e-4: opt-in
+#: kernel-vs-reference agreement of the certificate would drop from ~1e-7 to ~1e-4: opt-in. (The exact form,
+#: ``input_precision="tf32x3"`` on unrounded operands, compiles to more loop instructions than the four FMAs: 2416
+#: vs 2369 per tile-thread, sm_90)
 VAR_DOT = False
 #: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
 #: per scheduler); a probe knob for occupancy against spills
@@ -64,8 +66,26 @@ ABLATE = 0
 #: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
 #: operand exact); probe knob
 PV_DEQUANT = False
+#: softmax and certificate exponentials in base 2 with one ``ex2.approx.ftz`` each (scores scaled by
+#: ``sm_scale log2 e`` once; the radius by ``log2 e`` once per program): ``tl.exp`` is an ``ex2.approx`` behind
+#: a multiply and a two-instruction subnormal fix-up, and the fix-up only changes results below 2^-126, which
+#: no sum here can see. Probe knob while it is timed against ``tl.exp``
+EXP2 = True
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
+LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2_C: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _expb(x, EXP2: tl.constexpr, FAST: tl.constexpr):
+    """``2^x`` with ``EXP2`` (FAST: one ``ex2.approx.ftz.f32``; results below 2^-126 flush to 0), else ``e^x``."""
+    if EXP2:
+        if FAST:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return tl.exp2(x)
+    return tl.exp(x)
 
 
 @triton.jit
@@ -238,7 +258,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False, EXP2: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -273,6 +293,8 @@ def _decode_int8_stage1_h10(
         rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rat) / tl.sqrt(var_c)
         radm_h = radm + detm * (1.0 + 2.0**-8)
+        if EXP2:
+            radm_h = radm_h * LOG2E_C  # radii in base-2 units: one exponent base for p and e^u
         v0 = q20 * var_c
         v1 = q21 * var_c
         v2 = q22 * var_c
@@ -297,6 +319,7 @@ def _decode_int8_stage1_h10(
     c2 = kvh.to(tl.uint32)
     cj = tl.arange(0, D8).to(tl.uint32)[None, :]
 
+    zs = sm_scale * LOG2E_C if EXP2 else sm_scale  # scores (and m_i) in the exponent's base
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     # softmax and certificate sums kept per (position, head) and reduced once after the loop: a
     # per-tile sum over positions crosses warps (shared memory and a barrier), an FMA does not
@@ -329,6 +352,7 @@ def _decode_int8_stage1_h10(
         slot = slot_x
         s0, s1, s2, s3 = _split4(ks_x)
         vs_t = vs_x
+        ks_t = ks_x
         vs0, vs1, vs2, vs3 = _split4(vs_x)
         offs_x = offs_n + BLOCK_N
         mask_x = offs_x < end  # all false on the last tile: nothing is read
@@ -362,11 +386,11 @@ def _decode_int8_stage1_h10(
             ko16 = ko.to(tl.float16)
             qk = tl.dot(ko16, qo_hi, qk)
             qk = tl.dot(ko16, qo_lo, qk)
-        qk = tl.where(mask_n[:, None], qk * sm_scale, float("-inf"))  # [BLOCK_N, BH]
+        qk = tl.where(mask_n[:, None], qk * zs, float("-inf"))  # [BLOCK_N, BH]
 
         m_new = tl.maximum(m_i, tl.max(qk, 0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[None, :])
+        alpha = _expb(m_i - m_new, EXP2, FAST)
+        p = _expb(qk - m_new[None, :], EXP2, FAST)
         if TILE_SUMS:
             l_t = l_t * alpha[None, :] + p
         else:
@@ -374,8 +398,7 @@ def _decode_int8_stage1_h10(
         m_i = m_new
         if CERT:
             if VAR_DOT:  # one 16-deep tf32 dot of s^2 with the per-head v_g, both rounded UP to tf32
-                ks4 = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + tl.arange(0, 4)[None, :],
-                              mask=mask_n[:, None], other=0.0).to(tl.float32)
+                ks4 = ks_t.to(tl.float32)  # the tile's scales, already loaded
                 var = tl.dot(_pad4to16(_tf32_up(ks4 * ks4)), vmat, input_precision="tf32")
             else:
                 var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
@@ -383,14 +406,14 @@ def _decode_int8_stage1_h10(
             u = tl.sqrt(var) * radm_h[None, :]
             if NOK > 0:
                 byp = tl.dot(tl.abs(ko16), q_ko_abs16)
-                u += sm_scale * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
-            pa = p * tl.exp(u)
+                u += zs * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
+            pa = p * _expb(u, EXP2, FAST)
             if TILE_SUMS:
                 a_t = a_t * alpha[None, :] + pa
             else:
                 a_t = a_t * alpha[None, :] + tl.sum(pa, 0)[None, :]
             if CERT_B:
-                pb = p * tl.exp(-u)
+                pb = p * _expb(-u, EXP2, FAST)
                 if TILE_SUMS:
                     b_t = b_t * alpha[None, :] + pb
                 else:
@@ -422,7 +445,10 @@ def _decode_int8_stage1_h10(
             b_i = tl.sum(b_t, 0)
     nonempty = l_i != 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    if EXP2:
+        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    else:
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
     if PV_DEQUANT:
@@ -482,6 +508,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, EXP2=EXP2,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
