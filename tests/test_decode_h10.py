@@ -5,10 +5,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _soundness import assert_rows_within_certificate
 
 from kvlib.certificate import rounding_slack
 from kvlib.kernels.decode_int8 import PoolSide, decode_int8, decode_reference, make_pool_side
+from kvlib.kernels.decode_int8_h10 import _s2_operand, _v_operand
 
 SEED = 2**33 + 777
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,15 +133,54 @@ def test_bad_inputs_raise_clear_errors():
         decode_int8(q64, kp64, vp64, slots64, seq64, **kw64)
 
 
-def test_variance_by_tf32_dot_only_widens_the_radius(monkeypatch):
+def test_variance_dot_matches_the_fma_sum(monkeypatch):
     import kvlib.kernels.decode_int8_h10 as h10
 
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=48)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    plain = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
-    monkeypatch.setattr(h10, "VAR_DOT", True)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
-    cert, rc = out.tv_bound.double().cpu(), ref.tv_bound
-    # operands rounded UP to tf32 (2^-10 relative each): never below the exact radius, at most ~0.2% above
-    assert (cert >= rc - 1e-6).all() and (cert <= rc * (1 + 2e-3) + 1e-6).all()
-    assert torch.equal(out.o, plain.o) and torch.equal(out.lse, plain.lse)  # the radius only
+    assert h10.VAR_DOT  # the default
+    dot = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    monkeypatch.setattr(h10, "VAR_DOT", False)
+    fma = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    for out in (dot, fma):
+        torch.testing.assert_close(out.tv_bound.double().cpu(), ref.tv_bound, rtol=1e-5, atol=1e-6)
+    assert torch.equal(dot.o, fma.o) and torch.equal(dot.lse, fma.lse)  # the radius only
+
+
+@triton.jit
+def _operands_kernel(KS, V, A_OUT, B_OUT, BN: tl.constexpr, BH: tl.constexpr):
+    r = tl.arange(0, BN)
+    ks = tl.load(KS + r[:, None] * 4 + tl.arange(0, 4)[None, :])
+    h = tl.arange(0, BH)
+    v0 = tl.load(V + h)
+    v1 = tl.load(V + BH + h)
+    v2 = tl.load(V + 2 * BH + h)
+    v3 = tl.load(V + 3 * BH + h)
+    tl.store(A_OUT + r[:, None] * 16 + tl.arange(0, 16)[None, :], _s2_operand(ks))
+    tl.store(B_OUT + tl.arange(0, 16)[:, None] * BH + h[None, :], _v_operand(v0, v1, v2, v3))
+
+
+def test_variance_dot_operands_are_exact_tf32_pieces():
+    """The tensor cores read tf32 (the low 13 fp32 mantissa bits ignored): every A entry must already be a tf32
+    value, its pieces must sum to s^2 exactly, and the B pieces to v exactly (hi a tf32 value), so the dot with
+    lo truncated is within 2^-20 of the exact variance."""
+    g = torch.Generator().manual_seed(3)
+    ks = (torch.rand(16, 4, generator=g) * 0.5 + 1e-3).half()
+    ks[0] = torch.tensor([6.1e-5, 1e-4, 65504.0 ** 0.5, 3.0e-3]).half()  # near fp16's normal floor and sqrt(max)
+    v = torch.rand(4, 8, generator=g, dtype=torch.float32) * 10 + 1e-6
+    a_out = torch.empty(16, 16)
+    b_out = torch.empty(16, 8)
+    _operands_kernel[(1,)](ks, v, a_out, b_out, BN=16, BH=8)
+    bits = a_out.view(torch.int32) & 0x1FFF
+    assert (bits == 0).all()
+    s2 = ks.double().square()
+    pieces = a_out.double().view(16, 4, 4)
+    assert torch.equal(pieces[..., 0] + pieces[..., 1], s2) and torch.equal(pieces[..., 2] + pieces[..., 3], s2)
+    assert torch.equal(pieces[..., 0], pieces[..., 2]) and torch.equal(pieces[..., 1], pieces[..., 3])
+    bp = b_out.double().view(4, 4, 8)
+    assert ((b_out.view(4, 4, 8)[:, :2].contiguous().view(torch.int32) & 0x1FFF) == 0).all()  # hi: tf32
+    assert torch.equal(bp[:, 0] + bp[:, 2], v.double()) and torch.equal(bp[:, 1] + bp[:, 3], v.double())
+    trunc = (b_out.view(torch.int32) & -8192).view(torch.float32).double()  # what the tensor cores read
+    var = a_out.double() @ trunc
+    exact = s2 @ v.double()
+    assert ((exact - var) >= 0).all() and ((exact - var) <= exact * 2.0**-20).all()

@@ -1,7 +1,10 @@
 """Development probe on the GPU: the certificate's marginal cost in the h10 kernel with the exponentials in base 2
-(one ``ex2.approx.ftz`` each, ``decode_int8_h10.EXP2``) against ``tl.exp``, and with the variance as one tf32 dot
-(``VAR_DOT``). Kernel-vs-reference agreement of each variant at the paper's shape, then CUDA-graph timings
-beside SDPA bf16, interleaved over rounds (the median per variant is what counts: run-to-run spread is ~3%)."""
+(one ``ex2.approx.ftz`` each) against ``tl.exp``, and with the variance as one tf32 dot (``VAR_DOT``).
+Kernel-vs-reference agreement of each variant at the paper's shape, then CUDA-graph timings beside SDPA bf16,
+interleaved over rounds (the median per variant is what counts: run-to-run spread is ~3%).
+
+Run at 2b4d0a4, where ``decode_int8_h10.EXP2`` still switched the exponent base (the ``tl.exp`` path lost and was
+removed, so the ``exp_*`` variants below no longer exist); :mod:`kvlib.bench._h10_probe8` reuses the helpers."""
 
 from __future__ import annotations
 
@@ -25,64 +28,67 @@ VARIANTS = {
     "exp2_pvdeq_cert": ({"EXP2": True, "PV_DEQUANT": True}, dict(cert=True)),
     "exp2_pvdeq_nocert": ({"EXP2": True, "PV_DEQUANT": True}, dict(cert=False)),
 }
+#: certificate cost name -> (variant with it, variant without)
+COSTS = {"exp": ("exp_cert", "exp_nocert"), "exp2": ("exp2_cert", "exp2_nocert"),
+         "exp2_pvdeq": ("exp2_pvdeq_cert", "exp2_pvdeq_nocert"), "exp2_vardot": ("exp2_vardot_cert", "exp2_nocert")}
 SHAPES = ((2, 4096), (8, 32768), (32, 16384))
 
 
-def agreement() -> list[dict]:
+def agreement(variants: dict) -> list[dict]:
+    """max |kernel - float64 reference| of o, lse, A and the one-accumulator certificate per certified variant, at
+    the paper's shape with bf16 queries and the default split plan (the binaries the timing runs)."""
     from kvlib.kernels.decode_int8 import decode_int8, decode_reference
 
     p = PAPER
-    # bf16 queries and the default split plan: the same binaries as the timing at the paper's shape
     q, kp, vp, slots, seq = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], "h10", 8, torch.bfloat16)
     ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
     rows = []
-    for name, (flags, kw) in VARIANTS.items():
-        if not kw["cert"]:
+    for name, (flags, kw) in variants.items():
+        if not kw.get("cert", True):
             continue
-        for ns in (None,):
-            with h10_flags(**flags):
-                r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, impl="h10", cert_b=False)
-            rows.append(dict(kind="agreement", name=name, ns=ns,
-                             do=float((r.o.double().cpu() - ref.o).abs().max()),
-                             dlse=float((r.lse.double().cpu() - ref.lse).abs().max()),
-                             dA=float((r.A.double().cpu() - ref.A).abs().max()),
-                             # one accumulator (cert_b=False): the reference's 1 - 1/A^2
-                             dcert=float((r.tv_bound.double().cpu() - ref.tv_bound_one).abs().max()),
-                             cert_low=float((ref.tv_bound_one - r.tv_bound.double().cpu()).max()),
-                             cert_max=float(ref.tv_bound_one.max())))
-            print(rows[-1], flush=True)
+        with h10_flags(**flags):
+            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False,
+                            **{k: v for k, v in kw.items() if k != "cert"})
+        cert = r.tv_bound.double().cpu()
+        rows.append(dict(kind="agreement", name=name,
+                         do=float((r.o.double().cpu() - ref.o).abs().max()),
+                         dlse=float((r.lse.double().cpu() - ref.lse).abs().max()),
+                         dA=float((r.A.double().cpu() - ref.A).abs().max()),
+                         # one accumulator (cert_b=False): the reference's 1 - 1/A^2
+                         dcert=float((cert - ref.tv_bound_one).abs().max()),
+                         cert_low=float((ref.tv_bound_one - cert).max()),
+                         cert_max=float(ref.tv_bound_one.max())))
+        print(rows[-1], flush=True)
     return rows
 
 
-def timing(rounds: int = 3) -> list[dict]:
+def timing(variants: dict, costs: dict, shapes=SHAPES, rounds: int = 3) -> list[dict]:
+    """CUDA-graph medians of each variant over ``rounds`` rotated passes per shape, and each certificate cost
+    ``costs[name] = (with, without)`` as the ratio of their medians minus one. A variant whose keywords carry
+    ``shapes`` runs only at those."""
     from kvlib.kernels.decode_int8 import decode_int8
 
     rows = []
-    names = list(VARIANTS)
-    for B, S in SHAPES:
+    for B, S in shapes:
+        names = [n for n, (_, kw) in variants.items() if (B, S) in kw.get("shapes", [(B, S)])]
         qb, kp, vp, slots, seq = h10_problem(B, S)
         sd = _sdpa_graph_ms(qb.view(B, 28, 1, 128), 4, S)
         ms = {n: [] for n in names}
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # a rotated order each round
-                flags, kw = VARIANTS[name]
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # a rotated order each round
+                flags, kw = variants[name]
+                kw = {k: v for k, v in kw.items() if k != "shapes"}
                 with h10_flags(**flags):
                     ms[name].append(_time(decode_int8, (qb, kp, vp, slots, seq), dict(impl="h10", cert_b=False) | kw))
         for name in names:
             med = statistics.median(ms[name])
             rows.append(dict(kind="timing", B=B, S=S, name=name, ms=med, rounds=ms[name], sdpa_ms=sd, vs_sdpa=sd / med))
             print(rows[-1], flush=True)
-        for base in ("exp", "exp2"):
-            c, n = statistics.median(ms[f"{base}_cert"]), statistics.median(ms[f"{base}_nocert"])
-            rows.append(dict(kind="cert_cost", B=B, S=S, name=base, cost=c / n - 1))
-            print(rows[-1], flush=True)
-        c, n = statistics.median(ms["exp2_pvdeq_cert"]), statistics.median(ms["exp2_pvdeq_nocert"])
-        rows.append(dict(kind="cert_cost", B=B, S=S, name="exp2_pvdeq", cost=c / n - 1))
-        print(rows[-1], flush=True)
-        n = statistics.median(ms["exp2_nocert"])
-        rows.append(dict(kind="cert_cost", B=B, S=S, name="exp2_vardot",
-                         cost=statistics.median(ms["exp2_vardot_cert"]) / n - 1))
-        print(rows[-1], flush=True)
+        for cname, (w, wo) in costs.items():
+            if w in ms and wo in ms:
+                rows.append(dict(kind="cert_cost", B=B, S=S, name=cname,
+                                 cost=statistics.median(ms[w]) / statistics.median(ms[wo]) - 1))
+                print(rows[-1], flush=True)
         del qb, kp, vp, slots, seq
         torch.cuda.empty_cache()
     return rows
@@ -90,7 +96,7 @@ def timing(rounds: int = 3) -> list[dict]:
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    rows = agreement() + timing()
+    rows = agreement(VARIANTS) + timing(VARIANTS, COSTS)
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe7.json", "h10_probe7", rows, started,
                 {"command": "python -m kvlib.bench._h10_probe7", "variants": VARIANTS, "shapes": SHAPES})
 

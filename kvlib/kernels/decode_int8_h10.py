@@ -47,13 +47,13 @@ TILE_SUMS = True
 #: fewer loop instructions (sm_90 SASS) and 5-6% faster under CUDA graphs on the H200 (data/results/gpu/dev/
 #: h10_probe2.json); bit-identical Philox (tests/test_philox.py, GPU)
 WIDE_MUL = True
-#: the radius's variance from one tf32 tensor-core dot of s^2 with the per-head sums (operands rounded up to
-#: tf32, so the result stays an upper bound; the spec's "one tl.dot of q^2 with s^2"). Measured on the H200:
-#: 2-3% faster with the certificate on, but the certificate is up to 0.2% above the exact-arithmetic one, so
-#: kernel-vs-reference agreement of the certificate would drop from ~1e-7 to ~1e-4: opt-in. (The exact form,
-#: ``input_precision="tf32x3"`` on unrounded operands, compiles to more loop instructions than the four FMAs: 2416
-#: vs 2369 per tile-thread, sm_90)
-VAR_DOT = False
+#: the radius's variance from one 16-deep tf32 tensor-core dot per tile (the spec's "one tl.dot of q^2 with s^2"),
+#: every operand split into tf32 pieces so the dot is exact up to fp32 accumulation (:func:`_s2_operand`,
+#: :func:`_v_operand`) instead of four FMAs per (position, head). With the base-2 exponentials it brings the
+#: certificate's marginal cost from 3.9-4.0% to 1.9-2.1% at B=8, S=32k and B=32, S=16k on the H200
+#: (data/results/gpu/dev/h10_probe7.json, where the operands were still rounded up to tf32: the same dot and
+#: instruction count, 2316 vs 2320 per tile-thread on sm_90). The FMA sum is kept for the comparison
+VAR_DOT = True
 #: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
 #: per scheduler); a probe knob for occupancy against spills
 MAXNREG: int | None = None
@@ -66,11 +66,9 @@ ABLATE = 0
 #: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
 #: operand exact); probe knob
 PV_DEQUANT = False
-#: softmax and certificate exponentials in base 2 with one ``ex2.approx.ftz`` each (scores scaled by
-#: ``sm_scale log2 e`` once; the radius by ``log2 e`` once per program): ``tl.exp`` is an ``ex2.approx`` behind
-#: a multiply and a two-instruction subnormal fix-up, and the fix-up only changes results below 2^-126, which
-#: no sum here can see. Probe knob while it is timed against ``tl.exp``
-EXP2 = True
+#: the certificate's per-group query sums (``sum q_hi``, ``sum q^2``, ``R'``) as one reduction per group instead of
+#: three: a probe knob while it is timed
+FUSE_Q = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -78,14 +76,16 @@ LN2_C: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _expb(x, EXP2: tl.constexpr, FAST: tl.constexpr):
-    """``2^x`` with ``EXP2`` (FAST: one ``ex2.approx.ftz.f32``; results below 2^-126 flush to 0), else ``e^x``."""
-    if EXP2:
-        if FAST:
-            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        return tl.exp2(x)
-    return tl.exp(x)
+def _ex2(x, FAST: tl.constexpr):
+    """``2^x``. FAST: one ``ex2.approx.ftz.f32``. ``tl.exp`` is the same ``ex2.approx`` behind a multiply by
+    ``log2 e`` and a two-instruction subnormal fix-up; the fix-up only changes results below 2^-126, which no sum
+    here can see, and the kernel keeps its scores in base 2 so the multiply is folded into ``sm_scale``. 2-3%
+    less time, with and without the certificate (B=8, S=32k and B=32, S=16k on the H200:
+    data/results/gpu/dev/h10_probe7.json)."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.exp2(x)
 
 
 @triton.jit
@@ -151,25 +151,43 @@ def _split4(x):
 
 
 @triton.jit
-def _tf32_up(x):
-    """The smallest tf32 value >= ``x`` for ``x >= 0`` (fp32 with the low 13 mantissa bits cleared after
-    adding them: carries roll into the exponent; inf and NaN stay what they are)."""
-    b = x.to(tl.int32, bitcast=True)
-    return ((b + 0x1FFF) & -8192).to(tl.float32, bitcast=True)
+def _tf32_hi(x):
+    """``x`` with its low 13 mantissa bits cleared: a tf32 value, and ``x - _tf32_hi(x)`` is exact in fp32."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pad4to16(x):
-    """``[R, 4]`` -> ``[R, 16]`` with column ``g`` at ``4 g`` and zeros elsewhere (a 16-deep dot operand)."""
-    z = tl.zeros_like(x)
-    y = tl.reshape(tl.join(x, z), (x.shape[0], 8))
-    return tl.reshape(tl.join(y, tl.zeros_like(y)), (x.shape[0], 16))
+def _s2_operand(ks):
+    """The variance dot's A operand ``[BLOCK_N, 16]`` from the tile's fp16 scales ``[BLOCK_N, 4]``: columns
+    ``4 g .. 4 g + 3`` are ``(a_g, b_g, a_g, b_g)`` with ``a_g + b_g = s_g^2`` exactly and both tf32 values
+    (``s_g^2`` of an fp16 scale has at most 22 significant bits: 11 in each piece), so the tensor cores read it
+    without rounding."""
+    s = ks.to(tl.float32)
+    s2 = s * s
+    a = _tf32_hi(s2)
+    b = s2 - a
+    # join adds a trailing axis: [..., g, copy, piece] flattens to column 4 g + 2 copy + piece
+    return tl.reshape(tl.join(tl.join(a, a), tl.join(b, b)), (ks.shape[0], 16))
 
 
 @triton.jit
-def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr):
+def _v_operand(v0, v1, v2, v3):
+    """The variance dot's B operand ``[16, BH]``: rows ``4 g .. 4 g + 3`` are ``(hi, hi, lo, lo)`` of ``v_g`` with
+    ``hi = _tf32_hi(v_g)`` and ``lo = v_g - hi`` (which the tensor cores truncate by at most ``2^-21 v_g``), so
+    ``A @ B = sum_g (a_g + b_g) (hi_g + lo_g)``: every product exact in fp32."""
+    r = tl.arange(0, 16)[:, None]
+    g = r // 4
+    v = tl.where(g == 0, v0[None, :], tl.where(g == 1, v1[None, :], tl.where(g == 2, v2[None, :], v3[None, :])))
+    hi = _tf32_hi(v)
+    return tl.where((r % 4) < 2, hi, v - hi)
+
+
+@triton.jit
+def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr,
+              FUSE: tl.constexpr = False):
     """Transposed query operands of group ``g`` (outlier channels zeroed): hi/lo ``[G, BH]`` and per head
-    ``sum q_hi``, ``sum q^2``, ``R'_g = sum |r2| + |r1| / 255`` (``[BH]``)."""
+    ``sum q_hi``, ``sum q^2``, ``R'_g = sum |r2| + |r1| / 255`` (``[BH]``); ``FUSE``: the three sums as one
+    reduction (a sum over channels crosses threads)."""
     offs_c = tl.arange(0, G)
     qg = tl.load(Q_T + (g * G + offs_c)[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
     if NOK > 0:
@@ -182,9 +200,17 @@ def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.conste
     else:
         q_lo = q_hi  # unused
         r2 = r1
-    q1 = tl.sum(q_hi.to(tl.float32), 0)
-    q2 = tl.sum(qg * qg, 0)
-    rr = tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 0)
+    if FUSE:  # [G, BH, piece, pair]: q_hi, q^2 | R', 0
+        e = tl.join(tl.join(q_hi.to(tl.float32), qg * qg),
+                    tl.join(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), tl.zeros_like(qg)))
+        sums = tl.sum(e, 0)
+        s01, s23 = tl.split(sums)
+        q1, q2 = tl.split(s01)
+        rr, _ = tl.split(s23)
+    else:
+        q1 = tl.sum(q_hi.to(tl.float32), 0)
+        q2 = tl.sum(qg * qg, 0)
+        rr = tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 0)
     return q_hi, q_lo, q1, q2, rr
 
 
@@ -258,7 +284,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False, EXP2: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False, FUSE_Q: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -283,26 +309,24 @@ def _decode_int8_stage1_h10(
         koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
         q_koT = tl.load(Q_T + koc[:, None], mask=mask_ok[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
         qo_hi, qo_lo = split_fp16(q_koT)
-    qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT)
-    qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT)
-    qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT)
-    qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT)
+    qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT, FUSE_Q and CERT)
+    qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT, FUSE_Q and CERT)
+    qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT, FUSE_Q and CERT)
+    qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT, FUSE_Q and CERT)
     if CERT:
         radm = union_radius(seq_len, log_2_over_delta, rad_extra)
+        # (1 + 2^-8): the variance's fp32 sums of nonnegative terms (and the variance dot's truncated lo pieces,
+        # 2^-21 relative) stay upper bounds, as in the tc kernel (kvlib.certificate.TC_RADIUS_INFLATE)
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
         rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * tl.sqrt(rat) / tl.sqrt(var_c)
-        radm_h = radm + detm * (1.0 + 2.0**-8)
-        if EXP2:
-            radm_h = radm_h * LOG2E_C  # radii in base-2 units: one exponent base for p and e^u
+        radm_h = (radm + detm * (1.0 + 2.0**-8)) * LOG2E_C  # radii in base-2 units, like the scores
         v0 = q20 * var_c
         v1 = q21 * var_c
         v2 = q22 * var_c
         v3 = q23 * var_c
-        if VAR_DOT:  # rows 4 g hold v_g (rounded up to tf32), the others 0: the operand _pad4to16 expects
-            r16 = tl.arange(0, 16)[:, None]
-            vmat = _tf32_up(tl.where(r16 == 0, v0[None, :], tl.where(r16 == 4, v1[None, :], tl.where(
-                r16 == 8, v2[None, :], tl.where(r16 == 12, v3[None, :], 0.0)))))
+        if VAR_DOT:
+            vmat = _v_operand(v0, v1, v2, v3)
         if NOK > 0:
             q_ko_abs16 = abs_up_fp16(q_koT)
             q_ko_sum = tl.sum(tl.abs(q_koT), 0)
@@ -319,7 +343,7 @@ def _decode_int8_stage1_h10(
     c2 = kvh.to(tl.uint32)
     cj = tl.arange(0, D8).to(tl.uint32)[None, :]
 
-    zs = sm_scale * LOG2E_C if EXP2 else sm_scale  # scores (and m_i) in the exponent's base
+    zs = sm_scale * LOG2E_C  # scores (and m_i) in base 2: every exponential is one ex2
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     # softmax and certificate sums kept per (position, head) and reduced once after the loop: a
     # per-tile sum over positions crosses warps (shared memory and a barrier), an FMA does not
@@ -389,17 +413,16 @@ def _decode_int8_stage1_h10(
         qk = tl.where(mask_n[:, None], qk * zs, float("-inf"))  # [BLOCK_N, BH]
 
         m_new = tl.maximum(m_i, tl.max(qk, 0))
-        alpha = _expb(m_i - m_new, EXP2, FAST)
-        p = _expb(qk - m_new[None, :], EXP2, FAST)
+        alpha = _ex2(m_i - m_new, FAST)
+        p = _ex2(qk - m_new[None, :], FAST)
         if TILE_SUMS:
             l_t = l_t * alpha[None, :] + p
         else:
             l_t = l_t * alpha[None, :] + tl.sum(p, 0)[None, :]
         m_i = m_new
         if CERT:
-            if VAR_DOT:  # one 16-deep tf32 dot of s^2 with the per-head v_g, both rounded UP to tf32
-                ks4 = ks_t.to(tl.float32)  # the tile's scales, already loaded
-                var = tl.dot(_pad4to16(_tf32_up(ks4 * ks4)), vmat, input_precision="tf32")
+            if VAR_DOT:  # one 16-deep tf32 dot of s^2 (two exact pieces) with the per-head v_g (hi + lo)
+                var = tl.dot(_s2_operand(ks_t), vmat, input_precision="tf32")
             else:
                 var = ((s0 * s0)[:, None] * v0[None, :] + (s1 * s1)[:, None] * v1[None, :]) + (
                     (s2 * s2)[:, None] * v2[None, :] + (s3 * s3)[:, None] * v3[None, :])
@@ -407,13 +430,13 @@ def _decode_int8_stage1_h10(
             if NOK > 0:
                 byp = tl.dot(tl.abs(ko16), q_ko_abs16)
                 u += zs * (byp * (byp_rel * (1.0 + 2.0**-8)) + q_ko_sum[None, :] * byp_abs)
-            pa = p * _expb(u, EXP2, FAST)
+            pa = p * _ex2(u, FAST)
             if TILE_SUMS:
                 a_t = a_t * alpha[None, :] + pa
             else:
                 a_t = a_t * alpha[None, :] + tl.sum(pa, 0)[None, :]
             if CERT_B:
-                pb = p * _expb(-u, EXP2, FAST)
+                pb = p * _ex2(-u, FAST)
                 if TILE_SUMS:
                     b_t = b_t * alpha[None, :] + pb
                 else:
@@ -445,10 +468,7 @@ def _decode_int8_stage1_h10(
             b_i = tl.sum(b_t, 0)
     nonempty = l_i != 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
-    if EXP2:
-        lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    else:
-        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s
     sc = inv_l * (1.0 / 1024.0)
     if PV_DEQUANT:
@@ -508,6 +528,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, EXP2=EXP2,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, FUSE_Q=FUSE_Q,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
