@@ -49,10 +49,9 @@ TILE_SUMS = True
 WIDE_MUL = True
 #: the radius's variance from one 16-deep tf32 tensor-core dot per tile (the spec's "one tl.dot of q^2 with s^2"),
 #: every operand split into tf32 pieces so the dot is exact up to fp32 accumulation (:func:`_s2_operand`,
-#: :func:`_v_operand`) instead of four FMAs per (position, head). With the base-2 exponentials it brings the
-#: certificate's marginal cost from 3.9-4.0% to 1.9-2.1% at B=8, S=32k and B=32, S=16k on the H200
-#: (data/results/gpu/dev/h10_probe7.json, where the operands were still rounded up to tf32: the same dot and
-#: instruction count, 2316 vs 2320 per tile-thread on sm_90). The FMA sum is kept for the comparison
+#: :func:`_v_operand`) instead of four FMAs per (position, head). With the base-2 exponentials the certificate's
+#: marginal cost is 2.0% at B=8, S=32k and 1.8% at B=32, S=16k on the H200, against 4.2% and 3.7% with the FMA
+#: sum, at the same agreement with the float64 reference (data/results/gpu/dev/h10_probe8.json). False: the FMA sum
 VAR_DOT = True
 #: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
 #: per scheduler); a probe knob for occupancy against spills
@@ -66,9 +65,6 @@ ABLATE = 0
 #: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
 #: operand exact); probe knob
 PV_DEQUANT = False
-#: the certificate's per-group query sums (``sum q_hi``, ``sum q^2``, ``R'``) as one reduction per group instead of
-#: three: a probe knob while it is timed
-FUSE_Q = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -183,11 +179,10 @@ def _v_operand(v0, v1, v2, v3):
 
 
 @triton.jit
-def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr,
-              FUSE: tl.constexpr = False):
+def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.constexpr, Q_SPLIT: tl.constexpr):
     """Transposed query operands of group ``g`` (outlier channels zeroed): hi/lo ``[G, BH]`` and per head
-    ``sum q_hi``, ``sum q^2``, ``R'_g = sum |r2| + |r1| / 255`` (``[BH]``); ``FUSE``: the three sums as one
-    reduction (a sum over channels crosses threads)."""
+    ``sum q_hi``, ``sum q^2``, ``R'_g = sum |r2| + |r1| / 255`` (``[BH]``). (The three sums as one joined
+    reduction was slower on the H200, also at long context: data/results/gpu/dev/h10_probe8.json)"""
     offs_c = tl.arange(0, G)
     qg = tl.load(Q_T + (g * G + offs_c)[:, None], mask=mask_h[None, :], other=0.0).to(tl.float32)
     if NOK > 0:
@@ -200,17 +195,9 @@ def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.conste
     else:
         q_lo = q_hi  # unused
         r2 = r1
-    if FUSE:  # [G, BH, piece, pair]: q_hi, q^2 | R', 0
-        e = tl.join(tl.join(q_hi.to(tl.float32), qg * qg),
-                    tl.join(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), tl.zeros_like(qg)))
-        sums = tl.sum(e, 0)
-        s01, s23 = tl.split(sums)
-        q1, q2 = tl.split(s01)
-        rr, _ = tl.split(s23)
-    else:
-        q1 = tl.sum(q_hi.to(tl.float32), 0)
-        q2 = tl.sum(qg * qg, 0)
-        rr = tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 0)
+    q1 = tl.sum(q_hi.to(tl.float32), 0)
+    q2 = tl.sum(qg * qg, 0)
+    rr = tl.sum(tl.abs(r2) + tl.abs(r1) * (1.0 / 255.0), 0)
     return q_hi, q_lo, q1, q2, rr
 
 
@@ -284,7 +271,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False, FUSE_Q: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -309,10 +296,10 @@ def _decode_int8_stage1_h10(
         koc = tl.load(KOC + kvh * NOK + offs_ok, mask=mask_ok, other=-1).to(tl.int32)
         q_koT = tl.load(Q_T + koc[:, None], mask=mask_ok[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
         qo_hi, qo_lo = split_fp16(q_koT)
-    qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT, FUSE_Q and CERT)
-    qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT, FUSE_Q and CERT)
-    qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT, FUSE_Q and CERT)
-    qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT, FUSE_Q and CERT)
+    qh0, ql0, q10, q20, rr0 = _qT_group(Q_T, mask_h, koc, 0, G, NOK, Q_SPLIT)
+    qh1, ql1, q11, q21, rr1 = _qT_group(Q_T, mask_h, koc, 1, G, NOK, Q_SPLIT)
+    qh2, ql2, q12, q22, rr2 = _qT_group(Q_T, mask_h, koc, 2, G, NOK, Q_SPLIT)
+    qh3, ql3, q13, q23, rr3 = _qT_group(Q_T, mask_h, koc, 3, G, NOK, Q_SPLIT)
     if CERT:
         radm = union_radius(seq_len, log_2_over_delta, rad_extra)
         # (1 + 2^-8): the variance's fp32 sums of nonnegative terms (and the variance dot's truncated lo pieces,
@@ -528,6 +515,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, FUSE_Q=FUSE_Q,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
