@@ -65,8 +65,12 @@ ABLATE = 0
 #: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
 #: operand exact); probe knob
 PV_DEQUANT = False
+#: timing probe only (the pool's codes are read as if written with the h8 layout): to be replaced by the layout
+H8_PROBE = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
+#: h8 layout: ``xi = m' - (4.5 - 2^-9)`` with ``m' = 4 + b 2^-8`` (see :func:`kvlib.philox.byte_to_xi`)
+XI8_CONST: tl.constexpr = tl.constexpr(4.5 - 2.0**-9)
 LOG2E_C: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2_C: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -129,6 +133,24 @@ def _neg_m(w, FAST: tl.constexpr):
     h = (tl.arange(0, 2 * w.shape[1]) % 2)[None, :].to(tl.uint32)
     v = ((ww >> (6 + 16 * h)) & 0x3FF).to(tl.float32)
     return (-(1.0 + v * 0.0009765625)).to(tl.float16)
+
+
+@triton.jit
+def _neg_m8(w, FAST: tl.constexpr):
+    """``-m'`` as fp16 ``[R, 4 C]`` from Philox words ``[R, C]`` of the h8 layout: element ``4j + k`` is byte ``k``
+    of word ``j``, ``m' = 4 + b 2^-8`` (exact: the byte is the low mantissa byte of an fp16 in [4, 5)). FAST:
+    two ``prmt`` per word put the bytes under ``0xC4``, the fp16 bits of ``-(4 + b 2^-8)``, already packed as
+    pairs: one instruction per two channels."""
+    w2 = tl.join(w, w)
+    ww = tl.reshape(tl.join(w2, w2), (w.shape[0], 4 * w.shape[1]))
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ prmt.b32 $0, $2, 0xC4C4C4C4, 0x4140; prmt.b32 $1, $2, 0xC4C4C4C4, 0x4342; }",
+            "=r,=r,r,r,r,r", [ww], dtype=tl.float16, is_pure=True, pack=4,
+        )  # fmt: skip
+    k = (tl.arange(0, 4 * w.shape[1]) % 4)[None, :].to(tl.uint32)
+    b = ((ww >> (8 * k)) & 0xFF).to(tl.float32)
+    return (-(4.0 + b * 0.00390625)).to(tl.float16)
 
 
 @triton.jit
@@ -204,7 +226,7 @@ def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.conste
 @triton.jit
 def _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w, s_g, q_hi, q_lo, q1,
               g: tl.constexpr, G: tl.constexpr, Q_SPLIT: tl.constexpr, FAST: tl.constexpr,
-              SKIP_DITHER: tl.constexpr):
+              SKIP_DITHER: tl.constexpr, H8: tl.constexpr = False):
     """Group ``g``'s scores ``s_g t_g`` transposed, ``[BLOCK_N, BH]``."""
     offs_c = tl.arange(0, G)
     kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :], mask=mask_n[:, None], other=0)
@@ -213,8 +235,11 @@ def _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w, s_g, q_hi, q_lo, q1,
     if Q_SPLIT:
         t = tl.dot(k16, q_lo, t)
     if not SKIP_DITHER:
-        t = tl.dot(_neg_m(w, FAST), q_hi, t)  # element 2j + h = channel g G + 2j + h
-    return (t + XI_CONST * q1[None, :]) * s_g[:, None]
+        if H8:
+            t = tl.dot(_neg_m8(w, FAST), q_hi, t)  # element 4j + k = channel g G + 4j + k
+        else:
+            t = tl.dot(_neg_m(w, FAST), q_hi, t)  # element 2j + h = channel g G + 2j + h
+    return (t + (XI8_CONST if H8 else XI_CONST) * q1[None, :]) * s_g[:, None]
 
 
 @triton.jit
@@ -271,7 +296,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -282,7 +307,7 @@ def _decode_int8_stage1_h10(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    D8: tl.constexpr = D // 8
+    D8: tl.constexpr = D // 16 if H8 else D // 8  # Philox calls per position
     seq_len, start, end = split_range(SEQ, b, split, NUM_SPLITS)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -384,13 +409,13 @@ def _decode_int8_stage1_h10(
             qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
         else:
             qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST,
-                            SKIP_DITHER)
+                            SKIP_DITHER, H8)
                   + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
-                              SKIP_DITHER))
+                              SKIP_DITHER, H8))
             qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
-                             SKIP_DITHER)
+                             SKIP_DITHER, H8)
                    + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
-                               SKIP_DITHER))
+                               SKIP_DITHER, H8))
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
@@ -515,6 +540,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, H8=H8_PROBE,
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
