@@ -16,11 +16,12 @@ Radius, exactly as implemented (both here and in the kernel)::
     radius_multiplier = sqrt(2 ln(2n/delta)) + sqrt(12 d) * rounding_slack(d, impl)
     rounding_slack(d, 'fma') = 2^-25 + 127.5 * (d + 2) * 2^-24      (fp32 kernel)
     rounding_slack(d, 'tc')  = 2^-25 + 2^-13 + 127.5 * (d + 16) * 2^-24   (tensor-core kernel)
-    rounding_slack(d, 'h10') = 2^-11 + 2 * 127.5 * (d + 16) * 2^-24     (h10-layout tensor-core kernel)
+    rounding_slack(d, 'h10') = 2^-11 + 2 * 127.5 * (d + 16) * 2^-24     (h10-layout tensor-core kernel; 2^-9 on h8)
     bypass_t = sm_scale * sum_{c in outliers} |q_c| (|k_hat_c| * (2^-11/(1-2^-11) + (d+2) 2^-24) + 2^-25)
 
 The small second term of the multiplier covers the dither's mean (at most ``2^-25 s`` per channel on
-the 24-bit grid, ``2^-11 s`` on the h10 layout's 10-bit grid, :data:`kvlib.philox.DITHER_BIAS`) and
+the 24-bit grid, ``2^-11 s`` on the h10 layout's 10-bit grid, ``2^-9 s`` on h8's 8-bit grid,
+:data:`kvlib.philox.DITHER_BIAS`) and
 the fp32 rounding of the kernel's dequantisation and dot product, both bounded through Cauchy-Schwarz
 by a multiple of ``varsigma_t``; ``bypass_t`` is the deterministic fp16 rounding of the outlier
 channels (plus their fp32 dot rounding). Pass ``slack=False`` for the bare
@@ -69,9 +70,10 @@ def rounding_slack(d: int, impl: str = "fma", layout: str = "w24") -> float:
     tensor-core accumulation modelled pessimistically as one truncation (``2^-23`` of the sum of
     magnitudes) per 16-deep step over at most ``4d`` products plus the fp32 group scaling and sums:
     ``127.5 (d + 16) 2^-24``.
-    ``h10`` (layout ``h10`` only): the dither is exact in fp16 (``1 + (v >> 6) 2^-10`` and a constant);
-    per group the kernel sums three dots (codes x query hi and lo, dither x query hi) whose magnitudes
-    stay below ``(127 + 2 + 1.5) |q_c|``, so twice the ``tc`` accumulation term covers them.
+    ``h10`` (layouts ``h10`` and ``h8``): the dither is exact in fp16 (``1 + (v >> 6) 2^-10``, or
+    ``4 + b 2^-8`` for h8, and a constant); per group the kernel sums three dots (codes x query hi and lo,
+    dither x query hi) whose magnitudes stay below ``(127 + 2 + 1.5) |q_c|`` (h8: ``(127 + 5 + 4.5) |q_c|``),
+    so twice the ``tc`` accumulation term covers them.
     """
     from kvlib.philox import DITHER_BIAS, check_layout
 
@@ -83,8 +85,8 @@ def rounding_slack(d: int, impl: str = "fma", layout: str = "w24") -> float:
             raise ValueError("impl='tc' reads the w24 dither layout only")
         return bias + 2.0**-13 + CODE_MAX * (d + 16) * 2.0**-24
     if impl == "h10":
-        if layout != "h10":
-            raise ValueError("impl='h10' reads the h10 dither layout only")
+        if layout not in ("h10", "h8"):
+            raise ValueError("impl='h10' reads the h10 and h8 dither layouts only")
         return bias + 2.0 * CODE_MAX * (d + 16) * 2.0**-24
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 

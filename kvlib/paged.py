@@ -17,7 +17,9 @@ both honour it; the torch reference is :func:`kvlib.formats.dither_int8.dither_q
   layout ``"w24"`` (the default, the paper's). A pool built with ``dither_layout="h10"`` uses eight
   10-bit dithers per call instead: counter ``(slot, j, kv_head, (layer << 1) | side)``, ``j < d // 8``,
   word ``i`` half ``h`` (low first) -> channel ``i (d/4) + 2j + h``, ``xi = ((v >> 6) + 1/2) 2^-10 - 1/2``
-  (needs ``d % 8 == 0``). Implemented once per language: :mod:`kvlib.philox` (torch),
+  (needs ``d % 8 == 0``); ``dither_layout="h8"`` sixteen 8-bit dithers per call, ``j < d // 16``, word ``i``
+  byte ``k`` -> channel ``i (d/4) + 4j + k``, ``xi = (b + 1/2) 2^-8 - 1/2`` (needs ``d % 16 == 0``).
+  Implemented once per language: :mod:`kvlib.philox` (torch),
   :mod:`kvlib.kernels.philox_tl` (Triton). The layout is a property of the pool (``pool.dither_layout``,
   also on every :class:`LayerView`), so writer and readers cannot disagree.
 * Quantize: ``s = fp16(amax / 126.5)`` (the STORED scale; if fp16 rounding gives ``127 s < amax``,
@@ -41,7 +43,7 @@ import dataclasses
 import torch
 
 from kvlib._checks import check_group, check_positive_int, check_tensor
-from kvlib.philox import check_layout
+from kvlib.philox import CALL_CHANNELS, check_layout
 
 
 def bytes_per_token_head(d: int, group: int = 32, n_out: int = 0) -> int:
@@ -89,8 +91,9 @@ class PagedPool:
         if side not in (0, 1):
             raise ValueError(f"side must be 0 (K) or 1 (V), got {side!r}")
         self.dither_layout = check_layout(dither_layout)
-        if dither_layout == "h10" and d % 8:
-            raise ValueError(f"dither_layout='h10' needs d a multiple of 8, got d={d}")
+        per = CALL_CHANNELS[dither_layout]
+        if dither_layout != "w24" and d % per:
+            raise ValueError(f"dither_layout={dither_layout!r} needs d a multiple of {per}, got d={d}")
         self.n_layers, self.n_slots, self.n_kv_heads, self.d = n_layers, n_slots, n_kv_heads, d
         self.group, self.n_out, self.side, self.seed = group, n_out, side, seed
         self.include_outliers_in_amax = include_outliers_in_amax

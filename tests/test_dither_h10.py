@@ -322,7 +322,7 @@ def test_bad_layout_names_raise():
     with pytest.raises(ValueError, match="dither_layout"):
         make_pool_side(x[:, None], layer=0, seed=0, side=0, dither_layout="x")
     with pytest.raises(ValueError, match="dither_layout"):
-        resolve_impl("auto", 128, 32, layout="h8")
+        resolve_impl("auto", 128, 32, layout="h12")
     with pytest.raises(ValueError, match="dither_layout"):
         as_side(PoolSide(torch.zeros(4, 1, 64, dtype=torch.int8), torch.zeros(4, 1, 2).half(), dither_layout="y"), "k")
     with pytest.raises(ValueError, match="multiple of 8"):

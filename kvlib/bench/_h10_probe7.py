@@ -36,21 +36,26 @@ SHAPES = ((2, 4096), (8, 32768), (32, 16384))
 
 def agreement(variants: dict) -> list[dict]:
     """max |kernel - float64 reference| of o, lse, A and the one-accumulator certificate per certified variant, at
-    the paper's shape with bf16 queries and the default split plan (the binaries the timing runs)."""
+    the paper's shape with bf16 queries and the default split plan (the binaries the timing runs). A variant's
+    ``layout`` keyword (default ``"h10"``) picks the key pool's dither layout."""
     from kvlib.kernels.decode_int8 import decode_int8, decode_reference
 
     p = PAPER
-    q, kp, vp, slots, seq = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], "h10", 8, torch.bfloat16)
-    ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
+    problems = {}
     rows = []
     for name, (flags, kw) in variants.items():
         if not kw.get("cert", True):
             continue
+        layout = kw.get("layout", "h10")
+        if layout not in problems:
+            prob = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], layout, 8, torch.bfloat16)
+            problems[layout] = prob, decode_reference(*prob, layer=LAYER, seed=SEED, impl="h10")
+        (q, kp, vp, slots, seq), ref = problems[layout]
+        kw = {k: v for k, v in kw.items() if k not in ("cert", "layout", "shapes")}
         with h10_flags(**flags):
-            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False,
-                            **{k: v for k, v in kw.items() if k != "cert"})
+            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False, **kw)
         cert = r.tv_bound.double().cpu()
-        rows.append(dict(kind="agreement", name=name,
+        rows.append(dict(kind="agreement", name=name, layout=layout,
                          do=float((r.o.double().cpu() - ref.o).abs().max()),
                          dlse=float((r.lse.double().cpu() - ref.lse).abs().max()),
                          dA=float((r.A.double().cpu() - ref.A).abs().max()),
@@ -65,7 +70,10 @@ def agreement(variants: dict) -> list[dict]:
 def timing(variants: dict, costs: dict, shapes=SHAPES, rounds: int = 3) -> list[dict]:
     """CUDA-graph medians of each variant over ``rounds`` rotated passes per shape, and each certificate cost
     ``costs[name] = (with, without)`` as the ratio of their medians minus one. A variant whose keywords carry
-    ``shapes`` runs only at those."""
+    ``shapes`` runs only at those; ``layout`` (default ``"h10"``) relabels the random key codes' dither layout
+    (timing does not depend on the values)."""
+    import dataclasses
+
     from kvlib.kernels.decode_int8 import decode_int8
 
     rows = []
@@ -77,9 +85,10 @@ def timing(variants: dict, costs: dict, shapes=SHAPES, rounds: int = 3) -> list[
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:  # a rotated order each round
                 flags, kw = variants[name]
-                kw = {k: v for k, v in kw.items() if k != "shapes"}
+                kpl = dataclasses.replace(kp, dither_layout=kw.get("layout", "h10"))
+                kw = {k: v for k, v in kw.items() if k not in ("shapes", "layout")}
                 with h10_flags(**flags):
-                    ms[name].append(_time(decode_int8, (qb, kp, vp, slots, seq), dict(impl="h10", cert_b=False) | kw))
+                    ms[name].append(_time(decode_int8, (qb, kpl, vp, slots, seq), dict(impl="h10", cert_b=False) | kw))
         for name in names:
             med = statistics.median(ms[name])
             rows.append(dict(kind="timing", B=B, S=S, name=name, ms=med, rounds=ms[name], sdpa_ms=sd, vs_sdpa=sd / med))

@@ -152,7 +152,7 @@ def dither_quantize(
     with ``xi = 0`` (round to nearest; the read side's RTN-values mode). ``quantize_scale="fp32"``
     reproduces the paper's bug for the contract chapter: codes computed with the fp32 ``amax / 126.5``
     while the fp16 scale is stored (and used at read). ``dither_layout``: ``"w24"`` (the paper's) or
-    ``"h10"`` (needs ``d % 8 == 0``); see :mod:`kvlib.philox`.
+    ``"h10"`` (needs ``d % 8 == 0``) or ``"h8"`` (needs ``d % 16 == 0``); see :mod:`kvlib.philox`.
     """
     check_layout(dither_layout)
     check_x(x)

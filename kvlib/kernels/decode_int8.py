@@ -145,26 +145,26 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
     Dithered values go to ``fma``: the tc kernel's value-dither path matched the reference under the
     CPU interpreter but not on the H200 (2026-11-29), so it was removed rather than shipped unexplained.
 
-    ``layout`` is the key pool's dither layout. ``"h10"``: ``"auto"``/``"h10"`` give ``"h10"`` (the
-    kernel needs ``group == d // 4``, ``group`` in (32, 64), ``d // 8 >= 16``; other shapes raise),
-    ``"fma"`` stays ``"fma"`` for :func:`decode_reference` only (the Triton fma kernel reads ``w24``),
-    ``"tc"`` raises. ``"w24"``: ``"h10"`` raises, the rest as above.
+    ``layout`` is the key pool's dither layout. ``"h10"`` or ``"h8"``: ``"auto"``/``"h10"`` give ``"h10"`` (the
+    kernel reads both half-word layouts; it needs ``group == d // 4``, ``group`` in (32, 64), ``d >= 128``;
+    other shapes raise), ``"fma"`` stays ``"fma"`` for :func:`decode_reference` only (the Triton fma kernel
+    reads ``w24``), ``"tc"`` raises. ``"w24"``: ``"h10"`` raises, the rest as above.
     """
-    if check_layout(layout) == "h10":
+    if check_layout(layout) in ("h10", "h8"):
         if impl in ("auto", "h10"):
-            if group != d // 4 or group not in (32, 64) or d // 8 < 16:
-                raise ValueError(f"impl='h10' (dither_layout='h10') needs group == d // 4 with group in (32, 64) "
-                                 f"and d // 8 >= 16, got d={d}, group={group}; other h10 shapes have only the "
+            if group != d // 4 or group not in (32, 64):
+                raise ValueError(f"impl='h10' (dither_layout={layout!r}) needs group == d // 4 with group in (32, 64), "
+                                 f"got d={d}, group={group}; other {layout} shapes have only the "
                                  f"torch reference (decode_reference with impl='fma')")
             return "h10"
         if impl == "fma":
             return "fma"
         if impl == "tc":
-            raise ValueError("impl='tc' reads the w24 dither layout only, got dither_layout='h10' "
+            raise ValueError(f"impl='tc' reads the w24 dither layout only, got dither_layout={layout!r} "
                              "(use impl='h10' or 'auto')")
-        raise ValueError(f"impl must be 'auto', 'h10' or 'fma' for dither_layout='h10', got {impl!r}")
+        raise ValueError(f"impl must be 'auto', 'h10' or 'fma' for dither_layout={layout!r}, got {impl!r}")
     if impl == "h10":
-        raise ValueError("impl='h10' reads the h10 dither layout only, got dither_layout='w24'")
+        raise ValueError("impl='h10' reads the h10 and h8 dither layouts only, got dither_layout='w24'")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
     ok = pow2(d) and pow2(group) and group >= 16 and not v_dither
     if impl == "auto":
@@ -799,7 +799,7 @@ def decode_stage1(
         num_warps = 2 if impl == "h10" else 4
     if pv_terms not in (1, 2, 3):
         raise ValueError(f"pv_terms must be 1, 2 or 3, got {pv_terms!r}")
-    layout = "h10" if impl == "h10" else "w24"
+    layout = k.dither_layout if impl == "h10" else "w24"
     rad_extra = (radius_multiplier(1, delta, d, impl=impl, layout=layout)
                  - radius_multiplier(1, delta, d, slack=False))
     o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=dev)
@@ -814,7 +814,8 @@ def decode_stage1(
     voc = v.outlier_channels.contiguous() if nov else slots
     block_h = max(16, triton.next_power_of_2(gqa))
     if impl != "h10" and k.dither_layout != "w24":
-        raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 pool needs impl='h10'")
+        raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 or h8 pool needs "
+                         "impl='h10'")
     if impl == "h10":
         from kvlib.kernels.decode_int8_h10 import launch_h10
 

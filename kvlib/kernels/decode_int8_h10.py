@@ -65,8 +65,6 @@ ABLATE = 0
 #: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
 #: operand exact); probe knob
 PV_DEQUANT = False
-#: timing probe only (the pool's codes are read as if written with the h8 layout): to be replaced by the layout
-H8_PROBE = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 #: h8 layout: ``xi = m' - (4.5 - 2^-9)`` with ``m' = 4 + b 2^-8`` (see :func:`kvlib.philox.byte_to_xi`)
@@ -540,6 +538,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, H8=H8_PROBE,
+        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, H8=k.dither_layout == "h8",
         num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )

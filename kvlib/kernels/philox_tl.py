@@ -134,6 +134,39 @@ def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
 
 
 @triton.jit
+def byte_to_xi(b):
+    """h8 dither of a byte ``b``: ``(b + 1/2) 2^-8 - 1/2`` in float32, exact."""
+    n = 2 * (b.to(tl.uint32) & 0xFF).to(tl.int32) + (1 - (1 << 8))
+    return n.to(tl.float32) * 0.001953125  # 2^-9
+
+
+@triton.jit
+def _bytes_xi(w, BS: tl.constexpr, C: tl.constexpr):
+    """``[BS, C]`` words -> ``[BS, 4 C]`` h8 dithers, element ``4j + k`` from byte ``k`` of word ``j``."""
+    lo = tl.join(byte_to_xi(w), byte_to_xi(w >> 8))  # [BS, C, 2]: bytes 0, 1
+    hi = tl.join(byte_to_xi(w >> 16), byte_to_xi(w >> 24))
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BS, 4 * C))  # [s, j, pair, k] -> 4j + 2 pair + k
+
+
+@triton.jit
+def dither_tile_h8(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+    """h8 dither float32 ``[BLOCK_S, D]``: one Philox call per sixteen channels (``D // 16`` calls per slot),
+    word ``i`` byte ``k`` of call ``j`` -> channel ``i (D/4) + 4j + k`` (D % 16 == 0, D // 16 a power of 2)."""
+    BS: tl.constexpr = slot.shape[0]
+    j = tl.arange(0, D // 16)
+    s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 16), tl.uint32)
+    j2 = j[None, :].to(tl.uint32) + tl.zeros_like(s2)
+    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1)
+    b0 = _bytes_xi(w0, BS, D // 16)
+    b1 = _bytes_xi(w1, BS, D // 16)
+    b2 = _bytes_xi(w2, BS, D // 16)
+    b3 = _bytes_xi(w3, BS, D // 16)
+    # as in dither_tile_h10: [s, k, a, b] = b_{2a + b}[s, k]; move k last: channel (2a + b) D/4 + k
+    xi = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 3, 1))
+    return tl.reshape(xi, (BS, D))
+
+
+@triton.jit
 def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     """Dither float32 ``[BLOCK_S, D]`` for a block of slots ``[BLOCK_S]`` (layout ``w24``): one Philox
     call per four channels, its words spread over channels ``4g .. 4g+3`` (D % 4 == 0, D // 4 a power of 2).

@@ -26,9 +26,9 @@ from triton.language.extra import libdevice
 
 from kvlib._checks import check_tensor
 from kvlib.formats.dither_int8 import check_x, dither_quantize
-from kvlib.kernels.philox_tl import dither_tile, dither_tile_h10
+from kvlib.kernels.philox_tl import dither_tile, dither_tile_h8, dither_tile_h10
 from kvlib.paged import PagedPool
-from kvlib.philox import seed_key
+from kvlib.philox import CALL_CHANNELS, seed_key
 
 
 @triton.jit
@@ -81,6 +81,8 @@ def _write_int8_kernel(
     if DITHER:
         if LAYOUT == "h10":
             xi = dither_tile_h10(slot, h, layer, side, k0, k1, D)
+        elif LAYOUT == "h8":
+            xi = dither_tile_h8(slot, h, layer, side, k0, k1, D)
         else:
             xi = dither_tile(slot, h, layer, side, k0, k1, D)
         y = y + tl.reshape(xi, (BLOCK_S, NG, G))
@@ -185,8 +187,9 @@ def write_int8(
     d, G = pool.d, pool.group
     if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
         raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
-    if pool.dither_layout == "h10" and d % 8:
-        raise ValueError(f"the h10 dither layout needs d a multiple of 8, got d={d}")
+    per = CALL_CHANNELS[pool.dither_layout]
+    if pool.dither_layout != "w24" and d % per:
+        raise ValueError(f"the {pool.dither_layout} dither layout needs d a multiple of {per}, got d={d}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     k0, k1 = seed_key(pool.seed)
