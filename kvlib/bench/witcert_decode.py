@@ -31,9 +31,13 @@ PAPER = dict(B=2, S=4096, hq=28, hkv=4, d=128)
 LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 32768)]
 #: the tensor-core kernel with every operand exact ("exact") or with the cheaper fp16 operands ("fast")
 #: (kvlib.bench.decode_grid.INT8_MODES says what each drops), both over the paper's w24 dither layout;
-#: "h10": the h10 layout (eight 10-bit dithers per Philox call) read by its own kernel
-MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2), "h10": dict(impl="h10")}
-LAYOUT = {"exact": "w24", "fast": "w24", "h10": "h10"}
+#: "h10": the h10 layout (eight 10-bit dithers per Philox call) read by its own kernel; "h8": the h8 layout
+#: (sixteen 8-bit dithers per call) read by the same kernel
+MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2), "h10": dict(impl="h10"),
+         "h8": dict(impl="h10")}
+LAYOUT = {"exact": "w24", "fast": "w24", "h10": "h10", "h8": "h8"}
+#: the modes timed under CUDA graphs as well (the half-word layouts' kernel)
+GRAPHED = ("h10", "h8")
 SEED = 0x5EED_0000_1234
 LAYER = 3
 
@@ -87,9 +91,10 @@ def _agreement(device: str) -> dict:
                 "max_abs_dcert_one": float((r.tv_bound_one.cpu() - ref.tv_bound_one).abs().max()),
             }
     out["cert_range"] = [float(refs["w24"].tv_bound.min()), float(refs["w24"].tv_bound.max())]
-    if "h10" in refs:
-        out["cert_range_h10"] = [float(refs["h10"].tv_bound.min()), float(refs["h10"].tv_bound.max())]
-        out["cert_h10_over_w24_max"] = float((refs["h10"].tv_bound / refs["w24"].tv_bound).max())
+    for lay in ("h10", "h8"):
+        if lay in refs:
+            out[f"cert_range_{lay}"] = [float(refs[lay].tv_bound.min()), float(refs[lay].tv_bound.max())]
+            out[f"cert_{lay}_over_w24_max"] = float((refs[lay].tv_bound / refs["w24"].tv_bound).max())
     return out
 
 
@@ -157,7 +162,7 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     from kvlib.kernels.decode_int8 import decode_int8
 
     kp, vp = _random_pools(B, S, hkv, d, device)
-    pools = {"w24": kp, "h10": dataclasses.replace(kp, dither_layout="h10")}  # same codes, other dither
+    pools = {lay: dataclasses.replace(kp, dither_layout=lay) for lay in ("w24", "h10", "h8")}  # same codes
     slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)
     seq = torch.full((B,), S, dtype=torch.int32, device=device)
     q = torch.randn(B, hq, d, device=device)
@@ -190,10 +195,14 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     t["int8_fast_graph"] = _graph_ms(lambda: decode_int8(qb, kp, vp, slots, seq, cert=False, **fast), rep_ms)
     t["int8_cert_A_fast_graph"] = _graph_ms(
         lambda: decode_int8(qb, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
+    for m in GRAPHED:
+        kw_m, kp_m = dict(layer=LAYER, seed=SEED, **MODES[m]), pools[LAYOUT[m]]
+        t[f"int8_{m}_graph"] = _graph_ms(
+            lambda kw_m=kw_m, kp_m=kp_m: decode_int8(qb, kp_m, vp, slots, seq, cert=False, **kw_m), rep_ms)
+        t[f"int8_cert_A_{m}_graph"] = _graph_ms(
+            lambda kw_m=kw_m, kp_m=kp_m: decode_int8(qb, kp_m, vp, slots, seq, cert=True, cert_b=False, **kw_m),
+            rep_ms)
     h10 = dict(layer=LAYER, seed=SEED, **MODES["h10"])
-    t["int8_h10_graph"] = _graph_ms(lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=False, **h10), rep_ms)
-    t["int8_cert_A_h10_graph"] = _graph_ms(
-        lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, **h10), rep_ms)
     t["int8_cert_A_h10_nophilox"] = bench_ms(
         lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, skip_philox=True, **h10),
         rep_ms=rep_ms).as_dict()
@@ -280,14 +289,15 @@ def run(profile: str) -> dict:
             "median_cert_cost_A": {m: float(torch.tensor([r["timings"][f"cert_cost_A_{m}"] for r in res["latency"]
                                                           if "timings" in r]).median()) for m in MODES},
         }
-        graphed = [r for r in res["latency"] if "timings" in r and "int8_cert_A_h10_graph" in r["timings"]]
-        if graphed:  # CUDA-graph timings: no host launch overhead (eager timings of sub-0.3 ms steps carry it)
-            g = lambda r, k: r["timings"][k]["median_ms"]  # noqa: E731
-            res["summary"]["h10_graph"] = {
-                "min_speedup_vs_sdpa_S>=16k": min(g(r, "sdpa_bf16_graph") / g(r, "int8_cert_A_h10_graph")
-                                                  for r in graphed if r["S"] >= 16384),
-                "cert_cost_A": [g(r, "int8_cert_A_h10_graph") / g(r, "int8_h10_graph") - 1 for r in graphed],
-            }
+        for m in GRAPHED:
+            graphed = [r for r in res["latency"] if "timings" in r and f"int8_cert_A_{m}_graph" in r["timings"]]
+            if graphed:  # CUDA-graph timings: no host launch overhead (eager timings of sub-0.3 ms steps carry it)
+                g = lambda r, k: r["timings"][k]["median_ms"]  # noqa: E731
+                res["summary"][f"{m}_graph"] = {
+                    "min_speedup_vs_sdpa_S>=16k": min(g(r, "sdpa_bf16_graph") / g(r, f"int8_cert_A_{m}_graph")
+                                                      for r in graphed if r["S"] >= 16384),
+                    "cert_cost_A": [g(r, f"int8_cert_A_{m}_graph") / g(r, f"int8_{m}_graph") - 1 for r in graphed],
+                }
     res["runtime_s"] = time.perf_counter() - t0
     if not math.isfinite(res["runtime_s"]):
         raise RuntimeError("bad clock")

@@ -172,10 +172,11 @@ else:
     run.glue("gpu_max_dcert", float(exact["max_abs_dcert"].max()))
     cg = r["cuda_graph"]
     run.glue("graph_identical", bool(cg["bit_identical"]))
-    h10 = agr[agr.index.str.startswith("h10")]
-    if len(h10):
-        run.glue("gpu_h10_max_do", float(h10["max_abs_do"].max()))
-        run.glue("gpu_h10_max_dcert", float(h10["max_abs_dcert"].max()))
+    for lay in ("h10", "h8"):
+        rows_l = agr[agr.index.str.startswith(lay + "/")]
+        if len(rows_l):
+            run.glue(f"gpu_{lay}_max_do", float(rows_l["max_abs_do"].max()))
+            run.glue(f"gpu_{lay}_max_dcert", float(rows_l["max_abs_dcert"].max()))
     cg10 = r.get("cuda_graph_h10")
     lat = pd.DataFrame([{"B": x["B"], "S": x["S"], **{k: v["median_ms"] for k, v in x["timings"].items()
                          if isinstance(v, dict)}} for x in r["latency"] if "timings" in x])
@@ -218,17 +219,19 @@ if lat is not None:
         run.glue("speedup_long_graph", float((lg["sdpa_bf16_graph"] / lg[gcol]).min()))
         graph_note = f"; under CUDA graphs >= {run.values['speedup_long_graph']:.2f}x ({gcol})"
     # the per-mode picture at the shape the goal names (B=32, S=16k) and the largest one
-    if "int8_cert_A_h10_graph" in lat:  # graph timings: eager ones of sub-0.3 ms steps carry host launch overhead
-        run.glue("h10_graph_cert_cost_median", float((lat["int8_cert_A_h10_graph"] / lat["int8_h10_graph"] - 1).median()))
-        run.glue("h10_graph_cert_cost_max", float((lat["int8_cert_A_h10_graph"] / lat["int8_h10_graph"] - 1).max()))
-        lg10 = lat[lat.S >= 16384]
-        run.glue("h10_graph_cert_cost_long_max", float((lg10["int8_cert_A_h10_graph"] / lg10["int8_h10_graph"] - 1).max()))
+    for m in ("h10", "h8"):  # graph timings: eager ones of sub-0.3 ms steps carry host launch overhead
+        if f"int8_cert_A_{m}_graph" not in lat:
+            continue
+        cost = lat[f"int8_cert_A_{m}_graph"] / lat[f"int8_{m}_graph"] - 1
+        lg_m = lat[lat.S >= 16384]
         pc = lat[(lat.B == 2) & (lat.S == 4096)].iloc[0]
-        run.glue("h10_graph_cert_cost_paper", float(pc["int8_cert_A_h10_graph"] / pc["int8_h10_graph"] - 1))
-        run.glue("h10_graph_speedup_min", float((lg10["sdpa_bf16_graph"] / lg10["int8_cert_A_h10_graph"]).min()))
-        run.glue("h10_graph_speedup_max", float((lg10["sdpa_bf16_graph"] / lg10["int8_cert_A_h10_graph"]).max()))
-        pg = lat[(lat.B == 2) & (lat.S == 4096)].iloc[0]
-        run.glue("h10_graph_paper_shape", float(pg["int8_cert_A_h10_graph"] / pg["sdpa_bf16_graph"]))
+        run.glue(f"{m}_graph_cert_cost_median", float(cost.median()))
+        run.glue(f"{m}_graph_cert_cost_max", float(cost.max()))
+        run.glue(f"{m}_graph_cert_cost_long_max", float(cost[lat.S >= 16384].max()))
+        run.glue(f"{m}_graph_cert_cost_paper", float(pc[f"int8_cert_A_{m}_graph"] / pc[f"int8_{m}_graph"] - 1))
+        run.glue(f"{m}_graph_speedup_min", float((lg_m["sdpa_bf16_graph"] / lg_m[f"int8_cert_A_{m}_graph"]).min()))
+        run.glue(f"{m}_graph_speedup_max", float((lg_m["sdpa_bf16_graph"] / lg_m[f"int8_cert_A_{m}_graph"]).max()))
+        run.glue(f"{m}_graph_paper_shape", float(pc[f"int8_cert_A_{m}_graph"] / pc["sdpa_bf16_graph"]))
     rows_m = []
     for (b_, s_) in ((32, 16384), (64, 32768)):
         sel = lat[(lat.B == b_) & (lat.S == s_)]
@@ -385,7 +388,8 @@ run.claim("witcert-kernel-do", ours=f"max|do| = {run.values['max_do']:.1e} (inte
 run.claim("witcert-kernel-dcert", ours=f"max|dcert| = {run.values['max_dcert']:.1e}"
           + (f"; H200 {run.values['gpu_max_dcert']:.1e}" if gpu else "")
           + (f"; h10 kernel: interpreter {run.values['h10_max_dcert']:.1e}"
-             + (f", H200 {run.values['gpu_h10_max_dcert']:.1e}" if "gpu_h10_max_dcert" in run.values else "")),
+             + (f", H200 {run.values['gpu_h10_max_dcert']:.1e}" if "gpu_h10_max_dcert" in run.values else "")
+             + (f", h8 layout H200 {run.values['gpu_h8_max_dcert']:.1e}" if "gpu_h8_max_dcert" in run.values else "")),
           verdict="reproduced" if run.values["max_dcert"] < 1e-5 else "differs",
           why="our radius includes the fp32/dither-mean slack in both kernel and reference")
 run.claim("witcert-split-merge-exact", ours=f"certificate spread over {splits} splits: {spread:.1e}",
@@ -400,23 +404,29 @@ else:
               f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}"
               + (f"; h10 kernel: {cg10['bit_identical']} / {cg10['finite_cert_every_step']}" if cg10 else ""),
               verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] and ok10 else "differs")
-    graphed = "h10_graph_cert_cost_median" in run.values  # the kernel's own cost: no host launch overhead
+    graphed = [m for m in ("h10", "h8") if f"{m}_graph_cert_cost_median" in run.values]  # no host overhead
     run.claim("witcert-cert-marginal-cost", ours=f"median {run.values['cert_cost_median']:+.1%} (A only, {best}, eager)"
-              + (f"; h10 kernel under CUDA graphs: median {run.values['h10_graph_cert_cost_median']:+.1%}, "
-                 f"at most {run.values['h10_graph_cert_cost_long_max']:+.1%} at S >= 16k, "
-                 f"{run.values['h10_graph_cert_cost_paper']:+.1%} at the paper's B=2, S=4k (a 20 us step)"
-                 if graphed else ""),
-              verdict="reproduced" if run.values["h10_graph_cert_cost_median" if graphed else "cert_cost_median"]
-              <= 0.03 else "differs",
-              why="our goal: <= 3%" + ("; at the small paper shape the certificate's per-program prologue dominates"
-                                       if graphed and run.values["h10_graph_cert_cost_paper"] > 0.03 else ""))
+              + "".join(f"; {m} layout under CUDA graphs: median {run.values[f'{m}_graph_cert_cost_median']:+.1%}, "
+                        f"at most {run.values[f'{m}_graph_cert_cost_long_max']:+.1%} at S >= 16k, "
+                        f"{run.values[f'{m}_graph_cert_cost_paper']:+.1%} at the paper's B=2, S=4k (a 20 us step)"
+                        for m in graphed),
+              verdict="reproduced" if min([run.values[f"{m}_graph_cert_cost_median"] for m in graphed]
+                                          or [run.values["cert_cost_median"]]) <= 0.03 else "differs",
+              why="our goal: <= 3%" + ("; met with the h10 layout, not with the faster h8 layout (the same absolute "
+                                       "certificate work in a shorter step)"
+                                       if {"h10", "h8"} <= set(graphed)
+                                       and run.values["h10_graph_cert_cost_median"] <= 0.03
+                                       < run.values["h8_graph_cert_cost_median"] else "")
+              + ("; at the small paper shape the certificate's per-program prologue dominates"
+                 if graphed and run.values[f"{graphed[0]}_graph_cert_cost_paper"] > 0.03 else ""))
     run.claim("witcert-latency-vs-fp16", ours=f"INT8+cert / SDPA bf16 = {run.values['ratio_paper_shape']:.2f}x at the "
               f"paper shape; SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best}){graph_note}"
               + (f"; at B=32, S=16k SDPA / INT8+cert = {run.values['h10_speedup_32_16k']:.2f}x (h10) vs "
                  f"{run.values['w24_speedup_32_16k']:.2f}x (w24 tc)" if "h10_speedup_32_16k" in run.values else "")
-              + (f"; h10 under CUDA graphs {run.values['h10_graph_speedup_min']:.2f}-"
-                 f"{run.values['h10_graph_speedup_max']:.2f}x at S >= 16k, {run.values['h10_graph_paper_shape']:.2f}x "
-                 f"slower than SDPA at the paper shape" if "h10_graph_speedup_min" in run.values else ""),
+              + "".join(f"; {m} under CUDA graphs {run.values[f'{m}_graph_speedup_min']:.2f}-"
+                        f"{run.values[f'{m}_graph_speedup_max']:.2f}x at S >= 16k, "
+                        f"{run.values[f'{m}_graph_paper_shape']:.2f}x slower than SDPA at the paper shape"
+                        for m in ("h10", "h8") if f"{m}_graph_speedup_min" in run.values),
               verdict="differs", why="H200 vs RTX 4090; our goal is faster than SDPA bf16 at S >= 16k")
 run.claims_table()
 run.save()
@@ -438,7 +448,10 @@ S ≥ 16k and the certificate costs {glue:text}`h10_graph_cert_cost_median:.1%` 
 paper's small step). (Eager timings of the smaller steps, about 0.2 ms of GPU work, carry the host's launch
 overhead and show up to {glue:text}`cert_cost_max_h10:.0%`; the graph timings are the kernel's.) The table below
 judges the certificate against its 3% goal from these graph timings; certified INT8 is still slower than SDPA, the
-other goal. Its compiled
+other goal. The h8 layout (sixteen 8-bit dithers per Philox call; the theorem page) halves the Philox work for about
+one percent more radius: under CUDA graphs certified h8 decode runs at {glue:text}`h8_graph_speedup_min:.2f`-{glue:text}`h8_graph_speedup_max:.2f`x
+of SDPA's speed at S ≥ 16k, the fastest certified step here, and its certificate costs
+{glue:text}`h8_graph_cert_cost_median:.1%` (the same absolute work in a shorter step). Its compiled
 sm_90 loop (`python -m kvlib.bench sass_count`, file `data/results/cpu/sass_count.json`) issues
 {glue:text}`sass_h10_per_elem:.1f` instructions per stored K/V element (the w24 kernel
 {glue:text}`sass_w24_per_elem:.1f`), {glue:text}`sass_h10_philox_share:.0%` of them Philox, with
