@@ -403,7 +403,7 @@ class KVFormatCache(Cache):
         if oc is not None and oc.numel():
             kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
             kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
-        # the dither layout sets the dither-mean term of the radius (2^-25 on w24's grid, 2^-11 on h10's)
+        # the dither layout sets the dither-mean term of the radius (2^-25 on w24's grid, 2^-11 on h10's, 2^-9 on h8's)
         return score_radius(qh, scales, sm_scale=sm, n=n, delta=self.delta_loc, group=packs[0].group,
                             proxy=self.proxy, layout=getattr(packs[0], "dither_layout", "w24"), **kw)
 

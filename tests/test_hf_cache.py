@@ -178,7 +178,8 @@ def test_telemetry_counts_stride_and_soundness(small, ids) -> None:
 
 
 @torch.no_grad()
-def test_h10_dither_layout_reaches_the_cache_and_its_radius(small, ids) -> None:
+@pytest.mark.parametrize("layout", ["h10", "h8"])
+def test_half_word_dither_layout_reaches_the_cache_and_its_radius(small, ids, layout) -> None:
     from kvlib.certificate import certificate_from_scores, request_delta, score_radius
 
     model = small
@@ -189,16 +190,18 @@ def test_h10_dither_layout_reaches_the_cache_and_its_radius(small, ids) -> None:
     with kvmodel.capture_qkv(layers=[layer]) as acts:
         model(ids, past_key_values=make_cache("fp32", cfg))
         q = acts[layer]["q"][:, :, -1]
-    cache = make_cache("dither-int8", cfg, dither_layout="h10")
+    cache = make_cache("dither-int8", cfg, dither_layout=layout)
     model(ids, past_key_values=cache)
     pk = cache.layers[layer].packed[0][0][1]
-    assert pk.dither_layout == "h10"
+    assert pk.dither_layout == layout
     cert = cache.certify(layer, q)
     qh = q[0, g:2 * g].double()
     kh = cache.layers[layer].keys[0, 1].double()
     dl = request_delta(1e-2, layers=L, heads=Hq, steps=256)
     kw = dict(sm_scale=cfg.head_dim ** -0.5, n=kh.shape[0], delta=dl)
-    u = score_radius(qh, pk.scales, layout="h10", **kw)
-    assert (u > score_radius(qh, pk.scales, **kw)).all()  # the 10-bit grid's mean widens the radius
+    u = score_radius(qh, pk.scales, layout=layout, **kw)
+    assert (u > score_radius(qh, pk.scales, **kw)).all()  # the coarser grid's mean widens the radius
+    if layout == "h8":
+        assert (u > score_radius(qh, pk.scales, layout="h10", **kw)).all()
     ref = certificate_from_scores((qh @ kh.T) * cfg.head_dim ** -0.5, u).tv_bound_one
     torch.testing.assert_close(cert[0, g:2 * g], ref, rtol=1e-12, atol=1e-12)
