@@ -1,15 +1,17 @@
-"""Certified INT8 decode over the h10 dither layout: the streaming kernel (``impl="h10"``).
+"""Certified INT8 decode over the half-word dither layouts: the streaming kernel (``impl="h10"``).
 
 Same contract as :func:`kvlib.kernels.decode_int8.decode_stage1` (split-KV stage 1; stage 2 is
 :func:`kvlib.kernels.merge_tl.merge_splits`), for pools whose keys carry the ``h10`` dither layout
-(:mod:`kvlib.philox`: eight 10-bit dithers per Philox call). What makes it cheaper per element than
-the ``w24`` kernels, following the spec's performance facts (``../shared/spec/witcert-math.md``):
+(:mod:`kvlib.philox`: eight 10-bit dithers per Philox call) or the ``h8`` one (sixteen 8-bit dithers per
+call; the constexpr ``H8``). What makes it cheaper per element than the ``w24`` kernels, following the
+spec's performance facts (``../shared/spec/witcert-math.md``):
 
-* each Philox call is computed once per (position, 8 channels) and its four words go to the four
-  scale groups (word ``i`` is group ``i`` when ``d = 4 G``), so no word is shuffled between threads;
+* each Philox call is computed once per (position, 8 channels; h8: 16 channels) and its four words go to
+  the four scale groups (word ``i`` is group ``i`` when ``d = 4 G``), so no word is shuffled between threads;
 * the dither enters the tensor-core dot exactly: ``-xi = -(1 + (v >> 6) 2^-10) + (1.5 - 2^-11)``,
   the first term built as fp16 bits ``0xBC00 | (v >> 6)`` (one shift and one ``lop3`` per two
-  channels), the constant folded into ``(1.5 - 2^-11) sum_c q_c`` once per query;
+  channels), the constant folded into ``(1.5 - 2^-11) sum_c q_c`` once per query (h8:
+  ``-xi = -(4 + b 2^-8) + (4.5 - 2^-9)``, fp16 bits ``0xC4 | b`` from one ``prmt`` per two channels);
 * int8 codes become exact fp16 from their bits, never through integer-to-float conversions (a
   quarter-rate pipe on Hopper): key bytes permuted under ``0x64`` (``0x64 | (c ^ 0x80)`` = 1152 + c),
   value bytes sign-extended plus ``0x6480``, then one packed fp16 subtract of 1152 per two codes;
@@ -19,10 +21,12 @@ the ``w24`` kernels, following the spec's performance facts (``../shared/spec/wi
   (``sum_t p_t s_t c_t = (p s) . c``), so neither side dequantises per element.
 
 Scores per group ``g``: ``t_g = q_hi.c + q_lo.c + q_hi.(-m) + (1.5 - 2^-11) sum q_hi`` (``q_lo`` only
-for fp32 queries); ``z = sm sum_g s_g t_g``. What the query rounding leaves (``r2 = q - hi - lo``
-against the codes, ``r1 = q - hi`` against the dither, ``|xi| <= 1/2``) enters the radius as a per-row
-Cauchy-Schwarz multiplier (:func:`kvlib.kernels.decode_int8._query_residual_mult` ``"h10"``); the
-accumulation rounding and the dither mean are :func:`kvlib.certificate.rounding_slack` ``"h10"``.
+for fp32 queries); ``z = sm sum_g s_g t_g``, kept in base 2 (``sm log2 e``) so every exponential is one
+``ex2``; the radius's variance is one exact tf32 dot per tile (``VAR_DOT``). What the query rounding
+leaves (``r2 = q - hi - lo`` against the codes, ``r1 = q - hi`` against the dither, ``|xi| <= 1/2``)
+enters the radius as a per-row Cauchy-Schwarz multiplier
+(:func:`kvlib.kernels.decode_int8._query_residual_mult` ``"h10"``); the accumulation rounding and the
+dither mean are :func:`kvlib.certificate.rounding_slack` ``"h10"`` with the pool's layout.
 
 The fast integer paths are inline PTX (GPU only); under the CPU interpreter (``FAST=False``) the
 same values are built with plain Triton arithmetic, so the interpreter test checks the algebra and
