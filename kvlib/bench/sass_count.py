@@ -102,7 +102,8 @@ def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, nu
 
 def run(profile: str) -> dict[str, Any]:
     """Counts of the h10 kernel at its defaults (certificate A on/off, Philox skipped), with the Philox products
-    as mul.hi + mul.lo instead of one mul.wide, with the variance as four FMAs instead of one tf32 dot, and the w24
+    as mul.hi + mul.lo instead of one mul.wide, with the variance as four FMAs instead of one tf32 dot, over the h8
+    layout (sixteen dithers per Philox call), and the w24
     tensor-core kernel (the benchmarks' "fast" mode). ``profile`` does not change the work: the compile
     targets sm_90 whatever this machine is."""
     from kvlib.kernels import decode_int8_h10 as H
@@ -120,12 +121,13 @@ def run(profile: str) -> dict[str, Any]:
         "h10_certA_nophilox": (_decode_int8_stage1_h10, h10 | {"SKIP_DITHER": True}, 2, 2),
         "h10_certA_mul_hilo": (_decode_int8_stage1_h10, h10 | {"WIDE_MUL": False}, 2, 2),
         "h10_certA_fma_var": (_decode_int8_stage1_h10, h10 | {"VAR_DOT": False}, 2, 2),
+        "h8_certA": (_decode_int8_stage1_h10, h10 | {"H8": True}, 2, 2),
         "w24_tc_certA": (_decode_int8_stage1_tc, tc, 4, 3),
     }
     out: dict[str, Any] = {"target": "sm_90", "shape": {"d": D, "group": G, "gqa": GQA, "query": "bf16"}}
     for name, (kernel, const, nw, ns) in variants.items():
         # the h10 kernel reads value codes as int32 words of four (kvlib.kernels.decode_int8_h10.launch_h10)
-        ptrs = {"VC": "*i32"} if name.startswith("h10") else None
+        ptrs = {"VC": "*i32"} if name.startswith(("h10", "h8")) else None
         out[name] = compile_count(kernel, const, num_warps=nw, num_stages=ns, block_n=const["BLOCK_N"], pointers=ptrs)
         print(f"   {name}: {out[name]['instructions']} instructions per tile-thread, "
               f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
