@@ -47,7 +47,7 @@ def test_decode_grid_wiring_tiny():
     (row,) = res["rows"]
     expected = set(grid.ALL_METHODS) - {"int8_nophilox"} if grid.skip_philox_kw() is None else set(grid.ALL_METHODS)
     if grid.CPU_SHAPE.d != 4 * grid.INT8_GROUP:  # the h10 kernel's shape rule: skipped with a note, not silently
-        expected -= {m for m in grid.ALL_METHODS if m.startswith("int8_h10")}
+        expected -= {m for m in grid.ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}
         assert any("int8_h10" in n for n in row["notes"])
     assert set(row["methods"]) == expected, row["notes"]
     for name, t in row["methods"].items():
@@ -138,6 +138,8 @@ def test_timing_profile_and_graph_fallback():
 
 def test_decode_grid_h10_wiring_at_d128():
     shape = grid.HeadShape(4, 1, 128)  # the h10 kernel's shape rule: d = 4 x 32
-    out = grid.time_state([40], methods=("int8_h10_cert", "int8_h10_nocert"), shape=shape, device="cpu", rep_ms=0.0)
-    assert set(out["methods"]) == {"int8_h10_cert", "int8_h10_nocert"}, out["notes"]
-    assert "h10_cert_cost" in grid.derived({"methods": out["methods"]})
+    methods = ("int8_h10_cert", "int8_h10_nocert", "int8_h8_cert", "int8_h8_nocert")
+    out = grid.time_state([40], methods=methods, shape=shape, device="cpu", rep_ms=0.0)
+    assert set(out["methods"]) == set(methods), out["notes"]
+    d = grid.derived({"methods": out["methods"]})
+    assert "h10_cert_cost" in d and "h8_cert_cost" in d and "h8_over_h10" in d

@@ -15,7 +15,8 @@ Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one qu
 * ``int8_h10_cert`` / ``int8_h10_nocert`` / ``int8_h10_nophilox``: the same pools read through the
   h10 dither layout (eight 10-bit dithers per Philox call) by its own kernel
   (:mod:`kvlib.kernels.decode_int8_h10`, certificate with A only, as the w24 ``int8_cert`` is timed with
-  A and B: see ``int8_h10_certAB``), where the shape allows it (``d = 4 * 32``);
+  A and B: see ``int8_h10_certAB``), where the shape allows it (``d = 4 * 32``); ``int8_h8_cert`` /
+  ``int8_h8_nocert``: the same through the h8 layout (sixteen 8-bit dithers per call, the same kernel);
 * ``kv4`` / ``kv4rl``: KV4 INT4 decode and KV4-RL (INT4 main region + INT8 sink/recent side
   buffer merged with ``merge_states``), :mod:`kvlib.kv4rl_attention`.
 
@@ -57,7 +58,7 @@ SKIP_PHILOX_ARGS = ("skip_philox", "k_dither", "philox", "dither")
 
 ALL_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_cert_exact",
                "int8_nophilox", "int8_h10_cert", "int8_h10_certAB", "int8_h10_nocert", "int8_h10_nophilox",
-               "kv4", "kv4rl")
+               "int8_h8_cert", "int8_h8_nocert", "kv4", "kv4rl")
 #: which format's byte account each method reads
 METHOD_FORMAT = {"sdpa_bf16": "bf16", "triton_bf16": "bf16", "kv4": "kv4", "kv4rl": "kv4rl",
                  **{m: "dither-int8" for m in ALL_METHODS if m.startswith("int8")}}
@@ -274,8 +275,11 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
         variants |= {"int8_h10_cert": h10(cert=True, cert_b=False), "int8_h10_certAB": h10(cert=True, cert_b=True),
                      "int8_h10_nocert": h10(cert=False),
                      "int8_h10_nophilox": h10(cert=True, cert_b=False, skip_philox=True)}
-    elif want & {m for m in ALL_METHODS if m.startswith("int8_h10")}:
-        notes.append(f"int8_h10_*: the h10 kernel needs d = 4 * {INT8_GROUP}, got d={shape.d}")
+        kp8 = dataclasses.replace(kp, dither_layout="h8")
+        h8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, **base, **kw))  # noqa: E731
+        variants |= {"int8_h8_cert": h8(cert=True, cert_b=False), "int8_h8_nocert": h8(cert=False)}
+    elif want & {m for m in ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}:
+        notes.append(f"int8_h10_*, int8_h8_*: the h10 kernel needs d = 4 * {INT8_GROUP}, got d={shape.d}")
     for name, fn in variants.items():
         if name in want:
             record(name, fn)
@@ -316,6 +320,10 @@ def derived(row: dict[str, Any]) -> dict[str, float]:
         out["h10_philox_share_skip"] = 1.0 - m["int8_h10_nophilox"] / m["int8_h10_cert"]
     if "int8_h10_certAB" in m and "int8_cert" in m:
         out["h10_vs_w24_certAB"] = m["int8_cert"] / m["int8_h10_certAB"]
+    if "int8_h8_cert" in m and "int8_h8_nocert" in m:
+        out["h8_cert_cost"] = m["int8_h8_cert"] / m["int8_h8_nocert"] - 1.0
+    if "int8_h8_cert" in m and "int8_h10_cert" in m:
+        out["h8_over_h10"] = m["int8_h10_cert"] / m["int8_h8_cert"]
     return out
 
 
