@@ -361,10 +361,12 @@ def sr_quantize(x: torch.Tensor, scales: torch.Tensor, *, group: int = 32, gener
 def certify_trials(
     k: torch.Tensor, q: torch.Tensor, *, trials: int, deltas: tuple[float, ...] = (1e-2,), seed0: int = 0,
     group: int = 32, outlier_channels: torch.Tensor | None = None, scheme: str = "dither", n: int | None = None,
+    layout: str = "w24",
 ) -> dict[str, torch.Tensor]:
     """Redraw the key quantisation ``trials`` times (keys and queries fixed) and certify every row.
 
-    ``scheme``: ``"dither"`` (the WitCert write path, fresh seed per trial) or ``"sr"`` (stochastic
+    ``scheme``: ``"dither"`` (the WitCert write path, fresh seed per trial, dither ``layout`` of
+    :data:`kvlib.philox.DITHER_LAYOUTS`, whose mean the radius carries) or ``"sr"`` (stochastic
     rounding with the same fp16 scales, SR proxy). ``n`` is the union-bound count (default ``S``;
     pass ``S / delta_loc * delta`` style counts through ``deltas`` instead). Returns float64 tensors
     ``tv [trials, rows]``, ``cert``/``cert_one``/``event`` ``[len(deltas), trials, rows]`` where
@@ -384,7 +386,7 @@ def certify_trials(
     tv, cert, one, event = [], [], [], []
     for i in range(trials):
         qt = dither_quantize(k, layer=0, kv_head=0, slots=torch.arange(S), seed=seed0 + i, group=group,
-                             outlier_channels=outlier_channels)
+                             outlier_channels=outlier_channels, dither_layout=layout)
         if scheme == "dither":
             k_hat = dither_dequantize(qt).to(torch.float64)
         else:
@@ -402,7 +404,7 @@ def certify_trials(
         err = (z_hat - z).abs()
         c_i, o_i, e_i = [], [], []
         for delta in deltas:
-            u = sd * radius_multiplier(n or S, delta, d) + byp  # = score_radius(...), variance computed once
+            u = sd * radius_multiplier(n or S, delta, d, layout=layout) + byp  # = score_radius(...), variance once
             c = certificate_from_scores(z_hat, u)
             c_i.append(c.tv_bound)
             o_i.append(c.tv_bound_one)
