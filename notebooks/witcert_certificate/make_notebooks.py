@@ -570,7 +570,7 @@ for small radii $1 - 1/A^2 \approx 2\bar u$ and $1 - B/A \approx 2\bar u - $ (sp
 modest when the radius is nearly constant across tokens.
 """),
         md(r"""
-### The coarser dither layouts
+## The coarser dither layouts
 
 The kernels read two faster layouts (the theorem page): h10 (a 1024-point dither grid, mean up to $2^{-11}s$)
 and h8 (256 points, mean up to $2^{-9}s$), each carried in the radius. The same check on fresh Gaussian keys,
