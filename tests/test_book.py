@@ -147,3 +147,29 @@ def test_every_notebook_cell_has_an_id():
     missing = [nb.name for nb in all_notebooks()
                if any("id" not in c for c in json.loads((repo_root() / nb.path).read_text())["cells"])]
     assert not missing, missing
+
+
+def test_headings_never_skip_a_level():
+    """The strict book build refuses a heading more than one level below the one before it (myst.header); this
+    finds it in seconds instead of at the end of a build. Fenced code inside markdown cells is skipped."""
+    import re
+
+    import nbformat
+
+    bad = []
+    for nb in all_notebooks():
+        prev = 0
+        for c in nbformat.read(repo_root() / nb.path, as_version=4).cells:
+            if c.cell_type != "markdown":
+                continue
+            fenced = False
+            for ln in c.source.splitlines():
+                if ln.lstrip().startswith(("```", "~~~")):
+                    fenced = not fenced
+                m = None if fenced else re.match(r"(#{1,6})\s", ln)
+                if m:
+                    level = len(m.group(1))
+                    if prev and level > prev + 1:
+                        bad.append(f"{nb.name}: H{prev} to H{level}: {ln.strip()[:60]}")
+                    prev = level
+    assert not bad, bad
