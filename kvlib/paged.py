@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from kvlib._checks import check_group, check_positive_int, check_tensor
-from kvlib.philox import CALL_CHANNELS, check_layout
+from kvlib.philox import check_layout_d
 
 
 def bytes_per_token_head(d: int, group: int = 32, n_out: int = 0) -> int:
@@ -90,10 +90,7 @@ class PagedPool:
             raise ValueError(f"n_out must be an even number of channels (m RoPE pairs) <= d, got {n_out}")
         if side not in (0, 1):
             raise ValueError(f"side must be 0 (K) or 1 (V), got {side!r}")
-        self.dither_layout = check_layout(dither_layout)
-        per = CALL_CHANNELS[dither_layout]
-        if dither_layout != "w24" and d % per:
-            raise ValueError(f"dither_layout={dither_layout!r} needs d a multiple of {per}, got d={d}")
+        self.dither_layout = check_layout_d(dither_layout, d)
         self.n_layers, self.n_slots, self.n_kv_heads, self.d = n_layers, n_slots, n_kv_heads, d
         self.group, self.n_out, self.side, self.seed = group, n_out, side, seed
         self.include_outliers_in_amax = include_outliers_in_amax

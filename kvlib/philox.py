@@ -63,6 +63,16 @@ def check_layout(layout: object) -> str:
     return layout  # type: ignore[return-value]
 
 
+def check_layout_d(layout: object, d: object) -> str:
+    """:func:`check_layout`, and ``d`` a multiple of the channels one call serves (h10: 8, h8: 16), or a
+    ValueError naming both."""
+    layout = check_layout(layout)
+    per = CALL_CHANNELS[layout]
+    if layout != "w24" and (not isinstance(d, int) or d < per or d % per):
+        raise ValueError(f"dither_layout={layout!r} needs d a multiple of {per}, got d={d!r}")
+    return layout
+
+
 def mulhilo32(a: torch.Tensor | int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) 32-bit halves of the 64-bit product of uint32 values held in int64 tensors."""
     b_lo = b & 0xFFFF
@@ -134,10 +144,7 @@ def dither_counter(
     ``h8``: ``n = d // 16`` (see the module docstring for their channel maps). The slot (not the
     sequence position) enters the counter so the stream survives paging and prefix sharing.
     """
-    check_layout(layout)
-    per = CALL_CHANNELS[layout]
-    if layout != "w24" and (not isinstance(d, int) or d < per or d % per):
-        raise ValueError(f"the {layout} dither layout needs d a multiple of {per}, got d={d!r}")
+    check_layout_d(layout, d)
     check_tensor("slots", slots, ndim=1, floating=False)
     if side not in (0, 1):
         raise ValueError(f"side must be 0 (keys) or 1 (values), got {side!r}")
@@ -146,7 +153,7 @@ def dither_counter(
     slots = slots.to(torch.int64)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) > MASK32):
         raise ValueError("slots must lie in [0, 2^32)")
-    n4 = (d + 3) // 4 if layout == "w24" else d // per
+    n4 = (d + 3) // 4 if layout == "w24" else d // CALL_CHANNELS[layout]
     grp = torch.arange(n4, dtype=torch.int64, device=slots.device)
     S = slots.shape[0]
     c0 = slots[:, None].expand(S, n4)

@@ -1,6 +1,6 @@
 """Development probe on the GPU: the h8 dither layout end to end (sixteen 8-bit dithers per Philox call, written by
 the write path, read by the h10 kernel) against h10: agreement with the float64 reference at the paper's shape,
-then CUDA-graph timings with and without the certificate (:mod:`kvlib.bench._h10_probe7` helpers)."""
+then CUDA-graph timings with and without the certificate (:mod:`kvlib.bench._h10_probe2` helpers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import datetime
 import sys
 
 from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe7 import agreement, timing
+from kvlib.bench._h10_probe2 import agreement, cert_costs, time_variants
 
 SHAPES = ((8, 32768), (32, 16384), (64, 32768), (2, 4096))
 VARIANTS = {
@@ -23,7 +23,8 @@ COSTS = {"h10": ("h10_cert", "h10_nocert"), "h8": ("h8_cert", "h8_nocert")}
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    rows = agreement(VARIANTS) + timing(VARIANTS, COSTS, SHAPES)
+    timed = time_variants(VARIANTS, SHAPES, rounds=3)
+    rows = agreement(VARIANTS) + timed + cert_costs(timed, COSTS)
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe10.json", "h10_probe10", rows, started,
                 {"command": "python -m kvlib.bench._h10_probe10", "variants": VARIANTS, "shapes": SHAPES})
 

@@ -7,7 +7,7 @@ import datetime
 import sys
 
 from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe7 import timing
+from kvlib.bench._h10_probe2 import time_variants
 
 SHAPES = ((8, 32768), (32, 16384))
 CONFIGS = {"64x2s2": (64, 2, 2), "64x2s3": (64, 2, 3), "64x4s2": (64, 4, 2), "64x4s3": (64, 4, 3),
@@ -19,7 +19,7 @@ VARIANTS["h10_64x2s2"] = ({}, dict(cert=True))
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    rows = timing(VARIANTS, {}, SHAPES)
+    rows = time_variants(VARIANTS, SHAPES, rounds=3)
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe11.json", "h10_probe11", rows, started,
                 {"command": "python -m kvlib.bench._h10_probe11", "variants": VARIANTS, "shapes": SHAPES})
 

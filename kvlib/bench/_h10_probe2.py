@@ -43,27 +43,96 @@ def h10_flags(**flags):
             setattr(H, k, v)
 
 
-def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384))) -> list[dict]:
+def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384)),
+                  rounds: int = 1) -> list[dict]:
     """The h10 decode step for each variant ``name -> (module flags, decode_int8 keywords)`` beside SDPA bf16, at
     the paper's heads (28 query / 4 KV, d = 128) and each ``(B, S)``: CUDA-graph medians, one row per variant
-    and shape (``kind="timing"``); a variant that fails is reported with ``ms=None``, not fatal."""
+    and shape (``kind="timing"``); a variant that fails is reported with ``ms=None``, not fatal.
+
+    ``rounds > 1`` times every variant once per round in a rotated order and keeps the median (run-to-run spread
+    is ~3%; interleaving keeps drift out of the comparison). Two keywords are the probe's, not decode_int8's:
+    ``layout`` relabels the random key codes' dither layout (timing does not depend on the values) and
+    ``shapes`` restricts a variant to those ``(B, S)``."""
+    import dataclasses
+    import statistics
+
     from kvlib.kernels.decode_int8 import decode_int8
 
     rows = []
     for B, S in shapes:
+        names = [n for n, (_, kw) in variants.items() if (B, S) in kw.get("shapes", [(B, S)])]
         qb, kp, vp, slots, seq = h10_problem(B, S)
         sd = _sdpa_graph_ms(qb.view(B, 28, 1, 128), 4, S)
-        for name, (flags, kw) in variants.items():
-            try:
-                with h10_flags(**flags):
-                    ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(impl="h10", cert=True, cert_b=False) | kw)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                ms = None
-                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append(dict(kind="timing", B=B, S=S, name=name, flags=flags, kw=kw, ms=ms, sdpa_ms=sd,
-                             vs_sdpa=ms and sd / ms))
+        ms: dict[str, list] = {n: [] for n in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                flags, kw = variants[name]
+                kpl = dataclasses.replace(kp, dither_layout=kw.get("layout", kp.dither_layout))
+                call = dict(impl="h10", cert=True, cert_b=False) | {k: v for k, v in kw.items()
+                                                                    if k not in ("layout", "shapes")}
+                try:
+                    with h10_flags(**flags):
+                        ms[name].append(_time(decode_int8, (qb, kpl, vp, slots, seq), call))
+                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                    ms[name].append(None)
+                    print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        for name in names:
+            ok = [t for t in ms[name] if t is not None]
+            med = statistics.median(ok) if ok else None
+            rows.append(dict(kind="timing", B=B, S=S, name=name, flags=variants[name][0], kw=variants[name][1],
+                             ms=med, sdpa_ms=sd, vs_sdpa=med and sd / med, **({"rounds": ms[name]} if rounds > 1
+                                                                              else {})))
             print(rows[-1], flush=True)
+        del qb, kp, vp, slots, seq
         torch.cuda.empty_cache()
+    return rows
+
+
+def cert_costs(rows: list[dict], costs: dict[str, tuple[str, str]]) -> list[dict]:
+    """``kind="cert_cost"`` rows: per shape, ``costs[name] = (with, without)`` as the ratio of the two variants'
+    medians minus one (where both were timed)."""
+    t = {(r["B"], r["S"], r["name"]): r["ms"] for r in rows if r.get("kind") == "timing"}
+    out = []
+    for B, S in dict.fromkeys((b, s) for b, s, _ in t):
+        for name, (w, wo) in costs.items():
+            if t.get((B, S, w)) and t.get((B, S, wo)):
+                out.append(dict(kind="cert_cost", B=B, S=S, name=name, cost=t[(B, S, w)] / t[(B, S, wo)] - 1))
+                print(out[-1], flush=True)
+    return out
+
+
+def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
+    """max |kernel - float64 reference| of o, lse, A and the one-accumulator certificate per certified variant, at
+    the paper's shape with bf16 queries and the default split plan (the binaries the timing runs at that shape).
+    A variant's ``layout`` keyword (default ``"h10"``) picks the key pool's dither layout."""
+    from kvlib.bench._h10_probe import _problem
+    from kvlib.bench.witcert_decode import PAPER
+    from kvlib.kernels.decode_int8 import decode_int8, decode_reference
+
+    p = PAPER
+    problems: dict[str, tuple] = {}
+    rows = []
+    for name, (flags, kw) in variants.items():
+        if not kw.get("cert", True) or "shapes" in kw:
+            continue
+        layout = kw.get("layout", "h10")
+        if layout not in problems:
+            prob = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], layout, 8, torch.bfloat16)
+            problems[layout] = prob, decode_reference(*prob, layer=LAYER, seed=SEED, impl="h10")
+        (q, kp, vp, slots, seq), ref = problems[layout]
+        call = {k: v for k, v in kw.items() if k not in ("cert", "layout", "shapes")}
+        with h10_flags(**flags):
+            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False, **call)
+        cert = r.tv_bound.double().cpu()
+        rows.append(dict(kind="agreement", name=name, layout=layout,
+                         do=float((r.o.double().cpu() - ref.o).abs().max()),
+                         dlse=float((r.lse.double().cpu() - ref.lse).abs().max()),
+                         dA=float((r.A.double().cpu() - ref.A).abs().max()),
+                         # one accumulator (cert_b=False): the reference's 1 - 1/A^2
+                         dcert=float((cert - ref.tv_bound_one).abs().max()),
+                         cert_low=float((ref.tv_bound_one - cert).max()),
+                         cert_max=float(ref.tv_bound_one.max())))
+        print(rows[-1], flush=True)
     return rows
 
 

@@ -1,7 +1,8 @@
-"""Development probe on the GPU, after probe 7 (:mod:`kvlib.bench._h10_probe7`): the variance dot with exact tf32
-pieces (now the default) against the four-FMA sum, the certificate's per-group query sums as one reduction
-(``FUSE_Q``), and, at the paper's small shape, fewer split programs (the default plan gives every program one
-64-position tile there, so each pays the certificate's prologue for one tile)."""
+"""Development probe on the GPU, after probe 7 (run at 2b4d0a4 and removed since: its ``tl.exp`` variants no longer
+exist): the variance dot with exact tf32 pieces (now the default) against the four-FMA sum and, at the paper's small
+shape, fewer split programs (the default plan gives every program one 64-position tile there, so each pays the
+certificate's prologue for one tile). The recorded run (172fac9) also timed the per-group query sums as one joined
+reduction (``FUSE_Q``), which lost and was removed."""
 
 from __future__ import annotations
 
@@ -9,24 +10,25 @@ import datetime
 import sys
 
 from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe7 import SHAPES, agreement, timing
+from kvlib.bench._h10_probe2 import agreement, cert_costs, time_variants
 
+SHAPES = ((2, 4096), (8, 32768), (32, 16384))
 SMALL = [(2, 4096)]
 VARIANTS = {
     "cert": ({}, dict(cert=True)),
     "nocert": ({}, dict(cert=False)),
     "cert_fma_var": ({"VAR_DOT": False}, dict(cert=True)),
-    "cert_fuse_q": ({"FUSE_Q": True}, dict(cert=True)),
     **{f"cert_ns{n}": ({}, dict(cert=True, num_splits=n, shapes=SMALL)) for n in (8, 16, 32)},
     **{f"nocert_ns{n}": ({}, dict(cert=False, num_splits=n, shapes=SMALL)) for n in (8, 16, 32)},
 }
-COSTS = {"default": ("cert", "nocert"), "fma_var": ("cert_fma_var", "nocert"), "fuse_q": ("cert_fuse_q", "nocert"),
+COSTS = {"default": ("cert", "nocert"), "fma_var": ("cert_fma_var", "nocert"),
          **{f"ns{n}": (f"cert_ns{n}", f"nocert_ns{n}") for n in (8, 16, 32)}}
 
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    rows = agreement({k: v for k, v in VARIANTS.items() if "shapes" not in v[1]}) + timing(VARIANTS, COSTS, SHAPES)
+    timed = time_variants(VARIANTS, SHAPES, rounds=3)
+    rows = agreement(VARIANTS) + timed + cert_costs(timed, COSTS)
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe8.json", "h10_probe8", rows, started,
                 {"command": "python -m kvlib.bench._h10_probe8", "variants": VARIANTS, "shapes": SHAPES})
 

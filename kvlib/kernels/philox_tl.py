@@ -113,6 +113,15 @@ def half_to_xi(v):
 
 
 @triton.jit
+def _word_blocks(b0, b1, b2, b3, BS: tl.constexpr, D: tl.constexpr):
+    """Word ``i``'s dithers ``b_i [BS, D/4]`` as the contiguous channel block ``[i D/4, (i+1) D/4)`` of ``[BS, D]``
+    (the h10 and h8 layouts)."""
+    # join(join(b0, b2), join(b1, b3))[s, k, a, b] = b_{2a + b}[s, k]; move k last: channel (2a + b) D/4 + k
+    xi = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 3, 1))
+    return tl.reshape(xi, (BS, D))
+
+
+@triton.jit
 def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     """h10 dither float32 ``[BLOCK_S, D]``: one Philox call per eight channels (``D // 8`` calls per
     slot, each computed once), word ``i`` half ``h`` of call ``j`` -> channel ``i (D/4) + 2j + h``
@@ -128,9 +137,7 @@ def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     b1 = tl.reshape(tl.join(half_to_xi(w1 & 0xFFFF), half_to_xi(w1 >> 16)), (BS, D // 4))
     b2 = tl.reshape(tl.join(half_to_xi(w2 & 0xFFFF), half_to_xi(w2 >> 16)), (BS, D // 4))
     b3 = tl.reshape(tl.join(half_to_xi(w3 & 0xFFFF), half_to_xi(w3 >> 16)), (BS, D // 4))
-    # join(join(b0, b2), join(b1, b3))[s, k, a, b] = b_{2a + b}[s, k]; move k last: channel (2a + b) D/4 + k
-    xi = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 3, 1))
-    return tl.reshape(xi, (BS, D))
+    return _word_blocks(b0, b1, b2, b3, BS, D)
 
 
 @triton.jit
@@ -161,9 +168,7 @@ def dither_tile_h8(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     b1 = _bytes_xi(w1, BS, D // 16)
     b2 = _bytes_xi(w2, BS, D // 16)
     b3 = _bytes_xi(w3, BS, D // 16)
-    # as in dither_tile_h10: [s, k, a, b] = b_{2a + b}[s, k]; move k last: channel (2a + b) D/4 + k
-    xi = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 3, 1))
-    return tl.reshape(xi, (BS, D))
+    return _word_blocks(b0, b1, b2, b3, BS, D)
 
 
 @triton.jit

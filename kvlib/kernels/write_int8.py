@@ -28,7 +28,7 @@ from kvlib._checks import check_tensor
 from kvlib.formats.dither_int8 import check_x, dither_quantize
 from kvlib.kernels.philox_tl import dither_tile, dither_tile_h8, dither_tile_h10
 from kvlib.paged import PagedPool
-from kvlib.philox import CALL_CHANNELS, seed_key
+from kvlib.philox import check_layout_d, seed_key
 
 
 @triton.jit
@@ -187,9 +187,7 @@ def write_int8(
     d, G = pool.d, pool.group
     if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
         raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
-    per = CALL_CHANNELS[pool.dither_layout]
-    if pool.dither_layout != "w24" and d % per:
-        raise ValueError(f"the {pool.dither_layout} dither layout needs d a multiple of {per}, got d={d}")
+    check_layout_d(pool.dither_layout, d)
     if x.stride(-1) != 1:
         x = x.contiguous()
     k0, k1 = seed_key(pool.seed)
