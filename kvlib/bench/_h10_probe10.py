@@ -4,11 +4,7 @@ then CUDA-graph timings with and without the certificate (:mod:`kvlib.bench._h10
 
 from __future__ import annotations
 
-import datetime
-import sys
-
-from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe2 import agreement, cert_costs, time_variants
+from kvlib.bench._h10_probe2 import run_probe
 
 SHAPES = ((8, 32768), (32, 16384), (64, 32768), (2, 4096))
 VARIANTS = {
@@ -22,11 +18,7 @@ COSTS = {"h10": ("h10_cert", "h10_nocert"), "h8": ("h8_cert", "h8_nocert")}
 
 
 def main() -> None:
-    started = datetime.datetime.now(datetime.UTC)
-    timed = time_variants(VARIANTS, SHAPES, rounds=3)
-    rows = agreement(VARIANTS) + timed + cert_costs(timed, COSTS)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe10.json", "h10_probe10", rows, started,
-                {"command": "python -m kvlib.bench._h10_probe10", "variants": VARIANTS, "shapes": SHAPES})
+    run_probe("h10_probe10", VARIANTS, SHAPES, costs=COSTS, agree=True)
 
 
 if __name__ == "__main__":

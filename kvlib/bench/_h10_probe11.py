@@ -3,11 +3,7 @@ from h10's, whose defaults were tuned on h10: 64 positions, 2 warps, 2 stages), 
 
 from __future__ import annotations
 
-import datetime
-import sys
-
-from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe2 import time_variants
+from kvlib.bench._h10_probe2 import run_probe
 
 SHAPES = ((8, 32768), (32, 16384))
 CONFIGS = {"64x2s2": (64, 2, 2), "64x2s3": (64, 2, 3), "64x4s2": (64, 4, 2), "64x4s3": (64, 4, 3),
@@ -18,10 +14,7 @@ VARIANTS["h10_64x2s2"] = ({}, dict(cert=True))
 
 
 def main() -> None:
-    started = datetime.datetime.now(datetime.UTC)
-    rows = time_variants(VARIANTS, SHAPES, rounds=3)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe11.json", "h10_probe11", rows, started,
-                {"command": "python -m kvlib.bench._h10_probe11", "variants": VARIANTS, "shapes": SHAPES})
+    run_probe("h10_probe11", VARIANTS, SHAPES)
 
 
 if __name__ == "__main__":

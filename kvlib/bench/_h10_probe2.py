@@ -101,6 +101,17 @@ def cert_costs(rows: list[dict], costs: dict[str, tuple[str, str]]) -> list[dict
     return out
 
 
+def run_probe(name: str, variants: dict[str, tuple[dict, dict]], shapes, *, costs: dict | None = None,
+              agree: bool = False, rounds: int = 3) -> None:
+    """A timing probe's whole run: optional agreement rows, interleaved timings, certificate costs, written with
+    the provenance envelope to ``argv[1]`` (default ``<name>.json``)."""
+    started = datetime.datetime.now(datetime.UTC)
+    timed = time_variants(variants, shapes, rounds=rounds)
+    rows = (agreement(variants) if agree else []) + timed + cert_costs(timed, costs or {})
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else f"{name}.json", name, rows, started,
+                {"command": f"python -m kvlib.bench._{name}", "variants": variants, "shapes": shapes})
+
+
 def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
     """max |kernel - float64 reference| of o, lse, A and the one-accumulator certificate per certified variant, at
     the paper's shape with bf16 queries and the default split plan (the binaries the timing runs at that shape).

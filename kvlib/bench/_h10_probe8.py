@@ -6,11 +6,7 @@ reduction (``FUSE_Q``), which lost and was removed."""
 
 from __future__ import annotations
 
-import datetime
-import sys
-
-from kvlib.bench._h10_probe import write_probe
-from kvlib.bench._h10_probe2 import agreement, cert_costs, time_variants
+from kvlib.bench._h10_probe2 import run_probe
 
 SHAPES = ((2, 4096), (8, 32768), (32, 16384))
 SMALL = [(2, 4096)]
@@ -26,11 +22,7 @@ COSTS = {"default": ("cert", "nocert"), "fma_var": ("cert_fma_var", "nocert"),
 
 
 def main() -> None:
-    started = datetime.datetime.now(datetime.UTC)
-    timed = time_variants(VARIANTS, SHAPES, rounds=3)
-    rows = agreement(VARIANTS) + timed + cert_costs(timed, COSTS)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe8.json", "h10_probe8", rows, started,
-                {"command": "python -m kvlib.bench._h10_probe8", "variants": VARIANTS, "shapes": SHAPES})
+    run_probe("h10_probe8", VARIANTS, SHAPES, costs=COSTS, agree=True)
 
 
 if __name__ == "__main__":
