@@ -88,6 +88,7 @@ VARIANTS = [
     dict(rows=16, tile_sums=False),
     dict(block_n=16, num_splits=8),  # more splits than blocks: empty splits merge away
     dict(block_n=32, num_splits=1),
+    dict(block_n=16, num_splits=3, pipe_edges=True),
 ]
 
 
@@ -137,12 +138,13 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
+@pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits):
+def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges):
     """The protected region's extra program meets any number of INT4 splits in the merge."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)
@@ -297,8 +299,9 @@ def test_sweep_tiny_wiring():
     assert res["best"]["kv4_ms"] > 0 and set(res["kv4rl"]) >= {"best_fused", "best_two_launch"}
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(k_mode="trans", block_n=32), dict(block_n=64, num_splits=1)],
-                         ids=["bytes", "trans", "one_split"])
+@pytest.mark.parametrize("kw", [dict(), dict(k_mode="trans", block_n=32), dict(block_n=64, num_splits=1),
+                                dict(block_n=32, pipe_edges=True)],
+                         ids=["bytes", "trans", "one_split", "pipe_edges"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 def test_tma_descriptor_path_matches_reference(kw, with_side):
     """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks)."""
@@ -318,11 +321,13 @@ def test_tma_descriptor_path_matches_reference(kw, with_side):
     _close(o, o_ref, 2e-2 if with_side else 2e-3)  # bf16 PV operands on the protected region
 
 
+@pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize(("block_n", "splits", "k_mode"), [(16, 1, "bytes"), (16, 3, "bytes"), (32, 2, "trans"),
                                                             (64, 4, "bytes")])
-def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mode):
+def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mode, pipe_edges):
     """Ranges starting and ending off and on block boundaries, empty and one-block splits: the unmasked
-    interior loop plus the masked head/tail steps give the reference (no position dropped or counted twice)."""
+    interior loop plus the masked head/tail steps (or, with ``pipe_edges``, the loop masking its edge blocks
+    itself) give the reference (no position dropped or counted twice)."""
     q, k, v = _qkv(21)
     c = build_kv4_batch(k, v, torch.full((B,), N))
     qp = prepare_query_ref(q)
@@ -333,7 +338,7 @@ def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mo
         start[0], end[0] = block_n, 3 * block_n  # aligned at both ends: interior only
         args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
         cfg = DEFAULT_CONFIG.replace(block_n=block_n, num_splits=splits, k_mode=k_mode,
-                                     tile_sums=k_mode != "trans")
+                                     tile_sums=k_mode != "trans", pipe_edges=pipe_edges)
         o, lse = kv4_main_decode(*args, config=cfg, backend="triton")
         o_ref, lse_ref = kv4_main_decode_ref(*args)
         _close(lse, lse_ref, 1e-4)

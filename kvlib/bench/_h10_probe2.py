@@ -52,17 +52,20 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
     ``rounds > 1`` times every variant once per round in a rotated order and keeps the median (run-to-run spread
     is ~3%; interleaving keeps drift out of the comparison). Two keywords are the probe's, not decode_int8's:
     ``layout`` relabels the random key codes' dither layout (timing does not depend on the values) and
-    ``shapes`` restricts a variant to those ``(B, S)``."""
+    ``shapes`` restricts a variant to those ``(B, S)``. A shape may name its heads, ``(B, S, hq, hkv)`` (default
+    28 / 4, the paper's)."""
     import dataclasses
     import statistics
 
     from kvlib.kernels.decode_int8 import decode_int8
 
     rows = []
-    for B, S in shapes:
-        names = [n for n, (_, kw) in variants.items() if (B, S) in kw.get("shapes", [(B, S)])]
-        qb, kp, vp, slots, seq = h10_problem(B, S)
-        sd = _sdpa_graph_ms(qb.view(B, 28, 1, 128), 4, S)
+    for shape in shapes:
+        B, S = shape[:2]
+        hq, hkv = shape[2:4] if len(shape) > 2 else (28, 4)
+        names = [n for n, (_, kw) in variants.items() if tuple(shape) in map(tuple, kw.get("shapes", [shape]))]
+        qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
+        sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
         ms: dict[str, list] = {n: [] for n in names}
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
@@ -79,7 +82,8 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
         for name in names:
             ok = [t for t in ms[name] if t is not None]
             med = statistics.median(ok) if ok else None
-            rows.append(dict(kind="timing", B=B, S=S, name=name, flags=variants[name][0], kw=variants[name][1],
+            rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, flags=variants[name][0],
+                             kw=variants[name][1],
                              ms=med, sdpa_ms=sd, vs_sdpa=med and sd / med, **({"rounds": ms[name]} if rounds > 1
                                                                               else {})))
             print(rows[-1], flush=True)
@@ -91,12 +95,13 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
 def cert_costs(rows: list[dict], costs: dict[str, tuple[str, str]]) -> list[dict]:
     """``kind="cert_cost"`` rows: per shape, ``costs[name] = (with, without)`` as the ratio of the two variants'
     medians minus one (where both were timed)."""
-    t = {(r["B"], r["S"], r["name"]): r["ms"] for r in rows if r.get("kind") == "timing"}
+    t = {(r["B"], r["S"], r.get("hq", 28), r["name"]): r["ms"] for r in rows if r.get("kind") == "timing"}
     out = []
-    for B, S in dict.fromkeys((b, s) for b, s, _ in t):
+    for B, S, hq in dict.fromkeys(k[:3] for k in t):
         for name, (w, wo) in costs.items():
-            if t.get((B, S, w)) and t.get((B, S, wo)):
-                out.append(dict(kind="cert_cost", B=B, S=S, name=name, cost=t[(B, S, w)] / t[(B, S, wo)] - 1))
+            if t.get((B, S, hq, w)) and t.get((B, S, hq, wo)):
+                out.append(dict(kind="cert_cost", B=B, S=S, hq=hq, name=name,
+                                cost=t[(B, S, hq, w)] / t[(B, S, hq, wo)] - 1))
                 print(out[-1], flush=True)
     return out
 

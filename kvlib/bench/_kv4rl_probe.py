@@ -3,7 +3,8 @@ from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accurac
 reference. (It first compared that layout with the protected region run by the last INT4 split, since removed:
 data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
-structure (extra programs, merge launch: timed with an empty side buffer) and its protected work."""
+structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
+the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,45 @@ def _decompose_row(b: int, n: int) -> dict:
     return row
 
 
+EDGE_SHAPES = ((32, 4096, None), (32, 16384, None), (128, 16384, None), (8, 32768, None), (512, 4096, None),
+               (320, 16384, 4000.0))
+
+
+def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
+    """KV4 and KV4-RL with the edge blocks peeled (the default) and inside the pipelined loop (``pipe_edges``),
+    timed in ``rounds`` interleaved rounds (rotated order, median per variant): a KV4-RL main region is
+    unaligned at both ends, so its first and last blocks run outside the software pipeline by default. Also the
+    largest output change of ``pipe_edges`` against the default (the same arithmetic per block)."""
+    import statistics
+
+    from kvlib.bench.kv4_sweep import _lengths
+
+    shape = dict(b=b, n=n) if mean is None else dict(b=b, n=n, mean=mean, seed=2)
+    lengths = _lengths(shape, "cuda")
+    cache = random_kv4_batch(lengths, int(lengths.max()))
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    pe = DEFAULT_CONFIG.replace(pipe_edges=True)
+    fns = {"kv4": lambda: kv4_decode(q, cache), "kv4_pipe_edges": lambda: kv4_decode(q, cache, config=pe),
+           "kv4rl": lambda: kv4rl_decode(q, cache), "kv4rl_pipe_edges": lambda: kv4rl_decode(q, cache, config=pe)}
+    row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
+    for key, (f0, f1) in (("kv4", ("kv4", "kv4_pipe_edges")), ("kv4rl", ("kv4rl", "kv4rl_pipe_edges"))):
+        (o0, l0), (o1, l1) = fns[f0](), fns[f1]()
+        row[f"{key}_max_do"] = float((o1 - o0).abs().max())
+        row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(_time(fns[k])[0])
+    for k, v in times.items():
+        row[f"{k}_ms"] = statistics.median(v)
+        row[f"{k}_rounds_ms"] = v
+    row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
+    row["frac_pipe_edges"] = row["kv4_ms"] / row["kv4rl_pipe_edges_ms"]
+    row["frac_both_pipe_edges"] = row["kv4_pipe_edges_ms"] / row["kv4rl_pipe_edges_ms"]
+    return row
+
+
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     rows: list[dict] = []
@@ -79,6 +119,21 @@ def main() -> None:
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
+    if "--edges" in sys.argv:
+        for b, n, mean in EDGE_SHAPES:
+            rows.append(_edges_row(b, n, mean))
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
+                  flush=True)
+            torch.cuda.empty_cache()
+        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(pipe_edges=True))
+        rows.append(dict(check="pipe_edges", err_o=float((o - o_r).abs().max()),
+                         err_lse=float((lse - lse_r).abs().max())))
+        print(rows[-1], flush=True)
+        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_edges.json")
+        write_probe(out, "kv4rl_probe", rows, started,
+                    {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
+                     "config": str(DEFAULT_CONFIG), "shapes": EDGE_SHAPES})
+        return
     if "--decompose" in sys.argv:
         for b, n in ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)):
             rows.append(_decompose_row(b, n))

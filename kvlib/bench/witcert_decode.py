@@ -275,7 +275,9 @@ def run(profile: str) -> dict:
     print(f"   agreement done ({time.perf_counter() - t0:.1f}s)", flush=True)
     res["cuda_graph"] = _graph_replay(device)
     res["cuda_graph_h10"] = _graph_replay(device, layout="h10")
-    print(f"   graph replay: {res['cuda_graph']['bit_identical']}, h10 {res['cuda_graph_h10']['bit_identical']}",
+    res["cuda_graph_h8"] = _graph_replay(device, layout="h8")
+    print(f"   graph replay: {res['cuda_graph']['bit_identical']}, h10 {res['cuda_graph_h10']['bit_identical']}, "
+          f"h8 {res['cuda_graph_h8']['bit_identical']}",
           flush=True)
     shapes = [(PAPER["B"], PAPER["S"])] + LONG
     res["latency"] = _latency(device, shapes, PAPER["hq"], PAPER["hkv"], PAPER["d"], rep_ms=100.0)

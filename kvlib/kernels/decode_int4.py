@@ -280,10 +280,25 @@ def _load_scales(ptr, n0, N, BLOCK_N: tl.constexpr, SCALE32: tl.constexpr, EVEN:
 
 @triton.jit
 def _keep(x, valid, fill, MASKED: tl.constexpr):
-    """``x`` where ``valid`` else ``fill`` in an edge block; ``x`` itself in an interior one (no select)."""
-    if MASKED:
+    """``x`` where ``valid`` else ``fill`` in an edge block (``MASKED == 1``); ``x`` itself otherwise (no select)."""
+    if MASKED == 1:
         return tl.where(valid, x, fill)
     return x
+
+
+@triton.jit
+def _edge_mask(s, vs, vo, offs, n0, start, end, BLOCK_N: tl.constexpr, POS_AXIS: tl.constexpr):
+    """``MASKED == 2``: in a block that crosses ``start`` or ``end`` (one uniform branch per block), the scores
+    of positions outside ``[start, end)`` become ``-inf`` and their value scales 0; interior blocks skip it."""
+    if (n0 < start) | (n0 + BLOCK_N > end):
+        ok = (offs - start).to(tl.uint32) < (end - start).to(tl.uint32)
+        if POS_AXIS == 1:
+            s = tl.where(ok[None, :], s, float("-inf"))
+        else:
+            s = tl.where(ok[:, None], s, float("-inf"))
+        vs = tl.where(ok, vs, 0.0)
+        vo = tl.where(ok, vo, 0.0)
+    return s, vs, vo
 
 
 @triton.jit
@@ -318,7 +333,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -366,8 +381,9 @@ def _main_step(
         if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
             s_int = tl.sum(tl.reshape(s_int, [q0.shape[0] // m_i.shape[0], m_i.shape[0], BLOCK_N]), axis=0)
         s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
-    if MASKED:  # edge blocks only: interior blocks lie inside [start, end)
-        s = tl.where(valid[None, :], s, float("-inf"))  # [GP, BLOCK_N], log2 units
+    s = _keep(s, valid[None, :], float("-inf"), MASKED)  # [GP, BLOCK_N], log2 units
+    if MASKED == 2:
+        s, vs, vo = _edge_mask(s, vs, vo, offs, n0, start, end, BLOCK_N, 1)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -412,7 +428,7 @@ def _main_region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    QPAD: tl.constexpr = True, TMA: tl.constexpr = False,
+    QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -478,22 +494,28 @@ def _main_region(
     acc2 = tl.zeros([GP, ACC_W], tl.float32)
     acc3 = tl.zeros([GP, ACC_W], tl.float32)
     # interior blocks run unmasked (no position masks, no load masks: they lie inside [start, end) and so
-    # inside N); the split's partial head and tail blocks run the masked step
-    head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
+    # inside N); the split's partial head and tail blocks run the masked step. PIPE_EDGES: every block runs
+    # the masked step inside the pipelined loop instead (no edge block outside the software pipeline)
+    if PIPE_EDGES:
+        head, i_lo, i_hi, tail = -1, blo, bhi, -1
+    else:
+        head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
+    LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True,
+            TMA, bh, 1,
         )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
         n0 = i_lo * BLOCK_N
         while n0 < i_hi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, False,
-                TMA, bh, False,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
+                False, TMA, bh, LOOP_MASK,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -501,14 +523,14 @@ def _main_region(
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, True, True,
-                TMA, bh, False,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
+                True, TMA, bh, LOOP_MASK,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             tail * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, True,
+            TMA, bh, 1,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
@@ -538,7 +560,7 @@ def _main_step_t(
     n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr,
-    EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = True,
+    EVEN: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1,
 ):  # fmt: skip
     """:func:`_main_step` transposed (``k_mode="trans"``): ``s^T = codes @ q^T`` and
     ``o^T += planes^T @ p^T``, so the code tiles are the A operands and the few query rows sit in the
@@ -564,8 +586,9 @@ def _main_step_t(
     s_int = tl.dot(_nibbles_i8(kc, False, FAST), q0)
     s_int = tl.dot(_nibbles_i8(kc, True, FAST), q1, s_int, out_dtype=tl.int32)  # [BLOCK_N, GP]
     s = s_int.to(tl.float32) * (ks[:, None] * a_q[None, :]) + ko[:, None] * c_q[None, :]
-    if MASKED:
-        s = tl.where(valid[:, None], s, float("-inf"))
+    s = _keep(s, valid[:, None], float("-inf"), MASKED)
+    if MASKED == 2:
+        s, vs, vo = _edge_mask(s, vs, vo, offs, n0, start, end, BLOCK_N, 0)
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
@@ -593,7 +616,7 @@ def _main_region_t(
     b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_main_region` with the transposed step (fp16 PV only)."""
     HALF: tl.constexpr = D // 2
@@ -636,20 +659,25 @@ def _main_region_t(
     acc1 = tl.zeros([QV, GP], tl.float32)
     acc2 = tl.zeros([QV, GP], tl.float32)
     acc3 = tl.zeros([QV, GP], tl.float32)
-    head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)  # see _main_region
+    if PIPE_EDGES:  # see _main_region
+        head, i_lo, i_hi, tail = -1, blo, bhi, -1
+    else:
+        head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
+    LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, 1,
         )  # fmt: skip
     if INTERP:
         n0 = i_lo * BLOCK_N
         while n0 < i_hi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, False, TMA, bh,
-                False,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, LOOP_EVEN, False, TMA, bh,
+                LOOP_MASK,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -657,13 +685,13 @@ def _main_region_t(
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
                 n0, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, True, True, TMA, bh,
-                False,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, LOOP_EVEN, True, TMA, bh,
+                LOOP_MASK,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             tail * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, True,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, TILE_SUMS, SCALE32, EVEN, FAST, TMA, bh, 1,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=0)
@@ -688,15 +716,15 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
-                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA)
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA)
+                     INTERP, True, TMA, PIPE_EDGES)
 
 
 @triton.jit
@@ -773,7 +801,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -794,11 +822,11 @@ def _kv4_decode_kernel(
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP, TMA)
+                         SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA)
+                     INTERP, TMA, PIPE_EDGES)
 
 
 @dataclass(frozen=True)
@@ -830,6 +858,10 @@ class KV4KernelConfig:
       on a forked stream (kv4_sweep_par.json), and the protected regions packed several pairs per
       program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
       latency-bound while the INT4 programs saturate memory.
+    - ``pipe_edges``: a split's partial first and last blocks (a KV4-RL main region starts after the sinks
+      and ends before the recent window, so it is unaligned at both ends) run the masked step inside the
+      software-pipelined loop, instead of as two steps peeled before and after it whose loads nothing
+      prefetches; interior blocks then pay the position masks too.
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -850,6 +882,7 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     pdl: bool = True
+    pipe_edges: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1055,7 +1088,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl,
+        PDL=pdl, PIPE_EDGES=bool(cfg.pipe_edges),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
