@@ -858,10 +858,14 @@ class KV4KernelConfig:
       on a forked stream (kv4_sweep_par.json), and the protected regions packed several pairs per
       program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
       latency-bound while the INT4 programs saturate memory.
-    - ``pipe_edges``: a split's partial first and last blocks (a KV4-RL main region starts after the sinks
-      and ends before the recent window, so it is unaligned at both ends) run the masked step inside the
-      software-pipelined loop, instead of as two steps peeled before and after it whose loads nothing
-      prefetches; interior blocks then pay the position masks too.
+    - ``pipe_edges``: a split's partial first and last blocks run the masked step inside the
+      software-pipelined loop (one uniform branch per block decides whether to mask), instead of as two
+      steps peeled before and after it whose loads nothing prefetches. ``None``: on with a side buffer
+      (a KV4-RL main region starts after the sinks and ends before the recent window, so it is unaligned at
+      both ends), off without (a KV4 region starts at 0: at most its last block is partial). On the H200,
+      KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
+      batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
+      batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges.json).
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -882,7 +886,7 @@ class KV4KernelConfig:
     maxnreg: int | None = None
     tma: bool = False
     pdl: bool = True
-    pipe_edges: bool = False
+    pipe_edges: bool | None = None
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -898,7 +902,8 @@ MIN_ROWS = 8
 #: two CTAs per SM that its registers allow (218 at 8 query rows, 4 warps), with one block of fixed cost per
 #: program (the "waves" sweep: one wave of programs beats more splits, and ragged batches lose with many
 #: splits); the protected region as one extra program per pair (every other layout timed was slower for KV4-RL:
-#: see the ``KV4KernelConfig`` docstring); programmatic dependent launch (``pdl``, on by default)
+#: see the ``KV4KernelConfig`` docstring), its main region's unaligned edge blocks inside the pipelined loop
+#: (``pipe_edges`` None: on with a side buffer); programmatic dependent launch (``pdl``, on by default)
 DEFAULT_CONFIG = KV4KernelConfig(block_n=256, ctas_per_sm=2, overhead_blocks=1.0)
 
 
@@ -1088,7 +1093,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=bool(cfg.pipe_edges),
+        PDL=pdl, PIPE_EDGES=prot if cfg.pipe_edges is None else bool(cfg.pipe_edges),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
