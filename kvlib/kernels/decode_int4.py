@@ -865,7 +865,7 @@ class KV4KernelConfig:
       both ends), off without (a KV4 region starts at 0: at most its last block is partial). On the H200,
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
-      batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges.json).
+      batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less

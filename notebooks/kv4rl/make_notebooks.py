@@ -462,6 +462,16 @@ if dec:
 else:
     run.glue("dec_structure_us", float("nan"))
     run.glue("dec_protected_us", float("nan"))
+edges = load_result("dev/kv4rl_edges_run1", "gpu")
+erows = {(x["batch"], x["ctx"]): x for x in edges["results"] if "batch" in x} if edges else {}
+for key, (b_, n_) in (("b32_16k", (32, 16384)), ("b512_4k", (512, 4096)), ("ragged", (320, 16384))):
+    x = erows.get((b_, n_))
+    run.glue(f"edges_{key}_peel_ms", x["kv4rl_ms"] if x else float("nan"))
+    run.glue(f"edges_{key}_pipe_ms", x["kv4rl_pipe_edges_ms"] if x else float("nan"))
+    run.glue(f"edges_{key}_frac_peel", x["frac"] if x else float("nan"))
+    run.glue(f"edges_{key}_frac_pipe", x["frac_pipe_edges"] if x else float("nan"))
+    run.glue(f"edges_{key}_kv4_ratio", x["kv4_pipe_edges_ms"] / x["kv4_ms"] if x else float("nan"))
+run.glue("edges_max_do", max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=float("nan")))
 """,
             hide_input=True,
         ),
@@ -508,6 +518,26 @@ into the last wave's idle slots (B = 32, S = 16k: KV4-RL {glue:text}`packed_rl_m
 against {glue:text}`own_rl_ms:.3f` ms, `kv4_sweep_packed2.json`). The last two show why: a protected
 pair is a short chain of dependent loads (five 32-slot steps), and while the INT4 programs saturate
 memory each step waits on it, so protected work that overlaps the INT4 stream runs slower, not free.
+
+**Edge blocks inside the pipeline.** A KV4-RL main region starts after the sinks and ends before the
+recent window, so at both ends it cuts a position block in two. Those two partial blocks used to run as
+masked steps peeled before and after the software-pipelined loop, where nothing prefetched their loads:
+two more dependent rounds to memory in every program. With `pipe_edges` (on by default whenever a side
+buffer is given) they run inside the pipelined loop, which masks a block only when it crosses an end (one
+uniform branch per block). The output agrees with the peeled kernel's to fp32 rounding (largest change {glue:text}`edges_max_do:.1e`;
+the LSE is identical), and
+KV4-RL got faster at every shape of `python -m kvlib.bench._kv4rl_probe --edges`
+(`data/results/gpu/dev/kv4rl_edges_run1.json`, three interleaved rounds under CUDA graphs): B = 32,
+S = 16k {glue:text}`edges_b32_16k_pipe_ms:.4f` ms against {glue:text}`edges_b32_16k_peel_ms:.4f` ms
+(KV4-RL/KV4 {glue:text}`edges_b32_16k_frac_pipe:.3f` against {glue:text}`edges_b32_16k_frac_peel:.3f`);
+B = 512, S = 4k {glue:text}`edges_b512_4k_pipe_ms:.3f` ms against {glue:text}`edges_b512_4k_peel_ms:.3f` ms;
+the ragged B = 320 batch {glue:text}`edges_ragged_frac_pipe:.3f` of KV4 against
+{glue:text}`edges_ragged_frac_peel:.3f`. (The decomposition table above predates it.) KV4's own region starts at 0, so it has at most a
+partial last block and keeps the peeled steps by default: with `pipe_edges` it takes
+{glue:text}`edges_b32_16k_kv4_ratio:.3f` of its time at B = 32, S = 16k (aligned lengths, no partial block)
+but {glue:text}`edges_ragged_kv4_ratio:.3f` on the ragged batch, so ragged KV4 batches should set it. A third
+CTA per SM, so that the protected programs could run beside the INT4 wave instead of after it, needs the
+registers capped at 168; the INT4 loop then spills and every shape got slower (`kv4rl_edges.json`).
 
 **Three launches that overlap.** The query preparation, the decode kernel and (when there is more
 than one state) the split merge are separate launches. With programmatic dependent launch (Hopper;
