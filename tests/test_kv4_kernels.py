@@ -130,24 +130,21 @@ def test_query_rows_cover_any_group(group):
     q = torch.randn(2, hkv * group, d, generator=g)
     k, v = torch.randn(2, hkv, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g)
     cache = build_kv4_batch(k, v, torch.tensor([40, 9]), sink=2, recent=8)
+    o, lse = kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(block_n=16))
     o_ref, lse_ref = decode_ref(q, cache)
-    for fold in (False, True):  # the folded side state has the INT4 tile's rows (8 or 16 here)
-        o, lse = kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(block_n=16, fold_side=fold))
-        _close(lse, lse_ref, 1e-4)
-        _close(o, o_ref, 2e-2)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)
     with pytest.raises(ValueError, match="rows"):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize(("pipe_edges", "fold_side"), [(False, False), (True, False), (True, True), (False, True)],
-                         ids=["peeled", "pipe_edges", "fold_side", "fold_side_peeled"])
+@pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges, fold_side):
-    """The protected region's extra program meets any number of INT4 splits in the merge (``fold_side``: split 0
-    starts from the side slots' state instead, so no extra program and, at one split, no merge)."""
+def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges):
+    """The protected region's extra program meets any number of INT4 splits in the merge."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges, fold_side=fold_side)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)
@@ -166,14 +163,6 @@ def test_fused_kv4rl_matches_two_launches_and_reference():
     _close(lse_f, lse_ref, 1e-4)
     _close(o_f, o_ref, 2e-2)  # bf16 PV operands on the protected region
     assert torch.isneginf(lse_f[2]).all() and (o_f[2] == 0).all()
-
-
-def test_fold_side_needs_fp16_pv_planes():
-    q, k, v = _qkv(3)
-    cache = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
-    for kw in (dict(int_pv=True), dict(k_mode="trans", tile_sums=False)):
-        with pytest.raises(ValueError, match="fold_side"):
-            kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(fold_side=True, **kw))
 
 
 def test_side_buffer_argument_checks():

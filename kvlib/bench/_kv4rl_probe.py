@@ -67,15 +67,15 @@ def _decompose_row(b: int, n: int) -> dict:
     return row
 
 
-EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 16384, None), (8, 32768, None),
-               (512, 4096, None), (320, 16384, 4000.0))
+EDGE_SHAPES = ((32, 4096, None), (32, 16384, None), (128, 16384, None), (8, 32768, None), (512, 4096, None),
+               (320, 16384, 4000.0))
 
 
-#: KV4-RL variants timed beside the edges pair (``--edges``). The run at 18f1a0d (dev/kv4rl_edges.json) timed a
-#: third CTA per SM (registers capped at 168, with and without the split plan counting it): slower everywhere.
-#: Now: ``fold_side``, the side slots' state computed by split 0 and carried into its INT4 loop (no extra program,
-#: no merge launch at one split)
-EDGE_EXTRA = {"kv4rl_fold": DEFAULT_CONFIG.replace(fold_side=True)}
+#: KV4-RL variants timed beside the edges pair; the runs of record timed a third CTA per SM (registers capped at
+#: 168; dev/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
+#: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
+#: removed
+EDGE_EXTRA: dict = {}
 
 
 def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
@@ -100,8 +100,7 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     for key, cfg in EDGE_EXTRA.items():
         fns[key] = lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg)
     row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
-    for key, (f0, f1) in (("kv4", ("kv4", "kv4_pipe_edges")), ("kv4rl", ("kv4rl", "kv4rl_pipe_edges")),
-                          *((k, ("kv4rl_pipe_edges", k)) for k in EDGE_EXTRA)):
+    for key, (f0, f1) in (("kv4", ("kv4", "kv4_pipe_edges")), ("kv4rl", ("kv4rl", "kv4rl_pipe_edges"))):
         (o0, l0), (o1, l1) = fns[f0](), fns[f1]()
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
@@ -140,11 +139,10 @@ def main() -> None:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
                   flush=True)
             torch.cuda.empty_cache()
-        for name, cfg in (("default", DEFAULT_CONFIG), ("pipe_edges", DEFAULT_CONFIG.replace(pipe_edges=True)),
-                          *EDGE_EXTRA.items()):
-            o, lse = kv4rl_decode(q, cache, config=cfg)
-            rows.append(dict(check=name, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
-            print(rows[-1], flush=True)
+        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(pipe_edges=True))
+        rows.append(dict(check="pipe_edges", err_o=float((o - o_r).abs().max()),
+                         err_lse=float((lse - lse_r).abs().max())))
+        print(rows[-1], flush=True)
         out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_edges.json")
         write_probe(out, "kv4rl_probe", rows, started,
                     {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),

@@ -429,7 +429,6 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
-    K8=None, K8S=None, V8=None, V8S=None, COUNT=None, C=0, BLOCK_P: tl.constexpr = 32, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -494,10 +493,6 @@ def _main_region(
     acc1 = tl.zeros([GP, ACC_W], tl.float32)
     acc2 = tl.zeros([GP, ACC_W], tl.float32)
     acc3 = tl.zeros([GP, ACC_W], tl.float32)
-    if FOLD:  # KV4-RL, fold_side: split 0 starts from the side slots' state (fp16 PV planes only)
-        if sp == 0:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _fold_side(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, sm_scale_log2, C,
-                                                          HKV, G, GP, D, BLOCK_P, BLOCK_N, TILE_SUMS, INTERP)
     # interior blocks run unmasked (no position masks, no load masks: they lie inside [start, end) and so
     # inside N); the split's partial head and tail blocks run the masked step. PIPE_EDGES: every block runs
     # the masked step inside the pipelined loop instead (no edge block outside the software pipeline)
@@ -722,7 +717,6 @@ def _region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
-    K8=None, K8S=None, V8=None, V8S=None, COUNT=None, C=0, BLOCK_P: tl.constexpr = 32, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
@@ -730,7 +724,7 @@ def _region(
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PIPE_EDGES, K8, K8S, V8, V8S, COUNT, C, BLOCK_P, FOLD)
+                     INTERP, True, TMA, PIPE_EDGES)
 
 
 @triton.jit
@@ -760,13 +754,12 @@ def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: 
 
 
 @triton.jit
-def _protected_state(
-    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, sm_scale_log2, C,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+def _protected_region(
+    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
+    NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax state ``(m [RP], l [RP], acc [RP, D])`` (log2 units, unnormalised) of the KV4-RL side slots
-    ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate); ``RP = max(GP, 16)`` rows, those past ``G`` zero."""
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
     HQ: tl.constexpr = HKV * G
     # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
     RP: tl.constexpr = GP if GP >= 16 else 16
@@ -789,73 +782,12 @@ def _protected_state(
     else:
         for n0 in range(0, cnt, BLOCK_P):
             m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _protected_region(
-    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
-    NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """The KV4-RL side slots as their own state, stored to slot ``orow_split`` (:func:`_protected_state`)."""
-    HQ: tl.constexpr = HKV * G
-    RP: tl.constexpr = GP if GP >= 16 else 16
-    m_i, l_i, acc = _protected_state(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, sm_scale_log2, C, HKV, G, GP, D, BLOCK_P,
-                                     INTERP)
-    rows = tl.arange(0, RP)
-    row_ok = rows < G
-    cols = tl.arange(0, D)
-    qrow = (b * HQ + h * G + rows).to(tl.int64)
     nonempty = l_i > 0
     inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     orow = qrow * NS + orow_split
     tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     tl.store(LSE + orow, lse, mask=row_ok)
-
-
-@triton.jit
-def _first_rows1(x, GP: tl.constexpr):
-    """Entries ``0..GP-1`` of ``x [2 GP]``."""
-    a, _ = tl.split(tl.permute(tl.reshape(x, [2, GP]), [1, 0]))
-    return a
-
-
-@triton.jit
-def _first_rows2(x, GP: tl.constexpr, W: tl.constexpr):
-    """Rows ``0..GP-1`` of ``x [2 GP, W]``."""
-    a, _ = tl.split(tl.permute(tl.reshape(x, [2, GP, W]), [1, 2, 0]))
-    return a
-
-
-@triton.jit
-def _fold_side(
-    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, sm_scale_log2, C,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_SUMS: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """``fold_side``: the side slots' state as the INT4 loop's starting state, in its layout: ``m [GP]``, ``l``
-    (``[GP, BLOCK_N]`` with the sum in column 0 under TILE_SUMS, else ``[GP]``), and the four fp16-PV planes
-    ``acc_J [GP, D/4]`` (channel ``4 i + J``) in their ``2^-24`` units. Continuing the online softmax from this
-    state over the INT4 blocks is the log-sum-exp merge of the two regions, done in registers."""
-    m_p, l_p, acc_p = _protected_state(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, sm_scale_log2, C, HKV, G, GP, D,
-                                       BLOCK_P, INTERP)
-    RP: tl.constexpr = GP if GP >= 16 else 16  # the side state's rows (see _protected_state)
-    if RP != GP:
-        m_p = _first_rows1(m_p, GP)
-        l_p = _first_rows1(l_p, GP)
-        acc_p = _first_rows2(acc_p, GP, D)
-    acc_p = acc_p * (1.0 / V_UNSUB)
-    # channel 4 i + 2 a + c: split c, then a
-    x_c0, x_c1 = tl.split(tl.reshape(acc_p, [GP, D // 4, 2, 2]))
-    acc0, acc2 = tl.split(x_c0)
-    acc1, acc3 = tl.split(x_c1)
-    if TILE_SUMS:
-        l_t = tl.where(tl.arange(0, BLOCK_N)[None, :] == 0, l_p[:, None], 0.0)
-    else:
-        l_t = l_p
-    return m_p, l_t, acc0, acc1, acc2, acc3
 
 
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
@@ -869,7 +801,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FOLD: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -894,7 +826,7 @@ def _kv4_decode_kernel(
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA, PIPE_EDGES, K8, K8S, V8, V8S, COUNT, C, BLOCK_P, FOLD)
+                     INTERP, TMA, PIPE_EDGES)
 
 
 @dataclass(frozen=True)
@@ -919,12 +851,14 @@ class KV4KernelConfig:
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
-    - KV4-RL's protected region is one extra program per (request, kv head). Four other layouts were
+    - KV4-RL's protected region is one extra program per (request, kv head). Five other layouts were
       timed on the H200 and removed, each slower for KV4-RL: the last INT4 split running it after its
       blocks, without and with an L2 prefetch of the side buffer (B=32, S=16k: 0.174 vs 0.167 ms;
-      data/results/gpu/dev/kv4_prot_last.json, kv4_sweep_plans2.json), a standalone protected kernel
-      on a forked stream (kv4_sweep_par.json), and the protected regions packed several pairs per
-      program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
+      data/results/gpu/dev/kv4_prot_last.json, kv4_sweep_plans2.json), the first split running it before
+      its blocks and starting its INT4 loop from the side state, so no extra program and at one split no
+      merge (B=32, S=16k: 0.1664 vs 0.1645 ms; faster only at B=512, S=4k; kv4rl_fold.json), a standalone
+      protected kernel on a forked stream (kv4_sweep_par.json), and the protected regions packed several
+      pairs per program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
       latency-bound while the INT4 programs saturate memory.
     - ``pipe_edges``: a split's partial first and last blocks run the masked step inside the
       software-pipelined loop (one uniform branch per block decides whether to mask), instead of as two
@@ -934,9 +868,6 @@ class KV4KernelConfig:
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
       batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
-    - ``fold_side`` (KV4-RL): no extra program; split 0 of each pair computes the side slots' state first and
-      starts its INT4 loop from it (the log-sum-exp merge of the two regions done in registers), so with one
-      split there is no merge launch either. fp16 PV, ``k_mode`` "bytes" or "planes" only.
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -958,7 +889,6 @@ class KV4KernelConfig:
     tma: bool = False
     pdl: bool = True
     pipe_edges: bool | None = None
-    fold_side: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1138,15 +1068,12 @@ def kv4_main_decode(
     if k_mode == "planes" and (d < 128 or n % 2):
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
-    fold = side is not None and cfg.fold_side
-    if fold and (cfg.int_pv or k_mode == "trans"):
-        raise ValueError("fold_side needs fp16 PV and k_mode 'bytes' or 'planes' (int_pv=False, k_mode != 'trans')")
-    prot = side is not None and not fold
+    prot = side is not None
     ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
-    if side is not None:
+    if prot:
         k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
         cnt = side.count.to(torch.int32)
     else:
@@ -1168,7 +1095,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=(side is not None) if cfg.pipe_edges is None else bool(cfg.pipe_edges), FOLD=fold,
+        PDL=pdl, PIPE_EDGES=prot if cfg.pipe_edges is None else bool(cfg.pipe_edges),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

@@ -471,6 +471,10 @@ for key, (b_, n_) in (("b32_16k", (32, 16384)), ("b512_4k", (512, 4096)), ("ragg
     run.glue(f"edges_{key}_frac_peel", x["frac"] if x else float("nan"))
     run.glue(f"edges_{key}_frac_pipe", x["frac_pipe_edges"] if x else float("nan"))
     run.glue(f"edges_{key}_kv4_ratio", x["kv4_pipe_edges_ms"] / x["kv4_ms"] if x else float("nan"))
+fold = load_result("dev/kv4rl_fold", "gpu")
+frow = next((x for x in fold["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if fold else None
+run.glue("fold_rl_ms", frow["kv4rl_fold_ms"] if frow else float("nan"))
+run.glue("fold_own_rl_ms", frow["kv4rl_pipe_edges_ms"] if frow else float("nan"))
 run.glue("edges_max_do", max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=float("nan")))
 """,
             hide_input=True,
@@ -506,7 +510,10 @@ launch that KV4 with one split does not. Other layouts were timed and none was f
 (`data/results/gpu/dev/`), and each was removed after losing: the side slots handled by the last
 INT4 split after its blocks, first plain, then with the side buffer asked into L2 before the INT4
 blocks (B = 32, S = 16k: KV4-RL {glue:text}`last_rl_ms:.3f` ms against {glue:text}`last_own_rl_ms:.3f` ms,
-`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the grid
+`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the first split
+running them before its blocks and starting its INT4 loop from their state, which needs no extra program
+and at one split no merge launch ({glue:text}`fold_rl_ms:.4f` ms against {glue:text}`fold_own_rl_ms:.4f` ms,
+`kv4rl_fold.json`: the same longer path, at the start); the grid
 ordered so each pair's protected program starts beside its INT4 program instead of in the launch's tail
 (B = 512, S = 4k: {glue:text}`order_rl_ms:.3f` ms against {glue:text}`order_own_rl_ms:.3f` ms,
 `kv4_sweep_order.json`); the protected program's side steps loaded one step ahead
