@@ -177,7 +177,7 @@ else:
         if len(rows_l):
             run.glue(f"gpu_{lay}_max_do", float(rows_l["max_abs_do"].max()))
             run.glue(f"gpu_{lay}_max_dcert", float(rows_l["max_abs_dcert"].max()))
-    cg10 = r.get("cuda_graph_h10")
+    cg_lay = {lay: r[f"cuda_graph_{lay}"] for lay in ("h10", "h8") if f"cuda_graph_{lay}" in r}
     lat = pd.DataFrame([{"B": x["B"], "S": x["S"], **{k: v["median_ms"] for k, v in x["timings"].items()
                          if isinstance(v, dict)}} for x in r["latency"] if "timings" in x])
     display(agr.style.format("{:.2e}"))
@@ -421,11 +421,12 @@ if gpu is None:
         run.claim(cid, ours="pending: no GPU result file", verdict="not reproducible here",
                   why="needs `python -m kvlib.bench witcert_decode` on the H200")
 else:
-    ok10 = cg10 is None or (cg10["bit_identical"] and cg10["finite_cert_every_step"])
+    ok_lay = all(c["bit_identical"] and c["finite_cert_every_step"] for c in cg_lay.values())
     run.claim("witcert-graph-replay", ours=f"{cg['interleaved_replays']} interleaved replays bit-identical: "
               f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}"
-              + (f"; h10 kernel: {cg10['bit_identical']} / {cg10['finite_cert_every_step']}" if cg10 else ""),
-              verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] and ok10 else "differs")
+              + "".join(f"; {lay} kernel: {c['bit_identical']} / {c['finite_cert_every_step']}"
+                        for lay, c in cg_lay.items()),
+              verdict="reproduced" if cg["bit_identical"] and cg["finite_cert_every_step"] and ok_lay else "differs")
     graphed = [m for m in ("h10", "h8") if f"{m}_graph_cert_cost_median" in run.values]  # no host overhead
     run.claim("witcert-cert-marginal-cost", ours=f"median {run.values['cert_cost_median']:+.1%} (A only, {best}, eager)"
               + "".join(f"; {m} layout under CUDA graphs: median {run.values[f'{m}_graph_cert_cost_median']:+.1%}, "
