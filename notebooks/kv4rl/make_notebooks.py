@@ -448,14 +448,17 @@ if pdl:
 else:
     for k in ("pdl_mean_ratio", "pdl_n_shapes", "pdl_b32_1k_us", "nopdl_b32_1k_us"):
         run.glue(k, float("nan"))
-dec = load_result("dev/kv4rl_decompose_rows8", "gpu")
+dec = load_result("dev/kv4rl_decompose_pipe", "gpu")
+dec_old = load_result("dev/kv4rl_decompose_rows8", "gpu")  # the same probe before the edge blocks were pipelined
+old_b32 = next((x for x in dec_old["results"] if x["batch"] == 32 and x["ctx"] == 16384), None) if dec_old else None
+run.glue("dec_old_structure_us", old_b32["structure_ms"] * 1e3 if old_b32 else float("nan"))
 if dec:
     dd = pd.DataFrame(dec["results"])
     b32 = dd[(dd.batch == 32) & (dd.ctx == 16384)].iloc[0]
     run.glue("dec_structure_us", float(b32.structure_ms) * 1e3)
     run.glue("dec_protected_us", float(b32.protected_work_ms) * 1e3)
     display(Markdown("KV4-RL's extra time over KV4, split by timing the same launch with an empty side buffer "
-                     "(`data/results/gpu/dev/kv4rl_decompose_rows8.json`, µs):"))
+                     "(`data/results/gpu/dev/kv4rl_decompose_pipe.json`, with the edge blocks pipelined, µs):"))
     display(pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4": dd.kv4_ms * 1e3, "structure": dd.structure_ms * 1e3,
                           "protected work": dd.protected_work_ms * 1e3, "KV4-RL/KV4": dd.frac}).round(3)
             .set_index(["B", "S"]))
@@ -502,7 +505,7 @@ The sweeps behind this choice, and the layouts that lost, are in `data/results/g
 **Why KV4-RL keeps less than its byte bound at long context.** Its protected region is one extra
 program per (request, kv head) in the same launch, and its states meet KV4's in the split merge. Timing
 the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
-`data/results/gpu/dev/kv4rl_decompose_rows8.json`, table above) shows that at S = 16k most of KV4-RL's
+`data/results/gpu/dev/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
 extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
 against {glue:text}`dec_protected_us:.1f` µs): the extra programs wait for slots behind the INT4 programs, the
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
@@ -539,7 +542,8 @@ S = 16k {glue:text}`edges_b32_16k_pipe_ms:.4f` ms against {glue:text}`edges_b32_
 (KV4-RL/KV4 {glue:text}`edges_b32_16k_frac_pipe:.3f` against {glue:text}`edges_b32_16k_frac_peel:.3f`);
 B = 512, S = 4k {glue:text}`edges_b512_4k_pipe_ms:.3f` ms against {glue:text}`edges_b512_4k_peel_ms:.3f` ms;
 the ragged B = 320 batch {glue:text}`edges_ragged_frac_pipe:.3f` of KV4 against
-{glue:text}`edges_ragged_frac_peel:.3f`. (The decomposition table above predates it.) KV4's own region starts at 0, so it has at most a
+{glue:text}`edges_ragged_frac_peel:.3f`; in the decomposition it took the structure at B = 32, S = 16k from
+{glue:text}`dec_old_structure_us:.1f` µs to {glue:text}`dec_structure_us:.1f` µs. KV4's own region starts at 0, so it has at most a
 partial last block and keeps the peeled steps by default: with `pipe_edges` it takes
 {glue:text}`edges_b32_16k_kv4_ratio:.3f` of its time at B = 32, S = 16k (aligned lengths, no partial block)
 but {glue:text}`edges_ragged_kv4_ratio:.3f` on the ragged batch, so ragged KV4 batches should set it. A third
