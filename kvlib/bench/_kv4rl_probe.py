@@ -67,15 +67,17 @@ def _decompose_row(b: int, n: int) -> dict:
     return row
 
 
-EDGE_SHAPES = ((32, 4096, None), (32, 16384, None), (128, 16384, None), (8, 32768, None), (512, 4096, None),
-               (320, 16384, 4000.0))
+EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 16384, None), (8, 32768, None),
+               (512, 4096, None), (320, 16384, 4000.0))
 
 
 #: KV4-RL variants timed beside the edges pair; the runs of record timed a third CTA per SM (registers capped at
 #: 168; dev/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
 #: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
-#: removed
-EDGE_EXTRA: dict = {}
+#: removed. Now: ``side_merge`` (the side slots attended by a persistent merge launch overlapping the INT4 wave),
+#: with one or two of its programs per SM
+EDGE_EXTRA: dict = {"kv4rl_side_merge": DEFAULT_CONFIG.replace(side_merge=True),
+                    "kv4rl_side_merge2": DEFAULT_CONFIG.replace(side_merge=True, side_merge_ctas=2)}
 
 
 def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
@@ -120,6 +122,40 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
+def _structure_row(b: int, n: int) -> dict:
+    """Where KV4-RL's structure goes (empty side buffer, so no protected work): the decode launch alone (its
+    split merge replaced by a view of the first state: timing only) and the split merge alone on states of the
+    same shape, beside KV4 and the whole KV4-RL launch with the empty buffer."""
+    import kvlib.kernels.decode_int4 as K
+    from kvlib.kernels.decode_int4 import kv4_main_decode, prepare_query
+    from kvlib.kernels.merge_tl import merge_splits
+    from kvlib.kv4rl_attention import side_buffer
+
+    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    cache = random_kv4_batch(lengths, n)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    empty = side_buffer(cache)._replace(count=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    start, end = cache.main_range()
+    c = cache
+
+    def launch():
+        qp = prepare_query(q, rotate=True)
+        return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
+                               side=empty)
+
+    row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0], kv4rl_empty_side_ms=_time(launch)[0])
+    real_merge = K.merge_splits
+    K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
+    try:
+        row["kv4rl_empty_side_no_merge_ms"] = _time(launch)[0]
+    finally:
+        K.merge_splits = real_merge
+    o_s = torch.randn(b, HQ, 2, D, device="cuda")
+    lse_s = torch.randn(b, HQ, 2, device="cuda")
+    row["merge_alone_ms"] = _time(lambda: merge_splits(o_s, lse_s))[0]
+    return row
+
+
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     rows: list[dict] = []
@@ -133,6 +169,16 @@ def main() -> None:
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
+    if "--structure" in sys.argv:
+        for b, n in ((32, 16384), (128, 16384), (512, 4096)):
+            rows.append(_structure_row(b, n))
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+            torch.cuda.empty_cache()
+        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_structure.json")
+        write_probe(out, "kv4rl_probe", rows, started,
+                    {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
+                     "config": str(DEFAULT_CONFIG)})
+        return
     if "--edges" in sys.argv:
         for b, n, mean in EDGE_SHAPES:
             rows.append(_edges_row(b, n, mean))
