@@ -130,25 +130,21 @@ def test_query_rows_cover_any_group(group):
     q = torch.randn(2, hkv * group, d, generator=g)
     k, v = torch.randn(2, hkv, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g)
     cache = build_kv4_batch(k, v, torch.tensor([40, 9]), sink=2, recent=8)
+    o, lse = kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(block_n=16))
     o_ref, lse_ref = decode_ref(q, cache)
-    for side_merge in (False, True):
-        cfg = DEFAULT_CONFIG.replace(block_n=16, side_merge=side_merge)
-        o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
-        _close(lse, lse_ref, 1e-4)
-        _close(o, o_ref, 2e-2)
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)
     with pytest.raises(ValueError, match="rows"):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize(("pipe_edges", "side_merge"), [(False, False), (True, False), (None, True)],
-                         ids=["peeled", "pipe_edges", "side_merge"])
+@pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges, side_merge):
-    """The protected region's extra program (or, with ``side_merge``, the merge launch's persistent programs)
-    meets any number of INT4 splits in the merge."""
+def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges):
+    """The protected region's extra program meets any number of INT4 splits in the merge."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
-    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges, side_merge=side_merge)
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)

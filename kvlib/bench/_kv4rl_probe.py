@@ -74,10 +74,9 @@ EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 1638
 #: KV4-RL variants timed beside the edges pair; the runs of record timed a third CTA per SM (registers capped at
 #: 168; dev/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
 #: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
-#: removed. Now: ``side_merge`` (the side slots attended by a persistent merge launch overlapping the INT4 wave),
-#: with one or two of its programs per SM
-EDGE_EXTRA: dict = {"kv4rl_side_merge": DEFAULT_CONFIG.replace(side_merge=True),
-                    "kv4rl_side_merge2": DEFAULT_CONFIG.replace(side_merge=True, side_merge_ctas=2)}
+#: removed, as was ``side_merge``, the side slots attended by a persistent merge launch meant to overlap the INT4
+#: wave (dev/kv4rl_side_merge.json, 8379906)
+EDGE_EXTRA: dict = {}
 
 
 def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:

@@ -55,7 +55,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kvlib._checks import check_tensor
 from kvlib.hadamard import hadamard, hadamard_matrix
 from kvlib.kernels._backend import pdl_supported, use_triton
-from kvlib.kernels.merge_tl import merge_row, merge_splits
+from kvlib.kernels.merge_tl import merge_splits
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -801,7 +801,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, SIDE_SLOT: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -814,7 +814,7 @@ def _kv4_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT + SIDE_SLOT  # SIDE_SLOT: the side merge launch writes the last state (side_merge)
+    NS = SPLITS + PROT
     if PROT:
         if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
@@ -827,47 +827,6 @@ def _kv4_decode_kernel(
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
                      INTERP, TMA, PIPE_EDGES)
-
-
-@triton.jit
-def _side_merge_pair(O_S, LSE_S, OUT, LSE, p, SPLITS, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                     NS_P: tl.constexpr):
-    """Merge the ``G`` query rows of pair ``p = b * HKV + h`` (their ``SPLITS`` INT4 states and the side state)."""
-    for r in tl.static_range(G):
-        merge_row(O_S, LSE_S, OUT, LSE, (p * G + r).to(tl.int64), SPLITS + 1, NS_P, D)
-
-
-@triton.jit(do_not_specialize=["C", "SPLITS", "PAIRS"])
-def _side_merge_kernel(
-    Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, OUT, LSE, sm_scale_log2, C, SPLITS, PAIRS,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-    NS_P: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """``side_merge``: a persistent grid (about one program per SM) takes the (request, kv head) pairs in turn:
-    first the side slots of each of its pairs into state slot ``SPLITS`` (reading only the query and the side
-    buffer), then, once the decode launch has finished, the merge of its pairs' rows. As a programmatic
-    dependent launch its programs start while the INT4 programs finish, each in the room two INT4 programs
-    leave on an SM, so the side work overlaps the INT4 stream instead of following it."""
-    NS = SPLITS + 1
-    if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
-        p = tl.program_id(0)
-        while p < PAIRS:
-            _protected_region(p // HKV, p % HKV, Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, sm_scale_log2, C,
-                              SPLITS, NS, HKV, G, GP, D, BLOCK_P, INTERP)
-            p += tl.num_programs(0)
-        p = tl.program_id(0)
-        while p < PAIRS:
-            _side_merge_pair(O_S, LSE_S, OUT, LSE, p, SPLITS, HKV, G, D, NS_P)
-            p += tl.num_programs(0)
-    else:
-        for p in range(tl.program_id(0), PAIRS, tl.num_programs(0)):
-            _protected_region(p // HKV, p % HKV, Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, sm_scale_log2, C,
-                              SPLITS, NS, HKV, G, GP, D, BLOCK_P, INTERP)
-        if PDL:
-            gdc_wait()  # the INT4 states are written
-        tl.debug_barrier()  # this program's side states, stored above, are visible to all its threads
-        for p in range(tl.program_id(0), PAIRS, tl.num_programs(0)):
-            _side_merge_pair(O_S, LSE_S, OUT, LSE, p, SPLITS, HKV, G, D, NS_P)
 
 
 @dataclass(frozen=True)
@@ -892,15 +851,17 @@ class KV4KernelConfig:
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous
       copies, no per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8
       so every row stride is 16-byte aligned; otherwise the pointer loads are used).
-    - KV4-RL's protected region is one extra program per (request, kv head). Five other layouts were
+    - KV4-RL's protected region is one extra program per (request, kv head). Six other layouts were
       timed on the H200 and removed, each slower for KV4-RL: the last INT4 split running it after its
       blocks, without and with an L2 prefetch of the side buffer (B=32, S=16k: 0.174 vs 0.167 ms;
       data/results/gpu/dev/kv4_prot_last.json, kv4_sweep_plans2.json), the first split running it before
       its blocks and starting its INT4 loop from the side state, so no extra program and at one split no
       merge (B=32, S=16k: 0.1664 vs 0.1645 ms; faster only at B=512, S=4k; kv4rl_fold.json), a standalone
-      protected kernel on a forked stream (kv4_sweep_par.json), and the protected regions packed several
-      pairs per program into the last wave's idle slots (kv4_sweep_packed2.json): a protected pair is
-      latency-bound while the INT4 programs saturate memory.
+      protected kernel on a forked stream (kv4_sweep_par.json), a persistent merge launch (one or two
+      programs per SM, a programmatic dependent launch beside the INT4 wave) attending over the side slots
+      before merging (B=32, S=16k: 0.168-0.181 vs 0.164 ms; kv4rl_side_merge.json), and the protected
+      regions packed several pairs per program into the last wave's idle slots (kv4_sweep_packed2.json): a
+      protected pair is latency-bound while the INT4 programs saturate memory.
     - ``pipe_edges``: a split's partial first and last blocks run the masked step inside the
       software-pipelined loop (one uniform branch per block decides whether to mask), instead of as two
       steps peeled before and after it whose loads nothing prefetches. ``None``: on with a side buffer
@@ -909,10 +870,6 @@ class KV4KernelConfig:
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
       batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
-    - ``side_merge`` (KV4-RL): the side slots are attended by the merge launch (a program per pair that
-      runs them, then waits for the decode launch and merges) instead of by an extra decode program; with
-      ``pdl`` its programs start while the INT4 programs finish, so the side work overlaps the INT4 stream.
-      ``side_merge_ctas`` programs per SM (a persistent grid; one fits beside two INT4 programs).
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -934,8 +891,6 @@ class KV4KernelConfig:
     tma: bool = False
     pdl: bool = True
     pipe_edges: bool | None = None
-    side_merge: bool = False
-    side_merge_ctas: int = 1
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1115,13 +1070,12 @@ def kv4_main_decode(
     if k_mode == "planes" and (d < 128 or n % 2):
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
-    smerge = side is not None and cfg.side_merge
-    prot = side is not None and not smerge
-    ns = splits + int(side is not None)
+    prot = side is not None
+    ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
-    if side is not None:
+    if prot:
         k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
         cnt = side.count.to(torch.int32)
     else:
@@ -1143,25 +1097,11 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=(side is not None) if cfg.pipe_edges is None else bool(cfg.pipe_edges),
-        SIDE_SLOT=smerge,
+        PDL=pdl, PIPE_EDGES=prot if cfg.pipe_edges is None else bool(cfg.pipe_edges),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
-    if smerge:
-        o = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
-        lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
-        pairs = b * hkv
-        nprog = min(pairs, _sm_count(dev.index or 0) * cfg.side_merge_ctas) if qp.q8.is_cuda else min(pairs, 3)
-        _side_merge_kernel[(nprog,)](
-            q8, qp.scale, k8, k8s, v8, v8s, cnt, o_s, lse_s, o, lse, sm_scale * LOG2E, max(c, 1), splits, pairs,
-            HKV=hkv, G=g, GP=gp, D=d, BLOCK_P=cfg.block_p, NS_P=triton.next_power_of_2(ns), INTERP=not qp.q8.is_cuda,
-            PDL=pdl, **({"launch_pdl": True} if pdl else {}), num_warps=2, num_stages=1,
-            # 184 registers (no spills, offline sm_90 count) so one program fits on an SM beside two INT4 programs
-            **({"maxnreg": 184} if qp.q8.is_cuda else {}),
-        )  # fmt: skip
-        return o, lse
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     return merge_splits(o_s, lse_s, backend=backend, pdl=pdl)[:2]

@@ -89,10 +89,16 @@ def not_finite_or_nan(x):
 
 
 @triton.jit
-def merge_row(O_S, LSE_S, OUT, LSE, row, NS, NS_P: tl.constexpr, D: tl.constexpr):
-    """Merge row ``row``'s ``NS`` states (``O_S [rows, NS, D]``, natural-log ``LSE_S [rows, NS]``) into ``OUT``,
-    ``LSE``; returns the LSE weights ``w``, their sum ``den``, the empty-split mask and the split index/mask
-    (the certificate accumulators ride the same weights)."""
+def _merge_splits_kernel(
+    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
+    NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs). PDL (programmatic
+    dependent launch): launched before the kernel that writes the states has finished; wait for it here."""
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NS_P)
     mask_s = s < NS
     lse_s = tl.load(LSE_S + row * NS + s, mask=mask_s, other=float("-inf"))
@@ -108,21 +114,6 @@ def merge_row(O_S, LSE_S, OUT, LSE, row, NS, NS_P: tl.constexpr, D: tl.constexpr
     o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
     tl.store(OUT + row * D + cols, o)
     tl.store(LSE + row, tl.where(nonempty, m_safe + tl.log(den), float("-inf")))
-    return w, den, empty, mask_s, s
-
-
-@triton.jit
-def _merge_splits_kernel(
-    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
-    NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs). PDL (programmatic
-    dependent launch): launched before the kernel that writes the states has finished; wait for it here."""
-    if PDL:
-        gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    w, den, empty, mask_s, s = merge_row(O_S, LSE_S, OUT, LSE, row, NS, NS_P, D)
     if CERT:
         a_s = tl.load(A_S + row * NS + s, mask=mask_s, other=0.0)
         a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den

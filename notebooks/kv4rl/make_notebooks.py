@@ -478,6 +478,14 @@ fold = load_result("dev/kv4rl_fold", "gpu")
 frow = next((x for x in fold["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if fold else None
 run.glue("fold_rl_ms", frow["kv4rl_fold_ms"] if frow else float("nan"))
 run.glue("fold_own_rl_ms", frow["kv4rl_pipe_edges_ms"] if frow else float("nan"))
+smerge = load_result("dev/kv4rl_side_merge", "gpu")
+srow = next((x for x in smerge["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if smerge else None
+run.glue("smerge_rl_ms", srow["kv4rl_side_merge2_ms"] if srow else float("nan"))
+run.glue("smerge_own_rl_ms", srow["kv4rl_pipe_edges_ms"] if srow else float("nan"))
+struct = load_result("dev/kv4rl_structure", "gpu")
+st32 = next((x for x in struct["results"] if x["batch"] == 32), None) if struct else None
+run.glue("struct_merge_us", (st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
+         if st32 else float("nan"))
 run.glue("edges_max_do", max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=float("nan")))
 """,
             hide_input=True,
@@ -507,7 +515,9 @@ program per (request, kv head) in the same launch, and its states meet KV4's in 
 the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
 `data/results/gpu/dev/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
 extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
-against {glue:text}`dec_protected_us:.1f` µs): the extra programs wait for slots behind the INT4 programs, the
+against {glue:text}`dec_protected_us:.1f` µs; of the structure, the merge launch is about
+{glue:text}`struct_merge_us:.1f` µs at B = 32 and nothing measurable at B = 128, `kv4rl_structure.json`): the extra
+programs wait for slots behind the INT4 programs, the
 kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
 launch that KV4 with one split does not. Other layouts were timed and none was faster
 (`data/results/gpu/dev/`), and each was removed after losing: the side slots handled by the last
@@ -516,7 +526,10 @@ blocks (B = 32, S = 16k: KV4-RL {glue:text}`last_rl_ms:.3f` ms against {glue:tex
 `kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the first split
 running them before its blocks and starting its INT4 loop from their state, which needs no extra program
 and at one split no merge launch ({glue:text}`fold_rl_ms:.4f` ms against {glue:text}`fold_own_rl_ms:.4f` ms,
-`kv4rl_fold.json`: the same longer path, at the start); the grid
+`kv4rl_fold.json`: the same longer path, at the start); a persistent merge launch, started beside the INT4
+wave as a programmatic dependent launch, attending over every pair's side slots before merging
+({glue:text}`smerge_rl_ms:.4f` ms with two of its programs per SM against {glue:text}`smerge_own_rl_ms:.4f` ms,
+`kv4rl_side_merge.json`: a few programs per SM cannot carry every pair's dependent side steps); the grid
 ordered so each pair's protected program starts beside its INT4 program instead of in the launch's tail
 (B = 512, S = 4k: {glue:text}`order_rl_ms:.3f` ms against {glue:text}`order_own_rl_ms:.3f` ms,
 `kv4_sweep_order.json`); the protected program's side steps loaded one step ahead
