@@ -40,25 +40,30 @@ def _shape_row(b: int, n: int, variants: dict) -> dict:
     return row
 
 
-def _decompose_row(b: int, n: int) -> dict:
-    """KV4, KV4-RL with an empty side buffer (its extra programs and merge launch, no protected work) and
-    KV4-RL, at the default configuration: what the structure costs and what the protected work costs."""
+def _empty_side_problem(b: int, n: int) -> tuple:
+    """``(q, cache, launch)`` at batch ``b``, context ``n``: ``launch()`` is the KV4-RL decode launch with an empty
+    side buffer (its extra programs and merge, no protected work)."""
     from kvlib.kernels.decode_int4 import kv4_main_decode, prepare_query
     from kvlib.kv4rl_attention import side_buffer
 
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    cache = random_kv4_batch(lengths, n)
+    c = random_kv4_batch(lengths, n)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    side = side_buffer(cache)
-    empty = side._replace(count=torch.zeros_like(side.count))
-    start, end = cache.main_range()
-    c = cache
+    empty = side_buffer(c)._replace(count=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    start, end = c.main_range()
 
-    def structure_only():
+    def launch():
         qp = prepare_query(q, rotate=True)
         return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
                                side=empty)
 
+    return q, c, launch
+
+
+def _decompose_row(b: int, n: int) -> dict:
+    """KV4, KV4-RL with an empty side buffer (its extra programs and merge launch, no protected work) and
+    KV4-RL, at the default configuration: what the structure costs and what the protected work costs."""
+    q, cache, structure_only = _empty_side_problem(b, n)
     row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0],
                kv4rl_empty_side_ms=_time(structure_only)[0], kv4rl_ms=_time(lambda: kv4rl_decode(q, cache))[0])
     row["structure_ms"] = row["kv4rl_empty_side_ms"] - row["kv4_ms"]
@@ -126,22 +131,9 @@ def _structure_row(b: int, n: int) -> dict:
     split merge replaced by a view of the first state: timing only) and the split merge alone on states of the
     same shape, beside KV4 and the whole KV4-RL launch with the empty buffer."""
     import kvlib.kernels.decode_int4 as K
-    from kvlib.kernels.decode_int4 import kv4_main_decode, prepare_query
     from kvlib.kernels.merge_tl import merge_splits
-    from kvlib.kv4rl_attention import side_buffer
 
-    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    cache = random_kv4_batch(lengths, n)
-    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    empty = side_buffer(cache)._replace(count=torch.zeros(b, dtype=torch.int32, device="cuda"))
-    start, end = cache.main_range()
-    c = cache
-
-    def launch():
-        qp = prepare_query(q, rotate=True)
-        return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-                               side=empty)
-
+    q, cache, launch = _empty_side_problem(b, n)
     row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0], kv4rl_empty_side_ms=_time(launch)[0])
     real_merge = K.merge_splits
     K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
@@ -168,40 +160,27 @@ def main() -> None:
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
-    if "--structure" in sys.argv:
-        for b, n in ((32, 16384), (128, 16384), (512, 4096)):
-            rows.append(_structure_row(b, n))
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-            torch.cuda.empty_cache()
-        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_structure.json")
-        write_probe(out, "kv4rl_probe", rows, started,
-                    {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
-                     "config": str(DEFAULT_CONFIG)})
-        return
-    if "--edges" in sys.argv:
-        for b, n, mean in EDGE_SHAPES:
-            rows.append(_edges_row(b, n, mean))
+    modes = {"--structure": (_structure_row, ((32, 16384), (128, 16384), (512, 4096)), "kv4rl_structure.json"),
+             "--edges": (_edges_row, EDGE_SHAPES, "kv4rl_edges.json"),
+             "--decompose": (_decompose_row, ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)),
+                             "kv4rl_decompose.json")}
+    for flag, (make_row, mode_shapes, default_out) in modes.items():
+        if flag not in sys.argv:
+            continue
+        for args in mode_shapes:
+            rows.append(make_row(*args))
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
                   flush=True)
             torch.cuda.empty_cache()
-        o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(pipe_edges=True))
-        rows.append(dict(check="pipe_edges", err_o=float((o - o_r).abs().max()),
-                         err_lse=float((lse - lse_r).abs().max())))
-        print(rows[-1], flush=True)
-        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_edges.json")
+        if flag == "--edges":
+            o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(pipe_edges=True))
+            rows.append(dict(check="pipe_edges", err_o=float((o - o_r).abs().max()),
+                             err_lse=float((lse - lse_r).abs().max())))
+            print(rows[-1], flush=True)
+        out = next((a for a in sys.argv[1:] if not a.startswith("--")), default_out)
         write_probe(out, "kv4rl_probe", rows, started,
                     {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
-                     "config": str(DEFAULT_CONFIG), "shapes": EDGE_SHAPES})
-        return
-    if "--decompose" in sys.argv:
-        for b, n in ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)):
-            rows.append(_decompose_row(b, n))
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-            torch.cuda.empty_cache()
-        out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_decompose.json")
-        write_probe(out, "kv4rl_probe", rows, started,
-                    {"command": "python -m kvlib.bench._kv4rl_probe " + " ".join(sys.argv[1:]),
-                     "config": str(DEFAULT_CONFIG)})
+                     "config": str(DEFAULT_CONFIG), "shapes": mode_shapes})
         return
     variants = BLOCK_P if "--block-p" in sys.argv else MODES
     shapes = ((32, 1024), (32, 4096), (32, 16384), (128, 16384)) if "--block-p" in sys.argv else SHAPES
