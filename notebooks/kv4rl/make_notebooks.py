@@ -482,6 +482,10 @@ smerge = load_result("dev/kv4rl_side_merge", "gpu")
 srow = next((x for x in smerge["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if smerge else None
 run.glue("smerge_rl_ms", srow["kv4rl_side_merge2_ms"] if srow else float("nan"))
 run.glue("smerge_own_rl_ms", srow["kv4rl_pipe_edges_ms"] if srow else float("nan"))
+cap = load_result("dev/kv4rl_edges", "gpu")  # the second edges run, with the register-capped variants
+crow = next((x for x in cap["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if cap else None
+run.glue("cap_rl_ms", crow["kv4rl_pe_cap168_ctas3_ms"] if crow else float("nan"))
+run.glue("cap_own_rl_ms", crow["kv4rl_pipe_edges_ms"] if crow else float("nan"))
 struct = load_result("dev/kv4rl_structure", "gpu")
 st32 = next((x for x in struct["results"] if x["batch"] == 32), None) if struct else None
 run.glue("struct_merge_us", (st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
@@ -515,32 +519,29 @@ program per (request, kv head) in the same launch, and its states meet KV4's in 
 the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
 `data/results/gpu/dev/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
 extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
-against {glue:text}`dec_protected_us:.1f` µs; of the structure, the merge launch is about
-{glue:text}`struct_merge_us:.1f` µs at B = 32 and nothing measurable at B = 128, `kv4rl_structure.json`): the extra
-programs wait for slots behind the INT4 programs, the
-kernel compiled with the protected path runs a slightly longer INT4 loop, and the states need a merge
-launch that KV4 with one split does not. Other layouts were timed and none was faster
-(`data/results/gpu/dev/`), and each was removed after losing: the side slots handled by the last
-INT4 split after its blocks, first plain, then with the side buffer asked into L2 before the INT4
-blocks (B = 32, S = 16k: KV4-RL {glue:text}`last_rl_ms:.3f` ms against {glue:text}`last_own_rl_ms:.3f` ms,
-`kv4_sweep_plans2.json`: one longer program is a longer tail than one more short one); the first split
-running them before its blocks and starting its INT4 loop from their state, which needs no extra program
-and at one split no merge launch ({glue:text}`fold_rl_ms:.4f` ms against {glue:text}`fold_own_rl_ms:.4f` ms,
-`kv4rl_fold.json`: the same longer path, at the start); a persistent merge launch, started beside the INT4
-wave as a programmatic dependent launch, attending over every pair's side slots before merging
-({glue:text}`smerge_rl_ms:.4f` ms with two of its programs per SM against {glue:text}`smerge_own_rl_ms:.4f` ms,
-`kv4rl_side_merge.json`: a few programs per SM cannot carry every pair's dependent side steps); the grid
-ordered so each pair's protected program starts beside its INT4 program instead of in the launch's tail
-(B = 512, S = 4k: {glue:text}`order_rl_ms:.3f` ms against {glue:text}`order_own_rl_ms:.3f` ms,
-`kv4_sweep_order.json`); the protected program's side steps loaded one step ahead
-({glue:text}`pref_rl_ms:.3f` ms against {glue:text}`pref_own_rl_ms:.3f` ms, `kv4_sweep_prot.json`); the slots sliced
-over the splits and merged in place; the merge done
-inside the decode launch by the last program to finish; a small standalone protected kernel on a
-parallel stream beside the INT4 kernel; and the protected regions packed several pairs per program
-into the last wave's idle slots (B = 32, S = 16k: KV4-RL {glue:text}`packed_rl_ms:.3f` ms packed
-against {glue:text}`own_rl_ms:.3f` ms, `kv4_sweep_packed2.json`). The last two show why: a protected
-pair is a short chain of dependent loads (five 32-slot steps), and while the INT4 programs saturate
-memory each step waits on it, so protected work that overlaps the INT4 stream runs slower, not free.
+against {glue:text}`dec_protected_us:.1f` µs). Of the structure, the merge launch is about
+{glue:text}`struct_merge_us:.1f` µs at B = 32 and nothing measurable at B = 128 (`kv4rl_structure.json`); the rest
+is the extra programs waiting for slots behind the INT4 programs.
+
+Other layouts were timed on the H200 under CUDA graphs, and each was removed after losing
+(`data/results/gpu/dev/`; KV4-RL's time in ms):
+
+| layout | it | the default | shape | file |
+|---|---|---|---|---|
+| the last INT4 split runs the side slots after its blocks, the side buffer asked into L2 first | {glue:text}`last_rl_ms:.4f` | {glue:text}`last_own_rl_ms:.4f` | B = 32, S = 16k | `kv4_sweep_plans2.json` |
+| the first split runs them before its blocks and starts its INT4 loop from their state (no extra program; at one split no merge launch) | {glue:text}`fold_rl_ms:.4f` | {glue:text}`fold_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_fold.json` |
+| a persistent merge launch started beside the INT4 wave (programmatic dependent launch, two programs per SM) attends over every pair's side slots, then merges | {glue:text}`smerge_rl_ms:.4f` | {glue:text}`smerge_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_side_merge.json` |
+| a third CTA per SM for the protected programs (registers capped at 168, the split plan counting three) | {glue:text}`cap_rl_ms:.4f` | {glue:text}`cap_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_edges.json` |
+| several pairs packed per program into the last wave's idle slots | {glue:text}`packed_rl_ms:.4f` | {glue:text}`own_rl_ms:.4f` | B = 32, S = 16k | `kv4_sweep_packed2.json` |
+| the grid ordered so each pair's protected program starts beside its INT4 program | {glue:text}`order_rl_ms:.4f` | {glue:text}`order_own_rl_ms:.4f` | B = 512, S = 4k | `kv4_sweep_order.json` |
+| the protected program's side steps loaded one step ahead | {glue:text}`pref_rl_ms:.4f` | {glue:text}`pref_own_rl_ms:.4f` | B = 512, S = 4k | `kv4_sweep_prot.json` |
+
+(The "default" column is each run's own default, so it moves with the defaults of its day.) Three more lost
+in earlier sweeps: the slots sliced over the splits and merged in place, the merge done inside the decode
+launch by the last program to finish, and a small standalone protected kernel on a parallel stream. They
+show the same thing: a protected pair is a short chain of dependent loads (five 32-slot steps), and while
+the INT4 programs saturate memory each step waits on it, so protected work on an INT4 program's path, or
+beside the INT4 stream, runs slower, not free.
 
 **Edge blocks inside the pipeline.** A KV4-RL main region starts after the sinks and ends before the
 recent window, so at both ends it cuts a position block in two. Those two partial blocks used to run as
@@ -559,9 +560,7 @@ the ragged B = 320 batch {glue:text}`edges_ragged_frac_pipe:.3f` of KV4 against
 {glue:text}`dec_old_structure_us:.1f` µs to {glue:text}`dec_structure_us:.1f` µs. KV4's own region starts at 0, so it has at most a
 partial last block and keeps the peeled steps by default: with `pipe_edges` it takes
 {glue:text}`edges_b32_16k_kv4_ratio:.3f` of its time at B = 32, S = 16k (aligned lengths, no partial block)
-but {glue:text}`edges_ragged_kv4_ratio:.3f` on the ragged batch, so ragged KV4 batches should set it. A third
-CTA per SM, so that the protected programs could run beside the INT4 wave instead of after it, needs the
-registers capped at 168; the INT4 loop then spills and every shape got slower (`kv4rl_edges.json`).
+but {glue:text}`edges_ragged_kv4_ratio:.3f` on the ragged batch, so ragged KV4 batches should set it.
 
 **Three launches that overlap.** The query preparation, the decode kernel and (when there is more
 than one state) the split merge are separate launches. With programmatic dependent launch (Hopper;
