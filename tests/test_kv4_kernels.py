@@ -13,6 +13,7 @@ from kvlib.kernels.decode_int4 import (
     default_num_splits,
     kv4_main_decode,
     kv4_main_decode_ref,
+    pipe_edges_applies,
     prepare_query,
     prepare_query_ref,
     region_attention_ref,
@@ -343,6 +344,15 @@ def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mo
         o_ref, lse_ref = kv4_main_decode_ref(*args)
         _close(lse, lse_ref, 1e-4)
         _close(o, o_ref, 2e-3)
+
+
+def test_pipe_edges_default_follows_the_side_buffer():
+    """By default only KV4-RL launches (unaligned at both ends of the main region) pipeline their edge blocks;
+    an explicit setting wins either way."""
+    assert pipe_edges_applies(DEFAULT_CONFIG, side=True) and not pipe_edges_applies(DEFAULT_CONFIG, side=False)
+    for flag in (False, True):
+        cfg = DEFAULT_CONFIG.replace(pipe_edges=flag)
+        assert pipe_edges_applies(cfg, side=True) is flag and pipe_edges_applies(cfg, side=False) is flag
 
 
 def test_wave_model_split_plans(monkeypatch):

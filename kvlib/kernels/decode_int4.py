@@ -983,6 +983,13 @@ def tma_applies(config: KV4KernelConfig, n: int, d: int) -> bool:
     return bool(config.tma) and config.k_mode != "planes" and not config.int_pv and n % 8 == 0 and d % 4 == 0
 
 
+def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
+    """Whether a launch runs its partial edge blocks inside the pipelined loop: ``config.pipe_edges``, or when it
+    is ``None``, exactly when a side buffer is given (a KV4-RL main region is unaligned at both ends; KV4's starts
+    at 0)."""
+    return side if config.pipe_edges is None else bool(config.pipe_edges)
+
+
 def _tma_descriptors(kc, vw, ks, ko, vs, vo, block_n: int) -> tuple:
     """Host TMA descriptors over the ``[B*Hkv, N, ...]`` views of the code words and scales (one
     ``block_n``-row box each); the kernel indexes them by ``b * Hkv + h``."""
@@ -1097,7 +1104,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=prot if cfg.pipe_edges is None else bool(cfg.pipe_edges),
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
