@@ -27,7 +27,7 @@ from kvlib.kernels.decode_int8 import (
     make_pool_side,
     resolve_impl,
 )
-from kvlib.kernels.philox_tl import dither_tile_h10
+from kvlib.kernels.philox_tl import dither_tile_h8, dither_tile_h10
 from kvlib.paged import PagedKV, PagedPool
 from kvlib.philox import (
     DITHER_BIAS,
@@ -207,22 +207,28 @@ def test_write_kernel_matches_torch_h10(d, group, n_out):
 
 
 @triton.jit
-def _h10_tile_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr, D: tl.constexpr):
+def _tile_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr, D: tl.constexpr, H8: tl.constexpr):
     r = tl.arange(0, BS)
-    xi = dither_tile_h10(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D)
+    if H8:
+        xi = dither_tile_h8(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D)
+    else:
+        xi = dither_tile_h10(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D)
     tl.store(o_ptr + r[:, None] * D + tl.arange(0, D)[None, :], xi)
 
 
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("d", [8, 64, 128])
-def test_dither_tile_h10_matches_reference(d):
+@pytest.mark.parametrize(("layout", "d"), [("h10", 8), ("h10", 64), ("h10", 128), ("h8", 16), ("h8", 64),
+                                           ("h8", 128)])
+def test_dither_tile_matches_reference(layout, d):
+    """The Triton tiles of the half-word layouts against the torch dither, bit for bit (the smallest d is one
+    Philox call per position)."""
     slots = torch.tensor([0, 5, 2**32 - 1, 123456], dtype=torch.int64)
     k0, k1 = seed_key(SEED)
     out = torch.empty(4, d, device=DEV)
     for kv_head, layer, side in ((3, 17, 1), (1, 1, 0), (0, 0, 1)):  # 1 and 0 arrive specialised
-        _h10_tile_kernel[(1,)](slots.to(DEV), out, kv_head, layer, side, k0, k1, BS=4, D=d)
+        _tile_kernel[(1,)](slots.to(DEV), out, kv_head, layer, side, k0, k1, BS=4, D=d, H8=layout == "h8")
         assert torch.equal(out.cpu(), dither(slots, d, layer=layer, kv_head=kv_head, seed=SEED, side=side,
-                                             layout="h10"))
+                                             layout=layout))
 
 
 # --- decode reference and radius --------------------------------------------------------------

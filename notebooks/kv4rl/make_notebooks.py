@@ -490,6 +490,11 @@ struct = load_result("dev/kv4rl_structure", "gpu")
 st32 = next((x for x in struct["results"] if x["batch"] == 32), None) if struct else None
 run.glue("struct_merge_us", (st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
          if st32 else float("nan"))
+st128 = next((x for x in struct["results"] if x["batch"] == 128), None) if struct else None
+run.glue("struct_merge128_us", (st128["kv4rl_empty_side_ms"] - st128["kv4rl_empty_side_no_merge_ms"]) * 1e3
+         if st128 else float("nan"))
+run.glue("struct_rest128_us", (st128["kv4rl_empty_side_no_merge_ms"] - st128["kv4_ms"]) * 1e3
+         if st128 else float("nan"))
 run.glue("edges_max_do", max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=float("nan")))
 """,
             hide_input=True,
@@ -520,8 +525,10 @@ the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe -
 `data/results/gpu/dev/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
 extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
 against {glue:text}`dec_protected_us:.1f` µs). Of the structure, the merge launch is about
-{glue:text}`struct_merge_us:.1f` µs at B = 32 and nothing measurable at B = 128 (`kv4rl_structure.json`); the rest
-is the extra programs waiting for slots behind the INT4 programs.
+{glue:text}`struct_merge_us:.1f` µs at B = 32 (`kv4rl_structure.json`); at B = 128 it is
+{glue:text}`struct_merge128_us:.1f` µs there against {glue:text}`struct_rest128_us:.1f` µs for the rest (an earlier
+run, `kv4rl_structure_run1.json`, found no merge share at all at that shape: within its spread). The rest is the
+extra programs waiting for slots behind the INT4 programs.
 
 Other layouts were timed on the H200 under CUDA graphs, and each was removed after losing
 (`data/results/gpu/dev/`; KV4-RL's time in ms):
