@@ -1,0 +1,128 @@
+"""Development probe on the GPU: the Gluon h8 decode kernel (:mod:`kvlib.kernels.decode_int8_gluon`) against the
+float64 reference and the Triton h8 kernel (agreement), then timed beside the Triton h8 kernel and SDPA bf16
+under CUDA graphs, three interleaved rounds (``python -m kvlib.bench._gluon_probe [out.json]``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import math
+import statistics
+import sys
+
+import torch
+
+from kvlib.bench._h10_probe import _problem, h10_problem, write_probe
+from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags
+from kvlib.bench.timing import bench_graphed
+from kvlib.bench.witcert_decode import LAYER, SEED
+
+SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (2, 4096, 28, 4))
+
+
+def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False, block_n: int = 16,
+                 delta: float = 1e-2):
+    """Stage 1 (Gluon) + the Triton split merge: a :class:`kvlib.kernels.merge_tl.MergedSplits`."""
+    from kvlib.certificate import radius_multiplier
+    from kvlib.kernels.decode_int8_gluon import launch_g8
+    from kvlib.kernels.merge_tl import merge_splits
+    from kvlib.philox import seed_key
+
+    B, hq, d = q.shape
+    k0, k1 = seed_key(SEED)
+    rad_extra = (radius_multiplier(1, delta, d, impl="h10", layout="h8")
+                 - radius_multiplier(1, delta, d, slack=False))
+    o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
+    lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
+    a_s = torch.empty_like(lse_s) if cert else lse_s
+    b_s = torch.empty_like(lse_s) if cert and cert_b else lse_s
+    launch_g8(q, kp, vp, slots, seq, o_s, lse_s, a_s, b_s, sm=1.0 / math.sqrt(d), delta=delta, rad_extra=rad_extra,
+              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b, block_n=block_n)
+    return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
+
+
+def splits_for(B: int, hkv: int, S: int, waves: float = 1.0, per_sm: int = 8) -> int:
+    """Split count filling ``waves`` waves of one-warp programs (``per_sm`` resident per SM)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(math.ceil(waves * sms * per_sm / (B * hkv)), math.ceil(S / 16)))
+
+
+def agreement() -> list[dict]:
+    from kvlib.kernels.decode_int8 import decode_int8, decode_reference
+
+    rows = []
+    for B, S, hq, hkv in ((2, 4096, 28, 4), (3, 1000, 32, 8)):
+        q, kp, vp, slots, seq = _problem(B, S, hq, hkv, 128, "h8", 0, torch.bfloat16)
+        ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
+        with h10_flags(VAR_DOT=False):
+            tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True)
+        for ns in (1, 7, 64, 200):
+            for cert_b in (False, True):
+                r = gluon_decode(q, kp, vp, slots, seq, ns=ns, cert=True, cert_b=cert_b)
+                cert = r.tv.double().cpu()
+                refc = ref.tv_bound if cert_b else ref.tv_bound_one
+                row = dict(kind="agreement", B=B, S=S, hq=hq, hkv=hkv, ns=ns, cert_b=cert_b,
+                           do=float((r.o.double().cpu() - ref.o).abs().max()),
+                           dlse=float((r.lse.double().cpu() - ref.lse).abs().max()),
+                           dA=float((r.A.double().cpu() - ref.A).abs().max()),
+                           dcert=float((cert - refc).abs().max()), cert_low=float((refc - cert).max()),
+                           cert_max=float(refc.max()),
+                           do_triton=float((r.o - tri.o).abs().max()), dA_triton=float((r.A - tri.A).abs().max()))
+                if cert_b:
+                    row["dB"] = float((r.B.double().cpu() - ref.B).abs().max())
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def timings(rounds: int = 3) -> list[dict]:
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    rows = []
+    for B, S, hq, hkv in SHAPES:
+        qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
+        kp = dataclasses.replace(kp, dither_layout="h8")
+        sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
+        n1 = splits_for(B, hkv, S, 1.0)
+        n2 = splits_for(B, hkv, S, 2.0)
+        n4 = splits_for(B, hkv, S, 4.0)
+        args = (qb, kp, vp, slots, seq)
+        tri = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="h10")
+        glu = functools.partial(gluon_decode, *args)
+        var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False),
+               "triton_h8_nocert": functools.partial(tri, cert=False),
+               f"gluon_cert_ns{n1}": functools.partial(glu, ns=n1),
+               f"gluon_cert_ns{n2}": functools.partial(glu, ns=n2),
+               f"gluon_cert_ns{n4}": functools.partial(glu, ns=n4),
+               f"gluon_nocert_ns{n2}": functools.partial(glu, ns=n2, cert=False)}
+        names = list(var)
+        ms: dict[str, list] = {n: [] for n in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                try:
+                    ms[name].append(bench_graphed(var[name], warmup_ms=5.0, rep_ms=30.0)["median_ms"])
+                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                    ms[name].append(None)
+                    print(f"FAIL {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        for name in names:
+            ok = [t for t in ms[name] if t is not None]
+            med = statistics.median(ok) if ok else None
+            rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,
+                             vs_sdpa=med and sd / med, rounds=ms[name]))
+            print(rows[-1], flush=True)
+        del qb, kp, vp, slots, seq, args, tri, glu, var
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    started = datetime.datetime.now(datetime.UTC)
+    rows = agreement()
+    rows += timings()
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "gluon_probe.json", "gluon_probe", rows, started,
+                {"command": "python -m kvlib.bench._gluon_probe", "shapes": SHAPES})
+
+
+if __name__ == "__main__":
+    main()
