@@ -60,7 +60,7 @@ def agreement() -> list[dict]:
         for ns in (1, 7, 64, 200):
             for cert_b in (False, True):
                 r = gluon_decode(q, kp, vp, slots, seq, ns=ns, cert=True, cert_b=cert_b)
-                cert = r.tv.double().cpu()
+                cert = r.tv_bound.double().cpu()
                 refc = ref.tv_bound if cert_b else ref.tv_bound_one
                 row = dict(kind="agreement", B=B, S=S, hq=hq, hkv=hkv, ns=ns, cert_b=cert_b,
                            do=float((r.o.double().cpu() - ref.o).abs().max()),
