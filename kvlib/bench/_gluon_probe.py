@@ -19,10 +19,13 @@ from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (2, 4096, 28, 4))
+#: split plans (waves of one-warp programs at 8 per SM) and register caps timed
+WAVES = (2.0, 4.0, 8.0)
+MAXNREG = (None, 200, 168)
 
 
 def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False, block_n: int = 16,
-                 delta: float = 1e-2):
+                 delta: float = 1e-2, maxnreg: int | None = None):
     """Stage 1 (Gluon) + the Triton split merge: a :class:`kvlib.kernels.merge_tl.MergedSplits`."""
     from kvlib.certificate import radius_multiplier
     from kvlib.kernels.decode_int8_gluon import launch_g8
@@ -38,7 +41,8 @@ def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: b
     a_s = torch.empty_like(lse_s) if cert else lse_s
     b_s = torch.empty_like(lse_s) if cert and cert_b else lse_s
     launch_g8(q, kp, vp, slots, seq, o_s, lse_s, a_s, b_s, sm=1.0 / math.sqrt(d), delta=delta, rad_extra=rad_extra,
-              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b, block_n=block_n)
+              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b, block_n=block_n,
+              maxnreg=maxnreg)
     return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
 
 
@@ -48,16 +52,16 @@ def splits_for(B: int, hkv: int, S: int, waves: float = 1.0, per_sm: int = 8) ->
     return max(1, min(math.ceil(waves * sms * per_sm / (B * hkv)), math.ceil(S / 16)))
 
 
-def agreement() -> list[dict]:
+def agreement(quick: bool = False) -> list[dict]:
     from kvlib.kernels.decode_int8 import decode_int8, decode_reference
 
     rows = []
-    for B, S, hq, hkv in ((2, 4096, 28, 4), (3, 1000, 32, 8)):
+    for B, S, hq, hkv in ((2, 4096, 28, 4), (3, 1000, 32, 8))[:1 if quick else 2]:
         q, kp, vp, slots, seq = _problem(B, S, hq, hkv, 128, "h8", 0, torch.bfloat16)
         ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
         with h10_flags(VAR_DOT=False):
             tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True)
-        for ns in (1, 7, 64, 200):
+        for ns in (1, 7, 64, 200)[:2 if quick else 4]:
             for cert_b in (False, True):
                 r = gluon_decode(q, kp, vp, slots, seq, ns=ns, cert=True, cert_b=cert_b)
                 cert = r.tv_bound.double().cpu()
@@ -84,18 +88,16 @@ def timings(rounds: int = 3) -> list[dict]:
         qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
         kp = dataclasses.replace(kp, dither_layout="h8")
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
-        n1 = splits_for(B, hkv, S, 1.0)
-        n2 = splits_for(B, hkv, S, 2.0)
-        n4 = splits_for(B, hkv, S, 4.0)
         args = (qb, kp, vp, slots, seq)
         tri = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="h10")
         glu = functools.partial(gluon_decode, *args)
-        var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False),
-               "triton_h8_nocert": functools.partial(tri, cert=False),
-               f"gluon_cert_ns{n1}": functools.partial(glu, ns=n1),
-               f"gluon_cert_ns{n2}": functools.partial(glu, ns=n2),
-               f"gluon_cert_ns{n4}": functools.partial(glu, ns=n4),
-               f"gluon_nocert_ns{n2}": functools.partial(glu, ns=n2, cert=False)}
+        var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False)}
+        for waves in WAVES:
+            ns = splits_for(B, hkv, S, waves)
+            for reg in MAXNREG:
+                var[f"gluon_cert_ns{ns}_r{reg}"] = functools.partial(glu, ns=ns, maxnreg=reg)
+        ns = splits_for(B, hkv, S, WAVES[1])
+        var[f"gluon_nocert_ns{ns}_r{MAXNREG[0]}"] = functools.partial(glu, ns=ns, maxnreg=MAXNREG[0], cert=False)
         names = list(var)
         ms: dict[str, list] = {n: [] for n in names}
         for r in range(rounds):
@@ -118,7 +120,7 @@ def timings(rounds: int = 3) -> list[dict]:
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    rows = agreement()
+    rows = agreement(quick=True)
     rows += timings()
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "gluon_probe.json", "gluon_probe", rows, started,
                 {"command": "python -m kvlib.bench._gluon_probe", "shapes": SHAPES})

@@ -235,43 +235,43 @@ def _load_tile(KC, VC, KS, VS, slot_k, slot_v, slot_s, mask_k, mask_v, mask_s, k
     value code words per group ``[BN, 8]`` int32 (keys at lane ``t`` words ``2 t, 2 t + 1``, values at lane ``g``
     word ``g``), key and value scales ``[BN, 4]`` fp16."""
     ck = gl.arange(0, 8, layout=gl.SliceLayout(0, W))
-    kb = KC + slot_k[:, None] * s_kc_n + kvh * 32 + ck[None, :]
+    kb = KC + slot_k.to(gl.int64)[:, None] * s_kc_n + kvh * 32 + ck[None, :]
     mk = mask_k[:, None]
     k0 = gl.load(kb, mask=mk, other=0)
     k1 = gl.load(kb + 8, mask=mk, other=0)
     k2 = gl.load(kb + 16, mask=mk, other=0)
     k3 = gl.load(kb + 24, mask=mk, other=0)
     cv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-    vb = VC + slot_v[:, None] * s_vc_n + kvh * 32 + cv[None, :]
+    vb = VC + slot_v.to(gl.int64)[:, None] * s_vc_n + kvh * 32 + cv[None, :]
     mv = mask_v[:, None]
     v0 = gl.load(vb, mask=mv, other=0)
     v1 = gl.load(vb + 8, mask=mv, other=0)
     v2 = gl.load(vb + 16, mask=mv, other=0)
     v3 = gl.load(vb + 24, mask=mv, other=0)
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-    ks = gl.load(KS + slot_s[:, None] * s_ks_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
-    vs = gl.load(VS + slot_s[:, None] * s_vs_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
+    ks = gl.load(KS + slot_s.to(gl.int64)[:, None] * s_ks_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
+    vs = gl.load(VS + slot_s.to(gl.int64)[:, None] * s_vs_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
     return k0, k1, k2, k3, v0, v1, v2, v3, ks, vs
 
 
 @gluon.jit
-def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr):
-    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)``, ``[16, BN]``."""
+def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr,
+              Z8: gl.constexpr):
+    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
     acc = gl.zeros([16, BN], gl.float32, layout=MMA)
     acc = mma_v2(qa, _codes_kb(kc, BN, KB, KW), acc)
     acc = mma_v2(qa, _negm_kb(w, BN, KB, KW), acc)
+    acc = gl.convert_layout(_rows8(acc, BN), Z8, assert_trivial=True)
     return (acc + XI8_CONST * q1[:, None]) * s[None, :]
 
 
 @gluon.jit
-def _pv_group(vw, ppT, vs, acc, alpha, BN: gl.constexpr, VA: gl.constexpr, V8: gl.constexpr,
-              PB: gl.constexpr):
-    """``acc alpha + c^T (1024 p s_v)`` for one group, ``[32, 8]`` (PV exact: ``1024 p s`` as fp16 hi + lo)."""
+def _pv_group(vw, ppT, vs, acc, BN: gl.constexpr, VA: gl.constexpr, V8: gl.constexpr, PB: gl.constexpr):
+    """``acc + c^T (1024 p s_v)`` for one group, ``[32, 8]`` (PV exact: ``1024 p s`` as fp16 hi + lo)."""
     va = _values_va(vw, BN, VA, V8)
     ps = ppT * vs[:, None]
     hi = ps.to(gl.float16)
     lo = (ps - hi.to(gl.float32)).to(gl.float16)
-    acc = acc * alpha[None, :]
     acc = mma_v2(va, gl.convert_layout(hi, PB, assert_trivial=True), acc)
     return mma_v2(va, gl.convert_layout(lo, PB, assert_trivial=True), acc)
 
@@ -310,6 +310,10 @@ def _stage1_g8(
     qa3, q13, q23, rr3 = _q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA)
     H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # per head, heads on lanes g
     NL: gl.constexpr = gl.SliceLayout(0, Z8)  # per position of the scores
+    q10 = gl.convert_layout(_rows8v(q10), H8L)
+    q11 = gl.convert_layout(_rows8v(q11), H8L)
+    q12 = gl.convert_layout(_rows8v(q12), H8L)
+    q13 = gl.convert_layout(_rows8v(q13), H8L)
     if CERT:
         radm = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_2_over_delta)) + rad_extra
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
@@ -346,18 +350,18 @@ def _stage1_g8(
     nk = start + gl.arange(0, BN, layout=KNL)
     nv = start + gl.arange(0, BN, layout=VNL)
     ns_ = start + gl.arange(0, BN, layout=SNL)
-    sk = gl.load(sl_row + nk, mask=nk < end, other=0).to(gl.int64)
-    sv = gl.load(sl_row + nv, mask=nv < end, other=0).to(gl.int64)
-    ss = gl.load(sl_row + ns_, mask=ns_ < end, other=0).to(gl.int64)
+    sk = gl.load(sl_row + nk, mask=nk < end, other=0)
+    sv = gl.load(sl_row + nv, mask=nv < end, other=0)
+    ss = gl.load(sl_row + ns_, mask=ns_ < end, other=0)
     kc0, kc1, kc2, kc3, vw0, vw1, vw2, vw3, ks, vs = _load_tile(
         KC, VC, KS, VS, sk, sv, ss, nk < end, nv < end, ns_ < end, kvh,
         s_kc_n, s_vc_n, s_ks_n, s_vs_n, W, VW, SC)
     nk_x = nk + BN
     nv_x = nv + BN
     ns_x = ns_ + BN
-    sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0).to(gl.int64)
-    sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0).to(gl.int64)
-    ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0).to(gl.int64)
+    sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
+    sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
+    ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
 
     for n0 in range(start, end, BN):
         offs_n = n0 + gl.arange(0, BN, layout=NL)
@@ -375,40 +379,56 @@ def _stage1_g8(
         nk_x = nk_x + BN
         nv_x = nv_x + BN
         ns_x = ns_x + BN
-        sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0).to(gl.int64)
-        sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0).to(gl.int64)
-        ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0).to(gl.int64)
+        sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
+        sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
+        ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
 
         cs = slot_w.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
         w0, w1, w2, w3 = _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
-        ZL: gl.constexpr = gl.SliceLayout(0, MMA)
-        s0, s1, s2, s3 = _split4(ks_c, BN, ZL)
-        z = (_qk_group(kc0c, w0, qa0, q10, s0, BN, KB, KW, MMA) + _qk_group(kc1c, w1, qa1, q11, s1, BN, KB, KW, MMA))
-        z += (_qk_group(kc2c, w2, qa2, q12, s2, BN, KB, KW, MMA) + _qk_group(kc3c, w3, qa3, q13, s3, BN, KB, KW, MMA))
-        z8 = gl.convert_layout(_rows8(z, BN), Z8, assert_trivial=True)
-        z8 = gl.where(mask_n[None, :], z8 * zs, float("-inf"))
+        s0, s1, s2, s3 = _split4(ks_c, BN, NL)
+        z = (_qk_group(kc0c, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1c, w1, qa1, q11, s1, BN, KB, KW,
+                                                                                MMA, Z8))
+        z += (_qk_group(kc2c, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3c, w3, qa3, q13, s3, BN, KB, KW,
+                                                                                 MMA, Z8))
+        z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
 
         m_new = gl.maximum(m_i, gl.max(z8, 1))
-        alpha = _ex2(m_i - m_new)
         p = _ex2(z8 - m_new[:, None])
-        l_t = l_t * alpha[:, None] + p
-        m_i = m_new
         if CERT:
-            t0, t1, t2, t3 = _split4(ks_c, BN, NL)
-            var = ((t0 * t0)[None, :] * v0[:, None] + (t1 * t1)[None, :] * v1[:, None]) + (
-                (t2 * t2)[None, :] * v2[:, None] + (t3 * t3)[None, :] * v3[:, None])
+            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
+                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
             u = gl.sqrt(var) * radm_h[:, None]
-            a_t = a_t * alpha[:, None] + p * _ex2(u)
+            pa = p * _ex2(u)
             if CERT_B:
-                b_t = b_t * alpha[:, None] + p * _ex2(-u)
+                pb = p * _ex2(-u)
+        # rescale only when a row's maximum grew (one warp-uniform branch): with alpha = 1 the fused
+        # l alpha + p is exactly l + p and acc alpha is acc, so the result is bit-identical
+        if gl.max(m_new - m_i, 0) > 0:
+            alpha = _ex2(m_i - m_new)
+            l_t = l_t * alpha[:, None] + p
+            if CERT:
+                a_t = a_t * alpha[:, None] + pa
+                if CERT_B:
+                    b_t = b_t * alpha[:, None] + pb
+            alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, PVM))
+            acc0 = acc0 * alpha_pv[None, :]
+            acc1 = acc1 * alpha_pv[None, :]
+            acc2 = acc2 * alpha_pv[None, :]
+            acc3 = acc3 * alpha_pv[None, :]
+        else:
+            l_t = l_t + p
+            if CERT:
+                a_t = a_t + pa
+                if CERT_B:
+                    b_t = b_t + pb
+        m_i = m_new
 
         ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
         u0, u1, u2, u3 = _split4(vs_c, BN, gl.SliceLayout(1, PT))
-        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, PVM))
-        acc0 = _pv_group(vw0c, ppT, u0, acc0, alpha_pv, BN, VA, V8, PB)
-        acc1 = _pv_group(vw1c, ppT, u1, acc1, alpha_pv, BN, VA, V8, PB)
-        acc2 = _pv_group(vw2c, ppT, u2, acc2, alpha_pv, BN, VA, V8, PB)
-        acc3 = _pv_group(vw3c, ppT, u3, acc3, alpha_pv, BN, VA, V8, PB)
+        acc0 = _pv_group(vw0c, ppT, u0, acc0, BN, VA, V8, PB)
+        acc1 = _pv_group(vw1c, ppT, u1, acc1, BN, VA, V8, PB)
+        acc2 = _pv_group(vw2c, ppT, u2, acc2, BN, VA, V8, PB)
+        acc3 = _pv_group(vw3c, ppT, u3, acc3, BN, VA, V8, PB)
 
     l_i = gl.sum(l_t, 1)
     nonempty = l_i != 0.0
@@ -454,7 +474,8 @@ def kernel_layouts(bn: int) -> dict[str, object]:
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, block_n: int = 16) -> None:
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, block_n: int = 16,
+              maxnreg: int | None = None) -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
@@ -474,5 +495,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=gqa, BN=block_n, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, **kernel_layouts(block_n),
-        num_warps=1,
+        num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
