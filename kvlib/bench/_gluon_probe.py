@@ -19,9 +19,10 @@ from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (2, 4096, 28, 4))
-#: split plans (waves of one-warp programs at 8 per SM) and register caps timed
-WAVES = (2.0, 4.0, 8.0)
-MAXNREG = (None, 200, 168)
+#: split plans timed, in waves of one-warp programs
+WAVES = (0.5, 1.0, 2.0, 4.0)
+#: register caps timed -> one-warp programs resident per SM at that cap
+MAXNREG = {None: 8, 168: 12, 144: 14}
 
 
 def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False, block_n: int = 16,
@@ -44,12 +45,6 @@ def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: b
               layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b, block_n=block_n,
               maxnreg=maxnreg)
     return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
-
-
-def splits_for(B: int, hkv: int, S: int, waves: float = 1.0, per_sm: int = 8) -> int:
-    """Split count filling ``waves`` waves of one-warp programs (``per_sm`` resident per SM)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, min(math.ceil(waves * sms * per_sm / (B * hkv)), math.ceil(S / 16)))
 
 
 def agreement(quick: bool = False) -> list[dict]:
@@ -92,12 +87,14 @@ def timings(rounds: int = 3) -> list[dict]:
         tri = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="h10")
         glu = functools.partial(gluon_decode, *args)
         var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False)}
-        for waves in WAVES:
-            ns = splits_for(B, hkv, S, waves)
-            for reg in MAXNREG:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for reg, per_sm in MAXNREG.items():
+            for waves in WAVES:
+                ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
                 var[f"gluon_cert_ns{ns}_r{reg}"] = functools.partial(glu, ns=ns, maxnreg=reg)
-        ns = splits_for(B, hkv, S, WAVES[1])
-        var[f"gluon_nocert_ns{ns}_r{MAXNREG[0]}"] = functools.partial(glu, ns=ns, maxnreg=MAXNREG[0], cert=False)
+        reg, per_sm = list(MAXNREG.items())[1]
+        ns = max(1, round(sms * per_sm / (B * hkv)))
+        var[f"gluon_nocert_ns{ns}_r{reg}"] = functools.partial(glu, ns=ns, maxnreg=reg, cert=False)
         names = list(var)
         ms: dict[str, list] = {n: [] for n in names}
         for r in range(rounds):

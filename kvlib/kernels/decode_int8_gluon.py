@@ -229,11 +229,9 @@ def _rows8v(x):
 
 
 @gluon.jit
-def _load_tile(KC, VC, KS, VS, slot_k, slot_v, slot_s, mask_k, mask_v, mask_s, kvh, s_kc_n, s_vc_n, s_ks_n, s_vs_n,
-               W: gl.constexpr, VW: gl.constexpr, SC: gl.constexpr):
-    """One tile's raw operands (contiguous pools: a head's 32 code words and 4 scales are adjacent): key and
-    value code words per group ``[BN, 8]`` int32 (keys at lane ``t`` words ``2 t, 2 t + 1``, values at lane ``g``
-    word ``g``), key and value scales ``[BN, 4]`` fp16."""
+def _load_k(KC, KS, slot_k, slot_s, mask_k, mask_s, kvh, s_kc_n, s_ks_n, W: gl.constexpr, SC: gl.constexpr):
+    """A tile's key operands (contiguous pools: a head's 32 code words and 4 scales are adjacent): code words per
+    group ``[BN, 8]`` int32 (lane ``t``: words ``2 t, 2 t + 1`` of positions ``g + 8 nt``) and scales ``[BN, 4]``."""
     ck = gl.arange(0, 8, layout=gl.SliceLayout(0, W))
     kb = KC + slot_k.to(gl.int64)[:, None] * s_kc_n + kvh * 32 + ck[None, :]
     mk = mask_k[:, None]
@@ -241,6 +239,15 @@ def _load_tile(KC, VC, KS, VS, slot_k, slot_v, slot_s, mask_k, mask_v, mask_s, k
     k1 = gl.load(kb + 8, mask=mk, other=0)
     k2 = gl.load(kb + 16, mask=mk, other=0)
     k3 = gl.load(kb + 24, mask=mk, other=0)
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
+    ks = gl.load(KS + slot_s.to(gl.int64)[:, None] * s_ks_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
+    return k0, k1, k2, k3, ks
+
+
+@gluon.jit
+def _load_v(VC, VS, slot_v, slot_s, mask_v, mask_s, kvh, s_vc_n, s_vs_n, VW: gl.constexpr, SC: gl.constexpr):
+    """A tile's value operands: code words per group ``[BN, 8]`` int32 (lane ``g``: word ``g`` of positions
+    ``2 t + e + 8 h + 16 kc``) and scales ``[BN, 4]``."""
     cv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
     vb = VC + slot_v.to(gl.int64)[:, None] * s_vc_n + kvh * 32 + cv[None, :]
     mv = mask_v[:, None]
@@ -249,9 +256,8 @@ def _load_tile(KC, VC, KS, VS, slot_k, slot_v, slot_s, mask_k, mask_v, mask_s, k
     v2 = gl.load(vb + 16, mask=mv, other=0)
     v3 = gl.load(vb + 24, mask=mv, other=0)
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-    ks = gl.load(KS + slot_s.to(gl.int64)[:, None] * s_ks_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
     vs = gl.load(VS + slot_s.to(gl.int64)[:, None] * s_vs_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
-    return k0, k1, k2, k3, v0, v1, v2, v3, ks, vs
+    return v0, v1, v2, v3, vs
 
 
 @gluon.jit
@@ -353,9 +359,8 @@ def _stage1_g8(
     sk = gl.load(sl_row + nk, mask=nk < end, other=0)
     sv = gl.load(sl_row + nv, mask=nv < end, other=0)
     ss = gl.load(sl_row + ns_, mask=ns_ < end, other=0)
-    kc0, kc1, kc2, kc3, vw0, vw1, vw2, vw3, ks, vs = _load_tile(
-        KC, VC, KS, VS, sk, sv, ss, nk < end, nv < end, ns_ < end, kvh,
-        s_kc_n, s_vc_n, s_ks_n, s_vs_n, W, VW, SC)
+    kc0, kc1, kc2, kc3, ks = _load_k(KC, KS, sk, ss, nk < end, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
+    vw0, vw1, vw2, vw3, vs = _load_v(VC, VS, sv, ss, nv < end, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
     nk_x = nk + BN
     nv_x = nv + BN
     ns_x = ns_ + BN
@@ -366,31 +371,18 @@ def _stage1_g8(
     for n0 in range(start, end, BN):
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
-        slot_w = sk
-        ks_c = ks
-        vs_c = vs
-        kc0c, kc1c, kc2c, kc3c = kc0, kc1, kc2, kc3
-        vw0c, vw1c, vw2c, vw3c = vw0, vw1, vw2, vw3
-        # the next tile's operands and the one after's slots, in flight while this tile is computed
-        kc0, kc1, kc2, kc3, vw0, vw1, vw2, vw3, ks, vs = _load_tile(
-            KC, VC, KS, VS, sk_x, sv_x, ss_x, nk_x < end, nv_x < end, ns_x < end, kvh,
-            s_kc_n, s_vc_n, s_ks_n, s_vs_n, W, VW, SC)
-        sk = sk_x
-        nk_x = nk_x + BN
-        nv_x = nv_x + BN
-        ns_x = ns_x + BN
-        sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
-        sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
-        ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
-
-        cs = slot_w.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
+        # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
+        # PV), so the registers of one tile, not two, are live at the Philox and QK peak
+        cs = sk.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
         w0, w1, w2, w3 = _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
-        s0, s1, s2, s3 = _split4(ks_c, BN, NL)
-        z = (_qk_group(kc0c, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1c, w1, qa1, q11, s1, BN, KB, KW,
+        s0, s1, s2, s3 = _split4(ks, BN, NL)
+        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
                                                                                 MMA, Z8))
-        z += (_qk_group(kc2c, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3c, w3, qa3, q13, s3, BN, KB, KW,
+        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
                                                                                  MMA, Z8))
         z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
+        kc0, kc1, kc2, kc3, ks = _load_k(KC, KS, sk_x, ss_x, nk_x < end, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
+        sk = sk_x
 
         m_new = gl.maximum(m_i, gl.max(z8, 1))
         p = _ex2(z8 - m_new[:, None])
@@ -401,34 +393,28 @@ def _stage1_g8(
             pa = p * _ex2(u)
             if CERT_B:
                 pb = p * _ex2(-u)
-        # rescale only when a row's maximum grew (one warp-uniform branch): with alpha = 1 the fused
-        # l alpha + p is exactly l + p and acc alpha is acc, so the result is bit-identical
-        if gl.max(m_new - m_i, 0) > 0:
-            alpha = _ex2(m_i - m_new)
-            l_t = l_t * alpha[:, None] + p
-            if CERT:
-                a_t = a_t * alpha[:, None] + pa
-                if CERT_B:
-                    b_t = b_t * alpha[:, None] + pb
-            alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, PVM))
-            acc0 = acc0 * alpha_pv[None, :]
-            acc1 = acc1 * alpha_pv[None, :]
-            acc2 = acc2 * alpha_pv[None, :]
-            acc3 = acc3 * alpha_pv[None, :]
-        else:
-            l_t = l_t + p
-            if CERT:
-                a_t = a_t + pa
-                if CERT_B:
-                    b_t = b_t + pb
+        alpha = _ex2(m_i - m_new)
+        l_t = l_t * alpha[:, None] + p
+        if CERT:
+            a_t = a_t * alpha[:, None] + pa
+            if CERT_B:
+                b_t = b_t * alpha[:, None] + pb
+        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, PVM))
         m_i = m_new
 
         ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
-        u0, u1, u2, u3 = _split4(vs_c, BN, gl.SliceLayout(1, PT))
-        acc0 = _pv_group(vw0c, ppT, u0, acc0, BN, VA, V8, PB)
-        acc1 = _pv_group(vw1c, ppT, u1, acc1, BN, VA, V8, PB)
-        acc2 = _pv_group(vw2c, ppT, u2, acc2, BN, VA, V8, PB)
-        acc3 = _pv_group(vw3c, ppT, u3, acc3, BN, VA, V8, PB)
+        u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
+        acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
+        vw0, vw1, vw2, vw3, vs = _load_v(VC, VS, sv_x, ss_x, nv_x < end, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
+        nk_x = nk_x + BN
+        nv_x = nv_x + BN
+        ns_x = ns_x + BN
+        sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
+        sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
+        ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
 
     l_i = gl.sum(l_t, 1)
     nonempty = l_i != 0.0
