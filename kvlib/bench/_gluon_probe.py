@@ -20,9 +20,9 @@ from kvlib.bench.witcert_decode import LAYER, SEED
 
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (2, 4096, 28, 4))
 #: split plans timed, in waves of one-warp programs
-WAVES = (0.5, 1.0, 2.0, 4.0)
-#: register caps timed -> one-warp programs resident per SM at that cap
-MAXNREG = {None: 8, 168: 12, 144: 14}
+WAVES = (0.25, 0.5, 1.0, 2.0)
+#: (label, launch keywords, one-warp programs resident per SM) timed
+CONFIGS = (("bn16", {}, 8), ("bn32", {"block_n": 32}, 8), ("bn16_r200", {"maxnreg": 200}, 10))
 
 
 def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False, block_n: int = 16,
@@ -88,13 +88,14 @@ def timings(rounds: int = 3) -> list[dict]:
         glu = functools.partial(gluon_decode, *args)
         var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False)}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for reg, per_sm in MAXNREG.items():
+        for label, kw, per_sm in CONFIGS:
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
-                var[f"gluon_cert_ns{ns}_r{reg}"] = functools.partial(glu, ns=ns, maxnreg=reg)
-        reg, per_sm = list(MAXNREG.items())[1]
+                var[f"gluon_cert_{label}_ns{ns}"] = functools.partial(glu, ns=ns, **kw)
+        label, kw, per_sm = CONFIGS[0]
         ns = max(1, round(sms * per_sm / (B * hkv)))
-        var[f"gluon_nocert_ns{ns}_r{reg}"] = functools.partial(glu, ns=ns, maxnreg=reg, cert=False)
+        var[f"gluon_nocert_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert=False, **kw)
+        var[f"gluon_certAB_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert_b=True, **kw)
         names = list(var)
         ms: dict[str, list] = {n: [] for n in names}
         for r in range(rounds):
