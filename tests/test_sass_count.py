@@ -73,3 +73,20 @@ def test_pdl_kernels_compile_with_grid_dependency_control():
     assert out["prepare_query"] == [0, 1, False]
     assert out["decode"] == [1, 1, True]
     assert out["merge"] == [1, 0, True]
+
+
+@pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
+def test_gluon_kernel_compiles_for_sm90_without_shared_memory_or_spills():
+    """The Gluon h8 kernel's design claims, from the sm_90 binary: every conversion is a register relabelling
+    (the compile fails otherwise: ``assert_trivial``), so it uses no shared memory, and it does not spill."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's NVIDIA toolchain is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    prog = "import json; from kvlib.bench.sass_count import gluon_count; print(json.dumps(gluon_count()))"
+    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
+                          check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255
+    assert out["top_opcodes"].get("HMMA", 0) > 0 and out["instructions"] > 0

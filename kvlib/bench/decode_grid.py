@@ -271,12 +271,13 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
         import dataclasses
 
         kp10 = dataclasses.replace(kp, dither_layout="h10")
-        h10 = lambda **kw: (lambda: decode_int8(qb, kp10, vp, slots, lengths, **base, **kw))  # noqa: E731
+        # impl="h10" named: "auto" would take the Gluon kernel for the h8 pool on a GPU (this grid times the Triton one)
+        h10 = lambda **kw: (lambda: decode_int8(qb, kp10, vp, slots, lengths, impl="h10", **base, **kw))  # noqa: E731
         variants |= {"int8_h10_cert": h10(cert=True, cert_b=False), "int8_h10_certAB": h10(cert=True, cert_b=True),
                      "int8_h10_nocert": h10(cert=False),
                      "int8_h10_nophilox": h10(cert=True, cert_b=False, skip_philox=True)}
         kp8 = dataclasses.replace(kp, dither_layout="h8")
-        h8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, **base, **kw))  # noqa: E731
+        h8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, impl="h10", **base, **kw))  # noqa: E731
         variants |= {"int8_h8_cert": h8(cert=True, cert_b=False), "int8_h8_nocert": h8(cert=False)}
     elif want & {m for m in ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}:
         notes.append(f"int8_h10_*, int8_h8_*: the h10 kernel needs d = 4 * {INT8_GROUP}, got d={shape.d}")

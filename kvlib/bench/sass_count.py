@@ -85,6 +85,11 @@ def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, nu
                   block_n: int, pointers: dict[str, str] | None = None) -> dict[str, Any]:
     """Compile ``kernel`` for sm_90 and count its main loop (per thread per ``block_n``-position tile)."""
     cc = _compile(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
+    return _count(cc, num_warps=num_warps, num_stages=num_stages, block_n=block_n)
+
+
+def _count(cc: Any, *, num_warps: int, num_stages: int, block_n: int) -> dict[str, Any]:
+    """Loop statistics, registers, stack and shared memory of a compiled kernel ``cc``."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -95,7 +100,8 @@ def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, nu
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
     out = loop_stats(sass)
     per_thread = block_n * D * 2 / (32 * num_warps)  # K and V elements each thread handles per tile
-    out.update(registers=res.get("reg"), stack_bytes=res.get("stack"), block_n=block_n, num_warps=num_warps,
+    out.update(registers=res.get("reg"), stack_bytes=res.get("stack"), shared_bytes=res.get("shared"),
+               block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, per_element=out["instructions"] / per_thread)
     return out
 
@@ -154,6 +160,30 @@ def kv4_count() -> dict[str, Any]:
                         block_n=cfg.block_n, pointers=KV4_POINTERS)
     out["config"] = {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                      "k_mode": cfg.k_mode}
+    return out
+
+
+def gluon_count(cert: bool = True, gqa: int = GQA, block_n: int = 16) -> dict[str, Any]:
+    """The Gluon h8 kernel (:mod:`kvlib.kernels.decode_int8_gluon`) compiled for sm_90 at the latency benchmarks'
+    shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
+    (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvlib.kernels import decode_int8_gluon as G
+
+    ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
+            "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
+    const = dict(GQA=gqa, BN=block_n, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, **G.kernel_layouts(block_n))
+    params = inspect.signature(G._stage1_g8.fn).parameters
+    const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
+    sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}
+    cc = triton.compile(GluonASTSource(G._stage1_g8, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 1})
+    out = _count(cc, num_warps=1, num_stages=1, block_n=block_n)
+    out["per_position_head"] = out["instructions"] / block_n  # one warp: warp instructions per (position, KV head)
     return out
 
 

@@ -33,11 +33,13 @@ LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 327
 #: (kvlib.bench.decode_grid.INT8_MODES says what each drops), both over the paper's w24 dither layout;
 #: "h10": the h10 layout (eight 10-bit dithers per Philox call) read by its own kernel; "h8": the h8 layout
 #: (sixteen 8-bit dithers per call) read by the same kernel
+#: "h8g": the h8 layout read by the Gluon kernel (kvlib.kernels.decode_int8_gluon: GPU only, no outlier channels,
+#: fp16/bf16 queries, so its agreement and replay problems have no bypassed channels and bf16 queries)
 MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2), "h10": dict(impl="h10"),
-         "h8": dict(impl="h10")}
-LAYOUT = {"exact": "w24", "fast": "w24", "h10": "h10", "h8": "h8"}
-#: the modes timed under CUDA graphs as well (the half-word layouts' kernel)
-GRAPHED = ("h10", "h8")
+         "h8": dict(impl="h10"), "h8g": dict(impl="gluon")}
+LAYOUT = {"exact": "w24", "fast": "w24", "h10": "h10", "h8": "h8", "h8g": "h8"}
+#: the modes timed under CUDA graphs as well (the half-word layouts' kernels)
+GRAPHED = ("h10", "h8", "h8g")
 SEED = 0x5EED_0000_1234
 LAYER = 3
 
@@ -77,10 +79,13 @@ def _agreement(device: str) -> dict:
         if device != "cuda" and mode != "exact":
             continue
         if LAYOUT[mode] != "w24":  # the same keys and query written through the other dither layout
+            gl = kw["impl"] == "gluon"
             q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device,
-                                                  layout=LAYOUT[mode])
-            ref = refs.setdefault(LAYOUT[mode], decode_reference(
-                q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED, impl=kw["impl"]))
+                                                  layout=LAYOUT[mode], n_out=0 if gl else 8)
+            if gl:
+                q = q.to(torch.bfloat16)
+            ref = refs.setdefault(mode if gl else LAYOUT[mode], decode_reference(
+                q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED, impl="h10"))
         for ns in (1, 2, 8, 32):
             r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, **kw)
             out["splits"][f"{mode}/{ns}"] = {
@@ -91,7 +96,7 @@ def _agreement(device: str) -> dict:
                 "max_abs_dcert_one": float((r.tv_bound_one.cpu() - ref.tv_bound_one).abs().max()),
             }
     out["cert_range"] = [float(refs["w24"].tv_bound.min()), float(refs["w24"].tv_bound.max())]
-    for lay in ("h10", "h8"):
+    for lay in ("h10", "h8", "h8g"):
         if lay in refs:
             out[f"cert_range_{lay}"] = [float(refs[lay].tv_bound.min()), float(refs[lay].tv_bound.max())]
             out[f"cert_{lay}_over_w24_max"] = float((refs[lay].tv_bound / refs["w24"].tv_bound).max())
@@ -104,14 +109,18 @@ def _cpu(side):
                       side.dither_layout)
 
 
-def _graph_replay(device: str, layout: str = "w24") -> dict:
-    """Capture one certified decode step; interleave eager runs and replays; compare bitwise."""
+def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
+    """Capture one certified decode step; interleave eager runs and replays; compare bitwise. ``impl="gluon"``:
+    the Gluon kernel's problem (no bypassed channels, bf16 queries)."""
     from kvlib.kernels.decode_int8 import decode_int8
 
     p = PAPER
-    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout)
-    q_static = q.clone()
-    step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8)  # noqa: E731
+    gl = impl == "gluon"
+    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout,
+                                          n_out=0 if gl else 8)
+    q_static = q.to(torch.bfloat16) if gl else q.clone()
+    step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8,  # noqa: E731
+                               impl=impl)
     eager = step()  # compile outside the capture
     torch.cuda.synchronize()
     graph, static_out = capture_graph(step, warmup_iters=1)
@@ -127,7 +136,7 @@ def _graph_replay(device: str, layout: str = "w24") -> dict:
     g = torch.Generator(device="cpu").manual_seed(1)
     certs = []
     for _ in range(8):
-        q_static.copy_(torch.randn(q.shape, generator=g).to(device))
+        q_static.copy_(torch.randn(q.shape, generator=g).to(device, q_static.dtype))
         graph.replay()
         certs.append(static_out.tv_bound.clone())
     torch.cuda.synchronize()
@@ -276,8 +285,9 @@ def run(profile: str) -> dict:
     res["cuda_graph"] = _graph_replay(device)
     res["cuda_graph_h10"] = _graph_replay(device, layout="h10")
     res["cuda_graph_h8"] = _graph_replay(device, layout="h8")
+    res["cuda_graph_h8g"] = _graph_replay(device, layout="h8", impl="gluon")
     print(f"   graph replay: {res['cuda_graph']['bit_identical']}, h10 {res['cuda_graph_h10']['bit_identical']}, "
-          f"h8 {res['cuda_graph_h8']['bit_identical']}",
+          f"h8 {res['cuda_graph_h8']['bit_identical']}, h8g {res['cuda_graph_h8g']['bit_identical']}",
           flush=True)
     shapes = [(PAPER["B"], PAPER["S"])] + LONG
     res["latency"] = _latency(device, shapes, PAPER["hq"], PAPER["hkv"], PAPER["d"], rep_ms=100.0)

@@ -151,6 +151,10 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
     reads ``w24``), ``"tc"`` raises. ``"w24"``: ``"h10"`` raises, the rest as above.
     """
     if check_layout(layout) in ("h10", "h8"):
+        if impl == "gluon":
+            if layout != "h8":
+                raise ValueError(f"impl='gluon' reads the h8 dither layout only, got dither_layout={layout!r}")
+            return "gluon"
         if impl in ("auto", "h10"):
             if group != d // 4 or group not in (32, 64):
                 raise ValueError(f"impl='h10' (dither_layout={layout!r}) needs group == d // 4 with group in (32, 64), "
@@ -162,9 +166,10 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
         if impl == "tc":
             raise ValueError(f"impl='tc' reads the w24 dither layout only, got dither_layout={layout!r} "
                              "(use impl='h10' or 'auto')")
-        raise ValueError(f"impl must be 'auto', 'h10' or 'fma' for dither_layout={layout!r}, got {impl!r}")
-    if impl == "h10":
-        raise ValueError("impl='h10' reads the h10 and h8 dither layouts only, got dither_layout='w24'")
+        raise ValueError(f"impl must be 'auto', 'h10', 'gluon' (h8) or 'fma' for dither_layout={layout!r}, "
+                         f"got {impl!r}")
+    if impl in ("h10", "gluon"):
+        raise ValueError(f"impl={impl!r} reads the half-word dither layouts only, got dither_layout='w24'")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
     ok = pow2(d) and pow2(group) and group >= 16 and not v_dither
     if impl == "auto":
@@ -760,7 +765,10 @@ def decode_stage1(
     """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off).
 
     ``impl``: ``"tc"`` (tensor-core dots, :func:`_decode_int8_stage1_tc`), ``"fma"`` (fp32 dots with
-    ``k_precision``/``v_precision``/``join``/``var_dot``), or ``"auto"`` (``tc`` where the shape allows).
+    ``k_precision``/``v_precision``/``join``/``var_dot``), ``"h10"`` (the half-word layouts' Triton kernel,
+    :mod:`kvlib.kernels.decode_int8_h10`), ``"gluon"`` (the h8 layout's Gluon kernel, GPU only,
+    :mod:`kvlib.kernels.decode_int8_gluon`: d = 128, no outlier channels) or ``"auto"``: ``tc`` for w24 pools where
+    the shape allows, ``h10`` for half-word pools, and for an h8 pool on a GPU the Gluon kernel wherever it runs.
     ``skip_philox`` (tc only) replaces the key dither by garbage: a timing probe of the Philox cost,
     never a result.
     """
@@ -782,6 +790,28 @@ def decode_stage1(
     if d4 & (d4 - 1):
         raise ValueError(f"d // 4 must be a power of two for the kernel, got d={d}")
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    asked = impl
+    impl = resolve_impl(impl, d, k.group, v_dither, k.dither_layout)
+    if impl == "gluon" or (asked == "auto" and impl == "h10" and k.dither_layout == "h8"):
+        from kvlib.kernels.decode_int8_gluon import gluon_num_splits, gluon_unsupported, launch_g8
+
+        why = gluon_unsupported(q, k, v, v_dither)
+        if impl == "gluon" and why:
+            raise ValueError(why)
+        if not why:  # "auto" takes the Gluon kernel wherever it runs (GPU, h8, d = 128, no outliers)
+            ns = num_splits or gluon_num_splits(B, hkv, slots.shape[1], q.device)
+            if not isinstance(ns, int) or ns < 1:
+                raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+            rad_extra = (radius_multiplier(1, delta, d, impl="h10", layout="h8")
+                         - radius_multiplier(1, delta, d, slack=False))
+            o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
+            lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
+            a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device) if cert else lse_s
+            b_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device) if cert and cert_b else lse_s
+            launch_g8(q, k, v, slots.contiguous(), seq_lens, o_s, lse_s, a_s, b_s, sm=sm, delta=delta,
+                      rad_extra=rad_extra, layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b)
+            return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
+        impl = "h10"
     ns = num_splits or default_num_splits(B, hkv, slots.shape[1], block_n, q.device)
     if not isinstance(ns, int) or ns < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -792,7 +822,6 @@ def decode_stage1(
     vw = v.codes.contiguous().view(torch.int32)
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
-    impl = resolve_impl(impl, d, k.group, v_dither, k.dither_layout)
     if num_stages is None:  # the H200 sweeps' best (kvlib.bench.int8_sweep, _h10_probe): 3 for tc, 2 otherwise
         num_stages = 3 if impl == "tc" else 2
     if num_warps is None:  # h10: two warps per 64-position tile (H200 probe); the others four

@@ -111,6 +111,14 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @gluon.jit
+def _dither_words(slot, cj, c2, c3k, k0, k1, BN: gl.constexpr, W: gl.constexpr):
+    """The four Philox words of counter ``(slot, call j, kv head, layer << 1)`` for each position and call ``[BN, 8]``
+    (word ``i`` is group ``i``'s dither of the call's 16 channels)."""
+    cs = slot.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
+    return _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
+
+
+@gluon.jit
 def _to_kb(x, BN: gl.constexpr, KB: gl.constexpr):
     """``[BN, 32]`` in local channel order ``8 t + 4 jj + 2 h + e`` -> the QK B operand ``[32, BN]`` whose
     reduction index is ``16 jj + 8 h + 2 t + e`` (a relabelling: no data moves)."""
@@ -299,7 +307,7 @@ def _stage1_g8(
     GQA: gl.constexpr, BN: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
     KW: gl.constexpr, W: gl.constexpr, VW: gl.constexpr, SC: gl.constexpr, MMA: gl.constexpr, QA: gl.constexpr,
     KB: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, PT: gl.constexpr, PB: gl.constexpr, VA: gl.constexpr,
-    V8: gl.constexpr,
+    V8: gl.constexpr, AHEAD: gl.constexpr = False,
 ):
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -368,13 +376,15 @@ def _stage1_g8(
     sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
     ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
 
+    if AHEAD:
+        w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
     for n0 in range(start, end, BN):
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
         # PV), so the registers of one tile, not two, are live at the Philox and QK peak
-        cs = sk.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
-        w0, w1, w2, w3 = _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
+        if not AHEAD:
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
         z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
                                                                                 MMA, Z8))
@@ -415,6 +425,8 @@ def _stage1_g8(
         sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
         sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
         ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
+        if AHEAD:  # the next tile's dither, beside this tile's PV
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
     l_i = gl.sum(l_t, 1)
     nonempty = l_i != 0.0
@@ -459,17 +471,46 @@ def kernel_layouts(bn: int) -> dict[str, object]:
     )
 
 
+#: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
+PROGRAMS_PER_SM = 8
+
+
+def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
+    """Why the Gluon kernel cannot run this request (``None`` when it can): it needs a CUDA device, d = 128,
+    groups of 32, an h8 key pool, RTN values, at most 8 query heads per KV head, fp16/bf16 queries and no outlier
+    channels."""
+    d = q.shape[-1]
+    gqa = q.shape[1] // k.codes.shape[1]
+    checks = [
+        (q.device.type == "cuda", "a CUDA device"),
+        (d == 128 and k.group == 32 and v.group == 32, f"d = 128 with groups of 32 (got d={d}, group={k.group})"),
+        (k.dither_layout == "h8", f"an h8 key pool (got dither_layout={k.dither_layout!r})"),
+        (not v_dither, "RTN values (v_dither=False)"),
+        (gqa <= 8, f"at most 8 query heads per KV head (got {gqa})"),
+        (q.dtype in (torch.float16, torch.bfloat16), f"fp16/bf16 queries (got {q.dtype})"),
+        (k.outliers is None and v.outliers is None, "no outlier channels"),
+    ]
+    missing = [what for ok, what in checks if not ok]
+    return None if not missing else "impl='gluon' needs " + ", ".join(missing)
+
+
+def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -> int:
+    """One wave of one-warp programs (the H200 probe's best at every long-context shape:
+    ``data/results/gpu/dev/gluon_probe4.json``), splits of at least 64 positions."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
+
+
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
               layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, block_n: int = 16,
-              maxnreg: int | None = None) -> None:
+              maxnreg: int | None = None, ahead: bool = False) -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
     B, hq, d = q.shape
-    n_slots, hkv, _ = k.codes.shape
+    hkv = k.codes.shape[1]
     gqa = hq // hkv
-    if d != 128 or k.group != 32 or gqa > 8 or k.outliers is not None or v.outliers is not None \
-            or k.dither_layout != "h8" or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("impl='gluon' needs d=128, group 32, GQA <= 8, an h8 key pool, fp16/bf16 queries and no "
-                         "outlier channels")
+    why = gluon_unsupported(q, k, v)
+    if why:
+        raise ValueError(why)
     kc = k.codes.contiguous().view(torch.int32)
     vc = v.codes.contiguous().view(torch.int32)
     ks = k.scales.contiguous()
@@ -480,6 +521,7 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, BN=block_n, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, **kernel_layouts(block_n),
+        GQA=gqa, BN=block_n, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead,
+        **kernel_layouts(block_n),
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

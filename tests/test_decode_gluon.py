@@ -1,0 +1,112 @@
+"""The Gluon h8 decode kernel (GPU only: Gluon has no CPU interpreter). On CPU: its requirements and the dispatch;
+on a GPU: agreement with the float64 reference, split invariance, soundness, the vacuous certificate. Its sm_90
+compile (no shared memory, no spills) is checked offline in ``tests/test_sass_count.py``."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from _soundness import assert_rows_within_certificate
+
+from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.decode_int8_gluon import gluon_unsupported
+
+SEED = 2**33 + 4242
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
+
+
+def _setup(B=3, hq=7, hkv=1, S=70, *, qdtype=torch.bfloat16, layer=5, k_out=False):
+    g = torch.Generator().manual_seed(hq * 10 + hkv + S)
+    T = B * S
+    K = torch.randn(T, hkv, 128, generator=g)
+    K[:, :, 9] *= 6
+    V = torch.randn(T, hkv, 128, generator=g)
+    n_slots = T + 7
+    slot_ids = torch.randperm(n_slots, generator=g)[:T]
+    koc = torch.stack([torch.tensor([8, 9]) + 32 * h for h in range(hkv)]) if k_out else None
+    kp = make_pool_side(K, layer=layer, seed=SEED, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc,
+                        dither_layout="h8")
+    vp = make_pool_side(V, layer=layer, seed=SEED, side=1, n_slots=n_slots, slot_ids=slot_ids, dithered=False)
+    slots = slot_ids.view(B, S).to(torch.int32)
+    seq = torch.tensor([S - 9 * b for b in range(B)], dtype=torch.int32)  # ragged rows, tiles cut mid-way
+    q = (2 * torch.randn(B, hq, 128, generator=g)).to(qdtype)
+    mv = lambda s: dataclasses.replace(s, codes=s.codes.to(DEV), scales=s.scales.to(DEV),  # noqa: E731
+                                       outliers=None if s.outliers is None else s.outliers.to(DEV),
+                                       outlier_channels=None if s.outlier_channels is None
+                                       else s.outlier_channels.to(DEV))
+    return q.to(DEV), mv(kp), mv(vp), slots.to(DEV), seq.to(DEV), dict(layer=layer, seed=SEED), (K, slot_ids)
+
+
+def test_requirements_are_named():
+    q, kp, vp, *_ = _setup(hq=9, hkv=1, k_out=True, qdtype=torch.float32)
+    why = gluon_unsupported(q.cpu(), dataclasses.replace(kp, dither_layout="h10"), vp, v_dither=True)
+    for part in ("a CUDA device", "an h8 key pool", "at most 8 query heads", "fp16/bf16", "no outlier channels",
+                 "RTN values"):
+        assert part in why
+    q, kp, vp, *_ = _setup(hq=4, hkv=2)
+    assert gluon_unsupported(q, kp, vp) == (None if DEV == "cuda" else "impl='gluon' needs a CUDA device")
+
+
+def test_impl_gluon_is_for_the_h8_layout_only():
+    assert resolve_impl("gluon", 128, 32, False, "h8") == "gluon"
+    for layout in ("h10", "w24"):
+        with pytest.raises(ValueError, match="gluon"):
+            resolve_impl("gluon", 128, 32, False, layout)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the CPU side of the dispatch")
+def test_on_cpu_explicit_gluon_raises_and_auto_runs_the_triton_kernel():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=40)
+    with pytest.raises(ValueError, match="CUDA"):
+        decode_int8(q, kp, vp, slots, seq, impl="gluon", fallback_to_reference=False, **kw)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)  # auto: h10 under the interpreter
+    torch.testing.assert_close(out.tv_bound.double(), ref.tv_bound, atol=3e-6, rtol=2e-5)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,qdtype", [(7, 1, torch.bfloat16), (4, 2, torch.float16), (8, 1, torch.bfloat16)])
+@pytest.mark.parametrize("ns", [1, 3, 64])
+def test_kernel_matches_reference(hq, hkv, qdtype, ns):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, impl="gluon", num_splits=ns, **kw)
+    for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)
+
+
+@gpu
+def test_auto_takes_the_gluon_kernel_for_an_h8_pool():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
+    a = decode_int8(q, kp, vp, slots, seq, num_splits=5, **kw)
+    b = decode_int8(q, kp, vp, slots, seq, num_splits=5, impl="gluon", **kw)
+    assert torch.equal(a.o, b.o) and torch.equal(a.tv_bound, b.tv_bound)
+
+
+@gpu
+def test_certificate_is_the_same_whichever_way_the_row_is_split():
+    q, kp, vp, slots, seq, kw, _ = _setup(S=200)
+    outs = [decode_int8(q, kp, vp, slots, seq, impl="gluon", num_splits=ns, **kw) for ns in (1, 2, 8, 32)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o.tv_bound, outs[0].tv_bound, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(o.o, outs[0].o, atol=1e-5, rtol=1e-5)
+
+
+@gpu
+def test_certificate_bounds_the_true_tv_on_a_fixed_seed_batch():
+    q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(hq=4, hkv=2, S=48)
+    out = decode_int8(q, kp, vp, slots, seq, impl="gluon", num_splits=2, **kw)
+    _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, impl="h10", **kw)
+    assert_rows_within_certificate(q, K, slot_ids, slots, seq, probs, out.tv_bound)
+
+
+@gpu
+def test_nonfinite_scale_gives_a_vacuous_certificate():
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
+    bad = kp.scales.clone()
+    bad[int(slots[0, 5]), 0, 1] = math.nan
+    out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, impl="gluon", num_splits=2, **kw)
+    assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()
+    assert torch.isfinite(out.tv_bound[1]).all()
