@@ -920,7 +920,9 @@ def decode_int8(
         num_splits=num_splits, cert=cert, cert_b=cert_b, v_dither=v_dither, block_n=block_n,
         k_precision=k_precision, v_precision=v_precision, num_warps=num_warps, num_stages=num_stages, join=join,
         var_dot=var_dot, impl=impl, pv_terms=pv_terms, xi_split=xi_split, skip_philox=skip_philox)
-    o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s)
+    # a programmatic dependent launch on sm_90: the merge starts while stage 1 drains and waits for it (1-2 us of
+    # a ~20 us step at the paper's shape: data/results/gpu/dev/gluon_probe5.json, auto_cert vs the probe's own call)
+    o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s, pdl=True)
     return DecodeOut(o, lse, A, Bv, two, one, vac)
 
 
