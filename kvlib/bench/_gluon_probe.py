@@ -26,7 +26,7 @@ WAVES = (0.5, 1.0)
 CONFIGS = (("bn16", {}, 8), ("ahead", {"ahead": True}, 8))
 
 
-def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False, block_n: int = 16,
+def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False,
                  delta: float = 1e-2, **launch_kw):
     """Stage 1 (Gluon) + the Triton split merge: a :class:`kvlib.kernels.merge_tl.MergedSplits`."""
     from kvlib.certificate import radius_multiplier
@@ -43,7 +43,7 @@ def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: b
     a_s = torch.empty_like(lse_s) if cert else lse_s
     b_s = torch.empty_like(lse_s) if cert and cert_b else lse_s
     launch_g8(q, kp, vp, slots, seq, o_s, lse_s, a_s, b_s, sm=1.0 / math.sqrt(d), delta=delta, rad_extra=rad_extra,
-              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b, block_n=block_n,
+              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b,
               **launch_kw)
     return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
 

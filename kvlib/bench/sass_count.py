@@ -163,10 +163,11 @@ def kv4_count() -> dict[str, Any]:
     return out
 
 
-def gluon_count(cert: bool = True, gqa: int = GQA, block_n: int = 16) -> dict[str, Any]:
+def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
     """The Gluon h8 kernel (:mod:`kvlib.kernels.decode_int8_gluon`) compiled for sm_90 at the latency benchmarks'
     shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
-    (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time)."""
+    (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time),
+    with the defaults decode_int8 launches (``AHEAD``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -175,7 +176,8 @@ def gluon_count(cert: bool = True, gqa: int = GQA, block_n: int = 16) -> dict[st
 
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
-    const = dict(GQA=gqa, BN=block_n, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, **G.kernel_layouts(block_n))
+    block_n = G.BLOCK_N
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=G.AHEAD)
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

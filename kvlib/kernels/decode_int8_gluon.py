@@ -80,6 +80,51 @@ def layouts(bn: int) -> dict[str, object]:
     )
 
 
+def kernel_layouts(bn: int) -> dict[str, object]:
+    """The constexpr layouts :func:`_stage1_g8` takes, for ``bn`` positions per tile."""
+    L = layouts(bn)
+    nt = [[0, 8 * b] for b in _bits(bn // 8)]
+    ntT = [[8 * b, 0] for b in _bits(bn // 8)]
+    pvm = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    return dict(
+        KW=L["KW"], W=L["W"], VW=L["VW"], SC=L["SC"], MMA=L["MMA"], QA=L["QA"], KB=L["KB"], QB=L["QB"],
+        # scores of the 8 heads [8, BN]: head on lanes g, positions 2 t + r0 + 8 nt
+        Z8=gl.DistributedLinearLayout(reg_bases=[[0, 1]] + nt, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[], block_bases=[], shape=[8, bn]),
+        # its transpose [BN, 8]
+        PT=gl.DistributedLinearLayout(reg_bases=[[1, 0]] + ntT, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+                                      warp_bases=[], block_bases=[], shape=[bn, 8]),
+        PB=gl.DotOperandLayout(operand_index=1, parent=pvm, k_width=2),
+        VA=gl.DotOperandLayout(operand_index=0, parent=pvm, k_width=2),
+        # value words replicated per byte [BN, 8, 4], the position pair innermost then the byte
+        V8=gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in
+                                                                                     _bits(bn // 8)],
+                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                      warp_bases=[], block_bases=[], shape=[bn, 8, 4]),
+    )
+
+
+#: positions per tile (larger tiles spill: 32 positions took a 48-byte stack and more instructions per position)
+BLOCK_N = 16
+_BN = gl.constexpr(BLOCK_N)
+_L = kernel_layouts(BLOCK_N)
+# The kernel's register layouts as module constants, not launch arguments: the JIT hashes every constexpr argument
+# at each launch, and thirteen layout objects made an eager launch cost about half a millisecond of host time
+KW = gl.constexpr(_L["KW"])
+W = gl.constexpr(_L["W"])
+VW = gl.constexpr(_L["VW"])
+SC = gl.constexpr(_L["SC"])
+MMA = gl.constexpr(_L["MMA"])
+QA = gl.constexpr(_L["QA"])
+KB = gl.constexpr(_L["KB"])
+QB = gl.constexpr(_L["QB"])
+Z8 = gl.constexpr(_L["Z8"])
+PT = gl.constexpr(_L["PT"])
+PB = gl.constexpr(_L["PB"])
+VA = gl.constexpr(_L["VA"])
+V8 = gl.constexpr(_L["V8"])
+
+
 # ----------------------------------------------------------------------------------------------
 # device helpers
 @gluon.jit
@@ -304,11 +349,10 @@ def _stage1_g8(
     sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: gl.constexpr, BN: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
-    KW: gl.constexpr, W: gl.constexpr, VW: gl.constexpr, SC: gl.constexpr, MMA: gl.constexpr, QA: gl.constexpr,
-    KB: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, PT: gl.constexpr, PB: gl.constexpr, VA: gl.constexpr,
-    V8: gl.constexpr, AHEAD: gl.constexpr = False,
+    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
+    AHEAD: gl.constexpr = False,
 ):
+    BN: gl.constexpr = _BN
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -447,30 +491,6 @@ def _stage1_g8(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
-def kernel_layouts(bn: int) -> dict[str, object]:
-    """The constexpr layouts :func:`_stage1_g8` takes, for ``bn`` positions per tile."""
-    L = layouts(bn)
-    nt = [[0, 8 * b] for b in _bits(bn // 8)]
-    ntT = [[8 * b, 0] for b in _bits(bn // 8)]
-    pvm = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    return dict(
-        KW=L["KW"], W=L["W"], VW=L["VW"], SC=L["SC"], MMA=L["MMA"], QA=L["QA"], KB=L["KB"], QB=L["QB"],
-        # scores of the 8 heads [8, BN]: head on lanes g, positions 2 t + r0 + 8 nt
-        Z8=gl.DistributedLinearLayout(reg_bases=[[0, 1]] + nt, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[8, bn]),
-        # its transpose [BN, 8]
-        PT=gl.DistributedLinearLayout(reg_bases=[[1, 0]] + ntT, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 8]),
-        PB=gl.DotOperandLayout(operand_index=1, parent=pvm, k_width=2),
-        VA=gl.DotOperandLayout(operand_index=0, parent=pvm, k_width=2),
-        # value words replicated per byte [BN, 8, 4], the position pair innermost then the byte
-        V8=gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in
-                                                                                     _bits(bn // 8)],
-                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 8, 4]),
-    )
-
-
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
@@ -505,8 +525,8 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, block_n: int = 16,
-              maxnreg: int | None = None, ahead: bool = AHEAD) -> None:
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, maxnreg: int | None = None,
+              ahead: bool = AHEAD) -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
@@ -524,7 +544,6 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, BN=block_n, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead,
-        **kernel_layouts(block_n),
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead,
         num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
