@@ -137,6 +137,12 @@ def run(profile: str) -> dict[str, Any]:
         out[name] = compile_count(kernel, const, num_warps=nw, num_stages=ns, block_n=const["BLOCK_N"], pointers=ptrs)
         print(f"   {name}: {out[name]['instructions']} instructions per tile-thread, "
               f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
+    out["gluon_h8_certA"] = gluon_count()
+    out["gluon_h8_nocert"] = gluon_count(cert=False)
+    print(f"   gluon h8: {out['gluon_h8_certA']['instructions']} instructions per 16-position tile (one warp), "
+          f"{out['gluon_h8_certA']['per_position_head']:.1f} warp instructions per (position, KV head), "
+          f"{out['gluon_h8_certA']['registers']} registers, {out['gluon_h8_certA']['shared_bytes']} B shared",
+          flush=True)
     out["kv4"] = kv4_count()
     print(f"   kv4: {out['kv4']['instructions']} instructions per tile-thread, "
           f"{out['kv4']['per_element']:.2f} per 4-bit code, {out['kv4']['registers']} registers", flush=True)
