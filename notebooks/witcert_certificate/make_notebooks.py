@@ -533,19 +533,25 @@ else:
                  f"{run.values['h8g_graph_cert_cost_long_max']:.1%} at S >= 16k" if "h8g" in graphed else "")
               + ("; at the small paper shape the certificate's per-program prologue dominates"
                  if graphed and run.values[f"{graphed[0]}_graph_cert_cost_paper"] > 0.03 else ""))
-    run.claim("witcert-latency-vs-fp16", ours=f"INT8+cert / SDPA bf16 = {run.values['ratio_paper_shape']:.2f}x at the "
-              f"paper shape; SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best}){graph_note}"
-              + (f"; at B=32, S=16k SDPA / INT8+cert = {run.values['h10_speedup_32_16k']:.2f}x (h10) vs "
-                 f"{run.values['w24_speedup_32_16k']:.2f}x (w24 tc)" if "h10_speedup_32_16k" in run.values else "")
-              + "".join(f"; {m} under CUDA graphs {run.values[f'{m}_graph_speedup_min']:.2f}-"
-                        f"{run.values[f'{m}_graph_speedup_max']:.2f}x at S >= 16k, "
-                        f"{run.values[f'{m}_graph_paper_shape']:.2f}x slower than SDPA at the paper shape"
-                        for m in ("h10", "h8", "h8g") if f"{m}_graph_speedup_min" in run.values),
+    gmodes = [m for m in ("h10", "h8", "h8g") if f"{m}_graph_speedup_min" in run.values]
+    gbest = max(gmodes, key=lambda m: run.values[f"{m}_graph_speedup_min"]) if gmodes else None
+    eager = (f"eager (host launch overhead included): INT8+cert / SDPA bf16 = {run.values['ratio_paper_shape']:.2f}x at "
+             f"the paper shape, SDPA / INT8+cert >= {run.values['speedup_long']:.2f}x at S >= 16k ({best}){graph_note}")
+    run.claim("witcert-latency-vs-fp16",
+              ours=(f"under CUDA graphs the fastest certified kernel ({gbest}) is "
+                    f"{run.values[f'{gbest}_graph_paper_shape']:.2f}x slower than SDPA bf16 at the paper shape and runs "
+                    f"at {run.values[f'{gbest}_graph_speedup_min']:.2f}-{run.values[f'{gbest}_graph_speedup_max']:.2f}x "
+                    "of SDPA's speed at S >= 16k"
+                    + "".join(f"; {m}: {run.values[f'{m}_graph_speedup_min']:.2f}-"
+                              f"{run.values[f'{m}_graph_speedup_max']:.2f}x at S >= 16k, "
+                              f"{run.values[f'{m}_graph_paper_shape']:.2f}x slower at the paper shape"
+                              for m in gmodes if m != gbest) + "; " + eager) if gbest else eager,
               verdict="differs", why="H200 vs RTX 4090 (synthetic codes at the paper's heads); our goal, faster than "
-              "SDPA bf16 at S >= 16k, is " + ("met" if run.values.get("h8g_graph_speedup_min", 0) >= 1 else
-                                            "not met: the fastest certified kernel (h8g, the Gluon kernel) reaches "
-                                            f"{run.values.get('h8g_graph_speedup_min', float('nan')):.2f}-"
-                                            f"{run.values.get('h8g_graph_speedup_max', float('nan')):.2f}x"))
+              "SDPA bf16 at S >= 16k, is " + ("met" if gbest and run.values[f"{gbest}_graph_speedup_min"] >= 1 else
+                                            "not met" + (f": the fastest certified kernel ({gbest}) reaches "
+                                                         f"{run.values[f'{gbest}_graph_speedup_min']:.2f}-"
+                                                         f"{run.values[f'{gbest}_graph_speedup_max']:.2f}x"
+                                                         if gbest else "")))
 run.claims_table()
 run.save()
 """, hide_input=True),
