@@ -39,18 +39,23 @@ def test_loop_stats_without_a_loop_raises():
         loop_stats("        /*0000*/                   EXIT ;\n")
 
 
-@pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
-def test_kv4_kernel_compiles_for_sm90_and_counts_its_loop():
+def _offline(func: str) -> dict:
+    """``kvlib.bench.sass_count.<func>()`` in a fresh process (the test session runs Triton under its CPU
+    interpreter), skipped where Triton's NVIDIA toolchain is missing."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("Triton's NVIDIA toolchain is not installed")
-    # compiled in a fresh process: the test session runs Triton under its CPU interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prog = "import json; from kvlib.bench.sass_count import kv4_count; print(json.dumps(kv4_count()))"
-    cmd = [sys.executable, "-c", prog]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    prog = f"import json; from kvlib.bench.sass_count import {func}; print(json.dumps({func}()))"
+    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
+def test_kv4_kernel_compiles_for_sm90_and_counts_its_loop():
+    out = _offline("kv4_count")
     # the pipelined loop is found and the kernel fits the register file without spilling
     assert out["instructions"] > 0 and out["per_element"] > 0
     assert 0 < out["registers"] <= 255 and out["stack_bytes"] == 0
@@ -61,15 +66,7 @@ def test_kv4_kernel_compiles_for_sm90_and_counts_its_loop():
 def test_pdl_kernels_compile_with_grid_dependency_control():
     """KV4KernelConfig.pdl: the decode kernel waits for the query preparation and lets the merge launch
     early; the merge waits; the preparation triggers. Checked in the sm_90 PTX (the CPU never runs it)."""
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("Triton's NVIDIA toolchain is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prog = "import json; from kvlib.bench.sass_count import pdl_check; print(json.dumps(pdl_check()))"
-    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
-                          check=True)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _offline("pdl_check")
     assert out["prepare_query"] == [0, 1, False]
     assert out["decode"] == [1, 1, True]
     assert out["merge"] == [1, 0, True]
@@ -79,14 +76,6 @@ def test_pdl_kernels_compile_with_grid_dependency_control():
 def test_gluon_kernel_compiles_for_sm90_without_shared_memory_or_spills():
     """The Gluon h8 kernel's design claims, from the sm_90 binary: every conversion is a register relabelling
     (the compile fails otherwise: ``assert_trivial``), so it uses no shared memory, and it does not spill."""
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("Triton's NVIDIA toolchain is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prog = "import json; from kvlib.bench.sass_count import gluon_count; print(json.dumps(gluon_count()))"
-    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
-                          check=True)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _offline("gluon_count")
     assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255
     assert out["top_opcodes"].get("HMMA", 0) > 0 and out["instructions"] > 0

@@ -8,13 +8,12 @@ import dataclasses
 import datetime
 import functools
 import math
-import statistics
 import sys
 
 import torch
 
 from kvlib.bench._h10_probe import _problem, h10_problem, write_probe
-from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags
+from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags, interleaved
 from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -46,6 +45,11 @@ def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: b
               layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b,
               **launch_kw)
     return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph."""
+    return bench_graphed(fn, warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
 def agreement(quick: bool = False) -> list[dict]:
@@ -98,20 +102,10 @@ def timings(rounds: int = 3) -> list[dict]:
         var[f"gluon_nocert_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert=False, **kw)
         var[f"gluon_certAB_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert_b=True, **kw)
         var["auto_cert"] = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, cert=True, cert_b=False)
-        names = list(var)
-        ms: dict[str, list] = {n: [] for n in names}
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                try:
-                    ms[name].append(bench_graphed(var[name], warmup_ms=5.0, rep_ms=30.0)["median_ms"])
-                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                    ms[name].append(None)
-                    print(f"FAIL {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-        for name in names:
-            ok = [t for t in ms[name] if t is not None]
-            med = statistics.median(ok) if ok else None
+        ms = interleaved({n: functools.partial(_graph_ms, fn) for n, fn in var.items()}, rounds)
+        for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,
-                             vs_sdpa=med and sd / med, rounds=ms[name]))
+                             vs_sdpa=med and sd / med, rounds=per_round))
             print(rows[-1], flush=True)
         del qb, kp, vp, slots, seq, args, tri, glu, var
         torch.cuda.empty_cache()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +46,31 @@ def h10_flags(**flags):
             setattr(H, k, v)
 
 
+def _time_flagged(flags: dict, args: tuple, call: dict) -> float:
+    """:func:`_time` of ``decode_int8(*args, **call)`` with the module ``flags`` set (compile and capture included)."""
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    with h10_flags(**flags):
+        return _time(decode_int8, args, call)
+
+
+def interleaved(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float | None, list]]:
+    """Each timer (returning a median in ms) once per round, the order rotated every round so run-to-run drift stays
+    out of the comparison; a timer that raises is reported and counted as ``None``, not fatal. Returns
+    ``name -> (median over the rounds that ran, per-round values)``."""
+    names = list(timers)
+    ms: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            try:
+                ms[name].append(timers[name]())
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                ms[name].append(None)
+                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return {n: (statistics.median([t for t in v if t is not None]) if any(t is not None for t in v) else None, v)
+            for n, v in ms.items()}
+
+
 def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384)),
                   rounds: int = 1) -> list[dict]:
     """The h10 decode step for each variant ``name -> (module flags, decode_int8 keywords)`` beside SDPA bf16, at
@@ -55,9 +83,6 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
     ``shapes`` restricts a variant to those ``(B, S)``. A shape may name its heads, ``(B, S, hq, hkv)`` (default
     28 / 4, the paper's)."""
     import dataclasses
-    import statistics
-
-    from kvlib.kernels.decode_int8 import decode_int8
 
     rows = []
     for shape in shapes:
@@ -66,25 +91,19 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
         names = [n for n, (_, kw) in variants.items() if tuple(shape) in map(tuple, kw.get("shapes", [shape]))]
         qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
-        ms: dict[str, list] = {n: [] for n in names}
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                flags, kw = variants[name]
-                kpl = dataclasses.replace(kp, dither_layout=kw.get("layout", kp.dither_layout))
-                call = dict(impl="h10", cert=True, cert_b=False) | {k: v for k, v in kw.items()
-                                                                    if k not in ("layout", "shapes")}
-                try:
-                    with h10_flags(**flags):
-                        ms[name].append(_time(decode_int8, (qb, kpl, vp, slots, seq), call))
-                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                    ms[name].append(None)
-                    print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        timers = {}
         for name in names:
-            ok = [t for t in ms[name] if t is not None]
-            med = statistics.median(ok) if ok else None
+            flags, kw = variants[name]
+            kpl = dataclasses.replace(kp, dither_layout=kw.get("layout", kp.dither_layout))
+            call = dict(impl="h10", cert=True, cert_b=False) | {k: v for k, v in kw.items()
+                                                                if k not in ("layout", "shapes")}
+            timers[name] = functools.partial(_time_flagged, flags, (qb, kpl, vp, slots, seq), call)
+        ms = interleaved(timers, rounds)
+        for name in names:
+            med, per_round = ms[name]
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, flags=variants[name][0],
                              kw=variants[name][1],
-                             ms=med, sdpa_ms=sd, vs_sdpa=med and sd / med, **({"rounds": ms[name]} if rounds > 1
+                             ms=med, sdpa_ms=sd, vs_sdpa=med and sd / med, **({"rounds": per_round} if rounds > 1
                                                                               else {})))
             print(rows[-1], flush=True)
         del qb, kp, vp, slots, seq

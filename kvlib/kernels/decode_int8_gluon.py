@@ -282,35 +282,24 @@ def _rows8v(x):
 
 
 @gluon.jit
-def _load_k(KC, KS, slot_k, slot_s, mask_s, kvh, s_kc_n, s_ks_n, W: gl.constexpr, SC: gl.constexpr):
-    """A tile's key operands (contiguous pools: a head's 32 code words and 4 scales are adjacent): code words per
-    group ``[BN, 8]`` int32 (lane ``t``: words ``2 t, 2 t + 1`` of positions ``g + 8 nt``) and scales ``[BN, 4]``."""
-    ck = gl.arange(0, 8, layout=gl.SliceLayout(0, W))
-    kb = KC + slot_k.to(gl.int64)[:, None] * s_kc_n + kvh * 32 + ck[None, :]
-    # no mask: a position past the end reads slot 0 (its slot load is masked to 0), a real row of the pool, and
-    # its score is set to -inf; a masked load would cost a zeroing move per register
-    k0 = gl.load(kb)
-    k1 = gl.load(kb + 8)
-    k2 = gl.load(kb + 16)
-    k3 = gl.load(kb + 24)
-    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-    ks = gl.load(KS + slot_s.to(gl.int64)[:, None] * s_ks_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
-    return k0, k1, k2, k3, ks
+def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr, SC: gl.constexpr):
+    """A tile's operands of one side (contiguous pools: a head's 32 code words and 4 scales are adjacent): code
+    words per group ``[BN, 8]`` int32 in layout ``L`` (keys ``W``: lane ``t`` holds words ``2 t, 2 t + 1`` of
+    positions ``g + 8 nt``; values ``VW``: lane ``g`` holds word ``g`` of positions ``2 t + e + 8 h + 16 kc``) and
+    the scales ``[BN, 4]`` fp16 (0 past the end).
 
-
-@gluon.jit
-def _load_v(VC, VS, slot_v, slot_s, mask_s, kvh, s_vc_n, s_vs_n, VW: gl.constexpr, SC: gl.constexpr):
-    """A tile's value operands: code words per group ``[BN, 8]`` int32 (lane ``g``: word ``g`` of positions
-    ``2 t + e + 8 h + 16 kc``) and scales ``[BN, 4]``."""
-    cv = gl.arange(0, 8, layout=gl.SliceLayout(0, VW))
-    vb = VC + slot_v.to(gl.int64)[:, None] * s_vc_n + kvh * 32 + cv[None, :]
-    v0 = gl.load(vb)  # unmasked as the keys: p = 0 there and the scale (masked) is 0, so 0 * code
-    v1 = gl.load(vb + 8)
-    v2 = gl.load(vb + 16)
-    v3 = gl.load(vb + 24)
+    The code words are loaded without a mask: a position past the end reads slot 0 (its slot load is masked to 0),
+    a real row of the pool, and is removed by its score (-inf) and its scale (0, so p s c = 0); a masked load
+    would cost a zeroing move per register."""
+    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, L))
+    base = C + slot_c.to(gl.int64)[:, None] * s_c_n + kvh * 32 + cw[None, :]
+    c0 = gl.load(base)
+    c1 = gl.load(base + 8)
+    c2 = gl.load(base + 16)
+    c3 = gl.load(base + 24)
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-    vs = gl.load(VS + slot_s.to(gl.int64)[:, None] * s_vs_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
-    return v0, v1, v2, v3, vs
+    sc = gl.load(S + slot_s.to(gl.int64)[:, None] * s_s_n + kvh * 4 + cs[None, :], mask=mask_s[:, None], other=0.0)
+    return c0, c1, c2, c3, sc
 
 
 @gluon.jit
@@ -411,8 +400,8 @@ def _stage1_g8(
     sk = gl.load(sl_row + nk, mask=nk < end, other=0)
     sv = gl.load(sl_row + nv, mask=nv < end, other=0)
     ss = gl.load(sl_row + ns_, mask=ns_ < end, other=0)
-    kc0, kc1, kc2, kc3, ks = _load_k(KC, KS, sk, ss, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
-    vw0, vw1, vw2, vw3, vs = _load_v(VC, VS, sv, ss, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
+    kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk, ss, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
+    vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv, ss, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
     nk_x = nk + BN
     nv_x = nv + BN
     ns_x = ns_ + BN
@@ -435,7 +424,7 @@ def _stage1_g8(
         z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
                                                                                  MMA, Z8))
         z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
-        kc0, kc1, kc2, kc3, ks = _load_k(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
+        kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
         sk = sk_x
 
         m_new = gl.maximum(m_i, gl.max(z8, 1))
@@ -462,7 +451,7 @@ def _stage1_g8(
         acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
         acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
         acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
-        vw0, vw1, vw2, vw3, vs = _load_v(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
+        vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
         nk_x = nk_x + BN
         nv_x = nv_x + BN
         ns_x = ns_x + BN
