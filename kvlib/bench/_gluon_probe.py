@@ -112,10 +112,45 @@ def timings(rounds: int = 3) -> list[dict]:
     return rows
 
 
+def eager(shapes=((2, 4096), (8, 32768))) -> list[dict]:
+    """Host cost of a launch: per shape and kernel (Gluon, Triton h10 on the same h8 codes), the eager median, the
+    CUDA-graph median and the host time per call of a tight loop of eager calls (``kind="eager"``)."""
+    import time
+
+    from kvlib.bench.timing import bench_ms
+    from kvlib.kernels.decode_int8 import decode_int8
+
+    rows = []
+    for B, S in shapes:
+        qb, kp, vp, slots, seq = h10_problem(B, S, 28, 4)
+        kp = dataclasses.replace(kp, dither_layout="h8")
+        for impl in ("gluon", "h10"):
+            fn = functools.partial(decode_int8, qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl=impl, cert=True,
+                                   cert_b=False)
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host_ms = (time.perf_counter() - t0) / 200 * 1e3
+            torch.cuda.synchronize()
+            rows.append(dict(kind="eager", B=B, S=S, impl=impl, eager_ms=bench_ms(fn, rep_ms=50.0).median_ms,
+                             graph_ms=_graph_ms(fn), host_ms_per_call=host_ms))
+            print(rows[-1], flush=True)
+        del qb, kp, vp, slots, seq
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
+    """``[out.json] [--eager]``: agreement and timings, or (``--eager``) only the host cost of a launch."""
     started = datetime.datetime.now(datetime.UTC)
-    rows = agreement(quick=True)
-    rows += timings()
+    if "--eager" in sys.argv:
+        sys.argv.remove("--eager")
+        rows = eager()
+    else:
+        rows = agreement(quick=True)
+        rows += timings()
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "gluon_probe.json", "gluon_probe", rows, started,
                 {"command": "python -m kvlib.bench._gluon_probe", "shapes": SHAPES})
 
