@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import math
 import sys
 
 import torch
 
 from kvlib.bench._h10_probe import _problem, h10_problem, write_probe
-from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags, interleaved
+from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags, interleaved, module_flags
 from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -21,35 +20,17 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
           (2, 4096, 28, 4))
 #: split plans timed, in waves of one-warp programs
 WAVES = (0.5, 1.0)
-#: (label, launch keywords, one-warp programs resident per SM) timed
-CONFIGS = (("bn16", {}, 8), ("ahead", {"ahead": True}, 8))
+#: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
+#: this folder's README name their own commit's configurations)
+CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
 
 
-def gluon_decode(q, kp, vp, slots, seq, *, ns: int, cert: bool = True, cert_b: bool = False,
-                 delta: float = 1e-2, **launch_kw):
-    """Stage 1 (Gluon) + the Triton split merge: a :class:`kvlib.kernels.merge_tl.MergedSplits`."""
-    from kvlib.certificate import radius_multiplier
-    from kvlib.kernels.decode_int8_gluon import launch_g8
-    from kvlib.kernels.merge_tl import merge_splits
-    from kvlib.philox import seed_key
+def _graph_ms(fn, flags: dict | None = None) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph, captured with the Gluon module's ``flags`` set."""
+    import kvlib.kernels.decode_int8_gluon as G
 
-    B, hq, d = q.shape
-    k0, k1 = seed_key(SEED)
-    rad_extra = (radius_multiplier(1, delta, d, impl="h10", layout="h8")
-                 - radius_multiplier(1, delta, d, slack=False))
-    o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
-    lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
-    a_s = torch.empty_like(lse_s) if cert else lse_s
-    b_s = torch.empty_like(lse_s) if cert and cert_b else lse_s
-    launch_g8(q, kp, vp, slots, seq, o_s, lse_s, a_s, b_s, sm=1.0 / math.sqrt(d), delta=delta, rad_extra=rad_extra,
-              layer=LAYER, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b,
-              **launch_kw)
-    return merge_splits(o_s, lse_s, a_s if cert else None, b_s if cert and cert_b else None, pdl=True)
-
-
-def _graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph."""
-    return bench_graphed(fn, warmup_ms=5.0, rep_ms=30.0)["median_ms"]
+    with module_flags(G, **(flags or {})):
+        return bench_graphed(fn, warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
 def agreement(quick: bool = False) -> list[dict]:
@@ -63,7 +44,8 @@ def agreement(quick: bool = False) -> list[dict]:
             tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True)
         for ns in (1, 7, 64, 200)[:2 if quick else 4]:
             for cert_b in (False, True):
-                r = gluon_decode(q, kp, vp, slots, seq, ns=ns, cert=True, cert_b=cert_b)
+                r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="gluon", num_splits=ns,
+                                cert_b=cert_b)
                 cert = r.tv_bound.double().cpu()
                 refc = ref.tv_bound if cert_b else ref.tv_bound_one
                 row = dict(kind="agreement", B=B, S=S, hq=hq, hkv=hkv, ns=ns, cert_b=cert_b,
@@ -90,19 +72,18 @@ def timings(rounds: int = 3) -> list[dict]:
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
         args = (qb, kp, vp, slots, seq)
         tri = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="h10")
-        glu = functools.partial(gluon_decode, *args)
-        var = {"triton_h8_cert": functools.partial(tri, cert=True, cert_b=False)}
+        glu = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="gluon")
+        var = {"triton_h8_cert": (functools.partial(tri, cert=True, cert_b=False), {})}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for label, kw, per_sm in CONFIGS:
+        for label, flags, per_sm in CONFIGS:
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
-                var[f"gluon_cert_{label}_ns{ns}"] = functools.partial(glu, ns=ns, **kw)
-        label, kw, per_sm = CONFIGS[0]
+                var[f"gluon_cert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=False), flags)
+        label, flags, per_sm = CONFIGS[0]
         ns = max(1, round(sms * per_sm / (B * hkv)))
-        var[f"gluon_nocert_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert=False, **kw)
-        var[f"gluon_certAB_{label}_ns{ns}"] = functools.partial(glu, ns=ns, cert_b=True, **kw)
-        var["auto_cert"] = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, cert=True, cert_b=False)
-        ms = interleaved({n: functools.partial(_graph_ms, fn) for n, fn in var.items()}, rounds)
+        var[f"gluon_nocert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert=False), flags)
+        var[f"gluon_certAB_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=True), flags)
+        ms = interleaved({n: functools.partial(_graph_ms, fn, fl) for n, (fn, fl) in var.items()}, rounds)
         for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,
                              vs_sdpa=med and sd / med, rounds=per_round))

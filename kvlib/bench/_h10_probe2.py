@@ -34,16 +34,21 @@ def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
 
 
 @contextlib.contextmanager
-def h10_flags(**flags):
-    """Set module flags of :mod:`kvlib.kernels.decode_int8_h10` (``ABLATE``, ``PV_DEQUANT``, ...) for a call."""
-    saved = {k: getattr(H, k) for k in flags}
+def module_flags(module, **flags):
+    """Set module-level flags of a kernel module (``ABLATE``, ``PV_DEQUANT``, ``AHEAD``, ...) for a call."""
+    saved = {k: getattr(module, k) for k in flags}
     for k, v in flags.items():
-        setattr(H, k, v)
+        setattr(module, k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(H, k, v)
+            setattr(module, k, v)
+
+
+def h10_flags(**flags):
+    """:func:`module_flags` of :mod:`kvlib.kernels.decode_int8_h10`."""
+    return module_flags(H, **flags)
 
 
 def _time_flagged(flags: dict, args: tuple, call: dict) -> float:

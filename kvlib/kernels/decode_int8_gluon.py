@@ -51,80 +51,51 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
-def layouts(bn: int) -> dict[str, object]:
-    """Every register layout of the kernel for ``bn`` positions per tile (a multiple of 16)."""
+def kernel_layouts(bn: int) -> dict[str, object]:
+    """Every register layout of :func:`_stage1_g8` for ``bn`` positions per tile (a power of two >= 16); both
+    dots use the one MMA layout ``MMA``."""
     if bn % 16 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {bn}")
-    nt = [[8 * b, 0] for b in _bits(bn // 8)]  # position bases above the n8 tile
+    nt = [[8 * b, 0] for b in _bits(bn // 8)]  # position bases above the n8 tile (positions first)
+    ntc = [[0, 8 * b] for b in _bits(bn // 8)]  # the same, positions second
+    lin = lambda reg, lane, shape: gl.DistributedLinearLayout(  # noqa: E731 - one warp, one CTA
+        reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[], shape=shape)
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     return dict(
         # key codes of one group [BN, 32]: lane (g, t) holds positions g + 8 nt, local channels 8 t + 0..7
-        KW=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]] + nt,
-                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 32]),
+        KW=lin([[0, 1], [0, 2], [0, 4]] + nt, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [bn, 32]),
         # Philox words [BN, 8 calls]: lane (g, t) computes calls 2 t, 2 t + 1 of positions g + 8 nt
-        W=gl.DistributedLinearLayout(reg_bases=[[0, 1]] + nt, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                     warp_bases=[], block_bases=[], shape=[bn, 8]),
+        W=lin([[0, 1]] + nt, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [bn, 8]),
         # value words of one group [BN, 8]: lane (g, t) holds word g of positions 2 t + e + 8 h + 16 kc
-        VW=gl.DistributedLinearLayout(reg_bases=[[1, 0]] + nt, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 8]),
+        VW=lin([[1, 0]] + nt, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [bn, 8]),
         # the four scales of a position [BN, 4] (one 8-byte load): lane (g, t) positions 2 t + e + 8 nt
-        SC=gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0]] + nt,
-                                      lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 4]),
+        SC=lin([[0, 1], [0, 2], [1, 0]] + nt, [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]], [bn, 4]),
         MMA=mma,
         QA=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         KB=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         # a blocked layout for the prologue's query statistics [16 heads, 32 channels]
         QB=gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0]),
-    )
-
-
-def kernel_layouts(bn: int) -> dict[str, object]:
-    """The constexpr layouts :func:`_stage1_g8` takes, for ``bn`` positions per tile."""
-    L = layouts(bn)
-    nt = [[0, 8 * b] for b in _bits(bn // 8)]
-    ntT = [[8 * b, 0] for b in _bits(bn // 8)]
-    pvm = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    return dict(
-        KW=L["KW"], W=L["W"], VW=L["VW"], SC=L["SC"], MMA=L["MMA"], QA=L["QA"], KB=L["KB"], QB=L["QB"],
         # scores of the 8 heads [8, BN]: head on lanes g, positions 2 t + r0 + 8 nt
-        Z8=gl.DistributedLinearLayout(reg_bases=[[0, 1]] + nt, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[8, bn]),
+        Z8=lin([[0, 1]] + ntc, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [8, bn]),
         # its transpose [BN, 8]
-        PT=gl.DistributedLinearLayout(reg_bases=[[1, 0]] + ntT, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 8]),
-        PB=gl.DotOperandLayout(operand_index=1, parent=pvm, k_width=2),
-        VA=gl.DotOperandLayout(operand_index=0, parent=pvm, k_width=2),
+        PT=lin([[1, 0]] + nt, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [bn, 8]),
+        PB=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+        VA=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         # value words replicated per byte [BN, 8, 4], the position pair innermost then the byte
-        V8=gl.DistributedLinearLayout(reg_bases=[[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in
-                                                                                     _bits(bn // 8)],
-                                      lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                      warp_bases=[], block_bases=[], shape=[bn, 8, 4]),
+        V8=lin([[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in _bits(bn // 8)],
+               [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [bn, 8, 4]),
     )
 
 
 #: positions per tile (larger tiles spill: 32 positions took a 48-byte stack and more instructions per position)
 BLOCK_N = 16
 _BN = gl.constexpr(BLOCK_N)
-_L = kernel_layouts(BLOCK_N)
 # The kernel's register layouts as module constants, not launch arguments: the JIT specialises on every constexpr
 # argument at each launch. With the thirteen layouts as arguments an eager certified step took 0.62 ms at B=2, S=4k
 # against 0.018 ms replayed from a CUDA graph (witcert_decode at c49fe48); that the constants remove this host cost
 # is the expectation, not yet measured (python -m kvlib.bench._gluon_probe --eager)
-KW = gl.constexpr(_L["KW"])
-W = gl.constexpr(_L["W"])
-VW = gl.constexpr(_L["VW"])
-SC = gl.constexpr(_L["SC"])
-MMA = gl.constexpr(_L["MMA"])
-QA = gl.constexpr(_L["QA"])
-KB = gl.constexpr(_L["KB"])
-QB = gl.constexpr(_L["QB"])
-Z8 = gl.constexpr(_L["Z8"])
-PT = gl.constexpr(_L["PT"])
-PB = gl.constexpr(_L["PB"])
-VA = gl.constexpr(_L["VA"])
-V8 = gl.constexpr(_L["V8"])
+_LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8")
+KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layouts(BLOCK_N)[k]) for k in _LAYOUT_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,30 +147,30 @@ def _to_kb(x, BN: gl.constexpr, KB: gl.constexpr):
 
 
 @gluon.jit
-def _codes_kb(kw, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr):
-    """int32 key code words ``[BN, 8]`` (word ``j`` = local channels ``4 j .. 4 j + 3``) -> exact fp16 B operand:
-    bytes ``c ^ 0x80`` under ``0x64`` (= 1152 + c), one packed subtract of 1152 per two codes. (Each word is
-    joined with itself so the asm sees it once per four output channels: the copies are register aliases.)"""
-    w2 = gl.join(kw, kw)
-    w4 = gl.reshape(gl.join(w2, w2), [BN, 8, 4])
-    k16 = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480; "
-        "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
-        "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
-        "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
-    return _to_kb(gl.convert_layout(gl.reshape(k16, [BN, 32]), KW, assert_trivial=True), BN, KB)
+def _replicate4(w, BN: gl.constexpr):
+    """Words ``[BN, 8]`` -> ``[BN, 8, 4]``, each word once per byte: the copies are register aliases, so an
+    elementwise asm sees one word per four output channels."""
+    w2 = gl.join(w, w)
+    return gl.reshape(gl.join(w2, w2), [BN, 8, 4])
 
 
 @gluon.jit
-def _negm_kb(w, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr):
-    """Philox words ``[BN, 8]`` (one group's word of each call) -> ``-(4 + b 2^-8)`` fp16 B operand: byte ``b``
-    of call ``j`` is local channel ``4 j + b``; two ``prmt`` per word."""
-    w2 = gl.join(w, w)
-    w4 = gl.reshape(gl.join(w2, w2), [BN, 8, 4])
-    m = gl.inline_asm_elementwise(
-        "{ prmt.b32 $0, $2, 0xC4C4C4C4, 0x4140; prmt.b32 $1, $2, 0xC4C4C4C4, 0x4342; }",
-        "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
-    return _to_kb(gl.convert_layout(gl.reshape(m, [BN, 32]), KW, assert_trivial=True), BN, KB)
+def _bytes_kb(w, DITHER: gl.constexpr, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr):
+    """Words ``[BN, 8]`` whose byte ``b`` of word ``j`` is local channel ``4 j + b`` -> an exact fp16 QK B operand.
+    Key codes (``DITHER=False``): bytes ``c ^ 0x80`` under ``0x64`` (= 1152 + c), one packed subtract of 1152 per
+    two codes. Philox words of the h8 layout (``DITHER=True``): ``-(4 + b 2^-8)`` as fp16 bits ``0xC4 | b``, one
+    ``prmt`` per two channels."""
+    if DITHER:
+        x = gl.inline_asm_elementwise(
+            "{ prmt.b32 $0, $2, 0xC4C4C4C4, 0x4140; prmt.b32 $1, $2, 0xC4C4C4C4, 0x4342; }",
+            "=r,=r,r,r,r,r", [_replicate4(w, BN)], dtype=gl.float16, is_pure=True, pack=4)
+    else:
+        x = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480; "
+            "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+            "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
+            "=r,=r,r,r,r,r", [_replicate4(w, BN)], dtype=gl.float16, is_pure=True, pack=4)
+    return _to_kb(gl.convert_layout(gl.reshape(x, [BN, 32]), KW, assert_trivial=True), BN, KB)
 
 
 @gluon.jit
@@ -207,9 +178,8 @@ def _values_va(vw, BN: gl.constexpr, VA: gl.constexpr, V8: gl.constexpr):
     """int32 value words ``[BN, 8]`` (word ``g`` of the group at lane ``g``) -> the PV A operand ``[32, BN]``
     (exact fp16 codes; row ``16 mt + 8 r + g`` is local channel ``4 g + 2 mt + r``): the bytes of positions
     ``n, n + 1`` are paired by ``prmt`` in registers."""
-    v2 = gl.join(vw, vw)
-    v4 = gl.reshape(gl.join(v2, v2), [BN, 8, 4])
-    v4 = gl.convert_layout(v4, V8, assert_trivial=True)  # position pairs innermost: a register renaming
+    # position pairs innermost: a register renaming
+    v4 = gl.convert_layout(_replicate4(vw, BN), V8, assert_trivial=True)
     c = gl.inline_asm_elementwise(
         "{ .reg .b32 a, b, x, y, k; mov.b32 k, 0x64806480; "
         "xor.b32 a, $4, 0x80808080; xor.b32 b, $5, 0x80808080; "
@@ -284,6 +254,13 @@ def _rows8v(x):
 
 
 @gluon.jit
+def _slots(sl_row, nk, nv, ns, end):
+    """A tile's slot indices in the three position layouts (key words, value words, scales); 0 past the end."""
+    return (gl.load(sl_row + nk, mask=nk < end, other=0), gl.load(sl_row + nv, mask=nv < end, other=0),
+            gl.load(sl_row + ns, mask=ns < end, other=0))
+
+
+@gluon.jit
 def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr, SC: gl.constexpr):
     """A tile's operands of one side (contiguous pools: a head's 32 code words and 4 scales are adjacent): code
     words per group ``[BN, 8]`` int32 in layout ``L`` (keys ``W``: lane ``t`` holds words ``2 t, 2 t + 1`` of
@@ -309,8 +286,8 @@ def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.const
               Z8: gl.constexpr):
     """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
     acc = gl.zeros([16, BN], gl.float32, layout=MMA)
-    acc = mma_v2(qa, _codes_kb(kc, BN, KB, KW), acc)
-    acc = mma_v2(qa, _negm_kb(w, BN, KB, KW), acc)
+    acc = mma_v2(qa, _bytes_kb(kc, False, BN, KB, KW), acc)
+    acc = mma_v2(qa, _bytes_kb(w, True, BN, KB, KW), acc)
     acc = gl.convert_layout(_rows8(acc, BN), Z8, assert_trivial=True)
     return (acc + XI8_CONST * q1[:, None]) * s[None, :]
 
@@ -340,8 +317,7 @@ def _stage1_g8(
     sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
-    AHEAD: gl.constexpr = False,
+    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
 ):
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
@@ -385,11 +361,10 @@ def _stage1_g8(
     l_t = gl.zeros([8, BN], gl.float32, layout=Z8)
     a_t = gl.zeros([8, BN], gl.float32, layout=Z8)
     b_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    PVM: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    acc0 = gl.zeros([32, 8], gl.float32, layout=PVM)
-    acc1 = gl.zeros([32, 8], gl.float32, layout=PVM)
-    acc2 = gl.zeros([32, 8], gl.float32, layout=PVM)
-    acc3 = gl.zeros([32, 8], gl.float32, layout=PVM)
+    acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
 
     KNL: gl.constexpr = gl.SliceLayout(1, W)
     VNL: gl.constexpr = gl.SliceLayout(1, VW)
@@ -399,17 +374,13 @@ def _stage1_g8(
     nk = start + gl.arange(0, BN, layout=KNL)
     nv = start + gl.arange(0, BN, layout=VNL)
     ns_ = start + gl.arange(0, BN, layout=SNL)
-    sk = gl.load(sl_row + nk, mask=nk < end, other=0)
-    sv = gl.load(sl_row + nv, mask=nv < end, other=0)
-    ss = gl.load(sl_row + ns_, mask=ns_ < end, other=0)
+    sk, sv, ss = _slots(sl_row, nk, nv, ns_, end)
     kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk, ss, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
     vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv, ss, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
     nk_x = nk + BN
     nv_x = nv + BN
     ns_x = ns_ + BN
-    sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
-    sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
-    ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
+    sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
 
     if AHEAD:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
@@ -444,7 +415,7 @@ def _stage1_g8(
             a_t = a_t * alpha[:, None] + pa
             if CERT_B:
                 b_t = b_t * alpha[:, None] + pb
-        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, PVM))
+        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
         m_i = m_new
 
         ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
@@ -457,9 +428,7 @@ def _stage1_g8(
         nk_x = nk_x + BN
         nv_x = nv_x + BN
         ns_x = ns_x + BN
-        sk_x = gl.load(sl_row + nk_x, mask=nk_x < end, other=0)
-        sv_x = gl.load(sl_row + nv_x, mask=nv_x < end, other=0)
-        ss_x = gl.load(sl_row + ns_x, mask=ns_x < end, other=0)
+        sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
         if AHEAD:  # the next tile's dither, beside this tile's PV
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
@@ -468,11 +437,11 @@ def _stage1_g8(
     inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
     lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s + (kvh * GQA) * s_os_h
-    sc = gl.convert_layout(inv_l * (1.0 / 1024.0), gl.SliceLayout(0, PVM))
-    _store_group(o_base, s_os_h, acc0, sc, 0, GQA, PVM)
-    _store_group(o_base, s_os_h, acc1, sc, 1, GQA, PVM)
-    _store_group(o_base, s_os_h, acc2, sc, 2, GQA, PVM)
-    _store_group(o_base, s_os_h, acc3, sc, 3, GQA, PVM)
+    sc = gl.convert_layout(inv_l * (1.0 / 1024.0), gl.SliceLayout(0, MMA))
+    _store_group(o_base, s_os_h, acc0, sc, 0, GQA, MMA)
+    _store_group(o_base, s_os_h, acc1, sc, 1, GQA, MMA)
+    _store_group(o_base, s_os_h, acc2, sc, 2, GQA, MMA)
+    _store_group(o_base, s_os_h, acc3, sc, 3, GQA, MMA)
     h = gl.arange(0, 8, layout=H8L)
     l_off = b * s_ls_b + (kvh * GQA + h) * s_ls_h + split
     gl.store(LSE_S + l_off, lse, mask=h < GQA)
@@ -516,8 +485,7 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, maxnreg: int | None = None,
-              ahead: bool = AHEAD) -> None:
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
@@ -535,6 +503,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead,
-        num_warps=1, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
     )
