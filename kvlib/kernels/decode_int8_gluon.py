@@ -84,6 +84,8 @@ def kernel_layouts(bn: int) -> dict[str, object]:
         # value words replicated per byte [BN, 8, 4], the position pair innermost then the byte
         V8=lin([[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in _bits(bn // 8)],
                [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [bn, 8, 4]),
+        # the prefetch [2 sides, BN]: lane (side, position), one 128-byte code row per lane and 16 positions
+        PF=lin([[0, 16 * b] for b in _bits(bn // 16)], [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]], [2, bn]),
     )
 
 
@@ -94,8 +96,9 @@ _BN = gl.constexpr(BLOCK_N)
 # argument at each launch. With the thirteen layouts as arguments an eager certified step took 0.62 ms at B=2, S=4k
 # against 0.018 ms replayed from a CUDA graph (witcert_decode at c49fe48); that the constants remove this host cost
 # is the expectation, not yet measured (python -m kvlib.bench._gluon_probe --eager)
-_LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8")
-KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layouts(BLOCK_N)[k]) for k in _LAYOUT_NAMES)
+_LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8", "PF")
+_LAYOUTS = kernel_layouts(BLOCK_N)
+KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8, PF = (gl.constexpr(_LAYOUTS[k]) for k in _LAYOUT_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,6 +285,30 @@ def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr,
 
 
 @gluon.jit
+def _prefetch(KC, KS, VC, VS, sl_row, n0, end, kvh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, BN: gl.constexpr,
+              PF: gl.constexpr, L1: gl.constexpr):
+    """Prefetch a tile's code rows and scales of both sides (one row per lane; no registers are held): its loads,
+    a tile later, then find them in the cache instead of waiting for DRAM."""
+    side = gl.arange(0, 2, layout=gl.SliceLayout(1, PF))[:, None]
+    pos = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, PF))[None, :] + side * 0
+    slot = gl.load(sl_row + pos, mask=pos < end, other=0).to(gl.int64)
+    pc = gl.where(side == 0, KC + slot * s_kc_n + kvh * 32, VC + slot * s_vc_n + kvh * 32)
+    ps = gl.where(side == 0, KS + slot * s_ks_n + kvh * 4, VS + slot * s_vs_n + kvh * 4)
+    _prefetch1(pc, L1)
+    _prefetch1(ps, L1)
+
+
+@gluon.jit
+def _prefetch1(p, L1: gl.constexpr):
+    if L1:
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [p], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [p], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr,
               Z8: gl.constexpr):
     """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
@@ -318,6 +345,7 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
+    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
 ):
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
@@ -385,6 +413,9 @@ def _stage1_g8(
     if AHEAD:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
     for n0 in range(start, end, BN):
+        if PREFETCH > 0:
+            _prefetch(KC, KS, VC, VS, sl_row, n0 + PREFETCH * BN, end, kvh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, BN, PF,
+                      PF_L1)
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
@@ -454,6 +485,11 @@ def _stage1_g8(
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
+#: prefetch the code rows and scales of the tile this many tiles ahead at the top of each tile (0: none), into L2
+#: or (``PF_L1``) L1: the next tile's loads waited on DRAM (Nsight Compute at B=64, S=16k: 10% of the warps'
+#: stall samples on the long scoreboard, at their first use)
+PREFETCH = 0
+PF_L1 = False
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
 
@@ -503,5 +539,6 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PREFETCH=PREFETCH, PF_L1=PF_L1,
+        num_warps=1,
     )
