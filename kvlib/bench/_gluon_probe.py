@@ -22,8 +22,8 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
 WAVES = (1.0,)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-CONFIGS = (("base", {"PREFETCH": 0}, 8), ("pf1_l2", {"PREFETCH": 1}, 8), ("pf2_l2", {"PREFETCH": 2}, 8),
-           ("pf1_l1", {"PREFETCH": 1, "PF_L1": True}, 8))
+CONFIGS = (("grid", {"PREFETCH": 0, "STREAM": False}, 8), ("grid_pf1", {"PREFETCH": 1, "STREAM": False}, 8),
+           ("stream", {"PREFETCH": 0, "STREAM": True}, 8), ("stream_pf1", {"PREFETCH": 1, "STREAM": True}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:
@@ -77,13 +77,15 @@ def timings(rounds: int = 3) -> list[dict]:
         var = {"triton_h8_cert": (functools.partial(tri, cert=True, cert_b=False), {})}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for label, flags, per_sm in CONFIGS:
+            if flags.get("STREAM"):  # the stream plan: one wave of equal pieces (num_splits left to the plan)
+                var[f"gluon_cert_{label}"] = (functools.partial(glu, cert_b=False), flags)
+                continue
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
                 var[f"gluon_cert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=False), flags)
-        label, flags, per_sm = CONFIGS[0]
-        ns = max(1, round(sms * per_sm / (B * hkv)))
-        var[f"gluon_nocert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert=False), flags)
-        var[f"gluon_certAB_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=True), flags)
+        label, flags, per_sm = CONFIGS[-1]
+        var[f"gluon_nocert_{label}"] = (functools.partial(glu, cert=False), flags)
+        var[f"gluon_certAB_{label}"] = (functools.partial(glu, cert_b=True), flags)
         ms = interleaved({n: functools.partial(_graph_ms, fn, fl) for n, (fn, fl) in var.items()}, rounds)
         for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,

@@ -33,6 +33,7 @@ GPU agreement check binds this one to it and to the float64 reference
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -339,23 +340,18 @@ def _store_group(o_base, s_os_h, acc, sc, g: gl.constexpr, GQA: gl.constexpr, MM
 
 
 @gluon.jit
-def _stage1_g8(
-    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
+def _segment(
+    Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S,
     sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+    b, kvh, start, end, seq_len, split,
+    GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
+    PF_L1: gl.constexpr,
 ):
+    """Positions ``[start, end)`` of row ``b``, KV head ``kvh`` (``seq_len`` positions in all, for the radius):
+    the split state ``(o, lse, A, B)`` into slot ``split`` (empty: ``lse = -inf``, ``o = A = B = 0``)."""
     BN: gl.constexpr = _BN
-    b = gl.program_id(0)
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(SEQ + b).to(gl.int32)
-    split_len = gl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-
     Q_row = Q + b * s_qb + kvh * GQA * s_qh
     qa0, q10, q20, rr0 = _q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA)
     qa1, q11, q21, rr1 = _q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA)
@@ -482,6 +478,82 @@ def _stage1_g8(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
+@gluon.jit
+def _stage1_g8(
+    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
+    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
+    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
+    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+):
+    """Grid ``(B, H_kv, NUM_SPLITS)``: each row cut into ``NUM_SPLITS`` equal splits."""
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ + b).to(gl.int32)
+    split_len = gl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer, seed_lo,
+             seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+             b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1)
+
+
+@gluon.jit
+def _store_empty(O_S, LSE_S, A_S, B_S, b, kvh, split, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA: gl.constexpr,
+                 CERT: gl.constexpr, CERT_B: gl.constexpr):
+    """An empty split state (``lse = -inf``, ``o = A = B = 0``) in slot ``split``: the merge gives it weight 0."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    h = gl.arange(0, 8, layout=gl.SliceLayout(1, L2))
+    c = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
+    o_base = O_S + b * s_os_b + split * s_os_s + (kvh * GQA) * s_os_h
+    gl.store(o_base + h[:, None] * s_os_h + c[None, :], gl.zeros([8, 128], gl.float32, layout=L2),
+             mask=(h < GQA)[:, None])
+    hh = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
+    l_off = b * s_ls_b + (kvh * GQA + hh) * s_ls_h + split
+    gl.store(LSE_S + l_off, gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
+    if CERT:
+        gl.store(A_S + l_off, gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
+        if CERT_B:
+            gl.store(B_S + l_off, gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
+
+
+@gluon.jit
+def _stage1_g8_stream(
+    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
+    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
+    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
+    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    hkv, max_len, total, width, n_slots,
+    GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
+    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+):
+    """One-dimensional grid, stream-K style: the (row, KV head) pairs laid end to end, ``max_len`` positions each
+    (``total`` in all), program ``i`` takes positions ``[i W, (i + 1) W)`` of that line, so every program has the
+    same length whatever the batch (a whole-split plan leaves slots of the wave idle: 1024 of 1056 at B = 64).
+    A pair's pieces go to slots ``i - first program of the pair``; the program that ends a pair fills the pair's
+    remaining slots (up to ``n_slots``) with empty states. Positions past a row's length are skipped."""
+    i = gl.program_id(0)
+    x0 = i * width
+    x1 = gl.minimum(x0 + width, total)
+    for p in range(x0 // max_len, (x1 - 1) // max_len + 1):
+        b = p // hkv
+        kvh = p % hkv
+        base = p * max_len
+        seq_len = gl.load(SEQ + b).to(gl.int32)
+        end = gl.minimum(gl.minimum(x1 - base, max_len), seq_len)
+        start = gl.minimum(gl.maximum(x0 - base, 0), end)
+        split = i - base // width
+        _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer,
+                 seed_lo, seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s,
+                 s_ls_b, s_ls_h, b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1)
+        if x1 >= base + max_len:
+            for j in range(split + 1, n_slots):
+                _store_empty(O_S, LSE_S, A_S, B_S, b, kvh, j, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, CERT,
+                             CERT_B)
+
+
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
@@ -520,12 +592,60 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
     return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
-def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
-    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
-    B, hq, d = q.shape
-    hkv = k.codes.shape[1]
-    gqa = hq // hkv
+#: ``decode_int8(impl="gluon")`` without ``num_splits`` takes the stream plan (:func:`stream_plan`), else the
+#: whole-split plan (:func:`gluon_num_splits`)
+STREAM = False
+#: the stream plan's shortest piece (positions), as the split plan's shortest split
+STREAM_MIN_WIDTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """:func:`_stage1_g8_stream`'s plan: ``programs`` pieces of ``width`` positions of the ``total``-position
+    line of (row, KV head) pairs, ``max_len`` each; at most ``n_slots`` pieces per pair."""
+
+    programs: int
+    width: int
+    n_slots: int
+    total: int
+    max_len: int
+
+
+def stream_plan(pairs: int, max_len: int, programs: int) -> StreamPlan:
+    """Cut ``pairs`` rows of ``max_len`` positions, laid end to end, into at most ``programs`` equal pieces of at
+    least :data:`STREAM_MIN_WIDTH` positions."""
+    for name, val in (("pairs", pairs), ("max_len", max_len), ("programs", programs)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    total = pairs * max_len
+    if total >= 2**31:
+        raise ValueError(f"pairs * max_len must be < 2^31 for the kernel's int32 positions, got {total}")
+    width = max(STREAM_MIN_WIDTH, math.ceil(total / programs))
+    n_prog = math.ceil(total / width)
+    # a pair's pieces: floor((p L + L - 1) / W) - floor(p L / W) + 1 <= floor((L - 1) / W) + 2
+    return StreamPlan(n_prog, width, min(n_prog, (max_len - 1) // width + 2), total, max_len)
+
+
+def stream_segments(plan: StreamPlan, seq_lens: list[int], hkv: int) -> list[tuple[int, int, int, int, int, int]]:
+    """The kernel's arithmetic on the host (for tests): ``(program, b, kvh, start, end, slot)`` per piece, in
+    program order; slots of a pair past its last piece are filled empty by the kernel."""
+    out = []
+    for i in range(plan.programs):
+        x0 = i * plan.width
+        x1 = min(x0 + plan.width, plan.total)
+        for p in range(x0 // plan.max_len, (x1 - 1) // plan.max_len + 1):
+            base = p * plan.max_len
+            end = min(x1 - base, plan.max_len, seq_lens[p // hkv])
+            out.append((i, p // hkv, p % hkv, min(max(x0 - base, 0), end), end, i - base // plan.width))
+    return out
+
+
+def gluon_programs(device: torch.device) -> int:
+    """One wave of one-warp programs on ``device``."""
+    return max(1, int(torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM))
+
+
+def _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1):
     why = gluon_unsupported(q, k, v)
     if why:
         raise ValueError(why)
@@ -534,11 +654,26 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
     q = q.contiguous()
-    _stage1_g8[(B, hkv, ns)](
-        q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
-        sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
-        q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
-        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PREFETCH=PREFETCH, PF_L1=PF_L1,
-        num_warps=1,
-    )
+    return (q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
+            sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
+            q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
+            o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1))
+
+
+def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
+              layer: int, k0: int, k1: int, ns: int | StreamPlan, cert: bool, cert_b: bool) -> None:
+    """Launch the Gluon stage 1 on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers):
+    :func:`_stage1_g8` for ``ns`` equal splits per row, or :func:`_stage1_g8_stream` for a :class:`StreamPlan`
+    (``o_s`` then holds ``plan.n_slots`` slots)."""
+    B, hq, d = q.shape
+    hkv = k.codes.shape[1]
+    gqa = hq // hkv
+    args = _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1)
+    flags = dict(GQA=gqa, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PREFETCH=PREFETCH, PF_L1=PF_L1,
+                 num_warps=1)
+    if isinstance(ns, StreamPlan):
+        if o_s.shape[2] != ns.n_slots or ns.max_len != slots.shape[1] or ns.total != B * hkv * slots.shape[1]:
+            raise ValueError("the stream plan does not match the request or the split buffers")
+        _stage1_g8_stream[(ns.programs,)](*args, hkv, ns.max_len, ns.total, ns.width, ns.n_slots, **flags)
+    else:
+        _stage1_g8[(B, hkv, ns)](*args, NUM_SPLITS=ns, **flags)
