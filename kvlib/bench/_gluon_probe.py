@@ -22,8 +22,11 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
 WAVES = (1.0,)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-CONFIGS = (("grid", {"PREFETCH": 0, "STREAM": False}, 8), ("grid_pf1", {"PREFETCH": 1, "STREAM": False}, 8),
-           ("stream", {"PREFETCH": 0, "STREAM": True}, 8), ("stream_pf1", {"PREFETCH": 1, "STREAM": True}, 8))
+_F = {"PREFETCH": 0, "STREAM": False, "CERT_EARLY": False}
+CONFIGS = tuple((name, _F | flags, 8) for name, flags in (
+    ("grid", {}), ("grid_early", {"CERT_EARLY": True}), ("stream", {"STREAM": True}),
+    ("stream_early", {"STREAM": True, "CERT_EARLY": True}), ("stream_pf1", {"STREAM": True, "PREFETCH": 1}),
+    ("stream_pf1_early", {"STREAM": True, "PREFETCH": 1, "CERT_EARLY": True})))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:
@@ -83,9 +86,9 @@ def timings(rounds: int = 3) -> list[dict]:
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
                 var[f"gluon_cert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=False), flags)
-        label, flags, per_sm = CONFIGS[-1]
-        var[f"gluon_nocert_{label}"] = (functools.partial(glu, cert=False), flags)
-        var[f"gluon_certAB_{label}"] = (functools.partial(glu, cert_b=True), flags)
+        for label, flags, _ in (CONFIGS[0], CONFIGS[-2]):
+            var[f"gluon_nocert_{label}"] = (functools.partial(glu, cert=False, **({} if flags["STREAM"] else
+                                                                                   {"num_splits": ns})), flags)
         ms = interleaved({n: functools.partial(_graph_ms, fn, fl) for n, (fn, fl) in var.items()}, rounds)
         for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,

@@ -347,7 +347,7 @@ def _segment(
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     b, kvh, start, end, seq_len, split,
     GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-    PF_L1: gl.constexpr,
+    PF_L1: gl.constexpr, CERT_EARLY: gl.constexpr,
 ):
     """Positions ``[start, end)`` of row ``b``, KV head ``kvh`` (``seq_len`` positions in all, for the radius):
     the split state ``(o, lse, A, B)`` into slot ``split`` (empty: ``lse = -inf``, ``o = A = B = 0``)."""
@@ -419,6 +419,13 @@ def _segment(
         if not AHEAD:
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
+        if CERT and CERT_EARLY:  # the radius' exponentials depend on the scales only: beside the QK dots
+            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
+                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
+            u = gl.sqrt(var) * radm_h[:, None]
+            eu = _ex2(u)
+            if CERT_B:
+                emu = _ex2(-u)
         z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
                                                                                 MMA, Z8))
         z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
@@ -430,12 +437,16 @@ def _segment(
         m_new = gl.maximum(m_i, gl.max(z8, 1))
         p = _ex2(z8 - m_new[:, None])
         if CERT:
-            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-            u = gl.sqrt(var) * radm_h[:, None]
-            pa = p * _ex2(u)
+            if not CERT_EARLY:
+                var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
+                    (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
+                u = gl.sqrt(var) * radm_h[:, None]
+                eu = _ex2(u)
+                if CERT_B:
+                    emu = _ex2(-u)
+            pa = p * eu
             if CERT_B:
-                pb = p * _ex2(-u)
+                pb = p * emu
         alpha = _ex2(m_i - m_new)
         l_t = l_t * alpha[:, None] + p
         if CERT:
@@ -485,7 +496,7 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False, CERT_EARLY: gl.constexpr = False,
 ):
     """Grid ``(B, H_kv, NUM_SPLITS)``: each row cut into ``NUM_SPLITS`` equal splits."""
     b = gl.program_id(0)
@@ -497,7 +508,7 @@ def _stage1_g8(
     end = gl.minimum(start + split_len, seq_len)
     _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer, seed_lo,
              seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-             b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1)
+             b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1, CERT_EARLY)
 
 
 @gluon.jit
@@ -527,7 +538,7 @@ def _stage1_g8_stream(
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     hkv, max_len, total, width, n_slots,
     GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False,
+    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False, CERT_EARLY: gl.constexpr = False,
 ):
     """One-dimensional grid, stream-K style: the (row, KV head) pairs laid end to end, ``max_len`` positions each
     (``total`` in all), program ``i`` takes positions ``[i W, (i + 1) W)`` of that line, so every program has the
@@ -547,7 +558,8 @@ def _stage1_g8_stream(
         split = i - base // width
         _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer,
                  seed_lo, seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s,
-                 s_ls_b, s_ls_h, b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1)
+                 s_ls_b, s_ls_h, b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1,
+                 CERT_EARLY)
         if x1 >= base + max_len:
             for j in range(split + 1, n_slots):
                 _store_empty(O_S, LSE_S, A_S, B_S, b, kvh, j, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, CERT,
@@ -562,6 +574,8 @@ AHEAD = True
 #: stall samples on the long scoreboard, at their first use)
 PREFETCH = 0
 PF_L1 = False
+#: the radius' exponentials computed before the tile's QK dots (they need only the scales), not after its softmax
+CERT_EARLY = False
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
 
@@ -670,7 +684,7 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
     gqa = hq // hkv
     args = _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1)
     flags = dict(GQA=gqa, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PREFETCH=PREFETCH, PF_L1=PF_L1,
-                 num_warps=1)
+                 CERT_EARLY=CERT_EARLY, num_warps=1)
     if isinstance(ns, StreamPlan):
         if o_s.shape[2] != ns.n_slots or ns.max_len != slots.shape[1] or ns.total != B * hkv * slots.shape[1]:
             raise ValueError("the stream plan does not match the request or the split buffers")
