@@ -147,8 +147,9 @@ def test_stream_plan_rejects_bad_input():
 def test_stream_plan_matches_reference(monkeypatch, per_sm, hq, hkv):
     """The stream plan (pieces across row boundaries, one program for the whole batch at ``per_sm=0.001``, empty
     slots filled) gives the reference's output and certificate."""
-    monkeypatch.setattr(G, "STREAM", True)
-    monkeypatch.setattr(G, "PROGRAMS_PER_SM", per_sm)
+    for name, val in (("STREAM", True), ("PROGRAMS_PER_SM", per_sm), ("STREAM_MIN_PIECE", 0), ("STREAM_MIN_IDLE", 0)):
+        monkeypatch.setattr(G, name, val)
+    assert isinstance(G.gluon_plan(4, hkv, 150, torch.device("cuda")), G.StreamPlan)
     q, kp, vp, slots, seq, kw, _ = _setup(B=4, hq=hq, hkv=hkv, S=150)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     out = decode_int8(q, kp, vp, slots, seq, impl="gluon", **kw)

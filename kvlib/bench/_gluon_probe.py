@@ -22,11 +22,9 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
 WAVES = (1.0,)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-_F = {"PREFETCH": 0, "STREAM": False, "CERT_EARLY": False}
+_F = {"PREFETCH": 0, "PREFETCH_STREAM": 1, "STREAM": False, "CERT_EARLY": False}
 CONFIGS = tuple((name, _F | flags, 8) for name, flags in (
-    ("grid", {}), ("grid_early", {"CERT_EARLY": True}), ("stream", {"STREAM": True}),
-    ("stream_early", {"STREAM": True, "CERT_EARLY": True}), ("stream_pf1", {"STREAM": True, "PREFETCH": 1}),
-    ("stream_pf1_early", {"STREAM": True, "PREFETCH": 1, "CERT_EARLY": True})))
+    ("grid", {}), ("auto", {"STREAM": True})))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:

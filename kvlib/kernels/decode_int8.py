@@ -800,10 +800,10 @@ def decode_stage1(
         if impl == "gluon" and why:
             raise ValueError(why)
         impl = "h10" if why else "gluon"  # "auto" takes the Gluon kernel wherever it runs
-        if impl == "gluon" and num_splits is None and G.STREAM:
-            plan = G.stream_plan(B * hkv, slots.shape[1], G.gluon_programs(q.device))
-    ns = num_splits or (plan.n_slots if plan else G.gluon_num_splits(B, hkv, slots.shape[1], q.device)
-                        if impl == "gluon" else default_num_splits(B, hkv, slots.shape[1], block_n, q.device))
+        if impl == "gluon" and num_splits is None:
+            plan = G.gluon_plan(B, hkv, slots.shape[1], q.device)
+    ns = num_splits or (plan if isinstance(plan, int) else plan.n_slots if plan
+                        else default_num_splits(B, hkv, slots.shape[1], block_n, q.device))
     if not isinstance(ns, int) or ns < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     dev = q.device

@@ -570,11 +570,15 @@ def _stage1_g8_stream(
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
 #: prefetch the code rows and scales of the tile this many tiles ahead at the top of each tile (0: none), into L2
-#: or (``PF_L1``) L1: the next tile's loads waited on DRAM (Nsight Compute at B=64, S=16k: 10% of the warps'
-#: stall samples on the long scoreboard, at their first use)
+#: or (``PF_L1``) L1: the next tile's loads waited on DRAM (Nsight Compute at B=64, S=16k: 10% of the warps' stall
+#: samples on the long scoreboard, at their first use). Per kernel: with the prefetch the stream kernel was 1-2%
+#: faster at GQA 7 (two runs), the whole-split kernel 0.7-2% slower in one run and 1-1.5% faster in another, its
+#: sm_90 schedule changing with unrelated edits (data/results/gpu/dev/gluon_probe6-8.json)
 PREFETCH = 0
+PREFETCH_STREAM = 1
 PF_L1 = False
-#: the radius' exponentials computed before the tile's QK dots (they need only the scales), not after its softmax
+#: the radius' exponentials computed before the tile's QK dots (they need only the scales), not after its softmax:
+#: 3% faster at GQA 4 and 5% slower at GQA 7 in one run (gluon_probe8.json), so off
 CERT_EARLY = False
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
@@ -606,11 +610,17 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
     return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
-#: ``decode_int8(impl="gluon")`` without ``num_splits`` takes the stream plan (:func:`stream_plan`), else the
-#: whole-split plan (:func:`gluon_num_splits`)
-STREAM = False
+#: ``decode_int8(impl="gluon")`` without ``num_splits`` may take the stream plan (:func:`gluon_plan`)
+STREAM = True
 #: the stream plan's shortest piece (positions), as the split plan's shortest split
 STREAM_MIN_WIDTH = 64
+#: the stream plan is taken when its pieces are at least this long and the whole-split plan leaves at least
+#: ``STREAM_MIN_IDLE`` of the wave's slots idle: each piece that crosses into a new row restarts the pipeline (its
+#: prologue and a DRAM round trip), which cost more than the 3% of idle slots it recovered with pieces of
+#: 1000-2000 positions (B = 8-32; 1-2% slower) and less with pieces of 7944 (B = 64, S = 32k; 2-4% faster, two
+#: runs: data/results/gpu/dev/gluon_probe7-8.json)
+STREAM_MIN_PIECE = 2048
+STREAM_MIN_IDLE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,6 +669,19 @@ def gluon_programs(device: torch.device) -> int:
     return max(1, int(torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM))
 
 
+def gluon_plan(batch: int, hkv: int, max_len: int, device: torch.device) -> int | StreamPlan:
+    """The launch plan ``decode_int8(impl="gluon")`` takes without ``num_splits``: the whole-split count of
+    :func:`gluon_num_splits`, or a :class:`StreamPlan` where that leaves slots of the wave idle and the stream's
+    pieces are long (:data:`STREAM_MIN_PIECE`, :data:`STREAM_MIN_IDLE`)."""
+    ns = gluon_num_splits(batch, hkv, max_len, device)
+    if not STREAM:
+        return ns
+    programs = gluon_programs(device)
+    plan = stream_plan(batch * hkv, max_len, programs)
+    idle = 1.0 - min(1.0, batch * hkv * ns / programs)
+    return plan if plan.width >= STREAM_MIN_PIECE and idle >= STREAM_MIN_IDLE else ns
+
+
 def _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1):
     why = gluon_unsupported(q, k, v)
     if why:
@@ -683,11 +706,12 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
     hkv = k.codes.shape[1]
     gqa = hq // hkv
     args = _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1)
-    flags = dict(GQA=gqa, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PREFETCH=PREFETCH, PF_L1=PF_L1,
-                 CERT_EARLY=CERT_EARLY, num_warps=1)
+    flags = dict(GQA=gqa, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PF_L1=PF_L1, CERT_EARLY=CERT_EARLY,
+                 num_warps=1)
     if isinstance(ns, StreamPlan):
         if o_s.shape[2] != ns.n_slots or ns.max_len != slots.shape[1] or ns.total != B * hkv * slots.shape[1]:
             raise ValueError("the stream plan does not match the request or the split buffers")
-        _stage1_g8_stream[(ns.programs,)](*args, hkv, ns.max_len, ns.total, ns.width, ns.n_slots, **flags)
+        _stage1_g8_stream[(ns.programs,)](*args, hkv, ns.max_len, ns.total, ns.width, ns.n_slots,
+                                          PREFETCH=PREFETCH_STREAM, **flags)
     else:
-        _stage1_g8[(B, hkv, ns)](*args, NUM_SPLITS=ns, **flags)
+        _stage1_g8[(B, hkv, ns)](*args, NUM_SPLITS=ns, PREFETCH=PREFETCH, **flags)
