@@ -9,9 +9,8 @@ import pytest
 import torch
 from _soundness import assert_rows_within_certificate
 
-from kvlib.kernels import decode_int8_gluon as G
 from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side, resolve_impl
-from kvlib.kernels.decode_int8_gluon import gluon_unsupported, stream_plan, stream_segments
+from kvlib.kernels.decode_int8_gluon import gluon_unsupported
 
 SEED = 2**33 + 4242
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,47 +110,3 @@ def test_nonfinite_scale_gives_a_vacuous_certificate():
     out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, impl="gluon", num_splits=2, **kw)
     assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()
     assert torch.isfinite(out.tv_bound[1]).all()
-
-
-@pytest.mark.parametrize("pairs,max_len,programs", [(12, 70, 1056), (12, 70, 5), (3, 1000, 7), (1, 64, 1),
-                                                    (256, 16384, 1056), (9, 333, 40)])
-def test_stream_plan_covers_every_row_once_within_its_slots(pairs, max_len, programs):
-    hkv = 3 if pairs % 3 == 0 else 1
-    lens = [max(1, max_len - 17 * b) for b in range(pairs // hkv)]
-    plan = stream_plan(pairs, max_len, programs)
-    assert plan.programs <= max(programs, 1) and plan.width >= G.STREAM_MIN_WIDTH
-    assert plan.programs * plan.width >= plan.total > (plan.programs - 1) * plan.width
-    seen: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    slots: dict[tuple[int, int], list[int]] = {}
-    for _, b, kvh, start, end, slot in stream_segments(plan, lens, hkv):
-        assert 0 <= slot < plan.n_slots and 0 <= start <= end <= lens[b]
-        seen.setdefault((b, kvh), []).append((start, end))
-        slots.setdefault((b, kvh), []).append(slot)
-    for (b, kvh), pieces in seen.items():
-        covered = sorted(x for s, e in pieces for x in range(s, e))
-        assert covered == list(range(lens[b]))  # each position exactly once
-        assert slots[(b, kvh)] == list(range(len(pieces)))  # slots 0.. in order; the rest are filled empty
-    assert len(seen) == pairs
-
-
-def test_stream_plan_rejects_bad_input():
-    with pytest.raises(ValueError, match="programs"):
-        stream_plan(4, 100, 0)
-    with pytest.raises(ValueError, match="2\\^31"):
-        stream_plan(2**16, 2**16, 1056)
-
-
-@gpu
-@pytest.mark.parametrize("per_sm", [0.001, 0.05, 8])
-@pytest.mark.parametrize("hq,hkv", [(7, 1), (8, 2)])
-def test_stream_plan_matches_reference(monkeypatch, per_sm, hq, hkv):
-    """The stream plan (pieces across row boundaries, one program for the whole batch at ``per_sm=0.001``, empty
-    slots filled) gives the reference's output and certificate."""
-    for name, val in (("STREAM", True), ("PROGRAMS_PER_SM", per_sm), ("STREAM_MIN_PIECE", 0), ("STREAM_MIN_IDLE", 0)):
-        monkeypatch.setattr(G, name, val)
-    assert isinstance(G.gluon_plan(4, hkv, 150, torch.device("cuda")), G.StreamPlan)
-    q, kp, vp, slots, seq, kw, _ = _setup(B=4, hq=hq, hkv=hkv, S=150)
-    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, impl="gluon", **kw)
-    for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
-        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)

@@ -19,12 +19,10 @@ from kvlib.bench.witcert_decode import LAYER, SEED
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768, 28, 4), (16, 16384, 28, 4),
           (2, 4096, 28, 4))
 #: split plans timed, in waves of one-warp programs
-WAVES = (1.0,)
+WAVES = (0.5, 1.0)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-_F = {"PREFETCH": 0, "PREFETCH_STREAM": 1, "STREAM": False, "CERT_EARLY": False}
-CONFIGS = tuple((name, _F | flags, 8) for name, flags in (
-    ("grid", {}), ("auto", {"STREAM": True})))
+CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:
@@ -78,15 +76,13 @@ def timings(rounds: int = 3) -> list[dict]:
         var = {"triton_h8_cert": (functools.partial(tri, cert=True, cert_b=False), {})}
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for label, flags, per_sm in CONFIGS:
-            if flags.get("STREAM"):  # the stream plan: one wave of equal pieces (num_splits left to the plan)
-                var[f"gluon_cert_{label}"] = (functools.partial(glu, cert_b=False), flags)
-                continue
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
                 var[f"gluon_cert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=False), flags)
-        for label, flags, _ in (CONFIGS[0], CONFIGS[-2]):
-            var[f"gluon_nocert_{label}"] = (functools.partial(glu, cert=False, **({} if flags["STREAM"] else
-                                                                                   {"num_splits": ns})), flags)
+        label, flags, per_sm = CONFIGS[0]
+        ns = max(1, round(sms * per_sm / (B * hkv)))
+        var[f"gluon_nocert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert=False), flags)
+        var[f"gluon_certAB_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=True), flags)
         ms = interleaved({n: functools.partial(_graph_ms, fn, fl) for n, (fn, fl) in var.items()}, rounds)
         for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,

@@ -792,17 +792,14 @@ def decode_stage1(
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     asked = impl
     impl = resolve_impl(impl, d, k.group, v_dither, k.dither_layout)
-    plan = None
     if impl == "gluon" or (asked == "auto" and impl == "h10" and k.dither_layout == "h8"):
-        from kvlib.kernels import decode_int8_gluon as G
+        from kvlib.kernels.decode_int8_gluon import gluon_num_splits, gluon_unsupported, launch_g8
 
-        why = G.gluon_unsupported(q, k, v, v_dither)
+        why = gluon_unsupported(q, k, v, v_dither)
         if impl == "gluon" and why:
             raise ValueError(why)
         impl = "h10" if why else "gluon"  # "auto" takes the Gluon kernel wherever it runs
-        if impl == "gluon" and num_splits is None:
-            plan = G.gluon_plan(B, hkv, slots.shape[1], q.device)
-    ns = num_splits or (plan if isinstance(plan, int) else plan.n_slots if plan
+    ns = num_splits or (gluon_num_splits(B, hkv, slots.shape[1], q.device) if impl == "gluon"
                         else default_num_splits(B, hkv, slots.shape[1], block_n, q.device))
     if not isinstance(ns, int) or ns < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -838,8 +835,8 @@ def decode_stage1(
         raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 or h8 pool needs "
                          "impl='h10'")
     if impl == "gluon":
-        G.launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, delta=delta, rad_extra=rad_extra,
-                    layer=layer, k0=k0, k1=k1, ns=plan or ns, cert=cert, cert_b=cert_b)
+        launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, delta=delta, rad_extra=rad_extra,
+                  layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b)
         return o_s, lse_s, (a_s if cert else None), (b_s if cert and cert_b else None)
     if impl == "h10":
         from kvlib.kernels.decode_int8_h10 import launch_h10

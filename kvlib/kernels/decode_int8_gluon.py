@@ -33,7 +33,6 @@ GPU agreement check binds this one to it and to the float64 reference
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -85,8 +84,6 @@ def kernel_layouts(bn: int) -> dict[str, object]:
         # value words replicated per byte [BN, 8, 4], the position pair innermost then the byte
         V8=lin([[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[8 * b, 0, 0] for b in _bits(bn // 8)],
                [[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [bn, 8, 4]),
-        # the prefetch [2 sides, BN]: lane (side, position), one 128-byte code row per lane and 16 positions
-        PF=lin([[0, 16 * b] for b in _bits(bn // 16)], [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]], [2, bn]),
     )
 
 
@@ -97,9 +94,8 @@ _BN = gl.constexpr(BLOCK_N)
 # argument at each launch. With the thirteen layouts as arguments an eager certified step took 0.62 ms at B=2, S=4k
 # against 0.018 ms replayed from a CUDA graph (witcert_decode at c49fe48); that the constants remove this host cost
 # is the expectation, not yet measured (python -m kvlib.bench._gluon_probe --eager)
-_LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8", "PF")
-_LAYOUTS = kernel_layouts(BLOCK_N)
-KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8, PF = (gl.constexpr(_LAYOUTS[k]) for k in _LAYOUT_NAMES)
+_LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8")
+KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layouts(BLOCK_N)[k]) for k in _LAYOUT_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,30 +282,6 @@ def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr,
 
 
 @gluon.jit
-def _prefetch(KC, KS, VC, VS, sl_row, n0, end, kvh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, BN: gl.constexpr,
-              PF: gl.constexpr, L1: gl.constexpr):
-    """Prefetch a tile's code rows and scales of both sides (one row per lane; no registers are held): its loads,
-    a tile later, then find them in the cache instead of waiting for DRAM."""
-    side = gl.arange(0, 2, layout=gl.SliceLayout(1, PF))[:, None]
-    pos = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, PF))[None, :] + side * 0
-    slot = gl.load(sl_row + pos, mask=pos < end, other=0).to(gl.int64)
-    pc = gl.where(side == 0, KC + slot * s_kc_n + kvh * 32, VC + slot * s_vc_n + kvh * 32)
-    ps = gl.where(side == 0, KS + slot * s_ks_n + kvh * 4, VS + slot * s_vs_n + kvh * 4)
-    _prefetch1(pc, L1)
-    _prefetch1(ps, L1)
-
-
-@gluon.jit
-def _prefetch1(p, L1: gl.constexpr):
-    if L1:
-        gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.b32 $0, 0;", "=r,l", [p], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [p], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
 def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr,
               Z8: gl.constexpr):
     """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
@@ -340,18 +312,22 @@ def _store_group(o_base, s_os_h, acc, sc, g: gl.constexpr, GQA: gl.constexpr, MM
 
 
 @gluon.jit
-def _segment(
-    Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S,
+def _stage1_g8(
+    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
     sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    b, kvh, start, end, seq_len, split,
-    GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr, PREFETCH: gl.constexpr,
-    PF_L1: gl.constexpr, CERT_EARLY: gl.constexpr,
+    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
 ):
-    """Positions ``[start, end)`` of row ``b``, KV head ``kvh`` (``seq_len`` positions in all, for the radius):
-    the split state ``(o, lse, A, B)`` into slot ``split`` (empty: ``lse = -inf``, ``o = A = B = 0``)."""
     BN: gl.constexpr = _BN
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ + b).to(gl.int32)
+    split_len = gl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = gl.minimum(start + split_len, seq_len)
+
     Q_row = Q + b * s_qb + kvh * GQA * s_qh
     qa0, q10, q20, rr0 = _q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA)
     qa1, q11, q21, rr1 = _q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA)
@@ -409,9 +385,6 @@ def _segment(
     if AHEAD:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
     for n0 in range(start, end, BN):
-        if PREFETCH > 0:
-            _prefetch(KC, KS, VC, VS, sl_row, n0 + PREFETCH * BN, end, kvh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, BN, PF,
-                      PF_L1)
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
@@ -419,13 +392,6 @@ def _segment(
         if not AHEAD:
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
-        if CERT and CERT_EARLY:  # the radius' exponentials depend on the scales only: beside the QK dots
-            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-            u = gl.sqrt(var) * radm_h[:, None]
-            eu = _ex2(u)
-            if CERT_B:
-                emu = _ex2(-u)
         z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
                                                                                 MMA, Z8))
         z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
@@ -437,16 +403,12 @@ def _segment(
         m_new = gl.maximum(m_i, gl.max(z8, 1))
         p = _ex2(z8 - m_new[:, None])
         if CERT:
-            if not CERT_EARLY:
-                var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                    (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-                u = gl.sqrt(var) * radm_h[:, None]
-                eu = _ex2(u)
-                if CERT_B:
-                    emu = _ex2(-u)
-            pa = p * eu
+            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
+                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
+            u = gl.sqrt(var) * radm_h[:, None]
+            pa = p * _ex2(u)
             if CERT_B:
-                pb = p * emu
+                pb = p * _ex2(-u)
         alpha = _ex2(m_i - m_new)
         l_t = l_t * alpha[:, None] + p
         if CERT:
@@ -489,97 +451,9 @@ def _segment(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
-@gluon.jit
-def _stage1_g8(
-    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
-    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
-    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
-    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False, CERT_EARLY: gl.constexpr = False,
-):
-    """Grid ``(B, H_kv, NUM_SPLITS)``: each row cut into ``NUM_SPLITS`` equal splits."""
-    b = gl.program_id(0)
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(SEQ + b).to(gl.int32)
-    split_len = gl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-    _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer, seed_lo,
-             seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-             b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1, CERT_EARLY)
-
-
-@gluon.jit
-def _store_empty(O_S, LSE_S, A_S, B_S, b, kvh, split, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA: gl.constexpr,
-                 CERT: gl.constexpr, CERT_B: gl.constexpr):
-    """An empty split state (``lse = -inf``, ``o = A = B = 0``) in slot ``split``: the merge gives it weight 0."""
-    L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
-    h = gl.arange(0, 8, layout=gl.SliceLayout(1, L2))
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
-    o_base = O_S + b * s_os_b + split * s_os_s + (kvh * GQA) * s_os_h
-    gl.store(o_base + h[:, None] * s_os_h + c[None, :], gl.zeros([8, 128], gl.float32, layout=L2),
-             mask=(h < GQA)[:, None])
-    hh = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
-    l_off = b * s_ls_b + (kvh * GQA + hh) * s_ls_h + split
-    gl.store(LSE_S + l_off, gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
-    if CERT:
-        gl.store(A_S + l_off, gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
-        if CERT_B:
-            gl.store(B_S + l_off, gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, L2)), mask=hh < GQA)
-
-
-@gluon.jit
-def _stage1_g8_stream(
-    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
-    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
-    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
-    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    hkv, max_len, total, width, n_slots,
-    GQA: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, PF_L1: gl.constexpr = False, CERT_EARLY: gl.constexpr = False,
-):
-    """One-dimensional grid, stream-K style: the (row, KV head) pairs laid end to end, ``max_len`` positions each
-    (``total`` in all), program ``i`` takes positions ``[i W, (i + 1) W)`` of that line, so every program has the
-    same length whatever the batch (a whole-split plan leaves slots of the wave idle: 1024 of 1056 at B = 64).
-    A pair's pieces go to slots ``i - first program of the pair``; the program that ends a pair fills the pair's
-    remaining slots (up to ``n_slots``) with empty states. Positions past a row's length are skipped."""
-    i = gl.program_id(0)
-    x0 = i * width
-    x1 = gl.minimum(x0 + width, total)
-    for p in range(x0 // max_len, (x1 - 1) // max_len + 1):
-        b = p // hkv
-        kvh = p % hkv
-        base = p * max_len
-        seq_len = gl.load(SEQ + b).to(gl.int32)
-        end = gl.minimum(gl.minimum(x1 - base, max_len), seq_len)
-        start = gl.minimum(gl.maximum(x0 - base, 0), end)
-        split = i - base // width
-        _segment(Q, KC, KS, VC, VS, SLOTS, O_S, LSE_S, A_S, B_S, sm_scale, log_2_over_delta, rad_extra, layer,
-                 seed_lo, seed_hi, s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_os_b, s_os_h, s_os_s,
-                 s_ls_b, s_ls_h, b, kvh, start, end, seq_len, split, GQA, CERT, CERT_B, AHEAD, PREFETCH, PF_L1,
-                 CERT_EARLY)
-        if x1 >= base + max_len:
-            for j in range(split + 1, n_slots):
-                _store_empty(O_S, LSE_S, A_S, B_S, b, kvh, j, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, CERT,
-                             CERT_B)
-
-
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
-#: prefetch the code rows and scales of the tile this many tiles ahead at the top of each tile (0: none), into L2
-#: or (``PF_L1``) L1: the next tile's loads waited on DRAM (Nsight Compute at B=64, S=16k: 10% of the warps' stall
-#: samples on the long scoreboard, at their first use). Per kernel: with the prefetch the stream kernel was 1-2%
-#: faster at GQA 7 (two runs), the whole-split kernel 0.7-2% slower in one run and 1-1.5% faster in another, its
-#: sm_90 schedule changing with unrelated edits (data/results/gpu/dev/gluon_probe6-8.json)
-PREFETCH = 0
-PREFETCH_STREAM = 1
-PF_L1 = False
-#: the radius' exponentials computed before the tile's QK dots (they need only the scales), not after its softmax:
-#: 3% faster at GQA 4 and 5% slower at GQA 7 in one run (gluon_probe8.json), so off
-CERT_EARLY = False
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
 
@@ -610,79 +484,12 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
     return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
-#: ``decode_int8(impl="gluon")`` without ``num_splits`` may take the stream plan (:func:`gluon_plan`)
-STREAM = True
-#: the stream plan's shortest piece (positions), as the split plan's shortest split
-STREAM_MIN_WIDTH = 64
-#: the stream plan is taken when its pieces are at least this long and the whole-split plan leaves at least
-#: ``STREAM_MIN_IDLE`` of the wave's slots idle: each piece that crosses into a new row restarts the pipeline (its
-#: prologue and a DRAM round trip), which cost more than the 3% of idle slots it recovered with pieces of
-#: 1000-2000 positions (B = 8-32; 1-2% slower) and less with pieces of 7944 (B = 64, S = 32k; 2-4% faster, two
-#: runs: data/results/gpu/dev/gluon_probe7-8.json)
-STREAM_MIN_PIECE = 2048
-STREAM_MIN_IDLE = 0.02
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamPlan:
-    """:func:`_stage1_g8_stream`'s plan: ``programs`` pieces of ``width`` positions of the ``total``-position
-    line of (row, KV head) pairs, ``max_len`` each; at most ``n_slots`` pieces per pair."""
-
-    programs: int
-    width: int
-    n_slots: int
-    total: int
-    max_len: int
-
-
-def stream_plan(pairs: int, max_len: int, programs: int) -> StreamPlan:
-    """Cut ``pairs`` rows of ``max_len`` positions, laid end to end, into at most ``programs`` equal pieces of at
-    least :data:`STREAM_MIN_WIDTH` positions."""
-    for name, val in (("pairs", pairs), ("max_len", max_len), ("programs", programs)):
-        if not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    total = pairs * max_len
-    if total >= 2**31:
-        raise ValueError(f"pairs * max_len must be < 2^31 for the kernel's int32 positions, got {total}")
-    width = max(STREAM_MIN_WIDTH, math.ceil(total / programs))
-    n_prog = math.ceil(total / width)
-    # a pair's pieces: floor((p L + L - 1) / W) - floor(p L / W) + 1 <= floor((L - 1) / W) + 2
-    return StreamPlan(n_prog, width, min(n_prog, (max_len - 1) // width + 2), total, max_len)
-
-
-def stream_segments(plan: StreamPlan, seq_lens: list[int], hkv: int) -> list[tuple[int, int, int, int, int, int]]:
-    """The kernel's arithmetic on the host (for tests): ``(program, b, kvh, start, end, slot)`` per piece, in
-    program order; slots of a pair past its last piece are filled empty by the kernel."""
-    out = []
-    for i in range(plan.programs):
-        x0 = i * plan.width
-        x1 = min(x0 + plan.width, plan.total)
-        for p in range(x0 // plan.max_len, (x1 - 1) // plan.max_len + 1):
-            base = p * plan.max_len
-            end = min(x1 - base, plan.max_len, seq_lens[p // hkv])
-            out.append((i, p // hkv, p % hkv, min(max(x0 - base, 0), end), end, i - base // plan.width))
-    return out
-
-
-def gluon_programs(device: torch.device) -> int:
-    """One wave of one-warp programs on ``device``."""
-    return max(1, int(torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM))
-
-
-def gluon_plan(batch: int, hkv: int, max_len: int, device: torch.device) -> int | StreamPlan:
-    """The launch plan ``decode_int8(impl="gluon")`` takes without ``num_splits``: the whole-split count of
-    :func:`gluon_num_splits`, or a :class:`StreamPlan` where that leaves slots of the wave idle and the stream's
-    pieces are long (:data:`STREAM_MIN_PIECE`, :data:`STREAM_MIN_IDLE`)."""
-    ns = gluon_num_splits(batch, hkv, max_len, device)
-    if not STREAM:
-        return ns
-    programs = gluon_programs(device)
-    plan = stream_plan(batch * hkv, max_len, programs)
-    idle = 1.0 - min(1.0, batch * hkv * ns / programs)
-    return plan if plan.width >= STREAM_MIN_PIECE and idle >= STREAM_MIN_IDLE else ns
-
-
-def _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1):
+def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
+    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
+    B, hq, d = q.shape
+    hkv = k.codes.shape[1]
+    gqa = hq // hkv
     why = gluon_unsupported(q, k, v)
     if why:
         raise ValueError(why)
@@ -691,27 +498,10 @@ def _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
     q = q.contiguous()
-    return (q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
-            sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
-            q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
-            o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1))
-
-
-def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int | StreamPlan, cert: bool, cert_b: bool) -> None:
-    """Launch the Gluon stage 1 on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers):
-    :func:`_stage1_g8` for ``ns`` equal splits per row, or :func:`_stage1_g8_stream` for a :class:`StreamPlan`
-    (``o_s`` then holds ``plan.n_slots`` slots)."""
-    B, hq, d = q.shape
-    hkv = k.codes.shape[1]
-    gqa = hq // hkv
-    args = _launch_args(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm, delta, rad_extra, layer, k0, k1)
-    flags = dict(GQA=gqa, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, PF_L1=PF_L1, CERT_EARLY=CERT_EARLY,
-                 num_warps=1)
-    if isinstance(ns, StreamPlan):
-        if o_s.shape[2] != ns.n_slots or ns.max_len != slots.shape[1] or ns.total != B * hkv * slots.shape[1]:
-            raise ValueError("the stream plan does not match the request or the split buffers")
-        _stage1_g8_stream[(ns.programs,)](*args, hkv, ns.max_len, ns.total, ns.width, ns.n_slots,
-                                          PREFETCH=PREFETCH_STREAM, **flags)
-    else:
-        _stage1_g8[(B, hkv, ns)](*args, NUM_SPLITS=ns, PREFETCH=PREFETCH, **flags)
+    _stage1_g8[(B, hkv, ns)](
+        q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
+        sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
+        q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
+        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
+    )
