@@ -491,8 +491,8 @@ run.glue("h8g_goal_status", "met" if run.values["h8g_graph_speedup_min"] >= 1 el
 """, hide_input=True),
         md(r"""
 Rows marked "removed" were variants timed against the kernel and taken out again: each moved the time by about
-as much as the compiler's schedule moves between unrelated edits (the same source compiled to 962 or 991 loop
-instructions after a refactor that changed only line numbers), and none won at every shape. The latency record
+as much as the compiler's schedule moves between unrelated edits (after a refactor that changed only line
+numbers, the same source compiled to a longer loop), and none won at every shape. The latency record
 above was re-measured after their removal.
 
 ### Where its time goes
