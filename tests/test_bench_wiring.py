@@ -143,3 +143,11 @@ def test_decode_grid_h10_wiring_at_d128():
     assert set(out["methods"]) == set(methods), out["notes"]
     d = grid.derived({"methods": out["methods"]})
     assert "h10_cert_cost" in d and "h8_cert_cost" in d and "h8_over_h10" in d
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side: the Gluon kernel is named as GPU only")
+def test_decode_grid_gluon_methods_are_skipped_with_a_note_on_cpu():
+    out = grid.time_state([40], methods=("int8_h8g_cert", "int8_h8_cert"), shape=grid.HeadShape(4, 1, 128),
+                          device="cpu", rep_ms=0.0)
+    assert set(out["methods"]) == {"int8_h8_cert"}
+    assert any(n.startswith("int8_h8g_") and "CUDA" in n for n in out["notes"]), out["notes"]

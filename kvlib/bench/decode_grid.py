@@ -17,6 +17,8 @@ Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one qu
   (:mod:`kvlib.kernels.decode_int8_h10`, certificate with A only, as the w24 ``int8_cert`` is timed with
   A and B: see ``int8_h10_certAB``), where the shape allows it (``d = 4 * 32``); ``int8_h8_cert`` /
   ``int8_h8_nocert``: the same through the h8 layout (sixteen 8-bit dithers per call, the same kernel);
+  ``int8_h8g_cert`` / ``int8_h8g_nocert``: the h8 codes read by the Gluon kernel
+  (:mod:`kvlib.kernels.decode_int8_gluon`, GPU only: on CPU a note says so);
 * ``kv4`` / ``kv4rl``: KV4 INT4 decode and KV4-RL (INT4 main region + INT8 sink/recent side
   buffer merged with ``merge_states``), :mod:`kvlib.kv4rl_attention`.
 
@@ -58,7 +60,7 @@ SKIP_PHILOX_ARGS = ("skip_philox", "k_dither", "philox", "dither")
 
 ALL_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_cert_exact",
                "int8_nophilox", "int8_h10_cert", "int8_h10_certAB", "int8_h10_nocert", "int8_h10_nophilox",
-               "int8_h8_cert", "int8_h8_nocert", "kv4", "kv4rl")
+               "int8_h8_cert", "int8_h8_nocert", "int8_h8g_cert", "int8_h8g_nocert", "kv4", "kv4rl")
 #: which format's byte account each method reads
 METHOD_FORMAT = {"sdpa_bf16": "bf16", "triton_bf16": "bf16", "kv4": "kv4", "kv4rl": "kv4rl",
                  **{m: "dither-int8" for m in ALL_METHODS if m.startswith("int8")}}
@@ -279,6 +281,14 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
         kp8 = dataclasses.replace(kp, dither_layout="h8")
         h8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, impl="h10", **base, **kw))  # noqa: E731
         variants |= {"int8_h8_cert": h8(cert=True, cert_b=False), "int8_h8_nocert": h8(cert=False)}
+        from kvlib.kernels.decode_int8_gluon import gluon_unsupported
+
+        why = gluon_unsupported(qb, kp8, vp)
+        if why is None:  # the same h8 codes read by the Gluon kernel (GPU only)
+            g8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, impl="gluon", **base, **kw))  # noqa: E731
+            variants |= {"int8_h8g_cert": g8(cert=True, cert_b=False), "int8_h8g_nocert": g8(cert=False)}
+        elif want & {"int8_h8g_cert", "int8_h8g_nocert"}:
+            notes.append(f"int8_h8g_*: {why}")
     elif want & {m for m in ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}:
         notes.append(f"int8_h10_*, int8_h8_*: the h10 kernel needs d = 4 * {INT8_GROUP}, got d={shape.d}")
     for name, fn in variants.items():
@@ -325,6 +335,10 @@ def derived(row: dict[str, Any]) -> dict[str, float]:
         out["h8_cert_cost"] = m["int8_h8_cert"] / m["int8_h8_nocert"] - 1.0
     if "int8_h8_cert" in m and "int8_h10_cert" in m:
         out["h8_over_h10"] = m["int8_h10_cert"] / m["int8_h8_cert"]
+    if "int8_h8g_cert" in m and "int8_h8g_nocert" in m:
+        out["h8g_cert_cost"] = m["int8_h8g_cert"] / m["int8_h8g_nocert"] - 1.0
+    if "int8_h8g_cert" in m and "int8_h8_cert" in m:
+        out["h8g_over_h8"] = m["int8_h8_cert"] / m["int8_h8g_cert"]
     return out
 
 
