@@ -20,20 +20,18 @@ from typing import Any
 
 from kvlib.provenance import write_json_atomic
 
-DETAILS = {
-    ("GPU Speed Of Light Throughput", "Duration"): "duration_us",
-    ("GPU Speed Of Light Throughput", "SM Frequency"): "sm_ghz",
-    ("GPU Speed Of Light Throughput", "DRAM Throughput"): "dram_throughput_pct",
-    ("Memory Workload Analysis", "Memory Throughput"): "memory_tbps",
-    ("Compute Workload Analysis", "Issue Slots Busy"): "issue_slots_busy_pct",
-    ("Scheduler Statistics", "Active Warps Per Scheduler"): "active_warps_per_scheduler",
-    ("Scheduler Statistics", "Eligible Warps Per Scheduler"): "eligible_warps_per_scheduler",
-    ("Scheduler Statistics", "No Eligible"): "no_eligible_pct",
-    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"): "warp_cycles_per_issue",
-    ("Launch Statistics", "Registers Per Thread"): "registers",
-    ("Launch Statistics", "Grid Size"): "grid",
-    ("Occupancy", "Achieved Active Warps Per SM"): "achieved_warps_per_sm",
-}
+_SECTION = {"GPU Speed Of Light Throughput": {"Duration": "duration_us", "SM Frequency": "sm_ghz",
+                                               "DRAM Throughput": "dram_throughput_pct"},
+            "Memory Workload Analysis": {"Memory Throughput": "memory_tbps"},
+            "Compute Workload Analysis": {"Issue Slots Busy": "issue_slots_busy_pct"},
+            "Scheduler Statistics": {"Active Warps Per Scheduler": "active_warps_per_scheduler",
+                                     "Eligible Warps Per Scheduler": "eligible_warps_per_scheduler",
+                                     "No Eligible": "no_eligible_pct"},
+            "Warp State Statistics": {"Warp Cycles Per Issued Instruction": "warp_cycles_per_issue"},
+            "Launch Statistics": {"Registers Per Thread": "registers", "Grid Size": "grid"},
+            "Occupancy": {"Achieved Active Warps Per SM": "achieved_warps_per_sm"}}
+#: (section, metric) -> the summary's key
+DETAILS = {(sec, metric): key for sec, metrics in _SECTION.items() for metric, key in metrics.items()}
 
 
 def _num(x: str) -> float:

@@ -78,6 +78,18 @@ import seaborn as sns
 from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side
 from kvlib.provenance import load_result
 
+
+def missing(fig_key, why, keys=()):
+    # where a result file is absent: its numbers glued as nan and a placeholder figure (the book's figure
+    # directives need a figure either way)
+    for k in keys:
+        run.glue(k, float("nan"))
+    fig, ax = plt.subplots(figsize=(6.5, 1.2))
+    ax.text(0.5, 0.5, why, ha="center", va="center")
+    ax.axis("off")
+    run.glue_fig(fig_key, fig)
+
+
 g = torch.Generator().manual_seed(seed)
 K = torch.randn(B * S, hkv, d, generator=g)
 K[:, :, :2] *= 10  # one strong RoPE-ish pair per head, bypassed in fp16
@@ -185,11 +197,8 @@ else:
     display(lat.set_index(["B", "S"]).style.format("{:.3f}"))
 """, hide_input=True),
         code(r"""
-if lat is None:  # the figure directive below needs a figure either way
-    fig, ax = plt.subplots(figsize=(6.5, 1.2))
-    ax.text(0.5, 0.5, "GPU results pending: python -m kvlib.bench witcert_decode", ha="center", va="center")
-    ax.axis("off")
-    run.glue_fig("fig_latency", fig)
+if lat is None:
+    missing("fig_latency", "GPU results pending: python -m kvlib.bench witcert_decode")
 if lat is not None:
     modes = list(gpu["results"]["modes"])
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
@@ -329,13 +338,9 @@ if abl and p5 and p6:
     fig.tight_layout()
     run.glue_fig("fig_h10_ablation", fig)
 else:
-    for k in ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
-              "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do", "proto_qk_ms", "proto_copy_ms"):
-        run.glue(k, float("nan"))
-    fig, ax = plt.subplots(figsize=(6.0, 1.2))
-    ax.text(0.5, 0.5, "development probes not found under data/results/gpu/dev/", ha="center", va="center")
-    ax.axis("off")
-    run.glue_fig("fig_h10_ablation", fig)
+    missing("fig_h10_ablation", "development probes not found under data/results/gpu/dev/",
+            ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
+             "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do", "proto_qk_ms", "proto_copy_ms"))
 """, hide_input=True),
         md(r"""
 ```{glue:figure} fig_h10_ablation
@@ -551,13 +556,9 @@ if ncu is not None:
     fig.tight_layout()
     run.glue_fig("fig_gluon_stalls", fig)
 else:
-    for k in ("ncu_dram", "ncu_issue", "ncu_warps", "ncu_eligible", "ncu_regs", "ncu_wait", "ncu_long",
-              "ncu_selected", "ncu_hot2"):
-        run.glue(k, float("nan"))
-    fig, ax = plt.subplots(figsize=(6.0, 1.2))
-    ax.text(0.5, 0.5, "no Nsight Compute summary under data/results/gpu/dev/", ha="center", va="center")
-    ax.axis("off")
-    run.glue_fig("fig_gluon_stalls", fig)
+    missing("fig_gluon_stalls", "no Nsight Compute summary under data/results/gpu/dev/",
+            ("ncu_dram", "ncu_issue", "ncu_warps", "ncu_eligible", "ncu_regs", "ncu_wait", "ncu_long",
+             "ncu_selected", "ncu_hot2"))
 """, hide_input=True),
         md(r"""
 ```{glue:figure} fig_gluon_stalls
