@@ -183,8 +183,7 @@ def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=G.AHEAD,
-                 SKIP_RESCALE=G.SKIP_RESCALE)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=G.AHEAD)
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

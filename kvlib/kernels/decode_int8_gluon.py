@@ -318,7 +318,6 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    SKIP_RESCALE: gl.constexpr,
 ):
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
@@ -410,48 +409,21 @@ def _stage1_g8(
             pa = p * _ex2(u)
             if CERT_B:
                 pb = p * _ex2(-u)
-        if SKIP_RESCALE:
-            # rescale only when some head's maximum moved: otherwise alpha = 2^0 = 1 exactly and every product
-            # below is the identity, so skipping it changes no bit (a NaN maximum compares unequal: rescaled)
-            if gl.max((m_new != m_i).to(gl.int32), 0) != 0:
-                alpha = _ex2(m_i - m_new)
-                l_t = l_t * alpha[:, None]
-                if CERT:
-                    a_t = a_t * alpha[:, None]
-                    if CERT_B:
-                        b_t = b_t * alpha[:, None]
-                alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
-                acc0 = acc0 * alpha_pv[None, :]
-                acc1 = acc1 * alpha_pv[None, :]
-                acc2 = acc2 * alpha_pv[None, :]
-                acc3 = acc3 * alpha_pv[None, :]
-            l_t = l_t + p
-            if CERT:
-                a_t = a_t + pa
-                if CERT_B:
-                    b_t = b_t + pb
-        else:
-            alpha = _ex2(m_i - m_new)
-            l_t = l_t * alpha[:, None] + p
-            if CERT:
-                a_t = a_t * alpha[:, None] + pa
-                if CERT_B:
-                    b_t = b_t * alpha[:, None] + pb
-            alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        alpha = _ex2(m_i - m_new)
+        l_t = l_t * alpha[:, None] + p
+        if CERT:
+            a_t = a_t * alpha[:, None] + pa
+            if CERT_B:
+                b_t = b_t * alpha[:, None] + pb
+        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
         m_i = m_new
 
         ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
         u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
-        if SKIP_RESCALE:
-            acc0 = _pv_group(vw0, ppT, u0, acc0, BN, VA, V8, PB)
-            acc1 = _pv_group(vw1, ppT, u1, acc1, BN, VA, V8, PB)
-            acc2 = _pv_group(vw2, ppT, u2, acc2, BN, VA, V8, PB)
-            acc3 = _pv_group(vw3, ppT, u3, acc3, BN, VA, V8, PB)
-        else:
-            acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
         vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
         nk_x = nk_x + BN
         nv_x = nv_x + BN
@@ -482,10 +454,6 @@ def _stage1_g8(
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
-#: the accumulators rescaled only on the tiles where some head's running maximum moved (a uniform branch): the
-#: result is bit-identical (the skipped factor is exactly 1) and the loop's common path is 48 instructions shorter
-#: (offline sm_90 count: 946 with the branch's body, 943 without the branch, at GQA 7, certified)
-SKIP_RESCALE = True
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
 
@@ -535,6 +503,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, SKIP_RESCALE=SKIP_RESCALE,
-        num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
     )
