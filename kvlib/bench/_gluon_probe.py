@@ -17,12 +17,12 @@ from kvlib.bench.timing import bench_graphed
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768, 28, 4), (16, 16384, 28, 4),
-          (128, 32768, 32, 8), (2, 4096, 28, 4))
+          (2, 4096, 28, 4))
 #: split plans timed, in waves of one-warp programs
 WAVES = (0.5, 1.0)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-CONFIGS = (("default", {}, 8), ("cap224", {"MAXNREG": 224}, 9))
+CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:

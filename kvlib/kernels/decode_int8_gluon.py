@@ -456,9 +456,6 @@ def _stage1_g8(
 AHEAD = True
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
-#: a register cap for ptxas (``None``: none). 224 fits a ninth program per SM without spilling (offline: 222 registers,
-#: no stack, 961 loop instructions against 943); probed, not the default
-MAXNREG = None
 
 
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
@@ -507,5 +504,4 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
-        **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
     )
