@@ -456,8 +456,6 @@ def _stage1_g8(
 AHEAD = True
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
-#: 2: the two-warp prototype (:mod:`kvlib.kernels.decode_int8_gluon_w2`) instead of this kernel
-WARPS = 1
 
 
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
@@ -483,20 +481,12 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -
     """One wave of one-warp programs (the H200 probe's best at every long-context shape:
     ``data/results/gpu/dev/gluon_probe4.json``), splits of at least 64 positions."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = PROGRAMS_PER_SM
-    if WARPS == 2:
-        from kvlib.kernels.decode_int8_gluon_w2 import PROGRAMS_PER_SM as per_sm
-    return max(1, min(sms * per_sm // max(1, batch * hkv), math.ceil(max_len / 64)))
+    return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
               layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
-    if WARPS == 2:
-        from kvlib.kernels.decode_int8_gluon_w2 import launch_g8w2
-
-        return launch_g8w2(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, delta=delta, rad_extra=rad_extra,
-                           layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b)
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
