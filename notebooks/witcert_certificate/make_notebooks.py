@@ -456,6 +456,7 @@ def _gp(name):
                                  if r["kind"] == "timing" and r["ms"]}
 g3, g4, g5 = _gp("gluon_probe3"), _gp("gluon_probe4"), _gp("gluon_probe5")
 g6, g7, g8 = _gp("gluon_probe6"), _gp("gluon_probe7"), _gp("gluon_probe8")
+g10, g11, g12 = _gp("gluon_probe10"), _gp("gluon_probe11"), _gp("gluon_probe12")
 rows_g = []
 def _row(what, f, a, b, shape=(8, 32768, 28)):
     ta, tb = f.get(shape + (a,)), f.get(shape + (b,))
@@ -477,6 +478,11 @@ _row("radius before the QK dots, stream + prefetch, GQA 4 (removed)", g8, "gluon
      "gluon_cert_stream_pf1", (32, 16384, 32))
 _row("radius before the QK dots, stream + prefetch, B = 64 (removed)", g8, "gluon_cert_stream_pf1_early",
      "gluon_cert_stream_pf1", (64, 32768, 28))
+_row("rescale only on tiles where a maximum moved (removed)", g10, "gluon_cert_skip_ns33", "gluon_cert_always_ns33")
+_row("registers capped at 224 for 9 programs per SM (removed)", g11, "gluon_cert_cap224_ns37",
+     "gluon_cert_default_ns33")
+_row("two warps per program, two channel groups each (removed)", g12, "gluon_cert_w2_ns25", "gluon_cert_w1_ns33")
+_row("two warps per program, B = 64 (removed)", g12, "gluon_cert_w2_ns3", "gluon_cert_w1_ns4", (64, 32768, 28))
 gt = pd.DataFrame(rows_g)
 if len(gt):
     display(gt.set_index("change").style.format({"variant (ms)": "{:.4f}", "kept (ms)": "{:.4f}",
@@ -524,8 +530,19 @@ eight per SM), and on average {glue:text}`ncu_eligible:.2f` of them can issue. T
   {glue:text}`ncu_hot2:.0%` on their own;
 - only {glue:text}`ncu_selected:.0%` are issuing.
 
-Two warps per scheduler cannot hide that latency. More warps need fewer registers, and the register caps in the
-table above spilled and lost. The uncertified kernel has the same profile, with global loads a larger share.
+Two warps per scheduler cannot hide that latency. More warps need fewer registers, and each way to get them lost
+in the table above:
+
+- register caps at 200 and 168 spill;
+- a cap at 224 does not spill, but its schedule is slower even at half a wave, and a ninth program per SM may not
+  fit at all, since each scheduler has its own quarter of the register file;
+- splitting a program's tile between two warps (each takes two of the four channel groups, at 163 registers, so
+  three warps fit per scheduler) computes the same values bit for bit, but runs about twice as slow. The tile's
+  work is one dependency chain: Philox rounds, then the QK dots, the softmax and PV. Splitting it leaves each warp
+  half the independent work along a chain just as long. Each tile also adds two exchanges through shared memory,
+  with barriers, on that chain.
+
+The uncertified kernel has the same profile, with global loads a larger share.
 """),
         code(r"""
 ncu = load_result("dev/gluon_ncu", "gpu")
