@@ -369,13 +369,17 @@ if res is not None:
                   + f"S >= 4k min {gl['kv4_speedup_long_ctx_min']:.2f}x ("
                   + ("met" if gl["kv4_speedup_long_ctx_min"] >= 3.0 else "not met") + ")")
     agg = gl["kv4rl_frac_ragged_aggregate"]
+    f16 = fixed[fixed.ctx_max >= 16384].kv4rl_frac_of_kv4
+    why = [] if agg >= 0.94 else ["our protected path costs more than the paper's at these shapes"]
+    why.append(f"bytes alone cap KV4-RL/KV4 at {byte_bound(1024):.0%} at S=1k, {byte_bound(4096):.0%} at 4k, "
+               f"{byte_bound(16384):.1%} at 16k (INT8 side entries are {b8 / b4:.1f}x an INT4 entry), so the 97% "
+               "goal is reachable only at long context")
+    if len(f16):
+        why.append(f"at S = 16k it reads {f16.min():.1%}-{f16.max():.1%}: the issue's 97% goal is "
+                   + ("met" if f16.min() >= 0.97 else "not met"))
     run.claim("kv4rl-protect-speed", ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); "
               f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
-              verdict="reproduced" if agg >= 0.94 else "differs",
-              why=("" if agg >= 0.94 else "our protected path costs more than the paper's at these shapes")
-              + f"; bytes alone cap KV4-RL/KV4 at {byte_bound(1024):.0%} at S=1k, {byte_bound(4096):.0%} at 4k, "
-              f"{byte_bound(16384):.1%} at 16k (INT8 side entries are {b8 / b4:.1f}x an INT4 entry), so the 97% "
-              "goal is reachable only at long context")
+              verdict="reproduced" if agg >= 0.94 else "differs", why="; ".join(why))
 else:
     for s_ in (1, 16):
         run.glue(f"kv4_16k_err_s{s_}", float("nan"))
