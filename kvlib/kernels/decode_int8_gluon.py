@@ -38,7 +38,7 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 XI8_CONST: gl.constexpr = gl.constexpr(4.5 - 2.0**-9)
 LOG2E_C: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -451,200 +451,11 @@ def _stage1_g8(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
-# shared-memory staging (probe): the tile's code words and scales copied STAGES - 1 tiles ahead with cp.async, so
-# only the current tile's operands live in registers
-SM3: gl.constexpr = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-
-@gluon.jit
-def _ptrs_side(C, S, slot_c, slot_s, kvh, s_c_n, s_s_n, L: gl.constexpr, SC: gl.constexpr):
-    """The pointers of :func:`_load_side`'s five loads (code words of group 0, the words' group stride is 8)."""
-    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, L))
-    base = C + slot_c.to(gl.int64)[:, None] * s_c_n + kvh * 32 + cw[None, :]
-    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-    return base, S + slot_s.to(gl.int64)[:, None] * s_s_n + kvh * 4 + cs[None, :]
-
-
-@gluon.jit
-def _copy_tile(buf_c, buf_s, st, C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr,
-               SC: gl.constexpr):
-    base, sp = _ptrs_side(C, S, slot_c, slot_s, kvh, s_c_n, s_s_n, L, SC)
-    for g in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(buf_c.index(st * 4 + g), base + 8 * g)
-    async_copy.async_copy_global_to_shared(buf_s.index(st), sp, mask=mask_s[:, None])
-
-
-@gluon.jit
-def _read_tile(buf_c, buf_s, st, L: gl.constexpr, SC: gl.constexpr):
-    return (buf_c.index(st * 4).load(L), buf_c.index(st * 4 + 1).load(L), buf_c.index(st * 4 + 2).load(L),
-            buf_c.index(st * 4 + 3).load(L), buf_s.index(st).load(SC))
-
-
-@gluon.jit
-def _stage1_g8a(
-    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
-    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
-    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
-    s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, STAGES: gl.constexpr,
-):
-    """:func:`_stage1_g8` with the operands staged through shared memory, three tiles (probe)."""
-    gl.static_assert(STAGES == 3)
-    BN: gl.constexpr = _BN
-    b = gl.program_id(0)
-    kvh = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(SEQ + b).to(gl.int32)
-    split_len = gl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
-    end = gl.minimum(start + split_len, seq_len)
-
-    Q_row = Q + b * s_qb + kvh * GQA * s_qh
-    qa0, q10, q20, rr0 = _q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA)
-    qa1, q11, q21, rr1 = _q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA)
-    qa2, q12, q22, rr2 = _q_group(Q_row, s_qh, 2, GQA, QA, QB, MMA)
-    qa3, q13, q23, rr3 = _q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA)
-    H8L: gl.constexpr = gl.SliceLayout(1, Z8)
-    NL: gl.constexpr = gl.SliceLayout(0, Z8)
-    q10 = gl.convert_layout(_rows8v(q10), H8L)
-    q11 = gl.convert_layout(_rows8v(q11), H8L)
-    q12 = gl.convert_layout(_rows8v(q12), H8L)
-    q13 = gl.convert_layout(_rows8v(q13), H8L)
-    if CERT:
-        radm = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_2_over_delta)) + rad_extra
-        var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
-        rat = (_rat(rr0, q20) + _rat(rr1, q21)) + (_rat(rr2, q22) + _rat(rr3, q23))
-        detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * gl.sqrt(rat) / gl.sqrt(var_c)
-        radm_h = gl.convert_layout(_rows8v((radm + detm * (1.0 + 2.0**-8)) * LOG2E_C), H8L)
-        v0 = gl.convert_layout(_rows8v(q20 * var_c), H8L)
-        v1 = gl.convert_layout(_rows8v(q21 * var_c), H8L)
-        v2 = gl.convert_layout(_rows8v(q22 * var_c), H8L)
-        v3 = gl.convert_layout(_rows8v(q23 * var_c), H8L)
-
-    k0 = seed_lo.to(gl.uint32)
-    k1 = seed_hi.to(gl.uint32)
-    c3k = ((layer << 1) | 0).to(gl.uint32)
-    c2 = kvh.to(gl.uint32)
-    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, W)).to(gl.uint32)[None, :]
-
-    zs = sm_scale * LOG2E_C
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
-    l_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    a_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    b_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
-
-    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN, 8], SM3)
-    ksbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 4], SM3)
-    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 4, BN, 8], SM3)
-    vsbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 4], SM3)
-
-    KNL: gl.constexpr = gl.SliceLayout(1, W)
-    VNL: gl.constexpr = gl.SliceLayout(1, VW)
-    SNL: gl.constexpr = gl.SliceLayout(1, SC)
-    sl_row = SLOTS + b * s_sl_b
-    nk = start + gl.arange(0, BN, layout=KNL)
-    nv = start + gl.arange(0, BN, layout=VNL)
-    ns_ = start + gl.arange(0, BN, layout=SNL)
-    # prologue: tiles 0 .. STAGES - 2 in flight; sk0 = tile 0's key slots (its dither)
-    sk0, sv, ss = _slots(sl_row, nk, nv, ns_, end)
-    sk = sk0
-    for j in gl.static_range(STAGES - 1):
-        if j > 0:
-            sk, sv, ss = _slots(sl_row, nk, nv, ns_, end)
-        _copy_tile(kbuf, ksbuf, j, KC, KS, sk, ss, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
-        _copy_tile(vbuf, vsbuf, j, VC, VS, sv, ss, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
-        async_copy.commit_group()
-        if j == 1:
-            sk1 = sk
-        nk = nk + BN
-        nv = nv + BN
-        ns_ = ns_ + BN
-    sk_x, sv_x, ss_x = _slots(sl_row, nk, nv, ns_, end)  # tile STAGES - 1 = 2
-    w0, w1, w2, w3 = _dither_words(sk0, cj, c2, c3k, k0, k1, BN, W)
-    q1 = sk1  # the key slots of the tile after the current one (its dither is computed at the current one's end)
-    rd = 0
-    for n0 in range(start, end, BN):
-        offs_n = n0 + gl.arange(0, BN, layout=NL)
-        mask_n = offs_n < end
-        wr = (rd + STAGES - 1) % STAGES
-        _copy_tile(kbuf, ksbuf, wr, KC, KS, sk_x, ss_x, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
-        _copy_tile(vbuf, vsbuf, wr, VC, VS, sv_x, ss_x, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
-        async_copy.commit_group()
-        q2 = sk_x
-        nk = nk + BN
-        nv = nv + BN
-        ns_ = ns_ + BN
-        sk_x, sv_x, ss_x = _slots(sl_row, nk, nv, ns_, end)
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
-        kc0, kc1, kc2, kc3, ks = _read_tile(kbuf, ksbuf, rd, W, SC)
-        s0, s1, s2, s3 = _split4(ks, BN, NL)
-        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
-                                                                                MMA, Z8))
-        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
-                                                                                 MMA, Z8))
-        z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(z8, 1))
-        p = _ex2(z8 - m_new[:, None])
-        if CERT:
-            var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-            u = gl.sqrt(var) * radm_h[:, None]
-            pa = p * _ex2(u)
-            if CERT_B:
-                pb = p * _ex2(-u)
-        alpha = _ex2(m_i - m_new)
-        l_t = l_t * alpha[:, None] + p
-        if CERT:
-            a_t = a_t * alpha[:, None] + pa
-            if CERT_B:
-                b_t = b_t * alpha[:, None] + pb
-        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
-        m_i = m_new
-
-        vw0, vw1, vw2, vw3, vs = _read_tile(vbuf, vsbuf, rd, VW, SC)
-        ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
-        u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
-        acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
-        acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
-        acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
-        acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
-        w0, w1, w2, w3 = _dither_words(q1, cj, c2, c3k, k0, k1, BN, W)  # the next tile's dither
-        q1 = q2
-        rd = (rd + 1) % STAGES
-
-    async_copy.wait_group(0)
-    l_i = gl.sum(l_t, 1)
-    nonempty = l_i != 0.0
-    inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
-    lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    o_base = O_S + b * s_os_b + split * s_os_s + (kvh * GQA) * s_os_h
-    sc = gl.convert_layout(inv_l * (1.0 / 1024.0), gl.SliceLayout(0, MMA))
-    _store_group(o_base, s_os_h, acc0, sc, 0, GQA, MMA)
-    _store_group(o_base, s_os_h, acc1, sc, 1, GQA, MMA)
-    _store_group(o_base, s_os_h, acc2, sc, 2, GQA, MMA)
-    _store_group(o_base, s_os_h, acc3, sc, 3, GQA, MMA)
-    h = gl.arange(0, 8, layout=H8L)
-    l_off = b * s_ls_b + (kvh * GQA + h) * s_ls_h + split
-    gl.store(LSE_S + l_off, lse, mask=h < GQA)
-    if CERT:
-        gl.store(A_S + l_off, gl.sum(a_t, 1) * inv_l, mask=h < GQA)
-        if CERT_B:
-            gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
-
-
-
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
-#: the shared-memory staged kernel (:func:`_stage1_g8a`, probe) instead of :func:`_stage1_g8`
-STAGED = False
 
 
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
@@ -687,11 +498,10 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
     q = q.contiguous()
-    kern, extra = (_stage1_g8a, {"STAGES": 3}) if STAGED else (_stage1_g8, {"AHEAD": AHEAD})
-    kern[(B, hkv, ns)](
+    _stage1_g8[(B, hkv, ns)](
         q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, num_warps=1, **extra,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
     )
