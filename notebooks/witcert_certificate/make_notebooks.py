@@ -456,7 +456,7 @@ def _gp(name):
                                  if r["kind"] == "timing" and r["ms"]}
 g3, g4, g5 = _gp("gluon_probe3"), _gp("gluon_probe4"), _gp("gluon_probe5")
 g6, g7, g8 = _gp("gluon_probe6"), _gp("gluon_probe7"), _gp("gluon_probe8")
-g10, g11, g12 = _gp("gluon_probe10"), _gp("gluon_probe11"), _gp("gluon_probe12")
+g10, g11, g12, g13 = _gp("gluon_probe10"), _gp("gluon_probe11"), _gp("gluon_probe12"), _gp("gluon_probe13")
 rows_g = []
 def _row(what, f, a, b, shape=(8, 32768, 28)):
     ta, tb = f.get(shape + (a,)), f.get(shape + (b,))
@@ -483,6 +483,10 @@ _row("registers capped at 224 for 9 programs per SM (removed)", g11, "gluon_cert
      "gluon_cert_default_ns33")
 _row("two warps per program, two channel groups each (removed)", g12, "gluon_cert_w2_ns25", "gluon_cert_w1_ns33")
 _row("two warps per program, B = 64 (removed)", g12, "gluon_cert_w2_ns3", "gluon_cert_w1_ns4", (64, 32768, 28))
+_row("operands staged in shared memory (cp.async), 12 per SM (removed)", g13, "gluon_cert_smem12_ns50",
+     "gluon_cert_reg_ns33")
+_row("operands staged in shared memory (cp.async), 8 per SM (removed)", g13, "gluon_cert_smem8_ns33",
+     "gluon_cert_reg_ns33")
 gt = pd.DataFrame(rows_g)
 if len(gt):
     display(gt.set_index("change").style.format({"variant (ms)": "{:.4f}", "kept (ms)": "{:.4f}",
@@ -536,6 +540,9 @@ in the table above:
 - register caps at 200 and 168 spill;
 - a cap at 224 does not spill, but its schedule is slower even at half a wave, and a ninth program per SM may not
   fit at all, since each scheduler has its own quarter of the register file;
+- staging the operands through shared memory with `cp.async` (only the current tile in registers: 168 of them,
+  so three warps fit per scheduler) adds shared-memory loads and barriers to every tile, and is slower with 12
+  programs per SM than with 8;
 - splitting a program's tile between two warps (each takes two of the four channel groups, at 163 registers, so
   three warps fit per scheduler) computes the same values bit for bit, but runs about twice as slow. The tile's
   work is one dependency chain: Philox rounds, then the QK dots, the softmax and PV. Splitting it leaves each warp
