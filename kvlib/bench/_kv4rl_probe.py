@@ -147,40 +147,6 @@ def _structure_row(b: int, n: int) -> dict:
     return row
 
 
-def _first_row(b: int, n: int, rounds: int = 3) -> dict:
-    """KV4, KV4-RL and KV4-RL with its protected programs dispatched before the INT4 splits
-    (``decode_int4.PROT_FIRST``), in ``rounds`` interleaved rounds (rotated order, median per variant), and the
-    largest output change of the dispatch order (none expected: the same programs)."""
-    import statistics
-
-    import kvlib.kernels.decode_int4 as K
-    from kvlib.bench._h10_probe2 import module_flags
-
-    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    cache = random_kv4_batch(lengths, n)
-    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    fns = {"kv4": (lambda: kv4_decode(q, cache), False), "kv4rl": (lambda: kv4rl_decode(q, cache), False),
-           "kv4rl_first": (lambda: kv4rl_decode(q, cache), True)}
-    outs = {}
-    for k, (fn, first) in fns.items():
-        with module_flags(K, PROT_FIRST=first):
-            outs[k] = fn()
-    row: dict = dict(batch=b, ctx=n, max_do_first=float((outs["kv4rl_first"][0] - outs["kv4rl"][0]).abs().max()))
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            fn, first = fns[k]
-            with module_flags(K, PROT_FIRST=first):
-                times[k].append(_time(fn)[0])
-    for k, v in times.items():
-        row[f"{k}_ms"] = statistics.median(v)
-        row[f"{k}_rounds_ms"] = v
-    row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
-    row["frac_first"] = row["kv4_ms"] / row["kv4rl_first_ms"]
-    return row
-
-
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
     rows: list[dict] = []
@@ -194,9 +160,7 @@ def main() -> None:
     from kvlib.kernels.decode_int4 import prepare_query
 
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
-    modes = {"--first": (_first_row, ((32, 16384), (128, 16384), (8, 32768), (512, 4096), (32, 4096)),
-                         "kv4rl_first.json"),
-             "--structure": (_structure_row, ((32, 16384), (128, 16384), (512, 4096)), "kv4rl_structure.json"),
+    modes = {"--structure": (_structure_row, ((32, 16384), (128, 16384), (512, 4096)), "kv4rl_structure.json"),
              "--edges": (_edges_row, EDGE_SHAPES, "kv4rl_edges.json"),
              "--decompose": (_decompose_row, ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)),
                              "kv4rl_decompose.json")}

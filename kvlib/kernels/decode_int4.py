@@ -60,8 +60,6 @@ from kvlib.kernels.merge_tl import merge_splits
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
-#: probe: the protected programs dispatched first (the grid's split index 0), the INT4 splits after them
-PROT_FIRST = False
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
 #: 2^24: the V planes enter the PV dot as the subnormal fp16 c 2^-24 (:func:`_plane_f16`)
 V_UNSUB: tl.constexpr = tl.constexpr(16777216.0)
@@ -803,7 +801,7 @@ def _kv4_decode_kernel(
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, PROT_FIRST: tl.constexpr = 0,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -818,11 +816,11 @@ def _kv4_decode_kernel(
     sp = tl.program_id(2)
     NS = SPLITS + PROT
     if PROT:
-        if sp == (0 if PROT_FIRST else SPLITS):
+        if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
-            _region(b, h, sp - PROT_FIRST, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
+            _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                          sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
                          SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
     else:
@@ -1106,7 +1104,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot), PROT_FIRST=int(PROT_FIRST and prot),
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
