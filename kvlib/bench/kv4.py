@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 import torch
 
@@ -85,16 +86,29 @@ def _methods(q, cache, merge):
     }
 
 
-def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = True) -> dict:
+#: rounds of the KV4 methods per shape, interleaved (the order rotated each round; the median kept), so the ratios
+#: between them (KV4-RL / KV4) see the same clocks and memory state: timed one after another, KV4-RL / KV4 at B=128,
+#: S=16k read 0.94 where interleaved probes read 0.98-1.00 (data/results/gpu/dev/README.md, kv4rl_first.json)
+ROUNDS = 3
+
+
+def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = True, rounds: int = ROUNDS) -> dict:
     dev = lengths.device
     q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)
     cache = random_kv4_batch(lengths, n)
-    row: dict = {"batch": b, "ctx_max": n, "ctx_mean": float(lengths.float().mean())}
+    row: dict = {"batch": b, "ctx_max": n, "ctx_mean": float(lengths.float().mean()), "rounds": rounds}
     graphed_all = True
-    for name, fn in _methods(q, cache, merge).items():
-        ms, gr = _time(fn)
-        graphed_all &= gr
-        row[f"{name}_ms"] = ms
+    methods = _methods(q, cache, merge)
+    names = list(methods)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            ms, gr = _time(methods[name])
+            graphed_all &= gr
+            times[name].append(ms)
+    for name, v in times.items():
+        row[f"{name}_ms"] = statistics.median(v)
+        row[f"{name}_rounds_ms"] = v
     row["kv4_GBps"] = bandwidth_GBps(_bytes_kv4(lengths), row["kv4_ms"])
     del cache
     if with_sdpa:
