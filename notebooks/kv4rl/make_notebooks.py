@@ -271,8 +271,10 @@ sink 16 + recent 128 positions, a second kernel and an exact merge) keep at leas
 speed? Shapes: d = 128, GQA 32:8, batch 32-512, contexts 1k-16k, and two ragged suites.
 
 The numbers come from `python -m kvlib.bench kv4` run on the lent H200 (`data/results/gpu/kv4.json`);
-this notebook renders them and runs anywhere. Note the paper's speedups are for whole decode steps in
-an engine, ours for the attention kernel alone.
+this notebook renders them and runs anywhere. Each method runs inside a CUDA graph. At each shape the KV4
+methods are timed in three interleaved rounds (the order rotated, the median kept), so the KV4-RL / KV4
+ratios compare runs made under the same clocks and memory state. SDPA is timed once per shape. Note the
+paper's speedups are for whole decode steps in an engine, ours for the attention kernel alone.
 """
         ),
         params(
