@@ -72,6 +72,7 @@ from kvlib.book import Run, fmt
 run = Run("witcert_kernel", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, splits=splits,
                                                           delta=delta, seed=seed))
 import math
+import statistics
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
@@ -591,6 +592,48 @@ Why the Gluon kernel's warps were not issuing, sampled by Nsight Compute over it
 uncertified kernels at B = 64, S = 16k on the H200. Source: `data/results/gpu/dev/gluon_ncu.json`.
 ```
 
+### Power
+
+The kernel also draws more power than SDPA does. A probe timed the certified step and SDPA bf16 at B = 64,
+S = 32k (28/4 heads) in interleaved rounds, first on a cold GPU and then after a minute of continuous replays of
+each (`data/results/gpu/dev/power_probe.json`), and read `nvidia-smi` after every timing.
+
+- Under load the board draws up to {glue:text}`pp_power_max:.0f` W, and `nvidia-smi` reports
+  {glue:text}`pp_throttle` as the active throttle reason.
+- The SM clock the board then allows depends on the kernel that is running: a median of
+  {glue:text}`pp_clock_h8g:.0f` MHz for the certified step and {glue:text}`pp_clock_sdpa:.0f` MHz for SDPA.
+- SDPA's time over the step's is {glue:text}`pp_ratio_cold:.3f` on the cold GPU and
+  {glue:text}`pp_ratio_hot:.3f` after sustained load, in line with the latency record at that shape.
+
+The development probes in the table above time 30 ms windows, too short for the power draw to reach the cap. At
+this shape they read the step {glue:text}`pp_probe_gap:.1%` faster than sustained operation does, so the table's
+ratios are for comparing variants with each other, not with SDPA.
+"""),
+        code(r"""
+pp = load_result("dev/power_probe", "gpu")
+if pp is not None:
+    def _smi(r):
+        clk, _mem, _temp, pw, thr = [x.strip() for x in r["smi"].split(",")]
+        return float(clk.split()[0]), float(pw.split()[0]), int(thr, 16)
+    hot = [r for r in pp["results"] if r["phase"] != "cold"]
+    med = lambda rows, n, i: statistics.median(_smi(r)[i] if i is not None else r["ms"]  # noqa: E731
+                                               for r in rows if r["name"] == n)
+    run.glue("pp_power_max", max(_smi(r)[1] for r in hot))
+    run.glue("pp_throttle", "the software power cap" if all(_smi(r)[2] & 0x4 for r in hot)
+             else "no power cap on every reading")
+    run.glue("pp_clock_h8g", med(hot, "h8g_cert", 0))
+    run.glue("pp_clock_sdpa", med(hot, "sdpa", 0))
+    cold = [r for r in pp["results"] if r["phase"] == "cold"]
+    run.glue("pp_ratio_cold", med(cold, "sdpa", None) / med(cold, "h8g_cert", None))
+    run.glue("pp_ratio_hot", med(hot, "sdpa", None) / med(hot, "h8g_cert", None))
+    p13 = _gp("gluon_probe13").get((64, 32768, 28, "gluon_cert_reg_ns4"))
+    run.glue("pp_probe_gap", 1 - p13 / med(hot, "h8g_cert", None) if p13 else float("nan"))
+else:
+    for k in ("pp_power_max", "pp_clock_h8g", "pp_clock_sdpa", "pp_ratio_cold", "pp_ratio_hot", "pp_probe_gap"):
+        run.glue(k, float("nan"))
+    run.glue("pp_throttle", "(no power probe file)")
+""", hide_input=True),
+        md(r"""
 ## Paper vs this run
 """),
         code(r"""
