@@ -605,9 +605,9 @@ each (`data/results/gpu/dev/power_probe.json`), and read `nvidia-smi` after ever
 - SDPA's time over the step's is {glue:text}`pp_ratio_cold:.3f` on the cold GPU and
   {glue:text}`pp_ratio_hot:.3f` after sustained load, in line with the latency record at that shape.
 
-The development probes in the table above time 30 ms windows, too short for the power draw to reach the cap. At
-this shape they read the step {glue:text}`pp_probe_gap:.1%` faster than sustained operation does, so the table's
-ratios are for comparing variants with each other, not with SDPA.
+The development probes in the table above time each variant over shorter windows than this probe does, too short
+for the power draw to reach the cap. At this shape they read the step {glue:text}`pp_probe_gap:.1%` faster than
+sustained operation does, so the table's ratios are for comparing variants with each other, not with SDPA.
 """),
         code(r"""
 pp = load_result("dev/power_probe", "gpu")
