@@ -139,8 +139,11 @@ def _structure_row(b: int, n: int) -> dict:
     K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
     try:
         row["kv4rl_empty_side_no_merge_ms"] = _time(launch)[0]
+        K._PROBE_NO_PROT_PROGRAMS = True  # the kernel compiled with the protected path, launched without its programs
+        row["kv4rl_compiled_only_ms"] = _time(launch)[0]
     finally:
         K.merge_splits = real_merge
+        K._PROBE_NO_PROT_PROGRAMS = False
     o_s = torch.randn(b, HQ, 2, D, device="cuda")
     lse_s = torch.randn(b, HQ, 2, device="cuda")
     row["merge_alone_ms"] = _time(lambda: merge_splits(o_s, lse_s))[0]

@@ -60,6 +60,8 @@ from kvlib.kernels.merge_tl import merge_splits
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 LAST_KERNEL = None  # the last compiled main kernel (registers/spills are read off it in tuning)
+#: probe only (timing, wrong results): launch the KV4-RL kernel without its protected programs
+_PROBE_NO_PROT_PROGRAMS = False
 LN2_C: tl.constexpr = tl.constexpr(LN2)  # the form a @triton.jit body may read
 #: 2^24: the V planes enter the PV dot as the subnormal fp16 c 2^-24 (:func:`_plane_f16`)
 V_UNSUB: tl.constexpr = tl.constexpr(16777216.0)
@@ -1094,7 +1096,7 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     pdl = cfg.pdl and pdl_supported(qp.q8)
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, ns)](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if (_PROBE_NO_PROT_PROGRAMS and prot) else ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
