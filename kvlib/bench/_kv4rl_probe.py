@@ -42,7 +42,8 @@ def _shape_row(b: int, n: int, variants: dict) -> dict:
 
 def _empty_side_problem(b: int, n: int) -> tuple:
     """``(q, cache, launch)`` at batch ``b``, context ``n``: ``launch()`` is the KV4-RL decode launch with an empty
-    side buffer (its extra programs and merge, no protected work)."""
+    side buffer (its extra programs and merge, no protected work); ``launch(side=False)`` the KV4 launch over the
+    same main region (its unaligned edges, no protected path)."""
     from kvlib.kernels.decode_int4 import kv4_main_decode, prepare_query
     from kvlib.kv4rl_attention import side_buffer
 
@@ -52,10 +53,10 @@ def _empty_side_problem(b: int, n: int) -> tuple:
     empty = side_buffer(c)._replace(count=torch.zeros(b, dtype=torch.int32, device="cuda"))
     start, end = c.main_range()
 
-    def launch():
+    def launch(side: bool = True):
         qp = prepare_query(q, rotate=True)
         return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-                               side=empty)
+                               side=empty if side else None)
 
     return q, c, launch
 
@@ -135,6 +136,7 @@ def _structure_row(b: int, n: int) -> dict:
 
     q, cache, launch = _empty_side_problem(b, n)
     row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0], kv4rl_empty_side_ms=_time(launch)[0])
+    row["kv4_main_region_ms"] = _time(lambda: launch(side=False))[0]
     real_merge = K.merge_splits
     K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
     try:
