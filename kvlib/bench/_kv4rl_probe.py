@@ -56,7 +56,8 @@ def _empty_side_problem(b: int, n: int) -> tuple:
     def launch(side: bool = True):
         qp = prepare_query(q, rotate=True)
         return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-                               side=empty if side else None)
+                               side=empty if side else None,
+                               config=None if side else DEFAULT_CONFIG.replace(pipe_edges=True))  # KV4-RL's edges
 
     return q, c, launch
 
