@@ -83,7 +83,7 @@ EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 1638
 #: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
 #: removed, as was ``side_merge``, the side slots attended by a persistent merge launch meant to overlap the INT4
 #: wave (dev/kv4rl_side_merge.json, 8379906)
-EDGE_EXTRA: dict = {"kv4rl_pipe_mask1": DEFAULT_CONFIG.replace(pipe_edges=True, pipe_mask=1)}
+EDGE_EXTRA: dict = {}
 
 
 def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:

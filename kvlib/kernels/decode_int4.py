@@ -504,7 +504,7 @@ def _main_region(
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
     LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
-    LOOP_MASK: tl.constexpr = PIPE_EDGES  # 0: no masks in the loop; 1: every block; 2: a branch per block
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
@@ -667,7 +667,7 @@ def _main_region_t(
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
     LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
-    LOOP_MASK: tl.constexpr = PIPE_EDGES  # 0: no masks in the loop; 1: every block; 2: a branch per block
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
@@ -872,8 +872,6 @@ class KV4KernelConfig:
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
       batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
-      ``pipe_mask`` how the loop masks with ``pipe_edges``: 2, one uniform branch per block (only the edge
-      blocks select); 1, every block selects, with no branch.
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -895,7 +893,6 @@ class KV4KernelConfig:
     tma: bool = False
     pdl: bool = True
     pipe_edges: bool | None = None
-    pipe_mask: int = 2
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1071,8 +1068,6 @@ def kv4_main_decode(
     q8 = qp.q8.contiguous()
     if cfg.k_mode not in _KMODES:
         raise ValueError(f"k_mode must be one of {_KMODES}, got {cfg.k_mode!r}")
-    if cfg.pipe_mask not in (1, 2):
-        raise ValueError(f"pipe_mask must be 1 or 2, got {cfg.pipe_mask!r}")
     gp = cfg.rows or max(MIN_ROWS, triton.next_power_of_2(g))
     if gp < g or gp & (gp - 1):
         raise ValueError(f"rows={cfg.rows} must be a power of two >= the GQA group {g}")
@@ -1111,7 +1106,7 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=cfg.pipe_mask if pipe_edges_applies(cfg, prot) else 0,
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot),
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
