@@ -151,3 +151,32 @@ def test_decode_grid_gluon_methods_are_skipped_with_a_note_on_cpu():
                           device="cpu", rep_ms=0.0)
     assert set(out["methods"]) == {"int8_h8_cert"}
     assert any(n.startswith("int8_h8g_") and "CUDA" in n for n in out["notes"]), out["notes"]
+
+
+def test_interleaved_rotates_the_order_and_keeps_every_round():
+    from kvlib.bench.timing import interleaved
+
+    calls: list[str] = []
+    values = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0]), "c": iter([7.0, 9.0, 8.0])}
+
+    def timer(name):
+        def t():
+            calls.append(name)
+            return next(values[name])
+        return t
+
+    res = interleaved({n: timer(n) for n in "abc"}, 3)
+    assert calls == list("abc") + list("bca") + list("cab")  # each round starts one later
+    assert res == {"a": (2.0, [3.0, 1.0, 2.0]), "b": (5.0, [5.0, 4.0, 6.0]), "c": (8.0, [7.0, 9.0, 8.0])}
+
+
+def test_interleaved_failures_raise_when_strict_and_count_as_none_otherwise():
+    from kvlib.bench.timing import interleaved
+
+    def boom():
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(RuntimeError, match="no kernel"):
+        interleaved({"ok": lambda: 1.0, "bad": boom}, 2, strict=True)
+    res = interleaved({"ok": lambda: 1.0, "bad": boom}, 2)
+    assert res == {"ok": (1.0, [1.0, 1.0]), "bad": (None, [None, None])}

@@ -12,8 +12,8 @@ import sys
 import torch
 
 from kvlib.bench._h10_probe import _problem, h10_problem, write_probe
-from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags, interleaved, module_flags
-from kvlib.bench.timing import bench_graphed
+from kvlib.bench._h10_probe2 import _sdpa_graph_ms, h10_flags, module_flags
+from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768, 28, 4), (16, 16384, 28, 4),

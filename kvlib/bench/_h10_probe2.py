@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 
 import kvlib.kernels.decode_int8_h10 as H
 from kvlib.bench._h10_probe import h10_problem, write_probe
-from kvlib.bench.timing import bench_graphed
+from kvlib.bench.timing import bench_graphed, interleaved  # noqa: F401 - interleaved: the probes' import
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 
@@ -57,23 +55,6 @@ def _time_flagged(flags: dict, args: tuple, call: dict) -> float:
 
     with h10_flags(**flags):
         return _time(decode_int8, args, call)
-
-
-def interleaved(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float | None, list]]:
-    """Each timer (returning a median in ms) once per round, the order rotated every round so run-to-run drift stays
-    out of the comparison; a timer that raises is reported and counted as ``None``, not fatal. Returns
-    ``name -> (median over the rounds that ran, per-round values)``."""
-    names = list(timers)
-    ms: dict[str, list] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            try:
-                ms[name].append(timers[name]())
-            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                ms[name].append(None)
-                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return {n: (statistics.median([t for t in v if t is not None]) if any(t is not None for t in v) else None, v)
-            for n, v in ms.items()}
 
 
 def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384)),

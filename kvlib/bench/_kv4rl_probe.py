@@ -15,6 +15,7 @@ import torch
 
 from kvlib.bench._h10_probe import write_probe
 from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, _time, random_kv4_batch
+from kvlib.bench.timing import interleaved
 from kvlib.kernels.decode_int4 import DEFAULT_CONFIG
 from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 
@@ -91,8 +92,6 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     timed in ``rounds`` interleaved rounds (rotated order, median per variant): a KV4-RL main region is
     unaligned at both ends, so its first and last blocks run outside the software pipeline by default. Also the
     largest output change of ``pipe_edges`` against the default (the same arithmetic per block)."""
-    import statistics
-
     from kvlib.bench.kv4_sweep import _lengths
 
     shape = dict(b=b, n=n) if mean is None else dict(b=b, n=n, mean=mean, seed=2)
@@ -112,14 +111,10 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
         (o0, l0), (o1, l1) = fns[f0](), fns[f1]()
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(_time(fns[k])[0])
-    for k, v in times.items():
-        row[f"{k}_ms"] = statistics.median(v)
-        row[f"{k}_rounds_ms"] = v
+    times = interleaved({k: (lambda f=f: _time(f)[0]) for k, f in fns.items()}, rounds, strict=True)
+    for k, (med, per_round) in times.items():
+        row[f"{k}_ms"] = med
+        row[f"{k}_rounds_ms"] = per_round
     row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
     row["frac_pipe_edges"] = row["kv4_ms"] / row["kv4rl_pipe_edges_ms"]
     row["frac_both_pipe_edges"] = row["kv4_pipe_edges_ms"] / row["kv4rl_pipe_edges_ms"]
@@ -129,9 +124,10 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
 
 
 def _structure_row(b: int, n: int) -> dict:
-    """Where KV4-RL's structure goes (empty side buffer, so no protected work): the decode launch alone (its
-    split merge replaced by a view of the first state: timing only) and the split merge alone on states of the
-    same shape, beside KV4 and the whole KV4-RL launch with the empty buffer."""
+    """Where KV4-RL's structure goes (empty side buffer, so no protected work), on one cache: KV4 over KV4-RL's main
+    region (its edges alone), the decode launch without its protected programs (``_PROBE_NO_PROT_PROGRAMS``) and
+    with them (each with its split merge replaced by a view of the first state: timing only), the split merge
+    alone on states of the same shape, beside KV4 and the whole KV4-RL launch with the empty buffer."""
     import kvlib.kernels.decode_int4 as K
     from kvlib.kernels.merge_tl import merge_splits
 

@@ -13,12 +13,12 @@ Tuning lives in :mod:`kvlib.bench.kv4_sweep`; this benchmark times
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import statistics
 
 import torch
 
-from kvlib.bench.timing import bandwidth_GBps, bench_graphed, copy_bandwidth
+from kvlib.bench.timing import bandwidth_GBps, bench_graphed, copy_bandwidth, interleaved
 from kvlib.kv4rl_attention import KV4Batch, build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 from kvlib.merge import merge_states
 
@@ -87,8 +87,8 @@ def _methods(q, cache, merge):
 
 
 #: rounds of the KV4 methods per shape, interleaved (the order rotated each round; the median kept), so the ratios
-#: between them (KV4-RL / KV4) see the same clocks and memory state: timed one after another, KV4-RL / KV4 at B=128,
-#: S=16k read 0.94 where interleaved probes read 0.98-1.00 (data/results/gpu/dev/README.md, kv4rl_first.json)
+#: between them (KV4-RL / KV4) see the same clocks and memory state. At B=128, S=16k they still move between runs
+#: (0.968 and 0.940: data/results/gpu/dev/kv4_rerun.json); interleaving removes only the drift within a run
 ROUNDS = 3
 
 
@@ -97,18 +97,19 @@ def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = T
     q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16)
     cache = random_kv4_batch(lengths, n)
     row: dict = {"batch": b, "ctx_max": n, "ctx_mean": float(lengths.float().mean()), "rounds": rounds}
-    graphed_all = True
-    methods = _methods(q, cache, merge)
-    names = list(methods)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            ms, gr = _time(methods[name])
-            graphed_all &= gr
-            times[name].append(ms)
-    for name, v in times.items():
-        row[f"{name}_ms"] = statistics.median(v)
-        row[f"{name}_rounds_ms"] = v
+    graphed: list[bool] = []
+
+    def timer(fn) -> float:
+        ms, gr = _time(fn)
+        graphed.append(gr)
+        return ms
+
+    times = interleaved({name: functools.partial(timer, fn) for name, fn in _methods(q, cache, merge).items()},
+                        rounds, strict=True)
+    graphed_all = all(graphed)
+    for name, (med, per_round) in times.items():
+        row[f"{name}_ms"] = med
+        row[f"{name}_rounds_ms"] = per_round
     row["kv4_GBps"] = bandwidth_GBps(_bytes_kv4(lengths), row["kv4_ms"])
     del cache
     if with_sdpa:

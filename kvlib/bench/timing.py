@@ -123,3 +123,24 @@ def copy_bandwidth(n_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, 
 def bandwidth_GBps(bytes_moved: float, ms: float) -> float:
     """Bytes moved per call over the call's time in ms, as GB/s (1e9 bytes)."""
     return bytes_moved / (ms * 1e-3) / 1e9
+
+
+def interleaved(timers: dict[str, Callable[[], float]], rounds: int, *,
+                strict: bool = False) -> dict[str, tuple[float | None, list]]:
+    """Each timer (returning ms) once per round, the order rotated every round, so the drift of clocks and memory
+    state between runs falls on every method alike. Returns ``name -> (median over the rounds, per-round values)``.
+    A timer that raises re-raises with ``strict`` (a result of record); otherwise (a probe) it is reported and
+    counted as ``None``, and its median is over the rounds that ran (``None`` if none did)."""
+    names = list(timers)
+    ms: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            try:
+                ms[name].append(timers[name]())
+            except Exception as e:  # noqa: BLE001 - a probe's failing variant is reported, not fatal
+                if strict:
+                    raise
+                ms[name].append(None)
+                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return {n: (statistics.median([t for t in v if t is not None]) if any(t is not None for t in v) else None, v)
+            for n, v in ms.items()}

@@ -272,8 +272,8 @@ speed? Shapes: d = 128, GQA 32:8, batch 32-512, contexts 1k-16k, and two ragged 
 
 The numbers come from `python -m kvlib.bench kv4` run on the lent H200 (`data/results/gpu/kv4.json`);
 this notebook renders them and runs anywhere. Each method runs inside a CUDA graph. At each shape the KV4
-methods are timed in three interleaved rounds (the order rotated, the median kept), so the KV4-RL / KV4
-ratios compare runs made under the same clocks and memory state. SDPA is timed once per shape. Note the
+methods are timed in {glue:text}`kv4_rounds` interleaved rounds (the order rotated, the median kept), so the
+KV4-RL / KV4 ratios compare runs made under the same clocks and memory state. SDPA is timed once per shape. Note the
 paper's speedups are for whole decode steps in an engine, ours for the attention kernel alone.
 """
         ),
@@ -334,6 +334,8 @@ if res is not None:
     cols = ["batch", "ctx_max", "sdpa_bf16_ms", "kv4_ms", "kv4_intpv_ms", "kv4rl_ms", "kv4_speedup_vs_sdpa",
             "kv4rl_frac_of_kv4", "kv4rl_byte_bound", "kv4_GBps", "sdpa_GBps"]
     display(fixed[cols].round(3))
+    run.glue("kv4_rounds", str(int(fixed["rounds"].iloc[0])) if "rounds" in fixed
+             else "1 (a file from before the rounds)")
     display(Markdown("Ragged suites (SDPA runs on the padded batch):"))
     display(ragged[["batch", "ctx_mean", "ctx_max"] + [k for k in cols[2:] if k in ragged]].round(3))
     rerun = load_result("dev/kv4_rerun", source_profile)
@@ -395,6 +397,7 @@ if res is not None:
               f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
               verdict="reproduced" if agg >= 0.94 else "differs", why="; ".join(why))
 else:
+    run.glue("kv4_rounds", "(no GPU result)")
     for s_ in (1, 16):
         run.glue(f"kv4_16k_err_s{s_}", float("nan"))
     for cid in ("kv4rl-kv4-kernel-speedup", "kv4rl-protect-speed"):
