@@ -173,6 +173,7 @@ def side_buffer(cache: KV4Batch) -> SideBuffer:
 def kv4rl_decode(
     q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, int_pv: bool | None = None,
     merge=merge_states, backend: str = "auto", config: KV4KernelConfig | None = None, fused: bool = True,
+    qp: QueryInt8 | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """KV4-RL decode: INT4 main region and INT8 protected region, merged exactly.
 
@@ -180,12 +181,12 @@ def kv4rl_decode(
     the side slots, its state merged with the INT4 split states by the same split merge (a fold of
     :func:`~kvlib.merge.merge_states`), so KV4-RL costs the launches of KV4. ``fused=False``: two
     launches (INT4 region, then :func:`~kvlib.kernels.decode_protected.protected_decode`) merged by
-    ``merge`` (``merge_states`` or a compiled copy of it).
+    ``merge`` (``merge_states`` or a compiled copy of it). ``qp``: ``q`` already prepared (:func:`prepare_query`).
     """
     _check_q(q, cache)
     side = side_buffer(cache)
     c = cache
-    qp = prepare_query(q, rotate=True, backend=backend, pdl=(config or DEFAULT_CONFIG).pdl and fused)
+    qp = qp or prepare_query(q, rotate=True, backend=backend, pdl=(config or DEFAULT_CONFIG).pdl and fused)
     start, end = c.main_range()
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
     if fused:

@@ -166,6 +166,49 @@ def test_fused_kv4rl_matches_two_launches_and_reference():
     assert torch.isneginf(lse_f[2]).all() and (o_f[2] == 0).all()
 
 
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side):
+    """The last program of each pair merges the states in the decode launch: the same output as the merge
+    launch (fp32 rounding), the prepared query's counters back at zero after each call (so it decodes again
+    identically), and a query prepared without counters gives the same result."""
+    import dataclasses
+
+    from kvlib.kernels.decode_int4 import fuse_merge_applies
+
+    q, k, v = _qkv(12)
+    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
+    decode = kv4rl_decode if with_side else kv4_decode
+    base = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
+    fused_cfg = base.replace(fuse_merge=True)
+    ns = splits + int(with_side)
+    assert fuse_merge_applies(fused_cfg, ns, 8, D) == (ns > 1)
+    qp = prepare_query(q, backend="triton")
+    assert qp.arrivals is not None and qp.arrivals.shape == (B * HQ,) and not qp.arrivals.any()
+    o_l, lse_l = decode(q, cache, qp=qp, backend="triton", config=base)
+    qp.arrivals.fill_(0)
+    o_f, lse_f = decode(q, cache, qp=qp, backend="triton", config=fused_cfg)
+    assert not qp.arrivals.any()
+    o_f2, lse_f2 = decode(q, cache, qp=qp, backend="triton", config=fused_cfg)
+    assert not qp.arrivals.any()
+    o_f3, lse_f3 = decode(q, cache, qp=dataclasses.replace(qp, arrivals=None), backend="triton", config=fused_cfg)
+    assert torch.equal(o_f, o_f2) and torch.equal(lse_f, lse_f2)
+    assert torch.equal(o_f, o_f3) and torch.equal(lse_f, lse_f3)
+    _close(lse_f, lse_l, 1e-5)
+    _close(o_f, o_l, 1e-5)
+    assert torch.isneginf(lse_f[2]).all() and (o_f[2] == 0).all()
+
+
+def test_fused_merge_declines_tiles_too_wide():
+    cfg = DEFAULT_CONFIG.replace(fuse_merge=True)
+    from kvlib.kernels.decode_int4 import fuse_merge_applies
+
+    assert fuse_merge_applies(cfg, 2, 8, 128)
+    assert not fuse_merge_applies(cfg, 1, 8, 128)  # one state: nothing to merge
+    assert not fuse_merge_applies(cfg, 17, 8, 128)  # 8 x 32 x 128 fp32 over 128 threads: too many registers
+    assert not fuse_merge_applies(cfg.replace(fuse_merge=False), 2, 8, 128)
+
+
 def test_side_buffer_argument_checks():
     q, k, v = _qkv()
     c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)

@@ -4,7 +4,8 @@ reference. (It first compared that layout with the protected region run by the l
 data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
 structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
-the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``)."""
+the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the split
+states merged by a second launch or by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,46 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
+def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
+    """KV4 and KV4-RL with their split states merged by a second launch (the default) and by the decode launch's
+    last program per pair (``fuse_merge``), in ``rounds`` interleaved rounds; also the largest output change of
+    the fused merge and whether CUDA-graph replays of it are bit-identical to its eager call."""
+    from kvlib.bench.kv4_sweep import _lengths
+    from kvlib.bench.timing import capture_graph
+
+    shape = dict(b=b, n=n) if mean is None else dict(b=b, n=n, mean=mean, seed=2)
+    lengths = _lengths(shape, "cuda")
+    cache = random_kv4_batch(lengths, int(lengths.max()))
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    fused = DEFAULT_CONFIG.replace(fuse_merge=True)
+    launch = DEFAULT_CONFIG.replace(fuse_merge=False)
+    fns = {"kv4": lambda: kv4_decode(q, cache, config=launch),
+           "kv4_fused": lambda: kv4_decode(q, cache, config=fused),
+           "kv4rl": lambda: kv4rl_decode(q, cache, config=launch),
+           "kv4rl_fused": lambda: kv4rl_decode(q, cache, config=fused)}
+    row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
+    for key in ("kv4", "kv4rl"):
+        (o0, l0), (o1, l1) = fns[key](), fns[f"{key}_fused"]()
+        row[f"{key}_max_do"] = float((o1 - o0).abs().max())
+        row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
+        graph, (og, lg) = capture_graph(fns[f"{key}_fused"])
+        same = True
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            same &= bool(torch.equal(og, o1) and torch.equal(lg, l1))
+        row[f"{key}_fused_graph_bit_identical"] = same
+        del graph
+    times = interleaved({k: (lambda f=f: _time(f)[0]) for k, f in fns.items()}, rounds, strict=True)
+    for k, (med, per_round) in times.items():
+        row[f"{k}_ms"] = med
+        row[f"{k}_rounds_ms"] = per_round
+    row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
+    row["frac_fused"] = row["kv4_fused_ms"] / row["kv4rl_fused_ms"]
+    row["frac_fused_vs_kv4_launch"] = row["kv4_ms"] / row["kv4rl_fused_ms"]
+    return row
+
+
 def _structure_row(b: int, n: int) -> dict:
     """Where KV4-RL's structure goes (empty side buffer, so no protected work), on one cache: KV4 over KV4-RL's main
     region (its edges alone), the decode launch without its protected programs (``_PROBE_NO_PROT_PROGRAMS``) and
@@ -164,6 +205,7 @@ def main() -> None:
     o_r, lse_r = decode_ref(q, cache, qp=prepare_query(q))
     modes = {"--structure": (_structure_row, ((32, 16384), (128, 16384), (512, 4096)), "kv4rl_structure.json"),
              "--edges": (_edges_row, EDGE_SHAPES, "kv4rl_edges.json"),
+             "--fuse": (_fuse_row, EDGE_SHAPES, "kv4rl_fuse.json"),
              "--decompose": (_decompose_row, ((32, 4096), (32, 16384), (128, 16384), (8, 32768), (512, 4096)),
                              "kv4rl_decompose.json")}
     for flag, (make_row, mode_shapes, default_out) in modes.items():
@@ -174,10 +216,11 @@ def main() -> None:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
                   flush=True)
             torch.cuda.empty_cache()
-        if flag == "--edges":
-            o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(pipe_edges=True))
-            rows.append(dict(check="pipe_edges", err_o=float((o - o_r).abs().max()),
-                             err_lse=float((lse - lse_r).abs().max())))
+        checks = {"--edges": ("pipe_edges", dict(pipe_edges=True)), "--fuse": ("fuse_merge", dict(fuse_merge=True))}
+        if flag in checks:
+            name, kw = checks[flag]
+            o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(**kw))
+            rows.append(dict(check=name, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
             print(rows[-1], flush=True)
         out = next((a for a in sys.argv[1:] if not a.startswith("--")), default_out)
         write_probe(out, "kv4rl_probe", rows, started,

@@ -79,6 +79,9 @@ class QueryInt8:
     q8: torch.Tensor
     scale: torch.Tensor
     qsum: torch.Tensor
+    #: ``[B * Hq]`` int32 zeros for the decode kernel's fused merge (:func:`prepare_query` zeroes them in its own
+    #: launch; the decode kernel leaves them at zero, so a prepared query may be decoded again)
+    arrivals: torch.Tensor | None = None
 
 
 def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
@@ -91,13 +94,14 @@ def prepare_query_ref(q: torch.Tensor, rotate: bool = True) -> QueryInt8:
 
 
 @triton.jit
-def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr,
+def _prep_query_kernel(Q, H, Q8, QS, QSUM, ARR, n_rows, D: tl.constexpr, R: tl.constexpr, ROTATE: tl.constexpr,
                        PIECES: tl.constexpr = 0, INTERP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Rotate and quantise ``R`` query rows. ``PIECES = 0``: one fp32 (IEEE, FMA) dot with the normalised
     Hadamard ``H``; ``PIECES = 1..3``: ``H`` is the +-1 Hadamard in bf16 (exact) and the rows enter
     tensor-core dots as 1-3 bf16 pieces (hi, mid, lo: exact for bf16 / fp16 / fp32 inputs, so only the fp32
     accumulation rounds), scaled by ``1/sqrt(D)`` after. PDL: let the decode kernel launch now (it waits
-    for this kernel's stores before it reads the query)."""
+    for this kernel's stores before it reads the query). ``ARR``: the decode kernel's arrival counters, zeroed
+    here (one per query row, at least one per kv head)."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -131,6 +135,7 @@ def _prep_query_kernel(Q, H, Q8, QS, QSUM, n_rows, D: tl.constexpr, R: tl.conste
     tl.store(Q8 + offs, qi.to(tl.int8), mask=rok[:, None])
     tl.store(QS + rows, scale, mask=rok)
     tl.store(QSUM + rows, scale * tl.sum(qi, axis=1), mask=rok)
+    tl.store(ARR + rows, tl.zeros([R], tl.int32), mask=rok)
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,14 +171,15 @@ def prepare_query(q: torch.Tensor, rotate: bool = True, backend: str = "auto", p
     q8 = torch.empty(b, hq, d, dtype=torch.int8, device=q.device)
     qs = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     qsum = torch.empty_like(qs)
+    arrivals = torch.empty(b * hq, dtype=torch.int32, device=q.device)  # zeroed by the kernel (no memset launch)
     r = 16
     n = b * hq
     mma = precision == "mma" and q.dtype in _PIECES
     h = _hmat_pm1(d, str(q.device)) if mma else _hmat(d, str(q.device))
-    _prep_query_kernel[(triton.cdiv(n, r),)](qc, h, q8, qs, qsum, n, D=d, R=r, ROTATE=rotate,
+    _prep_query_kernel[(triton.cdiv(n, r),)](qc, h, q8, qs, qsum, arrivals, n, D=d, R=r, ROTATE=rotate,
                                              PIECES=_PIECES[q.dtype] if mma else 0, INTERP=not q.is_cuda,
                                              PDL=pdl and pdl_supported(q))
-    return QueryInt8(q8, qs, qsum)
+    return QueryInt8(q8, qs, qsum, arrivals)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -792,24 +798,63 @@ def _protected_region(
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
+@triton.jit
+def _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                 D: tl.constexpr, NS_P: tl.constexpr):
+    """The fused split merge: every program of a (request, kv head) counts itself in ``CNT[b, h]`` after its
+    state is stored; the last to arrive merges the pair's ``NS`` states (the algebra of
+    :func:`~kvlib.kernels.merge_tl.merge_splits`) into ``OFIN``/``LSEFIN`` and resets the counter to zero for
+    the next launch, so no second launch waits for this grid to drain."""
+    tl.debug_barrier()  # every thread's state stores come before this program's arrival
+    bh = b * HKV + h
+    old = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")  # release our states, acquire the others'
+    if old == tl.num_programs(2) - 1:
+        tl.atomic_xchg(CNT + bh, 0, sem="relaxed", scope="gpu")
+        HQ: tl.constexpr = HKV * G
+        rows = tl.arange(0, GP)
+        row_ok = rows < G
+        qrow = (b * HQ + h * G + rows).to(tl.int64)
+        s = tl.arange(0, NS_P)
+        ok = row_ok[:, None] & (s < NS)[None, :]
+        slot = qrow[:, None] * NS + s[None, :]
+        # .cg: read at L2, where the other programs' stores are (this SM's L1 is not coherent with them)
+        lse_s = tl.load(LSE + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        cols = tl.arange(0, D)
+        o_s = tl.load(OUT + slot[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        m = tl.max(lse_s, 1)
+        nonempty = m > float("-inf")  # a row whose states are all empty merges to o = 0, lse = -inf
+        m_safe = tl.where(nonempty, m, 0.0)
+        empty = lse_s == float("-inf")
+        w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe[:, None]))
+        den = tl.where(nonempty, tl.sum(w, 1), 1.0)
+        # an empty state's o may be 0/0: select it away rather than multiply it by 0
+        o = tl.sum(tl.where(empty[:, :, None], 0.0, w[:, :, None] * o_s), 1) / den[:, None]
+        tl.store(OFIN + qrow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
+        tl.store(LSEFIN + qrow, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count
 def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
-    OUT, LSE,
+    OUT, LSE, CNT, OFIN, LSEFIN,
     sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FUSE: tl.constexpr = False,
+    NS_P: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
     KV4-RL costs one launch like KV4 and its states meet in the same split merge. PDL (programmatic
     dependent launch): this kernel may start while the query preparation finishes, so it waits for it
-    first, and lets the split merge after it launch early."""
+    first, and lets the split merge after it launch early. FUSE: the last program of each pair merges its
+    states into ``OFIN``/``LSEFIN`` (:func:`_last_merges`; ``NS_P``: the state count rounded up to a power of
+    two), so no merge launch follows."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -829,6 +874,8 @@ def _kv4_decode_kernel(
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
                      INTERP, TMA, PIPE_EDGES)
+    if FUSE:
+        _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV, G, GP, D, NS_P)
 
 
 @dataclass(frozen=True)
@@ -872,6 +919,11 @@ class KV4KernelConfig:
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
       batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
+    - ``fuse_merge``: the last program of each (request, kv head) to finish merges the pair's split states (an
+      atomic arrival counter per pair, zeroed by :func:`prepare_query` and left at zero by that program), instead
+      of a second launch; taken when the pair has more than one state and its ``rows x states x d`` tile is at
+      most 64 fp32 per thread (:func:`fuse_merge_applies`). Each prepared query has its own counters, so
+      decodes on different streams never share them.
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -893,6 +945,7 @@ class KV4KernelConfig:
     tma: bool = False
     pdl: bool = True
     pipe_edges: bool | None = None
+    fuse_merge: bool = False
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -990,6 +1043,13 @@ def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
     is ``None``, exactly when a side buffer is given (a KV4-RL main region is unaligned at both ends; KV4's starts
     at 0)."""
     return side if config.pipe_edges is None else bool(config.pipe_edges)
+
+
+def fuse_merge_applies(config: KV4KernelConfig, ns: int, rows: int, d: int) -> bool:
+    """Whether a launch with ``ns`` states per pair merges them in its own last program (``config.fuse_merge``,
+    more than one state, and the ``rows x next_pow2(ns) x d`` fp32 tile at most 64 values per thread)."""
+    return (bool(config.fuse_merge) and ns > 1
+            and rows * triton.next_power_of_2(ns) * d <= 64 * 32 * config.num_warps)
 
 
 def _tma_descriptors(kc, vw, ks, ko, vs, vo, block_n: int) -> tuple:
@@ -1096,23 +1156,34 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     pdl = cfg.pdl and pdl_supported(qp.q8)
+    fuse = fuse_merge_applies(cfg, ns, gp, d) and not _PROBE_NO_PROT_PROGRAMS
+    if fuse:
+        # from the query preparation (zeroed there), else zeros here (a memset launch)
+        counters = qp.arrivals if qp.arrivals is not None and qp.arrivals.numel() >= b * hkv else torch.zeros(
+            b * hkv, dtype=torch.int32, device=dev)
+        o, lse = torch.empty(b, hq, d, dtype=torch.float32, device=dev), torch.empty(b, hq, dtype=torch.float32,
+                                                                                     device=dev)
+    else:
+        counters, o, lse = start32, o_s, lse_s  # unused
     LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if (_PROBE_NO_PROT_PROGRAMS and prot) else ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, counters, o, lse, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot),
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot), FUSE=fuse, NS_P=triton.next_power_of_2(ns) if fuse else 1,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
+    if fuse:
+        return o, lse
     return merge_splits(o_s, lse_s, backend=backend, pdl=pdl)[:2]
 
 
