@@ -5,7 +5,8 @@ data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
 structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
 the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the split
-states merged by a second launch or by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``)."""
+states merged by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``) and KV4-RL's protected
+region and unaligned ends in a side launch (``side_launch``), beside the defaults."""
 
 from __future__ import annotations
 
@@ -124,10 +125,21 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields)
+FUSE_VARIANTS = {
+    "kv4_fused": ("kv4", dict(fuse_merge=True)),
+    "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
+    "kv4rl_side": ("kv4rl", dict(side_launch=True, fuse_merge=True)),
+    "kv4rl_side_sb32": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32)),
+    "kv4rl_side_w2": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_warps=2)),
+}
+
+
 def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
-    """KV4 and KV4-RL with their split states merged by a second launch (the default) and by the decode launch's
-    last program per pair (``fuse_merge``), in ``rounds`` interleaved rounds; also the largest output change of
-    the fused merge and whether CUDA-graph replays of it are bit-identical to its eager call."""
+    """KV4 and KV4-RL at the default configuration beside :data:`FUSE_VARIANTS` (the split states merged by the
+    decode launch's last program per pair, ``fuse_merge``; the protected region and the unaligned ends in a side
+    launch, ``side_launch``), in ``rounds`` interleaved rounds; also each variant's largest output change against
+    its default and whether CUDA-graph replays of it are bit-identical to its eager call."""
     from kvlib.bench.kv4_sweep import _lengths
     from kvlib.bench.timing import capture_graph
 
@@ -135,32 +147,32 @@ def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     lengths = _lengths(shape, "cuda")
     cache = random_kv4_batch(lengths, int(lengths.max()))
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    fused = DEFAULT_CONFIG.replace(fuse_merge=True)
-    launch = DEFAULT_CONFIG.replace(fuse_merge=False)
-    fns = {"kv4": lambda: kv4_decode(q, cache, config=launch),
-           "kv4_fused": lambda: kv4_decode(q, cache, config=fused),
-           "kv4rl": lambda: kv4rl_decode(q, cache, config=launch),
-           "kv4rl_fused": lambda: kv4rl_decode(q, cache, config=fused)}
+    decode = {"kv4": kv4_decode, "kv4rl": kv4rl_decode}
+    fns = {"kv4": lambda: kv4_decode(q, cache), "kv4rl": lambda: kv4rl_decode(q, cache)}
+    for key, (base, kw) in FUSE_VARIANTS.items():
+        cfg = DEFAULT_CONFIG.replace(**kw)
+        fns[key] = lambda f=decode[base], cfg=cfg: f(q, cache, config=cfg)
     row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
-    for key in ("kv4", "kv4rl"):
-        (o0, l0), (o1, l1) = fns[key](), fns[f"{key}_fused"]()
+    for key, (base, _) in FUSE_VARIANTS.items():
+        (o0, l0), (o1, l1) = fns[base](), fns[key]()
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
-        graph, (og, lg) = capture_graph(fns[f"{key}_fused"])
+        graph, (og, lg) = capture_graph(fns[key])
         same = True
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             same &= bool(torch.equal(og, o1) and torch.equal(lg, l1))
-        row[f"{key}_fused_graph_bit_identical"] = same
+        row[f"{key}_graph_bit_identical"] = same
         del graph
     times = interleaved({k: (lambda f=f: _time(f)[0]) for k, f in fns.items()}, rounds, strict=True)
     for k, (med, per_round) in times.items():
         row[f"{k}_ms"] = med
         row[f"{k}_rounds_ms"] = per_round
     row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
-    row["frac_fused"] = row["kv4_fused_ms"] / row["kv4rl_fused_ms"]
-    row["frac_fused_vs_kv4_launch"] = row["kv4_ms"] / row["kv4rl_fused_ms"]
+    for key, (base, _) in FUSE_VARIANTS.items():
+        if base == "kv4rl":
+            row[f"frac_{key}"] = row["kv4_ms"] / row[f"{key}_ms"]
     return row
 
 
@@ -216,7 +228,8 @@ def main() -> None:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
                   flush=True)
             torch.cuda.empty_cache()
-        checks = {"--edges": ("pipe_edges", dict(pipe_edges=True)), "--fuse": ("fuse_merge", dict(fuse_merge=True))}
+        checks = {"--edges": ("pipe_edges", dict(pipe_edges=True)),
+                  "--fuse": ("side_launch", dict(side_launch=True, fuse_merge=True))}
         if flag in checks:
             name, kw = checks[flag]
             o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(**kw))
