@@ -130,9 +130,8 @@ FUSE_VARIANTS = {
     "kv4_fused": ("kv4", dict(fuse_merge=True)),
     "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
     "kv4rl_side": ("kv4rl", dict(side_launch=True, fuse_merge=True)),
-    "kv4rl_side_c100": ("kv4rl", dict(side_launch=True, fuse_merge=True, carveout=100)),
-    "kv4rl_side_w2_c100": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_warps=2, carveout=100)),
-    "kv4rl_c100": ("kv4rl", dict(carveout=100)),
+    "kv4rl_side_sb32": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32)),
+    "kv4rl_side_w2": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_warps=2)),
 }
 
 
