@@ -130,8 +130,8 @@ FUSE_VARIANTS = {
     "kv4_fused": ("kv4", dict(fuse_merge=True)),
     "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
     "kv4rl_side": ("kv4rl", dict(side_launch=True, fuse_merge=True)),
-    "kv4rl_side_sb32": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32)),
-    "kv4rl_side_w2": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_warps=2)),
+    "kv4rl_side_s4": ("kv4rl", dict(side_launch=True, fuse_merge=True, num_stages=4)),
+    "kv4rl_side_s4_w2": ("kv4rl", dict(side_launch=True, fuse_merge=True, num_stages=4, side_warps=2)),
 }
 
 
@@ -153,8 +153,11 @@ def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
         cfg = DEFAULT_CONFIG.replace(**kw)
         fns[key] = lambda f=decode[base], cfg=cfg: f(q, cache, config=cfg)
     row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
+    import kvlib.kernels.decode_int4 as K
+
     for key, (base, _) in FUSE_VARIANTS.items():
         (o0, l0), (o1, l1) = fns[base](), fns[key]()
+        row[f"{key}_decode_regs_smem"] = [K.LAST_KERNEL.n_regs, K.LAST_KERNEL.metadata.shared]
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
         graph, (og, lg) = capture_graph(fns[key])
