@@ -1043,9 +1043,9 @@ class KV4KernelConfig:
       ``[hi, end)`` around its whole aligned blocks) run in a second kernel launched as a programmatic dependent
       launch right after the decode launch (:func:`_kv4rl_side_kernel`, ``side_warps`` warps, masked INT4 steps of
       ``side_block`` positions, register cap ``side_maxnreg``), in the registers the decode programs leave free,
-      instead of as an extra program per pair in the decode grid; the INT4 splits then run KV4's loop with no edge masks. Its states
-      meet the splits' in the fused merge (both launches arrive at the same counters), or, when the merge is
-      not fused, in a merge launch that waits for both.
+      instead of as an extra program per pair in the decode grid; the INT4 splits then run KV4's loop with no
+      edge masks. Its states meet the splits' in the fused merge (both launches arrive at the same counters),
+      or, when the merge is not fused, in a merge launch that waits for both.
     - ``carveout``: the shared-memory carveout (percent of the SM's unified L1/shared memory) both launches ask
       for (``None``: the driver's choice). An SM configured for one carveout cannot take programs of a kernel
       that wants another, and Triton asks for the largest only for kernels above 48 KiB (the decode kernel, not
