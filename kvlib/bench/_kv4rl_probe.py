@@ -130,7 +130,8 @@ FUSE_VARIANTS = {
     "kv4_fused": ("kv4", dict(fuse_merge=True)),
     "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
     "kv4rl_side": ("kv4rl", dict(side_launch=True, fuse_merge=True)),
-    "kv4rl_side_r64_sb16": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=16, side_maxnreg=64)),
+    "kv4rl_side_r64_sb32_c100": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32, side_maxnreg=64,
+                                               carveout=100)),
     "kv4rl_side_r64_sb32": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32, side_maxnreg=64)),
 }
 
