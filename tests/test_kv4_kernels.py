@@ -179,7 +179,7 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side)
     q, k, v = _qkv(12)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
     decode = kv4rl_decode if with_side else kv4_decode
-    base = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits)
+    base = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, fuse_merge=False)
     fused_cfg = base.replace(fuse_merge=True)
     ns = splits + int(with_side)
     assert fuse_merge_applies(fused_cfg, ns, 8, D) == (ns > 1)
@@ -199,32 +199,6 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side)
     assert torch.isneginf(lse_f[2]).all() and (o_f[2] == 0).all()
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "merge_launch"])
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_side_launch_matches_reference_and_extra_program(splits, fuse):
-    """KV4-RL with the protected region and the main region's unaligned ends in the side launch: the reference
-    and the default layout's output, for any split count, short requests (no whole block) and an empty one."""
-    from kvlib.kernels import decode_int4
-
-    q, k, v = _qkv(13)
-    cache = build_kv4_batch(k, v, torch.tensor([90, 37, 0]), sink=3, recent=11)
-    base = DEFAULT_CONFIG.replace(block_n=32, num_splits=splits)
-    cfg = base.replace(side_launch=True, side_block=16, fuse_merge=fuse)
-    assert decode_int4.fuse_merge_applies(cfg, splits + 2, 8, D) == fuse
-    o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
-    o_d, lse_d = kv4rl_decode(q, cache, backend="triton", config=base)
-    o_ref, lse_ref = decode_ref(q, cache)
-    _close(lse, lse_ref, 1e-4)
-    _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
-    _close(lse, lse_d, 1e-5)
-    # the PV operands are fp16 of p relative to each state's running maximum: split differently, they round
-    # differently (a few fp16 ulps of the largest weights)
-    _close(o, o_d, 1e-3)
-    assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()
-    with pytest.raises(ValueError, match="side_block"):
-        kv4rl_decode(q, cache, backend="triton", config=cfg.replace(side_block=24))
-
-
 def test_fused_merge_declines_tiles_too_wide():
     cfg = DEFAULT_CONFIG.replace(fuse_merge=True)
     from kvlib.kernels.decode_int4 import fuse_merge_applies
@@ -233,6 +207,10 @@ def test_fused_merge_declines_tiles_too_wide():
     assert not fuse_merge_applies(cfg, 1, 8, 128)  # one state: nothing to merge
     assert not fuse_merge_applies(cfg, 17, 8, 128)  # 8 x 32 x 128 fp32 over 128 threads: too many registers
     assert not fuse_merge_applies(cfg.replace(fuse_merge=False), 2, 8, 128)
+    auto = DEFAULT_CONFIG
+    assert auto.fuse_merge is None
+    assert fuse_merge_applies(auto, 3, 8, 128, splits=2)  # two INT4 splits (and a protected state)
+    assert not fuse_merge_applies(auto, 2, 8, 128, splits=1)  # one split and the protected state: a merge launch
 
 
 def test_side_buffer_argument_checks():

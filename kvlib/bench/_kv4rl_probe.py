@@ -5,8 +5,7 @@ data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
 structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
 the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the split
-states merged by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``) and KV4-RL's protected
-region and unaligned ends in a side launch (``side_launch``), beside the defaults."""
+states merged by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``) beside the defaults."""
 
 from __future__ import annotations
 
@@ -125,22 +124,20 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
-#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields)
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields). The runs of record
+#: also timed KV4-RL's side launch (``side_launch``, with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages``
+#: and ``carveout`` variants; dev/kv4rl_side*.json, code at ee8fef6..fd69296), slower everywhere and removed
 FUSE_VARIANTS = {
     "kv4_fused": ("kv4", dict(fuse_merge=True)),
     "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
-    "kv4rl_side": ("kv4rl", dict(side_launch=True, fuse_merge=True)),
-    "kv4rl_side_r64_sb32_c100": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32, side_maxnreg=64,
-                                               carveout=100)),
-    "kv4rl_side_r64_sb32": ("kv4rl", dict(side_launch=True, fuse_merge=True, side_block=32, side_maxnreg=64)),
 }
 
 
 def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     """KV4 and KV4-RL at the default configuration beside :data:`FUSE_VARIANTS` (the split states merged by the
-    decode launch's last program per pair, ``fuse_merge``; the protected region and the unaligned ends in a side
-    launch, ``side_launch``), in ``rounds`` interleaved rounds; also each variant's largest output change against
-    its default and whether CUDA-graph replays of it are bit-identical to its eager call."""
+    decode launch's last program per pair, ``fuse_merge``), in ``rounds`` interleaved rounds; also each variant's
+    largest output change against its default and whether CUDA-graph replays of it are bit-identical to its
+    eager call."""
     from kvlib.bench.kv4_sweep import _lengths
     from kvlib.bench.timing import capture_graph
 
@@ -233,7 +230,7 @@ def main() -> None:
                   flush=True)
             torch.cuda.empty_cache()
         checks = {"--edges": ("pipe_edges", dict(pipe_edges=True)),
-                  "--fuse": ("side_launch", dict(side_launch=True, fuse_merge=True))}
+                  "--fuse": ("fuse_merge", dict(fuse_merge=True))}
         if flag in checks:
             name, kw = checks[flag]
             o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(**kw))

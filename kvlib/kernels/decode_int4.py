@@ -323,16 +323,6 @@ def _edges(start, end, blo, bhi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _aligned_part(start, end, BLOCK_N: tl.constexpr):
-    """``[lo, hi)``: the whole aligned blocks of ``[start, end)`` (empty at ``lo`` when there are none); with a side
-    launch the decode launch's splits take these and the side launch the unaligned ends ``[start, lo)``,
-    ``[hi, end)``."""
-    lo = tl.minimum(tl.cdiv(start, BLOCK_N) * BLOCK_N, end)
-    hi = tl.maximum((end // BLOCK_N) * BLOCK_N, lo)
-    return lo, hi
-
-
-@triton.jit
 def _tma_scales(desc, bh, n0, BLOCK_N: tl.constexpr):
     """fp16 per-position scales of ``[n0, n0 + BLOCK_N)`` of row ``bh`` through a TMA descriptor, as fp32."""
     return tl.reshape(desc.load([bh, n0]), [BLOCK_N]).to(tl.float32)
@@ -447,19 +437,15 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
-    ALIGNED: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
     QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
-    ALIGNED: only the range's whole aligned blocks (a side launch takes its unaligned ends, :func:`_edge_region`).
     """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
     start = _scalar_load(START + b).to(tl.int32)  # (the reduction widens; positions fit 32 bits)
     end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
-    if ALIGNED:
-        start, end = _aligned_part(start, end, BLOCK_N)
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
     bps = tl.cdiv(nblk, SPLITS)
@@ -518,15 +504,13 @@ def _main_region(
     # interior blocks run unmasked (no position masks, no load masks: they lie inside [start, end) and so
     # inside N); the split's partial head and tail blocks run the masked step. PIPE_EDGES: every block runs
     # the masked step inside the pipelined loop instead (no edge block outside the software pipeline)
-    # (ALIGNED leaves no partial block, but keeps the peeled steps compiled in: without them ptxas allocates the
-    # kernel 168 registers instead of 218, and its loop takes 10% more instructions, sm_90)
-    if PIPE_EDGES and not ALIGNED:
+    if PIPE_EDGES:
         head, i_lo, i_hi, tail = -1, blo, bhi, -1
     else:
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
-    LOOP_EVEN: tl.constexpr = EVEN if (PIPE_EDGES and not ALIGNED) else True
-    LOOP_MASK: tl.constexpr = 2 if (PIPE_EDGES and not ALIGNED) else 0
+    LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
@@ -556,15 +540,6 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
             TMA, bh, 1,
         )  # fmt: skip
-    _store_state(qrow, row_ok, sp, NS, OUT, LSE, m_i, l_i, acc0, acc1, acc2, acc3, acc_m, D, INT_PV, TILE_SUMS)
-
-
-@triton.jit
-def _store_state(qrow, row_ok, sp, NS, OUT, LSE, m_i, l_i, acc0, acc1, acc2, acc3, acc_m, D: tl.constexpr,
-                 INT_PV: tl.constexpr, TILE_SUMS: tl.constexpr):
-    """Normalise a main-region state (:func:`_main_step`'s accumulators) and store it to slot ``sp`` of ``NS``."""
-    HALF: tl.constexpr = D // 2
-    half = tl.arange(0, HALF)
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
         acc_m = tl.sum(acc_m, axis=1)
@@ -586,65 +561,6 @@ def _store_state(qrow, row_ok, sp, NS, OUT, LSE, m_i, l_i, acc0, acc1, acc2, acc
         tl.store(obase + qc + 3, (acc3 + acc_m[:, None]) * inv[:, None], mask=row_ok[:, None])
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     tl.store(LSE + orow, lse, mask=row_ok)
-
-
-@triton.jit
-def _edge_region(
-    b, h, slot, QH, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N, NS,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    ALIGN: tl.constexpr, SCALE32: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """The side launch's INT4 part: the positions of ``[start_b, end_b)`` outside the whole blocks of ``ALIGN``
-    positions that the decode launch's splits take (:func:`_aligned_part`), ``[start, lo)`` and ``[hi, end)``, in
-    masked steps of ``BLOCK_E`` (bytes-mode QK, fp16 PV), state to slot ``slot``."""
-    HALF: tl.constexpr = D // 2
-    HQ: tl.constexpr = HKV * G
-    start = _scalar_load(START + b).to(tl.int32)
-    end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)
-    lo, hi = _aligned_part(start, end, ALIGN)
-    rows = tl.arange(0, GP)
-    row_ok = rows < G
-    half = tl.arange(0, HALF)
-    qrow = (b * HQ + h * G + rows).to(tl.int64)
-    rq = tl.arange(0, 16)
-    qh = tl.load(QH + (b * HQ + h * G + rq).to(tl.int64)[:, None] * HALF + half[None, :], mask=(rq < G)[:, None],
-                 other=0)
-    q0 = qh.to(tl.int8)
-    q1 = (qh >> 8).to(tl.int8)
-    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-    c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
-    kv_row0 = (b * HKV + h).to(tl.int64) * N
-    KCb = KC + kv_row0 * HALF
-    VWb = VW + kv_row0 * (HALF // 2)
-    KSb = KS + kv_row0
-    KOb = KO + kv_row0
-    VSb = VS + kv_row0
-    VOb = VO + kv_row0
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP, BLOCK_E], tl.float32)
-    acc_m = tl.zeros([GP, BLOCK_E], tl.float32)
-    acc0 = tl.zeros([GP, HALF // 2], tl.float32)
-    acc1 = tl.zeros([GP, HALF // 2], tl.float32)
-    acc2 = tl.zeros([GP, HALF // 2], tl.float32)
-    acc3 = tl.zeros([GP, HALF // 2], tl.float32)
-    FAST: tl.constexpr = not INTERP
-    n0 = (start // BLOCK_E) * BLOCK_E
-    while n0 < lo:  # the head: [start, lo)
-        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
-            n0, start, lo, N, KCb, KCb, KSb, KOb, VWb, VWb, VSb, VOb, q0, q1, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_E, False, 1, True, SCALE32, False, FAST,
-            False, 0, 1,
-        )  # fmt: skip
-        n0 += BLOCK_E
-    n0 = hi
-    while n0 < end:  # the tail: [hi, end) (hi is aligned)
-        m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
-            n0, hi, end, N, KCb, KCb, KSb, KOb, VWb, VWb, VSb, VOb, q0, q1, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_E, False, 1, True, SCALE32, False, FAST,
-            False, 0, 1,
-        )  # fmt: skip
-        n0 += BLOCK_E
-    _store_state(qrow, row_ok, slot, NS, OUT, LSE, m_i, l_i, acc0, acc1, acc2, acc3, acc_m, D, False, True)
 
 
 @triton.jit
@@ -708,7 +624,7 @@ def _main_region_t(
     b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, ALIGNED: tl.constexpr = False,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_main_region` with the transposed step (fp16 PV only)."""
     HALF: tl.constexpr = D // 2
@@ -716,8 +632,6 @@ def _main_region_t(
     HQ: tl.constexpr = HKV * G
     start = _scalar_load(START + b).to(tl.int32)
     end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
-    if ALIGNED:
-        start, end = _aligned_part(start, end, BLOCK_N)
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
     bps = tl.cdiv(nblk, SPLITS)
@@ -753,13 +667,13 @@ def _main_region_t(
     acc1 = tl.zeros([QV, GP], tl.float32)
     acc2 = tl.zeros([QV, GP], tl.float32)
     acc3 = tl.zeros([QV, GP], tl.float32)
-    if PIPE_EDGES and not ALIGNED:  # see _main_region
+    if PIPE_EDGES:  # see _main_region
         head, i_lo, i_hi, tail = -1, blo, bhi, -1
     else:
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
     FAST: tl.constexpr = not INTERP
-    LOOP_EVEN: tl.constexpr = EVEN if (PIPE_EDGES and not ALIGNED) else True
-    LOOP_MASK: tl.constexpr = 2 if (PIPE_EDGES and not ALIGNED) else 0
+    LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step_t(
             head * BLOCK_N, start, end, N, KCb, KSb, KOb, VWb, VSb, VOb, q0, q1, a_q, c_q,
@@ -810,15 +724,15 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, ALIGNED: tl.constexpr = False,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
-                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA, PIPE_EDGES, ALIGNED)
+                       HKV, G, GP, D, BLOCK_N, SPLITS, NS, TILE_SUMS, SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PIPE_EDGES, ALIGNED)
+                     INTERP, True, TMA, PIPE_EDGES)
 
 
 @triton.jit
@@ -885,16 +799,16 @@ def _protected_region(
 
 
 @triton.jit
-def _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, NARRIVE, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+def _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                  D: tl.constexpr, NS_P: tl.constexpr):
-    """The fused split merge: each of the ``NARRIVE`` programs of a (request, kv head) counts itself in
-    ``CNT[b, h]`` after its states are stored; the last to arrive merges the pair's ``NS`` states (the algebra of
+    """The fused split merge: every program of a (request, kv head) counts itself in ``CNT[b, h]`` after its
+    state is stored; the last to arrive merges the pair's ``NS`` states (the algebra of
     :func:`~kvlib.kernels.merge_tl.merge_splits`) into ``OFIN``/``LSEFIN`` and resets the counter to zero for
     the next launch, so no second launch waits for this grid to drain."""
     tl.debug_barrier()  # every thread's state stores come before this program's arrival
     bh = b * HKV + h
     old = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")  # release our states, acquire the others'
-    if old == NARRIVE - 1:
+    if old == tl.num_programs(2) - 1:
         tl.atomic_xchg(CNT + bh, 0, sem="relaxed", scope="gpu")
         HQ: tl.constexpr = HKV * G
         rows = tl.arange(0, GP)
@@ -932,7 +846,7 @@ def _kv4_decode_kernel(
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
     PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FUSE: tl.constexpr = False,
-    NS_P: tl.constexpr = 1, SIDE_LAUNCH: tl.constexpr = False,
+    NS_P: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -940,16 +854,14 @@ def _kv4_decode_kernel(
     dependent launch): this kernel may start while the query preparation finishes, so it waits for it
     first, and lets the split merge after it launch early. FUSE: the last program of each pair merges its
     states into ``OFIN``/``LSEFIN`` (:func:`_last_merges`; ``NS_P``: the state count rounded up to a power of
-    two), so no merge launch follows. SIDE_LAUNCH (KV4-RL, ``PROT`` off): the splits take only the main region's
-    whole aligned blocks and leave slots ``SPLITS`` (protected region) and ``SPLITS + 1`` (the unaligned ends) to
-    :func:`_kv4rl_side_kernel`, which arrives at the same counters."""
+    two), so no merge launch follows."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + 2 if SIDE_LAUNCH else SPLITS + PROT
+    NS = SPLITS + PROT
     if PROT:
         if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
@@ -961,36 +873,9 @@ def _kv4_decode_kernel(
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, TMA, PIPE_EDGES, SIDE_LAUNCH)
+                     INTERP, TMA, PIPE_EDGES)
     if FUSE:
-        _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, SPLITS + 1 if SIDE_LAUNCH else tl.num_programs(2), HKV,
-                     G, GP, D, NS_P)
-
-
-@triton.jit(do_not_specialize=["C", "SPLITS"])
-def _kv4rl_side_kernel(
-    QH, QS, QSUM, Q8, KC, KS, KO, VW, VS, VO, START, END,
-    K8, K8S, V8, V8S, COUNT,
-    OUT, LSE, CNT, OFIN, LSEFIN,
-    sm_scale_log2, N, C, SPLITS,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    ALIGN: tl.constexpr, SCALE32: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr,
-    FUSE: tl.constexpr, NS_P: tl.constexpr,
-):  # fmt: skip
-    """Grid ``(B, Hkv)``: KV4-RL's protected region (slot ``SPLITS``) and the main region's unaligned ends (slot
-    ``SPLITS + 1``) of one pair, launched after the decode launch (``SIDE_LAUNCH``) as a programmatic dependent
-    launch, so it starts once every decode program has started (and so has seen the query preparation finish:
-    this kernel reads only what that wrote, and does not wait for the decode launch) and runs in the resources
-    the decode programs leave free. FUSE: it arrives at the decode launch's counters (:func:`_last_merges`)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    NS = SPLITS + 2
-    _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
-                      HKV, G, GP, D, BLOCK_P, INTERP)
-    _edge_region(b, h, SPLITS + 1, QH, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N, NS,
-                 HKV, G, GP, D, BLOCK_E, ALIGN, SCALE32, INTERP)
-    if FUSE:
-        _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, SPLITS + 1, HKV, G, GP, D, NS_P)
+        _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV, G, GP, D, NS_P)
 
 
 @dataclass(frozen=True)
@@ -1038,18 +923,23 @@ class KV4KernelConfig:
       atomic arrival counter per pair, zeroed by :func:`prepare_query` and left at zero by that program), instead
       of a second launch; taken when the pair has more than one state and its ``rows x states x d`` tile is at
       most 64 fp32 per thread (:func:`fuse_merge_applies`). Each prepared query has its own counters, so
-      decodes on different streams never share them.
-    - ``side_launch`` (KV4-RL): the protected region and the main region's unaligned ends (``[start, lo)``,
-      ``[hi, end)`` around its whole aligned blocks) run in a second kernel launched as a programmatic dependent
-      launch right after the decode launch (:func:`_kv4rl_side_kernel`, ``side_warps`` warps, masked INT4 steps of
-      ``side_block`` positions, register cap ``side_maxnreg``), in the registers the decode programs leave free,
-      instead of as an extra program per pair in the decode grid; the INT4 splits then run KV4's loop with no
-      edge masks. Its states meet the splits' in the fused merge (both launches arrive at the same counters),
-      or, when the merge is not fused, in a merge launch that waits for both.
-    - ``carveout``: the shared-memory carveout (percent of the SM's unified L1/shared memory) both launches ask
-      for (``None``: the driver's choice). An SM configured for one carveout cannot take programs of a kernel
-      that wants another, and Triton asks for the largest only for kernels above 48 KiB (the decode kernel, not
-      the side kernel), so the side launch may otherwise wait for SMs to drain.
+      decodes on different streams never share them. ``None`` (default): fused when the INT4 region has two or
+      more splits. On the H200 (CUDA graphs, three interleaved rounds, five runs) KV4 at B=8, S=32k took
+      0.0900-0.0904 ms fused against 0.0935-0.0939 ms with the merge launch, KV4-RL there 0.0915-0.0919 against
+      0.0936-0.0944; with one split KV4-RL's two states (split and protected) merged in the decode launch were
+      0.5% slower at B=32, S=16k (0.1651-0.1658 vs 0.1644-0.1649 ms) and up to 4% slower at B=512, S=4k
+      (data/results/gpu/dev/kv4rl_side*.json). An earlier sweep had timed the same idea at one split and
+      dropped it.
+    - KV4-RL's protected region and its main region's two partial blocks were also timed in a second kernel
+      launched as a programmatic dependent launch right after the decode launch (so that its programs would
+      run in the registers the decode programs leave free while the splits ran KV4's unmasked loop over the
+      whole aligned blocks, both launches arriving at the fused merge's counters), and removed: slower at every
+      shape (B=32, S=16k: 0.1751-0.1855 ms against 0.1644; B=32, S=1k 0.046 against 0.035). Kernel timestamps
+      showed its programs starting only as the decode programs retired, with 4, 2 or 1 warps, a 64-register
+      cap (four warps fit each scheduler's 16,384 registers beside two decode warps of 224) and the largest
+      shared-memory carveout alike; at 64 registers it spilled and took 60-80 us alone. Without the peeled
+      edge steps compiled in, ptxas also gave the decode kernel 168 registers and a loop 10% longer (1133 vs
+      1033 instructions, sm_90), 15% slower (data/results/gpu/dev/kv4rl_side*.json; code at ee8fef6).
     - ``pdl``: programmatic dependent launch (sm_90+; ignored elsewhere): the decode kernel may launch
       while the query preparation finishes, and the split merge while the decode kernel finishes; each
       waits (``griddepcontrol.wait``) before reading what the one before wrote. On by default: 1% less
@@ -1071,12 +961,7 @@ class KV4KernelConfig:
     tma: bool = False
     pdl: bool = True
     pipe_edges: bool | None = None
-    fuse_merge: bool = False
-    side_launch: bool = False
-    side_block: int = 64
-    side_warps: int = 4
-    side_maxnreg: int | None = None
-    carveout: int | None = None
+    fuse_merge: bool | None = None
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1176,29 +1061,13 @@ def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
     return side if config.pipe_edges is None else bool(config.pipe_edges)
 
 
-_CARVEOUT_DONE: set = set()
-
-
-def _set_carveout(kernel, percent: int | None) -> None:
-    """Ask the driver for a ``percent`` shared-memory carveout for ``kernel`` (a compiled Triton kernel) from the next
-    launch on (``cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT)``: Triton exposes no such
-    option); once per kernel binary and value."""
-    fn = getattr(kernel, "function", None)
-    if percent is None or not fn or (fn, percent) in _CARVEOUT_DONE:
-        return
-    import ctypes
-
-    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn), 9, ctypes.c_int(int(percent)))
-    if rc != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout={percent}) failed with CUresult {rc}")
-    _CARVEOUT_DONE.add((fn, percent))
-
-
-def fuse_merge_applies(config: KV4KernelConfig, ns: int, rows: int, d: int) -> bool:
-    """Whether a launch with ``ns`` states per pair merges them in its own last program (``config.fuse_merge``,
-    more than one state, and the ``rows x next_pow2(ns) x d`` fp32 tile at most 64 values per thread)."""
-    return (bool(config.fuse_merge) and ns > 1
-            and rows * triton.next_power_of_2(ns) * d <= 64 * 32 * config.num_warps)
+def fuse_merge_applies(config: KV4KernelConfig, ns: int, rows: int, d: int, splits: int | None = None) -> bool:
+    """Whether a launch with ``ns`` states per pair (``splits`` of them INT4 splits; default all) merges them in its
+    own last program: ``config.fuse_merge`` (``None``: two or more INT4 splits), more than one state, and the
+    ``rows x next_pow2(ns) x d`` fp32 tile at most 64 values per thread."""
+    splits = ns if splits is None else splits
+    wanted = splits >= 2 if config.fuse_merge is None else bool(config.fuse_merge)
+    return wanted and ns > 1 and rows * triton.next_power_of_2(ns) * d <= 64 * 32 * config.num_warps
 
 
 def _tma_descriptors(kc, vw, ks, ko, vs, vo, block_n: int) -> tuple:
@@ -1288,16 +1157,12 @@ def kv4_main_decode(
     if k_mode == "planes" and (d < 128 or n % 2):
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
-    side_launch = side is not None and bool(cfg.side_launch)
-    if side_launch and (cfg.side_block < 16 or cfg.side_block & (cfg.side_block - 1) or cfg.block_n % cfg.side_block):
-        raise ValueError(f"side_block must be a power of two >= 16 dividing block_n={cfg.block_n}, "
-                         f"got {cfg.side_block}")
-    prot = side is not None and not side_launch  # the protected region as an extra program of the decode grid
-    ns = splits + 2 if side_launch else splits + int(prot)
+    prot = side is not None
+    ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
-    if side is not None:
+    if prot:
         k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
         cnt = side.count.to(torch.int32)
     else:
@@ -1309,7 +1174,7 @@ def kv4_main_decode(
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     global LAST_KERNEL
     pdl = cfg.pdl and pdl_supported(qp.q8)
-    fuse = fuse_merge_applies(cfg, ns, gp, d) and not _PROBE_NO_PROT_PROGRAMS
+    fuse = fuse_merge_applies(cfg, ns, gp, d, splits) and not _PROBE_NO_PROT_PROGRAMS
     if fuse:
         # from the query preparation (zeroed there), else zeros here (a memset launch)
         counters = qp.arrivals if qp.arrivals is not None and qp.arrivals.numel() >= b * hkv else torch.zeros(
@@ -1318,7 +1183,7 @@ def kv4_main_decode(
                                                                                      device=dev)
     else:
         counters, o, lse = start32, o_s, lse_s  # unused
-    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if ((_PROBE_NO_PROT_PROGRAMS and prot) or side_launch) else ns)](
+    LAST_KERNEL = _kv4_decode_kernel[(b, hkv, splits if (_PROBE_NO_PROT_PROGRAMS and prot) else ns)](
         q8, _words(q8, torch.int16), _words(q8, torch.int32), qp.scale, qp.qsum,
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
@@ -1328,29 +1193,11 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot) and not side_launch, FUSE=fuse,
-        NS_P=triton.next_power_of_2(ns) if fuse else 1, SIDE_LAUNCH=side_launch,
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot), FUSE=fuse, NS_P=triton.next_power_of_2(ns) if fuse else 1,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )  # fmt: skip
-    if qp.q8.is_cuda:
-        _set_carveout(LAST_KERNEL, cfg.carveout)
-    if side_launch:
-        # no griddepcontrol wait inside: launched once every decode program has passed its own wait
-        side_kernel = _kv4rl_side_kernel[(b, hkv)](
-            _words(q8, torch.int16), qp.scale, qp.qsum, q8, k_codes, k_scale, k_off, _words(v_codes, torch.int16),
-            v_scale, v_off, start32, end32, k8, k8s, v8, v8s, cnt, o_s, lse_s, counters, o, lse,
-            sm_scale * LOG2E, n, max(c, 1), splits,
-            HKV=hkv, G=g, GP=gp, D=d, BLOCK_E=cfg.side_block, ALIGN=cfg.block_n, SCALE32=n % 2 == 0,
-            BLOCK_P=cfg.block_p, INTERP=not qp.q8.is_cuda, FUSE=fuse, NS_P=triton.next_power_of_2(ns) if fuse else 1,
-            **({"launch_pdl": True} if pdl else {}), num_warps=cfg.side_warps, num_stages=2,
-            **({} if cfg.side_maxnreg is None else {"maxnreg": cfg.side_maxnreg}),
-        )  # fmt: skip
-        if qp.q8.is_cuda:
-            _set_carveout(side_kernel, cfg.carveout)
-        if not fuse:  # a merge launch after both (no PDL: it must wait for the decode launch too)
-            return merge_splits(o_s, lse_s, backend=backend, pdl=False)[:2]
     if ns == 1:
         return o_s[:, :, 0], lse_s[:, :, 0]
     if fuse:
