@@ -503,6 +503,17 @@ smerge = load_result("dev/kv4rl_side_merge", "gpu")
 srow = next((x for x in smerge["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if smerge else None
 run.glue("smerge_rl_ms", srow["kv4rl_side_merge2_ms"] if srow else float("nan"))
 run.glue("smerge_own_rl_ms", srow["kv4rl_pipe_edges_ms"] if srow else float("nan"))
+side = load_result("dev/kv4rl_side_r64_c100", "gpu")  # the last side-launch run, with the fused-merge pairs
+sdrows = {(x["batch"], x["ctx"]): x for x in side["results"] if "batch" in x} if side else {}
+sd32, sd8 = sdrows.get((32, 16384)), sdrows.get((8, 32768))
+run.glue("side_rl_ms", sd32["kv4rl_side_ms"] if sd32 else float("nan"))
+run.glue("side_r64_rl_ms", sd32["kv4rl_side_r64_sb32_c100_ms"] if sd32 else float("nan"))
+run.glue("side_own_rl_ms", sd32["kv4rl_ms"] if sd32 else float("nan"))
+run.glue("fused_kv4_8_32k_ms", sd8["kv4_fused_ms"] if sd8 else float("nan"))
+run.glue("launch_kv4_8_32k_ms", sd8["kv4_ms"] if sd8 else float("nan"))
+run.glue("fused_rl_8_32k_ms", sd8["kv4rl_fused_ms"] if sd8 else float("nan"))
+run.glue("launch_rl_8_32k_ms", sd8["kv4rl_ms"] if sd8 else float("nan"))
+run.glue("fused_rl_32_16k_ms", sd32["kv4rl_fused_ms"] if sd32 else float("nan"))
 cap = load_result("dev/kv4rl_edges", "gpu")  # the second edges run, with the register-capped variants
 crow = next((x for x in cap["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if cap else None
 run.glue("cap_rl_ms", crow["kv4rl_pe_cap168_ctas3_ms"] if crow else float("nan"))
@@ -559,17 +570,28 @@ Other layouts were timed on the H200 under CUDA graphs, and each was removed aft
 | the last INT4 split runs the side slots after its blocks, the side buffer asked into L2 first | {glue:text}`last_rl_ms:.4f` | {glue:text}`last_own_rl_ms:.4f` | B = 32, S = 16k | `kv4_sweep_plans2.json` |
 | the first split runs them before its blocks and starts its INT4 loop from their state (no extra program; at one split no merge launch) | {glue:text}`fold_rl_ms:.4f` | {glue:text}`fold_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_fold.json` |
 | a persistent merge launch started beside the INT4 wave (programmatic dependent launch, two programs per SM) attends over every pair's side slots, then merges | {glue:text}`smerge_rl_ms:.4f` | {glue:text}`smerge_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_side_merge.json` |
+| a second kernel (programmatic dependent launch) takes the side slots and the main region's two partial blocks, so the INT4 splits run KV4's unmasked loop; four warps / capped at 64 registers with the largest shared-memory carveout | {glue:text}`side_rl_ms:.4f` / {glue:text}`side_r64_rl_ms:.4f` | {glue:text}`side_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_side*.json` |
 | a third CTA per SM for the protected programs (registers capped at 168, the split plan counting three) | {glue:text}`cap_rl_ms:.4f` | {glue:text}`cap_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_edges.json` |
 | several pairs packed per program into the last wave's idle slots | {glue:text}`packed_rl_ms:.4f` | {glue:text}`own_rl_ms:.4f` | B = 32, S = 16k | `kv4_sweep_packed2.json` |
 | the grid ordered so each pair's protected program starts beside its INT4 program | {glue:text}`order_rl_ms:.4f` | {glue:text}`order_own_rl_ms:.4f` | B = 512, S = 4k | `kv4_sweep_order.json` |
 | the protected program's side steps loaded one step ahead | {glue:text}`pref_rl_ms:.4f` | {glue:text}`pref_own_rl_ms:.4f` | B = 512, S = 4k | `kv4_sweep_prot.json` |
 
-(The "default" column is each run's own default, so it moves with the defaults of its day.) Three more lost
-in earlier sweeps: the slots sliced over the splits and merged in place, the merge done inside the decode
-launch by the last program to finish, and a small standalone protected kernel on a parallel stream. They
-show the same thing: a protected pair is a short chain of dependent loads (five 32-slot steps), and while
-the INT4 programs saturate memory each step waits on it, so protected work on an INT4 program's path, or
-beside the INT4 stream, runs slower, not free.
+(The "default" column is each run's own default, so it moves with the defaults of its day.) Two more lost
+in earlier sweeps: the slots sliced over the splits and merged in place, and a small standalone protected
+kernel on a parallel stream. They show the same thing: a protected pair is a short chain of dependent loads
+(five 32-slot steps), and while the INT4 programs saturate memory each step waits on it, so protected work
+on an INT4 program's path, or beside the INT4 stream, runs slower, not free. The second kernel of the
+table never ran beside the INT4 programs at all: kernel timestamps showed its programs starting only as
+INT4 programs retired, whatever its warps, registers or carveout (`data/results/gpu/dev/README.md`).
+
+**The merge inside the decode launch.** When the INT4 region has two or more splits, the last program of
+each pair to finish merges the pair's states (an atomic arrival counter per pair, zeroed by the query
+preparation; `KV4KernelConfig.fuse_merge`), so no merge launch follows. At B = 8, S = 32k KV4 takes
+{glue:text}`fused_kv4_8_32k_ms:.4f` ms with it against {glue:text}`launch_kv4_8_32k_ms:.4f` ms with the merge launch,
+KV4-RL {glue:text}`fused_rl_8_32k_ms:.4f` against {glue:text}`launch_rl_8_32k_ms:.4f` (`kv4rl_side_r64_c100.json`). With one
+split it does not pay: KV4-RL's two states (its split and its protected region) merged this way took
+{glue:text}`fused_rl_32_16k_ms:.4f` ms at B = 32, S = 16k against {glue:text}`side_own_rl_ms:.4f` ms, so there the merge launch
+stays; this is the one-split case an earlier sweep had timed and dropped.
 
 **Edge blocks inside the pipeline.** A KV4-RL main region starts after the sinks and ends before the
 recent window, so at both ends it cuts a position block in two. Those two partial blocks used to run as
