@@ -36,7 +36,8 @@ and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64
   the launches of KV4.
 
 Split-KV partial states are combined by :func:`kvlib.kernels.merge_tl.merge_splits`, whose reference
-is a fold of :func:`kvlib.merge.merge_states`. Launch parameters live in :class:`KV4KernelConfig`
+is a fold of :func:`kvlib.merge.merge_states`, or, where the INT4 region has two or more splits, by the
+last program of each pair inside the decode launch (``KV4KernelConfig.fuse_merge``, the same algebra). Launch parameters live in :class:`KV4KernelConfig`
 (tuned on the GPU by :mod:`kvlib.bench.kv4_sweep`).
 """
 
@@ -1101,7 +1102,8 @@ def kv4_main_decode(
 
     Returns ``(o [B, Hq, d] fp32, lse [B, Hq] natural log)``; an empty range gives ``lse = -inf``,
     ``o = 0``. The split states (and the protected region's state) are combined by one
-    :func:`~kvlib.kernels.merge_tl.merge_splits` launch (a fold of :func:`kvlib.merge.merge_states`).
+    :func:`~kvlib.kernels.merge_tl.merge_splits` launch (a fold of :func:`kvlib.merge.merge_states`), or inside
+    the decode launch by each pair's last program (``config.fuse_merge``).
     Launch parameters come from ``config`` (default :data:`DEFAULT_CONFIG`); the explicit keyword
     arguments, when given, override it.
     """
