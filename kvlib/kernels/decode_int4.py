@@ -37,7 +37,8 @@ and issue few instructions per byte (at 4 TB/s an H200 SM has ~570 cycles per 64
 
 Split-KV partial states are combined by :func:`kvlib.kernels.merge_tl.merge_splits`, whose reference
 is a fold of :func:`kvlib.merge.merge_states`, or, where the INT4 region has two or more splits, by the
-last program of each pair inside the decode launch (``KV4KernelConfig.fuse_merge``, the same algebra). Launch parameters live in :class:`KV4KernelConfig`
+last program of each pair inside the decode launch (``KV4KernelConfig.fuse_merge``, the same algebra).
+Launch parameters live in :class:`KV4KernelConfig`
 (tuned on the GPU by :mod:`kvlib.bench.kv4_sweep`).
 """
 
