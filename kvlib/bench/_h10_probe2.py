@@ -13,7 +13,7 @@ import torch
 
 import kvlib.kernels.decode_int8_h10 as H
 from kvlib.bench._h10_probe import h10_problem, write_probe
-from kvlib.bench.timing import bench_graphed, interleaved  # noqa: F401 - interleaved: the probes' import
+from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 

@@ -926,10 +926,10 @@ class KV4KernelConfig:
       of a second launch; taken when the pair has more than one state and its ``rows x states x d`` tile is at
       most 64 fp32 per thread (:func:`fuse_merge_applies`). Each prepared query has its own counters, so
       decodes on different streams never share them. ``None`` (default): fused when the INT4 region has two or
-      more splits. On the H200 (CUDA graphs, three interleaved rounds, five runs) KV4 at B=8, S=32k took
-      0.0900-0.0904 ms fused against 0.0935-0.0939 ms with the merge launch, KV4-RL there 0.0915-0.0919 against
+      more splits. On the H200 (CUDA graphs, three interleaved rounds, six runs) KV4 at B=8, S=32k took
+      0.0899-0.0904 ms fused against 0.0935-0.0939 ms with the merge launch, KV4-RL there 0.0915-0.0919 against
       0.0936-0.0944; with one split KV4-RL's two states (split and protected) merged in the decode launch were
-      0.5% slower at B=32, S=16k (0.1651-0.1658 vs 0.1644-0.1649 ms) and up to 4% slower at B=512, S=4k
+      0.5% slower at B=32, S=16k (0.1650-0.1658 vs 0.1642-0.1649 ms) and up to 4% slower at B=512, S=4k
       (data/results/gpu/dev/kv4rl_side*.json). An earlier sweep had timed the same idea at one split and
       dropped it.
     - KV4-RL's protected region and its main region's two partial blocks were also timed in a second kernel
