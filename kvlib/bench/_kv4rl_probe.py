@@ -124,12 +124,14 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
-#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields). The runs of record
-#: also timed KV4-RL's side launch (``side_launch``, with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages``
-#: and ``carveout`` variants; dev/kv4rl_side*.json, code at ee8fef6..fd69296), slower everywhere and removed
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL's edge
+#: program (``edge_program``), with the merge launch and fused. The fused merge's runs of record timed
+#: ``fuse_merge=True`` for KV4 and KV4-RL, and KV4-RL's side launch (``side_launch``, with ``side_warps``/
+#: ``side_block``/``side_maxnreg``/``num_stages`` and ``carveout`` variants; dev/kv4rl_side*.json, code at
+#: ee8fef6..fd69296), slower everywhere and removed
 FUSE_VARIANTS = {
-    "kv4_fused": ("kv4", dict(fuse_merge=True)),
-    "kv4rl_fused": ("kv4rl", dict(fuse_merge=True)),
+    "kv4rl_edge": ("kv4rl", dict(edge_program=True)),
+    "kv4rl_edge_fused": ("kv4rl", dict(edge_program=True, fuse_merge=True)),
 }
 
 
@@ -229,10 +231,9 @@ def main() -> None:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items() if "rounds" not in k},
                   flush=True)
             torch.cuda.empty_cache()
-        checks = {"--edges": ("pipe_edges", dict(pipe_edges=True)),
-                  "--fuse": ("fuse_merge", dict(fuse_merge=True))}
-        if flag in checks:
-            name, kw = checks[flag]
+        checks = {"--edges": {"pipe_edges": dict(pipe_edges=True)},
+                  "--fuse": {k: kw for k, (base, kw) in FUSE_VARIANTS.items() if base == "kv4rl"}}
+        for name, kw in checks.get(flag, {}).items():
             o, lse = kv4rl_decode(q, cache, config=DEFAULT_CONFIG.replace(**kw))
             rows.append(dict(check=name, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
             print(rows[-1], flush=True)

@@ -439,10 +439,14 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
+    EDGE: tl.constexpr = False, edge_sp=-1,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
     QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
+    EDGE (KV4-RL's edge program): the splits share only the range's interior blocks (unmasked, KV4's loop)
+    and program ``sp == edge_sp`` runs its partial first and last blocks (masked, no loop). One runtime branch on
+    ``sp`` picks the block bounds, so the kernel holds one copy of the step and of the loop.
     """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
@@ -450,9 +454,17 @@ def _main_region(
     end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
-    bps = tl.cdiv(nblk, SPLITS)
-    blo = first + sp * bps
-    bhi = tl.minimum(blo + bps, first + nblk)
+    if EDGE:
+        is_edge = sp == edge_sp
+        ilo = tl.cdiv(start, BLOCK_N)  # the interior blocks [ilo, ihi): empty when the range lies in one block
+        ihi = tl.maximum(end // BLOCK_N, ilo)
+        bps = tl.cdiv(ihi - ilo, SPLITS)
+        blo = tl.where(is_edge, first, ilo + sp * bps)
+        bhi = tl.where(is_edge, first + nblk, tl.minimum(blo + bps, ihi))
+    else:
+        bps = tl.cdiv(nblk, SPLITS)
+        blo = first + sp * bps
+        bhi = tl.minimum(blo + bps, first + nblk)
 
     rows = tl.arange(0, GP)
     row_ok = rows < G
@@ -510,6 +522,8 @@ def _main_region(
         head, i_lo, i_hi, tail = -1, blo, bhi, -1
     else:
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
+        if EDGE:  # a split's blocks are all interior (head = tail = -1); the edge program runs no loop
+            i_hi = tl.where(is_edge, i_lo, i_hi)
     FAST: tl.constexpr = not INTERP
     LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
     LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
@@ -726,7 +740,7 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, EDGE: tl.constexpr = False, edge_sp=-1,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
@@ -734,7 +748,7 @@ def _region(
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PIPE_EDGES)
+                     INTERP, True, TMA, PIPE_EDGES, EDGE, edge_sp)
 
 
 @triton.jit
@@ -848,7 +862,7 @@ def _kv4_decode_kernel(
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
     PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FUSE: tl.constexpr = False,
-    NS_P: tl.constexpr = 1,
+    NS_P: tl.constexpr = 1, EDGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -863,15 +877,15 @@ def _kv4_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT
+    NS = SPLITS + PROT + EDGE
     if PROT:
         if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
-                         sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                         SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
+                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                    SCALE32, EVEN, INTERP, TMA, PIPE_EDGES, EDGE, SPLITS + 1)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
@@ -964,6 +978,7 @@ class KV4KernelConfig:
     pdl: bool = True
     pipe_edges: bool | None = None
     fuse_merge: bool | None = None
+    edge_program: bool | None = None
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1061,6 +1076,13 @@ def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
     is ``None``, exactly when a side buffer is given (a KV4-RL main region is unaligned at both ends; KV4's starts
     at 0)."""
     return side if config.pipe_edges is None else bool(config.pipe_edges)
+
+
+def edge_program_applies(config: KV4KernelConfig, side: bool, k_mode: str) -> bool:
+    """Whether a KV4-RL launch gives its main region's partial first and last blocks to one extra program per pair
+    (the splits then run KV4's unmasked loop over the interior blocks): ``config.edge_program`` (``None``: off),
+    with a side buffer, in the bytes or planes step."""
+    return bool(config.edge_program) and side and k_mode != "trans"
 
 
 def fuse_merge_applies(config: KV4KernelConfig, ns: int, rows: int, d: int, splits: int | None = None) -> bool:
@@ -1161,7 +1183,8 @@ def kv4_main_decode(
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
-    ns = splits + int(prot)
+    edge = edge_program_applies(cfg, prot, k_mode)
+    ns = splits + int(prot) + int(edge)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1196,7 +1219,8 @@ def kv4_main_decode(
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot), FUSE=fuse, NS_P=triton.next_power_of_2(ns) if fuse else 1,
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot) and not edge, FUSE=fuse,
+        NS_P=triton.next_power_of_2(ns) if fuse else 1, EDGE=edge,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
