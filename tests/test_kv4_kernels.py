@@ -139,7 +139,7 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize("edges", ["peeled", "pipe_edges", "edge_program", "edge_program_fused"])
+@pytest.mark.parametrize("edges", ["peeled", "pipe_edges", "pipe_bias", "pipe_bias_table", "edge_program", "edge_program_fused"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_fused_kv4rl_split_counts_match_reference(splits, edges):
     """The protected region's extra program (and the edge program, which takes the main region's partial blocks)
@@ -147,7 +147,8 @@ def test_fused_kv4rl_split_counts_match_reference(splits, edges):
     block, and nowhere."""
     q, k, v = _qkv(11)
     cache = build_kv4_batch(k, v, torch.tensor([90, 30, 0]), sink=4, recent=16)
-    kw = {"peeled": dict(pipe_edges=False), "pipe_edges": dict(pipe_edges=True),
+    kw = {"peeled": dict(pipe_edges=False), "pipe_edges": dict(pipe_edges=True), "pipe_bias": dict(pipe_bias=1),
+          "pipe_bias_table": dict(pipe_bias=2),
           "edge_program": dict(edge_program=True), "edge_program_fused": dict(edge_program=True, fuse_merge=True)}
     cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, **kw[edges])
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)

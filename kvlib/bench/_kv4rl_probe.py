@@ -130,8 +130,8 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
 #: ``side_block``/``side_maxnreg``/``num_stages`` and ``carveout`` variants; dev/kv4rl_side*.json, code at
 #: ee8fef6..fd69296), slower everywhere and removed
 FUSE_VARIANTS = {
-    "kv4rl_edge": ("kv4rl", dict(edge_program=True)),
-    "kv4rl_edge_fused": ("kv4rl", dict(edge_program=True, fuse_merge=True)),
+    "kv4rl_bias_branch": ("kv4rl", dict(pipe_bias=1)),
+    "kv4rl_bias_table": ("kv4rl", dict(pipe_bias=2)),
 }
 
 

@@ -343,7 +343,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1, ZB=None,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -372,6 +372,18 @@ def _main_step(
         ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
         vs = _keep(_load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
         vo = _keep(_load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
+    if MASKED == 3:  # the edge test before the step's arithmetic, so no branch cuts it; -inf enters as a bias
+        bias = tl.zeros([BLOCK_N], tl.float32)
+        if (n0 < start) | (n0 + BLOCK_N > end):
+            ok = (offs - start).to(tl.uint32) < (end - start).to(tl.uint32)
+            bias = tl.where(ok, 0.0, float("-inf"))
+            vs = tl.where(ok, vs, 0.0)
+            vo = tl.where(ok, vo, 0.0)
+    if MASKED == 4:  # no branch: two rows of the table ZB = [-inf]*BN + [0]*2BN + [-inf]*BN (0 inside the block)
+        jj = tl.arange(0, BLOCK_N)
+        a = tl.minimum(tl.maximum(start - n0, 0), BLOCK_N)
+        e = tl.minimum(tl.maximum(end - n0, 0), BLOCK_N)
+        bias = tl.load(ZB + (BLOCK_N - a) + jj) + tl.load(ZB + (3 * BLOCK_N - e) + jj)
     if KMODE == 0:  # int16 words, four planes of channels 4i+J: q @ plane^T, K = d/4 each
         QUARTER: tl.constexpr = HALF // 2
         quarter = tl.arange(0, QUARTER)
@@ -390,7 +402,10 @@ def _main_step(
         s_int = tl.dot(q1, _nibbles_i8(kct, True, FAST), s_int, out_dtype=tl.int32)
         if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
             s_int = tl.sum(tl.reshape(s_int, [q0.shape[0] // m_i.shape[0], m_i.shape[0], BLOCK_N]), axis=0)
-        s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+        if MASKED >= 3:  # -inf outside [start, end): folded into the offset term's multiply-add
+            s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + (c_q[:, None] * ko[None, :] + bias[None, :])
+        else:
+            s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
     s = _keep(s, valid[None, :], float("-inf"), MASKED)  # [GP, BLOCK_N], log2 units
     if MASKED == 2:
         s, vs, vo = _edge_mask(s, vs, vo, offs, n0, start, end, BLOCK_N, 1)
@@ -439,7 +454,7 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
-    EDGE: tl.constexpr = False, edge_sp=-1,
+    EDGE: tl.constexpr = False, edge_sp=-1, ZB=None,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
@@ -526,7 +541,7 @@ def _main_region(
             i_hi = tl.where(is_edge, i_lo, i_hi)
     FAST: tl.constexpr = not INTERP
     LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
-    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
+    LOOP_MASK: tl.constexpr = PIPE_EDGES if PIPE_EDGES else 0  # 2: branch at the scores; 3: bias, branch first
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
@@ -539,7 +554,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                False, TMA, bh, LOOP_MASK,
+                False, TMA, bh, LOOP_MASK, ZB,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -548,7 +563,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                True, TMA, bh, LOOP_MASK,
+                True, TMA, bh, LOOP_MASK, ZB,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
@@ -740,7 +755,7 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, EDGE: tl.constexpr = False, edge_sp=-1,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, EDGE: tl.constexpr = False, edge_sp=-1, ZB=None,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
@@ -748,7 +763,7 @@ def _region(
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PIPE_EDGES, EDGE, edge_sp)
+                     INTERP, True, TMA, PIPE_EDGES, EDGE, edge_sp, ZB)
 
 
 @triton.jit
@@ -855,13 +870,13 @@ def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
-    OUT, LSE, CNT, OFIN, LSEFIN,
+    OUT, LSE, CNT, OFIN, LSEFIN, ZB,
     sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FUSE: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = 0, FUSE: tl.constexpr = False,
     NS_P: tl.constexpr = 1, EDGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
@@ -885,7 +900,7 @@ def _kv4_decode_kernel(
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                     sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA, PIPE_EDGES, EDGE, SPLITS + 1)
+                    SCALE32, EVEN, INTERP, TMA, PIPE_EDGES, EDGE, SPLITS + 1, ZB)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
@@ -978,6 +993,7 @@ class KV4KernelConfig:
     pdl: bool = True
     pipe_edges: bool | None = None
     fuse_merge: bool | None = None
+    pipe_bias: int = 0
     edge_program: bool | None = None
 
     def replace(self, **kw) -> KV4KernelConfig:
@@ -1038,6 +1054,14 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
         if cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
     return best
+
+
+@functools.lru_cache(maxsize=8)
+def _bias_table(block_n: int, device: torch.device) -> torch.Tensor:
+    """``[-inf]*block_n + [0]*2 block_n + [-inf]*block_n`` (fp32): ``pipe_bias=2`` reads each block's mask from it."""
+    z = torch.zeros(4 * block_n, dtype=torch.float32, device=device)
+    z[:block_n] = z[3 * block_n:] = float("-inf")
+    return z
 
 
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
@@ -1214,12 +1238,12 @@ def kv4_main_decode(
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, counters, o, lse, sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, counters, o, lse, _bias_table(cfg.block_n, dev), sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot) and not edge, FUSE=fuse,
+        PDL=pdl, PIPE_EDGES=(2 + cfg.pipe_bias) if pipe_edges_applies(cfg, prot) and not edge else 0, FUSE=fuse,
         NS_P=triton.next_power_of_2(ns) if fuse else 1, EDGE=edge,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
