@@ -139,7 +139,10 @@ def test_query_rows_cover_any_group(group):
         kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(rows=4 if group > 4 else 3))
 
 
-@pytest.mark.parametrize("edges", ["peeled", "pipe_edges", "pipe_bias", "pipe_bias_table", "edge_program", "edge_program_fused"])
+EDGE_LAYOUTS = ["peeled", "pipe_edges", "pipe_bias", "pipe_bias_table", "edge_program", "edge_program_fused"]
+
+
+@pytest.mark.parametrize("edges", EDGE_LAYOUTS)
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_fused_kv4rl_split_counts_match_reference(splits, edges):
     """The protected region's extra program (and the edge program, which takes the main region's partial blocks)
