@@ -130,8 +130,9 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
 #: ``side_block``/``side_maxnreg``/``num_stages`` and ``carveout`` variants; dev/kv4rl_side*.json, code at
 #: ee8fef6..fd69296), slower everywhere and removed
 FUSE_VARIANTS = {
-    "kv4rl_bias_branch": ("kv4rl", dict(pipe_bias=1)),
-    "kv4rl_bias_table": ("kv4rl", dict(pipe_bias=2)),
+    "kv4rl_s2": ("kv4rl", dict(num_splits=2)),
+    "kv4rl_s2_fused": ("kv4rl", dict(num_splits=2, fuse_merge=True)),
+    "kv4rl_s1_fused": ("kv4rl", dict(fuse_merge=True)),
 }
 
 
