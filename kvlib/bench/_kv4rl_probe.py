@@ -124,11 +124,14 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
-#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL's edge
-#: program (``edge_program``), with the merge launch and fused. The fused merge's runs of record timed
-#: ``fuse_merge=True`` for KV4 and KV4-RL, and KV4-RL's side launch (``side_launch``, with ``side_warps``/
-#: ``side_block``/``side_maxnreg``/``num_stages`` and ``carveout`` variants; dev/kv4rl_side*.json, code at
-#: ee8fef6..fd69296), slower everywhere and removed
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL forced to
+#: two splits (merge launch, fused) and its one split fused. The runs of record also timed, each slower and removed:
+#: ``fuse_merge=True`` for KV4 and KV4-RL (kept as the default at two or more splits; dev/kv4rl_fuse*.json); KV4-RL's
+#: side launch (``side_launch`` with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages`` and ``carveout``
+#: variants; dev/kv4rl_side*.json, code at ee8fef6..fd69296); an edge program (``edge_program``: the main region's
+#: partial blocks in one more program per pair, the splits on KV4's unmasked interior loop; dev/kv4rl_edge.json,
+#: code at 55fcf8e); and the edge mask as a -inf bias folded into the offset multiply-add (``pipe_bias`` 1: from one
+#: branch before the arithmetic, 2: from a table, no branch; dev/kv4rl_bias.json, code at 032f913)
 FUSE_VARIANTS = {
     "kv4rl_s2": ("kv4rl", dict(num_splits=2)),
     "kv4rl_s2_fused": ("kv4rl", dict(num_splits=2, fuse_merge=True)),

@@ -27,8 +27,7 @@ FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra", "sm
 KV4_POINTERS = {"Q8": "*i8", "QH": "*i16", "QW": "*i32", "QS": "*fp32", "QSUM": "*fp32", "KC": "*u8", "KW": "*i16",
                 "KS": "*fp16", "KO": "*fp16", "VC": "*u8", "VW": "*i16", "VS": "*fp16", "VO": "*fp16",
                 "START": "*i32", "END": "*i32", "K8": "*i8", "K8S": "*fp16", "V8": "*i8", "V8S": "*fp16",
-                "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32", "CNT": "*i32", "OFIN": "*fp32", "LSEFIN": "*fp32",
-                "ZB": "*fp32"}
+                "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32", "CNT": "*i32", "OFIN": "*fp32", "LSEFIN": "*fp32"}
 #: integer arguments that are multiples of 16 at the benchmark shapes (Triton specialises them so at launch)
 DIV16 = {"s_qb", "s_qh", "s_kc_n", "s_kc_h", "s_ks_n", "s_vc_n", "s_vc_h", "s_vs_n", "s_sl_b", "s_os_b", "s_os_h",
          "s_os_s", "s_ls_b", "N"}

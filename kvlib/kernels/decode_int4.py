@@ -343,7 +343,7 @@ def _main_step(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1, ZB=None,
+    TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -372,18 +372,6 @@ def _main_step(
         ko = _load_scales(KOb, n0, N, BLOCK_N, SCALE32, EVEN)
         vs = _keep(_load_scales(VSb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
         vo = _keep(_load_scales(VOb, n0, N, BLOCK_N, SCALE32, EVEN), valid, 0.0, MASKED)
-    if MASKED == 3:  # the edge test before the step's arithmetic, so no branch cuts it; -inf enters as a bias
-        bias = tl.zeros([BLOCK_N], tl.float32)
-        if (n0 < start) | (n0 + BLOCK_N > end):
-            ok = (offs - start).to(tl.uint32) < (end - start).to(tl.uint32)
-            bias = tl.where(ok, 0.0, float("-inf"))
-            vs = tl.where(ok, vs, 0.0)
-            vo = tl.where(ok, vo, 0.0)
-    if MASKED == 4:  # no branch: two rows of the table ZB = [-inf]*BN + [0]*2BN + [-inf]*BN (0 inside the block)
-        jj = tl.arange(0, BLOCK_N)
-        a = tl.minimum(tl.maximum(start - n0, 0), BLOCK_N)
-        e = tl.minimum(tl.maximum(end - n0, 0), BLOCK_N)
-        bias = tl.load(ZB + (BLOCK_N - a) + jj) + tl.load(ZB + (3 * BLOCK_N - e) + jj)
     if KMODE == 0:  # int16 words, four planes of channels 4i+J: q @ plane^T, K = d/4 each
         QUARTER: tl.constexpr = HALF // 2
         quarter = tl.arange(0, QUARTER)
@@ -402,10 +390,7 @@ def _main_step(
         s_int = tl.dot(q1, _nibbles_i8(kct, True, FAST), s_int, out_dtype=tl.int32)
         if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
             s_int = tl.sum(tl.reshape(s_int, [q0.shape[0] // m_i.shape[0], m_i.shape[0], BLOCK_N]), axis=0)
-        if MASKED >= 3:  # -inf outside [start, end): folded into the offset term's multiply-add
-            s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + (c_q[:, None] * ko[None, :] + bias[None, :])
-        else:
-            s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+        s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
     s = _keep(s, valid[None, :], float("-inf"), MASKED)  # [GP, BLOCK_N], log2 units
     if MASKED == 2:
         s, vs, vo = _edge_mask(s, vs, vo, offs, n0, start, end, BLOCK_N, 1)
@@ -454,14 +439,10 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
-    EDGE: tl.constexpr = False, edge_sp=-1, ZB=None,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
     QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
-    EDGE (KV4-RL's edge program): the splits share only the range's interior blocks (unmasked, KV4's loop)
-    and program ``sp == edge_sp`` runs its partial first and last blocks (masked, no loop). One runtime branch on
-    ``sp`` picks the block bounds, so the kernel holds one copy of the step and of the loop.
     """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
@@ -469,17 +450,9 @@ def _main_region(
     end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
-    if EDGE:
-        is_edge = sp == edge_sp
-        ilo = tl.cdiv(start, BLOCK_N)  # the interior blocks [ilo, ihi): empty when the range lies in one block
-        ihi = tl.maximum(end // BLOCK_N, ilo)
-        bps = tl.cdiv(ihi - ilo, SPLITS)
-        blo = tl.where(is_edge, first, ilo + sp * bps)
-        bhi = tl.where(is_edge, first + nblk, tl.minimum(blo + bps, ihi))
-    else:
-        bps = tl.cdiv(nblk, SPLITS)
-        blo = first + sp * bps
-        bhi = tl.minimum(blo + bps, first + nblk)
+    bps = tl.cdiv(nblk, SPLITS)
+    blo = first + sp * bps
+    bhi = tl.minimum(blo + bps, first + nblk)
 
     rows = tl.arange(0, GP)
     row_ok = rows < G
@@ -537,11 +510,9 @@ def _main_region(
         head, i_lo, i_hi, tail = -1, blo, bhi, -1
     else:
         head, i_lo, i_hi, tail = _edges(start, end, blo, bhi, BLOCK_N)
-        if EDGE:  # a split's blocks are all interior (head = tail = -1); the edge program runs no loop
-            i_hi = tl.where(is_edge, i_lo, i_hi)
     FAST: tl.constexpr = not INTERP
     LOOP_EVEN: tl.constexpr = EVEN if PIPE_EDGES else True
-    LOOP_MASK: tl.constexpr = PIPE_EDGES if PIPE_EDGES else 0  # 2: branch at the scores; 3: bias, branch first
+    LOOP_MASK: tl.constexpr = 2 if PIPE_EDGES else 0
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
@@ -554,7 +525,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                False, TMA, bh, LOOP_MASK, ZB,
+                False, TMA, bh, LOOP_MASK,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -563,7 +534,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                True, TMA, bh, LOOP_MASK, ZB,
+                True, TMA, bh, LOOP_MASK,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
@@ -755,7 +726,7 @@ def _region(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, EDGE: tl.constexpr = False, edge_sp=-1, ZB=None,
+    TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
 ):  # fmt: skip
     if KMODE == 2:
         _main_region_t(b, h, sp, Q8, QS, QSUM, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, N,
@@ -763,7 +734,7 @@ def _region(
     else:
         _main_region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
-                     INTERP, True, TMA, PIPE_EDGES, EDGE, edge_sp, ZB)
+                     INTERP, True, TMA, PIPE_EDGES)
 
 
 @triton.jit
@@ -870,14 +841,14 @@ def _kv4_decode_kernel(
     Q8, QH, QW, QS, QSUM,
     KC, KW, KS, KO, VC, VW, VS, VO, START, END,
     K8, K8S, V8, V8S, COUNT,
-    OUT, LSE, CNT, OFIN, LSEFIN, ZB,
+    OUT, LSE, CNT, OFIN, LSEFIN,
     sm_scale_log2, N, C, SPLITS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, PROT: tl.constexpr,
     BLOCK_P: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = 0, FUSE: tl.constexpr = False,
-    NS_P: tl.constexpr = 1, EDGE: tl.constexpr = False,
+    PDL: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False, FUSE: tl.constexpr = False,
+    NS_P: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``: programs ``sp < SPLITS`` take split ``sp`` of the INT4 region;
     with ``PROT`` the last program of each (request, kv head) takes the INT8 protected region, so
@@ -892,15 +863,15 @@ def _kv4_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    NS = SPLITS + PROT + EDGE
+    NS = SPLITS + PROT
     if PROT:
         if sp == SPLITS:
             _protected_region(b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLITS, NS,
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
             _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
-                    sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
-                    SCALE32, EVEN, INTERP, TMA, PIPE_EDGES, EDGE, SPLITS + 1, ZB)
+                         sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS,
+                         SCALE32, EVEN, INTERP, TMA, PIPE_EDGES)
     else:
         _region(b, h, sp, Q8, QH, QW, QS, QSUM, KC, KW, KS, KO, VC, VW, VS, VO, START, END, OUT, LSE,
                      sm_scale_log2, N, HKV, G, GP, D, BLOCK_N, SPLITS, NS, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN,
@@ -949,7 +920,14 @@ class KV4KernelConfig:
       both ends), off without (a KV4 region starts at 0: at most its last block is partial). On the H200,
       KV4-RL with it: B=32, S=16k 0.1626 vs 0.1652 ms, B=512, S=4k 0.712 vs 0.775 ms, the ragged B=320
       batch 0.444 vs 0.487 ms; KV4 on aligned uniform lengths 1.5% slower at B=32, S=16k, on the ragged
-      batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json).
+      batch 2.8% faster, so set it for ragged KV4 batches (data/results/gpu/dev/kv4rl_edges_run1.json). Three other
+      ways to take the branch out of the loop were timed and removed, each slower at every long shape (B=32, S=16k,
+      CUDA graphs, interleaved rounds): the partial blocks given to one more program per pair while the splits
+      ran KV4's loop over the interior blocks (offline 1038 loop instructions against 1148; 0.1732 ms against
+      0.1629: at one wave only the spare slots and the tail are left for the extra programs;
+      data/results/gpu/dev/kv4rl_edge.json, code at 55fcf8e), and the mask as a -inf bias folded into the offset
+      multiply-add, set by one branch before the block's arithmetic (253 registers; 0.1677 against 0.1639) or read
+      from a table with no branch (168 registers; 0.1689; data/results/gpu/dev/kv4rl_bias.json, code at 032f913).
     - ``fuse_merge``: the last program of each (request, kv head) to finish merges the pair's split states (an
       atomic arrival counter per pair, zeroed by :func:`prepare_query` and left at zero by that program), instead
       of a second launch; taken when the pair has more than one state and its ``rows x states x d`` tile is at
@@ -993,8 +971,6 @@ class KV4KernelConfig:
     pdl: bool = True
     pipe_edges: bool | None = None
     fuse_merge: bool | None = None
-    pipe_bias: int = 0
-    edge_program: bool | None = None
 
     def replace(self, **kw) -> KV4KernelConfig:
         """A copy with the given fields changed."""
@@ -1056,14 +1032,6 @@ def default_num_splits(b: int, hkv: int, max_len: int, block_n: int, device: tor
     return best
 
 
-@functools.lru_cache(maxsize=8)
-def _bias_table(block_n: int, device: torch.device) -> torch.Tensor:
-    """``[-inf]*block_n + [0]*2 block_n + [-inf]*block_n`` (fp32): ``pipe_bias=2`` reads each block's mask from it."""
-    z = torch.zeros(4 * block_n, dtype=torch.float32, device=device)
-    z[:block_n] = z[3 * block_n:] = float("-inf")
-    return z
-
-
 def _check_side(side: SideBuffer, b: int, hkv: int, d: int) -> int:
     check_tensor("k8", side.k8, ndim=4, dtype=torch.int8)
     check_tensor("v8", side.v8, ndim=4, dtype=torch.int8)
@@ -1100,13 +1068,6 @@ def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
     is ``None``, exactly when a side buffer is given (a KV4-RL main region is unaligned at both ends; KV4's starts
     at 0)."""
     return side if config.pipe_edges is None else bool(config.pipe_edges)
-
-
-def edge_program_applies(config: KV4KernelConfig, side: bool, k_mode: str) -> bool:
-    """Whether a KV4-RL launch gives its main region's partial first and last blocks to one extra program per pair
-    (the splits then run KV4's unmasked loop over the interior blocks): ``config.edge_program`` (``None``: off),
-    with a side buffer, in the bytes or planes step."""
-    return bool(config.edge_program) and side and k_mode != "trans"
 
 
 def fuse_merge_applies(config: KV4KernelConfig, ns: int, rows: int, d: int, splits: int | None = None) -> bool:
@@ -1207,8 +1168,7 @@ def kv4_main_decode(
         k_mode = "bytes"  # INT8 dots need K >= 32 (d/4 >= 32); int16 views need even sizes
     splits = cfg.num_splits or default_num_splits(b, hkv, n, cfg.block_n, dev, cfg.ctas_per_sm, cfg.overhead_blocks)
     prot = side is not None
-    edge = edge_program_applies(cfg, prot, k_mode)
-    ns = splits + int(prot) + int(edge)
+    ns = splits + int(prot)
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     o_s = torch.empty(b, hq, ns, d, dtype=torch.float32, device=dev)
     lse_s = torch.empty(b, hq, ns, dtype=torch.float32, device=dev)
@@ -1238,13 +1198,12 @@ def kv4_main_decode(
         kc, kw, ks, ko, vc, vw, vs, vo,
         start32, end32,
         k8, k8s, v8, v8s, cnt,
-        o_s, lse_s, counters, o, lse, _bias_table(cfg.block_n, dev), sm_scale * LOG2E, n, max(c, 1), splits,
+        o_s, lse_s, counters, o, lse, sm_scale * LOG2E, n, max(c, 1), splits,
         HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, INT_PV=bool(cfg.int_pv),
         KMODE=_KMODES.index(k_mode), TILE_SUMS=bool(cfg.tile_sums), SCALE32=n % 2 == 0,
         EVEN=n % cfg.block_n == 0, PROT=prot, BLOCK_P=cfg.block_p,
         INTERP=not qp.q8.is_cuda, TMA=tma,
-        PDL=pdl, PIPE_EDGES=(2 + cfg.pipe_bias) if pipe_edges_applies(cfg, prot) and not edge else 0, FUSE=fuse,
-        NS_P=triton.next_power_of_2(ns) if fuse else 1, EDGE=edge,
+        PDL=pdl, PIPE_EDGES=pipe_edges_applies(cfg, prot), FUSE=fuse, NS_P=triton.next_power_of_2(ns) if fuse else 1,
         **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
