@@ -518,6 +518,20 @@ cap = load_result("dev/kv4rl_edges", "gpu")  # the second edges run, with the re
 crow = next((x for x in cap["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if cap else None
 run.glue("cap_rl_ms", crow["kv4rl_pe_cap168_ctas3_ms"] if crow else float("nan"))
 run.glue("cap_own_rl_ms", crow["kv4rl_pipe_edges_ms"] if crow else float("nan"))
+
+
+def _b32_16k(name):  # the B = 32, S = 16k row of a dev probe file (None when the file is absent)
+    res = load_result(f"dev/{name}", "gpu")
+    return next((x for x in res["results"] if x.get("batch") == 32 and x.get("ctx") == 16384), None) if res else None
+
+
+for name, keys in (("kv4rl_edge", {"edgeprog_rl_ms": "kv4rl_edge_ms", "edgeprog_own_rl_ms": "kv4rl_ms"}),
+                   ("kv4rl_bias", {"bias_branch_rl_ms": "kv4rl_bias_branch_ms", "bias_table_rl_ms": "kv4rl_bias_table_ms",
+                                   "bias_own_rl_ms": "kv4rl_ms"}),
+                   ("kv4rl_s2", {"s2_rl_ms": "kv4rl_s2_ms", "s2_own_rl_ms": "kv4rl_ms"})):
+    x = _b32_16k(name)
+    for key, field in keys.items():
+        run.glue(key, x[field] if x else float("nan"))
 struct = load_result("dev/kv4rl_structure", "gpu")
 st32 = next((x for x in struct["results"] if x["batch"] == 32), None) if struct else None
 run.glue("struct_merge_us", (st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
@@ -571,6 +585,9 @@ Other layouts were timed on the H200 under CUDA graphs, and each was removed aft
 | the first split runs them before its blocks and starts its INT4 loop from their state (no extra program; at one split no merge launch) | {glue:text}`fold_rl_ms:.4f` | {glue:text}`fold_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_fold.json` |
 | a persistent merge launch started beside the INT4 wave (programmatic dependent launch, two programs per SM) attends over every pair's side slots, then merges | {glue:text}`smerge_rl_ms:.4f` | {glue:text}`smerge_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_side_merge.json` |
 | a second kernel (programmatic dependent launch) takes the side slots and the main region's two partial blocks, so the INT4 splits run KV4's unmasked loop; four warps / capped at 64 registers with the largest shared-memory carveout | {glue:text}`side_rl_ms:.4f` / {glue:text}`side_r64_rl_ms:.4f` | {glue:text}`side_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_side*.json` |
+| the main region's two partial blocks run by one more program per pair, so the splits run KV4's unmasked loop over the interior blocks | {glue:text}`edgeprog_rl_ms:.4f` | {glue:text}`edgeprog_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_edge.json` |
+| the edge mask as a -inf bias folded into the offset multiply-add, set by one branch before the block's arithmetic / read from a table with no branch | {glue:text}`bias_branch_rl_ms:.4f` / {glue:text}`bias_table_rl_ms:.4f` | {glue:text}`bias_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_bias.json` |
+| two INT4 splits instead of the plan's one (states merged by the merge launch) | {glue:text}`s2_rl_ms:.4f` | {glue:text}`s2_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_s2.json` |
 | a third CTA per SM for the protected programs (registers capped at 168, the split plan counting three) | {glue:text}`cap_rl_ms:.4f` | {glue:text}`cap_own_rl_ms:.4f` | B = 32, S = 16k | `kv4rl_edges.json` |
 | several pairs packed per program into the last wave's idle slots | {glue:text}`packed_rl_ms:.4f` | {glue:text}`own_rl_ms:.4f` | B = 32, S = 16k | `kv4_sweep_packed2.json` |
 | the grid ordered so each pair's protected program starts beside its INT4 program | {glue:text}`order_rl_ms:.4f` | {glue:text}`order_own_rl_ms:.4f` | B = 512, S = 4k | `kv4_sweep_order.json` |
