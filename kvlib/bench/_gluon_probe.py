@@ -22,7 +22,7 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
 WAVES = (0.5, 1.0)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
+CONFIGS = (("ahead", {"AHEAD": True}, 8), ("qk_ahead", {"QK_AHEAD": True}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:
@@ -62,6 +62,21 @@ def agreement(quick: bool = False) -> list[dict]:
     return rows
 
 
+def _same_bits(fn, B: int, S: int, hq: int, hkv: int) -> dict:
+    """Whether every configuration of :data:`CONFIGS` gives the first one's outputs bit for bit (o, lse, A, B)."""
+    import kvlib.kernels.decode_int8_gluon as G
+
+    outs = {}
+    for label, flags, _ in CONFIGS:
+        with module_flags(G, **flags):
+            r = fn()
+        outs[label] = [r.o, r.lse, r.A, r.B]
+    base = outs[CONFIGS[0][0]]
+    same = {f"{label}_identical": all(torch.equal(x, y) for x, y in zip(base, o, strict=True))
+            for label, o in outs.items()}
+    return dict(kind="bits", B=B, S=S, hq=hq, hkv=hkv, **same)
+
+
 def timings(rounds: int = 3) -> list[dict]:
     from kvlib.kernels.decode_int8 import decode_int8
 
@@ -79,10 +94,14 @@ def timings(rounds: int = 3) -> list[dict]:
             for waves in WAVES:
                 ns = max(1, min(round(waves * sms * per_sm / (B * hkv)), S // 16))
                 var[f"gluon_cert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=False), flags)
+        for label, flags, per_sm in CONFIGS:
+            ns = max(1, round(sms * per_sm / (B * hkv)))
+            var[f"gluon_nocert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert=False), flags)
         label, flags, per_sm = CONFIGS[0]
         ns = max(1, round(sms * per_sm / (B * hkv)))
-        var[f"gluon_nocert_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert=False), flags)
         var[f"gluon_certAB_{label}_ns{ns}"] = (functools.partial(glu, num_splits=ns, cert_b=True), flags)
+        rows.append(_same_bits(functools.partial(glu, num_splits=ns, cert_b=True), B, S, hq, hkv))
+        print(rows[-1], flush=True)
         ms = interleaved({n: functools.partial(_graph_ms, fn, fl) for n, (fn, fl) in var.items()}, rounds)
         for name, (med, per_round) in ms.items():
             rows.append(dict(kind="timing", B=B, S=S, hq=hq, hkv=hkv, name=name, ms=med, sdpa_ms=sd,
