@@ -22,7 +22,7 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
 WAVES = (0.5, 1.0)
 #: (label, flags of kvlib.kernels.decode_int8_gluon, one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
-CONFIGS = (("ahead", {"AHEAD": True}, 8), ("qk_ahead", {"QK_AHEAD": True}, 8))
+CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:

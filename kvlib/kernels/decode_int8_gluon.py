@@ -318,7 +318,6 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    QK_AHEAD: gl.constexpr = False,
 ):
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
@@ -383,111 +382,55 @@ def _stage1_g8(
     ns_x = ns_ + BN
     sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
 
-    if QK_AHEAD:
-        # each tile's scores are computed at the end of the iteration before (its dither, QK and the radius'
-        # variance), so they form a chain independent of this tile's softmax and PV for ptxas to interleave
+    if AHEAD:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+    for n0 in range(start, end, BN):
+        offs_n = n0 + gl.arange(0, BN, layout=NL)
+        mask_n = offs_n < end
+        # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
+        # PV), so the registers of one tile, not two, are live at the Philox and QK peak
+        if not AHEAD:
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
         z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
                                                                                 MMA, Z8))
         z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
                                                                                  MMA, Z8))
+        z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
+        kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
+        sk = sk_x
+
+        m_new = gl.maximum(m_i, gl.max(z8, 1))
+        p = _ex2(z8 - m_new[:, None])
         if CERT:
             var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
                 (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-        kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
-        sk = sk_x
-        for n0 in range(start, end, BN):
-            offs_n = n0 + gl.arange(0, BN, layout=NL)
-            z8 = gl.where((offs_n < end)[None, :], z * zs, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(z8, 1))
-            p = _ex2(z8 - m_new[:, None])
-            if CERT:
-                u = gl.sqrt(var) * radm_h[:, None]
-                pa = p * _ex2(u)
-                if CERT_B:
-                    pb = p * _ex2(-u)
-            alpha = _ex2(m_i - m_new)
-            l_t = l_t * alpha[:, None] + p
-            if CERT:
-                a_t = a_t * alpha[:, None] + pa
-                if CERT_B:
-                    b_t = b_t * alpha[:, None] + pb
-            alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
-            m_i = m_new
-            ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
-            u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
-            acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
-            vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
-            nk_x = nk_x + BN
-            nv_x = nv_x + BN
-            ns_x = ns_x + BN
-            sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
-            # the next tile's scores (past the end in the last iteration: slot-0 rows, never used)
-            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
-            s0, s1, s2, s3 = _split4(ks, BN, NL)
-            z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB,
-                                                                                    KW, MMA, Z8))
-            z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB,
-                                                                                     KW, MMA, Z8))
-            if CERT:
-                var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                    (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-            kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
-            sk = sk_x
-    else:
-        if AHEAD:
-            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
-        for n0 in range(start, end, BN):
-            offs_n = n0 + gl.arange(0, BN, layout=NL)
-            mask_n = offs_n < end
-            # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
-            # PV), so the registers of one tile, not two, are live at the Philox and QK peak
-            if not AHEAD:
-                w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
-            s0, s1, s2, s3 = _split4(ks, BN, NL)
-            z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
-                                                                                    MMA, Z8))
-            z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
-                                                                                     MMA, Z8))
-            z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
-            kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
-            sk = sk_x
+            u = gl.sqrt(var) * radm_h[:, None]
+            pa = p * _ex2(u)
+            if CERT_B:
+                pb = p * _ex2(-u)
+        alpha = _ex2(m_i - m_new)
+        l_t = l_t * alpha[:, None] + p
+        if CERT:
+            a_t = a_t * alpha[:, None] + pa
+            if CERT_B:
+                b_t = b_t * alpha[:, None] + pb
+        alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
+        m_i = m_new
 
-            m_new = gl.maximum(m_i, gl.max(z8, 1))
-            p = _ex2(z8 - m_new[:, None])
-            if CERT:
-                var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
-                    (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
-                u = gl.sqrt(var) * radm_h[:, None]
-                pa = p * _ex2(u)
-                if CERT_B:
-                    pb = p * _ex2(-u)
-            alpha = _ex2(m_i - m_new)
-            l_t = l_t * alpha[:, None] + p
-            if CERT:
-                a_t = a_t * alpha[:, None] + pa
-                if CERT_B:
-                    b_t = b_t * alpha[:, None] + pb
-            alpha_pv = gl.convert_layout(alpha, gl.SliceLayout(0, MMA))
-            m_i = m_new
-
-            ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
-            u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
-            acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
-            acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
-            vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
-            nk_x = nk_x + BN
-            nv_x = nv_x + BN
-            ns_x = ns_x + BN
-            sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
-            if AHEAD:  # the next tile's dither, beside this tile's PV
-                w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+        ppT = gl.convert_layout(gl.permute(p * 1024.0, [1, 0]), PT, assert_trivial=True)  # [BN, 8]
+        u0, u1, u2, u3 = _split4(vs, BN, gl.SliceLayout(1, PT))
+        acc0 = _pv_group(vw0, ppT, u0, acc0 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
+        acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
+        vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
+        nk_x = nk_x + BN
+        nv_x = nv_x + BN
+        ns_x = ns_x + BN
+        sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
+        if AHEAD:  # the next tile's dither, beside this tile's PV
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
     l_i = gl.sum(l_t, 1)
     nonempty = l_i != 0.0
@@ -511,8 +454,6 @@ def _stage1_g8(
 #: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
 #: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (data/results/gpu/dev/gluon_probe5.json)
 AHEAD = True
-#: each tile's scores computed at the end of the iteration before, beside the previous tile's softmax and PV
-QK_AHEAD = False
 #: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
 PROGRAMS_PER_SM = 8
 
@@ -562,5 +503,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, QK_AHEAD=QK_AHEAD, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
     )

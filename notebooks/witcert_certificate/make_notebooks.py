@@ -458,6 +458,7 @@ def _gp(name):
 g3, g4, g5 = _gp("gluon_probe3"), _gp("gluon_probe4"), _gp("gluon_probe5")
 g6, g7, g8 = _gp("gluon_probe6"), _gp("gluon_probe7"), _gp("gluon_probe8")
 g10, g11, g12, g13 = _gp("gluon_probe10"), _gp("gluon_probe11"), _gp("gluon_probe12"), _gp("gluon_probe13")
+g14 = _gp("gluon_probe14")
 rows_g = []
 def _row(what, f, a, b, shape=(8, 32768, 28)):
     ta, tb = f.get(shape + (a,)), f.get(shape + (b,))
@@ -488,6 +489,10 @@ _row("operands staged in shared memory (cp.async), 12 per SM (removed)", g13, "g
      "gluon_cert_reg_ns33")
 _row("operands staged in shared memory (cp.async), 8 per SM (removed)", g13, "gluon_cert_smem8_ns33",
      "gluon_cert_reg_ns33")
+_row("each tile's scores computed one iteration ahead, beside the previous tile's softmax and PV (removed)", g14,
+     "gluon_cert_qk_ahead_ns33", "gluon_cert_ahead_ns33")
+_row("scores one iteration ahead, B = 64 (removed)", g14, "gluon_cert_qk_ahead_ns4", "gluon_cert_ahead_ns4",
+     (64, 32768, 28))
 gt = pd.DataFrame(rows_g)
 if len(gt):
     display(gt.set_index("change").style.format({"variant (ms)": "{:.4f}", "kept (ms)": "{:.4f}",
@@ -549,6 +554,12 @@ in the table above:
   work is one dependency chain: Philox rounds, then the QK dots, the softmax and PV. Splitting it leaves each warp
   half the independent work along a chain just as long. Each tile also adds two exchanges through shared memory,
   with barriers, on that chain.
+
+Nor did more independent work inside one warp help. Computing each tile's scores (its dither, QK dots and
+variance) at the end of the iteration before, so that they form a chain beside the previous tile's softmax and PV
+that ptxas could interleave, compiled to 250 registers and 970 loop instructions against 254 and 943. It was
+9-10% slower certified and 25-42% slower uncertified at every long shape (the last rows of the table;
+`gluon_probe14.json`).
 
 The uncertified kernel has the same profile, with global loads a larger share.
 """),
