@@ -4,8 +4,9 @@ reference. (It first compared that layout with the protected region run by the l
 data/results/gpu/dev/kv4_prot_last.json.)
 ``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
 structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
-the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the split
-states merged by the decode launch's last program per pair (``KV4KernelConfig.fuse_merge``) beside the defaults."""
+the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the
+variants of :data:`FUSE_VARIANTS` (split plans, the merge inside the decode launch: ``KV4KernelConfig`` fields)
+beside the defaults."""
 
 from __future__ import annotations
 
@@ -140,8 +141,8 @@ FUSE_VARIANTS = {
 
 
 def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
-    """KV4 and KV4-RL at the default configuration beside :data:`FUSE_VARIANTS` (the split states merged by the
-    decode launch's last program per pair, ``fuse_merge``), in ``rounds`` interleaved rounds; also each variant's
+    """KV4 and KV4-RL at the default configuration beside :data:`FUSE_VARIANTS` in ``rounds`` interleaved
+    rounds; also each variant's
     largest output change against its default and whether CUDA-graph replays of it are bit-identical to its
     eager call."""
     from kvlib.bench.kv4_sweep import _lengths
