@@ -142,9 +142,8 @@ FUSE_VARIANTS = {
 
 def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     """KV4 and KV4-RL at the default configuration beside :data:`FUSE_VARIANTS` in ``rounds`` interleaved
-    rounds; also each variant's
-    largest output change against its default and whether CUDA-graph replays of it are bit-identical to its
-    eager call."""
+    rounds; also each variant's largest output change against its default and whether CUDA-graph replays of it are
+    bit-identical to its eager call."""
     from kvlib.bench.kv4_sweep import _lengths
     from kvlib.bench.timing import capture_graph
 
