@@ -57,7 +57,8 @@ def main(rounds: int = 3) -> None:
         for r in ROWS:
             with module_flags(M, MERGE_ROWS=r):
                 res = fn()
-            outs[r] = [x for x in res if isinstance(x, torch.Tensor)]
+            parts = [getattr(res, f.name) for f in dataclasses.fields(res)] if dataclasses.is_dataclass(res) else res
+            outs[r] = [x for x in parts if isinstance(x, torch.Tensor)]
         same = {f"rows{r}_identical": all(torch.equal(x, y) for x, y in zip(outs[ROWS[0]], o, strict=True))
                 for r, o in outs.items()}
 
