@@ -90,53 +90,47 @@ def not_finite_or_nan(x):
 
 @triton.jit
 def _merge_splits_kernel(
-    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC, n_rows,
+    O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
     NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
-    PDL: tl.constexpr = False, ROWS: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """``ROWS`` merged rows per program (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs). PDL (programmatic
+    """One program per merged row (contiguous ``[rows, NS, D]`` / ``[rows, NS]`` inputs). PDL (programmatic
     dependent launch): launched before the kernel that writes the states has finished; wait for it here."""
     if PDL:
         gdc_wait()
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = row < n_rows
+    row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NS_P)
-    mask_s = row_ok[:, None] & (s < NS)[None, :]
-    lse_s = tl.load(LSE_S + row[:, None] * NS + s[None, :], mask=mask_s, other=float("-inf"))
-    m = tl.max(lse_s, 1)
+    mask_s = s < NS
+    lse_s = tl.load(LSE_S + row * NS + s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse_s, 0)
     nonempty = m > float("-inf")  # a row whose splits are all empty merges to o = 0, lse = -inf
     m_safe = tl.where(nonempty, m, 0.0)
     empty = lse_s == float("-inf")
-    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe[:, None]))
-    den = tl.where(nonempty, tl.sum(w, 1), 1.0)
+    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe))
+    den = tl.where(nonempty, tl.sum(w, 0), 1.0)
     cols = tl.arange(0, D)
-    o_s = tl.load(O_S + ((row[:, None] * NS + s[None, :]) * D)[:, :, None] + cols[None, None, :],
-                  mask=mask_s[:, :, None], other=0.0)
+    o_s = tl.load(O_S + (row * NS + s)[:, None] * D + cols[None, :], mask=mask_s[:, None], other=0.0)
     # an empty split's o may be 0/0: select it away rather than multiply it by 0
-    o = tl.sum(tl.where(empty[:, :, None], 0.0, w[:, :, None] * o_s), 1) / den[:, None]
-    tl.store(OUT + row[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
-    tl.store(LSE + row, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
+    o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
+    tl.store(OUT + row * D + cols, o)
+    tl.store(LSE + row, tl.where(nonempty, m_safe + tl.log(den), float("-inf")))
     if CERT:
-        a_s = tl.load(A_S + row[:, None] * NS + s[None, :], mask=mask_s, other=0.0)
-        a = tl.sum(tl.where(empty, 0.0, w * a_s), 1) / den
-        tl.store(A + row, a, mask=row_ok)
+        a_s = tl.load(A_S + row * NS + s, mask=mask_s, other=0.0)
+        a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den
+        tl.store(A + row, a)
         if CERT_B:
-            b_s = tl.load(B_S + row[:, None] * NS + s[None, :], mask=mask_s, other=0.0)
-            bb = tl.sum(tl.where(empty, 0.0, w * b_s), 1) / den
-            tl.store(B + row, bb, mask=row_ok)
+            b_s = tl.load(B_S + row * NS + s, mask=mask_s, other=0.0)
+            bb = tl.sum(tl.where(empty, 0.0, w * b_s), 0) / den
+            tl.store(B + row, bb)
         else:
             bb = 1.0 / a  # 1 - B/A becomes 1 - 1/A^2
         # vacuous: NaN (non-finite inputs), overflow (inf), or nonsense; `not (x <= y)` catches NaN
         vac = (not_finite_or_nan(a)) | (not_finite_or_nan(bb)) | (a <= 0.0)
         one = tl.maximum(1.0 - 1.0 / (a * a), 0.0)
         two = tl.maximum(1.0 - bb / a, 0.0)
-        tl.store(TV + row, tl.where(vac, float("inf"), two), mask=row_ok)
-        tl.store(TV1 + row, tl.where(vac, float("inf"), one), mask=row_ok)
-        tl.store(VAC + row, vac.to(tl.int8), mask=row_ok)
-
-
-#: merged rows per program of :func:`merge_splits` (1: one program per row)
-MERGE_ROWS = 1
+        tl.store(TV + row, tl.where(vac, float("inf"), two))
+        tl.store(TV1 + row, tl.where(vac, float("inf"), one))
+        tl.store(VAC + row, vac.to(tl.int8))
 
 
 def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | None = None,
@@ -162,15 +156,12 @@ def merge_splits(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor | Non
     A = new(*lead) if cert else None
     B = new(*lead) if cert_b else None
     tv, tv1, vac = (new(*lead), new(*lead), new(*lead, dtype=torch.int8)) if cert else (None, None, None)
-    nsp = triton.next_power_of_2(ns)
-    # at most 64 fp32 of the [rows, states, d] tile per thread (4 warps): a power of two up to MERGE_ROWS
-    per_prog = 1 << (max(1, min(MERGE_ROWS, 8192 // (nsp * d))).bit_length() - 1)
-    _merge_splits_kernel[(triton.cdiv(rows, per_prog),)](
+    _merge_splits_kernel[(rows,)](
         o_s.contiguous(), lse_s.contiguous(),
         A_s.contiguous() if cert else lse_s, B_s.contiguous() if cert_b else lse_s,
         o, lse, A if cert else lse, B if cert_b else lse, tv if cert else lse, tv1 if cert else lse,
-        vac if cert else lse, rows,
-        NS=ns, NS_P=nsp, D=d, CERT=cert, CERT_B=cert_b, PDL=pdl and pdl_supported(o_s), ROWS=per_prog,
+        vac if cert else lse,
+        NS=ns, NS_P=triton.next_power_of_2(ns), D=d, CERT=cert, CERT_B=cert_b, PDL=pdl and pdl_supported(o_s),
         **({"launch_pdl": True} if pdl and pdl_supported(o_s) else {}),
     )  # fmt: skip
     return MergedSplits(o, lse, A, B, tv, tv1, vac.view(torch.bool) if cert else None)
