@@ -25,9 +25,9 @@ def _states(lead=(2, 3), ns=5, d=16, seed=2):
     return o_s.to(DEV), lse_s.to(DEV), a_s.to(DEV), b_s.to(DEV)
 
 
-@pytest.mark.parametrize("lead", [(2, 3), (7,)])
-def test_kernel_is_the_merge_states_fold(lead):
-    o_s, lse_s, _, _ = _states(lead)
+@pytest.mark.parametrize(("lead", "ns"), [((2, 3), 5), ((7,), 5), ((7,), 1)])
+def test_kernel_is_the_merge_states_fold(lead, ns):
+    o_s, lse_s, _, _ = _states(lead, ns)
     lse_s[0, ..., 1:] = float("-inf")  # empty splits
     lse_s[-1, ..., :] = float("-inf")  # all splits empty
     o_s[0, ..., 1:, :] = float("nan")  # whatever an empty split holds contributes nothing

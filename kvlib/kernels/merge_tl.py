@@ -63,6 +63,8 @@ def merge_splits_ref(o_s: torch.Tensor, lse_s: torch.Tensor, A_s: torch.Tensor |
     o, lse = cat[..., 0, :], lse_s[..., 0]
     for s in range(1, lse_s.shape[-1]):
         o, lse = merge_states(o, lse, cat[..., s, :], lse_s[..., s])
+    # a row with no nonempty state merges to o = 0 (and A = B = 0), as in the kernel, whatever one state held
+    o = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(o), o)
     d = o_s.shape[-1]
     if A_s is None:
         return MergedSplits(o[..., :d], lse)
