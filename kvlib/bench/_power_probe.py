@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import time
 import torch
 
 from kvlib.bench._h10_probe import write_probe
-from kvlib.bench.timing import bench_ms, capture_graph
+from kvlib.bench.timing import bench_ms, capture_graph, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED, _random_pools
 
 SMI_FIELDS = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
@@ -45,11 +46,12 @@ def main(B: int = 64, S: int = 32768, hq: int = 28, hkv: int = 4, d: int = 128, 
     rows: list[dict] = []
 
     def rounds(phase: str, n: int = 3) -> None:
-        for r in range(n):
-            for k in list(graphs) if r % 2 == 0 else list(graphs)[::-1]:
-                rows.append(dict(phase=phase, name=k, ms=bench_ms(graphs[k].replay, rep_ms=100.0).median_ms,
-                                 smi=smi()))
-                print(rows[-1], flush=True)
+        def timed(k: str) -> float:  # one row per timing, with the clocks and power right after it
+            rows.append(dict(phase=phase, name=k, ms=bench_ms(graphs[k].replay, rep_ms=100.0).median_ms, smi=smi()))
+            print(rows[-1], flush=True)
+            return rows[-1]["ms"]
+
+        interleaved({k: functools.partial(timed, k) for k in graphs}, n, strict=True)
 
     def load(k: str) -> None:
         t0 = time.time()

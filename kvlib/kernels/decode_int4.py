@@ -57,7 +57,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kvlib._checks import check_tensor
 from kvlib.hadamard import hadamard, hadamard_matrix
 from kvlib.kernels._backend import pdl_supported, use_triton
-from kvlib.kernels.merge_tl import merge_splits
+from kvlib.kernels.merge_tl import merge_splits, merge_weights
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -804,9 +804,9 @@ def _protected_region(
 def _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                  D: tl.constexpr, NS_P: tl.constexpr):
     """The fused split merge: every program of a (request, kv head) counts itself in ``CNT[b, h]`` after its
-    state is stored; the last to arrive merges the pair's ``NS`` states (the algebra of
-    :func:`~kvlib.kernels.merge_tl.merge_splits`) into ``OFIN``/``LSEFIN`` and resets the counter to zero for
-    the next launch, so no second launch waits for this grid to drain."""
+    state is stored; the last to arrive merges the pair's ``NS`` states into ``OFIN``/``LSEFIN`` (with
+    :func:`~kvlib.kernels.merge_tl.merge_weights`, as :func:`~kvlib.kernels.merge_tl.merge_splits` does) and resets
+    the counter to zero for the next launch, so no second launch waits for this grid to drain."""
     tl.debug_barrier()  # every thread's state stores come before this program's arrival
     bh = b * HKV + h
     old = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")  # release our states, acquire the others'
@@ -824,16 +824,10 @@ def _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV: tl.constexpr, G: tl
         cols = tl.arange(0, D)
         o_s = tl.load(OUT + slot[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0,
                       cache_modifier=".cg")
-        m = tl.max(lse_s, 1)
-        nonempty = m > float("-inf")  # a row whose states are all empty merges to o = 0, lse = -inf
-        m_safe = tl.where(nonempty, m, 0.0)
-        empty = lse_s == float("-inf")
-        w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe[:, None]))
-        den = tl.where(nonempty, tl.sum(w, 1), 1.0)
-        # an empty state's o may be 0/0: select it away rather than multiply it by 0
+        w, den, lse, empty = merge_weights(lse_s, 1)
         o = tl.sum(tl.where(empty[:, :, None], 0.0, w[:, :, None] * o_s), 1) / den[:, None]
         tl.store(OFIN + qrow[:, None] * D + cols[None, :], o, mask=row_ok[:, None])
-        tl.store(LSEFIN + qrow, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), mask=row_ok)
+        tl.store(LSEFIN + qrow, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["C", "SPLITS"])  # one binary for every split count

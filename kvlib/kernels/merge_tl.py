@@ -91,6 +91,22 @@ def not_finite_or_nan(x):
 
 
 @triton.jit
+def merge_weights(lse_s, AXIS: tl.constexpr):
+    """The LSE-merge weights over the state axis ``AXIS`` of ``lse_s`` (natural log): ``(w, den, lse, empty)`` with
+    ``w = exp(lse_s - max)`` (0 for an empty state, ``lse = -inf``), ``den`` their sum (1 where every state is
+    empty), the merged ``lse`` (``-inf`` there) and the empty-state mask. A merged quantity is
+    ``sum(where(empty, 0, w x)) / den``: selecting the empty states away keeps their ``x`` (maybe 0/0) out. The
+    one algebra of :func:`merge_splits` and of the KV4 decode kernel's fused merge."""
+    m = tl.max(lse_s, AXIS)
+    nonempty = m > float("-inf")  # a row whose states are all empty merges to o = 0, lse = -inf
+    m_safe = tl.where(nonempty, m, 0.0)
+    empty = lse_s == float("-inf")
+    w = tl.where(empty, 0.0, tl.exp(lse_s - tl.expand_dims(m_safe, AXIS)))
+    den = tl.where(nonempty, tl.sum(w, AXIS), 1.0)
+    return w, den, tl.where(nonempty, m_safe + tl.log(den), float("-inf")), empty
+
+
+@triton.jit
 def _merge_splits_kernel(
     O_S, LSE_S, A_S, B_S, OUT, LSE, A, B, TV, TV1, VAC,
     NS: tl.constexpr, NS_P: tl.constexpr, D: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr,
@@ -104,18 +120,12 @@ def _merge_splits_kernel(
     s = tl.arange(0, NS_P)
     mask_s = s < NS
     lse_s = tl.load(LSE_S + row * NS + s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    nonempty = m > float("-inf")  # a row whose splits are all empty merges to o = 0, lse = -inf
-    m_safe = tl.where(nonempty, m, 0.0)
-    empty = lse_s == float("-inf")
-    w = tl.where(empty, 0.0, tl.exp(lse_s - m_safe))
-    den = tl.where(nonempty, tl.sum(w, 0), 1.0)
+    w, den, lse, empty = merge_weights(lse_s, 0)
     cols = tl.arange(0, D)
     o_s = tl.load(O_S + (row * NS + s)[:, None] * D + cols[None, :], mask=mask_s[:, None], other=0.0)
-    # an empty split's o may be 0/0: select it away rather than multiply it by 0
     o = tl.sum(tl.where(empty[:, None], 0.0, w[:, None] * o_s), 0) / den
     tl.store(OUT + row * D + cols, o)
-    tl.store(LSE + row, tl.where(nonempty, m_safe + tl.log(den), float("-inf")))
+    tl.store(LSE + row, lse)
     if CERT:
         a_s = tl.load(A_S + row * NS + s, mask=mask_s, other=0.0)
         a = tl.sum(tl.where(empty, 0.0, w * a_s), 0) / den

@@ -493,6 +493,13 @@ _row("each tile's scores computed one iteration ahead, beside the previous tile'
      "gluon_cert_qk_ahead_ns33", "gluon_cert_ahead_ns33")
 _row("scores one iteration ahead, B = 64 (removed)", g14, "gluon_cert_qk_ahead_ns4", "gluon_cert_ahead_ns4",
      (64, 32768, 28))
+# the scores-ahead variant against the kept kernel at every long shape, each at the kept plan's split count
+for kind in ("cert", "nocert"):
+    r_ = [t / g14[k[:3] + (f"gluon_{kind}_ahead_" + k[3].rsplit("_", 1)[1],)] for k, t in g14.items()
+          if k[1] >= 16384 and k[3].startswith(f"gluon_{kind}_qk_ahead_")
+          and k[:3] + (f"gluon_{kind}_ahead_" + k[3].rsplit("_", 1)[1],) in g14]
+    run.glue(f"qka_{kind}_min", min(r_) if r_ else float("nan"))
+    run.glue(f"qka_{kind}_max", max(r_) if r_ else float("nan"))
 gt = pd.DataFrame(rows_g)
 if len(gt):
     display(gt.set_index("change").style.format({"variant (ms)": "{:.4f}", "kept (ms)": "{:.4f}",
@@ -546,20 +553,20 @@ in the table above:
 - register caps at 200 and 168 spill;
 - a cap at 224 does not spill, but its schedule is slower even at half a wave, and a ninth program per SM may not
   fit at all, since each scheduler has its own quarter of the register file;
-- staging the operands through shared memory with `cp.async` (only the current tile in registers: 168 of them,
-  so three warps fit per scheduler) adds shared-memory loads and barriers to every tile, and is slower with 12
+- staging the operands through shared memory with `cp.async` (only the current tile in registers, few enough
+  that three warps fit per scheduler) adds shared-memory loads and barriers to every tile, and is slower with 12
   programs per SM than with 8;
-- splitting a program's tile between two warps (each takes two of the four channel groups, at 163 registers, so
-  three warps fit per scheduler) computes the same values bit for bit, but runs about twice as slow. The tile's
+- splitting a program's tile between two warps (each takes two of the four channel groups, few enough registers
+  that three warps fit per scheduler) computes the same values bit for bit, but runs far slower (the table). The tile's
   work is one dependency chain: Philox rounds, then the QK dots, the softmax and PV. Splitting it leaves each warp
   half the independent work along a chain just as long. Each tile also adds two exchanges through shared memory,
   with barriers, on that chain.
 
 Nor did more independent work inside one warp help. Computing each tile's scores (its dither, QK dots and
 variance) at the end of the iteration before, so that they form a chain beside the previous tile's softmax and PV
-that ptxas could interleave, compiled to 250 registers and 970 loop instructions against 254 and 943. It was
-9-10% slower certified and 25-42% slower uncertified at every long shape (the last rows of the table;
-`gluon_probe14.json`).
+that ptxas could interleave, took {glue:text}`qka_cert_min:.2f`-{glue:text}`qka_cert_max:.2f`x the kept kernel's
+time certified (plans of one wave and of half a wave) and {glue:text}`qka_nocert_min:.2f`-{glue:text}`qka_nocert_max:.2f`x
+uncertified at every shape with S >= 16k (the last rows of the table; `gluon_probe14.json`).
 
 The uncertified kernel has the same profile, with global loads a larger share.
 """),
