@@ -19,16 +19,16 @@ $(STAMP): pyproject.toml
 
 # Execute every notebook at $(PROFILE) (default cpu) and build the HTML book into _build/html.
 book: $(STAMP)
-	$(PY) -m kvlib.book build --profile $(PROFILE)
+	$(PY) -m kvlib.publish build --profile $(PROFILE)
 
 # Unit tests, then every notebook at the seconds-scale `ci` profile, then the book (warnings are errors).
 test: $(STAMP)
-	$(PY) -m ruff check kvlib tests
+	$(PY) -m ruff check kvlib tests dev
 	$(PY) -m pytest -q tests
-	$(PY) -m kvlib.book build --profile ci --no-progress
+	$(PY) -m kvlib.publish build --profile ci --no-progress
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvlib tests
+	$(PY) -m ruff check kvlib tests dev
 
 clean:
 	rm -rf _build book/_render book/executed/ci data/results/ci

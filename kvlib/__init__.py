@@ -13,25 +13,26 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "philox4x32_10": "kvlib.philox",
+    "philox4x32_10": "kvlib.core.philox",
     "dither_quantize": "kvlib.formats.dither_int8",
     "dither_dequantize": "kvlib.formats.dither_int8",
-    "score_radius": "kvlib.certificate",
-    "certificate": "kvlib.certificate",
-    "merge_states": "kvlib.merge",
-    "hadamard": "kvlib.hadamard",
+    "score_radius": "kvlib.certify.bound",
+    "certificate": "kvlib.certify.bound",
+    "merge_states": "kvlib.core.merge",
+    "hadamard": "kvlib.core.hadamard",
     "int4_quantize": "kvlib.formats.kv4",
     "int4_dequantize": "kvlib.formats.kv4",
     "available_formats": "kvlib.formats.base",
     "get_format": "kvlib.formats.base",
-    "load_model": "kvlib.model",
-    "make_cache": "kvlib.hf_cache",
-    "make_gated_cache": "kvlib.gate",
+    "load_model": "kvlib.hf.model",
+    "make_cache": "kvlib.hf.cache",
+    "make_gated_cache": "kvlib.hf.gate",
 }
 _SUBMODULES = {
-    "stats", "rollout", "formats", "book", "bench", "provenance", "tasks", "fidelity", "model", "hf_cache",
-    "corpus", "real_activations", "paged", "fallback", "kv4rl_attention", "outliers", "gate",
-    "storage_probe",
+    # subpackages by concern; see the package map in README.md
+    "core", "formats", "storage", "certify", "kernels", "hf", "analysis", "rollout", "bench", "publish",
+    # the API page's public module path (kvlib.stats.paired_bootstrap_ci, kvlib.stats.mcnemar)
+    "stats",
 }
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)

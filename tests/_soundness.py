@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kvlib.certificate import tv_distance
+from kvlib.certify.bound import tv_distance
 
 
 def assert_rows_within_certificate(q, K, slot_ids, slots, seq, probs, tv_bound) -> None:

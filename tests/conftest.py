@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def smol():
     """The shipped SmolLM2 model and tokenizer, loaded once per test session (skipped if absent)."""
-    from kvlib import model as kvmodel
+    from kvlib.hf import model as kvmodel
 
     if not kvmodel.model_available():
         pytest.skip(f"SmolLM2 GGUF absent; install with: {kvmodel.install_command()}")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib import rollout_time as rt
 from kvlib.bench import decode_grid as grid
 from kvlib.bench import replay
+from kvlib.rollout import time_model as rt
 
 
 def test_aggregate_speedup_known_example():

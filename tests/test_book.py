@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlib.book.assemble import write_toc
-from kvlib.book.registry import NotebookEntry, all_notebooks, load_registry
-from kvlib.book.runner import run_notebooks, validate
-from kvlib.provenance import repo_root, save_result
+from kvlib.publish.assemble import write_toc
+from kvlib.publish.provenance import repo_root, save_result
+from kvlib.publish.registry import NotebookEntry, all_notebooks, load_registry
+from kvlib.publish.runner import run_notebooks, validate
 
 TINY = str(Path(__file__).parent / "data" / "tiny.ipynb")
 
@@ -59,7 +59,7 @@ def test_profile_without_parameters_is_skipped(sandbox):
 
 
 def test_gpu_notebook_is_skipped_on_cpu(sandbox, monkeypatch):
-    monkeypatch.setattr("kvlib.book.runner.gpu_available", lambda: False)
+    monkeypatch.setattr("kvlib.publish.runner.gpu_available", lambda: False)
     e = NotebookEntry(name="g", path=TINY, chapter="t", title="g", profiles={"ci": {}}, needs_gpu=True)
     (o,) = run_notebooks("ci", entries=[e], progress=False)
     assert o.status == "skipped" and "GPU" in o.detail
@@ -69,7 +69,7 @@ def test_result_not_overwritten_by_smaller_profile(sandbox, monkeypatch):
     save_result("r", "gpu", {"v": 1}, {})
     gpu_file = sandbox / "results" / "gpu" / "r.json"
     # Point every profile at the gpu folder: a ci record must not replace the gpu one there.
-    monkeypatch.setattr("kvlib.provenance.results_dir", lambda profile: gpu_file.parent)
+    monkeypatch.setattr("kvlib.publish.provenance.results_dir", lambda profile: gpu_file.parent)
     with pytest.raises(ValueError, match="refusing to overwrite"):
         save_result("r", "ci", {"v": 3}, {})
     assert json.loads(gpu_file.read_text())["v"] == 1
@@ -86,7 +86,7 @@ def test_result_json_is_strict(sandbox):
 
 
 def test_cli_rejects_unknown_notebook():
-    from kvlib.book.__main__ import main
+    from kvlib.publish.__main__ import main
 
     assert main(["run", "--profile", "ci", "--only", "no-such-notebook", "--no-progress"]) == 2
 
@@ -97,7 +97,7 @@ def test_parameters_cells_are_fully_understood_by_papermill():
 
     import nbformat
 
-    from kvlib.book.runner import notebook_parameters
+    from kvlib.publish.runner import notebook_parameters
 
     for nb in all_notebooks():
         path = repo_root() / nb.path
@@ -110,7 +110,7 @@ def test_parameters_cells_are_fully_understood_by_papermill():
 
 
 def test_glue_key_twice_is_an_error(sandbox):
-    from kvlib.book import Run
+    from kvlib.publish import Run
 
     run = Run("dup", profile="ci")
     run.glue("x", 1)

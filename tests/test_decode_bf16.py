@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlib.kernels.decode_bf16 import decode_bf16, decode_bf16_reference
+from kvlib.kernels.bf16.decode import decode_bf16, decode_bf16_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
 

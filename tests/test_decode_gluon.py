@@ -9,8 +9,8 @@ import pytest
 import torch
 from _soundness import assert_rows_within_certificate
 
-from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side, resolve_impl
-from kvlib.kernels.decode_int8_gluon import gluon_unsupported
+from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.gluon import gluon_unsupported
 
 SEED = 2**33 + 4242
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 from _soundness import assert_rows_within_certificate
 
-from kvlib.certificate import rounding_slack
-from kvlib.kernels.decode_int8 import PoolSide, decode_int8, decode_reference, make_pool_side
-from kvlib.kernels.decode_int8_h10 import _s2_operand, _v_operand
+from kvlib.certify.bound import rounding_slack
+from kvlib.kernels.int8.decode import PoolSide, decode_int8, decode_reference, make_pool_side
+from kvlib.kernels.int8.h10 import _s2_operand, _v_operand
 
 SEED = 2**33 + 777
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +77,7 @@ def test_dequantised_pv_is_within_fp16_rounding_and_leaves_the_certificate(v_out
     """PV_DEQUANT: values rounded to fp16 once (``s c``) and ``1024 p`` as one fp16 piece. Softmax and
     certificate are untouched; the output moves by at most the two roundings (2^-11 relative each) of the
     values the output averages."""
-    import kvlib.kernels.decode_int8_h10 as h10
+    import kvlib.kernels.int8.h10 as h10
 
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, S=88, v_out=v_out)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
@@ -134,7 +134,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_variance_dot_matches_the_fma_sum(monkeypatch):
-    import kvlib.kernels.decode_int8_h10 as h10
+    import kvlib.kernels.int8.h10 as h10
 
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=48)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)

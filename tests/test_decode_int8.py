@@ -6,15 +6,15 @@ import pytest
 import torch
 from _soundness import assert_rows_within_certificate
 
-from kvlib.certificate import coverage
-from kvlib.kernels.decode_int8 import (
+from kvlib.certify.bound import coverage
+from kvlib.kernels.int8.decode import (
     PoolSide,
     decode_int8,
     decode_reference,
     decode_stage1,
     make_pool_side,
 )
-from kvlib.kernels.merge_tl import merge_splits, merge_splits_ref
+from kvlib.kernels.tl.merge import merge_splits, merge_splits_ref
 
 SEED = 2**33 + 12345  # both key words non-trivial
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run under TRITON_INTERPRET=1
@@ -87,7 +87,7 @@ def test_tensor_core_cheaper_variants_stay_sound_and_close():
 
 
 def test_impl_choice_and_errors():
-    from kvlib.kernels.decode_int8 import resolve_impl
+    from kvlib.kernels.int8.decode import resolve_impl
 
     assert resolve_impl("auto", 128, 32) == "tc" and resolve_impl("auto", 96, 32) == "fma"
     assert resolve_impl("auto", 64, 8) == "fma"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
+from kvlib.core.philox import dither
 from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize
-from kvlib.philox import dither
 
 
 def _quant(x, seed=11, **kw):

@@ -16,20 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.certificate import TC_RADIUS_INFLATE, rounding_slack, score_radius
-from kvlib.formats.base import get_format
-from kvlib.formats.dither_int8 import DitherQTensor, dither_dequantize, dither_quantize, residual
-from kvlib.kernels.decode_int8 import (
-    PoolSide,
-    _query_residual_mult,
-    as_side,
-    decode_reference,
-    make_pool_side,
-    resolve_impl,
-)
-from kvlib.kernels.philox_tl import dither_tile_h8, dither_tile_h10
-from kvlib.paged import PagedKV, PagedPool
-from kvlib.philox import (
+from kvlib.certify.bound import TC_RADIUS_INFLATE, rounding_slack, score_radius
+from kvlib.core.philox import (
     DITHER_BIAS,
     dither,
     dither_counter,
@@ -38,6 +26,18 @@ from kvlib.philox import (
     philox4x32_10,
     seed_key,
 )
+from kvlib.formats.base import get_format
+from kvlib.formats.dither_int8 import DitherQTensor, dither_dequantize, dither_quantize, residual
+from kvlib.kernels.int8.decode import (
+    PoolSide,
+    _query_residual_mult,
+    as_side,
+    decode_reference,
+    make_pool_side,
+    resolve_impl,
+)
+from kvlib.kernels.tl.philox import dither_tile_h8, dither_tile_h10
+from kvlib.storage.paged import PagedKV, PagedPool
 
 SEED = 2**63 + 977
 INTERP = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -163,7 +163,7 @@ def _pool(**kw) -> PagedPool:
 
 
 def test_paged_read_round_trip_h10():
-    from kvlib.kernels.write_int8 import write_int8_reference
+    from kvlib.kernels.int8.write import write_int8_reference
 
     pool = _pool(n_out=2)
     g = torch.Generator().manual_seed(6)
@@ -187,7 +187,7 @@ def test_paged_read_round_trip_h10():
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("d,group,n_out", [(64, 32, 0), (128, 32, 4)])
 def test_write_kernel_matches_torch_h10(d, group, n_out):
-    from kvlib.kernels.write_int8 import write_int8
+    from kvlib.kernels.int8.write import write_int8
 
     ref, tri, w24 = (_pool(d=d, group=group, n_out=n_out, device=DEV) for _ in range(3))
     w24.dither_layout = "w24"
@@ -234,7 +234,7 @@ def test_dither_tile_matches_reference(layout, d):
 # --- decode reference and radius --------------------------------------------------------------
 @pytest.mark.parametrize("d,group,impl", [(128, 32, "h10"), (64, 16, "fma")])
 def test_decode_reference_h10_vs_direct(d, group, impl):
-    from kvlib.kernels.write_int8 import write_int8_reference
+    from kvlib.kernels.int8.write import write_int8_reference
 
     B, hq, hkv, n_slots = 2, 4, 2, 48
     kv = PagedKV(n_layers=1, n_slots=n_slots, n_kv_heads=hkv, d=d, group=group, seed=SEED, dither_layout="h10",

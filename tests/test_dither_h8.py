@@ -2,7 +2,7 @@
 
 Mirrors the h10 tests (tests/test_dither_h10.py) on the properties the certificate uses: exact values on a
 256-point grid, one (counter, word, byte) per (stream, slot, channel), error within half a step, a grid mean
-of at most 2^-9 (kvlib.philox.DITHER_BIAS) that the radius carries, and the Triton write and decode kernels
+of at most 2^-9 (kvlib.core.philox.DITHER_BIAS) that the radius carries, and the Triton write and decode kernels
 against their torch references.
 """
 
@@ -16,11 +16,11 @@ import sys
 import pytest
 import torch
 
-from kvlib.certificate import radius_multiplier, rounding_slack
+from kvlib.certify.bound import radius_multiplier, rounding_slack
+from kvlib.core.philox import DITHER_BIAS, byte_to_xi, dither, dither_counter, h8_channel_map, philox4x32_10, seed_key
 from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize, residual
-from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side, resolve_impl
-from kvlib.paged import PagedPool
-from kvlib.philox import DITHER_BIAS, byte_to_xi, dither, dither_counter, h8_channel_map, philox4x32_10, seed_key
+from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.storage.paged import PagedPool
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _soundness import assert_rows_within_certificate  # noqa: E402
@@ -111,7 +111,7 @@ def test_slack_and_radius_carry_the_larger_mean():
 
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 def test_write_kernel_matches_torch_h8():
-    from kvlib.kernels.write_int8 import write_int8
+    from kvlib.kernels.int8.write import write_int8
 
     kw = dict(n_layers=2, n_slots=40, n_kv_heads=2, d=128, group=32, side=0, seed=SEED, n_out=4, device=DEV)
     ref, tri, h10 = PagedPool(**kw, dither_layout="h8"), PagedPool(**kw, dither_layout="h8"), PagedPool(
@@ -191,7 +191,7 @@ def test_h8_soundness_over_redrawn_dithers(family):
     exact 95% interval starts below delta (its probabilistic part, radius with the 2^-9 mean)."""
     from scipy.stats import binomtest
 
-    from kvlib.certificate import certify_trials, synthetic_keys
+    from kvlib.certify.bound import certify_trials, synthetic_keys
 
     g = torch.Generator().manual_seed(11)
     k = synthetic_keys(family, 128, 64, generator=g)

@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 
-from kvlib.paged import PagedPool
+from kvlib.storage.paged import PagedPool
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kvlib.kernels.write_int8 import write_int8  # noqa: E402
+from kvlib.kernels.int8.write import write_int8  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

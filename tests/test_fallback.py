@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from kvlib.certificate import certificate_from_scores, score_radius, tv_distance
-from kvlib.fallback import block_excess, block_fallback, fallback_heads, fp16_radius
+from kvlib.certify.bound import certificate_from_scores, score_radius, tv_distance
+from kvlib.certify.fallback import block_excess, block_fallback, fallback_heads, fp16_radius
 from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize
-from kvlib.kernels.decode_int8 import decode_reference, make_pool_side
+from kvlib.kernels.int8.decode import decode_reference, make_pool_side
 
 
 def _row(S=512, d=64, seed=0, massive=12.0):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib import fidelity as fid
-from kvlib import model as kvmodel
+from kvlib.analysis import fidelity as fid
+from kvlib.hf import model as kvmodel
 
 LONG = ("Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
         "and nothing particular to interest me on shore, I thought I would sail about a little.")

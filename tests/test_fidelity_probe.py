@@ -1,4 +1,4 @@
-"""Batched KV4-RL storage probe (kvlib.storage_probe): exactness of the fast KV4-RL view and zero-KL repeat."""
+"""Batched KV4-RL storage probe (kvlib.analysis.storage_probe): exactness of the fast KV4-RL view and zero-KL repeat."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvlib.fidelity import forced_logits, geometric_kl_ratio
-from kvlib.storage_probe import ProtectedCache, batched_probe, kv4rl_view, prefill_context, sample_responses
+from kvlib.analysis.fidelity import forced_logits, geometric_kl_ratio
+from kvlib.analysis.storage_probe import ProtectedCache, batched_probe, kv4rl_view, prefill_context, sample_responses
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_batched_probe_reuses_contexts(tiny_model):
 # ----------------------------------------------------------------------------- vectorised storage views
 def _chunk_then_decode(model, ids, cache, split, chunk):
     """Logits of ``ids [B, N]`` fed as a prefix of ``split`` tokens then the rest (one chunk or token by token)."""
-    from kvlib.storage_probe import probe_attention
+    from kvlib.analysis.storage_probe import probe_attention
 
     with torch.no_grad(), probe_attention(model):
         rows = [model(ids[:, :split], past_key_values=cache, use_cache=True).logits]
@@ -95,8 +95,8 @@ def _chunk_then_decode(model, ids, cache, split, chunk):
                                       ("kv4-g16", {}), ("nvfp4", dict(rotate="k")), ("mxfp4", {})])
 def test_storage_view_equals_format_cache(tiny_model, fmt, opts):
     """The vectorised view and the per-stream format cache hand attention the same K/V."""
-    from kvlib.hf_cache import make_cache
-    from kvlib.storage_probe import storage_view
+    from kvlib.analysis.storage_probe import storage_view
+    from kvlib.hf.cache import make_cache
 
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
     ref = _chunk_then_decode(tiny_model, ids, make_cache(fmt, tiny_model.config, **opts), 20, True)
@@ -122,8 +122,8 @@ def test_regional_chunk_equals_decode(tiny_model, opts):
 
 @pytest.mark.parametrize("sink,recent", [(0, 0), (3, 0), (0, 5), (2, 4), (7, 50)])
 def test_protected_region_matches_the_format_rule(sink, recent):
+    from kvlib.analysis.storage_probe import protected_region
     from kvlib.formats.kv4rl import protected_mask
-    from kvlib.storage_probe import protected_region
 
     n = 23
     q_pos = torch.arange(9, n)
@@ -135,8 +135,8 @@ def test_protected_region_matches_the_format_rule(sink, recent):
 
 
 def test_storage_view_bad_input(tiny_model):
+    from kvlib.analysis.storage_probe import StorageCache, storage_view
     from kvlib.formats import get_format
-    from kvlib.storage_probe import StorageCache, storage_view
 
     with pytest.raises(ValueError, match="fmt"):
         storage_view("kivi2")
@@ -152,7 +152,7 @@ def test_storage_view_bad_input(tiny_model):
 
 
 def test_probe_attention_restores_the_model(tiny_model):
-    from kvlib.storage_probe import REGIONAL_ATTN, probe_attention
+    from kvlib.analysis.storage_probe import REGIONAL_ATTN, probe_attention
 
     before = tiny_model.config._attn_implementation
     with probe_attention(tiny_model):
@@ -161,7 +161,7 @@ def test_probe_attention_restores_the_model(tiny_model):
 
 
 def test_kl_mean_ratio_properties():
-    from kvlib.fidelity import ProbeResult, kl_mean_ratio
+    from kvlib.analysis.fidelity import ProbeResult, kl_mean_ratio
 
     rng = np.random.default_rng(0)
     path = np.repeat(np.arange(10), 8)

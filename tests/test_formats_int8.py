@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvlib.core.outliers import inject_massive_pairs, rope_pairs, select_outlier_pairs
 from kvlib.formats import available_formats, get_format
-from kvlib.outliers import inject_massive_pairs, rope_pairs, select_outlier_pairs
 
 NAMES = ["dither-int8", "rtn-int8", "sr-int8", "fp8-e4m3", "block-int8"]
 

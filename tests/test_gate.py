@@ -1,15 +1,15 @@
-"""The certificate gate (kvlib.gate): repair semantics, exactness, byte account, deterministic bounds."""
+"""The certificate gate (kvlib.hf.gate): repair semantics, exactness, byte account, deterministic bounds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvlib import model as kvmodel
-from kvlib.fallback import block_excess
+from kvlib.certify.fallback import block_excess
 from kvlib.formats.base import get_format
-from kvlib.gate import DETERMINISTIC_FORMATS, GatedCache, gate_kind, key_error_bound, make_gated_cache
-from kvlib.hf_cache import make_cache
+from kvlib.hf import model as kvmodel
+from kvlib.hf.cache import make_cache
+from kvlib.hf.gate import DETERMINISTIC_FORMATS, GatedCache, gate_kind, key_error_bound, make_gated_cache
 
 PROMPT = "The river ran past the old mill, and the miller's daughter counted the boats."
 GATED = ("dither-int8", "fp8-e4m3", "kivi2")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvlib.hadamard import hadamard, hadamard_matrix
+from kvlib.core.hadamard import hadamard, hadamard_matrix
 
 
 @pytest.mark.parametrize("d", [1, 2, 8, 64, 128])

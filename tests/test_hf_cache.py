@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kvlib import model as kvmodel
 from kvlib.formats.base import available_formats, get_format
-from kvlib.hf_cache import KVFormatCache, make_cache
+from kvlib.hf import model as kvmodel
+from kvlib.hf.cache import KVFormatCache, make_cache
 
 PROMPT = "The river ran past the old mill, and the miller's daughter counted the boats."
 
@@ -160,7 +160,7 @@ def test_telemetry_counts_stride_and_soundness(small, ids) -> None:
     cert = dith.certify(layer, q)
     g = Hq // cfg.num_key_value_heads
     # the batched certify equals the per-head reference computation
-    from kvlib.certificate import certificate_from_scores, request_delta, score_radius
+    from kvlib.certify.bound import certificate_from_scores, request_delta, score_radius
 
     pk = dith.layers[layer].packed[0][0][1]
     qh = q[0, g:2 * g].double()
@@ -180,7 +180,7 @@ def test_telemetry_counts_stride_and_soundness(small, ids) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("layout", ["h10", "h8"])
 def test_half_word_dither_layout_reaches_the_cache_and_its_radius(small, ids, layout) -> None:
-    from kvlib.certificate import certificate_from_scores, request_delta, score_radius
+    from kvlib.certify.bound import certificate_from_scores, request_delta, score_radius
 
     model = small
     cfg = model.config

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from kvlib.core.hadamard import hadamard
 from kvlib.formats import available_formats, get_format
 from kvlib.formats.kv4 import int4_dequantize, int4_quantize, pack_nibbles, unpack_nibbles
-from kvlib.hadamard import hadamard
 
 
 def _keys(n=200, d=128, seed=0):

@@ -5,8 +5,17 @@ import os
 import pytest
 import torch
 
+from kvlib.core.merge import merge_states
 from kvlib.formats import get_format
-from kvlib.kernels.decode_int4 import (
+from kvlib.kernels.int4.attention import (
+    build_kv4_batch,
+    decode_ref,
+    dequantized_kv,
+    kv4_decode,
+    kv4rl_decode,
+    side_buffer,
+)
+from kvlib.kernels.int4.decode import (
     DEFAULT_CONFIG,
     KV4KernelConfig,
     SideBuffer,
@@ -19,16 +28,7 @@ from kvlib.kernels.decode_int4 import (
     region_attention_ref,
     tma_applies,
 )
-from kvlib.kernels.decode_protected import protected_decode, protected_decode_ref
-from kvlib.kv4rl_attention import (
-    build_kv4_batch,
-    decode_ref,
-    dequantized_kv,
-    kv4_decode,
-    kv4rl_decode,
-    side_buffer,
-)
-from kvlib.merge import merge_states
+from kvlib.kernels.int4.protected import protected_decode, protected_decode_ref
 
 # these tests build CPU tensors and run the kernels under the Triton interpreter; on a GPU machine the
 # same kernels are checked against the references by the benchmark's accuracy section (kvlib.bench.kv4)
@@ -174,7 +174,7 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side)
     identically), and a query prepared without counters gives the same result."""
     import dataclasses
 
-    from kvlib.kernels.decode_int4 import fuse_merge_applies
+    from kvlib.kernels.int4.decode import fuse_merge_applies
 
     q, k, v = _qkv(12)
     cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
@@ -201,7 +201,7 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side)
 
 def test_fused_merge_declines_tiles_too_wide():
     cfg = DEFAULT_CONFIG.replace(fuse_merge=True)
-    from kvlib.kernels.decode_int4 import fuse_merge_applies
+    from kvlib.kernels.int4.decode import fuse_merge_applies
 
     assert fuse_merge_applies(cfg, 2, 8, 128)
     assert not fuse_merge_applies(cfg, 1, 8, 128)  # one state: nothing to merge
@@ -335,7 +335,7 @@ def test_bad_inputs():
 
 def test_sweep_tiny_wiring():
     """The GPU tuning sweep's code path at tiny shapes under the interpreter (times mean nothing)."""
-    from kvlib.bench.kv4_sweep import FAMILIES, TINY_SHAPES, Sweep, compile_variants
+    from dev.kv4_sweep import FAMILIES, TINY_SHAPES, Sweep, compile_variants
 
     for family, variants in FAMILIES.items():  # every family's configs are valid KV4KernelConfig copies
         assert variants(True)[0][0] == "default", family
@@ -405,7 +405,7 @@ def test_pipe_edges_default_follows_the_side_buffer():
 def test_wave_model_split_plans(monkeypatch):
     """The GPU branch of the split plan (132 SMs, as an H200): one wave when the pairs fill it, splits when
     they do not, and the per-program overhead keeps a large ragged batch from near-empty splits."""
-    from kvlib.kernels import decode_int4
+    from kvlib.kernels.int4 import decode as decode_int4
 
     monkeypatch.setattr(decode_int4, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
@@ -424,7 +424,7 @@ def test_wave_model_split_plans(monkeypatch):
 
 def test_pdl_is_ignored_off_hopper():
     """KV4KernelConfig.pdl is on by default, but only sm_90+ CUDA launches use it (the CPU path runs plainly)."""
-    from kvlib.kernels._backend import pdl_supported
+    from kvlib.kernels.backend import pdl_supported
 
     assert DEFAULT_CONFIG.pdl
     assert not pdl_supported(torch.zeros(1))

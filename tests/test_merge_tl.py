@@ -4,8 +4,8 @@ of ``merge_states``, and the known answer (splitting the keys of one softmax cha
 import pytest
 import torch
 
-from kvlib.certificate import bounds_from_AB
-from kvlib.kernels.merge_tl import merge_splits, merge_splits_ref
+from kvlib.certify.bound import bounds_from_AB
+from kvlib.kernels.tl.merge import merge_splits, merge_splits_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
 

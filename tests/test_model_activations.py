@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlib import model as kvmodel
-from kvlib import real_activations as ra
+from kvlib.analysis import real_activations as ra
+from kvlib.hf import model as kvmodel
 
 
 def planted_acts(S: int = 64, d: int = 64, n_kv: int = 2, g: int = 2, seed: int = 0) -> dict:
@@ -49,7 +49,7 @@ def test_certify_budget_sound_and_bypass_helps() -> None:
 
 @pytest.mark.skipif(not kvmodel.model_available(), reason=f"SmolLM2 GGUF absent; {kvmodel.install_command()}")
 def test_outlier_table_feeds_the_cache() -> None:
-    from kvlib.hf_cache import make_cache
+    from kvlib.hf.cache import make_cache
 
     model, tok = kvmodel.load_model()
     small = kvmodel.truncated_model(model, 2)
@@ -113,8 +113,8 @@ def test_truncated_capture_equals_full_capture() -> None:
 
 def test_dither_keys_equals_quantize_then_dequantize() -> None:
     """The budget sweep's one-Philox-draw write/read gives bit for bit the format's numbers."""
+    from kvlib.core.philox import dither
     from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize
-    from kvlib.philox import dither
 
     k = planted_acts(S=48)[0]["k"][0, 1]
     xi = dither(torch.arange(48), 64, layer=3, kv_head=1, seed=7)

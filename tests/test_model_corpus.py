@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlib import corpus
-from kvlib import model as kvmodel
+from kvlib.analysis import corpus
+from kvlib.hf import model as kvmodel
 
 
 def test_three_domains_three_documents_each() -> None:

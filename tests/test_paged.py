@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlib.paged import PagedKV, PagedPool, bytes_per_token_head
+from kvlib.storage.paged import PagedKV, PagedPool, bytes_per_token_head
 
 
 def test_paper_136_bytes_at_d128():

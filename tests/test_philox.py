@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlib.philox import dither, dither_counter, mulhilo32, philox4x32_10, seed_key, word_to_xi
+from kvlib.core.philox import dither, dither_counter, mulhilo32, philox4x32_10, seed_key, word_to_xi
 
 KAT = json.loads((Path(__file__).resolve().parents[1] / "data" / "kat" / "philox.json").read_text())["vectors"]
 
@@ -103,7 +103,7 @@ tl = triton.language
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kvlib.kernels.philox_tl import dither_tile, philox4x32  # noqa: E402
+from kvlib.kernels.tl.philox import dither_tile, philox4x32  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvlib.bench.sass_count import loop_stats
+from kvlib.kernels.sass import loop_stats
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -40,14 +40,14 @@ def test_loop_stats_without_a_loop_raises():
 
 
 def _offline(func: str) -> dict:
-    """``kvlib.bench.sass_count.<func>()`` in a fresh process (the test session runs Triton under its CPU
+    """``kvlib.kernels.sass.<func>()`` in a fresh process (the test session runs Triton under its CPU
     interpreter), skipped where Triton's NVIDIA toolchain is missing."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("Triton's NVIDIA toolchain is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prog = f"import json; from kvlib.bench.sass_count import {func}; print(json.dumps({func}()))"
+    prog = f"import json; from kvlib.kernels.sass import {func}; print(json.dumps({func}()))"
     proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
                           check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])

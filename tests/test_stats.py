@@ -1,4 +1,4 @@
-"""Tests of kvlib.stats against closed-form cases and simulated coverage."""
+"""Tests of kvlib.analysis.stats against closed-form cases and simulated coverage."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.stats as scipy_stats
 
-from kvlib.stats import (
+from kvlib.analysis.stats import (
     bootstrap_mean_ci,
     cluster_bootstrap_mean_ci,
     compare_paired,

@@ -1,4 +1,4 @@
-"""Tests of kvlib.tasks: determinism, needle placement, lengths, scoring, generation plumbing."""
+"""Tests of kvlib.analysis.tasks: determinism, needle placement, lengths, scoring, generation plumbing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kvlib.tasks import (
+from kvlib.analysis.tasks import (
     TASK_KINDS,
     Prefill,
     RetrievalTask,
@@ -253,7 +253,7 @@ def test_run_tasks_on_tiny_random_model() -> None:
 
 def test_real_tokenizer_lengths_and_template() -> None:
     """With the shipped SmolLM2 tokenizer: chat template used, prompt length within bounds."""
-    from kvlib import model as kvmodel
+    from kvlib.hf import model as kvmodel
 
     if not kvmodel.model_available():
         pytest.skip("shipped model not installed")

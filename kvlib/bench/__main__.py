@@ -14,7 +14,7 @@ import sys
 import traceback
 
 import kvlib.bench as pkg
-from kvlib.provenance import PROFILES, save_result
+from kvlib.publish.provenance import PROFILES, save_result
 
 
 def topics() -> list[str]:

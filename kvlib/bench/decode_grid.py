@@ -3,8 +3,8 @@
 Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one query token per row:
 
 * ``sdpa_bf16``: torch SDPA bf16, default backend, contiguous ``[B, H_kv, S, d]`` (its best case);
-* ``triton_bf16``: our bf16 split-KV Triton kernel (:mod:`kvlib.kernels.decode_bf16`), paged;
-* ``int8_cert`` / ``int8_nocert``: dithered INT8 decode (:mod:`kvlib.kernels.decode_int8`, tensor-core
+* ``triton_bf16``: our bf16 split-KV Triton kernel (:mod:`kvlib.kernels.bf16.decode`), paged;
+* ``int8_cert`` / ``int8_nocert``: dithered INT8 decode (:mod:`kvlib.kernels.int8.decode`, tensor-core
   kernel) with the certificate (A and B accumulators) and with it switched off, ``fast`` operands
   (dither as one fp16 operand, P as one fp16 operand against the exact v pair); ``int8_cert_exact``:
   every operand exact (:data:`INT8_MODES`);
@@ -14,16 +14,16 @@ Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one qu
   later failed its H200 check; it was dropped.)
 * ``int8_h10_cert`` / ``int8_h10_nocert`` / ``int8_h10_nophilox``: the same pools read through the
   h10 dither layout (eight 10-bit dithers per Philox call) by its own kernel
-  (:mod:`kvlib.kernels.decode_int8_h10`, certificate with A only, as the w24 ``int8_cert`` is timed with
+  (:mod:`kvlib.kernels.int8.h10`, certificate with A only, as the w24 ``int8_cert`` is timed with
   A and B: see ``int8_h10_certAB``), where the shape allows it (``d = 4 * 32``); ``int8_h8_cert`` /
   ``int8_h8_nocert``: the same through the h8 layout (sixteen 8-bit dithers per call, the same kernel);
   ``int8_h8g_cert`` / ``int8_h8g_nocert``: the h8 codes read by the Gluon kernel
-  (:mod:`kvlib.kernels.decode_int8_gluon`, GPU only: on CPU a note says so);
+  (:mod:`kvlib.kernels.int8.gluon`, GPU only: on CPU a note says so);
 * ``kv4`` / ``kv4rl``: KV4 INT4 decode and KV4-RL (INT4 main region + INT8 sink/recent side
-  buffer merged with ``merge_states``), :mod:`kvlib.kv4rl_attention`.
+  buffer merged with ``merge_states``), :mod:`kvlib.kernels.int4.attention`.
 
 Bytes moved per call are the K+V payload from each format's own byte account
-(``get_format(name).bytes_per_position`` / ``fixed_bytes``, :func:`kvlib.paged.bytes_per_token_head`);
+(``get_format(name).bytes_per_position`` / ``fixed_bytes``, :func:`kvlib.storage.paged.bytes_per_token_head`);
 slot tables, queries and outputs are not counted (under 1% at S >= 1k). Achieved bandwidth is set
 against the copy bandwidth measured in the same run. Codes and scales are random (speed does not
 depend on their values). On CUDA every method is captured in a CUDA graph (eager if capture fails,
@@ -98,7 +98,7 @@ def side_count(lengths: torch.Tensor, sink: int = SINK, recent: int = RECENT) ->
 def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
     """K+V payload bytes one decode call of ``method`` reads for requests of ``lengths`` positions."""
     from kvlib.formats.base import get_format
-    from kvlib.paged import bytes_per_token_head
+    from kvlib.storage.paged import bytes_per_token_head
 
     if method not in METHOD_FORMAT:
         raise ValueError(f"method must be one of {sorted(METHOD_FORMAT)}, got {method!r}")
@@ -118,7 +118,7 @@ def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
 # helpers
 def skip_philox_kw() -> dict[str, Any] | None:
     """Keyword that makes ``decode_int8`` skip Philox, if its signature offers one; else None."""
-    from kvlib.kernels.decode_int8 import decode_int8
+    from kvlib.kernels.int8.decode import decode_int8
 
     params = inspect.signature(decode_int8).parameters
     for name in SKIP_PHILOX_ARGS:
@@ -231,7 +231,7 @@ def _sdpa(record, q, lengths, shape: HeadShape, n_buckets: int, uniform: bool) -
 
 
 def _triton_bf16(record, q, lengths, shape: HeadShape) -> None:
-    from kvlib.kernels.decode_bf16 import decode_bf16
+    from kvlib.kernels.bf16.decode import decode_bf16
 
     slots, n = _slot_table(lengths)
     k = torch.randn(n, shape.hkv, shape.d, device=q.device, dtype=torch.bfloat16)
@@ -241,7 +241,7 @@ def _triton_bf16(record, q, lengths, shape: HeadShape) -> None:
 
 
 def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]) -> None:
-    from kvlib.kernels.decode_int8 import PoolSide, decode_int8
+    from kvlib.kernels.int8.decode import PoolSide, decode_int8
 
     slots, n = _slot_table(lengths)
     dev = q.device
@@ -281,7 +281,7 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
         kp8 = dataclasses.replace(kp, dither_layout="h8")
         h8 = lambda **kw: (lambda: decode_int8(qb, kp8, vp, slots, lengths, impl="h10", **base, **kw))  # noqa: E731
         variants |= {"int8_h8_cert": h8(cert=True, cert_b=False), "int8_h8_nocert": h8(cert=False)}
-        from kvlib.kernels.decode_int8_gluon import gluon_unsupported
+        from kvlib.kernels.int8.gluon import gluon_unsupported
 
         why = gluon_unsupported(qb, kp8, vp)
         if why is None:  # the same h8 codes read by the Gluon kernel (GPU only)
@@ -298,8 +298,8 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
 
 def _kv4(record, q, lengths, shape: HeadShape, want: set[str]) -> None:
     from kvlib.bench.kv4 import random_kv4_batch
-    from kvlib.kv4rl_attention import kv4_decode, kv4rl_decode
-    from kvlib.merge import merge_states
+    from kvlib.core.merge import merge_states
+    from kvlib.kernels.int4.attention import kv4_decode, kv4rl_decode
 
     cache = random_kv4_batch(lengths.to(q.device), int(lengths.max()), SINK, RECENT, hkv=shape.hkv, d=shape.d)
     qb = q.to(torch.bfloat16)

@@ -6,8 +6,8 @@ mean context near 1.5k; about 300 at near 4k). Codes and scales are random (timi
 on their values); every method runs inside a CUDA graph so launch overhead is paid equally. Goals
 from issue 6: KV4 >= 3.0x SDPA at long context, KV4-RL >= 97% of KV4's speed. KV4-RL is timed fused
 (one launch; the protected region is an extra split) and as two launches merged by ``merge_states``.
-Tuning lives in :mod:`kvlib.bench.kv4_sweep`; this benchmark times
-:data:`kvlib.kernels.decode_int4.DEFAULT_CONFIG` (recorded in the result).
+Tuning lives in :mod:`dev.kv4_sweep`; this benchmark times
+:data:`kvlib.kernels.int4.decode.DEFAULT_CONFIG` (recorded in the result).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import math
 import torch
 
 from kvlib.bench.timing import bandwidth_GBps, bench_graphed, copy_bandwidth, interleaved
-from kvlib.kv4rl_attention import KV4Batch, build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
-from kvlib.merge import merge_states
+from kvlib.core.merge import merge_states
+from kvlib.kernels.int4.attention import KV4Batch, build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 
 D, HQ, HKV = 128, 32, 8
 SINK, RECENT = 16, 128
@@ -70,7 +70,7 @@ def _bytes_bf16(lengths: torch.Tensor) -> float:
 
 def _int_pv_config():
     """Integer PV re-quantises p per block row; 64-position blocks keep its error near the fp16 path's."""
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG
+    from kvlib.kernels.int4.decode import DEFAULT_CONFIG
 
     return DEFAULT_CONFIG.replace(int_pv=True, block_n=min(DEFAULT_CONFIG.block_n, 64))
 
@@ -88,7 +88,7 @@ def _methods(q, cache, merge):
 
 #: rounds of the KV4 methods per shape, interleaved (the order rotated each round; the median kept), so the ratios
 #: between them (KV4-RL / KV4) see the same clocks and memory state. At B=128, S=16k they still move between runs
-#: (0.968 and 0.940: data/results/gpu/dev/kv4_rerun.json); interleaving removes only the drift within a run
+#: (0.968 and 0.940: dev/results/kv4_rerun.json); interleaving removes only the drift within a run
 ROUNDS = 3
 
 
@@ -153,7 +153,7 @@ def _accuracy_check(dev: str) -> dict:
     # long context: the PV accumulation runs over every position of a split, so its rounding shows only
     # here; one split (what the split plan gives pairs that fill the GPU) against sixteen. Reference with
     # the kernel's own INT8 query, values with a mean offset as real ones have
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG, prepare_query
+    from kvlib.kernels.int4.decode import DEFAULT_CONFIG, prepare_query
 
     b2, n2 = 2, 16384
     k2 = torch.randn(b2, HKV, n2, D, device=dev, generator=g)
@@ -188,7 +188,7 @@ def run(profile: str) -> dict:
         merge_kind = "torch.compile(merge_states)"
     except Exception:  # noqa: BLE001
         merge, merge_kind = merge_states, "merge_states (eager)"
-    from kvlib.kernels.decode_int4 import DEFAULT_CONFIG
+    from kvlib.kernels.int4.decode import DEFAULT_CONFIG
 
     out: dict = {
         "device": torch.cuda.get_device_name(),

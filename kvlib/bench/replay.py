@@ -2,7 +2,7 @@
 
 As KV4-RL Sec. 4.2 / App. (fixed-workload decode replay): states are held fixed across formats, so
 the replay measures execution speedup at matched concurrency, not the admission gained by a
-smaller cache (that is :mod:`kvlib.rollout_time`).
+smaller cache (that is :mod:`kvlib.rollout.time_model`).
 
 Two training phases, each a response-length law (our assumption, matching the concentration
 chapter's sweep): lognormal, sigma 0.8, truncated at 16,384 tokens, prompt P = 256, with median

@@ -33,7 +33,7 @@ LONG = [(16, 16384), (32, 16384), (64, 16384), (8, 32768), (32, 32768), (64, 327
 #: (kvlib.bench.decode_grid.INT8_MODES says what each drops), both over the paper's w24 dither layout;
 #: "h10": the h10 layout (eight 10-bit dithers per Philox call) read by its own kernel; "h8": the h8 layout
 #: (sixteen 8-bit dithers per call) read by the same kernel
-#: "h8g": the h8 layout read by the Gluon kernel (kvlib.kernels.decode_int8_gluon: GPU only, no outlier channels,
+#: "h8g": the h8 layout read by the Gluon kernel (kvlib.kernels.int8.gluon: GPU only, no outlier channels,
 #: fp16/bf16 queries, so its agreement and replay problems have no bypassed channels and bf16 queries)
 MODES = {"exact": dict(impl="tc"), "fast": dict(impl="tc", xi_split=False, pv_terms=2), "h10": dict(impl="h10"),
          "h8": dict(impl="h10"), "h8g": dict(impl="gluon")}
@@ -46,7 +46,7 @@ LAYER = 3
 
 def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8, layout: str = "w24"):
     """A quantised pool from the real write path (K dithered with fp16 outliers, V RTN)."""
-    from kvlib.kernels.decode_int8 import make_pool_side
+    from kvlib.kernels.int8.decode import make_pool_side
 
     g = torch.Generator().manual_seed(0)
     K = torch.randn(B * S, hkv, d, generator=g)
@@ -67,7 +67,7 @@ def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out:
 
 
 def _agreement(device: str) -> dict:
-    from kvlib.kernels.decode_int8 import decode_int8, decode_reference
+    from kvlib.kernels.int8.decode import decode_int8, decode_reference
 
     p = PAPER if device == "cuda" else dict(B=2, S=64, hq=4, hkv=2, d=64)
     q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
@@ -113,7 +113,7 @@ def _cpu(side):
 def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
     """Capture one certified decode step; interleave eager runs and replays; compare bitwise. ``impl="gluon"``:
     the Gluon kernel's problem (no bypassed channels, bf16 queries)."""
-    from kvlib.kernels.decode_int8 import decode_int8
+    from kvlib.kernels.int8.decode import decode_int8
 
     p = PAPER
     gl = impl == "gluon"
@@ -148,7 +148,7 @@ def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
 
 
 def _random_pools(B: int, S: int, hkv: int, d: int, device: str, group: int = 32):
-    from kvlib.kernels.decode_int8 import PoolSide
+    from kvlib.kernels.int8.decode import PoolSide
 
     n = B * S
     mk = lambda: PoolSide(  # noqa: E731
@@ -168,8 +168,8 @@ def _graph_ms(fn, rep_ms: float) -> dict:
 
 def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms: float) -> dict:
     """All timings of one shape (a function scope, so its tensors are freed on return)."""
-    from kvlib.kernels.decode_bf16 import decode_bf16
-    from kvlib.kernels.decode_int8 import decode_int8
+    from kvlib.kernels.bf16.decode import decode_bf16
+    from kvlib.kernels.int8.decode import decode_int8
 
     kp, vp = _random_pools(B, S, hkv, d, device)
     pools = {lay: dataclasses.replace(kp, dither_layout=lay) for lay in ("w24", "h10", "h8")}  # same codes
@@ -242,7 +242,7 @@ def _latency(device: str, shapes: list[tuple[int, int]], hq: int, hkv: int, d: i
 def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128, rep_ms: float = 50.0,
           modes: tuple[str, ...] = ("fast",)) -> list[dict]:
     """Latency of the INT8 kernel over launch parameters (block_n, num_warps, num_stages, splits) on CUDA."""
-    from kvlib.kernels.decode_int8 import decode_int8
+    from kvlib.kernels.int8.decode import decode_int8
 
     kp, vp = _random_pools(B, S, hkv, d, "cuda")
     slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)

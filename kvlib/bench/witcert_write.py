@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.bench.timing import bandwidth_GBps, bench_ms, copy_bandwidth
-from kvlib.paged import PagedPool
+from kvlib.storage.paged import PagedPool
 
 H_KV, D, GROUP = 4, 128, 32
 SHAPES = {
@@ -33,7 +33,7 @@ def call_bytes(n: int, h: int = H_KV, d: int = D, group: int = GROUP, n_out: int
 def _pool(n_slots: int, n_out: int, device: str) -> PagedPool:
     p = PagedPool(n_layers=1, n_slots=n_slots, n_kv_heads=H_KV, d=D, group=GROUP, n_out=n_out, seed=1234, device=device)
     if n_out:
-        from kvlib.outliers import rope_pairs
+        from kvlib.core.outliers import rope_pairs
 
         ch = rope_pairs(D)[torch.arange(n_out // 2) * 7].flatten().sort().values
         p.set_outlier_channels(0, ch.expand(H_KV, n_out).to(device))
@@ -42,7 +42,7 @@ def _pool(n_slots: int, n_out: int, device: str) -> PagedPool:
 
 def measure(kind: str, n: int, n_out: int, blocks: list[int], device: str, copy_GBps: float) -> dict:
     """One shape: torch reference ms, best Triton ms over ``blocks`` (CUDA only), bit identity."""
-    from kvlib.kernels.write_int8 import write_int8
+    from kvlib.kernels.int8.write import write_int8
 
     n_slots = max(2 * n, 256)
     g = torch.Generator(device=device).manual_seed(n)
@@ -71,7 +71,7 @@ def measure(kind: str, n: int, n_out: int, blocks: list[int], device: str, copy_
 def ablation(n: int, copy_GBps: float) -> list[dict]:
     """Where the write time goes at the largest prefill shape: dither on/off, rounding instruction,
     warps x block size; dithered rows are checked bit for bit against the torch reference."""
-    from kvlib.kernels.write_int8 import write_int8
+    from kvlib.kernels.int8.write import write_int8
 
     x = torch.randn(n, H_KV, D, device="cuda").to(torch.bfloat16)
     slots = torch.randperm(2 * n, device="cuda")[:n]

@@ -1,7 +1,7 @@
 """The small interface every KV format implements, and the registry that names them.
 
 A format turns one (layer, kv_head, side) stream of vectors ``x [S, d]`` into a packed object and
-back. The HF ``Cache`` adapter (``kvlib.hf_cache``) is written once over this interface, so a new
+back. The HF ``Cache`` adapter (``kvlib.hf.cache``) is written once over this interface, so a new
 format is one new module: subclass :class:`KVFormat`, decorate with :func:`register_format`.
 
 Context passed to ``write`` as keywords (a format ignores what it does not need):

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from kvlib._checks import check_positive_int
+from kvlib.core.checks import check_positive_int
+from kvlib.core.philox import dither
 from kvlib.formats.base import KVFormat, register_format
 from kvlib.formats.dither_int8 import QMAX, SCALE_DIV
 from kvlib.formats.rtn_int8 import check_input
-from kvlib.philox import dither
 
 
 @dataclasses.dataclass

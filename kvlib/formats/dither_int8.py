@@ -4,9 +4,9 @@ Write: ``s = fp16(amax / 126.5)`` over each group of ``G`` channels (outlier cha
 ``amax`` unless ``include_outliers_in_amax``), ``c = clamp(rne(x / s + xi), -127, 127)`` computed in
 fp32 **with the stored fp16 scale**, outlier channels stored as fp16 with code 0.
 Read: ``k_hat = s (c - xi)`` with ``xi`` regenerated from the same Philox counters
-(:func:`kvlib.philox.dither`). The full storage contract is in :mod:`kvlib.paged`. The dither
+(:func:`kvlib.core.philox.dither`). The full storage contract is in :mod:`kvlib.storage.paged`. The dither
 layout (``dither_layout``: ``"w24"``, the paper's 24-bit word per channel, or ``"h10"``, a 10-bit
-dither per 16-bit half word, see :mod:`kvlib.philox`) is part of the stored tensor and must be the
+dither per 16-bit half word, see :mod:`kvlib.core.philox`) is part of the stored tensor and must be the
 same at write and read.
 
 Edge cases (documented contract): a group with ``amax == 0`` gets ``s = 0`` and codes 0, so the
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from kvlib._checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.philox import check_layout, dither, seed_key
 from kvlib.formats.base import KVFormat, per_token, register_format
-from kvlib.philox import check_layout, dither, seed_key
 
 QMAX = 127
 BOUND_SLACK = 2.0**-16  # fp32 rounding slack of the s/2 bound, in units of s (see residual())
@@ -118,7 +118,7 @@ class DitherQTensor:
     side: int = 0
     group: int = 32
     dithered: bool = True  # False: same layout and scale rule, xi = 0 (RTN; e.g. values)
-    dither_layout: str = "w24"  # Philox dither layout (kvlib.philox.DITHER_LAYOUTS)
+    dither_layout: str = "w24"  # Philox dither layout (kvlib.core.philox.DITHER_LAYOUTS)
 
 
 def _xi(qt: DitherQTensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def dither_quantize(
     with ``xi = 0`` (round to nearest; the read side's RTN-values mode). ``quantize_scale="fp32"``
     reproduces the paper's bug for the contract chapter: codes computed with the fp32 ``amax / 126.5``
     while the fp16 scale is stored (and used at read). ``dither_layout``: ``"w24"`` (the paper's) or
-    ``"h10"`` (needs ``d % 8 == 0``) or ``"h8"`` (needs ``d % 16 == 0``); see :mod:`kvlib.philox`.
+    ``"h10"`` (needs ``d % 8 == 0``) or ``"h8"`` (needs ``d % 16 == 0``); see :mod:`kvlib.core.philox`.
     """
     check_layout(dither_layout)
     check_x(x)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib._checks import check_group, check_positive_int, check_tensor
+from kvlib.core.checks import check_group, check_positive_int, check_tensor
 from kvlib.formats.base import KVFormat, register_format
 from kvlib.formats.kv4 import check_side, fp16_round
 

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib._checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, per_token, register_format
-from kvlib.hadamard import hadamard
 
 LEVELS = 15  # 4-bit codes 0..15
 

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib._checks import check_tensor
+from kvlib.core.checks import check_tensor
+from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, register_format
 from kvlib.formats.kv4 import (
     Int4Tensor,
@@ -26,7 +27,6 @@ from kvlib.formats.kv4 import (
     int4_dequantize,
     rotates,
 )
-from kvlib.hadamard import hadamard
 
 INT8_MAX = 127
 _PROTECT = ("int8", "bf16")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib._checks import check_group
+from kvlib.core.checks import check_group
 from kvlib.formats.base import register_format
 from kvlib.formats.nvfp4 import Fp4Tensor, _Fp4Format, fp4_blocks, pack_e2m1
 

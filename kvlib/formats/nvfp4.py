@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib._checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, per_token, register_format
 from kvlib.formats.kv4 import check_rotate, check_side, pack_nibbles, rotates, unpack_nibbles
-from kvlib.hadamard import hadamard
 
 #: the non-negative E2M1 magnitudes, indexed by the 3 low code bits
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlib._checks import check_tensor
+from kvlib.core.checks import check_tensor
 from kvlib.formats.base import KVFormat, per_token, register_format
 
 

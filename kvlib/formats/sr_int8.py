@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from kvlib.core.philox import dither
 from kvlib.formats.base import register_format
 from kvlib.formats.rtn_int8 import GroupScaledFormat, Int8Packed
-from kvlib.philox import dither
 
 
 @register_format("sr-int8")

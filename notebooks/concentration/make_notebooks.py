@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
+from kvlib.publish.nbbuild import code, md, params, write  # noqa: E402
 
 
 def figure(key: str, caption: str) -> NotebookNode:
@@ -43,7 +43,7 @@ P = 256              # prompt length (positions)
 seed = 0
 trace_steps = 20_000 # decode steps shown in the trace figure""",
         ),
-        code("""from kvlib.book import Run
+        code("""from kvlib.publish import Run
 
 run = Run("concentration_theory", profile=profile,
           params=dict(n_steps=n_steps, n_seeds=n_seeds, B=B, P=P, seed=seed, trace_steps=trace_steps))"""),
@@ -333,7 +333,7 @@ updates = 10                             # collection intervals per run
 warmup = 3                               # intervals discarded (the paper discards 3 rounds)
 seed = 0""",
         ),
-        code("""from kvlib.book import Run
+        code("""from kvlib.publish import Run
 
 run = Run("concentration_partial", profile=profile,
           params=dict(medians=medians, sigma=sigma, max_len=max_len, P=P, formats=formats, updates=updates,

@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
+from kvlib.publish.nbbuild import code, md, params, write  # noqa: E402
 
 
 def representation() -> list[NotebookNode]:
@@ -57,12 +57,12 @@ import seaborn as sns
 import torch
 from IPython.display import Markdown, display
 
-from kvlib.book import Run
+from kvlib.publish import Run
 from kvlib.formats import get_format
-from kvlib.hadamard import hadamard
-from kvlib.kernels.decode_int4 import region_attention_ref
-from kvlib.kv4rl_attention import build_kv4_batch, decode_ref, kv4rl_decode
-from kvlib.merge import merge_states
+from kvlib.core.hadamard import hadamard
+from kvlib.kernels.int4.decode import region_attention_ref
+from kvlib.kernels.int4.attention import build_kv4_batch, decode_ref, kv4rl_decode
+from kvlib.core.merge import merge_states
 
 run = Run(
     "kv4rl_representation",
@@ -290,8 +290,8 @@ import pandas as pd
 import seaborn as sns
 from IPython.display import Markdown, display
 
-from kvlib.book import Run
-from kvlib.provenance import load_result
+from kvlib.publish import Run
+from kvlib.publish.provenance import load_result
 
 run = Run("kv4rl_latency", profile=profile, params=dict(source_profile=source_profile))
 res = load_result("kv4", source_profile)
@@ -437,7 +437,7 @@ else:
               "kv4_ms_b32_16k", "kv4_issue_share", "kv4_sass_bitops_share"):
         run.glue(k, float("nan"))
 
-# development probes behind the design notes below (data/results/gpu/dev/, each with its provenance envelope)
+# development probes behind the design notes below (dev/results/, each with its provenance envelope)
 prep = load_result("dev/kv4_prep_probe_mma", "gpu")
 row1k = next((x for x in prep["results"]["rows"] if x["batch"] == 32 and x["ctx"] == 1024), None) if prep else None
 run.glue("prep_kv4_ieee_us", row1k["kv4_ieee_ms"] * 1e3 if row1k else float("nan"))
@@ -479,7 +479,7 @@ if dec:
     run.glue("dec_structure_us", float(b32.structure_ms) * 1e3)
     run.glue("dec_protected_us", float(b32.protected_work_ms) * 1e3)
     display(Markdown("KV4-RL's extra time over KV4, split by timing the same launch with an empty side buffer "
-                     "(`data/results/gpu/dev/kv4rl_decompose_pipe.json`, with the edge blocks pipelined, µs):"))
+                     "(`dev/results/kv4rl_decompose_pipe.json`, with the edge blocks pipelined, µs):"))
     display(pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4": dd.kv4_ms * 1e3, "structure": dd.structure_ms * 1e3,
                           "protected work": dd.protected_work_ms * 1e3, "KV4-RL/KV4": dd.frac}).round(3)
             .set_index(["B", "S"]))
@@ -562,13 +562,13 @@ efficiently keeps at most {glue:text}`kv4rl_byte_bound_1k:.0%` of KV4's speed at
 SM that the kernel's registers allow and charges each program a fixed cost of about one position block
 (prologue, state write, merge), so pairs that already fill the GPU get one split each (no merge
 launch for KV4), few pairs get more splits, and a ragged batch is not cut into near-empty programs.
-The sweeps behind this choice, and the layouts that lost, are in `data/results/gpu/dev/`
+The sweeps behind this choice, and the layouts that lost, are in `dev/results/`
 (`kv4_sweep_waves.json`, `kv4_sweep_plans.json`).
 
 **Why KV4-RL keeps less than its byte bound at long context.** Its protected region is one extra
 program per (request, kv head) in the same launch, and its states meet KV4's in the split merge. Timing
-the same launch with an empty side buffer (`python -m kvlib.bench._kv4rl_probe --decompose`,
-`data/results/gpu/dev/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
+the same launch with an empty side buffer (`python -m dev.kv4rl_probe --decompose`,
+`dev/results/kv4rl_decompose_pipe.json`, table above) shows that at S = 16k most of KV4-RL's
 extra time is this structure, not the protected work (B = 32: {glue:text}`dec_structure_us:.1f` µs
 against {glue:text}`dec_protected_us:.1f` µs). Of the structure, the merge launch is about
 {glue:text}`struct_merge_us:.1f` µs at B = 32 (`kv4rl_structure.json`); at B = 128 it is
@@ -577,7 +577,7 @@ run, `kv4rl_structure_run1.json`, found no merge share at all at that shape: wit
 extra programs waiting for slots behind the INT4 programs.
 
 Other layouts were timed on the H200 under CUDA graphs, and each was removed after losing
-(`data/results/gpu/dev/`; KV4-RL's time in ms):
+(`dev/results/`; KV4-RL's time in ms):
 
 | layout | it | the default | shape | file |
 |---|---|---|---|---|
@@ -599,7 +599,7 @@ kernel on a parallel stream. They show the same thing: a protected pair is a sho
 (five 32-slot steps), and while the INT4 programs saturate memory each step waits on it, so protected work
 on an INT4 program's path, or beside the INT4 stream, runs slower, not free. The second kernel of the
 table never ran beside the INT4 programs at all: kernel timestamps showed its programs starting only as
-INT4 programs retired, whatever its warps, registers or carveout (`data/results/gpu/dev/README.md`).
+INT4 programs retired, whatever its warps, registers or carveout (`dev/results/README.md`).
 
 **The merge inside the decode launch.** When the INT4 region has two or more splits, the last program of
 each pair to finish merges the pair's states (an atomic arrival counter per pair, zeroed by the query
@@ -617,8 +617,8 @@ two more dependent rounds to memory in every program. With `pipe_edges` (on by d
 buffer is given) they run inside the pipelined loop, which masks a block only when it crosses an end (one
 uniform branch per block). The output agrees with the peeled kernel's to fp32 rounding (largest change {glue:text}`edges_max_do:.1e`;
 the LSE is identical), and
-KV4-RL got faster at every shape of `python -m kvlib.bench._kv4rl_probe --edges`
-(`data/results/gpu/dev/kv4rl_edges_run1.json`, three interleaved rounds under CUDA graphs): B = 32,
+KV4-RL got faster at every shape of `python -m dev.kv4rl_probe --edges`
+(`dev/results/kv4rl_edges_run1.json`, three interleaved rounds under CUDA graphs): B = 32,
 S = 16k {glue:text}`edges_b32_16k_pipe_ms:.4f` ms against {glue:text}`edges_b32_16k_peel_ms:.4f` ms
 (KV4-RL/KV4 {glue:text}`edges_b32_16k_frac_pipe:.3f` against {glue:text}`edges_b32_16k_frac_peel:.3f`);
 B = 512, S = 4k {glue:text}`edges_b512_4k_pipe_ms:.3f` ms against {glue:text}`edges_b512_4k_peel_ms:.3f` ms;
@@ -658,7 +658,7 @@ tensor-core dot as the exact subnormal `c 2^-24` (their bits are the code itself
 scaled back by `2^24` after the loop. The magic-number form `1024 + c` used before made the fp32
 accumulator carry about a thousand times the output's scale; its error grew in proportion to the
 positions per split, to several percent at 16k with one split
-(`python -m kvlib.bench._kv4_split_accuracy`, `data/results/gpu/dev/kv4_split_accuracy*.json`).
+(`python -m dev.kv4_split_accuracy`, `dev/results/kv4_split_accuracy*.json`).
 
 **Where KV4 loses to its byte limit.** At B = 32, S = 16k the INT4 bytes alone, read at SDPA's own
 measured bandwidth, would take {glue:text}`kv4_byte_ms:.3f` ms; we measure {glue:text}`kv4_ms_b32_16k:.3f` ms.
@@ -699,7 +699,7 @@ prefilled once in full precision (float32), shared by the sampler and every row,
 response tokens) then runs through the quantised cache, so every probe state, including `j = 0`,
 sees quantised storage, and the response's own K/V are computed from hidden states that already
 went through it. Responses have a fixed length (no stop token) so paths batch. Each format is a
-vectorised view (`kvlib.storage_probe.StorageCache`: one quantisation call per layer and side) that
+vectorised view (`kvlib.analysis.storage_probe.StorageCache`: one quantisation call per layer and side) that
 hands attention the same K/V as the library's format cache (tested). KV4-RL rows are forced in one
 chunk too: each query attends to the protected and INT4 regions *as its own decode step sees them*
 (sinks plus the `recent` newest positions of its own length), through one masked softmax over both
@@ -736,11 +736,11 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from kvlib.book import Run
-from kvlib.fidelity import geometric_kl_ratio, kl_mean_ratio, probe_positions
+from kvlib.publish import Run
+from kvlib.analysis.fidelity import geometric_kl_ratio, kl_mean_ratio, probe_positions
 from kvlib.formats import get_format
-from kvlib.model import load_model
-from kvlib.storage_probe import batched_probe, corpus_prompts, kv4rl_view, prefill_context, sample_responses
+from kvlib.hf.model import load_model
+from kvlib.analysis.storage_probe import batched_probe, corpus_prompts, kv4rl_view, prefill_context, sample_responses
 
 run = Run("kv4rl_fidelity_probe", profile=profile,
           params=dict(n_prompts=n_prompts, prompt_len=prompt_len, response_len=response_len, batch=batch,

@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
+from kvlib.publish.nbbuild import code, md, params, write  # noqa: E402
 
 
 def hidden(src: str) -> NotebookNode:
@@ -30,8 +30,8 @@ import numpy as np
 import pandas as pd
 import torch
 import matplotlib.pyplot as plt
-from kvlib import corpus
-from kvlib.model import load_model
+from kvlib.analysis import corpus
+from kvlib.hf.model import load_model
 """
 
 
@@ -59,8 +59,8 @@ m = 8
 """),
         hidden(SETUP + """
 import time
-from kvlib.book import Run
-from kvlib import real_activations as ra
+from kvlib.publish import Run
+from kvlib.analysis import real_activations as ra
 run = Run("real_outlier_stability", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain,
                                                               layer_stride=layer_stride, m=m))
 contexts = sorted({int(s_) for s_ in ([S] if isinstance(S, int) else S)})
@@ -196,10 +196,10 @@ n_massive = 5
 """),
         hidden(SETUP + """
 import time
-from kvlib.book import Run
-from kvlib import real_activations as ra
+from kvlib.publish import Run
+from kvlib.analysis import real_activations as ra
 from IPython.display import display
-from kvlib.certificate import request_delta
+from kvlib.certify.bound import request_delta
 run = Run("real_coverage", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain, layer_stride=layer_stride,
                                                      budgets=budgets, n_queries=n_queries, tau=tau, delta_req=delta_req,
                                                      steps=steps, seed=seed, n_massive=n_massive))
@@ -467,11 +467,11 @@ tau = 0.2
 """),
         hidden(SETUP + """
 import time
-from kvlib.book import Run
-from kvlib import fidelity as fid
-from kvlib import real_activations as ra
+from kvlib.publish import Run
+from kvlib.analysis import fidelity as fid
+from kvlib.analysis import real_activations as ra
 from kvlib.formats.base import available_formats
-from kvlib.hf_cache import make_cache
+from kvlib.hf.cache import make_cache
 run = Run("real_fidelity", profile=profile, params=dict(prompt_len=prompt_len, n_new=n_new, docs_per_domain=docs_per_domain,
                                                      formats=formats, budgets=budgets, gen_steps=gen_steps, stride=stride, tau=tau))
 model, tok = load_model()
@@ -647,9 +647,9 @@ steps = 256
 seed = 0
 """),
         hidden(SETUP + """
-from kvlib.book import Run
-from kvlib import real_activations as ra
-from kvlib.model import truncated_model
+from kvlib.publish import Run
+from kvlib.analysis import real_activations as ra
+from kvlib.hf.model import truncated_model
 run = Run("real_ablation", profile=profile, params=dict(S=S, docs_per_domain=docs_per_domain, layer_stride=layer_stride,
                                                      budgets=budgets, m=m, n_queries=n_queries, tau=tau,
                                                      delta_req=delta_req, steps=steps, seed=seed))

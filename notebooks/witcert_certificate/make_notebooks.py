@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
+from kvlib.publish.nbbuild import code, md, params, write  # noqa: E402
 
 SETUP = """
 import os
@@ -34,7 +34,7 @@ def kernel() -> list[NotebookNode]:
         md(r"""
 # The certificate inside the decode kernel: agreement, split invariance, and the GPU
 
-**Question.** Does the Triton split-KV decode kernel (`kvlib.kernels.decode_int8`), which
+**Question.** Does the Triton split-KV decode kernel (`kvlib.kernels.int8.decode`), which
 regenerates the key dither, dequantises and accumulates the certificate $A$ (and $B$) in the same
 pass as attention, compute the same output and the same certificate as the float64 torch
 reference, whatever the split count? And on the H200: is CUDA-graph replay bit-identical, what does
@@ -68,7 +68,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 torch.set_num_threads(1)  # small tensors: threads only add contention
 
-from kvlib.book import Run, fmt
+from kvlib.publish import Run, fmt
 run = Run("witcert_kernel", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, splits=splits,
                                                           delta=delta, seed=seed))
 import math
@@ -76,8 +76,8 @@ import statistics
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-from kvlib.kernels.decode_int8 import decode_int8, decode_reference, make_pool_side
-from kvlib.provenance import load_result
+from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side
+from kvlib.publish.provenance import load_result
 
 
 def missing(fig_key, why, keys=()):
@@ -287,7 +287,7 @@ INT8 without and with certificate A for each kernel mode.
 ## Where the certified step's time goes
 
 The h10 kernel streams half of SDPA's bytes yet takes longer. Development probes on the H200 (CUDA-graph
-timings at B = 8, S = 32k, 28 query / 4 KV heads; files under `data/results/gpu/dev/`, each with its
+timings at B = 8, S = 32k, 28 query / 4 KV heads; files under `dev/results/`, each with its
 provenance) take the step apart. Dropping one part at a time (`_h10_probe4`, timing only: an ablated
 kernel computes no attention) shows that no single part is the gap: without the PV path the step takes
 {glue:text}`abl_no_pv_ms:.3f` ms, without the QK path {glue:text}`abl_no_qk_ms:.3f` ms, without Philox
@@ -339,7 +339,7 @@ if abl and p5 and p6:
     fig.tight_layout()
     run.glue_fig("fig_h10_ablation", fig)
 else:
-    missing("fig_h10_ablation", "development probes not found under data/results/gpu/dev/",
+    missing("fig_h10_ablation", "development probes not found under dev/results/",
             ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
              "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do", "proto_qk_ms", "proto_copy_ms"))
 """, hide_input=True),
@@ -347,7 +347,7 @@ else:
 ```{glue:figure} fig_h10_ablation
 :name: fig-h10-ablation
 The certified h10 step at B = 8, S = 32k with one part dropped at a time (timing only), against SDPA bf16
-(dashed). Source: `data/results/gpu/dev/h10_probe4.json`.
+(dashed). Source: `dev/results/h10_probe4.json`.
 ```
 """),
         md(r"""
@@ -368,7 +368,7 @@ plan gives each of its programs one 64-position tile, so the certificate's per-p
 threads, the radius) and its extra accumulator dominate; fewer splits were slower with and without the
 certificate.
 
-The cost depends on the GQA ratio and the layout (`_h10_probe12`, `data/results/gpu/dev/h10_probe12.json`, the same
+The cost depends on the GQA ratio and the layout (`_h10_probe12`, `dev/results/h10_probe12.json`, the same
 three-round method at S ≥ 16k). With four query heads per program (32 query / 8 KV heads) the exact dot stays as
 fast as the FMA sum or faster, and the certificate costs {glue:text}`p12_h10_gqa4_lo:.1%`-{glue:text}`p12_h10_gqa4_hi:.1%`
 with h10 and {glue:text}`p12_h8_gqa4_lo:.1%`-{glue:text}`p12_h8_gqa4_hi:.1%` with h8; with seven (28 / 4, the paper's)
@@ -408,7 +408,7 @@ for lay in ("h10", "h8"):
 ## A loop without shared memory: the Gluon kernel
 
 The analysis above pointed at the loop's structure, so the last kernel rebuilds the loop rather than
-tuning it. `kvlib.kernels.decode_int8_gluon` reads the h8 pool (mode `h8g` of the benchmark) with the same
+tuning it. `kvlib.kernels.int8.gluon` reads the h8 pool (mode `h8g` of the benchmark) with the same
 arithmetic as the h8 Triton kernel: the same exact fp16 operands, fp32 accumulation and radius, so the
 theorem page's rounding account covers it. It is written in Gluon, Triton's lower-level dialect with explicit
 register layouts, and it differs in four ways.
@@ -536,7 +536,7 @@ above was re-measured after their removal.
 ### Where its time goes
 
 Nsight Compute profiled one launch of the certified kernel at B = 64, S = 16k on the H200
-(`data/results/gpu/dev/gluon_ncu.json`). It is bound by neither memory nor instruction issue. DRAM runs at
+(`dev/results/gluon_ncu.json`). It is bound by neither memory nor instruction issue. DRAM runs at
 {glue:text}`ncu_dram:.0f`% of its peak and the schedulers issue in {glue:text}`ncu_issue:.0f`% of their cycles.
 Each scheduler holds {glue:text}`ncu_warps:.2f` warps (one-warp programs at {glue:text}`ncu_regs` registers,
 eight per SM), and on average {glue:text}`ncu_eligible:.2f` of them can issue. The warps' stall samples
@@ -599,7 +599,7 @@ if ncu is not None:
     fig.tight_layout()
     run.glue_fig("fig_gluon_stalls", fig)
 else:
-    missing("fig_gluon_stalls", "no Nsight Compute summary under data/results/gpu/dev/",
+    missing("fig_gluon_stalls", "no Nsight Compute summary under dev/results/",
             ("ncu_dram", "ncu_issue", "ncu_warps", "ncu_eligible", "ncu_regs", "ncu_wait", "ncu_long",
              "ncu_selected", "ncu_hot2"))
 """, hide_input=True),
@@ -607,14 +607,14 @@ else:
 ```{glue:figure} fig_gluon_stalls
 :name: fig-gluon-stalls
 Why the Gluon kernel's warps were not issuing, sampled by Nsight Compute over its inner loop: the certified and
-uncertified kernels at B = 64, S = 16k on the H200. Source: `data/results/gpu/dev/gluon_ncu.json`.
+uncertified kernels at B = 64, S = 16k on the H200. Source: `dev/results/gluon_ncu.json`.
 ```
 
 ### Power
 
 The kernel also draws more power than SDPA does. A probe timed the certified step and SDPA bf16 at B = 64,
 S = 32k (28/4 heads) in interleaved rounds, first on a cold GPU and then after a minute of continuous replays of
-each (`data/results/gpu/dev/power_probe.json`), and read `nvidia-smi` after every timing.
+each (`dev/results/power_probe.json`), and read `nvidia-smi` after every timing.
 
 - Under load the board draws up to {glue:text}`pp_power_max:.0f` W, and `nvidia-smi` reports
   {glue:text}`pp_throttle` as the active throttle reason.
@@ -795,7 +795,7 @@ deltas = [0.5, 0.1, 0.01, 0.001]
 seed = 0
 """),
         code(SETUP + """
-from kvlib.book import Run, fmt
+from kvlib.publish import Run, fmt
 run = Run("witcert_soundness", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, q_scale=q_scale,
                                                              deltas=deltas, seed=seed))
 import numpy as np
@@ -803,7 +803,7 @@ import pandas as pd
 import seaborn as sns
 import matplotlib.pyplot as plt
 from scipy.stats import binomtest
-from kvlib.certificate import certify_trials, synthetic_keys
+from kvlib.certify.bound import certify_trials, synthetic_keys
 
 g = torch.Generator().manual_seed(seed)
 res, table = {}, []
@@ -961,14 +961,14 @@ ctx_rows = 64
 seed = 0
 """),
         code(SETUP + """
-from kvlib.book import Run, fmt
+from kvlib.publish import Run, fmt
 run = Run("witcert_sr_long", profile=profile, params=dict(S=S, d=d, rows=rows, trials=trials, budgets=budgets,
           massive=massive, q_scale=q_scale, contexts=contexts, ctx_rows=ctx_rows, seed=seed))
 import math
 import pandas as pd
 import matplotlib.pyplot as plt
-from kvlib.certificate import certify_trials, request_delta, variance_proxy, coverage, score_radius
-from kvlib.outliers import rope_pairs, select_outlier_pairs
+from kvlib.certify.bound import certify_trials, request_delta, variance_proxy, coverage, score_radius
+from kvlib.core.outliers import rope_pairs, select_outlier_pairs
 
 tau = 0.2
 d_loc = request_delta(1e-2, layers=28, heads=28, steps=256)
@@ -1096,8 +1096,8 @@ traffic does block-level paging save against paging the whole head?
 Setting: keys Gaussian; the first `n_sink` tokens of each sequence (attention-sink-like) and a rare
 `sink_frac` of the others carry a massive channel (magnitude `sink_mag`) that inflates their scales;
 only in KV head 0 (a "sink head"); half of the query heads weigh that channel; values RTN;
-$\tau = 0.2$; per-row $\delta$ = 0.01. Head level: `kvlib.fallback.fallback_heads`; block level
-(blocks of `block` tokens, ranked by $\sum_{t\in j}\tilde p_t(e^{u_t}-1)$): `kvlib.fallback.block_fallback`.
+$\tau = 0.2$; per-row $\delta$ = 0.01. Head level: `kvlib.certify.fallback.fallback_heads`; block level
+(blocks of `block` tokens, ranked by $\sum_{t\in j}\tilde p_t(e^{u_t}-1)$): `kvlib.certify.fallback.block_fallback`.
 """),
         params("""
 profile = "cpu"
@@ -1115,17 +1115,17 @@ sink_mag = 60.0
 seed = 0
 """),
         code(SETUP + """
-from kvlib.book import Run, fmt
+from kvlib.publish import Run, fmt
 run = Run("witcert_fallback", profile=profile, params=dict(B=B, S=S, hq=hq, hkv=hkv, d=d, S_block=S_block, block=block,
           block_rows=block_rows, n_sink=n_sink, sink_frac=sink_frac, sink_mag=sink_mag, seed=seed))
 import math
 import numpy as np
 import pandas as pd
 import matplotlib.pyplot as plt
-from kvlib.certificate import score_radius, certificate_from_scores, tv_distance
-from kvlib.fallback import fallback_heads, block_fallback, fp16_radius
+from kvlib.certify.bound import score_radius, certificate_from_scores, tv_distance
+from kvlib.certify.fallback import fallback_heads, block_fallback, fp16_radius
 from kvlib.formats.dither_int8 import dither_quantize, dither_dequantize
-from kvlib.kernels.decode_int8 import decode_reference, make_pool_side
+from kvlib.kernels.int8.decode import decode_reference, make_pool_side
 
 tau, delta = 0.2, 1e-2
 g = torch.Generator().manual_seed(seed)

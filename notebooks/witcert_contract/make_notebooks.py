@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))  # run as a script: kvlib lives at the repository root
 
-from kvlib.book.nbbuild import code, md, params, write  # noqa: E402
+from kvlib.publish.nbbuild import code, md, params, write  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ and without excluding the bypassed channels from the group amax.
 
 Setting: per-token scales over groups of `group` channels, $s = \mathrm{fp16}(\mathrm{amax}/126.5)$,
 codes $c = \mathrm{rne}(x/s + \xi)$ in fp32 with the stored scale, read $\hat k = s(c-\xi)$,
-Philox dither (storage contract in `kvlib.paged`).
+Philox dither (storage contract in `kvlib.storage.paged`).
 """
         ),
         params(
@@ -58,10 +58,10 @@ import torch
 from IPython.display import display
 from scipy import stats
 
-from kvlib.book import Run
+from kvlib.publish import Run
 from kvlib.formats.dither_int8 import BOUND_SLACK, dither_dequantize, dither_quantize, residual
-from kvlib.outliers import inject_massive_pairs, select_outlier_pairs
-from kvlib.philox import dither
+from kvlib.core.outliers import inject_massive_pairs, select_outlier_pairs
+from kvlib.core.philox import dither
 
 run = Run("witcert_contract_bound", profile=profile, params=dict(n_tokens=n_tokens, d=d, group=group, seed=seed))
 torch.manual_seed(seed)
@@ -324,7 +324,7 @@ def philox() -> list[NotebookNode]:
 **Question.** The theorem needs a fresh, independent dither for every (layer, KV head, slot,
 channel), and the reader must regenerate exactly the dither the writer used, whatever order
 and grouping the tokens were written in. Do the Philox4x32-10 implementations (torch reference
-`kvlib.philox4x32_10`, Triton device function `kvlib.kernels.philox_tl.philox4x32`) reproduce
+`kvlib.philox4x32_10`, Triton device function `kvlib.kernels.tl.philox.philox4x32`) reproduce
 Random123's known answers and Triton's own `tl.philox`; are the counters unique over a pool;
 does the read-time dither reproduce the stored codes; are the stored bytes independent of batch
 order and launch grouping; and do the Triton write kernel and the torch reference store the
@@ -368,13 +368,13 @@ import triton
 import triton.language as tl
 from IPython.display import display
 
-from kvlib.book import Run
+from kvlib.publish import Run
 from kvlib.formats.dither_int8 import quantize_codes
-from kvlib.kernels.philox_tl import philox4x32
-from kvlib.kernels.write_int8 import write_int8
-from kvlib.paged import PagedPool
-from kvlib.philox import dither, dither_counter, philox4x32_10, seed_key
-from kvlib.provenance import repo_root, results_dir
+from kvlib.kernels.tl.philox import philox4x32
+from kvlib.kernels.int8.write import write_int8
+from kvlib.storage.paged import PagedPool
+from kvlib.core.philox import dither, dither_counter, philox4x32_10, seed_key
+from kvlib.publish.provenance import repo_root, results_dir
 
 run = Run("witcert_contract_philox", profile=profile,
           params=dict(n_layers=n_layers, n_kv_heads=n_kv_heads, n_slots=n_slots, d=d, n_write=n_write, seed=seed))
@@ -646,10 +646,10 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from kvlib.book import Run
+from kvlib.publish import Run
 from kvlib.formats import get_format
-from kvlib.paged import PagedPool
-from kvlib.provenance import results_dir
+from kvlib.storage.paged import PagedPool
+from kvlib.publish.provenance import results_dir
 
 run = Run("witcert_contract_bytes", profile=profile, params=dict(n_tokens=n_tokens))
 """,

@@ -1,5 +1,0 @@
-"""The book's machinery: the notebook-side :class:`Run`, the papermill runner and the assembler."""
-
-from kvlib.book.run import Run, fmt, load_claims
-
-__all__ = ["Run", "fmt", "load_claims"]

@@ -1,0 +1,5 @@
+"""The book's machinery: the notebook-side :class:`Run`, the papermill runner and the assembler."""
+
+from kvlib.publish.run import Run, fmt, load_claims
+
+__all__ = ["Run", "fmt", "load_claims"]
