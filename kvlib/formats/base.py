@@ -33,6 +33,21 @@ class KVFormat(ABC):
     #: keyword options the constructor accepts, for error messages and docs
     options: ClassVar[tuple[str, ...]] = ()
 
+    # Capabilities: what the cache, the certificate, the gate and the book need to know about a format,
+    # declared here once (no table elsewhere repeats them).
+    #: sub-Gaussian proxy of the key residual (a key of kvlib.certify.bound.PROXY: "dither", "sr"), or None
+    #: when the format's error has no such proxy (then it cannot be certified)
+    variance_proxy: ClassVar[str | None] = None
+    #: True when an old position's representation can change as tokens are appended (side buffers,
+    #: residual windows): such a format overrides append() and is re-read whole
+    stateful: ClassVar[bool] = False
+    #: True when write() is a deterministic function of x alone (no dither, no random rounding), so the
+    #: gate can bound |x - read(write(x))| from the stored bytes
+    deterministic: ClassVar[bool] = False
+    #: the decode-kernel family that reads this format's packed pool ("int8", "int4", "bf16"), or None
+    #: when only the torch reference path reads it
+    kernel: ClassVar[str | None] = None
+
     @abstractmethod
     def write(self, x: torch.Tensor, **ctx: Any) -> Any:
         """Pack ``x [S, d]`` (float) into this format's storage object."""
@@ -111,6 +126,11 @@ def register_format(name: str) -> Callable[[type[KVFormat]], type[KVFormat]]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"format name {name!r} is already registered by {_REGISTRY[name].__name__}")
         cls.name = name
+        overrides_append = cls.append is not KVFormat.append
+        if overrides_append != cls.stateful:
+            raise TypeError(f"format {name!r}: stateful={cls.stateful} but append() is "
+                            f"{'overridden' if overrides_append else 'inherited'}; declare stateful=True exactly "
+                            "when old positions can change (and override append)")
         _REGISTRY[name] = cls
         return cls
 
@@ -129,6 +149,22 @@ def _load_all() -> None:
             importlib.import_module(f"kvlib.formats.{mod.name}")
 
 
+def format_class(name: str) -> type[KVFormat]:
+    """The class registered as ``name`` (its capabilities are class attributes)."""
+    _load_all()
+    if not isinstance(name, str):
+        raise TypeError(f"format must be a str, got {type(name).__name__}")
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown format {name!r}; available formats: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def capabilities(name: str) -> dict[str, Any]:
+    """The declared capabilities of format ``name`` (variance_proxy, stateful, deterministic, kernel)."""
+    cls = format_class(name)
+    return {k: getattr(cls, k) for k in ("variance_proxy", "stateful", "deterministic", "kernel")}
+
+
 def available_formats() -> list[str]:
     """Names of the registered KV formats, sorted."""
     _load_all()
@@ -137,12 +173,7 @@ def available_formats() -> list[str]:
 
 def get_format(name: str, **options: Any) -> KVFormat:
     """Instantiate the format registered as ``name`` with ``options``."""
-    _load_all()
-    if not isinstance(name, str):
-        raise TypeError(f"format must be a str, got {type(name).__name__}")
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown format {name!r}; available formats: {', '.join(sorted(_REGISTRY))}")
-    cls = _REGISTRY[name]
+    cls = format_class(name)
     try:
         return cls(**options)
     except TypeError as e:

@@ -37,6 +37,8 @@ class BlockInt8Packed:
 class BlockInt8(KVFormat):
     """Dithered INT8, per-256-token-block per-channel fp16 scales (paper body)."""
 
+    stateful = True
+
     options = ("block",)
 
     def __init__(self, block: int = 256) -> None:

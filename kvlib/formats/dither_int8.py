@@ -233,6 +233,9 @@ def dither_int8_bytes(d: int, group: int = 32, n_out: int = 0) -> int:
 class DitherInt8(KVFormat):
     """WitCert storage (per-token, per-group scale; ``m`` outlier RoPE pairs in fp16)."""
 
+    variance_proxy = "dither"
+    kernel = "int8"
+
     options = ("group", "outlier_channels", "include_outliers_in_amax", "dither_layout")
 
     def __init__(self, group: int = 32, outlier_channels: Any = None, include_outliers_in_amax: bool = False,

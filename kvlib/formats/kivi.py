@@ -61,6 +61,9 @@ class KiviPacked:
 class KiviFormat(KVFormat):
     """2-bit KIVI-style format (default ``group=32``, ``residual=128``)."""
 
+    stateful = True
+    deterministic = True
+
     options: ClassVar[tuple[str, ...]] = ("group", "residual")
 
     def __init__(self, group: int = 32, residual: int = 128) -> None:

@@ -124,6 +124,9 @@ class KV4Format(KVFormat):
     rotating the query by ``H`` and attending in the rotated basis computes.
     """
 
+    deterministic = True
+    kernel = "int4"
+
     options: ClassVar[tuple[str, ...]] = ("group", "rotate")
     default_group: ClassVar[int | None] = None
 
@@ -153,12 +156,16 @@ class KV4Format(KVFormat):
 class KV4G32Format(KV4Format):
     """KV4 with affine groups of 32 channels (5.00 bits per element at d=128)."""
 
+    kernel = None
+
     default_group: ClassVar[int | None] = 32
 
 
 @register_format("kv4-g16")
 class KV4G16Format(KV4Format):
     """KV4 with affine groups of 16 channels (6.00 bits per element at d=128)."""
+
+    kernel = None
 
     default_group: ClassVar[int | None] = 16
 

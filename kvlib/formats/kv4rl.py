@@ -87,6 +87,10 @@ class KV4RLPacked:
 class KV4RLFormat(KVFormat):
     """KV4 main cache + INT8 (or bf16) side buffer of ``sink`` + ``recent`` slots (default 16 + 128)."""
 
+    stateful = True
+    deterministic = True
+    kernel = "int4"
+
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "capacity", "protect", "group", "rotate")
 
     def __init__(

@@ -23,6 +23,7 @@ class Plain:
 
 
 class _Cast(KVFormat):
+    deterministic = True
     dtype: torch.dtype = torch.float32
 
     def write(self, x: torch.Tensor, **ctx: Any) -> Plain:
@@ -47,11 +48,15 @@ class FP32(_Cast):
 class FP16(_Cast):
     """IEEE half precision storage."""
 
+    kernel = "bf16"
+
     dtype = torch.float16
 
 
 @register_format("bf16")
 class BF16(_Cast):
     """bfloat16 storage."""
+
+    kernel = "bf16"
 
     dtype = torch.bfloat16

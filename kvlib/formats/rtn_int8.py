@@ -61,6 +61,8 @@ class GroupScaledFormat(KVFormat):
     a subclass sets ``qmax``, rounds in ``write`` and, if its codes are not integers, overrides
     :meth:`code_values`."""
 
+    deterministic = True
+
     options = ("group",)
     #: the largest code magnitude, mapped to each group's amax
     qmax: ClassVar[float] = 127.0
@@ -89,6 +91,8 @@ class GroupScaledFormat(KVFormat):
 @register_format("rtn-int8")
 class RtnInt8(GroupScaledFormat):
     """Deterministic round-to-nearest INT8, per-token per-group fp16 scale."""
+
+    kernel = "int8"
 
     def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
         y, s16 = self.scaled(x)

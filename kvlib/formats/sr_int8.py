@@ -20,6 +20,9 @@ from kvlib.formats.rtn_int8 import GroupScaledFormat, Int8Packed
 class SrInt8(GroupScaledFormat):
     """Stochastic rounding INT8, per-token per-group fp16 scale ``amax / 127``."""
 
+    variance_proxy = "sr"
+    deterministic = False
+
     def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
         y, s16 = self.scaled(x)
         S, d = y.shape
