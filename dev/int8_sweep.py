@@ -22,9 +22,9 @@ LAYER = 3
 
 
 def _pools(B: int, S: int, hkv: int, d: int, device: str, n_out: int = 8):
-    from kvlib.bench.witcert_decode import _random_pools
+    from kvlib.bench.witcert_decode import random_pools
 
-    kp, vp = _random_pools(B, S, hkv, d, device)
+    kp, vp = random_pools(B, S, hkv, d, device)
     if n_out:
         from kvlib.kernels.int8.decode import PoolSide
 
@@ -35,11 +35,11 @@ def _pools(B: int, S: int, hkv: int, d: int, device: str, n_out: int = 8):
 
 
 def _check(device: str, tiny: bool) -> None:
-    from kvlib.bench.witcert_decode import _real_problem
+    from kvlib.bench.witcert_decode import real_problem
     from kvlib.kernels.int8.decode import decode_int8, decode_reference
 
     shp = dict(B=2, S=48, hq=4, hkv=2, d=64) if tiny else dict(B=2, S=4096, hq=28, hkv=4, d=128)
-    q, kp, vp, slots, seq = _real_problem(**shp, device=device)
+    q, kp, vp, slots, seq = real_problem(**shp, device=device)
     for qd in (torch.float32, torch.bfloat16):
         qq = q.to(qd)
         for impl in ("tc", "fma"):

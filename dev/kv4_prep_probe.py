@@ -12,7 +12,7 @@ import sys
 import torch
 
 from dev.h10_probe import write_probe
-from kvlib.bench.kv4 import HQ, D, _time, random_kv4_batch
+from kvlib.bench.kv4 import HQ, D, graphed_ms, random_kv4_batch
 from kvlib.kernels.int4.attention import kv4_decode
 from kvlib.kernels.int4.decode import prepare_query, prepare_query_ref
 
@@ -27,11 +27,11 @@ def _row(b: int, n: int) -> dict:
     ref, a, m = prepare_query_ref(q), prepare_query(q, precision="ieee"), prepare_query(q, precision="mma")
     return dict(
         batch=b, ctx=n,
-        kv4_ms=_time(lambda: kv4_decode(q, cache))[0],
-        kernel_only_ms=_time(lambda: kv4_decode(q, cache, qp=qp))[0],
-        prep_ieee_ms=_time(lambda: prepare_query(q, precision="ieee"))[0],
-        prep_mma_ms=_time(lambda: prepare_query(q, precision="mma"))[0],
-        kv4_ieee_ms=_time(lambda: kv4_decode(q, cache, qp=prepare_query(q, precision="ieee")))[0],
+        kv4_ms=graphed_ms(lambda: kv4_decode(q, cache))[0],
+        kernel_only_ms=graphed_ms(lambda: kv4_decode(q, cache, qp=qp))[0],
+        prep_ieee_ms=graphed_ms(lambda: prepare_query(q, precision="ieee"))[0],
+        prep_mma_ms=graphed_ms(lambda: prepare_query(q, precision="mma"))[0],
+        kv4_ieee_ms=graphed_ms(lambda: kv4_decode(q, cache, qp=prepare_query(q, precision="ieee")))[0],
         code_mismatch_ieee=float((a.q8 != ref.q8).float().mean()),
         code_mismatch_mma=float((m.q8 != ref.q8).float().mean()),
         code_maxdiff_mma=int((m.q8.int() - ref.q8.int()).abs().max()),

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from dev.h10_probe import write_probe
-from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, _time, random_kv4_batch
+from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, graphed_ms, random_kv4_batch
 from kvlib.bench.timing import interleaved
 from kvlib.kernels.int4.attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
 from kvlib.kernels.int4.decode import DEFAULT_CONFIG
@@ -33,11 +33,11 @@ def _shape_row(b: int, n: int, variants: dict) -> dict:
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
     cache = random_kv4_batch(lengths, n)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    kv4_ms = _time(lambda: kv4_decode(q, cache))[0]
+    kv4_ms = graphed_ms(lambda: kv4_decode(q, cache))[0]
     row = dict(batch=b, ctx=n, kv4_ms=kv4_ms)
     for mode, kw in variants.items():
         cfg = DEFAULT_CONFIG.replace(**kw)
-        ms = _time(lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg))[0]
+        ms = graphed_ms(lambda cfg=cfg: kv4rl_decode(q, cache, config=cfg))[0]
         row[f"kv4rl_{mode}_ms"] = ms
         row[f"frac_{mode}"] = kv4_ms / ms
     return row
@@ -69,8 +69,9 @@ def _decompose_row(b: int, n: int) -> dict:
     """KV4, KV4-RL with an empty side buffer (its extra programs and merge launch, no protected work) and
     KV4-RL, at the default configuration: what the structure costs and what the protected work costs."""
     q, cache, structure_only = _empty_side_problem(b, n)
-    row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0],
-               kv4rl_empty_side_ms=_time(structure_only)[0], kv4rl_ms=_time(lambda: kv4rl_decode(q, cache))[0])
+    row = dict(batch=b, ctx=n, kv4_ms=graphed_ms(lambda: kv4_decode(q, cache))[0],
+               kv4rl_empty_side_ms=graphed_ms(structure_only)[0],
+               kv4rl_ms=graphed_ms(lambda: kv4rl_decode(q, cache))[0])
     row["structure_ms"] = row["kv4rl_empty_side_ms"] - row["kv4_ms"]
     row["protected_work_ms"] = row["kv4rl_ms"] - row["kv4rl_empty_side_ms"]
     row["frac"] = row["kv4_ms"] / row["kv4rl_ms"]
@@ -113,7 +114,7 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
         (o0, l0), (o1, l1) = fns[f0](), fns[f1]()
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
-    times = interleaved({k: (lambda f=f: _time(f)[0]) for k, f in fns.items()}, rounds, strict=True)
+    times = interleaved({k: (lambda f=f: graphed_ms(f)[0]) for k, f in fns.items()}, rounds, strict=True)
     for k, (med, per_round) in times.items():
         row[f"{k}_ms"] = med
         row[f"{k}_rounds_ms"] = per_round
@@ -172,7 +173,7 @@ def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
             same &= bool(torch.equal(og, o1) and torch.equal(lg, l1))
         row[f"{key}_graph_bit_identical"] = same
         del graph
-    times = interleaved({k: (lambda f=f: _time(f)[0]) for k, f in fns.items()}, rounds, strict=True)
+    times = interleaved({k: (lambda f=f: graphed_ms(f)[0]) for k, f in fns.items()}, rounds, strict=True)
     for k, (med, per_round) in times.items():
         row[f"{k}_ms"] = med
         row[f"{k}_rounds_ms"] = per_round
@@ -192,20 +193,21 @@ def _structure_row(b: int, n: int) -> dict:
     from kvlib.kernels.tl.merge import merge_splits
 
     q, cache, launch = _empty_side_problem(b, n)
-    row = dict(batch=b, ctx=n, kv4_ms=_time(lambda: kv4_decode(q, cache))[0], kv4rl_empty_side_ms=_time(launch)[0])
-    row["kv4_main_region_ms"] = _time(lambda: launch(side=False))[0]
+    row = dict(batch=b, ctx=n, kv4_ms=graphed_ms(lambda: kv4_decode(q, cache))[0],
+               kv4rl_empty_side_ms=graphed_ms(launch)[0])
+    row["kv4_main_region_ms"] = graphed_ms(lambda: launch(side=False))[0]
     real_merge = K.merge_splits
     K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
     try:
-        row["kv4rl_empty_side_no_merge_ms"] = _time(launch)[0]
+        row["kv4rl_empty_side_no_merge_ms"] = graphed_ms(launch)[0]
         K._PROBE_NO_PROT_PROGRAMS = True  # the kernel compiled with the protected path, launched without its programs
-        row["kv4rl_compiled_only_ms"] = _time(launch)[0]
+        row["kv4rl_compiled_only_ms"] = graphed_ms(launch)[0]
     finally:
         K.merge_splits = real_merge
         K._PROBE_NO_PROT_PROGRAMS = False
     o_s = torch.randn(b, HQ, 2, D, device="cuda")
     lse_s = torch.randn(b, HQ, 2, device="cuda")
-    row["merge_alone_ms"] = _time(lambda: merge_splits(o_s, lse_s))[0]
+    row["merge_alone_ms"] = graphed_ms(lambda: merge_splits(o_s, lse_s))[0]
     return row
 
 

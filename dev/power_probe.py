@@ -16,7 +16,7 @@ import torch
 
 from dev.h10_probe import write_probe
 from kvlib.bench.timing import bench_ms, capture_graph, interleaved
-from kvlib.bench.witcert_decode import LAYER, SEED, _random_pools
+from kvlib.bench.witcert_decode import LAYER, SEED, random_pools
 
 SMI_FIELDS = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
 
@@ -31,7 +31,7 @@ def main(B: int = 64, S: int = 32768, hq: int = 28, hkv: int = 4, d: int = 128, 
     from kvlib.kernels.int8.decode import decode_int8
 
     started = datetime.datetime.now(datetime.UTC)
-    kp, vp = _random_pools(B, S, hkv, d, "cuda")
+    kp, vp = random_pools(B, S, hkv, d, "cuda")
     kp = dataclasses.replace(kp, dither_layout="h8")
     slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
     seq = torch.full((B,), S, dtype=torch.int32, device="cuda")

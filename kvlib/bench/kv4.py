@@ -49,7 +49,8 @@ def random_kv4_batch(lengths: torch.Tensor, n: int, sink: int = SINK, recent: in
     )  # fmt: skip
 
 
-def _time(fn) -> tuple[float, bool]:
+def graphed_ms(fn) -> tuple[float, bool]:
+    """``(median ms, whether a CUDA graph was captured)`` of ``fn`` at this benchmark's timing budget."""
     t = bench_graphed(fn, warmup_ms=10, rep_ms=60)
     return t["median_ms"], t["graphed"]
 
@@ -100,7 +101,7 @@ def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = T
     graphed: list[bool] = []
 
     def timer(fn) -> float:
-        ms, gr = _time(fn)
+        ms, gr = graphed_ms(fn)
         graphed.append(gr)
         return ms
 
@@ -115,7 +116,7 @@ def _one_shape(b: int, lengths: torch.Tensor, n: int, merge, with_sdpa: bool = T
     if with_sdpa:
         k = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        ms, gr = _time(_sdpa_fn(q.unsqueeze(2), k, v))
+        ms, gr = graphed_ms(_sdpa_fn(q.unsqueeze(2), k, v))
         graphed_all &= gr
         row["sdpa_bf16_ms"] = ms
         row["sdpa_GBps"] = bandwidth_GBps(_bytes_bf16(torch.full_like(lengths, n)), ms)

@@ -44,7 +44,7 @@ SEED = 0x5EED_0000_1234
 LAYER = 3
 
 
-def _real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8, layout: str = "w24"):
+def real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8, layout: str = "w24"):
     """A quantised pool from the real write path (K dithered with fp16 outliers, V RTN)."""
     from kvlib.kernels.int8.decode import make_pool_side
 
@@ -70,7 +70,7 @@ def _agreement(device: str) -> dict:
     from kvlib.kernels.int8.decode import decode_int8, decode_reference
 
     p = PAPER if device == "cuda" else dict(B=2, S=64, hq=4, hkv=2, d=64)
-    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
+    q, kp, vp, slots, seq = real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
     t0 = time.perf_counter()
     ref = decode_reference(q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED)
     out: dict[str, Any] = {"shape": p, "reference_s": time.perf_counter() - t0, "splits": {}}
@@ -80,7 +80,7 @@ def _agreement(device: str) -> dict:
             continue
         if LAYOUT[mode] != "w24":  # the same keys and query written through the other dither layout
             gl = kw["impl"] == "gluon"
-            q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device,
+            q, kp, vp, slots, seq = real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device,
                                                   layout=LAYOUT[mode], n_out=0 if gl else 8)
             if gl:
                 q = q.to(torch.bfloat16)
@@ -117,7 +117,7 @@ def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
 
     p = PAPER
     gl = impl == "gluon"
-    q, kp, vp, slots, seq = _real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout,
+    q, kp, vp, slots, seq = real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout,
                                           n_out=0 if gl else 8)
     q_static = q.to(torch.bfloat16) if gl else q.clone()
     step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8,  # noqa: E731
@@ -147,7 +147,8 @@ def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
             "finite_cert_every_step": bool(torch.isfinite(c).all()), "cert_max": float(c.max())}
 
 
-def _random_pools(B: int, S: int, hkv: int, d: int, device: str, group: int = 32):
+def random_pools(B: int, S: int, hkv: int, d: int, device: str, group: int = 32):
+    """K and V INT8 pools of ``B * S`` slots with random codes and scales (speed does not depend on values)."""
     from kvlib.kernels.int8.decode import PoolSide
 
     n = B * S
@@ -171,7 +172,7 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     from kvlib.kernels.bf16.decode import decode_bf16
     from kvlib.kernels.int8.decode import decode_int8
 
-    kp, vp = _random_pools(B, S, hkv, d, device)
+    kp, vp = random_pools(B, S, hkv, d, device)
     pools = {lay: dataclasses.replace(kp, dither_layout=lay) for lay in ("w24", "h10", "h8")}  # same codes
     slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)
     seq = torch.full((B,), S, dtype=torch.int32, device=device)
@@ -237,34 +238,6 @@ def _latency(device: str, shapes: list[tuple[int, int]], hq: int, hkv: int, d: i
         print(f"   latency B={B} S={S}: " + ", ".join(
             f"{k}={v['median_ms']:.4f}" for k, v in timings.items() if isinstance(v, dict)), flush=True)
     return rows
-
-
-def sweep(B: int = 32, S: int = 16384, hq: int = 28, hkv: int = 4, d: int = 128, rep_ms: float = 50.0,
-          modes: tuple[str, ...] = ("fast",)) -> list[dict]:
-    """Latency of the INT8 kernel over launch parameters (block_n, num_warps, num_stages, splits) on CUDA."""
-    from kvlib.kernels.int8.decode import decode_int8
-
-    kp, vp = _random_pools(B, S, hkv, d, "cuda")
-    slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
-    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, hq, d, device="cuda")
-    out = []
-    for mode in modes:
-        for block_n in (32, 64):
-            for num_warps in (4, 8):
-                for join in (False, True):
-                    for ns in (None, 16):
-                        cfg = dict(block_n=block_n, num_warps=num_warps, join=join, num_splits=ns)
-                        kw = dict(layer=LAYER, seed=SEED, cert=True, cert_b=False, **MODES[mode], **cfg)
-                        try:
-                            ms = bench_ms(lambda kw=kw: decode_int8(q, kp, vp, slots, seq, **kw),
-                                          rep_ms=rep_ms).median_ms
-                        except Exception as e:  # noqa: BLE001 - a config may not compile (resources)
-                            ms = float("nan")
-                            cfg["error"] = str(e)[:200]
-                        out.append(dict(mode=mode, ms=ms, **cfg))
-                        print(f"   sweep {mode} {cfg}: {ms:.4f} ms", flush=True)
-    return out
 
 
 def run(profile: str) -> dict:
