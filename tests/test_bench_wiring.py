@@ -50,13 +50,45 @@ def test_decode_grid_wiring_tiny():
         expected -= {m for m in grid.ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}
         assert any("int8_h10" in n for n in row["notes"])
     assert set(row["methods"]) == expected, row["notes"]
+    # bytes per position per head and side at CPU_SHAPE (d = 32), from the formats' layouts: bf16 2 B x 32;
+    # INT8 32 codes + one fp16 scale per group of 32; KV4 16 B of nibbles + fp16 scale and offset; KV4-RL keeps
+    # all 40 positions in its INT8 side buffer (sink 16 + recent 128 >= 40): 32 codes + one fp16 scale
+    per_pos = {"bf16": 64, "dither-int8": 34, "kv4": 20, "kv4rl": 34}
     for name, t in row["methods"].items():
         assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
-        assert t["bytes"] == grid.call_bytes(name, torch.tensor([40]), grid.CPU_SHAPE)
-        assert t["GBps"] > 0
-    assert row["ratios"]["speedup_sdpa_bf16"] == pytest.approx(1.0)
+        assert t["bytes"] == 40 * 2 * grid.CPU_SHAPE.hkv * per_pos[grid.METHOD_FORMAT[name]], name
+        assert t["GBps"] == pytest.approx(t["bytes"] / t["median_ms"] / 1e6)
+    assert set(row["ratios"]) >= {"speedup_int8_cert", "speedup_kv4", "cert_cost", "kv4rl_frac_of_kv4"}
     assert res["copy"]["bandwidth_GBps"] > 0
     assert set(res["summary"]["goals"]) == {"int8_cert_speedup", "kv4_speedup", "kv4rl_frac", "cert_cost"}
+
+
+#: hand-picked medians (ms) of a fake timer, by context: at 40 positions the INT8 kernel loses to SDPA, at 16k it
+#: wins, so the summary's long-context filter shows in its answer
+FAKE_MS = {40: {"sdpa_bf16": 1.0, "int8_cert": 2.0, "int8_nocert": 1.0, "kv4": 0.5, "kv4rl": 1.0},
+           16384: {"sdpa_bf16": 8.0, "int8_cert": 4.0, "int8_nocert": 3.2, "kv4": 2.0, "kv4rl": 2.5}}
+
+
+def test_decode_grid_ratios_and_summary_known_answers(monkeypatch):
+    def fake_time_state(lengths, *, methods, **kw):
+        ctx = int(lengths[0])
+        return {"batch": len(lengths), "methods": {m: {"median_ms": FAKE_MS[ctx][m], "GBps": 1.0} for m in methods},
+                "notes": []}
+
+    monkeypatch.setattr(grid, "time_state", fake_time_state)
+    res = grid.run("ci", methods=tuple(FAKE_MS[40]), batches=(8,), ctxs=(40, 16384))
+    short, long = res["rows"]
+    assert short["ratios"] == pytest.approx({"speedup_sdpa_bf16": 1.0, "speedup_int8_cert": 0.5,
+                                             "speedup_int8_nocert": 1.0, "speedup_kv4": 2.0, "speedup_kv4rl": 1.0,
+                                             "cert_cost": 1.0, "kv4rl_frac_of_kv4": 0.5})
+    assert long["ratios"]["speedup_int8_cert"] == pytest.approx(2.0)
+    assert long["ratios"]["cert_cost"] == pytest.approx(0.25)
+    s = res["summary"]
+    assert s["int8_cert_speedup_S16k_min"] == pytest.approx(2.0)  # the 40-position row (0.5) is not long context
+    assert s["kv4_speedup_S16k_min"] == pytest.approx(4.0)
+    assert s["kv4rl_frac_min"] == pytest.approx(0.5) and s["kv4rl_frac_median"] == pytest.approx(0.65)
+    assert s["cert_cost_max"] == pytest.approx(1.0) and s["cert_cost_median"] == pytest.approx(0.625)
+    assert s["philox_share_skip_median"] is None  # int8_nophilox was not timed
 
 
 def test_time_state_ragged_sdpa_buckets():
@@ -76,13 +108,41 @@ def test_replay_states_and_wiring_tiny():
     for s in sts:
         assert len(s["lengths"]) == s["batch"] and min(s["lengths"]) >= ph.P
         assert max(s["lengths"]) <= ph.P + ph.max_len
-    res = replay.run("ci", methods=("sdpa_bf16", "int8_cert", "kv4rl"), n_states=1, phases=(ph,))
-    assert len(res["rows"]) == 2
+    methods = ("sdpa_bf16", "int8_cert", "kv4rl")
+    res = replay.run("ci", methods=methods, n_states=1, phases=(ph,))
+    assert [r["kind"] for r in res["rows"]] == ["fixed", "ragged"]
+    for r in res["rows"]:
+        assert set(r["timed"]["methods"]) == set(methods), r["timed"]["notes"]
+        assert r["timed"]["ctx_sum"] == r["batch"] * r["ctx"] if r["kind"] == "fixed" else r["timed"]["ctx_sum"] > 0
+    # one speedup per kind and method against SDPA (triton_bf16, the other reference, was not timed)
+    assert sorted((r["kind"], r["reference"], r["method"]) for r in res["speedups"]) == [
+        (k, "sdpa_bf16", m) for k in ("fixed", "ragged") for m in ("int8_cert", "kv4rl")]
+
+
+def test_replay_aggregates_ratio_of_sums_per_kind(monkeypatch):
+    # a fake timer whose speedup grows with the state's size: the ratio of sums then differs from the mean ratio
+    cost = {"sdpa_bf16": (1.0, 1e-2), "triton_bf16": (1.0, 5e-3), "kv4rl": (1.0, 2.5e-3)}
+
+    def fake_time_state(lengths, *, methods, **kw):
+        n = int(sum(lengths))
+        return {"batch": len(lengths), "ctx_sum": n, "notes": [],
+                "methods": {m: {"median_ms": cost[m][0] + cost[m][1] * n} for m in methods}}
+
+    monkeypatch.setattr(replay, "time_state", fake_time_state)
+    res = replay.run("ci", methods=tuple(cost), n_states=2, phases=replay.CI_PHASES[:1])
     sp = {(r["kind"], r["reference"], r["method"]): r for r in res["speedups"]}
-    r = sp[("ragged", "sdpa_bf16", "kv4rl")]
-    (row,) = [x for x in res["rows"] if x["kind"] == "ragged"]
-    m = row["timed"]["methods"]
-    assert r["speedup_sum"] == pytest.approx(m["sdpa_bf16"]["median_ms"] / m["kv4rl"]["median_ms"])
+    assert len(sp) == 2 * 4  # kinds x (sdpa: triton, kv4rl; triton: sdpa, kv4rl)
+    for kind in ("fixed", "ragged"):
+        ns = [r["timed"]["ctx_sum"] for r in res["rows"] if r["kind"] == kind]
+        assert len(ns) == 2 and ns[0] != ns[1]
+        ref = [1.0 + 1e-2 * n for n in ns]
+        q = [1.0 + 2.5e-3 * n for n in ns]
+        r = sp[(kind, "sdpa_bf16", "kv4rl")]
+        assert r["n_states"] == 2
+        assert r["speedup_sum"] == pytest.approx(sum(ref) / sum(q))
+        assert r["speedup_equal_time"] == pytest.approx(2 / (q[0] / ref[0] + q[1] / ref[1]))
+        assert sp[(kind, "triton_bf16", "kv4rl")]["speedup_sum"] == pytest.approx(
+            sum(1.0 + 5e-3 * n for n in ns) / sum(q))
 
 
 def test_rollout_model_known_answers():
