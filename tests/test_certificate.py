@@ -46,11 +46,24 @@ def test_outlier_channels_leave_the_proxy_and_enter_the_bypass_term():
     v_out = variance_proxy(q, s, sm_scale=1.0, group=G, outlier_channels=oc)
     torch.testing.assert_close(v_out, v_all * (d - 2) / d)
     outl = torch.tensor([[100.0, -3.0], [0.0, 0.0]])
-    u0 = score_radius(q, s, sm_scale=1.0, n=2, delta=0.1, group=G, outlier_channels=oc)
+    u0 = v_out.sqrt() * radius_multiplier(2, 0.1, d)  # the dithered channels' part alone
     u1 = score_radius(q, s, sm_scale=1.0, n=2, delta=0.1, group=G, outlier_channels=oc, outliers=outl)
     assert (u1 >= u0).all()
     assert u1[0] - u0[0] >= 103.0 * 2.0**-11  # fp16 rounding of 100 and 3 is covered
     assert u1[1] - u0[1] < 1e-6  # zero outliers contribute only the subnormal floor
+
+
+def test_outlier_channels_without_their_values_is_an_error():
+    # channels alone would drop them from the proxy and add no bypass term: a radius too small, so refused
+    q, s = torch.ones(8, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64)
+    kw = dict(sm_scale=1.0, n=2, delta=0.1, group=4)
+    with pytest.raises(ValueError, match="outlier_channels and outliers.*only outlier_channels"):
+        score_radius(q, s, outlier_channels=torch.tensor([1, 6]), **kw)
+    with pytest.raises(ValueError, match="outlier_channels and outliers.*only outliers"):
+        score_radius(q, s, outliers=torch.zeros(2, 2), **kw)
+    # empty channels with empty values: no bypass, the plain radius
+    torch.testing.assert_close(score_radius(q, s, outlier_channels=torch.zeros(0, dtype=torch.int64),
+                                            outliers=torch.zeros(2, 0), **kw), score_radius(q, s, **kw))
 
 
 def test_radius_formula_and_slack():

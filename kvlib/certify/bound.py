@@ -217,8 +217,10 @@ def score_radius(
     """
     delta = check_open_unit("delta", delta)
     check_positive_int("n", n)
-    if (outliers is None) != (outlier_channels is None) and outliers is not None:
-        raise ValueError("outliers needs outlier_channels")
+    if (outliers is None) != (outlier_channels is None):
+        given = "outliers" if outlier_channels is None else "outlier_channels"
+        raise ValueError(f"outlier_channels and outliers go together, got only {given}: channels leave the variance "
+                         "proxy, and without their fp16 values the bypass term is missing (a radius too small)")
     var = variance_proxy(q, scales, sm_scale=sm_scale, group=group, outlier_channels=outlier_channels, proxy=proxy)
     inflate = TC_RADIUS_INFLATE if impl in ("tc", "h10") else 1.0
     u = (var * inflate).sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl, layout=layout)
