@@ -1,11 +1,11 @@
-# The two commands of the README: `make book` and `make test`. Both install what they need into
-# $(VENV) first (once; again whenever pyproject.toml changes).
+# The commands of the README: `make book` and `make test` install what they need into $(VENV) first (once;
+# again whenever pyproject.toml changes); `make test-gpu` installs nothing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 PROFILE ?= cpu
 
-.PHONY: book test install lint gpu-bench clean
+.PHONY: book test test-gpu install lint clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ test: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev
 	$(PY) -m pytest -q tests
 	$(PY) -m kvlib.publish build --profile ci --no-progress
+
+# Every kernel test on a CUDA machine (the H200), Triton compiling for the device. No venv, no install:
+# $(GPU_PYTHON) with PYTHONPATH=. (torch, triton, scipy, pytest must be importable); fails without CUDA.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHON=$(GPU_PYTHON) bash dev/gpu/test-gpu.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU lane: every kernel test on a CUDA device, with Triton compiling for it (no interpreter).
+#
+#   bash dev/gpu/test-gpu.sh          # from anywhere; `make test-gpu` runs exactly this
+#
+# Runs where the package is not installed and no venv exists: $PYTHON (default python3) with PYTHONPATH set
+# to the repository root. Needs torch, triton, numpy, scipy and pytest importable by that python (the H200
+# image has them). Fails at once, saying why, without CUDA or without one of those packages.
+# TEST_GPU_TIMEOUT_S (default 225, 0 = none) stops pytest cleanly past that many seconds (a device call is
+# short). Prints one line "test-gpu: PASS|FAIL|TIMEOUT ..."; with $OUT set, also writes $OUT/test-gpu.json
+# (counts, failed tests with their first error line, skipped tests with their reasons) and $OUT/test-gpu.xml.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+
+PY=${PYTHON:-python3}
+LIMIT=${TEST_GPU_TIMEOUT_S:-225}
+# every test file that launches a kernel (tests/test_gpu_lane.py checks that none is missing)
+TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py tests/test_merge_tl.py
+       tests/test_philox.py tests/test_fallback.py tests/test_sass_count.py tests/test_bench_wiring.py)
+
+unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+"$PY" - <<'EOF' || exit 2
+import importlib.util
+import sys
+
+missing = [m for m in ("torch", "triton", "numpy", "scipy", "pytest") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"test-gpu: FAIL: {', '.join(missing)} not importable by {sys.executable}; install them there "
+             "(or carry wheels) and run again")
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(f"test-gpu: FAIL: no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False). "
+             "This lane runs the kernels compiled for a GPU; on a CPU machine run `make test`.")
+import triton
+
+print(f"test-gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+      f"python {sys.version.split()[0]}", flush=True)
+EOF
+
+junit=$(mktemp -t test-gpu.XXXXXX.xml)
+tmo=()
+[ "$LIMIT" != 0 ] && tmo=(timeout -s INT -k 20 "$LIMIT")
+# -m "gpu or not gpu": the GPU-only tests (marker gpu) and all the rest, whatever addopts may deselect
+${tmo[@]+"${tmo[@]}"} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" --durations=10 \
+    --junitxml="$junit" "${TESTS[@]}"
+rc=$?
+
+"$PY" - "$junit" "$rc" "$LIMIT" "${OUT:-}" <<'EOF'
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+junit, rc, limit, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+res = {"returncode": rc, "timed_out": rc == 124, "limit_s": float(limit), "failed": {}, "skipped": {}}
+try:
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+except (OSError, ET.ParseError) as e:
+    cases = []
+    res["junit_error"] = str(e)
+for c in cases:
+    tid = f"{c.get('classname', '').replace('.', '/')}.py::{c.get('name')}"
+    for tag, key in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
+        el = c.find(tag)
+        if el is not None:
+            res[key][tid] = (el.get("message") or "").splitlines()[0][:300] if el.get("message") else tag
+            break
+res["total"] = len(cases)
+res["passed"] = len(cases) - len(res["failed"]) - len(res["skipped"])
+verdict = "TIMEOUT" if rc == 124 else ("PASS" if rc == 0 and not res["failed"] else "FAIL")
+res["verdict"] = verdict
+if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "test-gpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(junit, "rb") as src, open(os.path.join(out, "test-gpu.xml"), "wb") as dst:
+        dst.write(src.read())
+for tid, msg in res["failed"].items():
+    print(f"test-gpu: failed {tid}: {msg}")
+extra = f" (stopped at {limit} s; TEST_GPU_TIMEOUT_S=0 for no limit)" if rc == 124 else ""
+print(f"test-gpu: {verdict}: {res['passed']} passed, {len(res['failed'])} failed, {len(res['skipped'])} skipped "
+      f"of {res['total']}{extra}")
+EOF
+rm -f "$junit"
+exit "$rc"

@@ -1,0 +1,50 @@
+"""The GPU lane (``make test-gpu`` = ``dev/gpu/test-gpu.sh``): it covers every test file that launches a kernel,
+installs nothing, and refuses to run without CUDA."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "dev" / "gpu" / "test-gpu.sh"
+
+
+def lane_files() -> set[str]:
+    m = re.search(r"^TESTS=\((.*?)\)", SCRIPT.read_text(), re.S | re.M)
+    assert m, "dev/gpu/test-gpu.sh has no TESTS=(...) list"
+    return {str(p.relative_to(ROOT)) for pat in m.group(1).split() for p in ROOT.glob(pat)}
+
+
+def test_lane_covers_every_test_file_that_launches_a_kernel():
+    lane = lane_files()
+    launches = re.compile(r"kvlib\.kernels|^\s*(import|from) triton|importorskip\(\"triton\"\)|pytest\.mark\.gpu", re.M)
+    kernel_tests = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                    if launches.search(p.read_text())}
+    assert {"tests/test_philox.py", "tests/test_kv4_kernels.py", "tests/test_decode_int8.py"} <= kernel_tests
+    assert kernel_tests <= lane, f"kernel tests missing from the GPU lane: {sorted(kernel_tests - lane)}"
+
+
+def test_make_target_runs_the_script_and_installs_nothing():
+    mk = (ROOT / "Makefile").read_text()
+    m = re.search(r"^test-gpu:(.*)\n((?:\t.*\n)+)", mk, re.M)
+    assert m, "Makefile has no test-gpu target"
+    assert m.group(1).strip() == "", "test-gpu must not depend on the venv install"
+    assert "bash dev/gpu/test-gpu.sh" in m.group(2)
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(mk.startswith("gpu:") for mk in markers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_lane_refuses_without_cuda():
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "test-gpu: FAIL: no CUDA device" in r.stderr + r.stdout
