@@ -18,4 +18,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__)
     main()

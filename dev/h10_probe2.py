@@ -119,7 +119,7 @@ def run_probe(name: str, variants: dict[str, tuple[dict, dict]], shapes, *, cost
     timed = time_variants(variants, shapes, rounds=rounds)
     rows = (agreement(variants) if agree else []) + timed + cert_costs(timed, costs or {})
     write_probe(sys.argv[1] if len(sys.argv) > 1 else f"{name}.json", name, rows, started,
-                {"command": f"python -m kvlib.bench._{name}", "variants": variants, "shapes": shapes})
+                {"command": f"python -m dev.{name}", "variants": variants, "shapes": shapes})
 
 
 def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
@@ -191,4 +191,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__)
     main()

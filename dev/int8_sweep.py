@@ -114,8 +114,8 @@ def _one_shape(B: int, S: int, hq: int, hkv: int, d: int, device: str, rep: floa
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true")
+    ap = argparse.ArgumentParser(prog="python -m dev.int8_sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="toy shapes under the CPU interpreter (a wiring check)")
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
     t0 = time.perf_counter()

@@ -54,4 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__)
     raise SystemExit(main())

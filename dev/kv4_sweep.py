@@ -13,7 +13,7 @@
 
 ``--tiny`` runs the same code path on the CPU under ``TRITON_INTERPRET=1`` at tiny shapes (a wiring
 check: its times mean nothing). A variant that raises is reported and skipped; the sweep goes on.
-As a :mod:`kvlib.bench` topic, :func:`run` returns the same results as a dict (GPU only).
+:func:`sweep` returns the same results as a dict.
 """
 
 from __future__ import annotations
@@ -494,15 +494,6 @@ def sweep(tiny: bool = False, budget_s: float = 150.0, family: str = "all") -> d
     s.results["runtime_s"] = time.perf_counter() - t0
     print(f"sweep took {s.results['runtime_s']:.0f}s", flush=True)
     return s.results
-
-
-def run(profile: str) -> dict:
-    """:mod:`kvlib.bench` entry point: the sweep on the GPU; skipped without CUDA."""
-    if not torch.cuda.is_available():
-        if profile == "gpu":
-            raise RuntimeError("profile 'gpu' needs CUDA")
-        return {"skipped": "no CUDA: the KV4 sweep runs on the GPU (python -m dev.kv4_sweep --tiny on CPU)"}
-    return sweep(tiny=False)
 
 
 def main(argv: list[str] | None = None) -> int:

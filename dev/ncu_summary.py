@@ -80,7 +80,7 @@ def source(path: Path, top: int = 8) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m dev.ncu_summary", description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("labels", nargs="+", help="label=path prefix of the exported CSVs")
     ap.add_argument("--commit", required=True)

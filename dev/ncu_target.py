@@ -19,7 +19,7 @@ KINDS = ("gluon", "gluon_nocert", "sdpa", "h10")
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in KINDS:
-        raise SystemExit(f"usage: _ncu_target {{{','.join(KINDS)}}} B S [hq hkv]")
+        raise SystemExit(f"usage: python -m dev.ncu_target {{{','.join(KINDS)}}} B S [hq hkv]")
     kind, B, S = argv[0], int(argv[1]), int(argv[2])
     hq, hkv = (int(argv[3]), int(argv[4])) if len(argv) >= 5 else (28, 4)
     if kind == "sdpa":
@@ -45,4 +45,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__, "{gluon,gluon_nocert,sdpa,h10} B S [hq hkv]")
     main(sys.argv[1:])

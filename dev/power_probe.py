@@ -71,4 +71,7 @@ def main(B: int = 64, S: int = 32768, hq: int = 28, hkv: int = 4, d: int = 128, 
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__)
     main()
