@@ -61,9 +61,11 @@ def test_outlier_channels_without_their_values_is_an_error():
         score_radius(q, s, outlier_channels=torch.tensor([1, 6]), **kw)
     with pytest.raises(ValueError, match="outlier_channels and outliers.*only outliers"):
         score_radius(q, s, outliers=torch.zeros(2, 2), **kw)
-    # empty channels with empty values: no bypass, the plain radius
-    torch.testing.assert_close(score_radius(q, s, outlier_channels=torch.zeros(0, dtype=torch.int64),
-                                            outliers=torch.zeros(2, 0), **kw), score_radius(q, s, **kw))
+    # an empty channel set drops nothing from the proxy: with or without (empty) values, the plain radius
+    none = torch.zeros(0, dtype=torch.int64)
+    torch.testing.assert_close(score_radius(q, s, outlier_channels=none, outliers=torch.zeros(2, 0), **kw),
+                               score_radius(q, s, **kw))
+    torch.testing.assert_close(score_radius(q, s, outlier_channels=none, **kw), score_radius(q, s, **kw))
 
 
 def test_radius_formula_and_slack():

@@ -217,10 +217,14 @@ def score_radius(
     """
     delta = check_open_unit("delta", delta)
     check_positive_int("n", n)
-    if (outliers is None) != (outlier_channels is None):
-        given = "outliers" if outlier_channels is None else "outlier_channels"
-        raise ValueError(f"outlier_channels and outliers go together, got only {given}: channels leave the variance "
-                         "proxy, and without their fp16 values the bypass term is missing (a radius too small)")
+    # channels leave the variance proxy; without their fp16 values the bypass term would be missing (a radius too
+    # small). An empty channel set drops nothing, so it needs no values.
+    if outliers is None and outlier_channels is not None and outlier_channels.numel():
+        raise ValueError("outlier_channels and outliers go together, got only outlier_channels: the channels leave "
+                         "the variance proxy and their fp16 values set the bypass term")
+    if outliers is not None and outlier_channels is None:
+        raise ValueError("outlier_channels and outliers go together, got only outliers: which channels they hold "
+                         "is needed for the bypass term")
     var = variance_proxy(q, scales, sm_scale=sm_scale, group=group, outlier_channels=outlier_channels, proxy=proxy)
     inflate = TC_RADIUS_INFLATE if impl in ("tc", "h10") else 1.0
     u = (var * inflate).sqrt() * radius_multiplier(n, delta, q.shape[-1], slack=slack, impl=impl, layout=layout)
