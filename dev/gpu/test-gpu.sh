@@ -19,7 +19,7 @@ TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py te
        tests/test_philox.py tests/test_fallback.py tests/test_sass_count.py tests/test_bench_wiring.py)
 
 unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # absolute: tests that chdir keep it
 
 "$PY" - <<'EOF' || exit 2
 import importlib.util
