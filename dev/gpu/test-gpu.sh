@@ -2,6 +2,7 @@
 # The GPU lane: every kernel test on a CUDA device, with Triton compiling for it (no interpreter).
 #
 #   bash dev/gpu/test-gpu.sh          # from anywhere; `make test-gpu` runs exactly this
+#   bash dev/gpu/test-gpu.sh -k h10   # extra arguments go to pytest (-k, -x, --lf, ...)
 #
 # Runs where the package is not installed and no venv exists: $PYTHON (default python3) with PYTHONPATH set
 # to the repository root. Needs torch, triton, numpy, scipy and pytest importable by that python (the H200
@@ -45,7 +46,7 @@ tmo=()
 [ "$LIMIT" != 0 ] && tmo=(timeout -s INT -k 20 "$LIMIT")
 # -m "gpu or not gpu": the GPU-only tests (marker gpu) and all the rest, whatever addopts may deselect
 ${tmo[@]+"${tmo[@]}"} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" --durations=10 \
-    --junitxml="$junit" "${TESTS[@]}"
+    --junitxml="$junit" "${TESTS[@]}" "$@"
 rc=$?
 
 "$PY" - "$junit" "$rc" "$LIMIT" "${OUT:-}" <<'EOF'
