@@ -405,9 +405,9 @@ def test_pipe_edges_default_follows_the_side_buffer():
 def test_wave_model_split_plans(monkeypatch):
     """The GPU branch of the split plan (132 SMs, as an H200): one wave when the pairs fill it, splits when
     they do not, and the per-program overhead keeps a large ragged batch from near-empty splits."""
-    from kvlib.kernels.int4 import decode as decode_int4
+    from kvlib.kernels.int4 import launch
 
-    monkeypatch.setattr(decode_int4, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
     plan = lambda b, n, **kw: default_num_splits(b, 8, n, 256, gpu, **kw)  # noqa: E731
     assert plan(32, 16384, ctas_per_sm=2, overhead_blocks=1) == 1  # 256 pairs <= 264 resident
