@@ -501,3 +501,162 @@ def test_default_config_at_a_real_shape_on_gpu(with_side):
                          side=side_buffer(c) if with_side else None)
     lp.run()
     assert 0 < lp.kernel.n_regs <= 255 and lp.kernel.n_spills == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged pool (vLLM layout): pages [num_blocks, block_size, H_kv, ...], a block table per request
+# ---------------------------------------------------------------------------------------------
+
+
+def _paged_pool(c, block_size: int, seed: int, spare: int = 3) -> dict:
+    """The contiguous batch ``c`` scattered into a pool as a block manager would: each request takes
+    ``ceil(len / block_size)`` pages from a shuffled free list, so its pages are neither contiguous nor in order;
+    slots past a request's length, spare pages and unused table entries (-1) hold garbage (random codes, NaN
+    scales) that must never reach the output."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode  # noqa: F401 (importable where notebooks look)
+
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, _, half = c.k_codes.shape
+    dev = c.k_codes.device
+    lengths = c.lengths.tolist()
+    need = [-(-n // block_size) for n in lengths]
+    nb, maxb = sum(need) + spare, max(need) + 1  # a spare table column, never read
+    perm = torch.randperm(nb, generator=g).tolist()
+    table = torch.full((b, maxb), -1, dtype=torch.int32)
+    pool = {"k_codes": torch.randint(0, 256, (nb, block_size, hkv, half), generator=g, dtype=torch.uint8),
+            "v_codes": torch.randint(0, 256, (nb, block_size, hkv, half), generator=g, dtype=torch.uint8)}
+    for name in ("k_scale", "k_off", "v_scale", "v_off"):
+        pool[name] = torch.full((nb, block_size, hkv), float("nan"), dtype=torch.float16)
+    pool = {k: t.to(dev) for k, t in pool.items()}
+    for r, n in enumerate(lengths):
+        for j in range(need[r]):
+            page = perm.pop()
+            table[r, j] = page
+            lo, hi = j * block_size, min((j + 1) * block_size, n)
+            for name, t in pool.items():
+                t[page, : hi - lo] = getattr(c, name)[r, :, lo:hi].transpose(0, 1)
+    pool["block_table"] = table.to(dev)
+    return pool
+
+
+def _paged_args(qp, pool, start, end):
+    return (qp, pool["k_codes"], pool["k_scale"], pool["k_off"], pool["v_codes"], pool["v_scale"], pool["v_off"],
+            pool["block_table"], start, end)
+
+
+PAGED = [  # (block_size, config): tiles spanning pages, pages larger than a tile, one split and several
+    (16, dict(block_n=32, num_splits=3)),
+    (8, dict(block_n=16, num_splits=1)),
+    (64, dict(block_n=16, num_splits=2, tile_sums=False)),
+]
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16"])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw, group, device):
+    """A shuffled, non-contiguous pool with ragged lengths (one empty request), KV4 over whole requests or
+    KV4-RL's main region with its sink/recent side buffer: the paged kernel against the paged reference and
+    against the contiguous kernel on the same codes; the launch record names the paged path."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref, plan_kv4_paged_decode
+
+    g = torch.Generator().manual_seed(40 + group)
+    hkv, n = 2, 90
+    q = torch.randn(4, hkv * group, D, generator=g).to(device)
+    k, v = torch.randn(4, hkv, n, D, generator=g).to(device), torch.randn(4, hkv, n, D, generator=g).to(device)
+    lengths = torch.tensor([90, 33, 0, 7], device=device)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=16) if with_side else build_kv4_batch(k, v, lengths)
+    start, end = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    pool = _paged_pool(c, block_size, seed=block_size + group)
+    qp = prepare_query(q, backend="triton")
+    cfg = DEFAULT_CONFIG.replace(**kw)
+    args = _paged_args(qp, pool, start, end)
+    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
+    tol = 2e-2 if with_side else 2e-3  # bf16 PV operands on the protected region
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, tol)
+    assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()
+    # the same codes in the contiguous layout, by the contiguous kernel and its reference
+    cargs = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    o_c, lse_c = kv4_main_decode(*cargs, side=side, config=cfg, backend="triton")
+    _close(lse, lse_c, 1e-5)
+    _close(o, o_c, 1e-5)
+    o_cr, lse_cr = kv4_main_decode(*cargs, side=side, backend="torch")
+    _close(lse_ref, lse_cr, 1e-5)
+    _close(o_ref, o_cr, 1e-5)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
+    assert lp.path == "paged-rows" and lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
+
+
+@pytest.mark.skipif(DEV.type == "cuda", reason="the interpreter's d = 64 case; the GPU runs every test at d = 64")
+def test_paged_decode_head_dim_64(device):
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 8, 64, generator=g)
+    k, v = torch.randn(2, 2, 40, 64, generator=g), torch.randn(2, 2, 40, 64, generator=g)
+    c = build_kv4_batch(k, v, torch.tensor([40, 19]), sink=2, recent=8)
+    pool = _paged_pool(c, 16, seed=1)
+    qp = prepare_query_ref(q)
+    args = _paged_args(qp, pool, *c.main_range())
+    cfg = DEFAULT_CONFIG.replace(block_n=16)
+    o, lse = kv4_paged_decode(*args, block_size=16, side=side_buffer(c), config=cfg, backend="triton")
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=16, side=side_buffer(c))
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)
+
+
+def test_paged_decode_refuses_what_it_does_not_run(device):
+    """Options the paged kernel does not implement are errors naming the option, not silent fallbacks; so are a
+    block_size that disagrees with the pool and a block table of another dtype or batch."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode
+
+    q, k, v = _qkv(2, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
+    pool = _paged_pool(c, 16, seed=3)
+    qp = prepare_query_ref(q)
+    args = _paged_args(qp, pool, torch.zeros_like(c.lengths), c.lengths)
+    for kw, name in ((dict(k_mode="trans"), "k_mode"), (dict(int_pv=True), "int_pv"), (dict(tma=True), "tma")):
+        with pytest.raises(ValueError, match=name):
+            kv4_paged_decode(*args, block_size=16, config=DEFAULT_CONFIG.replace(**kw), backend="triton")
+    with pytest.raises(ValueError, match="block_size"):
+        kv4_paged_decode(*args, block_size=32, backend="triton")
+    bad = list(args)
+    bad[7] = pool["block_table"].long()
+    with pytest.raises(TypeError, match="block_table"):
+        kv4_paged_decode(*bad, block_size=16, backend="triton")
+    bad[7] = pool["block_table"][:2]
+    with pytest.raises(ValueError, match="block_table"):
+        kv4_paged_decode(*bad, block_size=16, backend="torch")
+
+
+@gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
+    """Qwen2.5-7B's attention shape, ragged lengths to 4k, the default config (block_n 256: with 16-position pages
+    a tile spans 16 of them), a shuffled pool: kernel against the paged reference and the contiguous kernel."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 0], device="cuda")
+    b, n, d = lengths.shape[0], 4096, 128
+    q = torch.randn(b, 28, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    v = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=64) if with_side else build_kv4_batch(k, v, lengths)
+    start, end = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    pool = _paged_pool(c, block_size, seed=9)
+    qp = prepare_query(q)
+    args = _paged_args(qp, pool, start, end)
+    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side)
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
+    _close(lse, lse_ref, 1e-3)
+    _close(o, o_ref, 2e-2 if with_side else 5e-3)
+    o_c, lse_c = kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
+                                 side=side)
+    _close(lse, lse_c, 1e-4)
+    _close(o, o_c, 1e-3)

@@ -60,6 +60,7 @@ from kvlib.kernels.int4.launch import (
     plan_kv4_decode,
     tma_applies,
 )
+from kvlib.kernels.int4.paged import kv4_paged_decode, kv4_paged_decode_ref, plan_kv4_paged_decode
 from kvlib.kernels.int4.query import QueryInt8, _prep_query_kernel, prepare_query, prepare_query_ref
 from kvlib.kernels.int4.reference import kv4_main_decode_ref, region_attention_ref
 from kvlib.kernels.int4.region import _kv4_decode_kernel
@@ -67,7 +68,8 @@ from kvlib.kernels.int4.tl_helpers import LN2, LOG2E
 
 __all__ = [
     "DEFAULT_CONFIG", "KV4KernelConfig", "KV4Launch", "LN2", "LOG2E", "MIN_ROWS", "QueryInt8", "SideBuffer",
-    "_KMODES", "_kv4_decode_kernel", "_prep_query_kernel",
-    "default_num_splits", "fuse_merge_applies", "kv4_main_decode", "kv4_main_decode_ref", "pipe_edges_applies",
-    "plan_kv4_decode", "prepare_query", "prepare_query_ref", "region_attention_ref", "tma_applies",
+    "_KMODES", "_kv4_decode_kernel", "_prep_query_kernel", "default_num_splits", "fuse_merge_applies",
+    "kv4_main_decode", "kv4_main_decode_ref", "kv4_paged_decode", "kv4_paged_decode_ref", "pipe_edges_applies",
+    "plan_kv4_decode", "plan_kv4_paged_decode", "prepare_query", "prepare_query_ref", "region_attention_ref",
+    "tma_applies",
 ]
