@@ -660,3 +660,31 @@ def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
                                  side=side)
     _close(lse, lse_c, 1e-4)
     _close(o, o_c, 1e-3)
+
+
+def test_int4_family_imports_one_way():
+    """The INT4 kernel modules import each other without a cycle (issue 25: decode <-> protected was one), read
+    from their sources (module-level and function-level imports alike)."""
+    import ast
+    import pathlib
+
+    import kvlib.kernels.int4 as pkg
+
+    root = pathlib.Path(pkg.__file__).parent
+    deps = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps[path.stem] = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                           and n.module and n.module.startswith("kvlib.kernels.int4.")}
+    assert deps["protected"] and "decode" not in deps["protected"]
+    done: set = set()
+
+    def visit(m, stack):
+        assert m not in stack, f"import cycle: {' -> '.join([*stack, m])}"
+        if m not in done:
+            for d in deps.get(m, ()):
+                visit(d, [*stack, m])
+            done.add(m)
+
+    for m in deps:
+        visit(m, [])
