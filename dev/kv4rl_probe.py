@@ -48,7 +48,7 @@ def _empty_side_problem(b: int, n: int) -> tuple:
     side buffer (its extra programs and merge, no protected work); ``launch(side=False)`` the KV4 launch over the
     same main region (its unaligned edges, no protected path)."""
     from kvlib.kernels.int4.attention import side_buffer
-    from kvlib.kernels.int4.decode import kv4_main_decode, prepare_query
+    from kvlib.kernels.int4.decode import kv4_main_decode, plan_kv4_decode, prepare_query
 
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
     c = random_kv4_batch(lengths, n)
@@ -56,11 +56,21 @@ def _empty_side_problem(b: int, n: int) -> tuple:
     empty = side_buffer(c)._replace(count=torch.zeros(b, dtype=torch.int32, device="cuda"))
     start, end = c.main_range()
 
-    def launch(side: bool = True):
+    def launch(side: bool = True, part: str = "all"):
+        """``part="all"``: the whole decode; timing only (wrong results): ``"no_merge"`` the decode launch with
+        its state 0 taken for the output (no merge launch), ``"no_prot"`` the same launch without its protected
+        programs (the kernel compiled with the protected path; the merge in the launch off, as no program
+        arrives for the protected state)."""
         qp = prepare_query(q, rotate=True)
-        return kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
-                               side=empty if side else None,
-                               config=None if side else DEFAULT_CONFIG.replace(pipe_edges=True))  # KV4-RL's edges
+        args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+        cfg = None if side else DEFAULT_CONFIG.replace(pipe_edges=True)  # KV4-RL's edges
+        if part == "all":
+            return kv4_main_decode(*args, side=empty if side else None, config=cfg)
+        if part == "no_prot":
+            cfg = (cfg or DEFAULT_CONFIG).replace(fuse_merge=False)
+        lp = plan_kv4_decode(*args, side=empty if side else None, config=cfg)
+        lp.launch(grid=(b, lp.grid[1], lp.splits) if part == "no_prot" else None)
+        return (lp.o, lp.lse) if lp.fuse else (lp.o_s[:, :, 0], lp.lse_s[:, :, 0])
 
     return q, c, launch
 
@@ -158,11 +168,18 @@ def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
         cfg = DEFAULT_CONFIG.replace(**kw)
         fns[key] = lambda f=decode[base], cfg=cfg: f(q, cache, config=cfg)
     row: dict = dict(batch=b, ctx=n, ctx_mean=float(lengths.float().mean()))
-    import kvlib.kernels.int4.decode as K
+    from kvlib.kernels.int4.attention import side_buffer
+    from kvlib.kernels.int4.decode import plan_kv4_decode, prepare_query
 
-    for key, (base, _) in FUSE_VARIANTS.items():
+    for key, (base, kw) in FUSE_VARIANTS.items():
         (o0, l0), (o1, l1) = fns[base](), fns[key]()
-        row[f"{key}_decode_regs_smem"] = [K.LAST_KERNEL.n_regs, K.LAST_KERNEL.metadata.shared]
+        # the launch fns[key] made, planned again on the same inputs: its compiled kernel's registers and smem
+        main = cache.main_range() if base == "kv4rl" else (torch.zeros_like(cache.lengths), cache.lengths)
+        lp = plan_kv4_decode(prepare_query(q), cache.k_codes, cache.k_scale, cache.k_off, cache.v_codes,
+                             cache.v_scale, cache.v_off, *main, side=side_buffer(cache) if base == "kv4rl" else None,
+                             config=DEFAULT_CONFIG.replace(**kw))
+        lp.run()
+        row[f"{key}_decode_regs_smem"] = [lp.kernel.n_regs, lp.kernel.metadata.shared]
         row[f"{key}_max_do"] = float((o1 - o0).abs().max())
         row[f"{key}_max_dlse"] = float((l1 - l0).abs().max())
         graph, (og, lg) = capture_graph(fns[key])
@@ -186,25 +203,17 @@ def _fuse_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
 
 def _structure_row(b: int, n: int) -> dict:
     """Where KV4-RL's structure goes (empty side buffer, so no protected work), on one cache: KV4 over KV4-RL's main
-    region (its edges alone), the decode launch without its protected programs (``_PROBE_NO_PROT_PROGRAMS``) and
+    region (its edges alone), the decode launch without its protected programs (``launch(part="no_prot")``) and
     with them (each with its split merge replaced by a view of the first state: timing only), the split merge
     alone on states of the same shape, beside KV4 and the whole KV4-RL launch with the empty buffer."""
-    import kvlib.kernels.int4.decode as K
     from kvlib.kernels.tl.merge import merge_splits
 
     q, cache, launch = _empty_side_problem(b, n)
     row = dict(batch=b, ctx=n, kv4_ms=graphed_ms(lambda: kv4_decode(q, cache))[0],
                kv4rl_empty_side_ms=graphed_ms(launch)[0])
     row["kv4_main_region_ms"] = graphed_ms(lambda: launch(side=False))[0]
-    real_merge = K.merge_splits
-    K.merge_splits = lambda o_s, lse_s, **kw: (o_s[:, :, 0], lse_s[:, :, 0])  # timing only: no merge launch
-    try:
-        row["kv4rl_empty_side_no_merge_ms"] = graphed_ms(launch)[0]
-        K._PROBE_NO_PROT_PROGRAMS = True  # the kernel compiled with the protected path, launched without its programs
-        row["kv4rl_compiled_only_ms"] = graphed_ms(launch)[0]
-    finally:
-        K.merge_splits = real_merge
-        K._PROBE_NO_PROT_PROGRAMS = False
+    row["kv4rl_empty_side_no_merge_ms"] = graphed_ms(lambda: launch(part="no_merge"))[0]
+    row["kv4rl_compiled_only_ms"] = graphed_ms(lambda: launch(part="no_prot"))[0]
     o_s = torch.randn(b, HQ, 2, D, device="cuda")
     lse_s = torch.randn(b, HQ, 2, device="cuda")
     row["merge_alone_ms"] = graphed_ms(lambda: merge_splits(o_s, lse_s))[0]

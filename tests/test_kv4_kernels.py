@@ -1,6 +1,8 @@
-"""KV4 / KV4-RL decode: Triton kernels (interpreter on CPU) vs torch references, and the exact regional merge."""
+"""KV4 / KV4-RL decode: Triton kernels vs torch references, and the exact regional merge.
 
-import os
+Every kernel test runs on CUDA when a GPU is present (``device`` fixture) and otherwise on the CPU under the
+Triton interpreter with small shapes; tests marked ``gpu`` need the GPU (real shapes, CUDA graphs, compiled
+kernels)."""
 
 import pytest
 import torch
@@ -18,11 +20,13 @@ from kvlib.kernels.int4.attention import (
 from kvlib.kernels.int4.decode import (
     DEFAULT_CONFIG,
     KV4KernelConfig,
+    KV4Launch,
     SideBuffer,
     default_num_splits,
     kv4_main_decode,
     kv4_main_decode_ref,
     pipe_edges_applies,
+    plan_kv4_decode,
     prepare_query,
     prepare_query_ref,
     region_attention_ref,
@@ -30,22 +34,33 @@ from kvlib.kernels.int4.decode import (
 )
 from kvlib.kernels.int4.protected import protected_decode, protected_decode_ref
 
-# these tests build CPU tensors and run the kernels under the Triton interpreter; on a GPU machine the
-# same kernels are checked against the references by the benchmark's accuracy section (kvlib.bench.kv4)
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="CPU-interpreter tests (the GPU path is checked by kvlib.bench.kv4)")
+#: where the kernels run: CUDA when present (conftest.py leaves TRITON_INTERPRET unset then), else the interpreter
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-B, HQ, HKV, N, D = 3, 4, 2, 90, 32
+
+def gpu(f):
+    """Mark a test that needs the GPU itself (``-m gpu`` selects them; skipped without CUDA)."""
+    return pytest.mark.gpu(pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA device")(f))
+
+
+# small shapes for the interpreter; on the GPU d = 64, the smallest head dim the INT8 tensor-core dots take
+B, HQ, HKV, N = 3, 4, 2, 90
+D = 64 if DEV.type == "cuda" else 32
 LENGTHS = torch.tensor([90, 30, 5])
 
 
-def _qkv(seed=0):
+@pytest.fixture
+def device() -> torch.device:
+    return DEV
+
+
+def _qkv(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, D, generator=g)
     k = torch.randn(B, HKV, N, D, generator=g)
     k[..., 3] *= 10
     v = torch.randn(B, HKV, N, D, generator=g)
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
 def _close(a, b, atol):
@@ -56,10 +71,10 @@ def _close(a, b, atol):
 
 @pytest.mark.parametrize("precision", ["mma", "ieee"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_prepare_query_kernel_matches_reference(precision, dtype):
+def test_prepare_query_kernel_matches_reference(precision, dtype, device):
     """The rotation as bf16 pieces (exact for each input dtype) against +-1 Hadamard, or one fp32 dot:
     codes within one step of the reference (ties), scales to fp32 rounding."""
-    q, _, _ = _qkv()
+    q, _, _ = _qkv(0, device)
     q = q.to(dtype)
     a, b = prepare_query(q, backend="triton", precision=precision), prepare_query_ref(q)
     assert (a.q8.int() - b.q8.int()).abs().max() <= 1
@@ -68,11 +83,12 @@ def test_prepare_query_kernel_matches_reference(precision, dtype):
 
 
 @pytest.mark.parametrize("int_pv", [False, True])
-def test_main_kernel_matches_reference_ragged(int_pv):
-    q, k, v = _qkv()
-    c = build_kv4_batch(k, v, LENGTHS)
+def test_main_kernel_matches_reference_ragged(int_pv, device):
+    q, k, v = _qkv(0, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
     qp = prepare_query_ref(q)
-    start, end = torch.tensor([0, 10, 5]), torch.tensor([90, 60, 5])  # last request: empty region
+    # the last request: an empty region
+    start, end = torch.tensor([0, 10, 5], device=device), torch.tensor([90, 60, 5], device=device)
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
     # int PV re-quantises p per block row: its error grows with block_n (bound checked at 64)
     o, lse = kv4_main_decode(*args, int_pv=int_pv, num_splits=3, block_n=64 if int_pv else None, backend="triton")
@@ -94,11 +110,11 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_kernel_variants_match_reference(kw):
-    q, k, v = _qkv(8)
-    c = build_kv4_batch(k, v, LENGTHS)
+def test_kernel_variants_match_reference(kw, device):
+    q, k, v = _qkv(8, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
     qp = prepare_query_ref(q)
-    start, end = torch.tensor([3, 10, 0]), torch.tensor([88, 11, 5])
+    start, end = torch.tensor([3, 10, 0], device=device), torch.tensor([88, 11, 5], device=device)
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
     o, lse = kv4_main_decode(*args, config=DEFAULT_CONFIG.replace(**kw), backend="triton")
     o_ref, lse_ref = kv4_main_decode_ref(*args)
@@ -107,15 +123,16 @@ def test_kernel_variants_match_reference(kw):
 
 
 @pytest.mark.parametrize(("k_mode", "n"), [("planes", 48), ("bytes", 45)])
-def test_kernel_d128_word_paths(k_mode, n):
+def test_kernel_d128_word_paths(k_mode, n, device):
     """d = 128 (the int16/int32 word paths at full width); odd N takes the 16-bit scale loads."""
     g = torch.Generator().manual_seed(9)
     b, hkv, d = 2, 1, 128
-    q = torch.randn(b, 4, d, generator=g)
-    k, v = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
-    c = build_kv4_batch(k, v, torch.tensor([n, 7]))
+    q = torch.randn(b, 4, d, generator=g).to(device)
+    k, v = torch.randn(b, hkv, n, d, generator=g).to(device), torch.randn(b, hkv, n, d, generator=g).to(device)
+    c = build_kv4_batch(k, v, torch.tensor([n, 7], device=device))
     qp = prepare_query_ref(q)
-    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, torch.tensor([0, 2]), c.lengths)
+    start = torch.tensor([0, 2], device=device)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, c.lengths)
     o, lse = kv4_main_decode(*args, config=KV4KernelConfig(block_n=32, k_mode=k_mode), backend="triton")
     o_ref, lse_ref = kv4_main_decode_ref(*args)
     _close(lse, lse_ref, 1e-4)
@@ -123,14 +140,14 @@ def test_kernel_d128_word_paths(k_mode, n):
 
 
 @pytest.mark.parametrize("group", [1, 3, 12])
-def test_query_rows_cover_any_group(group):
+def test_query_rows_cover_any_group(group, device):
     """The default tile's query rows: at least MIN_ROWS, the group rounded up to a power of two above it
     (12 -> 16); KV4-RL (protected region included) matches the reference for each group size."""
     g = torch.Generator().manual_seed(13)
-    hkv, n, d = 2, 40, 32
-    q = torch.randn(2, hkv * group, d, generator=g)
-    k, v = torch.randn(2, hkv, n, d, generator=g), torch.randn(2, hkv, n, d, generator=g)
-    cache = build_kv4_batch(k, v, torch.tensor([40, 9]), sink=2, recent=8)
+    hkv, n, d = 2, 40, D
+    q = torch.randn(2, hkv * group, d, generator=g).to(device)
+    k, v = torch.randn(2, hkv, n, d, generator=g).to(device), torch.randn(2, hkv, n, d, generator=g).to(device)
+    cache = build_kv4_batch(k, v, torch.tensor([40, 9], device=device), sink=2, recent=8)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=DEFAULT_CONFIG.replace(block_n=16))
     o_ref, lse_ref = decode_ref(q, cache)
     _close(lse, lse_ref, 1e-4)
@@ -141,10 +158,10 @@ def test_query_rows_cover_any_group(group):
 
 @pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges):
+def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges, device):
     """The protected region's extra program meets any number of INT4 splits in the merge."""
-    q, k, v = _qkv(11)
-    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
+    q, k, v = _qkv(11, device)
+    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0], device=device), sink=4, recent=16)
     cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, pipe_edges=pipe_edges)
     o, lse = kv4rl_decode(q, cache, backend="triton", config=cfg)
     o_ref, lse_ref = decode_ref(q, cache)
@@ -152,9 +169,9 @@ def test_fused_kv4rl_split_counts_match_reference(splits, pipe_edges):
     _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
 
 
-def test_fused_kv4rl_matches_two_launches_and_reference():
-    q, k, v = _qkv(10)
-    lengths = torch.tensor([90, 17, 0])  # long, shorter than sink + recent, empty
+def test_fused_kv4rl_matches_two_launches_and_reference(device):
+    q, k, v = _qkv(10, device)
+    lengths = torch.tensor([90, 17, 0], device=device)  # long, shorter than sink + recent, empty
     cache = build_kv4_batch(k, v, lengths, sink=4, recent=16)
     o_f, lse_f = kv4rl_decode(q, cache, backend="triton")
     o_2, lse_2 = kv4rl_decode(q, cache, backend="triton", fused=False)
@@ -168,7 +185,7 @@ def test_fused_kv4rl_matches_two_launches_and_reference():
 
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side):
+def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side, device):
     """The last program of each pair merges the states in the decode launch: the same output as the merge
     launch (fp32 rounding), the prepared query's counters back at zero after each call (so it decodes again
     identically), and a query prepared without counters gives the same result."""
@@ -176,8 +193,8 @@ def test_fused_merge_matches_merge_launch_and_resets_counters(splits, with_side)
 
     from kvlib.kernels.int4.decode import fuse_merge_applies
 
-    q, k, v = _qkv(12)
-    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0]), sink=4, recent=16)
+    q, k, v = _qkv(12, device)
+    cache = build_kv4_batch(k, v, torch.tensor([90, 17, 0], device=device), sink=4, recent=16)
     decode = kv4rl_decode if with_side else kv4_decode
     base = DEFAULT_CONFIG.replace(block_n=16, num_splits=splits, fuse_merge=False)
     fused_cfg = base.replace(fuse_merge=True)
@@ -213,9 +230,9 @@ def test_fused_merge_declines_tiles_too_wide():
     assert not fuse_merge_applies(auto, 2, 8, 128, splits=1)  # one split and the protected state: a merge launch
 
 
-def test_side_buffer_argument_checks():
-    q, k, v = _qkv()
-    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+def test_side_buffer_argument_checks(device):
+    q, k, v = _qkv(0, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device), sink=4, recent=16)
     qp = prepare_query_ref(q)
     side = side_buffer(c)
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *c.main_range())
@@ -235,9 +252,9 @@ def test_default_num_splits_bounds():
     assert default_num_splits(4, 2, 1000, 128, cpu) == 2
 
 
-def test_protected_kernel_matches_reference():
-    q, k, v = _qkv(1)
-    c = build_kv4_batch(k, v, LENGTHS, sink=4, recent=16)
+def test_protected_kernel_matches_reference(device):
+    q, k, v = _qkv(1, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device), sink=4, recent=16)
     qp = prepare_query_ref(q)
     count = c.side_count()
     o, lse = protected_decode(qp, c.k8, c.k8_scale, c.v8, c.v8_scale, count, backend="triton")
@@ -247,11 +264,11 @@ def test_protected_kernel_matches_reference():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_kv4_and_kv4rl_decode_match_single_pass(backend):
-    q, k, v = _qkv(3)
+def test_kv4_and_kv4rl_decode_match_single_pass(backend, device):
+    q, k, v = _qkv(3, device)
     for cache, fn, tol in (
-        (build_kv4_batch(k, v, LENGTHS), kv4_decode, 2e-3),
-        (build_kv4_batch(k, v, LENGTHS, sink=4, recent=16), kv4rl_decode, 2e-2),
+        (build_kv4_batch(k, v, LENGTHS.to(device)), kv4_decode, 2e-3),
+        (build_kv4_batch(k, v, LENGTHS.to(device), sink=4, recent=16), kv4rl_decode, 2e-2),
     ):
         o, lse = fn(q, cache, backend=backend)
         o_ref, lse_ref = decode_ref(q, cache)
@@ -333,6 +350,7 @@ def test_bad_inputs():
         kv4_decode(q, c, backend="cuda")
 
 
+@pytest.mark.skipif(DEV.type == "cuda", reason="the sweep's tiny mode is its CPU-interpreter wiring")
 def test_sweep_tiny_wiring():
     """The GPU tuning sweep's code path at tiny shapes under the interpreter (times mean nothing)."""
     from dev.kv4_sweep import FAMILIES, TINY_SHAPES, Sweep, compile_variants
@@ -351,13 +369,13 @@ def test_sweep_tiny_wiring():
                                 dict(block_n=32, pipe_edges=True)],
                          ids=["bytes", "trans", "one_split", "pipe_edges"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
-def test_tma_descriptor_path_matches_reference(kw, with_side):
+def test_tma_descriptor_path_matches_reference(kw, with_side, device):
     """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks)."""
     n = 96
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(B, HQ, D, generator=g)
-    k, v = torch.randn(B, HKV, n, D, generator=g), torch.randn(B, HKV, n, D, generator=g)
-    c = build_kv4_batch(k, v, torch.tensor([96, 41, 7]), sink=4, recent=16)
+    q = torch.randn(B, HQ, D, generator=g).to(device)
+    k, v = torch.randn(B, HKV, n, D, generator=g).to(device), torch.randn(B, HKV, n, D, generator=g).to(device)
+    c = build_kv4_batch(k, v, torch.tensor([96, 41, 7], device=device), sink=4, recent=16)
     cfg = DEFAULT_CONFIG.replace(tma=True, **kw)
     assert tma_applies(cfg, n, D) and not tma_applies(cfg, 90, D) and not tma_applies(cfg.replace(int_pv=True), n, D)
     qp = prepare_query_ref(q)
@@ -372,19 +390,19 @@ def test_tma_descriptor_path_matches_reference(kw, with_side):
 @pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
 @pytest.mark.parametrize(("block_n", "splits", "k_mode"), [(16, 1, "bytes"), (16, 3, "bytes"), (32, 2, "trans"),
                                                             (64, 4, "bytes")])
-def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mode, pipe_edges):
+def test_edge_and_interior_blocks_cover_each_position_once(block_n, splits, k_mode, pipe_edges, device):
     """Ranges starting and ending off and on block boundaries, empty and one-block splits: the unmasked
     interior loop plus the masked head/tail steps (or, with ``pipe_edges``, the loop masking its edge blocks
     itself) give the reference (no position dropped or counted twice)."""
-    q, k, v = _qkv(21)
-    c = build_kv4_batch(k, v, torch.full((B,), N))
+    q, k, v = _qkv(21, device)
+    c = build_kv4_batch(k, v, torch.full((B,), N, device=device))
     qp = prepare_query_ref(q)
     g = torch.Generator().manual_seed(block_n + splits)
     for _ in range(3):
         start = torch.randint(0, N, (B,), generator=g)
         end = torch.minimum(start + torch.randint(0, N, (B,), generator=g), torch.tensor(N))
         start[0], end[0] = block_n, 3 * block_n  # aligned at both ends: interior only
-        args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+        args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start.to(device), end.to(device))
         cfg = DEFAULT_CONFIG.replace(block_n=block_n, num_splits=splits, k_mode=k_mode,
                                      tile_sums=k_mode != "trans", pipe_edges=pipe_edges)
         o, lse = kv4_main_decode(*args, config=cfg, backend="triton")
@@ -405,9 +423,9 @@ def test_pipe_edges_default_follows_the_side_buffer():
 def test_wave_model_split_plans(monkeypatch):
     """The GPU branch of the split plan (132 SMs, as an H200): one wave when the pairs fill it, splits when
     they do not, and the per-program overhead keeps a large ragged batch from near-empty splits."""
-    from kvlib.kernels.int4 import decode as decode_int4
+    from kvlib.kernels.int4 import launch
 
-    monkeypatch.setattr(decode_int4, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
     plan = lambda b, n, **kw: default_num_splits(b, 8, n, 256, gpu, **kw)  # noqa: E731
     assert plan(32, 16384, ctas_per_sm=2, overhead_blocks=1) == 1  # 256 pairs <= 264 resident
@@ -428,3 +446,245 @@ def test_pdl_is_ignored_off_hopper():
 
     assert DEFAULT_CONFIG.pdl
     assert not pdl_supported(torch.zeros(1))
+
+
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_launch_record_says_what_ran(with_side, device):
+    """plan_kv4_decode gives the launch kv4_main_decode makes: the same output bit for bit, and the choices made
+    (states, merge, path) as fields, not module globals."""
+    q, k, v = _qkv(14, device)
+    c = build_kv4_batch(k, v, torch.tensor([90, 17, 0], device=device), sink=4, recent=16)
+    qp = prepare_query(q, backend="triton")
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *c.main_range())
+    side = side_buffer(c) if with_side else None
+    cfg = DEFAULT_CONFIG.replace(block_n=16, num_splits=3)
+    lp = plan_kv4_decode(*args, side=side, config=cfg, backend="triton")
+    assert isinstance(lp, KV4Launch) and lp.path == "contiguous" and lp.splits == 3
+    assert lp.states == 3 + int(with_side) and lp.grid == (B, HKV, lp.states) and lp.merge == "fused"
+    assert lp.pipe_edges is with_side and lp.k_mode == "bytes" and lp.rows == 8
+    o, lse = lp.run()
+    o2, lse2 = kv4_main_decode(*args, side=side, config=cfg, backend="triton")
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert plan_kv4_decode(*args, side=side, config=cfg.replace(num_splits=1), backend="triton").merge == (
+        "launch" if with_side else "none")
+    with pytest.raises(ValueError, match="Triton"):
+        plan_kv4_decode(*args, side=side, config=cfg, backend="torch")
+
+
+@gpu
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_default_config_at_a_real_shape_on_gpu(with_side):
+    """Qwen2.5-7B's attention shape (28 query / 4 kv heads, d = 128), ragged lengths to 4k, the tuned default
+    (block_n 256, PDL, the split plan, fused merge where planned): kernel against reference, a CUDA-graph replay
+    bit-identical to the eager call, and the compiled kernel on the launch record without spills."""
+    from kvlib.bench.timing import capture_graph
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 64], device="cuda")
+    b, n, d = lengths.shape[0], 4096, 128
+    q = torch.randn(b, 28, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    v = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=64) if with_side else build_kv4_batch(k, v, lengths)
+    decode = kv4rl_decode if with_side else kv4_decode
+    o, lse = decode(q, c)
+    o_ref, lse_ref = decode_ref(q, c)
+    _close(lse, lse_ref, 1e-3)
+    _close(o, o_ref, 2e-2 if with_side else 5e-3)
+    graph, (og, lg) = capture_graph(lambda: decode(q, c))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, o) and torch.equal(lg, lse)
+    qp = prepare_query(q)
+    main = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    lp = plan_kv4_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *main,
+                         side=side_buffer(c) if with_side else None)
+    lp.run()
+    assert 0 < lp.kernel.n_regs <= 255 and lp.kernel.n_spills == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged pool (vLLM layout): pages [num_blocks, block_size, H_kv, ...], a block table per request
+# ---------------------------------------------------------------------------------------------
+
+
+def _paged_pool(c, block_size: int, seed: int, spare: int = 3) -> dict:
+    """The contiguous batch ``c`` scattered into a pool as a block manager would: each request takes
+    ``ceil(len / block_size)`` pages from a shuffled free list, so its pages are neither contiguous nor in order;
+    slots past a request's length, spare pages and unused table entries (-1) hold garbage (random codes, NaN
+    scales) that must never reach the output."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode  # noqa: F401 (importable where notebooks look)
+
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, _, half = c.k_codes.shape
+    dev = c.k_codes.device
+    lengths = c.lengths.tolist()
+    need = [-(-n // block_size) for n in lengths]
+    nb, maxb = sum(need) + spare, max(need) + 1  # a spare table column, never read
+    perm = torch.randperm(nb, generator=g).tolist()
+    table = torch.full((b, maxb), -1, dtype=torch.int32)
+    pool = {"k_codes": torch.randint(0, 256, (nb, block_size, hkv, half), generator=g, dtype=torch.uint8),
+            "v_codes": torch.randint(0, 256, (nb, block_size, hkv, half), generator=g, dtype=torch.uint8)}
+    for name in ("k_scale", "k_off", "v_scale", "v_off"):
+        pool[name] = torch.full((nb, block_size, hkv), float("nan"), dtype=torch.float16)
+    pool = {k: t.to(dev) for k, t in pool.items()}
+    for r, n in enumerate(lengths):
+        for j in range(need[r]):
+            page = perm.pop()
+            table[r, j] = page
+            lo, hi = j * block_size, min((j + 1) * block_size, n)
+            for name, t in pool.items():
+                t[page, : hi - lo] = getattr(c, name)[r, :, lo:hi].transpose(0, 1)
+    pool["block_table"] = table.to(dev)
+    return pool
+
+
+def _paged_args(qp, pool, start, end):
+    return (qp, pool["k_codes"], pool["k_scale"], pool["k_off"], pool["v_codes"], pool["v_scale"], pool["v_off"],
+            pool["block_table"], start, end)
+
+
+PAGED = [  # (block_size, config): tiles spanning pages, pages larger than a tile, one split and several
+    (16, dict(block_n=32, num_splits=3)),
+    (8, dict(block_n=16, num_splits=1)),
+    (64, dict(block_n=16, num_splits=2, tile_sums=False)),
+]
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16"])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw, group, device):
+    """A shuffled, non-contiguous pool with ragged lengths (one empty request), KV4 over whole requests or
+    KV4-RL's main region with its sink/recent side buffer: the paged kernel against the paged reference and
+    against the contiguous kernel on the same codes; the launch record names the paged path."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref, plan_kv4_paged_decode
+
+    g = torch.Generator().manual_seed(40 + group)
+    hkv, n = 2, 90
+    q = torch.randn(4, hkv * group, D, generator=g).to(device)
+    k, v = torch.randn(4, hkv, n, D, generator=g).to(device), torch.randn(4, hkv, n, D, generator=g).to(device)
+    lengths = torch.tensor([90, 33, 0, 7], device=device)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=16) if with_side else build_kv4_batch(k, v, lengths)
+    start, end = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    pool = _paged_pool(c, block_size, seed=block_size + group)
+    qp = prepare_query(q, backend="triton")
+    cfg = DEFAULT_CONFIG.replace(**kw)
+    args = _paged_args(qp, pool, start, end)
+    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
+    tol = 2e-2 if with_side else 2e-3  # bf16 PV operands on the protected region
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, tol)
+    assert torch.isneginf(lse[2]).all() and (o[2] == 0).all()
+    # the same codes in the contiguous layout, by the contiguous kernel and its reference
+    cargs = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end)
+    o_c, lse_c = kv4_main_decode(*cargs, side=side, config=cfg, backend="triton")
+    _close(lse, lse_c, 1e-5)
+    _close(o, o_c, 1e-5)
+    o_cr, lse_cr = kv4_main_decode(*cargs, side=side, backend="torch")
+    _close(lse_ref, lse_cr, 1e-5)
+    _close(o_ref, o_cr, 1e-5)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
+    assert lp.path == "paged-rows" and lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
+
+
+@pytest.mark.skipif(DEV.type == "cuda", reason="the interpreter's d = 64 case; the GPU runs every test at d = 64")
+def test_paged_decode_head_dim_64(device):
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 8, 64, generator=g)
+    k, v = torch.randn(2, 2, 40, 64, generator=g), torch.randn(2, 2, 40, 64, generator=g)
+    c = build_kv4_batch(k, v, torch.tensor([40, 19]), sink=2, recent=8)
+    pool = _paged_pool(c, 16, seed=1)
+    qp = prepare_query_ref(q)
+    args = _paged_args(qp, pool, *c.main_range())
+    cfg = DEFAULT_CONFIG.replace(block_n=16)
+    o, lse = kv4_paged_decode(*args, block_size=16, side=side_buffer(c), config=cfg, backend="triton")
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=16, side=side_buffer(c))
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)
+
+
+def test_paged_decode_refuses_what_it_does_not_run(device):
+    """Options the paged kernel does not implement are errors naming the option, not silent fallbacks; so are a
+    block_size that disagrees with the pool and a block table of another dtype or batch."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode
+
+    q, k, v = _qkv(2, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
+    pool = _paged_pool(c, 16, seed=3)
+    qp = prepare_query_ref(q)
+    args = _paged_args(qp, pool, torch.zeros_like(c.lengths), c.lengths)
+    for kw, name in ((dict(k_mode="trans"), "k_mode"), (dict(int_pv=True), "int_pv"), (dict(tma=True), "tma")):
+        with pytest.raises(ValueError, match=name):
+            kv4_paged_decode(*args, block_size=16, config=DEFAULT_CONFIG.replace(**kw), backend="triton")
+    with pytest.raises(ValueError, match="block_size"):
+        kv4_paged_decode(*args, block_size=32, backend="triton")
+    bad = list(args)
+    bad[7] = pool["block_table"].long()
+    with pytest.raises(TypeError, match="block_table"):
+        kv4_paged_decode(*bad, block_size=16, backend="triton")
+    bad[7] = pool["block_table"][:2]
+    with pytest.raises(ValueError, match="block_table"):
+        kv4_paged_decode(*bad, block_size=16, backend="torch")
+
+
+@gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
+    """Qwen2.5-7B's attention shape, ragged lengths to 4k, the default config (block_n 256: with 16-position pages
+    a tile spans 16 of them), a shuffled pool: kernel against the paged reference and the contiguous kernel."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 0], device="cuda")
+    b, n, d = lengths.shape[0], 4096, 128
+    q = torch.randn(b, 28, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    v = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=64) if with_side else build_kv4_batch(k, v, lengths)
+    start, end = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    pool = _paged_pool(c, block_size, seed=9)
+    qp = prepare_query(q)
+    args = _paged_args(qp, pool, start, end)
+    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side)
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
+    _close(lse, lse_ref, 1e-3)
+    _close(o, o_ref, 2e-2 if with_side else 5e-3)
+    o_c, lse_c = kv4_main_decode(qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, start, end,
+                                 side=side)
+    _close(lse, lse_c, 1e-4)
+    _close(o, o_c, 1e-3)
+
+
+def test_int4_family_imports_one_way():
+    """The INT4 kernel modules import each other without a cycle (issue 25: decode <-> protected was one), read
+    from their sources (module-level and function-level imports alike)."""
+    import ast
+    import pathlib
+
+    import kvlib.kernels.int4 as pkg
+
+    root = pathlib.Path(pkg.__file__).parent
+    deps = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps[path.stem] = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                           and n.module and n.module.startswith("kvlib.kernels.int4.")}
+    assert deps["protected"] and "decode" not in deps["protected"]
+    done: set = set()
+
+    def visit(m, stack):
+        assert m not in stack, f"import cycle: {' -> '.join([*stack, m])}"
+        if m not in done:
+            for d in deps.get(m, ()):
+                visit(d, [*stack, m])
+            done.add(m)
+
+    for m in deps:
+        visit(m, [])

@@ -22,16 +22,11 @@ from kvlib.core.hadamard import hadamard
 from kvlib.core.merge import merge_states
 from kvlib.formats.kv4 import Int4Tensor, int4_dequantize, int4_quantize
 from kvlib.formats.kv4rl import int8_quantize
-from kvlib.kernels.int4.decode import (
-    DEFAULT_CONFIG,
-    KV4KernelConfig,
-    QueryInt8,
-    SideBuffer,
-    kv4_main_decode,
-    prepare_query,
-    region_attention_ref,
-)
+from kvlib.kernels.int4.config import DEFAULT_CONFIG, KV4KernelConfig
+from kvlib.kernels.int4.launch import SideBuffer, kv4_main_decode
 from kvlib.kernels.int4.protected import protected_decode
+from kvlib.kernels.int4.query import QueryInt8, prepare_query, prepare_query_ref
+from kvlib.kernels.int4.reference import region_attention_ref
 
 
 @dataclass
@@ -151,7 +146,7 @@ def kv4_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """KV4 decode: ``q [B, Hq, d]`` over all positions of the INT4 cache; returns ``(o, lse)``.
 
-    ``config`` sets the kernel's launch parameters (default :data:`~kvlib.kernels.int4.decode.DEFAULT_CONFIG`).
+    ``config`` sets the kernel's launch parameters (default :data:`~kvlib.kernels.int4.config.DEFAULT_CONFIG`).
     """
     _check_q(q, cache)
     qp = qp or prepare_query(q, rotate=True, backend=backend, pdl=(config or DEFAULT_CONFIG).pdl)
@@ -219,8 +214,6 @@ def decode_ref(
     q: torch.Tensor, cache: KV4Batch, *, sm_scale: float | None = None, qp: QueryInt8 | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-pass reference: the INT8-dequantised rotated query over :func:`dequantized_kv`, all positions."""
-    from kvlib.kernels.int4.decode import prepare_query_ref
-
     qp = qp or prepare_query_ref(q, rotate=True)
     qd = qp.q8.float() * qp.scale.unsqueeze(-1)
     k, v = dequantized_kv(cache)

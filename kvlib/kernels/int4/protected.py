@@ -1,8 +1,8 @@
 """Triton decode attention over the KV4-RL protected region (the INT8 side buffer), torch reference beside it.
 
-The kernel body is :func:`kvlib.kernels.int4.decode._protected_region`, which the fused KV4-RL launch
-(:func:`kvlib.kernels.int4.decode.kv4_main_decode` with ``side=``) also runs as one extra split per
-(request, kv head); this standalone launch serves the two-launch path and the tests.
+The region body :func:`_protected_region` lives here; the fused KV4-RL launch
+(:func:`kvlib.kernels.int4.launch.kv4_main_decode` with ``side=``, and the paged launch) runs it as one extra
+split per (request, kv head); this standalone launch serves the two-launch path and the tests.
 
 Layout (one layer): ``k8``/``v8`` int8 ``[B, Hkv, C, d]`` with fp16 per-slot scales ``[B, Hkv, C]``;
 request ``b`` has its first ``count_b`` slots occupied (sinks fill slots ``0..s-1`` in order, the
@@ -18,7 +18,73 @@ import triton
 import triton.language as tl
 
 from kvlib.core.checks import check_tensor
-from kvlib.kernels.int4.decode import LOG2E, QueryInt8, _protected_region, region_attention_ref, use_triton
+from kvlib.kernels.backend import use_triton
+from kvlib.kernels.int4.query import QueryInt8
+from kvlib.kernels.int4.reference import region_attention_ref
+from kvlib.kernels.int4.tl_helpers import LN2_C, LOG2E, _scalar_load
+
+
+@triton.jit
+def _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                    INTERP: tl.constexpr):
+    """Side slots ``[n0, n0 + BLOCK_P)`` (masked at ``cnt``): INT8 QK, online softmax, bf16 PV."""
+    cols = tl.arange(0, D)
+    offs = n0 + tl.arange(0, BLOCK_P)
+    nm = offs < cnt
+    slot = slot0 + offs
+    k = tl.load(K8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    ks = tl.load(K8S + slot, mask=nm, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * (a_q[:, None] * ks[None, :])
+    s = tl.where(nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v8 = tl.load(V8 + slot[:, None] * D + cols[None, :], mask=nm[:, None], other=0)
+    vs = tl.load(V8S + slot, mask=nm, other=0.0).to(tl.float32)
+    v = (v8.to(tl.float32) * vs[:, None]).to(tl.bfloat16)
+    if INTERP:  # the CPU interpreter's bf16 dot is wrong; same bf16 operands, fp32 dot
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = tl.dot(p.to(tl.bfloat16), v, acc * alpha[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _protected_region(
+    b, h, Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, orow_split,
+    NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """The KV4-RL side slots ``0..count_b-1``: INT8 QK, bf16 PV (fp32 accumulate), state to slot ``orow_split``."""
+    HQ: tl.constexpr = HKV * G
+    # at least 16 query rows (zero rows beyond G, never stored): the GPU's int8/bf16 dots want M >= 16
+    RP: tl.constexpr = GP if GP >= 16 else 16
+    cnt = tl.minimum(_scalar_load(COUNT + b), C)
+    rows = tl.arange(0, RP)
+    row_ok = rows < G
+    cols = tl.arange(0, D)
+    qrow = (b * HQ + h * G + rows).to(tl.int64)
+    q = tl.load(Q8 + qrow[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0)
+    a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
+    slot0 = (b * HKV + h).to(tl.int64) * C
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, D], tl.float32)
+    if INTERP:
+        n0 = cnt * 0
+        while n0 < cnt:
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, True)
+            n0 += BLOCK_P
+    else:
+        for n0 in range(0, cnt, BLOCK_P):
+            m_i, l_i, acc = _protected_step(n0, cnt, slot0, q, a_q, K8, K8S, V8, V8S, m_i, l_i, acc, D, BLOCK_P, False)
+    nonempty = l_i > 0
+    inv = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    orow = qrow * NS + orow_split
+    tl.store(OUT + orow[:, None] * D + cols[None, :], acc * inv[:, None], mask=row_ok[:, None])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
+    tl.store(LSE + orow, lse, mask=row_ok)
 
 
 @triton.jit

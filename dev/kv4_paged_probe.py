@@ -1,0 +1,107 @@
+"""GPU probe: KV4 / KV4-RL decode over a vLLM-style paged pool (:func:`kvlib.kernels.int4.paged.kv4_paged_decode`)
+timed side by side with the contiguous launch (:func:`kvlib.kernels.int4.launch.kv4_main_decode`) on the same
+codes, under CUDA graphs in interleaved rounds, at the kv4 benchmark's long shape with Qwen2.5-7B's heads
+(B=32, S=16k, Hq=28, Hkv=4, d=128), for several page sizes; prints ``paged / contiguous`` per page size and the
+largest output difference between the two.
+
+``PYTHONPATH=. python -m dev.kv4_paged_probe [OUT.json]``
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+
+import torch
+
+from kvlib.bench.kv4 import RECENT, SINK, random_kv4_batch
+from kvlib.bench.timing import bench_graphed, interleaved
+from kvlib.kernels.int4.attention import side_buffer
+from kvlib.kernels.int4.decode import kv4_main_decode, kv4_paged_decode, plan_kv4_paged_decode, prepare_query
+
+B, S, HQ, HKV, D = 32, 16384, 28, 4, 128
+PAGE_SIZES = (16, 256)
+
+
+def paged_pool(cache, block_size: int, seed: int = 0) -> dict:
+    """The contiguous codes and scales of ``cache`` moved into pages ``[num_blocks, block_size, H_kv, ...]`` in a
+    shuffled order (a block manager's free list), with the block table that finds them."""
+    b, hkv, n, _ = cache.k_codes.shape
+    per = n // block_size
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(b * per, generator=g).to(cache.k_codes.device)
+    pool = {}
+    for name in ("k_codes", "k_scale", "k_off", "v_codes", "v_scale", "v_off"):
+        t = getattr(cache, name)  # [B, Hkv, N, ...]
+        pages = t.reshape(b, hkv, per, block_size, *t.shape[3:]).movedim(1, 3)  # [B, per, bs, Hkv, ...]
+        pages = pages.reshape(b * per, block_size, hkv, *t.shape[3:])
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        pool[name] = out.contiguous()
+    pool["block_table"] = perm.reshape(b, per).to(torch.int32).contiguous()
+    return pool
+
+
+def main() -> None:
+    started = datetime.datetime.now(datetime.UTC)
+    lengths = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    cache = random_kv4_batch(lengths, S, SINK, RECENT, hkv=HKV, d=D)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+    zeros = torch.zeros_like(cache.lengths)
+    rows = {}
+    for kind in ("kv4", "kv4rl"):
+        start, end = cache.main_range() if kind == "kv4rl" else (zeros, cache.lengths)
+        side = side_buffer(cache) if kind == "kv4rl" else None
+        cargs = (cache.k_codes, cache.k_scale, cache.k_off, cache.v_codes, cache.v_scale, cache.v_off, start, end)
+        fns = {"contiguous": lambda cargs=cargs, side=side: kv4_main_decode(prepare_query(q), *cargs, side=side)}
+        pools = {bs: paged_pool(cache, bs) for bs in PAGE_SIZES}
+        for bs, p in pools.items():
+            pargs = (p["k_codes"], p["k_scale"], p["k_off"], p["v_codes"], p["v_scale"], p["v_off"], p["block_table"],
+                     start, end)
+            fns[f"paged_bs{bs}"] = lambda pargs=pargs, bs=bs, side=side: kv4_paged_decode(
+                prepare_query(q), *pargs, block_size=bs, side=side)
+        o_c, lse_c = fns["contiguous"]()
+        row: dict = {}
+        for name, fn in fns.items():
+            if name != "contiguous":
+                o, lse = fn()
+                row[f"{name}_max_abs_do"] = float((o - o_c).abs().max())
+                row[f"{name}_max_abs_dlse"] = float((lse - lse_c).abs().max())
+                bs = int(name.removeprefix("paged_bs"))
+                p = pools[bs]
+                lp = plan_kv4_paged_decode(prepare_query(q), p["k_codes"], p["k_scale"], p["k_off"], p["v_codes"],
+                                           p["v_scale"], p["v_off"], p["block_table"], start, end, block_size=bs,
+                                           side=side)
+                lp.run()
+                row[f"{name}_launch"] = dict(path=lp.path, splits=lp.splits, merge=lp.merge, regs=lp.kernel.n_regs,
+                                             spills=lp.kernel.n_spills)
+        graphed = {}
+
+        def timer(fn, name, graphed=graphed):
+            def run():
+                t = bench_graphed(fn, warmup_ms=10, rep_ms=60)
+                graphed[name] = t["graphed"]
+                return t["median_ms"]
+            return run
+
+        times = interleaved({n: timer(f, n) for n, f in fns.items()}, 3, strict=True)
+        for name, (med, per_round) in times.items():
+            row[f"{name}_ms"] = med
+            row[f"{name}_rounds_ms"] = per_round
+        row["graphed"] = graphed
+        for bs in PAGE_SIZES:
+            row[f"ratio_paged_bs{bs}"] = row[f"paged_bs{bs}_ms"] / row["contiguous_ms"]
+            print(f"{kind} B={B} S={S} Hq={HQ} Hkv={HKV} d={D}: contiguous {row['contiguous_ms']:.4f} ms, "
+                  f"paged block_size={bs} {row[f'paged_bs{bs}_ms']:.4f} ms, paged/contiguous "
+                  f"{row[f'ratio_paged_bs{bs}']:.3f}, max |do| {row[f'paged_bs{bs}_max_abs_do']:.2e}", flush=True)
+        rows[kind] = row
+    out = dict(started=started.isoformat(), device=torch.cuda.get_device_name(), shape=dict(B=B, S=S, Hq=HQ, Hkv=HKV,
+               d=D, sink=SINK, recent=RECENT), rows=rows)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
