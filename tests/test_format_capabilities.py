@@ -229,6 +229,26 @@ def test_int4_kernel_reads_whole_head_affine_only() -> None:
         assert capabilities(name)["kernel"] is None
 
 
+def test_bf16_kernel_reads_its_formats() -> None:
+    """Every kernel='bf16' format's packed data, laid out as a pool, decodes through the kernel as its
+    float64 reference does (interpreter on CPU)."""
+    from kvlib.kernels.bf16.decode import decode_bf16, decode_bf16_reference
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    n, hkv, d = 20, 1, 32
+    names = formats_where(kernel="bf16")
+    assert {"bf16", "fp16"} <= set(names)
+    for name in names:
+        f = get_format(name)
+        k, v = (f.write(torch.randn(n, d, generator=g)).data.unsqueeze(1) for _ in range(2))  # [n, 1, d]
+        q = torch.randn(1, 2, d, generator=g).to(k.dtype)
+        slots, seq = torch.arange(n, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32)
+        ref = decode_bf16_reference(q, k, v, slots, seq)
+        out = decode_bf16(q.to(dev), k.to(dev), v.to(dev), slots.to(dev), seq.to(dev), block_n=16)
+        torch.testing.assert_close(out.o.double().cpu(), ref.o, atol=2e-2, rtol=2e-2)
+
+
 def test_int8_kernel_formats_are_dithered() -> None:
     """The INT8 kernel subtracts the key dither: only a dithered format can name it."""
     for name in formats_where(kernel="int8"):
@@ -303,6 +323,13 @@ def test_toy_in_format_table(toy) -> None:
             assert r["measured_bytes_per_position"] == r["bytes_per_position"], name
     with pytest.raises(ValueError, match="d must be"):
         format_table(d=0)
+    # (name, options) entries: a configured format, as the book's byte table lists them
+    pairs = torch.tensor([0, 32, 1, 33])
+    row, = format_table(d=64, names=[("dither-int8", {"outlier_channels": pairs})])
+    assert row["options"] == {"outlier_channels": pairs}
+    assert row["bytes_per_position"] == row["measured_bytes_per_position"] == 64 + 2 * 2 + 2 * 4
+    with pytest.raises(TypeError, match="names"):
+        format_table(names=[3])
 
 
 @torch.no_grad()

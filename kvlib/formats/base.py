@@ -251,12 +251,15 @@ def get_format(name: str, **options: Any) -> KVFormat:
         raise TypeError(f"format {name!r} accepts options {cls.options}: {e}") from None
 
 
-def format_table(d: int = 128, names: list[str] | None = None, *, n_tokens: int = 256,
+def format_table(d: int = 128, names: list[Any] | None = None, *, n_tokens: int = 256,
                  seed: int = 0) -> list[dict[str, Any]]:
-    """One row per format (default: every registered one, default options): its declared capabilities and
-    byte account at head dim ``d``, beside the bytes measured from a packed write of ``n_tokens`` random
-    positions (``(nbytes - fixed_bytes) / n_tokens``; ``n_tokens`` should be a multiple of every
-    format's block or residual window, as the default 256 is). The book's format tables read this."""
+    """One row per format: its declared capabilities and byte account at head dim ``d``, beside the bytes
+    measured from a packed write of ``n_tokens`` random positions (``(nbytes - fixed_bytes) / n_tokens``;
+    ``n_tokens`` should be a multiple of every format's block or residual window, as the default 256 is).
+
+    ``names``: format names or ``(name, options)`` pairs (default: every registered format, default
+    options). The book's format tables read this, so a newly registered format appears in them.
+    """
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
         raise ValueError(f"d must be a positive int, got {d!r}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
@@ -264,10 +267,17 @@ def format_table(d: int = 128, names: list[str] | None = None, *, n_tokens: int 
     x = torch.randn(n_tokens, d, generator=torch.Generator().manual_seed(seed))
     ctx = dict(layer=0, kv_head=0, side=0, seed=seed, slots=torch.arange(n_tokens), positions=torch.arange(n_tokens))
     rows = []
-    for name in available_formats() if names is None else list(names):
-        f = get_format(name)
+    for entry in available_formats() if names is None else list(names):
+        if isinstance(entry, str):
+            name, opts = entry, {}
+        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+            name, opts = entry[0], dict(entry[1])
+        else:
+            raise TypeError(f"names: each entry must be a format name or a (name, options) pair, got {entry!r}")
+        f = get_format(name, **opts)
         measured = (f.nbytes(f.write(x, **ctx)) - f.fixed_bytes(d)) / n_tokens
-        rows.append({"format": name, **capabilities(name), "bytes_per_position": float(f.bytes_per_position(d)),
-                     "bits_per_element": f.bits_per_element(d), "fixed_bytes": float(f.fixed_bytes(d)),
-                     "capacity": int(f.capacity), "measured_bytes_per_position": float(measured)})
+        rows.append({"format": name, "options": opts, **capabilities(name),
+                     "bytes_per_position": float(f.bytes_per_position(d)), "bits_per_element": f.bits_per_element(d),
+                     "fixed_bytes": float(f.fixed_bytes(d)), "capacity": int(f.capacity),
+                     "measured_bytes_per_position": float(measured)})
     return rows
