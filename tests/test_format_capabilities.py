@@ -236,7 +236,7 @@ def test_bf16_kernel_reads_its_formats() -> None:
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(6)
-    n, hkv, d = 20, 1, 32
+    n, d = 20, 32
     names = formats_where(kernel="bf16")
     assert {"bf16", "fp16"} <= set(names)
     for name in names:
