@@ -12,6 +12,13 @@ side buffer or a full-precision residual window), ``seed`` (int).
 Stateful formats (side buffers, residual windows) keep their state in the packed object returned
 by ``write`` and accept it back through ``append(packed, x, **ctx)``; stateless formats get a
 default ``append`` that concatenates along the token axis.
+
+Everything a consumer needs to know about a format lives on its class, and nowhere else: the
+capabilities (:data:`CAPABILITIES`: ``variance_proxy``, ``stateful``, ``deterministic``, ``bounded``,
+``kernel``; :func:`capabilities`, :func:`formats_where`) and the byte account (``bytes_per_position``,
+``fixed_bytes``, ``capacity``, ``side_count``, ``bits_per_element``). :func:`register_format` refuses
+declarations that contradict the methods (``stateful`` vs ``append``, ``bounded`` vs ``error_bound``) or
+name an unknown kernel or proxy. :func:`format_table` is the book's table of them.
 """
 
 from __future__ import annotations
