@@ -33,15 +33,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from kvlib.analysis.fidelity import CacheSpec, ProbeResult, _is_chunkable, build_cache, compare_logits, probe_positions
 from kvlib.core.hadamard import hadamard
-from kvlib.formats.base import KVFormat, get_format
+from kvlib.formats.base import KVFormat, formats_where, get_format
 from kvlib.formats.kv4 import check_rotate, rotates
 from kvlib.formats.kv4rl import KV4RLFormat, int8_dequantize, int8_quantize
 
 __all__ = ["StorageCache", "ProtectedCache", "storage_view", "kv4rl_view", "protected_region", "probe_attention",
-           "corpus_prompts", "prefill_context", "sample_responses", "batched_probe", "VIEW_FORMATS"]
+           "corpus_prompts", "prefill_context", "sample_responses", "batched_probe", "view_formats"]
 
-#: stateless formats whose ``write`` ignores the context (positions, slots, seed): their view is exact
-VIEW_FORMATS = ("fp32", "fp16", "bf16", "kv4", "kv4-g32", "kv4-g16", "nvfp4", "mxfp4")
+
+def view_formats() -> list[str]:
+    """Formats with an exact storage view: stateless (an old position never changes, so one write of every
+    vector equals the cache's appends) and deterministic (``write`` depends on the vector alone, not on
+    positions, slots or seed, so it can run over all (batch, head) streams at once)."""
+    return formats_where(stateful=False, deterministic=True)
 #: name under which :func:`probe_attention` registers the regional attention with transformers
 REGIONAL_ATTN = "kvlib_probe_regional"
 
@@ -187,7 +191,7 @@ class StorageCache(Cache):
     like the keys of ``rotate``). What attention sees equals ``make_cache`` of the same format
     (tested); filling is one vectorised quantisation per layer and side.
 
-    ``main`` must be one of :data:`VIEW_FORMATS` (formats that ignore positions and seeds).
+    ``main`` must be one of :func:`view_formats` (formats that ignore positions and seeds).
     """
 
     def __init__(self, config: Any, main: KVFormat | None = None, *, sink: int = 0, recent: int = 0,
@@ -195,8 +199,9 @@ class StorageCache(Cache):
         if main is not None:
             if not isinstance(main, KVFormat):
                 raise TypeError(f"main must be a KVFormat or None, got {type(main).__name__}")
-            if main.name not in VIEW_FORMATS:
-                raise ValueError(f"main: format {main.name!r} has no exact storage view; use one of {VIEW_FORMATS}")
+            if main.name not in view_formats():
+                raise ValueError(f"main: format {main.name!r} has no exact storage view; "
+                                 f"use one of {view_formats()}")
         KV4RLFormat(sink=sink, recent=recent, protect=protect, rotate=rotate)  # validates the protection options
         self.main_format, self.sink, self.recent, self.protect = main, sink, recent, protect
         self.rotate = check_rotate(rotate)
@@ -220,8 +225,8 @@ def storage_view(fmt: str | None = None, **options: Any) -> Callable[[Any], Stor
     if fmt == "kv4rl":
         return kv4rl_view(**options)
     main = None if fmt is None else get_format(fmt, **options)
-    if main is not None and main.name not in VIEW_FORMATS:
-        raise ValueError(f"fmt: format {fmt!r} has no exact storage view; use one of {VIEW_FORMATS}")
+    if main is not None and main.name not in view_formats():
+        raise ValueError(f"fmt: format {fmt!r} has no exact storage view; use one of {view_formats()}")
     return lambda config: StorageCache(config, main)
 
 
@@ -236,7 +241,7 @@ def _as_view(spec: CacheSpec) -> CacheSpec:
     if spec is None:
         return storage_view(None)
     name, opts = (spec, {}) if isinstance(spec, str) else spec if isinstance(spec, tuple) else (None, None)
-    if name == "kv4rl" or name in VIEW_FORMATS:
+    if name == "kv4rl" or name in view_formats():
         return storage_view(name, **dict(opts))
     return spec
 
@@ -363,7 +368,7 @@ def batched_probe(model: Any, prompts: torch.Tensor, responses: torch.Tensor, sp
     Every spec is forced along each path; ``KL(p_ref || q)`` at the ``n_positions`` states
     ``round(j (L-1)/(n-1))``. Paths run ``batch`` at a time; ``contexts`` (optional) are the
     :func:`prefill_context` results of those batches, reused instead of prefilling again. Named
-    specs of :data:`VIEW_FORMATS`, ``"kv4rl"`` and ``None`` run through their :class:`StorageCache`
+    specs of :func:`view_formats`, ``"kv4rl"`` and ``None`` run through their :class:`StorageCache`
     view (chunked, exact). ``extra["seconds"]`` is each spec's wall time. Include
     ``{"repeat": None}`` to check that a same-process repeat gives zero KL.
     """

@@ -23,7 +23,7 @@ Formats (methods), all at d=128 and GQA 32 query / 8 KV heads, one layer, one qu
   buffer merged with ``merge_states``), :mod:`kvlib.kernels.int4.attention`.
 
 Bytes moved per call are the K+V payload from each format's own byte account
-(``get_format(name).bytes_per_position`` / ``fixed_bytes``, :func:`kvlib.storage.paged.bytes_per_token_head`);
+(``bytes_per_position`` / ``fixed_bytes`` / ``side_count`` of :func:`method_format`);
 slot tables, queries and outputs are not counted (under 1% at S >= 1k). Achieved bandwidth is set
 against the copy bandwidth measured in the same run. Codes and scales are random (speed does not
 depend on their values). On CUDA every method is captured in a CUDA graph (eager if capture fails,
@@ -61,9 +61,11 @@ SKIP_PHILOX_ARGS = ("skip_philox", "k_dither", "philox", "dither")
 ALL_METHODS = ("sdpa_bf16", "triton_bf16", "int8_cert", "int8_nocert", "int8_cert_exact",
                "int8_nophilox", "int8_h10_cert", "int8_h10_certAB", "int8_h10_nocert", "int8_h10_nophilox",
                "int8_h8_cert", "int8_h8_nocert", "int8_h8g_cert", "int8_h8g_nocert", "kv4", "kv4rl")
-#: which format's byte account each method reads
+#: which format's byte account each method reads (a benchmark fact: the pools each method builds)
 METHOD_FORMAT = {"sdpa_bf16": "bf16", "triton_bf16": "bf16", "kv4": "kv4", "kv4rl": "kv4rl",
                  **{m: "dither-int8" for m in ALL_METHODS if m.startswith("int8")}}
+#: the options the grid builds each format's pools with
+FORMAT_OPTIONS = {"dither-int8": dict(group=INT8_GROUP), "kv4rl": dict(sink=SINK, recent=RECENT)}
 
 
 @dataclass(frozen=True)
@@ -89,29 +91,32 @@ CPU_SHAPE = HeadShape(4, 1, 32)
 
 # ------------------------------------------------------------------------------------------------
 # byte account (from the formats' / pools' own functions)
-def side_count(lengths: torch.Tensor, sink: int = SINK, recent: int = RECENT) -> torch.Tensor:
-    """Positions of each request held by the KV4-RL side buffer (sinks plus the recent window)."""
-    n = lengths.long()
-    return n.clamp(max=sink) + (n - sink).clamp(min=0).clamp(max=recent)
-
-
-def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
-    """K+V payload bytes one decode call of ``method`` reads for requests of ``lengths`` positions."""
+def method_format(method: str) -> Any:
+    """The format object (with the grid's :data:`FORMAT_OPTIONS`) whose byte account ``method`` reads."""
     from kvlib.formats.base import get_format
-    from kvlib.storage.paged import bytes_per_token_head
 
     if method not in METHOD_FORMAT:
         raise ValueError(f"method must be one of {sorted(METHOD_FORMAT)}, got {method!r}")
+    name = METHOD_FORMAT[method]
+    return get_format(name, **FORMAT_OPTIONS.get(name, {}))
+
+
+def side_count(lengths: torch.Tensor, sink: int = SINK, recent: int = RECENT) -> torch.Tensor:
+    """Positions of each request held by the KV4-RL side buffer (sinks plus the recent window)."""
+    from kvlib.formats.base import get_format
+
+    return get_format("kv4rl", sink=sink, recent=recent).side_count(lengths)
+
+
+def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
+    """K+V payload bytes one decode call of ``method`` reads for requests of ``lengths`` positions: the main
+    region at ``bytes_per_position``, side-buffer positions (if the format has one) at ``fixed_bytes / capacity``."""
+    f = method_format(method)
     n = float(lengths.double().sum())
     heads_sides = 2 * shape.hkv
-    fmt = METHOD_FORMAT[method]
-    if fmt == "dither-int8":
-        return heads_sides * n * bytes_per_token_head(shape.d, INT8_GROUP, 0)
-    if fmt == "kv4rl":
-        f = get_format("kv4rl", sink=SINK, recent=RECENT)
-        side = float(side_count(lengths).double().sum())
-        return heads_sides * ((n - side) * f.bytes_per_position(shape.d) + side * f.fixed_bytes(shape.d) / f.capacity)
-    return heads_sides * n * get_format(fmt).bytes_per_position(shape.d)
+    side = float(f.side_count(lengths).double().sum())
+    side_bpp = f.fixed_bytes(shape.d) / f.capacity if f.capacity else 0.0
+    return heads_sides * ((n - side) * f.bytes_per_position(shape.d) + side * side_bpp)
 
 
 # ------------------------------------------------------------------------------------------------

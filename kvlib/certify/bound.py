@@ -42,7 +42,8 @@ FP16_REL = 2.0**-11 / (1.0 - 2.0**-11)
 FP16_SUB = 2.0**-25
 #: largest finite float32: a kernel's A beyond this has overflowed
 FP32_MAX = float(torch.finfo(torch.float32).max)
-#: per-channel proxy of the residual divided by s^2: uniform dither 1/12, stochastic rounding 1/4
+#: per-channel proxy of the residual divided by s^2: uniform dither 1/12, stochastic rounding 1/4. A format
+#: names its key in its ``variance_proxy`` class attribute (checked at registration, kvlib.formats.base)
 PROXY = {"dither": 1.0 / 12.0, "sr": 1.0 / 4.0}
 CODE_MAX = 127.5  # |c - xi| <= 127 + 1/2 for int8 codes clamped to [-127, 127]
 

@@ -12,18 +12,30 @@ side buffer or a full-precision residual window), ``seed`` (int).
 Stateful formats (side buffers, residual windows) keep their state in the packed object returned
 by ``write`` and accept it back through ``append(packed, x, **ctx)``; stateless formats get a
 default ``append`` that concatenates along the token axis.
+
+Everything a consumer needs to know about a format lives on its class, and nowhere else: the
+capabilities (:data:`CAPABILITIES`: ``variance_proxy``, ``stateful``, ``deterministic``, ``bounded``,
+``kernel``; :func:`capabilities`, :func:`formats_where`) and the byte account (``bytes_per_position``,
+``fixed_bytes``, ``capacity``, ``side_count``, ``bits_per_element``). :func:`register_format` refuses
+declarations that contradict the methods (``stateful`` vs ``append``, ``bounded`` vs ``error_bound``) or
+name an unknown kernel or proxy. :func:`format_table` is the book's table of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 
 _REGISTRY: dict[str, type[KVFormat]] = {}
+#: the decode-kernel families a format may name as its ``kernel`` (None: torch reference path only)
+KERNELS = (None, "int8", "int4", "bf16")
+#: the capability attributes every format declares on its class (see :class:`KVFormat`)
+CAPABILITIES = ("variance_proxy", "stateful", "deterministic", "bounded", "kernel")
 
 
 class KVFormat(ABC):
@@ -47,6 +59,12 @@ class KVFormat(ABC):
     #: the decode-kernel family that reads this format's packed pool ("int8", "int4", "bf16"), or None
     #: when only the torch reference path reads it
     kernel: ClassVar[str | None] = None
+    #: True when :meth:`error_bound` gives a sound elementwise bound on ``|x - read(write(x))|`` from the
+    #: packed data alone (what the gate's worst-case certificate needs); only deterministic formats can
+    bounded: ClassVar[bool] = False
+    #: positions held by a fixed per-stream side buffer (KV4-RL's sinks + recent window), 0 when none;
+    #: its bytes are :meth:`fixed_bytes`
+    capacity: int = 0
 
     @abstractmethod
     def write(self, x: torch.Tensor, **ctx: Any) -> Any:
@@ -59,6 +77,24 @@ class KVFormat(ABC):
     @abstractmethod
     def bytes_per_position(self, d: int) -> float:
         """Bytes stored per token per head per side (codes + scales + side data), from the layout."""
+
+    def fixed_bytes(self, d: int) -> float:
+        """Bytes per stream that do not grow with its length (a side buffer of :attr:`capacity` slots); 0 here."""
+        return 0.0
+
+    def side_count(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Positions of streams of ``lengths`` held in the side buffer (read from there, not the main
+        region) at the next decode step; zeros for formats without one."""
+        return torch.zeros_like(lengths.long())
+
+    def bits_per_element(self, d: int) -> float:
+        """``8 bytes_per_position(d) / d``: stored bits per K or V element, metadata included."""
+        return 8.0 * self.bytes_per_position(d) / d
+
+    def error_bound(self, packed: Any, x_hat: torch.Tensor) -> torch.Tensor:
+        """Elementwise float64 bound ``E [S, d]`` on ``|x_hat - x|`` from one stream's ``packed`` data and its
+        reconstruction ``x_hat = read(packed)``; formats with ``bounded = True`` implement it."""
+        raise NotImplementedError(f"format {self.name!r} declares no deterministic error bound (bounded=False)")
 
     def append(self, packed: Any, x: torch.Tensor, **ctx: Any) -> Any:
         """Add new tokens to an existing packed object (default: write and concatenate)."""
@@ -131,10 +167,43 @@ def register_format(name: str) -> Callable[[type[KVFormat]], type[KVFormat]]:
             raise TypeError(f"format {name!r}: stateful={cls.stateful} but append() is "
                             f"{'overridden' if overrides_append else 'inherited'}; declare stateful=True exactly "
                             "when old positions can change (and override append)")
+        overrides_bound = cls.error_bound is not KVFormat.error_bound
+        if overrides_bound != cls.bounded or (cls.bounded and not cls.deterministic):
+            raise TypeError(f"format {name!r}: bounded={cls.bounded}, deterministic={cls.deterministic} but "
+                            f"error_bound() is {'overridden' if overrides_bound else 'inherited'}; declare "
+                            "bounded=True exactly when a deterministic format implements error_bound")
+        if cls.kernel not in KERNELS:
+            raise TypeError(f"format {name!r}: kernel must be one of {KERNELS}, got {cls.kernel!r}")
+        from kvlib.certify.bound import PROXY
+
+        if cls.variance_proxy is not None and cls.variance_proxy not in PROXY:
+            raise TypeError(f"format {name!r}: variance_proxy must be None or one of {sorted(PROXY)}, "
+                            f"got {cls.variance_proxy!r}")
+        if cls.variance_proxy is not None and cls.deterministic:
+            raise TypeError(f"format {name!r}: a variance proxy describes a random residual; "
+                            "a deterministic format cannot declare one")
         _REGISTRY[name] = cls
         return cls
 
     return deco
+
+
+def unregister_format(name: str) -> type[KVFormat]:
+    """Remove ``name`` from the registry and return its class (for formats defined outside kvlib, e.g. in a
+    test); the built-in formats are re-registered only by re-importing their modules, so leave them be."""
+    if name not in _REGISTRY:
+        raise ValueError(f"format {name!r} is not registered")
+    return _REGISTRY.pop(name)
+
+
+@contextlib.contextmanager
+def registered_format(name: str, cls: type[KVFormat]) -> Iterator[type[KVFormat]]:
+    """Within the block, ``cls`` is registered as ``name`` (checked as :func:`register_format` does)."""
+    register_format(name)(cls)
+    try:
+        yield cls
+    finally:
+        unregister_format(name)
 
 
 def _load_all() -> None:
@@ -160,9 +229,18 @@ def format_class(name: str) -> type[KVFormat]:
 
 
 def capabilities(name: str) -> dict[str, Any]:
-    """The declared capabilities of format ``name`` (variance_proxy, stateful, deterministic, kernel)."""
+    """The declared capabilities of format ``name`` (:data:`CAPABILITIES`: variance_proxy, stateful,
+    deterministic, bounded, kernel)."""
     cls = format_class(name)
-    return {k: getattr(cls, k) for k in ("variance_proxy", "stateful", "deterministic", "kernel")}
+    return {k: getattr(cls, k) for k in CAPABILITIES}
+
+
+def formats_where(**want: Any) -> list[str]:
+    """Sorted names of the registered formats whose capabilities equal ``want`` (e.g. ``deterministic=True``)."""
+    bad = set(want) - set(CAPABILITIES)
+    if bad:
+        raise ValueError(f"unknown capabilities {sorted(bad)}; known: {CAPABILITIES}")
+    return [n for n in available_formats() if all(getattr(_REGISTRY[n], k) == v for k, v in want.items())]
 
 
 def available_formats() -> list[str]:
@@ -178,3 +256,35 @@ def get_format(name: str, **options: Any) -> KVFormat:
         return cls(**options)
     except TypeError as e:
         raise TypeError(f"format {name!r} accepts options {cls.options}: {e}") from None
+
+
+def format_table(d: int = 128, names: list[Any] | None = None, *, n_tokens: int = 256,
+                 seed: int = 0) -> list[dict[str, Any]]:
+    """One row per format: its declared capabilities and byte account at head dim ``d``, beside the bytes
+    measured from a packed write of ``n_tokens`` random positions (``(nbytes - fixed_bytes) / n_tokens``;
+    ``n_tokens`` should be a multiple of every format's block or residual window, as the default 256 is).
+
+    ``names``: format names or ``(name, options)`` pairs (default: every registered format, default
+    options). The book's format tables read this, so a newly registered format appears in them.
+    """
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"d must be a positive int, got {d!r}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
+    x = torch.randn(n_tokens, d, generator=torch.Generator().manual_seed(seed))
+    ctx = dict(layer=0, kv_head=0, side=0, seed=seed, slots=torch.arange(n_tokens), positions=torch.arange(n_tokens))
+    rows = []
+    for entry in available_formats() if names is None else list(names):
+        if isinstance(entry, str):
+            name, opts = entry, {}
+        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+            name, opts = entry[0], dict(entry[1])
+        else:
+            raise TypeError(f"names: each entry must be a format name or a (name, options) pair, got {entry!r}")
+        f = get_format(name, **opts)
+        measured = (f.nbytes(f.write(x, **ctx)) - f.fixed_bytes(d)) / n_tokens
+        rows.append({"format": name, "options": opts, **capabilities(name),
+                     "bytes_per_position": float(f.bytes_per_position(d)), "bits_per_element": f.bits_per_element(d),
+                     "fixed_bytes": float(f.fixed_bytes(d)), "capacity": int(f.capacity),
+                     "measured_bytes_per_position": float(measured)})
+    return rows

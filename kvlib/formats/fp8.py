@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from kvlib.formats.base import per_token, register_format
-from kvlib.formats.rtn_int8 import GroupScaledFormat
+from kvlib.formats.rtn_int8 import GroupScaledFormat, scaled_bound
 
 E4M3_MAX = 448.0
+E4M3_HALF_ULP = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the magnitude
+E4M3_SUB_HALF = 2.0**-10  # half the e4m3 subnormal spacing 2^-9
 
 
 @dataclasses.dataclass
@@ -29,6 +31,12 @@ class Fp8E4m3(GroupScaledFormat):
     """fp8 e4m3fn codes, per-token per-group fp16 scale."""
 
     qmax = E4M3_MAX
+    bounded = True
+
+    def error_bound(self, packed: Fp8Packed, x_hat: torch.Tensor) -> torch.Tensor:
+        """RNE to e4m3 in scale units (clamp at 448 included, ``|x/s| <= 448.5``): half an ulp relative plus
+        half the subnormal step, taken relative to the stored magnitude ``y`` (hence the ``1/(1 - u)``)."""
+        return scaled_bound(packed, x_hat, lambda y: (E4M3_HALF_ULP * y + E4M3_SUB_HALF) / (1.0 - E4M3_HALF_ULP))
 
     def write(self, x: torch.Tensor, **ctx: Any) -> Fp8Packed:
         y, s16 = self.scaled(x)

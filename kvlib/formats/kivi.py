@@ -63,6 +63,7 @@ class KiviFormat(KVFormat):
 
     stateful = True
     deterministic = True
+    bounded = True
 
     options: ClassVar[tuple[str, ...]] = ("group", "residual")
 
@@ -129,3 +130,22 @@ class KiviFormat(KVFormat):
         """2-bit codes + fp16 scale/zero per group (same for K and V); excludes the bounded fp16 residual."""
         check_group("group", self.group, d)
         return d / 4 + 4 * d / self.group
+
+    def error_bound(self, packed: KiviPacked, x_hat: torch.Tensor) -> torch.Tensor:
+        """Residual window: fp16 rounding. Quantised part: half a 2-bit step of the fp16 input, plus that
+        input's own fp16 rounding, plus fp32 slack. Keys (side 0) only: the scales here are per channel."""
+        from kvlib.certify.bound import FP16_REL, FP16_SUB
+        from kvlib.formats.rtn_int8 import FP32_REL
+
+        if packed.side != 0:
+            raise ValueError("packed: the KIVI error bound is for keys (side 0), got a value stream")
+        kh = x_hat.to(torch.float64).abs()
+        n_q, d = packed.codes.shape[0], x_hat.shape[-1]
+        e = kh * FP16_REL + FP16_SUB
+        if n_q:
+            half = 0.5 * packed.scale.to(torch.float64).repeat_interleave(packed.group, dim=0)[:, :d]  # [n_q, d]
+            zero = packed.zero.to(torch.float64).abs().repeat_interleave(packed.group, dim=0)[:, :d]
+            quant = half * (1.0 + FP32_REL) + FP32_REL * (kh[:n_q] + zero)
+            e = e.clone()
+            e[:n_q] = quant + (kh[:n_q] + half) * FP16_REL + FP16_SUB
+        return e

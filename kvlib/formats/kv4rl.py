@@ -202,6 +202,11 @@ class KV4RLFormat(KVFormat):
         """Per-position bytes of the INT4 main cache; the side buffer is the fixed :meth:`fixed_bytes`."""
         return self.main.bytes_per_position(d)
 
+    def side_count(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Sinks plus the recent window: ``min(n, sink) + clamp(n - sink, 0, recent)`` per stream length."""
+        n = lengths.long()
+        return n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)
+
     def fixed_bytes(self, d: int) -> int:
         """Side-buffer bytes per (layer, kv_head, side), independent of the sequence length."""
         per_slot = d + 2 if self.protect == "int8" else 2 * d

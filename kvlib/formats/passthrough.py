@@ -41,6 +41,7 @@ class _Cast(KVFormat):
 class FP32(_Cast):
     """Identity: float32 in, the same float32 out."""
 
+    kernel = "bf16"  # the 16-bit kernel also reads fp32 pools (fp32 dots: kvlib.kernels.bf16.decode)
     dtype = torch.float32
 
 

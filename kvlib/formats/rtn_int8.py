@@ -7,6 +7,7 @@ its error ``s (rne(x/s) - x/s)`` is a deterministic function of ``x`` (not input
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -88,11 +89,31 @@ class GroupScaledFormat(KVFormat):
         return float(d + 2 * (d // self.group))
 
 
+#: generous relative slack of a few fp32 operations (divide, multiply, add) in write and read
+FP32_REL = 2.0**-22
+
+
+def scaled_bound(packed: Any, x_hat: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """float64 ``E = s step(|x_hat|/s) (1 + eps32) + eps32 |x_hat|`` of a group-scaled packed object, where
+    ``step(y)`` bounds the rounding error in scale units at scaled magnitude ``y``."""
+    kh = x_hat.to(torch.float64).abs()
+    s = packed.scales.to(torch.float64).repeat_interleave(packed.group, dim=-1)  # [S, d]
+    y = torch.where(s > 0, kh / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(kh))
+    return s * step(y) * (1.0 + FP32_REL) + FP32_REL * kh
+
+
 @register_format("rtn-int8")
 class RtnInt8(GroupScaledFormat):
-    """Deterministic round-to-nearest INT8, per-token per-group fp16 scale."""
+    """Deterministic round-to-nearest INT8, per-token per-group fp16 scale.
 
-    kernel = "int8"
+    No decode kernel reads it: the INT8 kernel subtracts the key dither (its RTN mode is for values only).
+    """
+
+    bounded = True
+
+    def error_bound(self, packed: Int8Packed, x_hat: torch.Tensor) -> torch.Tensor:
+        """Half a step: ``|x/s| <= 127.5`` (scales ``amax/127``, bumped), so the clamp error is <= 1/2 too."""
+        return scaled_bound(packed, x_hat, lambda y: torch.full_like(y, 0.5))
 
     def write(self, x: torch.Tensor, **ctx: Any) -> Int8Packed:
         y, s16 = self.scaled(x)

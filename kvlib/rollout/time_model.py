@@ -82,10 +82,9 @@ def cache_format(name: str, d: int = HEAD_DIM) -> CacheFormat:
     from kvlib.formats.base import get_format
 
     f = get_format(name)
-    bits = 8.0 * f.bytes_per_position(d) / d
-    if hasattr(f, "fixed_bytes"):  # KV4-RL: fixed side buffer of `capacity` positions per request
-        return CacheFormat(name, bits, f.capacity, 8.0 * f.fixed_bytes(d) / f.capacity / d)
-    return CacheFormat(name, bits)
+    if f.capacity:  # a fixed side buffer of `capacity` positions per request (KV4-RL)
+        return CacheFormat(name, f.bits_per_element(d), f.capacity, 8.0 * f.fixed_bytes(d) / f.capacity / d)
+    return CacheFormat(name, f.bits_per_element(d))
 
 
 def roofline_attention(fmt: str, bw_GBps: float, d: int = HEAD_DIM,
@@ -97,7 +96,7 @@ def roofline_attention(fmt: str, bw_GBps: float, d: int = HEAD_DIM,
         raise ValueError(f"bw_GBps must be positive, got {bw_GBps}")
     f = get_format(fmt)
     bpp = f.bytes_per_position(d)
-    side_cap = getattr(f, "capacity", 0)
+    side_cap = f.capacity
     side_bpp = f.fixed_bytes(d) / side_cap if side_cap else 0.0
 
     def a(B: np.ndarray, C: np.ndarray) -> np.ndarray:
