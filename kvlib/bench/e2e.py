@@ -26,7 +26,8 @@ DynamicCache's torch.cat of the layer, projections, MLP, norms and logits unchan
 transformers' ``AttentionInterface``), so ``attention_ms = step_ms - noattn_ms``. Bytes: ``kv_bytes``
 measured from the cache's tensors; ``weight_bytes_read`` is every parameter except the embedding table
 (a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is attention's share
-of the bytes a step reads, which bounds the end-to-end ratio at equal batch. ``peak_bytes``: weights + this cache + the step's measured transient.
+of the bytes a step reads, which bounds the end-to-end ratio at equal
+batch. ``peak_bytes``: weights + this cache + the step's measured transient.
 
 Fixed KV budget (``kv_budget_bytes``, default 100 GB): per format the largest batch whose KV at S fits,
 from its measured bytes per token; tokens/s measured at that batch where it fits the device.
