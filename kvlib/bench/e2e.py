@@ -448,6 +448,7 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 if getattr(cache, "_kvlib", False):
                     row["kernel_path"] = str(cache.kernel_path(0))
                 live[m] = Stepper(m, model, cache, batch=batch, ctx=ctx, device=device, steps=prof.steps)
+                cache = None  # held by its Stepper only, so the group's memory goes when the group does
                 free -= need
             except MethodUnavailable as e:
                 row.update(status="unavailable", reason=str(e))
