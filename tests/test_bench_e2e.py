@@ -160,3 +160,28 @@ def test_format_bytes_known_answers():
     f = get_format("kv4rl")
     assert e2e.format_kv_bytes("kv4rl", layers=1, batch=1, kv_heads=1, ctx=100, d=128) == 2 * (
         100 * f.bytes_per_position(128) + f.fixed_bytes(128))
+
+
+@pytest.mark.parametrize("method", ["dynamic-sdpa", "static-sdpa"])
+def test_timed_steps_keep_the_cache_at_S(tiny_model, method):
+    cfg, s = tiny_model.config, 16
+    cache = e2e.make_method_cache(method, cfg, batch=2, ctx=s, device="cpu", dtype=torch.bfloat16)
+    e2e.fill(cache, cfg, batch=2, ctx=s, chunk=5, device="cpu", dtype=torch.bfloat16)
+    assert cache.get_seq_length() == s
+    st = e2e.Stepper(method, tiny_model, cache, batch=2, ctx=s, device="cpu", steps=3)
+    for attn in ("sdpa", e2e.NOOP_ATTN):
+        assert st.timer(attn)() > 0
+        # DynamicCache is cropped back to S; StaticCache rewound so each step writes position S
+        assert cache.get_seq_length() == (s if method == "dynamic-sdpa" else s + 1)
+
+
+def test_noop_attention_changes_only_attention(tiny_model):
+    cfg, s = tiny_model.config, 8
+    outs = {}
+    for attn in ("sdpa", e2e.NOOP_ATTN):
+        cache = e2e.make_method_cache("dynamic-sdpa", cfg, batch=1, ctx=s, device="cpu", dtype=torch.bfloat16)
+        e2e.fill(cache, cfg, batch=1, ctx=s, chunk=8, device="cpu", dtype=torch.bfloat16)
+        st = e2e.Stepper("dynamic-sdpa", tiny_model, cache, batch=1, ctx=s, device="cpu", steps=1)
+        outs[attn] = st._forward(attn)
+        assert outs[attn].shape == (1, 1, cfg.vocab_size)
+    assert not torch.equal(outs["sdpa"], outs[e2e.NOOP_ATTN])  # the probe really removed attention

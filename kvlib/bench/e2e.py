@@ -63,6 +63,10 @@ NOOP_ATTN = "kvlib_e2e_noop"
 #: extra positions a kvlib cache is sized for: each replayed step may append one position (if the cache keeps its own
 #: length counter), so a timed step reads between S and S + HEADROOM positions (<= 1.6% more at S = 4k)
 HEADROOM = 64
+#: one query token over fully valid positions needs no mask (HF's eager decode passes none too). Given as the
+#: per-layer-type mask mapping so that CUDA-graph capture takes the eager path: while capturing, HF's
+#: create_causal_mask builds a full boolean mask, which turns SDPA's GQA path off (repeat_kv of the whole layer)
+NO_MASK = {"full_attention": None, "sliding_attention": None}
 
 QWEN25_7B = dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                  num_key_value_heads=4, head_dim=128, vocab_size=152064, max_position_embeddings=32768 + 1024,
@@ -326,7 +330,7 @@ class Stepper:
         try:
             with torch.no_grad():
                 out = self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
-                                 position_ids=self.pos_ids, use_cache=True, logits_to_keep=1)
+                                 position_ids=self.pos_ids, attention_mask=NO_MASK, use_cache=True, logits_to_keep=1)
         finally:
             cfg._attn_implementation = old
         if not self.static:  # keep the cache at ctx positions: every step appends one (DynamicCache: a torch.cat)
@@ -670,6 +674,8 @@ def run(profile: str, *, time_budget_s: float | None = None, kv_budget_bytes: fl
         "time_split": f"attention_ms = step_ms - noattn_ms; noattn: the attention function replaced by {NOOP_ATTN!r} "
                       "(zeros of the output's shape; cache write and everything else unchanged)",
         "fill": "synthetic K/V through cache.update in chunks (one random chunk reused), no prefill",
+        "mask": "none: one query token over fully valid positions (passed as the per-layer-type mapping, so the "
+                "captured step takes the same SDPA path as the eager one)",
         "rows": rows, "budget": budget_res, "bytes_per_token": bytes_per_token(rows),
         "time_budget_s": budget_s, "wall_s": time.perf_counter() - t_start,
     }
