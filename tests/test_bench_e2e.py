@@ -132,10 +132,19 @@ def test_a_kvlib_cache_plugs_in_by_name(tiny_model, monkeypatch):
 
 
 def test_a_cache_without_the_kernel_api_is_an_error_not_a_skip(tiny_model, monkeypatch):
-    monkeypatch.setattr(kvlib, "make_cache", lambda fmt, config, **kw: __import__("transformers").DynamicCache())
+    def plain(fmt, config, *, batch_size=None, max_len=None, device=None, dtype=None, **kw):
+        return __import__("transformers").DynamicCache()
+
+    monkeypatch.setattr(kvlib, "make_cache", plain)
     r = _one_cell(tiny_model, ["dynamic-sdpa", "kv4"])["kv4"]
     assert r["status"] == "unavailable"
     assert "kv_nbytes" in r["reason"] and "kv4" in r["reason"]
+
+
+def test_a_make_cache_without_batch_size_is_named(tiny_model, monkeypatch):
+    monkeypatch.setattr(kvlib, "make_cache", lambda format, config, **options: None)
+    r = _one_cell(tiny_model, ["dynamic-sdpa", "rtn-int8"])["rtn-int8"]
+    assert r["status"] == "unavailable" and "batch_size" in r["reason"] and "rtn-int8" in r["reason"]
 
 
 def test_time_budget_skips_with_reason():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import math
 import os
 import time
@@ -256,6 +257,9 @@ def make_method_cache(method: str, config, *, batch: int, ctx: int, device: str,
         build = kvlib.make_cache
         if method == "dither-int8-gated":
             build = kvlib.make_gated_cache
+        elif "batch_size" not in inspect.signature(build).parameters:
+            raise MethodUnavailable(f"{method}: kvlib.make_cache{inspect.signature(build)} has no batch_size / "
+                                    "max_len: the kernel-backed cache API is not in this kvlib")
         try:
             cache = build(fmt, config, batch_size=batch, max_len=ctx + HEADROOM, device=device, dtype=dtype, **opts)
         except (TypeError, ValueError, NotImplementedError) as e:
@@ -583,6 +587,7 @@ def goals(result: dict) -> list[dict]:
             g["measured"] = r.get("speedup_vs_dynamic")
             g["where"] = f"B={gb}, S={gs}"
             g["kv_share"] = r.get("ref_kv_share")
+            g["vs_static_graph"] = r.get("speedup_vs_static_graph")
         elif kind == "budget":
             s = max(result["budget"]["ctxs"]) if result["budget"]["ctxs"] else None
             g["measured"] = result["budget"]["throughput_ratio"].get(f"{m}@{s}")
@@ -802,6 +807,7 @@ def goals_table(result: dict):
 
     rows = [{"method": g["method"], "goal": g["goal"], "target": g["target"], "measured": g["measured"],
              "where": g.get("where", ""), "reference KV share": g.get("kv_share"),
+             "x StaticCache graph": g.get("vs_static_graph"),
              "verdict": {True: "met", False: "missed", None: "not measured"}[g["met"]]} for g in result["goals"]]
     return pd.DataFrame(rows)
 
