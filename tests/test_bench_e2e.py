@@ -194,3 +194,20 @@ def test_noop_attention_changes_only_attention(tiny_model):
         outs[attn] = st._forward(attn)
         assert outs[attn].shape == (1, 1, cfg.vocab_size)
     assert not torch.equal(outs["sdpa"], outs[e2e.NOOP_ATTN])  # the probe really removed attention
+
+
+def test_paper_verdicts_from_known_numbers():
+    layers, heads = 28, 4
+    per = 2 * layers * heads  # sides x layers x kv heads
+    res = {"model": {"num_hidden_layers": layers, "num_key_value_heads": heads},
+           "bytes_per_token": {"dither-int8": 136.0 * per, e2e.REFERENCE: 256.0 * per},
+           "rows": [{"method": "dither-int8", "cell": "grid", "status": "ok", "ctx": 4096, "speedup_vs_dynamic": 0.8},
+                    {"method": "dither-int8", "cell": "grid", "status": "ok", "ctx": 32768, "speedup_vs_dynamic": 1.3}],
+           "budget": {"ctxs": [32768], "throughput_ratio": {"kv4rl@32768": 2.6}, "rows": []}}
+    got = {c["id"]: c for c in e2e.paper_vs_run(res)}
+    assert got["witcert-e2e-bytes"]["verdict"] == "reproduced"  # 136 B
+    assert got["witcert-e2e-capacity"]["verdict"] == "reproduced"  # 256 / 136 = 1.88
+    assert got["witcert-e2e-throughput"]["verdict"] == "reproduced"  # 0.8 at the shortest S
+    assert got["kv4rl-e2e-rollout"]["verdict"] == "differs" and got["kv4rl-e2e-rollout"]["why"]  # 2.6 vs 1.80
+    res["bytes_per_token"]["dither-int8"] = 160.0 * per
+    assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["witcert-e2e-bytes"] == "differs"
