@@ -1,0 +1,213 @@
+"""The end-to-end benchmark's wiring at the ci profile (tiny Qwen2 config on the CPU): statuses, ratios, bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvlib
+from kvlib.bench import e2e
+
+STATUSES = {"ok", "skipped", "unavailable", "error", "oom"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    return e2e.run("ci", progress=False)
+
+
+def _all_rows(res):
+    return res["rows"] + res["budget"]["rows"]
+
+
+def test_every_cell_has_a_status_and_non_ok_a_reason(result):
+    cells = {(b, s) for b, s in e2e.PROFILES["ci"].cells()}
+    assert {(r["batch"], r["ctx"]) for r in result["rows"]} == cells
+    for r in _all_rows(result):
+        assert r["status"] in STATUSES, r
+        if r["status"] != "ok":
+            assert r.get("reason"), r
+    for b, s in cells:  # every method once per grid cell
+        assert sorted(r["method"] for r in result["rows"] if (r["batch"], r["ctx"]) == (b, s)) == sorted(e2e.METHODS)
+
+
+def test_reference_runs_and_ratios_are_positive(result):
+    ref = [r for r in result["rows"] if r["method"] == e2e.REFERENCE]
+    assert ref and all(r["status"] == "ok" for r in ref)
+    for r in _all_rows(result):
+        if r["status"] != "ok":
+            continue
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
+        assert math.isclose(r["tokens_per_s"], r["batch"] / (r["step_ms"] * 1e-3))
+        assert r["speedup_vs_dynamic"] > 0
+        assert 0 < r["kv_share"] < 1
+        assert r["peak_bytes"] >= r["kv_bytes"] + result["weight_bytes"]["total"]
+        assert r["noattn_ms"] is not None and r["noattn_ms"] > 0
+    for r in ref:
+        assert r["speedup_vs_dynamic"] == 1.0
+
+
+def test_bytes_match_the_format_formula(result):
+    cfg = e2e.model_config(e2e.TINY)
+    ran = [r for r in _all_rows(result) if r["status"] == "ok" and r["method"] not in e2e.HF_QUANT]
+    assert ran
+    for r in ran:
+        fmt = e2e.OUR_FORMAT.get(r["method"], ("bf16", {}))[0]
+        want = e2e.format_kv_bytes(fmt, layers=cfg.num_hidden_layers, batch=r["batch"],
+                                   kv_heads=cfg.num_key_value_heads, ctx=e2e.alloc_positions(r["method"], r["ctx"]),
+                                   d=cfg.head_dim)
+        assert r["kv_bytes_formula"] == want
+        if r["method"] in e2e.OUR_FORMAT:  # the page table comes on top of the payload; it is small
+            assert want <= r["kv_bytes"] <= 1.05 * want, r
+        else:
+            assert r["kv_bytes"] == want, r
+
+
+def test_our_methods_run_or_say_why(result):
+    for r in result["rows"]:
+        if r["method"] in e2e.OUR_FORMAT and r["status"] != "ok":
+            assert r["status"] in {"unavailable", "error", "skipped"}
+            assert r["method"] in r["reason"] or r["status"] == "skipped", r
+
+
+def test_budget_batches_follow_measured_bytes(result):
+    bud = result["budget"]
+    assert bud["max_batch"]
+    for key, bmax in bud["max_batch"].items():
+        m, s = key.rsplit("@", 1)
+        assert bmax == int(bud["kv_budget_bytes"] // (result["bytes_per_token"][m] * int(s)))
+        assert bmax * result["bytes_per_token"][m] * int(s) <= bud["kv_budget_bytes"]
+    assert all(ratio > 0 for ratio in bud["throughput_ratio"].values())
+
+
+def test_goals_are_decided_from_the_rows(result):
+    assert len(result["goals"]) == len(e2e.GOALS)
+    for g in result["goals"]:
+        assert g["met"] in (True, False, None)
+        if g["measured"] is None:
+            assert g["met"] is None and g["why_not_measured"]
+        else:
+            assert g["met"] == (g["measured"] <= g["target"] if "bytes" in g["goal"] else g["measured"] >= g["target"])
+    assert len(e2e.summary_lines(result)) == len(e2e.GOALS)
+
+
+# ------------------------------------------------------------------------------------------ plug-in path
+class _StubKernelCache(__import__("transformers").DynamicCache):
+    """Stands in for kvlib's kernel cache: the API the harness needs, over a bf16 DynamicCache."""
+
+    def kv_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    def kernel_path(self, layer_idx: int) -> str:
+        return f"stub-bf16[{layer_idx}]"
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return e2e.build_model(e2e.TINY, "cpu")
+
+
+def _one_cell(model, methods):
+    return {r["method"]: r for r in e2e.run_cell(model, model.config, list(methods), batch=1, ctx=16,
+                                                  prof=e2e.PROFILES["ci"], device="cpu", dtype=torch.bfloat16)}
+
+
+def test_a_kvlib_cache_plugs_in_by_name(tiny_model, monkeypatch):
+    seen = {}
+
+    def fake_make_cache(fmt, config, *, batch_size=None, max_len=None, device=None, dtype=None, **opts):
+        seen.update(fmt=fmt, batch_size=batch_size, max_len=max_len, opts=opts)
+        return _StubKernelCache(config=config)
+
+    monkeypatch.setattr(kvlib, "make_cache", fake_make_cache)
+    rows = _one_cell(tiny_model, ["dynamic-sdpa", "dither-int8"])
+    r = rows["dither-int8"]
+    assert r["status"] == "ok", r
+    assert seen == {"fmt": "dither-int8", "batch_size": 1, "max_len": 16 + e2e.HEADROOM,
+                    "opts": {"dither_layout": "h8"}}
+    assert r["kernel_path"] == "stub-bf16[0]"
+    assert r["kv_bytes"] > 0 and r["interleaved_with"] == ["dynamic-sdpa"]
+
+
+def test_a_cache_without_the_kernel_api_is_an_error_not_a_skip(tiny_model, monkeypatch):
+    def plain(fmt, config, *, batch_size=None, max_len=None, device=None, dtype=None, **kw):
+        return __import__("transformers").DynamicCache()
+
+    monkeypatch.setattr(kvlib, "make_cache", plain)
+    r = _one_cell(tiny_model, ["dynamic-sdpa", "kv4"])["kv4"]
+    assert r["status"] == "unavailable"
+    assert "kv_nbytes" in r["reason"] and "kv4" in r["reason"]
+
+
+def test_a_make_cache_without_batch_size_is_named(tiny_model, monkeypatch):
+    monkeypatch.setattr(kvlib, "make_cache", lambda format, config, **options: None)
+    r = _one_cell(tiny_model, ["dynamic-sdpa", "rtn-int8"])["rtn-int8"]
+    assert r["status"] == "unavailable" and "batch_size" in r["reason"] and "rtn-int8" in r["reason"]
+
+
+def test_time_budget_skips_with_reason():
+    res = e2e.run("ci", progress=False, time_budget_s=1e-9, methods=("dynamic-sdpa",))
+    assert all(r["status"] == "skipped" and r["reason"] for r in _all_rows(res))
+    assert all("time budget" in r["reason"] for r in res["rows"])
+
+
+@pytest.mark.parametrize("kw", [dict(methods=("nope", "dynamic-sdpa")), dict(methods=("kv4",)),
+                                dict(time_budget_s=0), dict(kv_budget_bytes=-1)])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        e2e.run("ci", progress=False, **kw)
+
+
+def test_format_bytes_known_answers():
+    # bf16: 2 sides x L x B x H x S x d x 2 bytes; kv4rl adds its fixed side buffer per (layer, row, head, side)
+    want = 2 * 28 * 64 * 4 * 32768 * 256
+    assert e2e.format_kv_bytes("bf16", layers=28, batch=64, kv_heads=4, ctx=32768, d=128) == want
+    from kvlib.formats.base import get_format
+
+    f = get_format("kv4rl")
+    assert e2e.format_kv_bytes("kv4rl", layers=1, batch=1, kv_heads=1, ctx=100, d=128) == 2 * (
+        100 * f.bytes_per_position(128) + f.fixed_bytes(128))
+
+
+@pytest.mark.parametrize("method", ["dynamic-sdpa", "static-sdpa"])
+def test_timed_steps_keep_the_cache_at_S(tiny_model, method):
+    cfg, s = tiny_model.config, 16
+    cache = e2e.make_method_cache(method, cfg, batch=2, ctx=s, device="cpu", dtype=torch.bfloat16)
+    e2e.fill(cache, cfg, batch=2, ctx=s, chunk=5, device="cpu", dtype=torch.bfloat16)
+    assert cache.get_seq_length() == s
+    st = e2e.Stepper(method, tiny_model, cache, batch=2, ctx=s, device="cpu", steps=3)
+    for attn in ("sdpa", e2e.NOOP_ATTN):
+        assert st.timer(attn)() > 0
+        # DynamicCache is cropped back to S; StaticCache rewound so each step writes position S
+        assert cache.get_seq_length() == (s if method == "dynamic-sdpa" else s + 1)
+
+
+def test_noop_attention_changes_only_attention(tiny_model):
+    cfg, s = tiny_model.config, 8
+    outs = {}
+    for attn in ("sdpa", e2e.NOOP_ATTN):
+        cache = e2e.make_method_cache("dynamic-sdpa", cfg, batch=1, ctx=s, device="cpu", dtype=torch.bfloat16)
+        e2e.fill(cache, cfg, batch=1, ctx=s, chunk=8, device="cpu", dtype=torch.bfloat16)
+        st = e2e.Stepper("dynamic-sdpa", tiny_model, cache, batch=1, ctx=s, device="cpu", steps=1)
+        outs[attn] = st._forward(attn)
+        assert outs[attn].shape == (1, 1, cfg.vocab_size)
+    assert not torch.equal(outs["sdpa"], outs[e2e.NOOP_ATTN])  # the probe really removed attention
+
+
+def test_paper_verdicts_from_known_numbers():
+    layers, heads = 28, 4
+    per = 2 * layers * heads  # sides x layers x kv heads
+    res = {"model": {"num_hidden_layers": layers, "num_key_value_heads": heads},
+           "bytes_per_token": {"dither-int8": 136.0 * per, e2e.REFERENCE: 256.0 * per},
+           "rows": [{"method": "dither-int8", "cell": "grid", "status": "ok", "ctx": 4096, "speedup_vs_dynamic": 0.8},
+                    {"method": "dither-int8", "cell": "grid", "status": "ok", "ctx": 32768, "speedup_vs_dynamic": 1.3}],
+           "budget": {"ctxs": [32768], "throughput_ratio": {"kv4rl@32768": 2.6}, "rows": []}}
+    got = {c["id"]: c for c in e2e.paper_vs_run(res)}
+    assert got["witcert-e2e-bytes"]["verdict"] == "reproduced"  # 136 B
+    assert got["witcert-e2e-capacity"]["verdict"] == "reproduced"  # 256 / 136 = 1.88
+    assert got["witcert-e2e-throughput"]["verdict"] == "reproduced"  # 0.8 at the shortest S
+    assert got["kv4rl-e2e-rollout"]["verdict"] == "differs" and got["kv4rl-e2e-rollout"]["why"]  # 2.6 vs 1.80
+    res["bytes_per_token"]["dither-int8"] = 160.0 * per
+    assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["witcert-e2e-bytes"] == "differs"
