@@ -15,6 +15,7 @@ from types import ModuleType
 #: ``sass_count`` compiles kernels rather than timing them, so it lives beside them in kvlib.kernels.
 TOPICS: dict[str, str] = {
     "decode_grid": "kvlib.bench.decode_grid",
+    "e2e": "kvlib.bench.e2e",
     "kv4": "kvlib.bench.kv4",
     "peers": "kvlib.bench.peers",
     "peers_hf": "kvlib.bench.peers_hf",
