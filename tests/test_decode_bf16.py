@@ -5,6 +5,8 @@ import torch
 
 from kvlib.kernels.bf16.decode import decode_bf16, decode_bf16_reference
 
+# every test here launches a kernel (CPU: the interpreter): the GPU lane runs them all (-m gpu)
+pytestmark = pytest.mark.gpu
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
 
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from _soundness import assert_rows_within_certificate
 
-from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.decode import Int8KernelConfig, decode_int8, decode_reference, make_pool_side, resolve_impl
 from kvlib.kernels.int8.gluon import gluon_unsupported
 
+# every test here launches a kernel (CPU: the interpreter): the GPU lane runs them all (-m gpu)
+pytestmark = pytest.mark.gpu
 SEED = 2**33 + 4242
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
@@ -62,7 +64,9 @@ def test_on_cpu_explicit_gluon_raises_and_auto_runs_the_triton_kernel():
     with pytest.raises(ValueError, match="CUDA"):
         decode_int8(q, kp, vp, slots, seq, impl="gluon", fallback_to_reference=False, **kw)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)  # auto: h10 under the interpreter
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=Int8KernelConfig(block_n=16),
+                      **kw)  # auto: h10 under the interpreter
+    assert out.path == "h10"
     torch.testing.assert_close(out.tv_bound.double(), ref.tv_bound, atol=3e-6, rtol=2e-5)
 
 
@@ -73,6 +77,7 @@ def test_kernel_matches_reference(hq, hkv, qdtype, ns):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     out = decode_int8(q, kp, vp, slots, seq, impl="gluon", num_splits=ns, **kw)
+    assert out.path == "gluon"
     for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)
 
@@ -82,6 +87,7 @@ def test_auto_takes_the_gluon_kernel_for_an_h8_pool():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
     a = decode_int8(q, kp, vp, slots, seq, num_splits=5, **kw)
     b = decode_int8(q, kp, vp, slots, seq, num_splits=5, impl="gluon", **kw)
+    assert a.path == b.path == "gluon"
     assert torch.equal(a.o, b.o) and torch.equal(a.tv_bound, b.tv_bound)
 
 

@@ -19,7 +19,7 @@ import torch
 from kvlib.certify.bound import radius_multiplier, rounding_slack
 from kvlib.core.philox import DITHER_BIAS, byte_to_xi, dither, dither_counter, h8_channel_map, philox4x32_10, seed_key
 from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize, residual
-from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.decode import Int8KernelConfig, decode_int8, decode_reference, make_pool_side, resolve_impl
 from kvlib.storage.paged import PagedPool
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -154,7 +154,8 @@ def test_decode_kernel_matches_reference_h8(qdtype):
     q, kp, vp, slots, seq, _ = _setup()
     q = q.to(qdtype)
     ref = decode_reference(q, kp, vp, slots, seq, layer=2, seed=SEED, impl="h10")
-    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=3, block_n=16)  # auto -> h10 kernel
+    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=3,
+                      config=Int8KernelConfig(block_n=16))  # auto -> h10 kernel
     # the h8 dither term, -(4 + b 2^-8) . q_hi, is three times h10's in magnitude, and so is its fp32 rounding:
     # outputs agree to 5e-6 here, against 3e-6 for h10 (tests/test_decode_h10.py)
     for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
@@ -166,7 +167,8 @@ def test_decode_kernel_matches_reference_h8_d256():
     """d = 256 (groups of 64): sixteen calls per position, each word feeding 64 channels of its group."""
     q, kp, vp, slots, seq, _ = _setup(hq=4, hkv=2, S=24, d=256)
     ref = decode_reference(q, kp, vp, slots, seq, layer=2, seed=SEED, impl="h10")
-    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=2, block_n=16)
+    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=2,
+                      config=Int8KernelConfig(block_n=16))
     # scores are sums over 256 channels with |o| up to ~3.4 here: the fp32 rounding of o and lse is ~1e-5 for
     # h10 on the same problem as well; the certificate's quantities stay at 1e-6
     for f, atol in (("o", 3e-5), ("lse", 5e-5), ("A", 2e-6), ("tv_bound", 2e-6)):

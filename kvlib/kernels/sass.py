@@ -112,13 +112,14 @@ def run(profile: str) -> dict[str, Any]:
     layout (sixteen dithers per Philox call), and the w24
     tensor-core kernel (the benchmarks' "fast" mode). ``profile`` does not change the work: the compile
     targets sm_90 whatever this machine is."""
-    from kvlib.kernels.int8 import h10 as H
-    from kvlib.kernels.int8.decode import _decode_int8_stage1_tc
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG as C
     from kvlib.kernels.int8.h10 import _decode_int8_stage1_h10
+    from kvlib.kernels.int8.w24 import _decode_int8_stage1_tc
 
-    h10 = dict(GQA=GQA, BLOCK_H=8, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
-               Q_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, FAST=True, TILE_SUMS=True, SKIP_DITHER=False,
-               WIDE_MUL=H.WIDE_MUL, VAR_DOT=H.VAR_DOT)  # the module's defaults: what decode_int8 runs
+    h10 = dict(GQA=GQA, BLOCK_H=8, BLOCK_N=C.block_n, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True,
+               CERT_B=False, Q_SPLIT=False, PV_TERMS=min(C.pv_terms, 2), NUM_SPLITS=NUM_SPLITS, FAST=True,
+               TILE_SUMS=C.tile_sums, SKIP_DITHER=False, WIDE_MUL=C.wide_mul,
+               VAR_DOT=C.var_dot)  # the default config: what decode_int8 runs
     tc = dict(GQA=GQA, BLOCK_H=16, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
               Q_SPLIT=False, XI_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, SKIP_DITHER=False)
     variants = {
@@ -173,17 +174,18 @@ def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
     """The Gluon h8 kernel (:mod:`kvlib.kernels.int8.gluon`) compiled for sm_90 at the latency benchmarks'
     shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
     (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time),
-    with the defaults decode_int8 launches (``AHEAD``)."""
+    with the defaults decode_int8 launches (``Int8KernelConfig.ahead``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvlib.kernels.int8 import gluon as G
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG
 
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=G.AHEAD)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead)
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

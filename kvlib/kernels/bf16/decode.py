@@ -135,4 +135,4 @@ def decode_bf16(
         DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages,
     )
     o, lse = merge_splits(o_s, lse_s)[:2]
-    return DecodeOut(o, lse)
+    return DecodeOut(o, lse, path="bf16")

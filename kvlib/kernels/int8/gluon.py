@@ -451,13 +451,6 @@ def _stage1_g8(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
-#: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
-#: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (dev/results/gluon_probe5.json)
-AHEAD = True
-#: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
-PROGRAMS_PER_SM = 8
-
-
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
     """Why the Gluon kernel cannot run this request (``None`` when it can): it needs a CUDA device, d = 128,
     groups of 32, an h8 key pool, RTN values, at most 8 query heads per KV head, fp16/bf16 queries and no outlier
@@ -477,16 +470,18 @@ def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | No
     return None if not missing else "impl='gluon' needs " + ", ".join(missing)
 
 
-def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -> int:
-    """One wave of one-warp programs (the H200 probe's best at every long-context shape:
-    ``dev/results/gluon_probe4.json``), splits of at least 64 positions."""
+def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device, programs_per_sm: int = 8) -> int:
+    """One wave of one-warp programs, ``programs_per_sm`` resident per SM (8 at the kernel's 255 registers; the
+    H200 probe's best at every long-context shape: ``dev/results/gluon_probe4.json``), splits of at least 64
+    positions."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
+    return max(1, min(sms * programs_per_sm // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
-    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, ahead: bool = True) -> None:
+    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers);
+    ``ahead`` is :attr:`kvlib.kernels.int8.config.Int8KernelConfig.ahead`."""
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -503,5 +498,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, num_warps=1,
     )
