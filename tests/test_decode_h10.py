@@ -191,3 +191,24 @@ def test_variance_dot_operands_are_exact_tf32_pieces():
     var = a_out.double() @ trunc
     exact = s2 @ v.double()
     assert ((exact - var) >= 0).all() and ((exact - var) <= exact * 2.0**-20).all()
+
+
+@pytest.mark.parametrize("layout,block_size,qdtype", [("h10", 16, torch.float32), ("h8", 16, torch.bfloat16),
+                                                      ("h8", 32, torch.float16)])
+def test_block_table_matches_the_slot_table_and_the_reference(layout, block_size, qdtype):
+    """vLLM-style paging (shuffled pages, ragged lengths): the kernel computes each slot from the block table; the
+    same bits as the per-token table, and the reference's agreement."""
+    from _paged import paged_problem, slot_table
+
+    lens = [45, 16, 7]
+    q, kp, vp, bt, seq, tok, _ = paged_problem(lens, block_size, hq=7, hkv=1, d=128, dev=DEV, layout=layout,
+                                               k_out=True, v_out=True, seed=SEED, layer=2, qdtype=qdtype)
+    kw = dict(layer=2, seed=SEED, impl="h10", num_splits=2, config=C16)
+    paged = decode_int8(q, kp, vp, None, seq, block_table=bt, block_size=block_size, **kw)
+    flat = decode_int8(q, kp, vp, slot_table(tok, DEV), seq, **kw)
+    for f in ("o", "lse", "A", "B", "tv_bound"):
+        assert torch.equal(getattr(paged, f), getattr(flat, f)), f
+    ref = decode_reference(q, kp, vp, None, seq, block_table=bt, block_size=block_size, layer=2, seed=SEED,
+                           impl="h10")
+    tol = 3e-6 if layout == "h10" else 5e-6  # the h8 dither term is larger (tests/test_dither_h8.py)
+    _assert_close(paged, ref, atol=tol)

@@ -219,3 +219,41 @@ def test_accumulator_overflow_is_vacuous():
                       num_splits=2, config=C16, **kw)
     assert torch.isinf(out.tv_bound[0, 2:]).all() and out.vacuous[0, 2:].all()
     assert torch.isfinite(out.tv_bound[0, :2]).all() and torch.isfinite(out.tv_bound[1]).all()
+
+
+# ---- vLLM-style paged addressing: block_table [B, max_blocks] + block_size instead of the per-token slot table
+@pytest.mark.parametrize("impl,block_size", [("tc", 16), ("tc", 8), ("fma", 32), ("fma", 16)])
+def test_block_table_matches_the_slot_table_and_the_reference(impl, block_size):
+    from _paged import paged_problem, slot_table
+
+    lens = [37, 5, 64, 50]  # ragged; 64 fills its pages exactly, 5 uses a part of one
+    q, kp, vp, bt, seq, tok, _ = paged_problem(lens, block_size, hq=4, hkv=2, d=64, dev=DEV, k_out=True,
+                                               v_out=impl == "fma", v_dither=impl == "fma", seed=SEED, layer=1)
+    kw = dict(layer=1, seed=SEED, v_dither=impl == "fma", impl=impl, num_splits=3, config=C16)
+    paged = decode_int8(q, kp, vp, None, seq, block_table=bt, block_size=block_size, **kw)
+    flat = decode_int8(q, kp, vp, slot_table(tok, DEV), seq, **kw)
+    for f in ("o", "lse", "A", "B", "tv_bound"):  # the same slots in the same order: the same bits
+        assert torch.equal(getattr(paged, f), getattr(flat, f)), f
+    ref = decode_reference(q, kp, vp, None, seq, block_table=bt, block_size=block_size, layer=1, seed=SEED,
+                           v_dither=impl == "fma", impl=impl)
+    ref_flat = decode_reference(q, kp, vp, slot_table(tok, DEV), seq, layer=1, seed=SEED, v_dither=impl == "fma",
+                                impl=impl)
+    assert torch.equal(ref.o, ref_flat.o) and torch.equal(ref.tv_bound, ref_flat.tv_bound)
+    _assert_close(paged, ref)
+
+
+def test_block_table_bad_inputs_raise_naming_the_argument():
+    from _paged import paged_problem, slot_table
+
+    q, kp, vp, bt, seq, tok, _ = paged_problem([20, 9], 8, hq=2, hkv=1, d=64, dev=DEV, seed=SEED, layer=1)
+    kw = dict(layer=1, seed=SEED)
+    with pytest.raises(ValueError, match="exactly one"):
+        decode_int8(q, kp, vp, slot_table(tok, DEV), seq, block_table=bt, block_size=8, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_int8(q, kp, vp, slot_table(tok, DEV), seq, block_size=8, **kw)
+    with pytest.raises(TypeError, match="block_table"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt.float(), block_size=8, **kw)
+    with pytest.raises(ValueError, match="block_table"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt[:1], block_size=8, **kw)

@@ -140,6 +140,10 @@ def run(profile: str) -> dict[str, Any]:
               f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
     out["gluon_h8_certA"] = gluon_count()
     out["gluon_h8_nocert"] = gluon_count(cert=False)
+    out["gluon_h8_certA_paged16"] = gluon_count(page=16)  # block-table addressing, vLLM's block size
+    for name, extra in (("h10_certA_paged16", {}), ("h8_certA_paged16", {"H8": True})):
+        out[name] = compile_count(_decode_int8_stage1_h10, h10 | extra | {"PAGE": 16}, num_warps=2, num_stages=2,
+                                  block_n=h10["BLOCK_N"], pointers={"VC": "*i32"})
     print(f"   gluon h8: {out['gluon_h8_certA']['instructions']} instructions per 16-position tile (one warp), "
           f"{out['gluon_h8_certA']['per_position_head']:.1f} warp instructions per (position, KV head), "
           f"{out['gluon_h8_certA']['registers']} registers, {out['gluon_h8_certA']['shared_bytes']} B shared",
@@ -170,11 +174,12 @@ def kv4_count() -> dict[str, Any]:
     return out
 
 
-def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
+def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0) -> dict[str, Any]:
     """The Gluon h8 kernel (:mod:`kvlib.kernels.int8.gluon`) compiled for sm_90 at the latency benchmarks'
     shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
     (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time),
-    with the defaults decode_int8 launches (``Int8KernelConfig.ahead``)."""
+    with the defaults decode_int8 launches (``Int8KernelConfig.ahead``). ``page > 0``: the vLLM-style block-table
+    addressing with pages of ``page`` slots (:mod:`kvlib.kernels.tl.paging`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -185,7 +190,7 @@ def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead, PAGE=page)
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

@@ -79,28 +79,31 @@ def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto"
 
 
 def decode_stage1(
-    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
     cert: bool = True, cert_b: bool = True, impl: str = "auto", num_splits: int | None = None,
-    config: Int8KernelConfig | None = None,
+    config: Int8KernelConfig | None = None, block_table: torch.Tensor | None = None, block_size: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Stage 1 only: per-split ``(o_s [B,Hq,NS,d], lse_s, A_s, B_s [B,Hq,NS])`` (A_s/B_s None when off).
 
     ``impl``: ``"tc"``, ``"fma"``, ``"h10"``, ``"gluon"`` or ``"auto"`` (:func:`stage1_path`). ``config``: the
-    kernels' tuning (:class:`Int8KernelConfig`, default :data:`DEFAULT_CONFIG`).
+    kernels' tuning (:class:`Int8KernelConfig`, default :data:`DEFAULT_CONFIG`). Requests address the pool by
+    ``slots [B, max_len]`` or, vLLM-style, by ``block_table [B, max_blocks]`` int32 over pages of ``block_size``
+    slots (pass ``slots=None``; :mod:`kvlib.kernels.tl.paging`).
     """
     o_s, lse_s, a_s, b_s, _ = _stage1(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
                                       delta=delta, v_dither=v_dither, cert=cert, cert_b=cert_b, impl=impl,
-                                      num_splits=num_splits, config=config)
+                                      num_splits=num_splits, config=config, block_table=block_table,
+                                      block_size=block_size)
     return o_s, lse_s, a_s, b_s
 
 
 def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta, v_dither, cert, cert_b, impl,
-            num_splits, config):
+            num_splits, config, block_table, block_size):
     cfg = check_config(config)
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
-    check_request(q, k, v, slots, seq_lens)
+    slots, page, max_len = check_request(q, k, v, slots, seq_lens, block_table, block_size)
     delta = check_open_unit("delta", delta)
     if not isinstance(layer, int) or not 0 <= layer < 2**31:
         raise ValueError(f"layer must be an int in [0, 2^31), got {layer!r}")
@@ -117,9 +120,9 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if path == "gluon":
         from kvlib.kernels.int8.gluon import gluon_num_splits
 
-        ns = num_splits or gluon_num_splits(B, hkv, slots.shape[1], q.device, cfg.programs_per_sm)
+        ns = num_splits or gluon_num_splits(B, hkv, max_len, q.device, cfg.programs_per_sm)
     else:
-        ns = num_splits or default_num_splits(B, hkv, slots.shape[1], cfg.block_n, q.device)
+        ns = num_splits or default_num_splits(B, hkv, max_len, cfg.block_n, q.device)
     if not isinstance(ns, int) or ns < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     dev = q.device
@@ -133,7 +136,8 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev)
     a_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert else lse_s
     b_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert and cert_b else lse_s
-    common = dict(delta=delta, rad_extra=rad_extra, layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b)
+    common = dict(delta=delta, rad_extra=rad_extra, layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b,
+                  page=page)
     if path == "gluon":
         from kvlib.kernels.int8.gluon import launch_g8
 
@@ -152,10 +156,11 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
 
 
 def decode_int8(
-    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
     cert: bool = True, cert_b: bool = True, impl: str = "auto", num_splits: int | None = None,
-    config: Int8KernelConfig | None = None, fallback_to_reference: bool = True,
+    config: Int8KernelConfig | None = None, block_table: torch.Tensor | None = None, block_size: int | None = None,
+    fallback_to_reference: bool = True,
 ) -> DecodeOut:
     """Certified decode attention over the dithered INT8 pool (one query token per batch row).
 
@@ -164,7 +169,8 @@ def decode_int8(
     :func:`kvlib.certify.bound.request_delta` for the request-level allocation). ``v_dither``: values
     were written with dither (else RTN). ``cert=False`` skips the certificate (constexpr switch);
     ``cert_b=False`` keeps only ``A`` (one-accumulator bound). ``impl`` and ``num_splits``: see
-    :func:`decode_stage1`; ``config``: the kernels' tuning. No host synchronisation: CUDA-graph safe.
+    :func:`decode_stage1`; ``config``: the kernels' tuning; ``block_table`` + ``block_size`` (with
+    ``slots=None``): vLLM-style paged addressing. No host synchronisation: CUDA-graph safe.
     Where no Triton backend runs (CPU without ``TRITON_INTERPRET=1``) it returns :func:`decode_reference`
     (``fallback_to_reference``, else raises). ``DecodeOut.path`` names what ran (``"reference"`` or the kernel).
     """
@@ -173,10 +179,12 @@ def decode_int8(
         if not fallback_to_reference:
             raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
         return decode_reference(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
-                                delta=delta, v_dither=v_dither, impl=impl)
+                                delta=delta, v_dither=v_dither, impl=impl, block_table=block_table,
+                                block_size=block_size)
     o_s, lse_s, a_s, b_s, path = _stage1(
         q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
-        v_dither=v_dither, cert=cert, cert_b=cert_b, impl=impl, num_splits=num_splits, config=config)
+        v_dither=v_dither, cert=cert, cert_b=cert_b, impl=impl, num_splits=num_splits, config=config,
+        block_table=block_table, block_size=block_size)
     # a programmatic dependent launch on sm_90: the merge launches while stage 1 drains and waits for its results
     # (griddepcontrol.wait), so the results are the same; its saving was not timed on its own
     o, lse, A, Bv, two, one, vac = merge_splits(o_s, lse_s, a_s, b_s, pdl=True)

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range
+from kvlib.kernels.tl.paging import load_slots
 from kvlib.kernels.tl.philox import philox4x32
 
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.core.philox.half_to_xi`)
@@ -238,10 +239,14 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr):
-    """A tile's slot indices (int64); ``ABLATE & 4``: the probes' identity table, computed."""
+def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr, PAGE: tl.constexpr = 0):
+    """A tile's slot indices (int64; :func:`kvlib.kernels.tl.paging.load_slots`); ``ABLATE & 4``: the probes'
+    identity table, computed."""
     if ABLATE & 4:
         return (b * s_sl_b + offs_n).to(tl.int64)
+    if PAGE > 0:
+        return load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
+    # the slot table inline, as before paging existed: the validated binaries stay instruction for instruction
     return tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
 
 
@@ -274,7 +279,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False, PAGE: tl.constexpr = 0,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -356,7 +361,7 @@ def _decode_int8_stage1_h10(
     # h10_probe5.json; the same run found PV with the probabilities as the A operand slower, so it was removed)
     offs_x = start + tl.arange(0, BLOCK_N)
     mask_x = offs_x < end
-    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
     ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
     vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
@@ -370,7 +375,7 @@ def _decode_int8_stage1_h10(
         vs0, vs1, vs2, vs3 = _split4(vs_x)
         offs_x = offs_n + BLOCK_N
         mask_x = offs_x < end  # all false on the last tile: nothing is read
-        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
         ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
         vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
@@ -488,8 +493,9 @@ def check_h10_shape(d: int, group: int) -> None:
 
 def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp_rel: float, byp_abs: float,
                delta: float, rad_extra: float, layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool,
-               config) -> None:
-    """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``) with the
+               config, page: int = 0) -> None:
+    """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``; ``page > 0``:
+    ``slots`` is a block table of pages of ``page`` slots, :mod:`kvlib.kernels.tl.paging`) with the
     :class:`~kvlib.kernels.int8.config.Int8KernelConfig` ``config`` (block_n, warps, stages, pv_terms, tile_sums,
     wide_mul, var_dot, pv_dequant, maxnreg and the timing-only skip_philox, ablate)."""
     B, hq, d = q.shape
@@ -521,6 +527,6 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(config.pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=config.tile_sums, SKIP_DITHER=config.skip_philox,
         WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, ABLATE=config.ablate, PV_DEQUANT=config.pv_dequant,
-        H8=k.dither_layout == "h8", num_warps=config.warps("h10"), num_stages=config.stages("h10"),
+        H8=k.dither_layout == "h8", PAGE=page, num_warps=config.warps("h10"), num_stages=config.stages("h10"),
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )

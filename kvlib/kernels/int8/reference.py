@@ -21,6 +21,7 @@ from kvlib.certify.bound import (
 from kvlib.core.checks import check_open_unit
 from kvlib.core.philox import dither
 from kvlib.kernels.int8.request import DecodeOut, PoolSide, as_side, check_request, resolve_impl
+from kvlib.kernels.tl.paging import slots_from_block_table
 
 
 # torch reference
@@ -71,18 +72,22 @@ def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channel
 
 
 def decode_reference(
-    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
-    return_probs: bool = False, impl: str = "auto",
+    return_probs: bool = False, impl: str = "auto", block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
 ) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
     """float64 torch reference of :func:`decode_int8` (same radius, same certificate).
 
     ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`, with the key
-    pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``).
+    pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``). Requests address the
+    pool by ``slots`` or by ``block_table`` + ``block_size`` (:mod:`kvlib.kernels.tl.paging`).
     """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
-    check_request(q, k, v, slots, seq_lens)
+    check_request(q, k, v, slots, seq_lens, block_table, block_size)
+    if block_table is not None:
+        slots = slots_from_block_table(block_table, block_size)
     delta = check_open_unit("delta", delta)
     impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()

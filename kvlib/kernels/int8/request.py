@@ -16,6 +16,7 @@ import torch
 
 from kvlib.core.checks import check_group, check_tensor
 from kvlib.core.philox import check_layout
+from kvlib.kernels.tl.paging import request_table
 
 
 @dataclass
@@ -83,7 +84,11 @@ class DecodeOut:
     path: str = "reference"
 
 
-def check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tensor | None, seq_lens: torch.Tensor,
+                  block_table: torch.Tensor | None = None,
+                  block_size: int | None = None) -> tuple[torch.Tensor, int, int]:
+    """Validate a decode request; returns ``(table, page, max_len)`` (:func:`kvlib.kernels.tl.paging.request_table`:
+    the slot table with ``page = 0``, or the block table with ``page = block_size``)."""
     check_tensor("q", q, ndim=3, floating=True)
     n_slots, hkv, d = k.codes.shape
     if tuple(v.codes.shape) != (n_slots, hkv, d) or v.group != k.group:
@@ -93,13 +98,13 @@ def check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tensor
         raise ValueError(f"q's head dim {dq} must equal the pool's d={d}")
     if hq % hkv != 0:
         raise ValueError(f"q heads ({hq}) must be a multiple of KV heads ({hkv}) (GQA)")
-    check_tensor("slots", slots, ndim=2, floating=False)
+    table = request_table(slots, block_table, block_size, B)
     check_tensor("seq_lens", seq_lens, ndim=1, floating=False)
-    if slots.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"slots [B, max_len] and seq_lens [B] must have B={B} rows, "
-                         f"got {tuple(slots.shape)}, {tuple(seq_lens.shape)}")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens [B] must have B={B} rows, got {tuple(seq_lens.shape)}")
     if d % 4 != 0 or k.group % 4 != 0:
         raise ValueError(f"d={d} and group={k.group} must be multiples of 4 (one Philox call per four channels)")
+    return table
 
 
 def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: str = "w24") -> str:

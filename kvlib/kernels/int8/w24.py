@@ -19,6 +19,7 @@ import triton.language as tl
 from kvlib.certify.bound import FP16_REL, FP16_SUB, rounding_gamma
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range
+from kvlib.kernels.tl.paging import load_slots
 from kvlib.kernels.tl.philox import philox4x32
 
 
@@ -48,7 +49,7 @@ def _decode_int8_stage1(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr, V_DITHER: tl.constexpr,
-    K_PREC: tl.constexpr, V_PREC: tl.constexpr, JOIN: tl.constexpr, VAR_DOT: tl.constexpr,
+    K_PREC: tl.constexpr, V_PREC: tl.constexpr, JOIN: tl.constexpr, VAR_DOT: tl.constexpr, PAGE: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -128,7 +129,10 @@ def _decode_int8_stage1(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if PAGE > 0:
+            slot = load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
+        else:  # the slot table inline, as before paging existed (the same binary)
+            slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
         # ---- keys: one int32 word = 4 channels = one Philox call
         kw = tl.load(KW + slot[:, None] * s_kw_n + kvh * s_kw_h + offs_g[None, :], mask=mask_n[:, None], other=0)
         ks = tl.load(KS + slot[:, None] * s_ks_n + kvh * s_ks_h + sgrp[None, :], mask=mask_n[:, None],
@@ -267,7 +271,7 @@ def _decode_int8_stage1_tc(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr,
     Q_SPLIT: tl.constexpr, XI_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SKIP_DITHER: tl.constexpr = False,
+    SKIP_DITHER: tl.constexpr = False, PAGE: tl.constexpr = 0,
 ):
     """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``).
 
@@ -348,7 +352,10 @@ def _decode_int8_stage1_tc(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if PAGE > 0:
+            slot = load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
+        else:  # the slot table inline, as before paging existed (the same binary)
+            slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
         cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, G4], dtype=tl.uint32)
         qk = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         if CERT:
@@ -451,9 +458,10 @@ def _decode_int8_stage1_tc(
 
 def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float,
                rad_extra: float, layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, v_dither: bool,
-               config) -> None:
+               config, page: int = 0) -> None:
     """Launch :func:`_decode_int8_stage1_tc` (``impl="tc"``) or :func:`_decode_int8_stage1` (``"fma"``) on
-    validated inputs with the :class:`~kvlib.kernels.int8.config.Int8KernelConfig` ``config``."""
+    validated inputs with the :class:`~kvlib.kernels.int8.config.Int8KernelConfig` ``config``; ``page > 0``:
+    ``slots`` is a block table of pages of ``page`` slots (:mod:`kvlib.kernels.tl.paging`)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
     gqa = hq // hkv
@@ -485,7 +493,7 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
             NOV_P=triton.next_power_of_2(max(nov, 1)),
             CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32,
             XI_SPLIT=config.xi_split, PV_TERMS=config.pv_terms, NUM_SPLITS=ns, SKIP_DITHER=config.skip_philox,
-            num_warps=num_warps, num_stages=num_stages,
+            PAGE=page, num_warps=num_warps, num_stages=num_stages,
         )
         return
     if impl != "fma":
@@ -504,6 +512,6 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
         GQA=gqa, BLOCK_H=block_h, BLOCK_N=block_n, D=d, G=k.group,
         NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
         NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither,
-        K_PREC=config.k_precision, V_PREC=config.v_precision, JOIN=config.join, VAR_DOT=config.var_dot,
+        K_PREC=config.k_precision, V_PREC=config.v_precision, JOIN=config.join, VAR_DOT=config.var_dot, PAGE=page,
         num_warps=num_warps, num_stages=num_stages,
     )
