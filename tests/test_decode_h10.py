@@ -212,3 +212,11 @@ def test_block_table_matches_the_slot_table_and_the_reference(layout, block_size
                            impl="h10")
     tol = 3e-6 if layout == "h10" else 5e-6  # the h8 dither term is larger (tests/test_dither_h8.py)
     _assert_close(paged, ref, atol=tol)
+
+
+@pytest.mark.parametrize("hq,hkv", [(3, 1), (5, 1), (6, 1), (8, 1), (16, 2)])
+def test_kernel_matches_reference_across_gqa_ratios(hq, hkv):
+    """GQA 3, 5, 6, 8 (1, 2, 4, 7 above): the heads fill part of the padded N dimension."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, S=24, qdtype=torch.bfloat16)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw), ref)

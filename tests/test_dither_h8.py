@@ -109,6 +109,7 @@ def test_slack_and_radius_carry_the_larger_mean():
 # the Triton tile dither_tile_h8 is checked with the h10 tile in tests/test_dither_h10.py
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 def test_write_kernel_matches_torch_h8():
     from kvlib.kernels.int8.write import write_int8
@@ -148,6 +149,7 @@ def _setup(hq=7, hkv=1, S=40, B=2, d=128):
     return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), (K, slot_ids)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_reference_h8(qdtype):
@@ -162,6 +164,7 @@ def test_decode_kernel_matches_reference_h8(qdtype):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=5e-6, rtol=2e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 def test_decode_kernel_matches_reference_h8_d256():
     """d = 256 (groups of 64): sixteen calls per position, each word feeding 64 channels of its group."""

@@ -4,7 +4,8 @@ Layout read (the storage contract of :mod:`kvlib.formats.dither_int8` / :mod:`kv
 side (K or V) of one layer: ``codes`` int8 ``[n_slots, H_kv, d]``, ``scales`` fp16
 ``[n_slots, H_kv, d // G]``, optional ``outliers`` fp16 ``[n_slots, H_kv, m]`` with
 ``outlier_channels`` int64 ``[H_kv, m]`` (code 0 there). Requests are rows of a slot table
-``slots [B, max_len]`` with lengths ``seq_lens [B]``.
+``slots [B, max_len]``, or (vLLM's paged layout) of a block table ``block_table [B, max_blocks]`` over pages of
+``block_size`` slots (:mod:`kvlib.kernels.tl.paging`), with lengths ``seq_lens [B]``.
 """
 
 from __future__ import annotations
