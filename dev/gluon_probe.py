@@ -12,7 +12,8 @@ import sys
 import torch
 
 from dev.h10_probe import _problem, h10_problem, write_probe
-from dev.h10_probe2 import _sdpa_graph_ms, h10_flags, module_flags
+from dev.h10_probe2 import _sdpa_graph_ms
+from dev.int8_calls import as_call
 from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -20,17 +21,15 @@ SHAPES = ((8, 32768, 28, 4), (32, 16384, 28, 4), (32, 16384, 32, 8), (64, 32768,
           (2, 4096, 28, 4))
 #: split plans timed, in waves of one-warp programs
 WAVES = (0.5, 1.0)
-#: (label, flags of kvlib.kernels.int8.gluon, one-warp programs resident per SM) timed (the probe files of
+#: (label, config flags (dev.int8_calls.FLAG_FIELDS), one-warp programs resident per SM) timed (the probe files of
 #: this folder's README name their own commit's configurations)
 CONFIGS = (("ahead", {"AHEAD": True}, 8), ("same_tile", {"AHEAD": False}, 8))
 
 
 def _graph_ms(fn, flags: dict | None = None) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph, captured with the Gluon module's ``flags`` set."""
-    import kvlib.kernels.int8.gluon as G
-
-    with module_flags(G, **(flags or {})):
-        return bench_graphed(fn, warmup_ms=5.0, rep_ms=30.0)["median_ms"]
+    """Median ms of ``fn(config=...)`` replayed from a CUDA graph, the config carrying ``flags``."""
+    call = as_call({}, flags)
+    return bench_graphed(lambda: fn(**call), warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
 def agreement(quick: bool = False) -> list[dict]:
@@ -40,8 +39,8 @@ def agreement(quick: bool = False) -> list[dict]:
     for B, S, hq, hkv in ((2, 4096, 28, 4), (3, 1000, 32, 8))[:1 if quick else 2]:
         q, kp, vp, slots, seq = _problem(B, S, hq, hkv, 128, "h8", 0, torch.bfloat16)
         ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
-        with h10_flags(VAR_DOT=False):
-            tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True)
+        tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True,
+                          **as_call({}, {"VAR_DOT": False}))
         for ns in (1, 7, 64, 200)[:2 if quick else 4]:
             for cert_b in (False, True):
                 r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="gluon", num_splits=ns,
@@ -64,12 +63,9 @@ def agreement(quick: bool = False) -> list[dict]:
 
 def _same_bits(fn, B: int, S: int, hq: int, hkv: int) -> dict:
     """Whether every configuration of :data:`CONFIGS` gives the first one's outputs bit for bit (o, lse, A, B)."""
-    import kvlib.kernels.int8.gluon as G
-
     outs = {}
     for label, flags, _ in CONFIGS:
-        with module_flags(G, **flags):
-            r = fn()
+        r = fn(**as_call({}, flags))
         outs[label] = [r.o, r.lse, r.A, r.B]
     base = outs[CONFIGS[0][0]]
     same = {f"{label}_identical": all(torch.equal(x, y) for x, y in zip(base, o, strict=True))

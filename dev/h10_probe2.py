@@ -4,15 +4,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import sys
 
 import torch
 
-import kvlib.kernels.int8.h10 as H
 from dev.h10_probe import h10_problem, write_probe
+from dev.int8_calls import as_call
+from dev.int8_calls import decode as probe_decode
 from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -31,35 +31,15 @@ def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
     return bench_graphed(lambda: f(q4, k4, v4, enable_gqa=True), warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
-@contextlib.contextmanager
-def module_flags(module, **flags):
-    """Set module-level flags of a kernel module (``ABLATE``, ``PV_DEQUANT``, ``AHEAD``, ...) for a call."""
-    saved = {k: getattr(module, k) for k in flags}
-    for k, v in flags.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
-def h10_flags(**flags):
-    """:func:`module_flags` of :mod:`kvlib.kernels.int8.h10`."""
-    return module_flags(H, **flags)
-
-
 def _time_flagged(flags: dict, args: tuple, call: dict) -> float:
-    """:func:`_time` of ``decode_int8(*args, **call)`` with the module ``flags`` set (compile and capture included)."""
-    from kvlib.kernels.int8.decode import decode_int8
-
-    with h10_flags(**flags):
-        return _time(decode_int8, args, call)
+    """:func:`_time` of the decode step ``args`` with ``call``'s keywords and the variant's ``flags`` in its config
+    (:func:`dev.int8_calls.as_call`; compile and capture included)."""
+    return _time(probe_decode, args, as_call(call, flags))
 
 
 def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384)),
                   rounds: int = 1) -> list[dict]:
-    """The h10 decode step for each variant ``name -> (module flags, decode_int8 keywords)`` beside SDPA bf16, at
+    """The h10 decode step for each variant ``name -> (config flags, decode_int8 keywords)`` beside SDPA bf16, at
     the paper's heads (28 query / 4 KV, d = 128) and each ``(B, S)``: CUDA-graph medians, one row per variant
     and shape (``kind="timing"``); a variant that fails is reported with ``ms=None``, not fatal.
 
@@ -142,8 +122,8 @@ def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
             problems[layout] = prob, decode_reference(*prob, layer=LAYER, seed=SEED, impl="h10")
         (q, kp, vp, slots, seq), ref = problems[layout]
         call = {k: v for k, v in kw.items() if k not in ("cert", "layout", "shapes")}
-        with h10_flags(**flags):
-            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False, **call)
+        r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=False,
+                        **as_call(call, flags))
         cert = r.tv_bound.double().cpu()
         rows.append(dict(kind="agreement", name=name, layout=layout,
                          do=float((r.o.double().cpu() - ref.o).abs().max()),
@@ -158,8 +138,6 @@ def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
 
 
 def main() -> None:
-    from kvlib.kernels.int8.decode import decode_int8
-
     started = datetime.datetime.now(datetime.UTC)
     rows = []
     for B, S in ((32, 16384), (8, 32768)):
@@ -168,24 +146,21 @@ def main() -> None:
         sd = _sdpa_graph_ms(qb.view(B, hq, 1, d), hkv, S)
         for ts, wide, vd in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
                              (True, True, True)):
-            H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = ts, wide, vd
+            sw = dict(tile_sums=ts, wide_mul=wide, var_dot=vd)
             for bn, nw in ((64, 2),):  # (128, 4) was slower at every shape of the earlier probes
                 for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
                                  ("certAB", dict(cert=True, cert_b=True))):
-                    ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **kw))
+                    ms = _time(probe_decode, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **sw, **kw))
                     rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, var_dot=vd, block_n=bn, num_warps=nw,
                                      name=name, ms=ms, vs_sdpa=sd / ms))
                     print(rows[-1], flush=True)
-        H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
-        for cap in (168, 128):  # occupancy against spills, at the default switches
-            H.MAXNREG = cap
+        for cap in (168, 128):  # occupancy against spills, at the recorded run's switches
+            sw = dict(tile_sums=True, wide_mul=False, var_dot=False, maxnreg=cap)
             for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
-                ms = _time(decode_int8, (qb, kp, vp, slots, seq), dict(block_n=64, num_warps=2, **kw))
+                ms = _time(probe_decode, (qb, kp, vp, slots, seq), dict(block_n=64, num_warps=2, **sw, **kw))
                 rows.append(dict(B=B, S=S, maxnreg=cap, block_n=64, num_warps=2, name=name, ms=ms, vs_sdpa=sd / ms))
                 print(rows[-1], flush=True)
-        H.MAXNREG = None
         torch.cuda.empty_cache()
-    H.TILE_SUMS, H.WIDE_MUL, H.VAR_DOT = True, False, False
     write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "h10_probe2", rows, started,
                 {"command": "python -m dev.h10_probe2"})
 

@@ -9,17 +9,16 @@ import sys
 
 import torch
 
-import kvlib.kernels.int8.h10 as H
 from dev.h10_probe import h10_problem, write_probe
 from dev.h10_probe2 import _sdpa_graph_ms, _time
+from dev.int8_calls import decode as probe_decode
+from kvlib.kernels.int8.config import DEFAULT_CONFIG
 
 CONFIGS = ((64, 2, 2), (32, 1, 2), (32, 1, 3), (32, 1, 4), (32, 2, 2), (64, 2, 3), (64, 4, 2), (128, 4, 2),
            (128, 4, 3))
 
 
 def main() -> None:
-    from kvlib.kernels.int8.decode import decode_int8
-
     started = datetime.datetime.now(datetime.UTC)
     rows = []
     for B, S in ((32, 16384), (8, 32768)):
@@ -29,12 +28,13 @@ def main() -> None:
         for bn, nw, st in CONFIGS:
             for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
                 try:
-                    ms = _time(decode_int8, (qb, kp, vp, slots, seq),
+                    ms = _time(probe_decode, (qb, kp, vp, slots, seq),
                                dict(block_n=bn, num_warps=nw, num_stages=st, **kw))
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     ms = None
                     print(f"FAIL {bn} {nw} {st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append(dict(B=B, S=S, wide_mul=H.WIDE_MUL, block_n=bn, num_warps=nw, num_stages=st, name=name,
+                rows.append(dict(B=B, S=S, wide_mul=DEFAULT_CONFIG.wide_mul, block_n=bn, num_warps=nw, num_stages=st,
+                                 name=name,
                                  ms=ms, vs_sdpa=None if ms is None else sd / ms, sdpa_ms=sd))
                 print(rows[-1], flush=True)
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""Development probe on the GPU: where the h10 kernel's time goes, by ablation (``decode_int8_h10.ABLATE``:
+"""Development probe on the GPU: where the h10 kernel's time goes, by ablation (``Int8KernelConfig.ablate``:
 the QK path, the PV path, the slot-table load dropped; Philox skipped), timed from CUDA graphs beside SDPA
 bf16 at the paper's head shape. Timing only: an ablated kernel's output is not attention."""
 

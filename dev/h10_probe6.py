@@ -1,5 +1,5 @@
 """Development probe on the GPU: the h10 kernel's PV with fewer shared-memory round trips, by tile shape:
-``pv_terms=1`` (one fp16 piece of ``p s`` per group) and ``decode_int8_h10.PV_DEQUANT`` (values rounded to fp16
+``pv_terms=1`` (one fp16 piece of ``p s`` per group) and ``Int8KernelConfig.pv_dequant`` (values rounded to fp16
 once, one dot per tile), timed from CUDA graphs beside SDPA bf16 at the paper's head shape, each checked on the
 GPU against the default (exact-operand) kernel; the certificate must not move."""
 
@@ -9,9 +9,10 @@ import datetime
 import sys
 
 from dev.h10_probe import h10_problem, write_probe
-from dev.h10_probe2 import LAYER, SEED, h10_flags, time_variants
+from dev.h10_probe2 import LAYER, SEED, time_variants
+from dev.int8_calls import as_call
 
-#: name -> (module flags of decode_int8_h10, decode_int8 keywords)
+#: name -> (config flags (dev.int8_calls.FLAG_FIELDS), decode_int8 keywords)
 VARIANTS = {
     "default": ({}, {}),
     "pv_terms1": ({}, dict(pv_terms=1)),
@@ -35,9 +36,8 @@ def main() -> None:
         if "nocert" in name:
             continue
         try:
-            with h10_flags(**flags):
-                out = decode_int8(qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert=True,
-                                  cert_b=False, **kw)
+            out = decode_int8(qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert=True,
+                              cert_b=False, **as_call(kw, flags))
             do = (out.o.float() - base.o.float()).abs()
             rows.append(dict(kind="agreement", name=name, max_abs_o=scale, max_abs_do=float(do.max()),
                              mean_abs_do=float(do.mean()),

@@ -13,7 +13,8 @@ def main() -> None:
     sys.path.insert(0, "tests")
     from test_decode_int8 import _setup
 
-    from kvlib.kernels.int8.decode import decode_int8, decode_reference
+    from dev.int8_calls import decode as decode_int8  # tuning keywords -> Int8KernelConfig
+    from kvlib.kernels.int8.decode import decode_reference
 
     for v_out in (False, True):
         for v_dither in (False, True):

@@ -63,7 +63,9 @@ def _time(fn, rep_ms: float) -> float:
 
 def _one_shape(B: int, S: int, hq: int, hkv: int, d: int, device: str, rep: float, cands: list) -> dict:
     """Sweep launch configs at one shape (best by certified AB latency), then variants at the best."""
-    from kvlib.kernels.int8.decode import decode_int8, decode_stage1, default_num_splits
+    from dev.int8_calls import decode as decode_int8  # tuning keywords -> Int8KernelConfig
+    from dev.int8_calls import stage1 as decode_stage1
+    from kvlib.kernels.int8.decode import default_num_splits
 
     kp, vp = _pools(B, S, hkv, d, device)
     slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)

@@ -9,9 +9,11 @@ import pytest
 import torch
 from _soundness import assert_rows_within_certificate
 
-from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.decode import Int8KernelConfig, decode_int8, decode_reference, make_pool_side, resolve_impl
 from kvlib.kernels.int8.gluon import gluon_unsupported
 
+# every test here launches a kernel (CPU: the interpreter): the GPU lane runs them all (-m gpu)
+pytestmark = pytest.mark.gpu
 SEED = 2**33 + 4242
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
@@ -62,7 +64,9 @@ def test_on_cpu_explicit_gluon_raises_and_auto_runs_the_triton_kernel():
     with pytest.raises(ValueError, match="CUDA"):
         decode_int8(q, kp, vp, slots, seq, impl="gluon", fallback_to_reference=False, **kw)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)  # auto: h10 under the interpreter
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=Int8KernelConfig(block_n=16),
+                      **kw)  # auto: h10 under the interpreter
+    assert out.path == "h10"
     torch.testing.assert_close(out.tv_bound.double(), ref.tv_bound, atol=3e-6, rtol=2e-5)
 
 
@@ -73,6 +77,7 @@ def test_kernel_matches_reference(hq, hkv, qdtype, ns):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     out = decode_int8(q, kp, vp, slots, seq, impl="gluon", num_splits=ns, **kw)
+    assert out.path == "gluon"
     for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)
 
@@ -82,6 +87,7 @@ def test_auto_takes_the_gluon_kernel_for_an_h8_pool():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
     a = decode_int8(q, kp, vp, slots, seq, num_splits=5, **kw)
     b = decode_int8(q, kp, vp, slots, seq, num_splits=5, impl="gluon", **kw)
+    assert a.path == b.path == "gluon"
     assert torch.equal(a.o, b.o) and torch.equal(a.tv_bound, b.tv_bound)
 
 
@@ -110,3 +116,45 @@ def test_nonfinite_scale_gives_a_vacuous_certificate():
     out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, impl="gluon", num_splits=2, **kw)
     assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()
     assert torch.isfinite(out.tv_bound[1]).all()
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (2, 1), (3, 1), (5, 1), (8, 1), (12, 2)])  # GQA 1-8 (6 at 12/2)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_block_table_matches_the_slot_table_and_the_reference(hq, hkv, block_size):
+    """vLLM-style paging (shuffled pages, ragged lengths) in the Gluon kernel: the same bits as its per-token slot
+    table, and the float64 reference's agreement."""
+    from _paged import paged_problem, slot_table
+
+    q, kp, vp, bt, seq, tok, _ = paged_problem([70, 9, 33, 16], block_size, hq=hq, hkv=hkv, d=128, dev=DEV,
+                                               layout="h8", seed=SEED, layer=5, qdtype=torch.bfloat16)
+    kw = dict(layer=5, seed=SEED, impl="gluon", num_splits=3)
+    paged = decode_int8(q, kp, vp, None, seq, block_table=bt, block_size=block_size, **kw)
+    flat = decode_int8(q, kp, vp, slot_table(tok, DEV), seq, **kw)
+    assert paged.path == flat.path == "gluon"
+    for f in ("o", "lse", "A", "B", "tv_bound"):
+        assert torch.equal(getattr(paged, f), getattr(flat, f)), f
+    ref = decode_reference(q, kp, vp, None, seq, block_table=bt, block_size=block_size, layer=5, seed=SEED,
+                           impl="h10")
+    for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
+        torch.testing.assert_close(getattr(paged, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)
+
+
+def test_combinations_without_a_gluon_kernel_say_which_path_ran():
+    """Outlier channels (d = 128): ``auto`` runs the Triton h10 kernel and says so, explicit ``gluon`` raises naming
+    what is missing; an h8 pool at d = 64 has no INT8 kernel: ``auto`` raises (never a silent reference)."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=40, k_out=True)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=Int8KernelConfig(block_n=16), **kw)
+    assert out.path == "h10"
+    with pytest.raises(ValueError, match="no outlier channels"):
+        decode_int8(q, kp, vp, slots, seq, impl="gluon", fallback_to_reference=False, **kw)
+    g = torch.Generator().manual_seed(1)
+    K, V = torch.randn(8, 1, 64, generator=g), torch.randn(8, 1, 64, generator=g)
+    kp64 = make_pool_side(K, layer=5, seed=SEED, side=0, dither_layout="h8")
+    vp64 = make_pool_side(V, layer=5, seed=SEED, side=1, dithered=False)
+    q64 = torch.randn(1, 2, 64, generator=g).to(torch.bfloat16)
+    sl, n = torch.arange(8, dtype=torch.int32)[None], torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="group"):
+        decode_int8(q64.to(DEV), dataclasses.replace(kp64, codes=kp64.codes.to(DEV), scales=kp64.scales.to(DEV)),
+                    dataclasses.replace(vp64, codes=vp64.codes.to(DEV), scales=vp64.scales.to(DEV)), sl.to(DEV),
+                    n.to(DEV), **kw)

@@ -10,11 +10,22 @@ import triton.language as tl
 from _soundness import assert_rows_within_certificate
 
 from kvlib.certify.bound import rounding_slack
-from kvlib.kernels.int8.decode import PoolSide, decode_int8, decode_reference, make_pool_side
+from kvlib.kernels.int8.decode import DEFAULT_CONFIG, Int8KernelConfig, PoolSide, decode_reference, make_pool_side
+from kvlib.kernels.int8.decode import decode_int8 as _decode_int8
 from kvlib.kernels.int8.h10 import _s2_operand, _v_operand
 
+# every test here launches a kernel (CPU: the interpreter): the GPU lane runs them all (-m gpu)
+pytestmark = pytest.mark.gpu
 SEED = 2**33 + 777
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run under TRITON_INTERPRET=1
+C16 = Int8KernelConfig(block_n=16)
+
+
+def decode_int8(*args, **kw):
+    """The h10 kernel, never the reference: no fallback, and the result must say the h10 kernel ran."""
+    out = _decode_int8(*args, fallback_to_reference=False, **kw)
+    assert out.path == "h10", out.path
+    return out
 
 
 def _dev(side: PoolSide) -> PoolSide:
@@ -58,7 +69,7 @@ def _assert_close(out, ref, atol=3e-6):
 def test_kernel_matches_reference(hq, hkv, qdtype, k_out, v_out):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, qdtype=qdtype, k_out=k_out, v_out=v_out)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=3, block_n=16, **kw)  # auto -> h10 for an h10 pool
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=3, config=C16, **kw)  # auto -> h10 for an h10 pool
     _assert_close(out, ref)
 
 
@@ -68,21 +79,19 @@ def test_kernel_matches_reference_at_wider_tiles(block_n, num_warps):
     # past the row
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, S=88, v_out=True)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=1, block_n=block_n, num_warps=num_warps, **kw)
+    cfg = Int8KernelConfig(block_n=block_n, num_warps=num_warps)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=1, config=cfg, **kw)
     _assert_close(out, ref)
 
 
 @pytest.mark.parametrize("v_out", [False, True])
-def test_dequantised_pv_is_within_fp16_rounding_and_leaves_the_certificate(v_out, monkeypatch):
+def test_dequantised_pv_is_within_fp16_rounding_and_leaves_the_certificate(v_out):
     """PV_DEQUANT: values rounded to fp16 once (``s c``) and ``1024 p`` as one fp16 piece. Softmax and
     certificate are untouched; the output moves by at most the two roundings (2^-11 relative each) of the
     values the output averages."""
-    import kvlib.kernels.int8.h10 as h10
-
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, S=88, v_out=v_out)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    monkeypatch.setattr(h10, "PV_DEQUANT", True)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=32, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=Int8KernelConfig(block_n=32, pv_dequant=True), **kw)
     for f in ("lse", "A", "tv_bound", "tv_bound_one"):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=3e-6, rtol=2e-5)
     vmax = float((vp.codes.abs().amax(-1).double() * vp.scales.double().amax(-1)).max())
@@ -93,14 +102,14 @@ def test_dequantised_pv_is_within_fp16_rounding_and_leaves_the_certificate(v_out
 
 def test_certificate_is_the_same_whichever_way_the_row_is_split():
     q, kp, vp, slots, seq, kw, _ = _setup(S=64)
-    outs = [decode_int8(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw) for ns in (1, 4)]
+    outs = [decode_int8(q, kp, vp, slots, seq, num_splits=ns, config=C16, **kw) for ns in (1, 4)]
     torch.testing.assert_close(outs[0].tv_bound, outs[1].tv_bound, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(outs[0].o, outs[1].o, atol=1e-5, rtol=1e-5)
 
 
 def test_certificate_bounds_the_true_tv_on_a_fixed_seed_batch():
     q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(hq=4, hkv=2, S=48)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw)
     _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, impl="h10", **kw)
     assert_rows_within_certificate(q, K, slot_ids, slots, seq, probs, out.tv_bound)
 
@@ -109,7 +118,7 @@ def test_nonfinite_scale_gives_a_vacuous_certificate():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
     bad = kp.scales.clone()
     bad[int(slots[0, 5]), 0, 1] = math.nan
-    out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, num_splits=2, block_n=16, **kw)
+    out = decode_int8(q, dataclasses.replace(kp, scales=bad), vp, slots, seq, num_splits=2, config=C16, **kw)
     assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()
     assert torch.isfinite(out.tv_bound[1]).all()
 
@@ -123,25 +132,22 @@ def test_h10_slack_carries_the_larger_dither_mean():
 def test_bad_inputs_raise_clear_errors():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=2, hkv=1)
     with pytest.raises(ValueError, match="v_dither"):
-        decode_int8(q, kp, vp, slots, seq, v_dither=True, fallback_to_reference=False, **kw)
+        _decode_int8(q, kp, vp, slots, seq, v_dither=True, fallback_to_reference=False, **kw)
     with pytest.raises(ValueError, match="h10"):
-        decode_int8(q, kp, vp, slots, seq, impl="tc", **kw)
+        _decode_int8(q, kp, vp, slots, seq, impl="tc", **kw)
     with pytest.raises(ValueError, match="h10"):  # the Triton fma kernel reads w24 only
-        decode_int8(q, kp, vp, slots, seq, impl="fma", fallback_to_reference=False, **kw)
+        _decode_int8(q, kp, vp, slots, seq, impl="fma", fallback_to_reference=False, **kw)
     q64, kp64, vp64, slots64, seq64, kw64, _ = _setup(hq=2, hkv=1, d=64, k_out=False)
     with pytest.raises(ValueError, match="group"):
-        decode_int8(q64, kp64, vp64, slots64, seq64, **kw64)
+        _decode_int8(q64, kp64, vp64, slots64, seq64, **kw64)
 
 
-def test_variance_dot_matches_the_fma_sum(monkeypatch):
-    import kvlib.kernels.int8.h10 as h10
-
+def test_variance_dot_matches_the_fma_sum():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2, S=48)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
-    assert h10.VAR_DOT  # the default
-    dot = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
-    monkeypatch.setattr(h10, "VAR_DOT", False)
-    fma = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    assert DEFAULT_CONFIG.var_dot  # the default
+    dot = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw)
+    fma = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16.replace(var_dot=False), **kw)
     for out in (dot, fma):
         torch.testing.assert_close(out.tv_bound.double().cpu(), ref.tv_bound, rtol=1e-5, atol=1e-6)
     assert torch.equal(dot.o, fma.o) and torch.equal(dot.lse, fma.lse)  # the radius only
@@ -168,9 +174,10 @@ def test_variance_dot_operands_are_exact_tf32_pieces():
     ks = (torch.rand(16, 4, generator=g) * 0.5 + 1e-3).half()
     ks[0] = torch.tensor([6.1e-5, 1e-4, 65504.0 ** 0.5, 3.0e-3]).half()  # near fp16's normal floor and sqrt(max)
     v = torch.rand(4, 8, generator=g, dtype=torch.float32) * 10 + 1e-6
-    a_out = torch.empty(16, 16)
-    b_out = torch.empty(16, 8)
-    _operands_kernel[(1,)](ks, v, a_out, b_out, BN=16, BH=8)
+    a_dev = torch.empty(16, 16, device=DEV)
+    b_dev = torch.empty(16, 8, device=DEV)
+    _operands_kernel[(1,)](ks.to(DEV), v.to(DEV), a_dev, b_dev, BN=16, BH=8)  # Triton reads the tensors' device
+    a_out, b_out = a_dev.cpu(), b_dev.cpu()
     bits = a_out.view(torch.int32) & 0x1FFF
     assert (bits == 0).all()
     s2 = ks.double().square()
@@ -184,3 +191,32 @@ def test_variance_dot_operands_are_exact_tf32_pieces():
     var = a_out.double() @ trunc
     exact = s2 @ v.double()
     assert ((exact - var) >= 0).all() and ((exact - var) <= exact * 2.0**-20).all()
+
+
+@pytest.mark.parametrize("layout,block_size,qdtype", [("h10", 16, torch.float32), ("h8", 16, torch.bfloat16),
+                                                      ("h8", 32, torch.float16)])
+def test_block_table_matches_the_slot_table_and_the_reference(layout, block_size, qdtype):
+    """vLLM-style paging (shuffled pages, ragged lengths): the kernel computes each slot from the block table; the
+    same bits as the per-token table, and the reference's agreement."""
+    from _paged import paged_problem, slot_table
+
+    lens = [45, 16, 7]
+    q, kp, vp, bt, seq, tok, _ = paged_problem(lens, block_size, hq=7, hkv=1, d=128, dev=DEV, layout=layout,
+                                               k_out=True, v_out=True, seed=SEED, layer=2, qdtype=qdtype)
+    kw = dict(layer=2, seed=SEED, impl="h10", num_splits=2, config=C16)
+    paged = decode_int8(q, kp, vp, None, seq, block_table=bt, block_size=block_size, **kw)
+    flat = decode_int8(q, kp, vp, slot_table(tok, DEV), seq, **kw)
+    for f in ("o", "lse", "A", "B", "tv_bound"):
+        assert torch.equal(getattr(paged, f), getattr(flat, f)), f
+    ref = decode_reference(q, kp, vp, None, seq, block_table=bt, block_size=block_size, layer=2, seed=SEED,
+                           impl="h10")
+    tol = 3e-6 if layout == "h10" else 5e-6  # the h8 dither term is larger (tests/test_dither_h8.py)
+    _assert_close(paged, ref, atol=tol)
+
+
+@pytest.mark.parametrize("hq,hkv", [(3, 1), (5, 1), (6, 1), (8, 1), (16, 2)])
+def test_kernel_matches_reference_across_gqa_ratios(hq, hkv):
+    """GQA 3, 5, 6, 8 (1, 2, 4, 7 above): the heads fill part of the padded N dimension."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, S=24, qdtype=torch.bfloat16)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw), ref)

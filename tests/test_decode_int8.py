@@ -8,16 +8,29 @@ from _soundness import assert_rows_within_certificate
 
 from kvlib.certify.bound import coverage
 from kvlib.kernels.int8.decode import (
+    Int8KernelConfig,
     PoolSide,
-    decode_int8,
     decode_reference,
     decode_stage1,
     make_pool_side,
 )
+from kvlib.kernels.int8.decode import decode_int8 as _decode_int8
 from kvlib.kernels.tl.merge import merge_splits, merge_splits_ref
 
+# every test here launches a kernel (CPU: the interpreter): the GPU lane runs them all (-m gpu)
+pytestmark = pytest.mark.gpu
 SEED = 2**33 + 12345  # both key words non-trivial
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run under TRITON_INTERPRET=1
+C16 = Int8KernelConfig(block_n=16)
+
+
+def decode_int8(*args, **kw):
+    """The kernel, never the reference: no fallback, and the result must name the stage-1 kernel that ran."""
+    out = _decode_int8(*args, fallback_to_reference=False, **kw)
+    assert out.path in ("tc", "fma", "h10", "gluon"), out.path
+    if kw.get("impl", "auto") != "auto":
+        assert out.path == kw["impl"]
+    return out
 
 
 def _dev(side):
@@ -57,7 +70,7 @@ def _assert_close(out, ref, atol=2e-6):
 def test_kernel_matches_reference_across_gqa(hq, hkv, impl):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv)
     ref = decode_reference(q, kp, vp, slots, seq, impl=impl, **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl=impl, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, impl=impl, **kw)
     _assert_close(out, ref)
 
 
@@ -71,7 +84,7 @@ def test_tensor_core_kernel_across_query_dtypes_and_group_sizes(qdtype):
             vp = PoolSide(vp.codes, vp.scales.repeat_interleave(32, -1)[..., ::group], group=group)
         q = q.to(qdtype)
         ref = decode_reference(q, kp, vp, slots, seq, impl="tc", **kw)
-        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl="tc", **kw)
+        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, impl="tc", **kw)
         _assert_close(out, ref)
 
 
@@ -79,8 +92,8 @@ def test_tensor_core_cheaper_variants_stay_sound_and_close():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
     ref = decode_reference(q, kp, vp, slots, seq, impl="tc", **kw)
     for xi_split, pv_terms, tol in ((False, 3, 2e-4), (True, 2, 2e-3), (True, 1, 1e-2)):
-        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, impl="tc", xi_split=xi_split,
-                          pv_terms=pv_terms, **kw)
+        out = decode_int8(q, kp, vp, slots, seq, num_splits=2, impl="tc",
+                          config=C16.replace(xi_split=xi_split, pv_terms=pv_terms), **kw)
         assert (out.o.double().cpu() - ref.o).abs().max() < tol
         # the radius covers the fp16 dither either way: the certificate still matches the reference's
         torch.testing.assert_close(out.tv_bound.double().cpu(), ref.tv_bound, atol=1e-4, rtol=1e-3)
@@ -100,14 +113,16 @@ def test_impl_choice_and_errors():
         resolve_impl("cuda", 64, 32)
     q, kp, vp, slots, seq, kw, _ = _setup()
     with pytest.raises(ValueError, match="pv_terms"):
-        decode_int8(q, kp, vp, slots, seq, pv_terms=4, **kw)
+        decode_int8(q, kp, vp, slots, seq, config=Int8KernelConfig(pv_terms=4), **kw)
+    with pytest.raises(TypeError, match="config"):
+        decode_int8(q, kp, vp, slots, seq, config={"block_n": 16}, **kw)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_kernel_matches_reference_across_splits(num_splits):
     q, kp, vp, slots, seq, kw, _ = _setup(v_out=True, v_dither=True)
     ref = decode_reference(q, kp, vp, slots, seq, **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, config=C16, **kw)
     _assert_close(out, ref)
 
 
@@ -115,7 +130,7 @@ def test_stage2_is_the_merge_states_fold_and_splitting_is_exact():
     q, kp, vp, slots, seq, kw, _ = _setup()
     outs = []
     for ns in (1, 4):
-        o_s, lse_s, a_s, b_s = decode_stage1(q, kp, vp, slots, seq, num_splits=ns, block_n=16, **kw)
+        o_s, lse_s, a_s, b_s = decode_stage1(q, kp, vp, slots, seq, num_splits=ns, config=C16, **kw)
         o, lse, A, B = merge_splits(o_s, lse_s, a_s, b_s)[:4]
         o_r, lse_r, A_r, B_r = merge_splits_ref(o_s, lse_s, a_s, b_s)[:4]
         for x, y in ((o, o_r), (lse, lse_r), (A, A_r), (B, B_r)):
@@ -127,9 +142,9 @@ def test_stage2_is_the_merge_states_fold_and_splitting_is_exact():
 
 def test_certificate_switch_leaves_attention_unchanged():
     q, kp, vp, slots, seq, kw, _ = _setup()
-    on = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
-    off = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, cert=False, **kw)
-    one = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, cert_b=False, **kw)
+    on = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw)
+    off = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, cert=False, **kw)
+    one = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, cert_b=False, **kw)
     assert off.A is None and off.tv_bound is None
     assert torch.equal(on.o, off.o) and torch.equal(on.lse, off.lse)
     assert one.B is None
@@ -139,7 +154,7 @@ def test_certificate_switch_leaves_attention_unchanged():
 
 def test_kernel_certificate_is_sound_on_a_fixed_seed_batch():
     q, kp, vp, slots, seq, kw, (K, slot_ids) = _setup(hq=4, hkv=2, S=48)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw)
     _, probs = decode_reference(q, kp, vp, slots, seq, return_probs=True, **kw)
     assert_rows_within_certificate(q, K, slot_ids, slots, seq, probs, out.tv_bound)
 
@@ -149,14 +164,14 @@ def test_nonfinite_scale_gives_vacuous_certificate_counted_over_threshold():
     bad = kp.scales.clone()
     bad[int(slots[0, 5]), 0, 0] = math.nan
     kp_bad = PoolSide(kp.codes, bad, kp.outliers, kp.outlier_channels, kp.group)
-    out = decode_int8(q, kp_bad, vp, slots, seq, num_splits=2, block_n=16, **kw)
+    out = decode_int8(q, kp_bad, vp, slots, seq, num_splits=2, config=C16, **kw)
     assert torch.isinf(out.tv_bound[0, :2]).all() and out.vacuous[0, :2].all()  # both heads of KV head 0
     assert torch.isfinite(out.tv_bound[1]).all()
     assert coverage(out.tv_bound, tau=1e9) == pytest.approx(1 - 2 / out.tv_bound.numel())
     bad_o = kp.outliers.clone()
     bad_o[int(slots[1, 0]), 1, 0] = math.inf
     out = decode_int8(q, PoolSide(kp.codes, kp.scales, bad_o, kp.outlier_channels), vp, slots, seq,
-                      num_splits=2, block_n=16, **kw)
+                      num_splits=2, config=C16, **kw)
     assert torch.isinf(out.tv_bound[1, 2:]).all()
 
 
@@ -184,7 +199,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_joined_tile_layout_matches_reference(num_splits):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, v_out=True, v_dither=True)
     ref = decode_reference(q, kp, vp, slots, seq, impl="fma", **kw)
-    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, block_n=16, join=True, impl="fma", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=num_splits, config=C16.replace(join=True), impl="fma", **kw)
     _assert_close(out, ref)
 
 
@@ -192,7 +207,7 @@ def test_variance_by_dot_and_by_group_fmas_agree():
     q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=2)
     ref = decode_reference(q, kp, vp, slots, seq, impl="fma", **kw)
     for var_dot in (False, True):
-        _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, block_n=16, var_dot=var_dot, impl="fma",
+        _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16.replace(var_dot=var_dot), impl="fma",
                                   **kw), ref)
 
 
@@ -201,6 +216,44 @@ def test_accumulator_overflow_is_vacuous():
     big = kp.scales.clone()
     big[int(slots[0, 3]), 1] = 60000.0  # radius far beyond ln(fp32 max): A overflows to +inf
     out = decode_int8(q, PoolSide(kp.codes, big, kp.outliers, kp.outlier_channels), vp, slots, seq,
-                      num_splits=2, block_n=16, **kw)
+                      num_splits=2, config=C16, **kw)
     assert torch.isinf(out.tv_bound[0, 2:]).all() and out.vacuous[0, 2:].all()
     assert torch.isfinite(out.tv_bound[0, :2]).all() and torch.isfinite(out.tv_bound[1]).all()
+
+
+# ---- vLLM-style paged addressing: block_table [B, max_blocks] + block_size instead of the per-token slot table
+@pytest.mark.parametrize("impl,block_size", [("tc", 16), ("tc", 8), ("fma", 32), ("fma", 16)])
+def test_block_table_matches_the_slot_table_and_the_reference(impl, block_size):
+    from _paged import paged_problem, slot_table
+
+    lens = [37, 5, 64, 50]  # ragged; 64 fills its pages exactly, 5 uses a part of one
+    q, kp, vp, bt, seq, tok, _ = paged_problem(lens, block_size, hq=4, hkv=2, d=64, dev=DEV, k_out=True,
+                                               v_out=impl == "fma", v_dither=impl == "fma", seed=SEED, layer=1)
+    kw = dict(layer=1, seed=SEED, v_dither=impl == "fma", impl=impl, num_splits=3, config=C16)
+    paged = decode_int8(q, kp, vp, None, seq, block_table=bt, block_size=block_size, **kw)
+    flat = decode_int8(q, kp, vp, slot_table(tok, DEV), seq, **kw)
+    for f in ("o", "lse", "A", "B", "tv_bound"):  # the same slots in the same order: the same bits
+        assert torch.equal(getattr(paged, f), getattr(flat, f)), f
+    ref = decode_reference(q, kp, vp, None, seq, block_table=bt, block_size=block_size, layer=1, seed=SEED,
+                           v_dither=impl == "fma", impl=impl)
+    ref_flat = decode_reference(q, kp, vp, slot_table(tok, DEV), seq, layer=1, seed=SEED, v_dither=impl == "fma",
+                                impl=impl)
+    assert torch.equal(ref.o, ref_flat.o) and torch.equal(ref.tv_bound, ref_flat.tv_bound)
+    _assert_close(paged, ref)
+
+
+def test_block_table_bad_inputs_raise_naming_the_argument():
+    from _paged import paged_problem, slot_table
+
+    q, kp, vp, bt, seq, tok, _ = paged_problem([20, 9], 8, hq=2, hkv=1, d=64, dev=DEV, seed=SEED, layer=1)
+    kw = dict(layer=1, seed=SEED)
+    with pytest.raises(ValueError, match="exactly one"):
+        decode_int8(q, kp, vp, slot_table(tok, DEV), seq, block_table=bt, block_size=8, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_int8(q, kp, vp, slot_table(tok, DEV), seq, block_size=8, **kw)
+    with pytest.raises(TypeError, match="block_table"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt.float(), block_size=8, **kw)
+    with pytest.raises(ValueError, match="block_table"):
+        decode_int8(q, kp, vp, None, seq, block_table=bt[:1], block_size=8, **kw)

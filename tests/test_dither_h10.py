@@ -184,6 +184,7 @@ def test_paged_read_round_trip_h10():
     assert kv.k.dither_layout == kv.v.dither_layout == "h10"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("d,group,n_out", [(64, 32, 0), (128, 32, 4)])
 def test_write_kernel_matches_torch_h10(d, group, n_out):
@@ -216,6 +217,7 @@ def _tile_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr, D
     tl.store(o_ptr + r[:, None] * D + tl.arange(0, D)[None, :], xi)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize(("layout", "d"), [("h10", 8), ("h10", 64), ("h10", 128), ("h8", 16), ("h8", 64),
                                            ("h8", 128)])

@@ -19,7 +19,7 @@ import torch
 from kvlib.certify.bound import radius_multiplier, rounding_slack
 from kvlib.core.philox import DITHER_BIAS, byte_to_xi, dither, dither_counter, h8_channel_map, philox4x32_10, seed_key
 from kvlib.formats.dither_int8 import dither_dequantize, dither_quantize, residual
-from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.decode import Int8KernelConfig, decode_int8, decode_reference, make_pool_side, resolve_impl
 from kvlib.storage.paged import PagedPool
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -109,6 +109,7 @@ def test_slack_and_radius_carry_the_larger_mean():
 # the Triton tile dither_tile_h8 is checked with the h10 tile in tests/test_dither_h10.py
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 def test_write_kernel_matches_torch_h8():
     from kvlib.kernels.int8.write import write_int8
@@ -148,25 +149,29 @@ def _setup(hq=7, hkv=1, S=40, B=2, d=128):
     return q.to(DEV), _dev(kp), _dev(vp), slots.to(DEV), seq.to(DEV), (K, slot_ids)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_matches_reference_h8(qdtype):
     q, kp, vp, slots, seq, _ = _setup()
     q = q.to(qdtype)
     ref = decode_reference(q, kp, vp, slots, seq, layer=2, seed=SEED, impl="h10")
-    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=3, block_n=16)  # auto -> h10 kernel
+    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=3,
+                      config=Int8KernelConfig(block_n=16))  # auto -> h10 kernel
     # the h8 dither term, -(4 + b 2^-8) . q_hi, is three times h10's in magnitude, and so is its fp32 rounding:
     # outputs agree to 5e-6 here, against 3e-6 for h10 (tests/test_decode_h10.py)
     for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=5e-6, rtol=2e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not INTERP, reason="Triton needs a GPU or TRITON_INTERPRET=1")
 def test_decode_kernel_matches_reference_h8_d256():
     """d = 256 (groups of 64): sixteen calls per position, each word feeding 64 channels of its group."""
     q, kp, vp, slots, seq, _ = _setup(hq=4, hkv=2, S=24, d=256)
     ref = decode_reference(q, kp, vp, slots, seq, layer=2, seed=SEED, impl="h10")
-    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=2, block_n=16)
+    out = decode_int8(q, kp, vp, slots, seq, layer=2, seed=SEED, num_splits=2,
+                      config=Int8KernelConfig(block_n=16))
     # scores are sums over 256 channels with |o| up to ~3.4 here: the fp32 rounding of o and lse is ~1e-5 for
     # h10 on the same problem as well; the certificate's quantities stay at 1e-6
     for f, atol in (("o", 3e-5), ("lse", 5e-5), ("A", 2e-6), ("tv_bound", 2e-6)):

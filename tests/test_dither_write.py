@@ -15,6 +15,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from kvlib.kernels.int8.write import write_int8  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # kernel tests: part of the GPU lane (-m gpu)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

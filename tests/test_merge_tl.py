@@ -7,6 +7,7 @@ import torch
 from kvlib.certify.bound import bounds_from_AB
 from kvlib.kernels.tl.merge import merge_splits, merge_splits_ref
 
+pytestmark = pytest.mark.gpu  # kernel tests: part of the GPU lane (-m gpu)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernel runs under TRITON_INTERPRET=1
 
 

@@ -42,12 +42,16 @@ def test_loop_stats_without_a_loop_raises():
 def _offline(func: str) -> dict:
     """``kvlib.kernels.sass.<func>()`` in a fresh process (the test session runs Triton under its CPU
     interpreter), skipped where Triton's NVIDIA toolchain is missing."""
+    return _offline_prog(f"import json; from kvlib.kernels.sass import {func}; print(json.dumps({func}()))")
+
+
+def _offline_prog(prog: str) -> dict:
+    """The JSON a Python program prints last, run in a fresh process without the interpreter."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("Triton's NVIDIA toolchain is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    prog = f"import json; from kvlib.kernels.sass import {func}; print(json.dumps({func}()))"
     proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
                           check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,3 +83,11 @@ def test_gluon_kernel_compiles_for_sm90_without_shared_memory_or_spills():
     out = _offline("gluon_count")
     assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255
     assert out["top_opcodes"].get("HMMA", 0) > 0 and out["instructions"] > 0
+
+
+@pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
+def test_paged_gluon_kernel_keeps_its_register_only_design():
+    """Block-table addressing (pages of 16 slots) in the Gluon kernel: still no shared memory, no spills."""
+    prog = "import json; from kvlib.kernels.sass import gluon_count; print(json.dumps(gluon_count(page=16)))"
+    out = _offline_prog(prog)
+    assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255

@@ -36,7 +36,6 @@ On CPU (profiles ci/cpu) the same code runs at tiny shapes (Triton interpreter w
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -122,12 +121,12 @@ def call_bytes(method: str, lengths: torch.Tensor, shape: HeadShape) -> float:
 # ------------------------------------------------------------------------------------------------
 # helpers
 def skip_philox_kw() -> dict[str, Any] | None:
-    """Keyword that makes ``decode_int8`` skip Philox, if its signature offers one; else None."""
-    from kvlib.kernels.int8.decode import decode_int8
+    """The tuning switch that makes ``decode_int8`` skip Philox (a field of its ``Int8KernelConfig``), if one
+    exists; else None."""
+    from kvlib.kernels.int8.config import CONFIG_FIELDS
 
-    params = inspect.signature(decode_int8).parameters
     for name in SKIP_PHILOX_ARGS:
-        if name in params:
+        if name in CONFIG_FIELDS:
             return {name: name == "skip_philox"}  # skip_philox=True, or dither/philox=False
     return None
 
@@ -246,6 +245,7 @@ def _triton_bf16(record, q, lengths, shape: HeadShape) -> None:
 
 
 def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]) -> None:
+    from kvlib.kernels.int8.config import config_call
     from kvlib.kernels.int8.decode import PoolSide, decode_int8
 
     slots, n = _slot_table(lengths)
@@ -257,14 +257,13 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
                         group=INT8_GROUP)
 
     kp, vp = side(), side()
-    params = inspect.signature(decode_int8).parameters
     base = dict(layer=LAYER, seed=SEED)
 
     qb = q.to(torch.bfloat16)  # the query a bf16 model hands over (SDPA gets the same)
 
     def call(mode: str, **kw: Any) -> Callable[[], object]:
-        prec = {k: v for k, v in INT8_MODES[mode].items() if k in params}
-        return lambda: decode_int8(qb, kp, vp, slots, lengths, **base, **prec, **kw)
+        call = config_call(INT8_MODES[mode] | kw)  # the mode's tuning names in one Int8KernelConfig
+        return lambda: decode_int8(qb, kp, vp, slots, lengths, **base, **call)
 
     variants = {"int8_cert": call("fast", cert=True), "int8_nocert": call("fast", cert=False),
                 "int8_cert_exact": call("exact", cert=True)}
@@ -279,7 +278,8 @@ def _int8(record, q, lengths, shape: HeadShape, want: set[str], notes: list[str]
 
         kp10 = dataclasses.replace(kp, dither_layout="h10")
         # impl="h10" named: "auto" would take the Gluon kernel for the h8 pool on a GPU (this grid times the Triton one)
-        h10 = lambda **kw: (lambda: decode_int8(qb, kp10, vp, slots, lengths, impl="h10", **base, **kw))  # noqa: E731
+        h10 = lambda **kw: (lambda: decode_int8(qb, kp10, vp, slots, lengths, impl="h10", **base,  # noqa: E731
+                                                **config_call(kw)))
         variants |= {"int8_h10_cert": h10(cert=True, cert_b=False), "int8_h10_certAB": h10(cert=True, cert_b=True),
                      "int8_h10_nocert": h10(cert=False),
                      "int8_h10_nophilox": h10(cert=True, cert_b=False, skip_philox=True)}

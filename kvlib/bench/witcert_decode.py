@@ -44,6 +44,14 @@ SEED = 0x5EED_0000_1234
 LAYER = 3
 
 
+def _decode_int8(*args: Any, **kw: Any):
+    """``decode_int8`` with the modes' tuning keywords (:data:`MODES`, the sweep's) in one Int8KernelConfig."""
+    from kvlib.kernels.int8.config import config_call
+    from kvlib.kernels.int8.decode import decode_int8
+
+    return decode_int8(*args, **config_call(kw))
+
+
 def real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: int = 8, layout: str = "w24"):
     """A quantised pool from the real write path (K dithered with fp16 outliers, V RTN)."""
     from kvlib.kernels.int8.decode import make_pool_side
@@ -67,7 +75,7 @@ def real_problem(B: int, S: int, hq: int, hkv: int, d: int, device: str, n_out: 
 
 
 def _agreement(device: str) -> dict:
-    from kvlib.kernels.int8.decode import decode_int8, decode_reference
+    from kvlib.kernels.int8.decode import decode_reference
 
     p = PAPER if device == "cuda" else dict(B=2, S=64, hq=4, hkv=2, d=64)
     q, kp, vp, slots, seq = real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device)
@@ -87,7 +95,7 @@ def _agreement(device: str) -> dict:
             ref = refs.setdefault(mode if gl else LAYOUT[mode], decode_reference(
                 q.cpu(), _cpu(kp), _cpu(vp), slots.cpu(), seq.cpu(), layer=LAYER, seed=SEED, impl="h10"))
         for ns in (1, 2, 8, 32):
-            r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, **kw)
+            r = _decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, **kw)
             out["splits"][f"{mode}/{ns}"] = {
                 "max_abs_do": float((r.o.double().cpu() - ref.o).abs().max()),
                 "max_abs_dlse": float((r.lse.double().cpu() - ref.lse).abs().max()),
@@ -113,14 +121,12 @@ def _cpu(side):
 def _graph_replay(device: str, layout: str = "w24", impl: str = "auto") -> dict:
     """Capture one certified decode step; interleave eager runs and replays; compare bitwise. ``impl="gluon"``:
     the Gluon kernel's problem (no bypassed channels, bf16 queries)."""
-    from kvlib.kernels.int8.decode import decode_int8
-
     p = PAPER
     gl = impl == "gluon"
     q, kp, vp, slots, seq = real_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], device, layout=layout,
                                           n_out=0 if gl else 8)
     q_static = q.to(torch.bfloat16) if gl else q.clone()
-    step = lambda: decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8,  # noqa: E731
+    step = lambda: _decode_int8(q_static, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=8,  # noqa: E731
                                impl=impl)
     eager = step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -170,8 +176,6 @@ def _graph_ms(fn, rep_ms: float) -> dict:
 def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms: float) -> dict:
     """All timings of one shape (a function scope, so its tensors are freed on return)."""
     from kvlib.kernels.bf16.decode import decode_bf16
-    from kvlib.kernels.int8.decode import decode_int8
-
     kp, vp = random_pools(B, S, hkv, d, device)
     pools = {lay: dataclasses.replace(kp, dither_layout=lay) for lay in ("w24", "h10", "h8")}  # same codes
     slots = torch.arange(B * S, dtype=torch.int32, device=device).view(B, S)
@@ -192,7 +196,7 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
         base = dict(layer=LAYER, seed=SEED, **kw)
         kpm = pools[LAYOUT[mode]]
         for name, cert, cert_b in (("int8", False, False), ("int8_cert_A", True, False), ("int8_cert_AB", True, True)):
-            fn = lambda c=cert, cb=cert_b, kw=base, kpm=kpm: decode_int8(qb, kpm, vp, slots, seq, cert=c,  # noqa: E731
+            fn = lambda c=cert, cb=cert_b, kw=base, kpm=kpm: _decode_int8(qb, kpm, vp, slots, seq, cert=c,  # noqa: E731
                                                                          cert_b=cb, **kw)
             t[f"{name}_{mode}"] = bench_ms(fn, rep_ms=rep_ms).as_dict()
         off = t[f"int8_{mode}"]["median_ms"]
@@ -203,19 +207,19 @@ def _latency_one(device: str, B: int, S: int, hq: int, hkv: int, d: int, rep_ms:
     t["sdpa_bf16_graph"] = _graph_ms(
         lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True), rep_ms)
     fast = dict(layer=LAYER, seed=SEED, **MODES["fast"])
-    t["int8_fast_graph"] = _graph_ms(lambda: decode_int8(qb, kp, vp, slots, seq, cert=False, **fast), rep_ms)
+    t["int8_fast_graph"] = _graph_ms(lambda: _decode_int8(qb, kp, vp, slots, seq, cert=False, **fast), rep_ms)
     t["int8_cert_A_fast_graph"] = _graph_ms(
-        lambda: decode_int8(qb, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
+        lambda: _decode_int8(qb, kp, vp, slots, seq, cert=True, cert_b=False, **fast), rep_ms)
     for m in GRAPHED:
         kw_m, kp_m = dict(layer=LAYER, seed=SEED, **MODES[m]), pools[LAYOUT[m]]
         t[f"int8_{m}_graph"] = _graph_ms(
-            lambda kw_m=kw_m, kp_m=kp_m: decode_int8(qb, kp_m, vp, slots, seq, cert=False, **kw_m), rep_ms)
+            lambda kw_m=kw_m, kp_m=kp_m: _decode_int8(qb, kp_m, vp, slots, seq, cert=False, **kw_m), rep_ms)
         t[f"int8_cert_A_{m}_graph"] = _graph_ms(
-            lambda kw_m=kw_m, kp_m=kp_m: decode_int8(qb, kp_m, vp, slots, seq, cert=True, cert_b=False, **kw_m),
+            lambda kw_m=kw_m, kp_m=kp_m: _decode_int8(qb, kp_m, vp, slots, seq, cert=True, cert_b=False, **kw_m),
             rep_ms)
     h10 = dict(layer=LAYER, seed=SEED, **MODES["h10"])
     t["int8_cert_A_h10_nophilox"] = bench_ms(
-        lambda: decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, skip_philox=True, **h10),
+        lambda: _decode_int8(qb, pools["h10"], vp, slots, seq, cert=True, cert_b=False, skip_philox=True, **h10),
         rep_ms=rep_ms).as_dict()
     int8_bytes = 2 * B * S * hkv * (d + 2 * d // 32)
     bf16_bytes = 2 * B * S * hkv * d * 2

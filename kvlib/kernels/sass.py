@@ -112,13 +112,14 @@ def run(profile: str) -> dict[str, Any]:
     layout (sixteen dithers per Philox call), and the w24
     tensor-core kernel (the benchmarks' "fast" mode). ``profile`` does not change the work: the compile
     targets sm_90 whatever this machine is."""
-    from kvlib.kernels.int8 import h10 as H
-    from kvlib.kernels.int8.decode import _decode_int8_stage1_tc
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG as C
     from kvlib.kernels.int8.h10 import _decode_int8_stage1_h10
+    from kvlib.kernels.int8.w24 import _decode_int8_stage1_tc
 
-    h10 = dict(GQA=GQA, BLOCK_H=8, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
-               Q_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, FAST=True, TILE_SUMS=True, SKIP_DITHER=False,
-               WIDE_MUL=H.WIDE_MUL, VAR_DOT=H.VAR_DOT)  # the module's defaults: what decode_int8 runs
+    h10 = dict(GQA=GQA, BLOCK_H=8, BLOCK_N=C.block_n, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True,
+               CERT_B=False, Q_SPLIT=False, PV_TERMS=min(C.pv_terms, 2), NUM_SPLITS=NUM_SPLITS, FAST=True,
+               TILE_SUMS=C.tile_sums, SKIP_DITHER=False, WIDE_MUL=C.wide_mul,
+               VAR_DOT=C.var_dot)  # the default config: what decode_int8 runs
     tc = dict(GQA=GQA, BLOCK_H=16, BLOCK_N=64, D=D, G=G, NOK=0, NOK_P=16, NOV=0, NOV_P=1, CERT=True, CERT_B=False,
               Q_SPLIT=False, XI_SPLIT=False, PV_TERMS=2, NUM_SPLITS=NUM_SPLITS, SKIP_DITHER=False)
     variants = {
@@ -139,6 +140,10 @@ def run(profile: str) -> dict[str, Any]:
               f"{out[name]['per_element']:.2f} per element, {out[name]['registers']} registers", flush=True)
     out["gluon_h8_certA"] = gluon_count()
     out["gluon_h8_nocert"] = gluon_count(cert=False)
+    out["gluon_h8_certA_paged16"] = gluon_count(page=16)  # block-table addressing, vLLM's block size
+    for name, extra in (("h10_certA_paged16", {}), ("h8_certA_paged16", {"H8": True})):
+        out[name] = compile_count(_decode_int8_stage1_h10, h10 | extra | {"PAGE": 16}, num_warps=2, num_stages=2,
+                                  block_n=h10["BLOCK_N"], pointers={"VC": "*i32"})
     print(f"   gluon h8: {out['gluon_h8_certA']['instructions']} instructions per 16-position tile (one warp), "
           f"{out['gluon_h8_certA']['per_position_head']:.1f} warp instructions per (position, KV head), "
           f"{out['gluon_h8_certA']['registers']} registers, {out['gluon_h8_certA']['shared_bytes']} B shared",
@@ -169,21 +174,23 @@ def kv4_count() -> dict[str, Any]:
     return out
 
 
-def gluon_count(cert: bool = True, gqa: int = GQA) -> dict[str, Any]:
+def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0) -> dict[str, Any]:
     """The Gluon h8 kernel (:mod:`kvlib.kernels.int8.gluon`) compiled for sm_90 at the latency benchmarks'
     shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
     (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time),
-    with the defaults decode_int8 launches (``AHEAD``)."""
+    with the defaults decode_int8 launches (``Int8KernelConfig.ahead``). ``page > 0``: the vLLM-style block-table
+    addressing with pages of ``page`` slots (:mod:`kvlib.kernels.tl.paging`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvlib.kernels.int8 import gluon as G
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG
 
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=G.AHEAD)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead, PAGE=page)
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

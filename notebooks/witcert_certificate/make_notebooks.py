@@ -76,7 +76,7 @@ import statistics
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-from kvlib.kernels.int8.decode import decode_int8, decode_reference, make_pool_side
+from kvlib.kernels.int8.decode import Int8KernelConfig, decode_int8, decode_reference, make_pool_side
 from kvlib.publish.provenance import load_result
 
 
@@ -105,7 +105,8 @@ q = 2 * torch.randn(B, hq, d, generator=g)
 ref = decode_reference(q, kp, vp, slots, seq, layer=1, seed=seed + 7, delta=delta)
 rows, certs = [], []
 for ns in splits:
-    out = decode_int8(q, kp, vp, slots, seq, layer=1, seed=seed + 7, delta=delta, num_splits=ns, block_n=16)
+    out = decode_int8(q, kp, vp, slots, seq, layer=1, seed=seed + 7, delta=delta, num_splits=ns,
+                      config=Int8KernelConfig(block_n=16))
     certs.append(out.tv_bound.double())
     rows.append({"splits": ns, "max|do|": float((out.o.double() - ref.o).abs().max()),
                  "max|dlse|": float((out.lse.double() - ref.lse).abs().max()),
@@ -149,7 +150,7 @@ refs = {lay: decode_reference(q10, kp_, vp10, slots10, seq10, layer=1, seed=seed
 rows10, certs10 = [], []
 for ns in [s for s in splits if s <= 4]:
     out = decode_int8(q10, pools["h10"], vp10, slots10, seq10, layer=1, seed=seed + 7, delta=delta, num_splits=ns,
-                      block_n=16)
+                      config=Int8KernelConfig(block_n=16))
     certs10.append(out.tv_bound.double())
     rows10.append({"splits": ns, "max|do|": float((out.o.double() - refs["h10"].o).abs().max()),
                    "max|dcert|": float((out.tv_bound - refs["h10"].tv_bound).abs().max())})

@@ -19,9 +19,11 @@ from kvlib.core.checks import check_tensor
 from kvlib.kernels.backend import triton_available
 from kvlib.kernels.int8.decode import DecodeOut, default_num_splits
 from kvlib.kernels.tl.merge import merge_splits, split_range
+from kvlib.kernels.tl.paging import load_slots, request_table, slots_from_block_table
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None, seq_lens: torch.Tensor,
+           block_table: torch.Tensor | None = None, block_size: int | None = None) -> tuple[torch.Tensor, int, int]:
     check_tensor("q", q, ndim=3, floating=True)
     check_tensor("k", k, ndim=3, dtype=(torch.float16, torch.bfloat16, torch.float32))
     check_tensor("v", v, ndim=3, dtype=(k.dtype,))
@@ -30,15 +32,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tenso
     B, hq, d = q.shape
     if k.shape[-1] != d or hq % k.shape[1]:
         raise ValueError(f"q [B, Hq, d] must match the pool's d={k.shape[-1]} with Hq a multiple of H_kv={k.shape[1]}")
-    check_tensor("slots", slots, ndim=2, floating=False)
+    table = request_table(slots, block_table, block_size, B)
     check_tensor("seq_lens", seq_lens, ndim=1, floating=False)
-    if slots.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"slots [B, max_len] and seq_lens [B] must have B={B} rows")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens [B] must have B={B} rows, got {tuple(seq_lens.shape)}")
+    return table
 
 
-def decode_bf16_reference(q, k, v, slots, seq_lens, *, sm_scale: float | None = None) -> DecodeOut:
-    """float64 torch reference: softmax attention over each row's slots."""
-    _check(q, k, v, slots, seq_lens)
+def decode_bf16_reference(q, k, v, slots, seq_lens, *, sm_scale: float | None = None,
+                          block_table: torch.Tensor | None = None, block_size: int | None = None) -> DecodeOut:
+    """float64 torch reference: softmax attention over each row's slots (or its block table's)."""
+    _check(q, k, v, slots, seq_lens, block_table, block_size)
+    if block_table is not None:
+        slots = slots_from_block_table(block_table, block_size)
     B, hq, d = q.shape
     gqa = hq // k.shape[1]
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -59,7 +65,7 @@ def _decode_bf16_stage1(
     Q, K, V, SLOTS, SEQ, O_S, LSE_S, sm_scale,
     s_qb, s_qh, s_k_n, s_k_h, s_v_n, s_v_h, s_sl_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,7 +86,7 @@ def _decode_bf16_stage1(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        slot = tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
+        slot = load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
         k = tl.load(K + slot[:, None] * s_k_n + kvh * s_k_h + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * s_v_n + kvh * s_v_h + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         if DOT_F32:
@@ -103,25 +109,28 @@ def _decode_bf16_stage1(
 
 
 def decode_bf16(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     sm_scale: float | None = None, num_splits: int | None = None, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
+    num_warps: int = 4, num_stages: int = 2, block_table: torch.Tensor | None = None, block_size: int | None = None,
 ) -> DecodeOut:
     """Decode attention over an fp16/bf16 slot pool (same split-KV structure as the INT8 kernel).
 
-    On CPU without ``TRITON_INTERPRET=1`` falls back to :func:`decode_bf16_reference`.
+    Requests address the pool by ``slots [B, max_len]`` or by ``block_table [B, max_blocks]`` over pages of
+    ``block_size`` slots (``slots=None``; :mod:`kvlib.kernels.tl.paging`). On CPU without ``TRITON_INTERPRET=1``
+    it returns :func:`decode_bf16_reference` (``DecodeOut.path`` says ``"reference"``; the kernel ``"bf16"``).
     """
-    _check(q, k, v, slots, seq_lens)
+    table, page, max_len = _check(q, k, v, slots, seq_lens, block_table, block_size)
     if not triton_available(q.device):
-        return decode_bf16_reference(q, k, v, slots, seq_lens, sm_scale=sm_scale)
+        return decode_bf16_reference(q, k, v, slots, seq_lens, sm_scale=sm_scale, block_table=block_table,
+                                     block_size=block_size)
     B, hq, d = q.shape
     hkv = k.shape[1]
     gqa = hq // hkv
     if d & (d - 1):
         raise ValueError(f"d must be a power of two for the kernel, got {d}")
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    ns = num_splits or default_num_splits(B, hkv, slots.shape[1], block_n, q.device)
-    q, k, v, slots = q.contiguous(), k.contiguous(), v.contiguous(), slots.contiguous()
+    ns = num_splits or default_num_splits(B, hkv, max_len, block_n, q.device)
+    q, k, v, slots = q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous()
     o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
     # the CPU interpreter has no bf16 matmul: compute in fp32 there
@@ -132,7 +141,7 @@ def decode_bf16(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, D=d, NUM_SPLITS=ns,
-        DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages,
+        DOT_F32=dot_f32, PAGE=page, num_warps=num_warps, num_stages=num_stages,
     )
     o, lse = merge_splits(o_s, lse_s)[:2]
-    return DecodeOut(o, lse)
+    return DecodeOut(o, lse, path="bf16")

@@ -254,10 +254,19 @@ def _rows8v(x):
 
 
 @gluon.jit
-def _slots(sl_row, nk, nv, ns, end):
+def _slot(sl_row, n, end, PAGE: gl.constexpr):
+    """Slots of positions ``n``: the slot table's entries, or (``PAGE`` = block size > 0) from the block table,
+    ``block_table[t // PAGE] * PAGE + t % PAGE`` (:mod:`kvlib.kernels.tl.paging`); 0 past the end."""
+    if PAGE > 0:
+        blk = gl.load(sl_row + n // PAGE, mask=n < end, other=0)
+        return gl.where(n < end, blk * PAGE + n % PAGE, 0)
+    return gl.load(sl_row + n, mask=n < end, other=0)
+
+
+@gluon.jit
+def _slots(sl_row, nk, nv, ns, end, PAGE: gl.constexpr = 0):
     """A tile's slot indices in the three position layouts (key words, value words, scales); 0 past the end."""
-    return (gl.load(sl_row + nk, mask=nk < end, other=0), gl.load(sl_row + nv, mask=nv < end, other=0),
-            gl.load(sl_row + ns, mask=ns < end, other=0))
+    return _slot(sl_row, nk, end, PAGE), _slot(sl_row, nv, end, PAGE), _slot(sl_row, ns, end, PAGE)
 
 
 @gluon.jit
@@ -318,6 +327,7 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
+    PAGE: gl.constexpr = 0,
 ):
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
@@ -374,13 +384,13 @@ def _stage1_g8(
     nk = start + gl.arange(0, BN, layout=KNL)
     nv = start + gl.arange(0, BN, layout=VNL)
     ns_ = start + gl.arange(0, BN, layout=SNL)
-    sk, sv, ss = _slots(sl_row, nk, nv, ns_, end)
+    sk, sv, ss = _slots(sl_row, nk, nv, ns_, end, PAGE)
     kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk, ss, ns_ < end, kvh, s_kc_n, s_ks_n, W, SC)
     vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv, ss, ns_ < end, kvh, s_vc_n, s_vs_n, VW, SC)
     nk_x = nk + BN
     nv_x = nv + BN
     ns_x = ns_ + BN
-    sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
+    sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
 
     if AHEAD:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
@@ -428,7 +438,7 @@ def _stage1_g8(
         nk_x = nk_x + BN
         nv_x = nv_x + BN
         ns_x = ns_x + BN
-        sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end)
+        sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
         if AHEAD:  # the next tile's dither, beside this tile's PV
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
@@ -451,13 +461,6 @@ def _stage1_g8(
             gl.store(B_S + l_off, gl.sum(b_t, 1) * inv_l, mask=h < GQA)
 
 
-#: each tile's Philox words computed at the end of the tile before, beside its PV: bit-identical, as fast at GQA 7
-#: and 3.8% faster at GQA 4 (B=32, S=16k, 32 / 8 heads) on the H200 (dev/results/gluon_probe5.json)
-AHEAD = True
-#: one-warp programs resident per SM at the kernel's 255 registers (the split plan fills one wave of them)
-PROGRAMS_PER_SM = 8
-
-
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
     """Why the Gluon kernel cannot run this request (``None`` when it can): it needs a CUDA device, d = 128,
     groups of 32, an h8 key pool, RTN values, at most 8 query heads per KV head, fp16/bf16 queries and no outlier
@@ -477,16 +480,20 @@ def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | No
     return None if not missing else "impl='gluon' needs " + ", ".join(missing)
 
 
-def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device) -> int:
-    """One wave of one-warp programs (the H200 probe's best at every long-context shape:
-    ``dev/results/gluon_probe4.json``), splits of at least 64 positions."""
+def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device, programs_per_sm: int = 8) -> int:
+    """One wave of one-warp programs, ``programs_per_sm`` resident per SM (8 at the kernel's 255 registers; the
+    H200 probe's best at every long-context shape: ``dev/results/gluon_probe4.json``), splits of at least 64
+    positions."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms * PROGRAMS_PER_SM // max(1, batch * hkv), math.ceil(max_len / 64)))
+    return max(1, min(sms * programs_per_sm // max(1, batch * hkv), math.ceil(max_len / 64)))
 
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
-              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool) -> None:
-    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers)."""
+              layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, ahead: bool = True,
+              page: int = 0) -> None:
+    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers);
+    ``ahead`` is :attr:`kvlib.kernels.int8.config.Int8KernelConfig.ahead`; ``page > 0``: ``slots`` is a block table
+    of pages of ``page`` slots."""
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -503,5 +510,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=AHEAD, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, num_warps=1,
     )

@@ -22,10 +22,10 @@ spec's performance facts (``../shared/spec/witcert-math.md``):
 
 Scores per group ``g``: ``t_g = q_hi.c + q_lo.c + q_hi.(-m) + (1.5 - 2^-11) sum q_hi`` (``q_lo`` only
 for fp32 queries); ``z = sm sum_g s_g t_g``, kept in base 2 (``sm log2 e``) so every exponential is one
-``ex2``; the radius's variance is one exact tf32 dot per tile (``VAR_DOT``). What the query rounding
+``ex2``; the radius's variance is one exact tf32 dot per tile (``Int8KernelConfig.var_dot``). What the query rounding
 leaves (``r2 = q - hi - lo`` against the codes, ``r1 = q - hi`` against the dither, ``|xi| <= 1/2``)
 enters the radius as a per-row Cauchy-Schwarz multiplier
-(:func:`kvlib.kernels.int8.decode._query_residual_mult` ``"h10"``); the accumulation rounding and the
+(:func:`kvlib.kernels.int8.reference._query_residual_mult` ``"h10"``); the accumulation rounding and the
 dither mean are :func:`kvlib.certify.bound.rounding_slack` ``"h10"`` with the pool's layout.
 
 The fast integer paths are inline PTX (GPU only); under the CPU interpreter (``FAST=False``) the
@@ -43,34 +43,9 @@ import triton.language as tl
 
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range
+from kvlib.kernels.tl.paging import load_slots
 from kvlib.kernels.tl.philox import philox4x32
 
-#: keep the softmax/certificate sums per (position, head) and reduce them once after the loop
-TILE_SUMS = True
-#: Philox products from one ``mul.wide.u32`` each (:func:`kvlib.kernels.tl.philox.philox4x32` ``WIDE``): 9%
-#: fewer loop instructions (sm_90 SASS) and 5-6% faster under CUDA graphs on the H200 (dev/results/
-#: h10_probe2.json); bit-identical Philox (tests/test_philox.py, GPU)
-WIDE_MUL = True
-#: the radius's variance from one 16-deep tf32 tensor-core dot per tile (the spec's "one tl.dot of q^2 with s^2"),
-#: every operand split into tf32 pieces so the dot is exact up to fp32 accumulation (:func:`_s2_operand`,
-#: :func:`_v_operand`) instead of four FMAs per (position, head). With the base-2 exponentials the certificate's
-#: marginal cost is 2.0% at B=8, S=32k and 1.8% at B=32, S=16k on the H200, against 4.2% and 3.7% with the FMA
-#: sum, at the same agreement with the float64 reference (dev/results/h10_probe8.json). False: the FMA sum
-VAR_DOT = True
-#: register cap per thread (None: the compiler's choice, 255 at the default tile: two CTAs of two warps
-#: per scheduler); a probe knob for occupancy against spills
-MAXNREG: int | None = None
-#: timing-only ablations for development probes (bit mask; never a result): 1 drops the QK path (key loads,
-#: conversions, dots), 2 the PV path (value loads and dots), 4 computes slots as ``b * stride + position``
-#: instead of loading them (right only for the probes' identity slot table)
-ABLATE = 0
-#: PV over the whole tile in one dot: values dequantised to fp16 (``s c`` rounded, relative error up to 2^-11
-#: per element) and ``1024 p`` as one fp16 operand, so the tile takes one value transpose and one probability
-#: conversion through shared memory instead of three per scale group. Not exact (the default keeps every PV
-#: operand exact); probe knob. (Its exact form, ``s c = hi + lo`` as two fp16 tiles from one ``mul``/``fma.f16x2``
-#: and ``1024 p`` in two pieces, three dots, compiled to 2156 loop instructions with spills against the default's
-#: 1977 over h8 on sm_90: the two whole-tile value pieces take 128 registers per thread. Not timed, not kept.)
-PV_DEQUANT = False
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.core.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
 #: h8 layout: ``xi = m' - (4.5 - 2^-9)`` with ``m' = 4 + b 2^-8`` (see :func:`kvlib.core.philox.byte_to_xi`)
@@ -264,10 +239,14 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr):
-    """A tile's slot indices (int64); ``ABLATE & 4``: the probes' identity table, computed."""
+def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr, PAGE: tl.constexpr = 0):
+    """A tile's slot indices (int64; :func:`kvlib.kernels.tl.paging.load_slots`); ``ABLATE & 4``: the probes'
+    identity table, computed."""
     if ABLATE & 4:
         return (b * s_sl_b + offs_n).to(tl.int64)
+    if PAGE > 0:
+        return load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
+    # the slot table inline, as before paging existed: the validated binaries stay instruction for instruction
     return tl.load(SLOTS + b * s_sl_b + offs_n, mask=mask_n, other=0).to(tl.int64)
 
 
@@ -300,7 +279,7 @@ def _decode_int8_stage1_h10(
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-    PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False,
+    PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False, PAGE: tl.constexpr = 0,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
 
@@ -382,7 +361,7 @@ def _decode_int8_stage1_h10(
     # h10_probe5.json; the same run found PV with the probabilities as the A operand slower, so it was removed)
     offs_x = start + tl.arange(0, BLOCK_N)
     mask_x = offs_x < end
-    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
     ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
     vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
@@ -396,7 +375,7 @@ def _decode_int8_stage1_h10(
         vs0, vs1, vs2, vs3 = _split4(vs_x)
         offs_x = offs_n + BLOCK_N
         mask_x = offs_x < end  # all false on the last tile: nothing is read
-        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE)
+        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
         ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
         vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
@@ -514,8 +493,11 @@ def check_h10_shape(d: int, group: int) -> None:
 
 def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp_rel: float, byp_abs: float,
                delta: float, rad_extra: float, layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool,
-               block_n: int, num_warps: int, num_stages: int, pv_terms: int, skip_philox: bool) -> None:
-    """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``)."""
+               config, page: int = 0) -> None:
+    """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``; ``page > 0``:
+    ``slots`` is a block table of pages of ``page`` slots, :mod:`kvlib.kernels.tl.paging`) with the
+    :class:`~kvlib.kernels.int8.config.Int8KernelConfig` ``config`` (block_n, warps, stages, pv_terms, tile_sums,
+    wide_mul, var_dot, pv_dequant, maxnreg and the timing-only skip_philox, ablate)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
     gqa = hq // hkv
@@ -539,11 +521,12 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         vc.stride(0), vc.stride(1), vs.stride(0), vs.stride(1), vo.stride(0), vo.stride(1) if nov else 0,
         slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), BLOCK_N=block_n, D=d, G=k.group,
+        GQA=gqa, BLOCK_H=triton.next_power_of_2(gqa), BLOCK_N=config.block_n, D=d, G=k.group,
         NOK=nok, NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov,
         NOV_P=triton.next_power_of_2(max(nov, 1)),
-        CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(pv_terms, 2),
-        NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=TILE_SUMS, SKIP_DITHER=skip_philox, WIDE_MUL=WIDE_MUL,
-        VAR_DOT=VAR_DOT, ABLATE=ABLATE, PV_DEQUANT=PV_DEQUANT, H8=k.dither_layout == "h8",
-        num_warps=num_warps, num_stages=num_stages, **({} if MAXNREG is None else {"maxnreg": MAXNREG}),
+        CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(config.pv_terms, 2),
+        NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=config.tile_sums, SKIP_DITHER=config.skip_philox,
+        WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, ABLATE=config.ablate, PV_DEQUANT=config.pv_dequant,
+        H8=k.dither_layout == "h8", PAGE=page, num_warps=config.warps("h10"), num_stages=config.stages("h10"),
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )

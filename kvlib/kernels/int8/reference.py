@@ -1,0 +1,136 @@
+"""float64 torch reference of the INT8 decode kernels: the same radius and certificate, exactly computed.
+
+:func:`decode_reference` mirrors :func:`kvlib.kernels.int8.decode.decode_int8`; ``impl`` picks the rounding
+slack of the kernel being mirrored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvlib.certify.bound import (
+    TC_RADIUS_INFLATE,
+    bounds_from_AB,
+    certificate_from_scores,
+    score_radius,
+    variance_proxy,
+)
+from kvlib.core.checks import check_open_unit
+from kvlib.core.philox import dither
+from kvlib.kernels.int8.request import DecodeOut, PoolSide, as_side, check_request, resolve_impl
+from kvlib.kernels.tl.paging import slots_from_block_table
+
+
+# torch reference
+def dequant_rows(side: PoolSide, slots: torch.Tensor, *, layer: int, kv_head: int, seed: int, side_id: int,
+                 dithered: bool = True) -> torch.Tensor:
+    """float64 ``[L, d]`` of one KV head at ``slots``: ``s (c - xi)`` (``s c`` for RTN), outliers substituted."""
+    codes = side.codes[slots, kv_head].to(torch.float64)
+    s = side.scales[slots, kv_head].to(torch.float64).repeat_interleave(side.group, dim=-1)
+    d = codes.shape[-1]
+    if dithered:
+        xi = dither(slots.to(torch.int64).cpu(), d, layer=layer, kv_head=kv_head, seed=seed, side=side_id,
+                    layout=side.dither_layout)
+        x = s * (codes - xi.to(codes.device, torch.float64))
+    else:
+        x = s * codes
+    if side.outliers is not None:
+        oc = side.outlier_channels[kv_head].to(torch.int64)
+        x[:, oc] = side.outliers[slots, kv_head].to(torch.float64)
+    return x
+
+
+def _query_residual_mult(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None,
+                         impl: str = "tc") -> torch.Tensor:
+    """The tensor-core kernels' multiplier ``detm`` (per row, float64) for what their fp16 query split leaves.
+
+    ``tc``: fp32 queries are split ``hi + lo`` (two fp16 dots), fp16/bf16 ones rounded once; the residual
+    ``r`` costs at most ``sm 127.5 sum_g R_g s_g`` (``R_g = sum_{c in g} |r_c|``, ``127.5 >= |c - xi|``),
+    which Cauchy-Schwarz bounds by ``detm * sqrt(var)`` with
+    ``detm = sm 127.5 i sqrt(sum_g R_g^2 / Q2_g) / sqrt(sm^2 i / 12)``, ``Q2_g = sum_{c in g} q_c^2``,
+    ``i`` = :data:`kvlib.certify.bound.TC_RADIUS_INFLATE`.
+    ``h10``: the codes meet ``hi + lo`` but the dither only ``hi``; with ``r1 = q - fp16(q)`` and
+    ``r2 = r1 - fp16(r1)`` (``r2 = r1`` for fp16/bf16 queries) a channel errs by at most
+    ``127 |r2_c| + |xi| |r1_c| <= 127.5 (|r2_c| + |r1_c| / 255)``, which replaces ``|r_c|`` in ``R_g``.
+    """
+    qf = q.float()
+    if outlier_channels is not None:
+        qf = qf.clone()
+        qf[:, outlier_channels.to(torch.int64)] = 0.0
+    r1 = qf - qf.half().float()
+    r2 = r1 - r1.half().float() if q.dtype == torch.float32 else r1
+    r = r2.abs().double() + (r1.abs().double() / 255.0 if impl == "h10" else 0.0)
+    rg = r.reshape(r.shape[0], -1, group).sum(-1)  # [gqa, NG]
+    q2 = qf.double().pow(2).reshape(qf.shape[0], -1, group).sum(-1)
+    ratio = torch.where(q2 > 0, rg.pow(2) / torch.where(q2 > 0, q2, torch.ones_like(q2)),
+                        torch.where(rg > 0, torch.full_like(rg, math.inf), torch.zeros_like(rg)))
+    var_c = sm * sm / 12.0 * TC_RADIUS_INFLATE
+    return sm * 127.5 * TC_RADIUS_INFLATE * ratio.sum(-1).sqrt() / math.sqrt(var_c)
+
+
+def decode_reference(
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
+    layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
+    return_probs: bool = False, impl: str = "auto", block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
+    """float64 torch reference of :func:`decode_int8` (same radius, same certificate).
+
+    ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`, with the key
+    pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``). Requests address the
+    pool by ``slots`` or by ``block_table`` + ``block_size`` (:mod:`kvlib.kernels.tl.paging`).
+    """
+    k = as_side(k_pool, "k_pool")
+    v = as_side(v_pool, "v_pool")
+    check_request(q, k, v, slots, seq_lens, block_table, block_size)
+    if block_table is not None:
+        slots = slots_from_block_table(block_table, block_size)
+    delta = check_open_unit("delta", delta)
+    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
+    k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
+    B, hq, d = q.shape
+    hkv = k.codes.shape[1]
+    gqa = hq // hkv
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    o = torch.zeros(B, hq, d, dtype=torch.float64)
+    lse = torch.zeros(B, hq, dtype=torch.float64)
+    A = torch.zeros(B, hq, dtype=torch.float64)
+    Bv = torch.zeros(B, hq, dtype=torch.float64)
+    probs = []
+    for b in range(B):
+        L = int(seq_lens[b])
+        sl = slots[b, :L].to(torch.int64).cpu()
+        pb = torch.zeros(hq, L, dtype=torch.float64)
+        for h in range(hkv):
+            kh = dequant_rows(k, sl, layer=layer, kv_head=h, seed=seed, side_id=0)
+            vh = dequant_rows(v, sl, layer=layer, kv_head=h, seed=seed, side_id=1, dithered=v_dither)
+            qh = q[b, h * gqa:(h + 1) * gqa].to(torch.float64).cpu()
+            z = sm * qh @ kh.T  # [gqa, L]
+            p = torch.softmax(z, -1)
+            o[b, h * gqa:(h + 1) * gqa] = p @ vh
+            lse[b, h * gqa:(h + 1) * gqa] = torch.logsumexp(z, -1)
+            oc = k.outlier_channels[h].cpu() if k.outliers is not None else None
+            out = k.outliers[sl, h].cpu() if k.outliers is not None else None
+            u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
+                             outlier_channels=oc, outliers=out, impl=impl, layout=k.dither_layout)
+            if impl in ("tc", "h10"):
+                var = variance_proxy(qh, k.scales[sl, h].cpu(), sm_scale=sm, group=k.group, outlier_channels=oc)
+                detm = _query_residual_mult(q[b, h * gqa:(h + 1) * gqa], sm, k.group, oc, impl)
+                u = u + (var * TC_RADIUS_INFLATE).sqrt() * (detm * TC_RADIUS_INFLATE).unsqueeze(-1)
+            c = certificate_from_scores(z, u)
+            A[b, h * gqa:(h + 1) * gqa] = c.A
+            Bv[b, h * gqa:(h + 1) * gqa] = c.B
+            pb[h * gqa:(h + 1) * gqa] = p
+        probs.append(pb)
+    two, one, vac = bounds_from_AB(A, Bv)
+    res = DecodeOut(o, lse, A, Bv, two, one, vac)
+    return (res, probs) if return_probs else res
+
+
+def _side_cpu(side: PoolSide) -> PoolSide:
+    mv = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group,
+                    side.dither_layout)
