@@ -209,3 +209,19 @@ def test_non_markdown_source_is_rejected():
     e = NotebookEntry(name="nb", path="notebooks/x.ipynb", chapter="t", title="x", profiles={"ci": {}})
     with pytest.raises(ValueError, match="MyST markdown"):
         validate(e, {"profile": "ci"})
+
+
+def test_api_page_names_live_where_it_says():
+    """book/api.md lists each stable name with its home module: both must hold (importable, right home)."""
+    import importlib
+    import re
+
+    import kvlib
+
+    rows = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|", (repo_root() / "book" / "api.md").read_text(), re.M)
+    names = {n for n, _ in rows}
+    assert {"philox4x32_10", "certificate", "make_cache", "kvlib.stats.mcnemar"} <= names
+    for name, home in rows:
+        *mod, attr = name.split(".")
+        obj = getattr(importlib.import_module(".".join(mod)) if mod else kvlib, attr)
+        assert obj.__module__ == home, f"{name} lives in {obj.__module__}, the page says {home}"
