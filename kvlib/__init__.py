@@ -1,7 +1,7 @@
 """kvlib: low-bit KV caches (dithered INT8 with a runtime certificate; INT4 with protected positions)
 and the analyses of the WitCert and KV4-RL papers.
 
-The stable public names (``../shared/spec/api.md``) are importable from here. They load lazily so that
+The stable public names (the book's API page, ``book/api.md``) are importable from here. They load lazily so that
 ``import kvlib`` stays cheap and a notebook that needs only the rollout theory never imports Triton.
 """
 

@@ -1,4 +1,5 @@
-"""The spine: registry, runner (validation, failure isolation), result files, toc in sync."""
+"""The spine: registry, runner (validation, failure isolation), result files, toc in sync, and the executed
+notebooks in step with their MyST sources."""
 
 import json
 from pathlib import Path
@@ -8,9 +9,10 @@ import pytest
 from kvlib.publish.assemble import write_toc
 from kvlib.publish.provenance import repo_root, save_result
 from kvlib.publish.registry import NotebookEntry, all_notebooks, load_registry
-from kvlib.publish.runner import run_notebooks, validate
+from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells, validate
 
-TINY = str(Path(__file__).parent / "data" / "tiny.ipynb")
+TINY = str(Path(__file__).parent / "data" / "tiny.md")
+PROFILES_PRESENT = [(nb, p) for nb in all_notebooks() for p in nb.profiles if executed_path(nb.name, p).exists()]
 
 
 @pytest.fixture
@@ -95,18 +97,16 @@ def test_parameters_cells_are_fully_understood_by_papermill():
     """Every assignment in a parameters cell is a parameter papermill sees (none silently dropped)."""
     import ast
 
-    import nbformat
-
     from kvlib.publish.runner import notebook_parameters
 
     for nb in all_notebooks():
-        path = repo_root() / nb.path
-        cells = [c for c in nbformat.read(path, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+        source = load_source(repo_root() / nb.path)
+        cells = [c for c in source.cells if "parameters" in c.metadata.get("tags", [])]
         assert len(cells) == 1, f"{nb.name}: needs exactly one parameters cell"
         assigned = {t.id for node in ast.parse(cells[0].source).body if isinstance(node, ast.Assign)
                     for t in node.targets if isinstance(t, ast.Name)}
         assert "profile" in assigned, f"{nb.name}: parameters cell must define profile"
-        assert assigned == notebook_parameters(path), f"{nb.name}: papermill cannot parse some parameter lines"
+        assert assigned == notebook_parameters(source), f"{nb.name}: papermill cannot parse some parameter lines"
 
 
 def test_glue_key_twice_is_an_error(sandbox):
@@ -124,11 +124,9 @@ def test_every_glued_figure_is_shown():
     places is lost)."""
     import re
 
-    import nbformat
-
     lost = []
     for nb in all_notebooks():
-        cells = nbformat.read(repo_root() / nb.path, as_version=4).cells
+        cells = load_source(repo_root() / nb.path).cells
         md = "\n".join(c.source for c in cells if c.cell_type == "markdown")
         placed = set(re.findall(r"\{glue:figure\}\s+([\w-]+)", md))
         for c in cells:
@@ -142,11 +140,12 @@ def test_every_glued_figure_is_shown():
     assert not lost, f"glued figures never shown: {lost}"
 
 
-def test_every_notebook_cell_has_an_id():
-    """nbformat 4.5 cells carry ids (a missing one is a warning today and an error in future nbformat)."""
-    missing = [nb.name for nb in all_notebooks()
-               if any("id" not in c for c in json.loads((repo_root() / nb.path).read_text())["cells"])]
-    assert not missing, missing
+def test_converted_sources_have_stable_unique_cell_ids():
+    """nbformat 4.5 cells carry ids; the runner gives each converted cell one that does not change between runs."""
+    for nb in all_notebooks():
+        ids = [c["id"] for c in load_source(repo_root() / nb.path).cells]
+        assert len(set(ids)) == len(ids), nb.name
+        assert ids == [c["id"] for c in load_source(repo_root() / nb.path).cells], nb.name
 
 
 def test_headings_never_skip_a_level():
@@ -154,12 +153,10 @@ def test_headings_never_skip_a_level():
     finds it in seconds instead of at the end of a build. Fenced code inside markdown cells is skipped."""
     import re
 
-    import nbformat
-
     bad = []
     for nb in all_notebooks():
         prev = 0
-        for c in nbformat.read(repo_root() / nb.path, as_version=4).cells:
+        for c in load_source(repo_root() / nb.path).cells:
             if c.cell_type != "markdown":
                 continue
             fenced = False
@@ -173,3 +170,58 @@ def test_headings_never_skip_a_level():
                         bad.append(f"{nb.name}: H{prev} to H{level}: {ln.strip()[:60]}")
                     prev = level
     assert not bad, bad
+
+
+def test_every_source_is_myst_markdown_and_nothing_generates_notebooks():
+    """One convention: each registered notebook is a MyST source; no .ipynb or generator script beside them."""
+    assert all(nb.path.endswith(".md") for nb in all_notebooks())
+    notebooks = repo_root() / "notebooks"
+    assert not list(notebooks.rglob("*.ipynb")) and not list(notebooks.rglob("*.py"))
+
+
+@pytest.mark.parametrize(("nb", "profile"), PROFILES_PRESENT, ids=[f"{n.name}-{p}" for n, p in PROFILES_PRESENT])
+def test_executed_notebook_ran_its_sources_current_code(nb, profile):
+    """The book renders book/executed/<profile>/<name>.ipynb: it must be a run of the source as it is now."""
+    import nbformat
+
+    stale = stale_cells(load_source(repo_root() / nb.path), nbformat.read(executed_path(nb.name, profile), 4))
+    assert not stale, f"{nb.name} [{profile}] is stale, rerun it: {stale}"
+
+
+def test_a_changed_code_cell_makes_the_executed_run_stale(tmp_path):
+    """The check above can fail: edit one code cell (or add one) of a copy of a source and it is caught."""
+    import nbformat
+
+    nb, profile = next((n, p) for n, p in PROFILES_PRESENT if p == "cpu")
+    executed = nbformat.read(executed_path(nb.name, profile), 4)
+    text = (repo_root() / nb.path).read_text()
+    edited = tmp_path / "edited.md"
+    end = text.index("\n```\n", text.index("```{code-cell}"))  # the end of the first code cell
+    edited.write_text(text[:end] + "\nx = 1" + text[end:])
+    assert stale_cells(load_source(edited), executed)
+    added = tmp_path / "added.md"
+    added.write_text(text + "\n```{code-cell}\nx = 1\n```\n")
+    assert any("code cells" in s for s in stale_cells(load_source(added), executed))
+    assert not stale_cells(load_source(repo_root() / nb.path), executed)
+
+
+def test_non_markdown_source_is_rejected():
+    e = NotebookEntry(name="nb", path="notebooks/x.ipynb", chapter="t", title="x", profiles={"ci": {}})
+    with pytest.raises(ValueError, match="MyST markdown"):
+        validate(e, {"profile": "ci"})
+
+
+def test_api_page_names_live_where_it_says():
+    """book/api.md lists each stable name with its home module: both must hold (importable, right home)."""
+    import importlib
+    import re
+
+    import kvlib
+
+    rows = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|", (repo_root() / "book" / "api.md").read_text(), re.M)
+    names = {n for n, _ in rows}
+    assert {"philox4x32_10", "certificate", "make_cache", "kvlib.stats.mcnemar"} <= names
+    for name, home in rows:
+        *mod, attr = name.split(".")
+        obj = getattr(importlib.import_module(".".join(mod)) if mod else kvlib, attr)
+        assert obj.__module__ == home, f"{name} lives in {obj.__module__}, the page says {home}"

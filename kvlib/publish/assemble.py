@@ -65,6 +65,7 @@ def write_toc(chapters: list[Chapter]) -> str:
             lines += [f"      - file: {s}" for s in secs]
     lines.append("  - file: book/_render/provenance")
     lines.append("  - file: book/reproduce")
+    lines.append("  - file: book/api")
     return "\n".join(lines) + "\n"
 
 

@@ -1,19 +1,31 @@
-"""Execute registered notebooks with papermill for one profile; isolate failures; report."""
+"""Execute registered notebooks with papermill for one profile; isolate failures; report.
+
+A notebook's source is a MyST markdown file (``notebooks/<chapter>/<name>.md``, jupytext's ``md:myst``), the
+one file a researcher edits. It is converted to a notebook in memory and executed; only the executed
+``.ipynb`` is written (``book/executed/<profile>/<name>.ipynb``).
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nbformat
+
 from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
 
 #: per-notebook wall-clock limit (s) by profile, enforced by papermill's cell timeout
 CELL_TIMEOUT = {"ci": 600, "cpu": 1800, "gpu": 3600}
+
+#: jupytext's name for the sources' format
+SOURCE_FORMAT = "md:myst"
 
 
 @dataclass
@@ -31,19 +43,49 @@ def executed_path(name: str, profile: str) -> Path:
     return base / profile / f"{name}.ipynb"
 
 
-def notebook_parameters(path: Path) -> set[str]:
+def source_path(entry: NotebookEntry) -> Path:
+    """The entry's MyST source, absolute; a missing file or another format is an error."""
+    path = Path(entry.path) if Path(entry.path).is_absolute() else repo_root() / entry.path
+    if path.suffix != ".md":
+        raise ValueError(f"notebook {entry.name!r}: path must be a MyST markdown source (.md), got {entry.path!r}")
+    if not path.exists():
+        raise FileNotFoundError(f"notebook {entry.name!r}: {entry.path} does not exist")
+    return path
+
+
+def load_source(path: str | Path) -> nbformat.NotebookNode:
+    """The notebook a MyST source stands for, with stable cell ids (``<stem>-<index>``), so that two runs
+    of unchanged code give notebooks that differ only in their outputs."""
+    import jupytext
+
+    path = Path(path)
+    nb = jupytext.read(path, fmt=SOURCE_FORMAT)
+    # The executed notebook is not a jupytext pair of the source; without this key Jupyter treats it as plain.
+    nb.metadata.pop("jupytext", None)
+    nb.metadata.setdefault("language_info", {"name": "python"})
+    stem = re.sub(r"[^A-Za-z0-9_-]", "-", path.stem)[:56]
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"{stem}-{i:03d}"
+    nbformat.validate(nb)
+    return nb
+
+
+def notebook_parameters(source: str | Path | nbformat.NotebookNode) -> set[str]:
     """Names declared in the notebook's ``parameters`` cell (papermill's own inspection)."""
     import papermill as pm
 
-    return set(pm.inspect_notebook(str(path)).keys())
+    nb = source if isinstance(source, nbformat.NotebookNode) else load_source(source)
+    # papermill inspects files only; the converted notebook goes through a temporary one.
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d) / "source.ipynb"
+        nbformat.write(nb, tmp)
+        return set(pm.inspect_notebook(str(tmp)).keys())
 
 
-def validate(entry: NotebookEntry, params: dict[str, Any]) -> None:
-    """Unknown parameters are an error before anything runs."""
-    path = Path(entry.path) if Path(entry.path).is_absolute() else repo_root() / entry.path
-    if not path.exists():
-        raise FileNotFoundError(f"notebook {entry.name!r}: {entry.path} does not exist")
-    declared = notebook_parameters(path)
+def validate(entry: NotebookEntry, params: dict[str, Any]) -> nbformat.NotebookNode:
+    """Unknown parameters are an error before anything runs; returns the converted notebook."""
+    nb = load_source(source_path(entry))
+    declared = notebook_parameters(nb)
     if not declared:
         raise ValueError(f"notebook {entry.name!r} has no cell tagged 'parameters'")
     unknown = sorted(set(params) - declared)
@@ -51,6 +93,37 @@ def validate(entry: NotebookEntry, params: dict[str, Any]) -> None:
         raise ValueError(
             f"notebook {entry.name!r} has no parameter(s) {unknown}; it declares {sorted(declared)}"
         )
+    return nb
+
+
+def code_cells(nb: nbformat.NotebookNode) -> list[str]:
+    """The code a notebook runs, cell by cell: papermill's injected parameters cell left out, and trailing
+    whitespace at the end of a cell ignored (a MyST source cannot carry it)."""
+    return [c.source.rstrip() for c in nb.cells
+            if c.cell_type == "code" and "injected-parameters" not in c.metadata.get("tags", [])]
+
+
+def stale_cells(source: nbformat.NotebookNode, executed: nbformat.NotebookNode) -> list[str]:
+    """Where ``executed`` did not run ``source``'s current code: one line per differing cell (empty: it did)."""
+    want, ran = code_cells(source), code_cells(executed)
+    out = [f"code cell {i}: source and executed run differ" for i, (a, b) in enumerate(zip(want, ran)) if a != b]
+    if len(want) != len(ran):
+        out.append(f"the source has {len(want)} code cells, the executed run {len(ran)}")
+    return out
+
+
+def _name_source(path: Path, source: Path) -> None:
+    # Given a notebook object, papermill records the whole object as the input path; name the file instead.
+    if not path.exists():
+        return
+    nb = nbformat.read(path, as_version=4)
+    pm_meta = nb.metadata.get("papermill", {})
+    try:
+        shown = str(source.relative_to(repo_root()))
+    except ValueError:
+        shown = str(source)
+    pm_meta["input_path"] = shown
+    nbformat.write(nb, path)
 
 
 def gpu_available() -> bool:
@@ -88,24 +161,23 @@ def run_notebooks(
     from tqdm.auto import tqdm
 
     entries = select(profile, only) if entries is None else [e for e in entries if not only or e.name in only]
-    plan: list[tuple[NotebookEntry, dict[str, Any] | None, str]] = []
+    plan: list[tuple[NotebookEntry, dict[str, Any] | None, nbformat.NotebookNode | None, str]] = []
     # Validate everything first, so a typo fails in a second, not after an hour of runs.
     for e in entries:
         params = e.params(profile)
         if params is None:
-            plan.append((e, None, f"no {profile!r} profile"))
+            plan.append((e, None, None, f"no {profile!r} profile"))
             continue
         params.update(overrides or {})
         if e.needs_gpu and not gpu_available():
-            plan.append((e, None, "needs a GPU; the book shows the committed GPU run"))
+            plan.append((e, None, None, "needs a GPU; the book shows the committed GPU run"))
             continue
-        validate(e, params)
-        plan.append((e, params, ""))
+        plan.append((e, params, validate(e, params), ""))
 
     outcomes: list[Outcome] = []
     env_backup = os.environ.get("KVLIB_PROFILE")
     bar = tqdm(plan, desc=f"notebooks [{profile}]", unit="nb", disable=not progress)
-    for e, params, why in bar:
+    for e, params, nb, why in bar:
         bar.set_postfix_str(e.name)
         if params is None:
             outcomes.append(Outcome(e.name, "skipped", 0.0, why))
@@ -117,7 +189,7 @@ def run_notebooks(
         try:
             os.environ["KVLIB_PROFILE"] = profile
             pm.execute_notebook(
-                str(e.path if Path(e.path).is_absolute() else repo_root() / e.path),
+                nb,
                 str(tmp),
                 parameters=params,
                 cwd=str(repo_root()),
@@ -125,9 +197,11 @@ def run_notebooks(
                 execution_timeout=CELL_TIMEOUT[profile],
                 kernel_name="python3",
             )
+            _name_source(tmp, source_path(e))
             os.replace(tmp, out)
             outcomes.append(Outcome(e.name, "ok", time.perf_counter() - t0))
         except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest still run
+            _name_source(tmp, source_path(e))
             detail = str(exc).strip().splitlines()
             msg = detail[-1] if detail else type(exc).__name__
             if not isinstance(exc, pm.PapermillExecutionError):
