@@ -25,7 +25,7 @@ PAD = 0
 ARCHS = {"llama": (LlamaConfig, 0), "qwen2": (Qwen2Config, 1), "mistral": (MistralConfig, 2)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(arch: str = "llama", head_dim: int = 32, dtype: torch.dtype = torch.float32,
                seed: int = 0) -> Any:
     """A tiny random decoder in eval mode on the CPU.

@@ -22,13 +22,24 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_helpers import (
+    MUTANTS,
+    PAD,
+    Kind,
+    dynamic_kind,
+    forced_logits,
+    greedy,
+    kvlib_kind,
+    model_for,
+    prompt,
+    rel_err,
+    repetitive_prompt,
+    step,
+    tiny_model,
+)
 from transformers import DynamicCache
 
 import kvlib
-from tests.hf_helpers import (
-    MUTANTS, PAD, Kind, dynamic_kind, forced_logits, greedy, kvlib_kind, model_for, prompt, rel_err,
-    repetitive_prompt, step, tiny_model,
-)
 
 torch.set_num_threads(1)
 
@@ -36,8 +47,14 @@ PASSTHROUGH = ("fp32", "bf16")
 LOSSY = ("dither-int8", "rtn-int8", "kv4", "kv4rl")
 PENDING_REASON = "kvlib cache rewrite pending"
 #: (check, kvlib format) pairs that fail on the kvlib cache of this commit (strict xfail: the lead
-#: removes them when the rewrite lands); filled in from a run against the current kvlib/hf/cache.py
-PENDING: set[tuple[str, str]] = set()
+#: removes them when the rewrite lands); found by running this file against kvlib/hf/cache.py at ccfa074
+PENDING: set[tuple[str, str]] = {
+    *((check, fmt) for check in ("beam", "batch_ops", "crop", "edit") for fmt in PASSTHROUGH + LOSSY),
+    *(("validate", name) for name in ("group", "seed", "delta_req", "block-int8", "block_size", "batch_size",
+                                      "max_len", "no_such_option")),
+    ("mismatch", "head_dim"), ("mismatch", "layer"), ("kernel_formats", ""),
+    *(("bytes", fmt) for fmt in PASSTHROUGH + LOSSY),
+}
 
 
 def kinds(check: str, formats: tuple[str, ...] = PASSTHROUGH + LOSSY) -> list[Any]:
@@ -128,7 +145,8 @@ def check_sampling(kind: Kind) -> None:
 
     def sample(cache: Any, **kw: Any) -> torch.Tensor:
         torch.manual_seed(1234)
-        return model.generate(ids, do_sample=True, top_k=0, max_new_tokens=20, past_key_values=cache, **kw)
+        return model.generate(ids, do_sample=True, top_k=0, temperature=0.3, max_new_tokens=20,
+                              past_key_values=cache, **kw)
 
     for n_ret in (1, 3):  # num_return_sequences > 1 expands the batch (repeat_interleave) before the prefill
         ref = sample(kind.ref(model), num_return_sequences=n_ret)
@@ -280,7 +298,7 @@ def check_edit(kind: Kind, variant: str = "prune") -> None:
     model = model_for(kind)
     ids, nxt = prompt(1, 16, seed=30), prompt(1, 1, seed=31)
     pos = torch.tensor([[16]])  # kvpress keeps the original positions for the tokens after a prune
-    keep = torch.tensor([i for i in range(16) if i not in (3, 4, 5, 6)])
+    keep = torch.tensor([i for i in range(16) if not 2 <= i < 10])  # a press dropping half the prompt
 
     def edit(cache: Any) -> None:
         for layer in cache.layers:
@@ -288,7 +306,7 @@ def check_edit(kind: Kind, variant: str = "prune") -> None:
                 layer.keys, layer.values = layer.keys[:, :, keep].contiguous(), layer.values[:, :, keep].contiguous()
             else:  # same length, values rewritten (kvpress' value-rewriting presses)
                 v = layer.values.clone()
-                v[:, :, :8] *= 0.25
+                v[:, :, :8] = 0
                 layer.values = v
 
     plain, edited = kind.ref(model), kind.ref(model)
@@ -297,7 +315,7 @@ def check_edit(kind: Kind, variant: str = "prune") -> None:
     edit(edited)
     ref_plain, ref_edit = step(model, plain, nxt, position_ids=pos), step(model, edited, nxt, position_ids=pos)
     size = rel_err(ref_edit, ref_plain)
-    assert size > 3 * kind.tol, f"test setup: the edit moves the logits by only {size:.3g} std"
+    assert size > 1.5 * kind.tol, f"test setup: the edit moves the logits by only {size:.3g} std"
     cache = kind.make(model)
     step(model, cache, ids)
     try:
