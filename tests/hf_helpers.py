@@ -84,6 +84,11 @@ PASSTHROUGH = ("fp32", "bf16")
 LOSSY_TOL = {"dither-int8": 0.05, "rtn-int8": 0.05, "kv4": 0.5, "kv4rl": 0.5}
 #: passthrough: only the attention's summation order may differ from DynamicCache (fp32 rounding)
 EXACT_TOL = 1e-4
+#: bf16 passthrough in an fp32 model, against a DynamicCache holding the same bf16-rounded K/V: the
+#: attention may also round the query or its output to bf16 (as a bf16 kernel does): 2^-9 relative
+#: per rounding, measured 0.002-0.005 std on these models; the greedy margins (>= 0.018 std) stay
+#: above twice this tolerance, so greedy tokens must still be equal
+BF16_TOL = 8e-3
 
 
 class _Bf16Layer(DynamicLayer):
@@ -108,9 +113,10 @@ class Kind:
 
     name: str
     make: Callable[[Any], Any] = field(compare=False)
-    exact: bool = True  # passthrough: the reference's tokens; else logits within ``tol``
+    exact: bool = True  # the reference's tokens in every test; else logits within ``tol``
     tol: float = EXACT_TOL
     ref: Callable[[Any], Any] = field(default=_dynamic, compare=False)
+    greedy_tokens: bool = False  # not exact, but greedy tokens must equal the reference's (decisive margins)
 
     def __repr__(self) -> str:
         return self.name
@@ -126,7 +132,7 @@ def kvlib_kind(fmt: str) -> Kind:
     opts = LOSSY_OPTIONS.get(fmt, {})
     make = lambda model: kvlib.make_cache(fmt, model.config, **opts)  # noqa: E731
     if fmt == "bf16":
-        return Kind("kvlib:bf16", make, ref=_bf16_reference)
+        return Kind("kvlib:bf16", make, False, BF16_TOL, ref=_bf16_reference, greedy_tokens=True)
     if fmt in PASSTHROUGH:
         return Kind(f"kvlib:{fmt}", make)
     return Kind(f"kvlib:{fmt}", make, False, LOSSY_TOL[fmt])

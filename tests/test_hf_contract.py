@@ -4,8 +4,8 @@ Every check runs against a *kind* of cache on tiny random Llama/Qwen2/Mistral de
 
 - ``dynamic``: transformers' DynamicCache itself; each check passes for the reference.
 - ``kvlib:fp32`` / ``kvlib:bf16``: passthrough formats; the same tokens as DynamicCache (for bf16: a
-  DynamicCache that stores K/V rounded to bf16, which is what a bf16 pool holds in an fp32 model),
-  logits within fp32 rounding (1e-4 of their std).
+  DynamicCache that stores K/V rounded to bf16, which is what a bf16 pool holds in an fp32 model);
+  logits within fp32 rounding (1e-4 of their std; bf16: ``hf_helpers.BF16_TOL``).
 - ``kvlib:<lossy>``: dither-int8, rtn-int8, kv4, kv4rl; they must run, and their logits, teacher-forced
   on DynamicCache's tokens, must agree with DynamicCache's within ``hf_helpers.LOSSY_TOL``.
 - ``mutant:*`` (test_check_rejects_mutant): DynamicCache with one realistic bug each; every check
@@ -46,15 +46,25 @@ torch.set_num_threads(1)
 PASSTHROUGH = ("fp32", "bf16")
 LOSSY = ("dither-int8", "rtn-int8", "kv4", "kv4rl")
 PENDING_REASON = "kvlib cache rewrite pending"
-#: (check, kvlib format) pairs that fail on the kvlib cache of this commit (strict xfail: the lead
-#: removes them when the rewrite lands); found by running this file against kvlib/hf/cache.py at ccfa074
-PENDING: set[tuple[str, str]] = {
+#: (check, kvlib format) pairs known to fail, as strict xfails (the lead removes them as they are fixed).
+#: Before the paged-pool rewrite of issue 24 (no ``kvlib.kernel_formats``): found by running this file
+#: against kvlib/hf/cache.py at ccfa074.
+PENDING_BEFORE_REWRITE: set[tuple[str, str]] = {
     *((check, fmt) for check in ("beam", "batch_ops", "crop", "edit") for fmt in PASSTHROUGH + LOSSY),
     *(("validate", name) for name in ("group", "seed", "delta_req", "block-int8", "block_size", "batch_size",
                                       "max_len", "no_such_option")),
     ("mismatch", "head_dim"), ("mismatch", "layer"), ("kernel_formats", ""),
     *(("bytes", fmt) for fmt in PASSTHROUGH + LOSSY),
 }
+#: With the rewrite (branch hfpath at 480bc87): dither-int8 refuses to duplicate rows (beam search,
+#: batch_repeat_interleave: "stored codes are bound to their slots"), kv4rl's batch_repeat_interleave
+#: raises IndexError, kv4rl refuses crop (assisted / prompt-lookup decoding die), and an unknown
+#: option's error does not name it.
+PENDING_WITH_REWRITE: set[tuple[str, str]] = {
+    ("beam", "dither-int8"), ("batch_ops", "dither-int8"), ("batch_ops", "kv4rl"), ("crop", "kv4rl"),
+    ("validate", "no_such_option"),
+}
+PENDING = PENDING_WITH_REWRITE if hasattr(kvlib, "kernel_formats") else PENDING_BEFORE_REWRITE
 
 
 def kinds(check: str, formats: tuple[str, ...] = PASSTHROUGH + LOSSY) -> list[Any]:
@@ -70,8 +80,13 @@ def as_kind(k: Kind | str) -> Kind:
 
 
 def tokens_equal(kind: Kind, greedy_test: bool = False) -> bool:
-    """Whether ``kind`` must reproduce its reference's tokens: the passthrough formats must."""
-    return kind.exact
+    """Whether ``kind`` must reproduce its reference's tokens.
+
+    fp32 passthrough everywhere; bf16 in greedy decoding, where the margins are checked to be
+    decisive (sampling at temperature 0.3 and beam ranking can flip on one bf16 rounding of a near
+    tie, so there bf16 is held to its logit tolerance).
+    """
+    return kind.exact or (greedy_test and kind.greedy_tokens)
 
 
 def dyn(model: Any) -> DynamicCache:
@@ -98,9 +113,14 @@ def assert_agrees(kind: Kind, got: torch.Tensor, ref: torch.Tensor, what: str) -
 
 # -- the checks (each takes a Kind; each must reject its mutant) -----------------------------------
 
+#: prompt seed per (arch, head_dim), picked among the first six for a wide greedy margin (0.019-0.054
+#: std of the logits; check_greedy asserts the margin, so a near tie cannot pass for a cache bug)
+GREEDY_SEED = {("llama", 32): 3, ("qwen2", 32): 6, ("mistral", 32): 4, ("llama", 16): 4}
+
+
 def check_greedy(kind: Kind, arch: str = "llama", head_dim: int = 32) -> None:
     model = model_for(kind, arch, head_dim)
-    ids = prompt(1, 12, seed=1)
+    ids = prompt(1, 12, seed=GREEDY_SEED[arch, head_dim])
     gen = dict(output_logits=True, return_dict_in_generate=True)
     ref = greedy(model, ids, kind.ref(model), **gen)
     ref_logits = torch.stack(ref.logits, 1).float()
@@ -467,8 +487,9 @@ def test_cache_refuses_another_model(what: str) -> None:
 
 
 KERNEL_FORMATS = ("dither-int8", "rtn-int8", "kv4", "kv4rl", "bf16")
-#: bytes per cached element, lower (the payload) and upper (payload + scales/offsets; a float working
-#: copy beside the packed store would exceed it)
+#: bytes per cached element, lower (the payload) and upper (payload + scales/offsets); with the
+#: pages allowed to be up to twice the tokens (a growth policy), a float copy beside the packed store
+#: (>= 4 bytes per element of the tokens) still exceeds the upper bound
 BYTES_PER_ELEMENT = {"fp32": (4, 4.25), "bf16": (2, 2.25), "rtn-int8": (1, 1.25), "dither-int8": (1, 1.25),
                      "kv4": (0.5, 0.75), "kv4rl": (0.5, 1.25)}
 
@@ -494,8 +515,9 @@ def test_kv_nbytes_and_kernel_path(fmt: str) -> None:
     elements = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * cfg.head_dim  # per token
     lo, hi = BYTES_PER_ELEMENT[fmt]
     n = cache.kv_nbytes()
-    page_table = 8 * cfg.num_hidden_layers * b * (-(-s // block) + 2)  # int32 block table + seq_lens, generous
+    pages = 2 * -(-s // block)  # at most twice the pages the tokens need
+    page_table = 8 * cfg.num_hidden_layers * b * (pages + 2)  # int32 block table + seq_lens, generous
     assert isinstance(n, int)
-    assert elements * s * lo <= n <= elements * (-(-s // block) * block) * hi + page_table, (n, elements * s)
+    assert elements * s * lo <= n <= elements * pages * block * hi + page_table, (n, elements * s)
     path = cache.kernel_path(layer_idx=0)
     assert isinstance(path, str) and path
