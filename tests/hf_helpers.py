@@ -126,10 +126,11 @@ def dynamic_kind() -> Kind:
     return Kind("dynamic", _dynamic)
 
 
-def kvlib_kind(fmt: str) -> Kind:
+def kvlib_kind(fmt: str, **extra: Any) -> Kind:
+    """``kvlib.make_cache(fmt, model.config, **extra)`` (plus the format's LOSSY_OPTIONS)."""
     import kvlib
 
-    opts = LOSSY_OPTIONS.get(fmt, {})
+    opts = {**LOSSY_OPTIONS.get(fmt, {}), **extra}
     make = lambda model: kvlib.make_cache(fmt, model.config, **opts)  # noqa: E731
     if fmt == "bf16":
         return Kind("kvlib:bf16", make, False, BF16_TOL, ref=_bf16_reference, greedy_tokens=True)
