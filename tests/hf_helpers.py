@@ -261,6 +261,15 @@ class _UndoEdits(DynamicLayer):
         return self.keys, self.values
 
 
+class _CopyOut(_UndoEdits):
+    """Hands out copies of its private store: an in-place edit of ``layer.values`` is silently lost."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        k, v = super().update(key_states, value_states, *args, **kwargs)
+        self.keys, self.values = k.clone(), v.clone()
+        return k, v
+
+
 class _OffByOne(DynamicLayer):
     def get_seq_length(self) -> int:
         n = super().get_seq_length()
@@ -293,6 +302,7 @@ MUTANTS: dict[str, Kind] = {
     "batch_scale": _mutant("batch_scale", _BatchScale),
     "reset_on_prefill": _mutant("reset_on_prefill", _ResetOnPrefill),
     "undo_edits": _mutant("undo_edits", _UndoEdits),
+    "copy_out": _mutant("copy_out", _CopyOut),
     "off_by_one": _mutant("off_by_one", _OffByOne),
     "mask_size": _mutant("mask_size", _MaskSize),
     "shared_copy": Kind("mutant:shared_copy", lambda model: _SharedCopy(config=model.config)),

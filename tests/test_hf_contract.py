@@ -50,7 +50,9 @@ PENDING_REASON = "kvlib cache rewrite pending"
 #: Before the paged-pool rewrite of issue 24 (no ``kvlib.kernel_formats``): found by running this file
 #: against kvlib/hf/cache.py at ccfa074.
 PENDING_BEFORE_REWRITE: set[tuple[str, str]] = {
-    *((check, fmt) for check in ("beam", "batch_ops", "crop", "edit") for fmt in PASSTHROUGH + LOSSY),
+    *((check, fmt) for check in ("beam", "batch_ops", "crop", "edit-prune", "edit-rewrite")
+      for fmt in PASSTHROUGH + LOSSY),
+    ("edit-inplace", "kv4rl"),
     *(("validate", name) for name in ("group", "seed", "delta_req", "block-int8", "block_size", "batch_size",
                                       "max_len", "no_such_option")),
     ("mismatch", "head_dim"), ("mismatch", "layer"), ("kernel_formats", ""),
@@ -60,8 +62,10 @@ PENDING_BEFORE_REWRITE: set[tuple[str, str]] = {
 #: With the rewrite (branch hfpath at 480bc87): dither-int8 refuses to duplicate rows (beam search,
 #: batch_repeat_interleave: "stored codes are bound to their slots"), kv4rl's batch_repeat_interleave
 #: raises IndexError, kv4rl refuses crop (assisted / prompt-lookup decoding die), and an unknown
-#: option's error does not name it.
+#: option's error does not name it; an in-place edit of the tensor ``layer.values`` hands out is
+#: silently lost (assignment is refused with a clear error); kv4rl refuses crop in a static pool too.
 PENDING_WITH_REWRITE: set[tuple[str, str]] = {
+    *(("edit-inplace", fmt) for fmt in PASSTHROUGH + LOSSY),
     ("beam", "dither-int8"), ("batch_ops", "dither-int8"), ("batch_ops", "kv4rl"), ("crop", "kv4rl"),
     ("validate", "no_such_option"), ("static", "kv4rl"),
 }
@@ -329,10 +333,12 @@ def check_edit(kind: Kind, variant: str = "prune") -> None:
         for layer in cache.layers:
             if variant == "prune":
                 layer.keys, layer.values = layer.keys[:, :, keep].contiguous(), layer.values[:, :, keep].contiguous()
-            else:  # same length, values rewritten (kvpress' value-rewriting presses)
+            elif variant == "rewrite":  # same length, values rewritten and assigned back
                 v = layer.values.clone()
                 v[:, :, :8] = 0
                 layer.values = v
+            else:  # in place, on the tensor the layer hands out
+                layer.values[:, :, :8] = 0
 
     plain, edited = kind.ref(model), kind.ref(model)
     for c in (plain, edited):
@@ -359,6 +365,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "greedy": check_greedy, "padded": check_padded, "sampling": check_sampling, "beam": check_beam,
     "batch_ops": check_batch_ops, "crop": check_crop, "continue": check_continue, "deepcopy": check_deepcopy,
     "lengths": check_lengths, "edit": check_edit,
+    "edit-rewrite": lambda kind: check_edit(kind, "rewrite"), "edit-inplace": lambda kind: check_edit(kind, "inplace"),
 }
 
 
@@ -415,8 +422,11 @@ def test_seq_length_and_mask_sizes(kind: Kind | str) -> None:
     check_lengths(as_kind(kind))
 
 
-@pytest.mark.parametrize("variant", ["prune", "rewrite"])
-@pytest.mark.parametrize("kind", kinds("edit"))
+EDIT_PARAMS = [pytest.param(p.values[0], variant, id=f"{p.id}-{variant}", marks=p.marks)
+               for variant in ("prune", "rewrite", "inplace") for p in kinds(f"edit-{variant}")]
+
+
+@pytest.mark.parametrize("kind,variant", EDIT_PARAMS)
 def test_edit_keys_values(kind: Kind | str, variant: str) -> None:
     check_edit(as_kind(kind), variant)
 
@@ -439,7 +449,7 @@ MUTANT_OF = [
     ("greedy", "zero_oldest"), ("padded", "batch_scale"), ("sampling", "zero_oldest"), ("beam", "no_reorder"),
     ("batch_ops", "tile_repeat"), ("batch_ops", "select_first"), ("crop", "no_crop"),
     ("continue", "reset_on_prefill"), ("deepcopy", "shared_copy"), ("lengths", "off_by_one"),
-    ("lengths", "mask_size"), ("edit", "undo_edits"),
+    ("lengths", "mask_size"), ("edit", "undo_edits"), ("edit-rewrite", "undo_edits"), ("edit-inplace", "copy_out"),
 ]
 
 
@@ -538,5 +548,6 @@ def test_kv_nbytes_and_kernel_path(fmt: str) -> None:
     page_table = 8 * cfg.num_hidden_layers * b * (pages + 2)  # int32 block table + seq_lens, generous
     assert isinstance(n, int)
     assert elements * s * lo <= n <= elements * pages * block * hi + page_table, (n, elements * s)
+    step(model, cache, prompt(b, 1, seed=41))  # a decode step: the path the decode kernel dispatch took
     path = cache.kernel_path(layer_idx=0)
     assert isinstance(path, str) and "reference" in path, path  # on the CPU: the torch reference, said so
