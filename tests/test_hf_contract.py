@@ -59,15 +59,11 @@ PENDING_BEFORE_REWRITE: set[tuple[str, str]] = {
     *(("bytes", fmt) for fmt in PASSTHROUGH + LOSSY),
     *(("static", fmt) for fmt in PASSTHROUGH + LOSSY),
 }
-#: With the rewrite (branch hfpath at 480bc87): dither-int8 refuses to duplicate rows (beam search,
-#: batch_repeat_interleave: "stored codes are bound to their slots"), kv4rl's batch_repeat_interleave
-#: raises IndexError, kv4rl refuses crop (assisted / prompt-lookup decoding die), and an unknown
-#: option's error does not name it; an in-place edit of the tensor ``layer.values`` hands out is
-#: silently lost (assignment is refused with a clear error); kv4rl refuses crop in a static pool too.
+#: With the rewrite (branch hfpath at 74b339c): an in-place edit of the tensor ``layer.values`` hands
+#: out is silently lost (assignment is refused with a clear error), and in a static dither-int8 pool
+#: assisted decoding overflows max_len=48 for a 44-token sequence (crops never reuse a slot).
 PENDING_WITH_REWRITE: set[tuple[str, str]] = {
-    *(("edit-inplace", fmt) for fmt in PASSTHROUGH + LOSSY),
-    ("beam", "dither-int8"), ("batch_ops", "dither-int8"), ("batch_ops", "kv4rl"), ("crop", "kv4rl"),
-    ("validate", "no_such_option"), ("static", "kv4rl"),
+    *(("edit-inplace", fmt) for fmt in PASSTHROUGH + LOSSY), ("static", "dither-int8"),
 }
 PENDING = PENDING_WITH_REWRITE if hasattr(kvlib, "kernel_formats") else PENDING_BEFORE_REWRITE
 
@@ -251,10 +247,13 @@ def check_crop(kind: Kind) -> None:
         assert cache.get_seq_length() == 14
         logits.append(torch.stack([step(model, cache, b[:, i:i + 1]) for i in range(2)], 1))
     assert_agrees(kind, logits[1], logits[0], "decode after crop(-3)")
-    # and, in any format, the cropped cache is the cache that never held the removed tokens
+    # and the cropped cache is the cache that never held the removed tokens, to rounding; a dithered
+    # format may draw fresh dither for the tokens after a crop (a slot is never reused, so dither
+    # stays independent), which moves the logits within the format's own tolerance only
     want = forced_logits(model, kind.make(model), ids, torch.cat([a[:, :2], b], 1))[:, -2:]
     err = rel_err(logits[1], want)
-    assert err <= 1e-5, f"{kind}: decode after crop(-3) differs from a fresh cache of the same format by {err:.3g}"
+    fresh_tol = kind.tol if kind.name == "kvlib:dither-int8" else 1e-5
+    assert err <= fresh_tol, f"{kind}: decode after crop(-3) differs from a fresh cache of the same format by {err:.3g}"
 
 
 def check_continue(kind: Kind) -> None:
