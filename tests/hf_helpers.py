@@ -31,7 +31,7 @@ def tiny_model(arch: str = "llama", head_dim: int = 32, dtype: torch.dtype = tor
     """A tiny random decoder in eval mode on the CPU.
 
     HF's default ``initializer_range=0.02``: the greedy margins (>= 0.019 std of the logits on the
-    prompts check_greedy uses) sit two orders of magnitude above fp32 rounding, so a token flip means a cache
+    prompts check_greedy uses) sit 200x above the 1e-4 tolerance of fp32 rounding, so a token flip means a cache
     bug, not a near tie. EOS is disabled so every generation produces exactly ``max_new_tokens``.
     """
     cls, offset = ARCHS[arch]
