@@ -161,7 +161,12 @@ def save_result(
 
 
 def load_result(name: str, profile: str) -> dict[str, Any] | None:
-    path = results_dir(profile) / f"{name}.json"
+    """The result ``name`` of ``profile``, or None when absent. ``dev/<probe>`` names a development probe's
+    result, kept with the probes in the top-level ``dev/results/`` (recorded on the GPU; ``profile`` unused)."""
+    if name.startswith("dev/"):
+        path = repo_root() / "dev" / "results" / f"{name[4:]}.json"
+    else:
+        path = results_dir(profile) / f"{name}.json"
     if not path.exists():
         return None
     return json.loads(path.read_text())
