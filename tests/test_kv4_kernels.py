@@ -31,6 +31,7 @@ from kvlib.kernels.int4.decode import (
     prepare_query_ref,
     region_attention_ref,
     tma_applies,
+    tma_refusal,
 )
 from kvlib.kernels.int4.protected import protected_decode, protected_decode_ref
 
@@ -365,26 +366,80 @@ def test_sweep_tiny_wiring():
     assert res["best"]["kv4_ms"] > 0 and set(res["kv4rl"]) >= {"best_fused", "best_two_launch"}
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(k_mode="trans", block_n=32), dict(block_n=64, num_splits=1),
-                                dict(block_n=32, pipe_edges=True)],
-                         ids=["bytes", "trans", "one_split", "pipe_edges"])
+TMA_KW = [dict(), dict(k_mode="trans", block_n=64), dict(block_n=128, num_splits=1), dict(block_n=64, pipe_edges=True)]
+
+
+@pytest.mark.parametrize("kw", TMA_KW, ids=["bytes", "trans", "one_split", "pipe_edges"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 def test_tma_descriptor_path_matches_reference(kw, with_side, device):
-    """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks)."""
-    n = 96
+    """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks), over enough blocks
+    that a split's pipelined loop cycles through every shared-memory stage (the second stage is where a box
+    that is not a multiple of 128 bytes lands misaligned)."""
+    n = 256
     g = torch.Generator().manual_seed(5)
     q = torch.randn(B, HQ, D, generator=g).to(device)
     k, v = torch.randn(B, HKV, n, D, generator=g).to(device), torch.randn(B, HKV, n, D, generator=g).to(device)
-    c = build_kv4_batch(k, v, torch.tensor([96, 41, 7], device=device), sink=4, recent=16)
+    c = build_kv4_batch(k, v, torch.tensor([256, 141, 7], device=device), sink=4, recent=16)
     cfg = DEFAULT_CONFIG.replace(tma=True, **kw)
     assert tma_applies(cfg, n, D) and not tma_applies(cfg, 90, D) and not tma_applies(cfg.replace(int_pv=True), n, D)
     qp = prepare_query_ref(q)
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *c.main_range())
     side = side_buffer(c) if with_side else None
-    o, lse = kv4_main_decode(*args, config=cfg, side=side, backend="triton")
+    lp = plan_kv4_decode(*args, config=cfg, side=side, backend="triton")
+    assert lp.tma and lp.tma_note == ""
+    o, lse = lp.run()
     o_ref, lse_ref = kv4_main_decode(*args, side=side, backend="torch")
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 2e-2 if with_side else 2e-3)  # bf16 PV operands on the protected region
+
+
+def test_tma_refusals_are_named_on_the_launch_record(device):
+    """Shapes the descriptors cannot serve run the pointer loads, and the launch record says why: block_n 16/32
+    (fp16 scale boxes of 32/64 bytes would put the next pipeline stage off TMA's 128-byte shared-memory alignment:
+    the first H200 run's 'misaligned address'), N not a multiple of 8, integer PV; without ``tma`` no note."""
+    base = DEFAULT_CONFIG.replace(tma=True)
+    for bn in (16, 32):
+        assert "128-byte" in tma_refusal(base.replace(block_n=bn), 256, 64)
+    assert tma_refusal(base.replace(block_n=64), 256, 64) is None and tma_refusal(base, 256, 128) is None
+    assert "N % 8" in tma_refusal(base, 90, 64) and "fp16 PV" in tma_refusal(base.replace(int_pv=True), 256, 64)
+    assert "d % 32" in tma_refusal(base, 256, 48) and tma_refusal(DEFAULT_CONFIG, 90, 48) is None
+    q, k, v = _qkv(4, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
+    args = (prepare_query_ref(q), c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off,
+            torch.zeros_like(c.lengths), c.lengths)
+    lp = plan_kv4_decode(*args, config=base.replace(block_n=32), backend="triton")
+    assert not lp.tma and "N % 8" in lp.tma_note  # N = 90 is refused first
+    assert plan_kv4_decode(*args, config=DEFAULT_CONFIG, backend="triton").tma_note == ""
+
+
+@gpu
+@pytest.mark.parametrize("kw", [dict(), dict(block_n=64), dict(block_n=64, k_mode="trans")],
+                         ids=["bn256", "bn64", "bn64_trans"])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_tma_at_a_real_shape_on_gpu(with_side, kw):
+    """TMA at Qwen2.5-7B's attention shape (d = 128, 28/4 heads, ragged lengths to 4k), where the benchmarks use
+    it: kernel against reference and against the pointer-load kernel."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 64], device="cuda")
+    b, n, d = lengths.shape[0], 4096, 128
+    q = torch.randn(b, 28, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    v = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=64) if with_side else build_kv4_batch(k, v, lengths)
+    main = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    qp = prepare_query(q)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *main)
+    cfg = DEFAULT_CONFIG.replace(tma=True, **kw)
+    lp = plan_kv4_decode(*args, side=side, config=cfg)
+    assert lp.tma, lp.tma_note
+    o, lse = lp.run()
+    o_p, lse_p = kv4_main_decode(*args, side=side, config=cfg.replace(tma=False))
+    o_ref, lse_ref = kv4_main_decode(*args, side=side, backend="torch")
+    _close(lse, lse_ref, 1e-3)
+    _close(o, o_ref, 2e-2 if with_side else 5e-3)
+    _close(lse, lse_p, 1e-4)
+    _close(o, o_p, 1e-3)
 
 
 @pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
