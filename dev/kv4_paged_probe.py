@@ -93,7 +93,8 @@ def main() -> None:
         for bs in PAGE_SIZES:
             row[f"ratio_paged_bs{bs}"] = row[f"paged_bs{bs}_ms"] / row["contiguous_ms"]
             print(f"{kind} B={B} S={S} Hq={HQ} Hkv={HKV} d={D}: contiguous {row['contiguous_ms']:.4f} ms, "
-                  f"paged block_size={bs} {row[f'paged_bs{bs}_ms']:.4f} ms, paged/contiguous "
+                  f"paged block_size={bs} ({row[f'paged_bs{bs}_launch']['path']}) {row[f'paged_bs{bs}_ms']:.4f} ms, "
+                  f"paged/contiguous "
                   f"{row[f'ratio_paged_bs{bs}']:.3f}, max |do| {row[f'paged_bs{bs}_max_abs_do']:.2e}", flush=True)
         rows[kind] = row
     out = dict(started=started.isoformat(), device=torch.cuda.get_device_name(), shape=dict(B=B, S=S, Hq=HQ, Hkv=HKV,

@@ -599,15 +599,16 @@ def _paged_args(qp, pool, start, end):
             pool["block_table"], start, end)
 
 
-PAGED = [  # (block_size, config): tiles spanning pages, pages larger than a tile, one split and several
+PAGED = [  # (block_size, config): tiles spanning pages (per-row lookups), tiles inside pages, one split and several
     (16, dict(block_n=32, num_splits=3)),
     (8, dict(block_n=16, num_splits=1)),
     (64, dict(block_n=16, num_splits=2, tile_sums=False)),
+    (32, dict(block_n=32, num_splits=2)),
 ]
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16"])
+@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16", "bs32_bn32"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw, group, device):
     """A shuffled, non-contiguous pool with ragged lengths (one empty request), KV4 over whole requests or
@@ -642,7 +643,8 @@ def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw
     _close(lse_ref, lse_cr, 1e-5)
     _close(o_ref, o_cr, 1e-5)
     lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
-    assert lp.path == "paged-rows" and lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
+    assert lp.path == ("paged-tiles" if block_size % kw["block_n"] == 0 else "paged-rows")
+    assert lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
 
 
 @pytest.mark.skipif(DEV.type == "cuda", reason="the interpreter's d = 64 case; the GPU runs every test at d = 64")

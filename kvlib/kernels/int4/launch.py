@@ -163,7 +163,9 @@ class KV4Launch:
     :meth:`launch` itself (with another ``grid``, or without the merge) instead of flipping module state.
     """
 
-    path: str  #: "contiguous" (``[B, Hkv, N, ...]`` rows) or "paged-rows" (a page-table lookup per position)
+    #: "contiguous" (``[B, Hkv, N, ...]`` rows), "paged-tiles" (one page-table entry per tile) or "paged-rows"
+    #: (one per position)
+    path: str
     grid: tuple[int, int, int]
     splits: int  #: INT4 split programs per (request, kv head)
     states: int  #: states per pair: the splits plus the protected region's
