@@ -49,25 +49,36 @@ from kvlib.kernels.int4.tl_helpers import LN2_C, LOG2E, V_UNSUB, _edges, _keep, 
 
 
 @triton.jit
-def _pool_scales(ptr, row, h, PAIR: tl.constexpr):
+def _half_f32(w, h, FAST: tl.constexpr):
+    """fp16 half ``h & 1`` of int32 words ``w`` (heads ``h & ~1``, ``h | 1``) as fp32. FAST: one ``prmt`` moves the
+    two bytes down (its selector built from ``h`` once per program), one ``cvt`` widens them."""
+    if FAST:
+        sel = tl.full(w.shape, 0x4410, tl.int32) + (h & 1) * 0x22  # bytes {0, 1} or {2, 3}, then zeros
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 l, u; prmt.b32 t, $1, 0, $2; mov.b32 {l, u}, t; cvt.f32.f16 $0, l; }",
+            "=r,r,r", [w, sel], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    bits = (w >> ((h & 1) * 16)) & 0xFFFF
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pool_scales(ptr, row, h, PAIR: tl.constexpr, FAST: tl.constexpr):
     """fp16 pool scales at element indices ``row`` (``(page * PAGE + slot) * HKV + h``) as fp32. PAIR (``HKV`` even):
     read the int32 word holding heads ``h & ~1`` and ``h | 1`` and keep this head's half, so each load is 32 bits
-    wide (the software pipeliner makes asynchronous copies of those, not of 16-bit gathers)."""
+    wide (the software pipeliner makes asynchronous copies of those, not of 16-bit gathers, which stay synchronous
+    loads in the loop)."""
     if PAIR:
-        w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (row >> 1))
-        bits = (w >> ((h & 1) * 16)) & 0xFFFF
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return _half_f32(tl.load(ptr.to(tl.pointer_type(tl.int32)) + (row >> 1)), h, FAST)
     return tl.load(ptr + row).to(tl.float32)
 
 
 @triton.jit
-def _tile_scales(base, i, h, PAIR: tl.constexpr):
+def _tile_scales(base, i, h, PAIR: tl.constexpr, FAST: tl.constexpr):
     """fp16 pool scales at ``base + i`` (``base``: the tile's first row of this head) as fp32; PAIR: through the int32
     words of head pairs, as :func:`_pool_scales` (``base - (h & 1)`` is the pair's even, 4-byte aligned element)."""
     if PAIR:
-        w = tl.load((base - (h & 1)).to(tl.pointer_type(tl.int32)) + i // 2)
-        bits = (w >> ((h & 1) * 16)) & 0xFFFF
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return _half_f32(tl.load((base - (h & 1)).to(tl.pointer_type(tl.int32)) + i // 2), h, FAST)
     return tl.load(base + i).to(tl.float32)
 
 
@@ -100,10 +111,10 @@ def _paged_step(
         page = _scalar_load(BTb + n0 // PAGE)
         r0 = (page.to(tl.int64) * PAGE + n0 % PAGE) * HKV + h  # the tile's first (page, slot, kv head) row
         i = tl.arange(0, BLOCK_N) * HKV
-        ks = _tile_scales(KS + r0, i, h, PAIR)
-        ko = _tile_scales(KO + r0, i, h, PAIR)
-        vs = _keep(_tile_scales(VS + r0, i, h, PAIR), valid, 0.0, MASKED)
-        vo = _keep(_tile_scales(VO + r0, i, h, PAIR), valid, 0.0, MASKED)
+        ks = _tile_scales(KS + r0, i, h, PAIR, FAST)
+        ko = _tile_scales(KO + r0, i, h, PAIR, FAST)
+        vs = _keep(_tile_scales(VS + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
+        vo = _keep(_tile_scales(VO + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
         kc_ptr = KC + r0 * HALF + i[:, None] * HALF + half[None, :]
         vw_ptr = VW + r0 * QV + i[:, None] * QV + qv[None, :]
     else:
@@ -112,10 +123,10 @@ def _paged_step(
         else:
             page = tl.load(BTb + offs // PAGE)
         row = (page.to(tl.int64) * PAGE + offs % PAGE) * HKV + h  # (page, slot, kv head) in the pool
-        ks = _pool_scales(KS, row, h, PAIR)
-        ko = _pool_scales(KO, row, h, PAIR)
-        vs = _keep(_pool_scales(VS, row, h, PAIR), valid, 0.0, MASKED)
-        vo = _keep(_pool_scales(VO, row, h, PAIR), valid, 0.0, MASKED)
+        ks = _pool_scales(KS, row, h, PAIR, FAST)
+        ko = _pool_scales(KO, row, h, PAIR, FAST)
+        vs = _keep(_pool_scales(VS, row, h, PAIR, FAST), valid, 0.0, MASKED)
+        vo = _keep(_pool_scales(VO, row, h, PAIR, FAST), valid, 0.0, MASKED)
         kc_ptr = KC + row[:, None] * HALF + half[None, :]
         vw_ptr = VW + row[:, None] * QV + qv[None, :]
     kct = tl.trans(tl.load(kc_ptr))
