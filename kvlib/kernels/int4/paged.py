@@ -11,11 +11,30 @@ Layout (one layer; the HF cache builds exactly these tensors):
 - ``side`` (KV4-RL): the per-sequence :class:`~kvlib.kernels.int4.launch.SideBuffer`, as in the contiguous path.
 
 The kernel is the contiguous one's bytes-mode step (INT8 query x INT4 codes for QK, fp16 ``p Δ_v`` x the codes as
-subnormal fp16 for PV, the same split plan, protected program and fused merge) with one change: each tile row
-looks up its page (an int32 load per position from the block table, cached), so a tile of ``block_n`` positions
-may span pages and any ``block_size`` works. This is the only paged path (``KV4Launch.path == "paged-rows"``):
-the scales of consecutive positions are ``H_kv`` apart, so they are 16-bit gathers (no int32 pairs, no TMA), and
-``k_mode``, ``int_pv`` and ``tma`` other than the defaults are refused rather than ignored.
+subnormal fp16 for PV, the same split plan, protected program and fused merge) reading rows through the table, on
+one of two paths (``KV4Launch.path``):
+
+- ``"paged-tiles"`` when ``block_size % block_n == 0``: each ``block_n``-position tile lies inside one page, so
+  one table entry per tile gives a scalar base, and the rows are addressed as the contiguous kernel addresses them
+  (loop-invariant 32-bit row offsets, ``H_kv`` rows apart; the same 16-byte code copies);
+- ``"paged-rows"`` otherwise (pages smaller than a tile, e.g. vLLM's 16): each row looks up its page (an int32
+  table gather per position, cached), so any ``block_size`` works, at the cost of a 64-bit address per row.
+
+The scales of consecutive positions are ``H_kv`` fp16 apart (no int32 position pairs as in the contiguous layout,
+no TMA); with ``H_kv`` even both paths read each as the int32 word of its head pair and keep its half (one
+``prmt``), so every load in the loop is an asynchronous copy of the software pipeliner. (The first version read
+them as 16-bit gathers, which stay synchronous loads inside the loop, and took about 2x the contiguous kernel's
+time at B=32, S=16k, Hq=28, Hkv=4, d=128, at block_size 16 and 256 alike, per-row lookups or not: the gathers are
+the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per
+thread per 256-position tile at d=128, GQA 4, H_kv=8 (``kvlib.kernels.sass``): contiguous 1,033; paged-tiles
+1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads; 64-bit bases);
+paged-rows 1,214 (plus the per-row table values and addresses); the 16-bit-gather version 1,137 (rows, page 16)
+and 1,186 (page 256) instructions, 8 of them synchronous global loads.
+
+**Recommended page size for INT4 pools: a multiple of ``block_n``** (256 with
+:data:`~kvlib.kernels.int4.config.DEFAULT_CONFIG`), so the kernel takes the tile path; with smaller pages pass a
+``config`` whose ``block_n`` divides ``block_size`` (at least 16) or accept the per-row path. ``k_mode``,
+``int_pv`` and ``tma`` other than the defaults are refused rather than ignored.
 """
 
 from __future__ import annotations
