@@ -665,6 +665,27 @@ def test_paged_decode_head_dim_64(device):
     _close(o, o_ref, 2e-2)
 
 
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (32, 32)], ids=["rows", "tiles"])
+def test_paged_decode_odd_kv_heads(block_size, block_n, device):
+    """Three kv heads: no head pairs to read the scales as int32 words, so both paths read them one by one."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode_ref, plan_kv4_paged_decode
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 6, D, generator=g).to(device)
+    k, v = torch.randn(2, 3, 70, D, generator=g).to(device), torch.randn(2, 3, 70, D, generator=g).to(device)
+    c = build_kv4_batch(k, v, torch.tensor([70, 45], device=device), sink=4, recent=8)
+    pool = _paged_pool(c, block_size, seed=2)
+    qp = prepare_query(q, backend="triton")
+    args = _paged_args(qp, pool, *c.main_range())
+    cfg = DEFAULT_CONFIG.replace(block_n=block_n, num_splits=2)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side_buffer(c), config=cfg, backend="triton")
+    assert lp.path == ("paged-tiles" if block_size % block_n == 0 else "paged-rows")
+    o, lse = lp.run()
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side_buffer(c))
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
+
+
 def test_paged_decode_refuses_what_it_does_not_run(device):
     """Options the paged kernel does not implement are errors naming the option, not silent fallbacks; so are a
     block_size that disagrees with the pool and a block table of another dtype or batch."""
@@ -695,7 +716,7 @@ def test_paged_decode_refuses_what_it_does_not_run(device):
 def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
     """Qwen2.5-7B's attention shape, ragged lengths to 4k, the default config (block_n 256: with 16-position pages
     a tile spans 16 of them), a shuffled pool: kernel against the paged reference and the contiguous kernel."""
-    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+    from kvlib.kernels.int4.decode import kv4_paged_decode_ref, plan_kv4_paged_decode
 
     g = torch.Generator(device="cuda").manual_seed(5)
     lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 0], device="cuda")
@@ -709,7 +730,9 @@ def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
     pool = _paged_pool(c, block_size, seed=9)
     qp = prepare_query(q)
     args = _paged_args(qp, pool, start, end)
-    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side)
+    assert lp.path == ("paged-tiles" if block_size == 256 else "paged-rows")  # the default block_n is 256
+    o, lse = lp.run()
     o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
     _close(lse, lse_ref, 1e-3)
     _close(o, o_ref, 2e-2 if with_side else 5e-3)
