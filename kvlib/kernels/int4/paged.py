@@ -25,11 +25,11 @@ no TMA); with ``H_kv`` even both paths read each as the int32 word of its head p
 ``prmt``), so every load in the loop is an asynchronous copy of the software pipeliner. (The first version read
 them as 16-bit gathers, which stay synchronous loads inside the loop, and took about 2x the contiguous kernel's
 time at B=32, S=16k, Hq=28, Hkv=4, d=128, at block_size 16 and 256 alike, per-row lookups or not: the gathers are
-the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per
-thread per 256-position tile at d=128, GQA 4, H_kv=8 (``kvlib.kernels.sass``): contiguous 1,033; paged-tiles
-1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads; 64-bit bases);
-paged-rows 1,214 (plus the per-row table values and addresses); the 16-bit-gather version 1,137 (rows, page 16)
-and 1,186 (page 256) instructions, 8 of them synchronous global loads.
+the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per thread per
+256-position tile at d=128, 8 query rows (``python -m dev.kv4_paged_probe --sass``): contiguous 1,033;
+paged-tiles 1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads;
+64-bit bases); paged-rows 1,214 (plus the per-row table values and addresses); the 16-bit-gather version 1,137
+(rows, page 16) and 1,186 (page 256), 8 of them synchronous global loads.
 
 **Recommended page size for INT4 pools: a multiple of ``block_n``** (256 with
 :data:`~kvlib.kernels.int4.config.DEFAULT_CONFIG`), so the kernel takes the tile path; with smaller pages pass a
