@@ -28,7 +28,8 @@ time at B=32, S=16k, Hq=28, Hkv=4, d=128, at block_size 16 and 256 alike, per-ro
 the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per thread per
 256-position tile at d=128, 8 query rows (``python -m dev.kv4_paged_probe --sass``): contiguous 1,033;
 paged-tiles 1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads;
-64-bit bases); paged-rows 1,214 (plus the per-row table values and addresses); the 16-bit-gather version 1,137
+64-bit bases); paged-rows 1,190 (plus the per-row table values from shared memory and a 64-bit address per row;
+1,214 before the in-page offset was made loop-invariant); the 16-bit-gather version 1,137
 (rows, page 16) and 1,186 (page 256), 8 of them synchronous global loads.
 
 **Recommended page size for INT4 pools: a multiple of ``block_n``** (256 with
@@ -141,7 +142,9 @@ def _paged_step(
             page = tl.load(BTb + offs // PAGE, mask=valid, other=0)
         else:
             page = tl.load(BTb + offs // PAGE)
-        row = (page.to(tl.int64) * PAGE + offs % PAGE) * HKV + h  # (page, slot, kv head) in the pool
+        # (page, slot, kv head) in the pool: the page's 64-bit base plus a 32-bit in-page offset, which with
+        # BLOCK_N % PAGE == 0 (powers of two) is the same every tile
+        row = page.to(tl.int64) * (PAGE * HKV) + ((tl.arange(0, BLOCK_N) + n0 % PAGE) % PAGE * HKV + h)
         ks = _pool_scales(KS, row, h, PAIR, FAST)
         ko = _pool_scales(KO, row, h, PAIR, FAST)
         vs = _keep(_pool_scales(VS, row, h, PAIR, FAST), valid, 0.0, MASKED)
