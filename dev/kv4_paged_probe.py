@@ -2,9 +2,12 @@
 timed side by side with the contiguous launch (:func:`kvlib.kernels.int4.launch.kv4_main_decode`) on the same
 codes, under CUDA graphs in interleaved rounds, at the kv4 benchmark's long shape with Qwen2.5-7B's heads
 (B=32, S=16k, Hq=28, Hkv=4, d=128), for several page sizes; prints ``paged / contiguous`` per page size and the
-largest output difference between the two.
+largest output difference between the two. Page size 256 takes the ``"paged-tiles"`` path (the default
+``block_n`` is 256), 16 the ``"paged-rows"`` one (the launch records say so).
 
-``PYTHONPATH=. python -m dev.kv4_paged_probe [OUT.json]``
+``PYTHONPATH=. python -m dev.kv4_paged_probe [OUT.json]``; ``--sass`` instead compiles the contiguous and paged
+kernels for sm_90 without a GPU (:mod:`kvlib.kernels.sass`'s tooling) and prints their main-loop instruction
+counts per thread per tile at this shape (d = 128, GQA 7, Hkv 4) and their commonest opcodes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,44 @@ def paged_pool(cache, block_size: int, seed: int = 0) -> dict:
     return pool
 
 
+def sass_counts() -> dict:
+    """Offline sm_90 loop statistics of the contiguous kernel and both paged paths (default config, bytes mode)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG
+    from kvlib.kernels.int4.paged import _kv4_paged_kernel
+    from kvlib.kernels.int4.region import _kv4_decode_kernel
+    from kvlib.kernels.sass import KV4_POINTERS, _compile, _tool, loop_stats
+
+    cfg, g = DEFAULT_CONFIG, HQ // HKV
+    common = dict(HKV=HKV, G=g, GP=max(8, 1 << (g - 1).bit_length()), D=D, BLOCK_N=cfg.block_n,
+                  TILE_SUMS=cfg.tile_sums, PROT=False, BLOCK_P=cfg.block_p, INTERP=False)
+    kernels = {"contiguous": (_kv4_decode_kernel, common | dict(INT_PV=False, KMODE=_KMODES.index("bytes"),
+                                                                 SCALE32=True, EVEN=True, TMA=False), KV4_POINTERS)}
+    for name, page in (("paged-tiles", 256), ("paged-rows", 16)):
+        kernels[name] = (_kv4_paged_kernel, common | dict(PAGE=page, TILES=page % cfg.block_n == 0),
+                         KV4_POINTERS | {"BT": "*i32"})
+    out = {}
+    for name, (kernel, const, ptrs) in kernels.items():
+        cc = _compile(kernel, const, ptrs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cc.asm["cubin"])
+            sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                                  check=True).stdout
+        out[name] = loop_stats(sass)
+        print(f"{name}: {out[name]['instructions']} loop instructions per thread per {cfg.block_n}-position tile; "
+              f"top opcodes {out[name]['top_opcodes']}", flush=True)
+    return out
+
+
 def main() -> None:
+    if "--sass" in sys.argv:
+        sass_counts()
+        return
     started = datetime.datetime.now(datetime.UTC)
     lengths = torch.full((B,), S, dtype=torch.int32, device="cuda")
     cache = random_kv4_batch(lengths, S, SINK, RECENT, hkv=HKV, d=D)
@@ -93,7 +133,8 @@ def main() -> None:
         for bs in PAGE_SIZES:
             row[f"ratio_paged_bs{bs}"] = row[f"paged_bs{bs}_ms"] / row["contiguous_ms"]
             print(f"{kind} B={B} S={S} Hq={HQ} Hkv={HKV} d={D}: contiguous {row['contiguous_ms']:.4f} ms, "
-                  f"paged block_size={bs} {row[f'paged_bs{bs}_ms']:.4f} ms, paged/contiguous "
+                  f"paged block_size={bs} ({row[f'paged_bs{bs}_launch']['path']}) {row[f'paged_bs{bs}_ms']:.4f} ms, "
+                  f"paged/contiguous "
                   f"{row[f'ratio_paged_bs{bs}']:.3f}, max |do| {row[f'paged_bs{bs}_max_abs_do']:.2e}", flush=True)
         rows[kind] = row
     out = dict(started=started.isoformat(), device=torch.cuda.get_device_name(), shape=dict(B=B, S=S, Hq=HQ, Hkv=HKV,

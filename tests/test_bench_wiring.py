@@ -42,21 +42,28 @@ def test_call_bytes_from_byte_accounts():
         grid.call_bytes("nope", lengths, shape)
 
 
-def test_decode_grid_wiring_tiny():
+def test_decode_grid_wiring_tiny(monkeypatch):
+    # on a GPU the tiny grid runs at d = 128, the head dim every GPU kernel serves (the h10/h8/Gluon kernels need
+    # d = 4 x 32, the KV4 kernel d >= 64); the CPU interpreter keeps CPU_SHAPE's d = 32
+    if torch.cuda.is_available():
+        monkeypatch.setattr(grid, "CPU_SHAPE", grid.HeadShape(grid.CPU_SHAPE.hq, grid.CPU_SHAPE.hkv, 128))
+    shape = grid.CPU_SHAPE
     res = grid.run("ci", batches=(1,), ctxs=(40,))
     (row,) = res["rows"]
+    assert res["shape"]["d"] == shape.d
     expected = set(grid.ALL_METHODS) - {"int8_nophilox"} if grid.skip_philox_kw() is None else set(grid.ALL_METHODS)
-    if grid.CPU_SHAPE.d != 4 * grid.INT8_GROUP:  # the h10 kernel's shape rule: skipped with a note, not silently
+    if shape.d != 4 * grid.INT8_GROUP:  # the h10 kernel's shape rule: skipped with a note, not silently
         expected -= {m for m in grid.ALL_METHODS if m.startswith(("int8_h10", "int8_h8"))}
         assert any("int8_h10" in n for n in row["notes"])
     assert set(row["methods"]) == expected, row["notes"]
-    # bytes per position per head and side at CPU_SHAPE (d = 32), from the formats' layouts: bf16 2 B x 32;
-    # INT8 32 codes + one fp16 scale per group of 32; KV4 16 B of nibbles + fp16 scale and offset; KV4-RL keeps
-    # all 40 positions in its INT8 side buffer (sink 16 + recent 128 >= 40): 32 codes + one fp16 scale
-    per_pos = {"bf16": 64, "dither-int8": 34, "kv4": 20, "kv4rl": 34}
+    # bytes per position per head and side, from the formats' layouts: bf16 2 B x d; INT8 d codes + one fp16 scale
+    # per group of 32; KV4 d/2 B of nibbles + fp16 scale and offset; KV4-RL keeps all 40 positions in its INT8 side
+    # buffer (sink 16 + recent 128 >= 40): d codes + one fp16 scale (d = 32: 64, 34, 20, 34)
+    d = shape.d
+    per_pos = {"bf16": 2 * d, "dither-int8": d + 2 * d // grid.INT8_GROUP, "kv4": d // 2 + 4, "kv4rl": d + 2}
     for name, t in row["methods"].items():
         assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
-        assert t["bytes"] == 40 * 2 * grid.CPU_SHAPE.hkv * per_pos[grid.METHOD_FORMAT[name]], name
+        assert t["bytes"] == 40 * 2 * shape.hkv * per_pos[grid.METHOD_FORMAT[name]], name
         assert t["GBps"] == pytest.approx(t["bytes"] / t["median_ms"] / 1e6)
     assert set(row["ratios"]) >= {"speedup_int8_cert", "speedup_kv4", "cert_cost", "kv4rl_frac_of_kv4"}
     assert res["copy"]["bandwidth_GBps"] > 0

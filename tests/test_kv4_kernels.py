@@ -31,6 +31,7 @@ from kvlib.kernels.int4.decode import (
     prepare_query_ref,
     region_attention_ref,
     tma_applies,
+    tma_refusal,
 )
 from kvlib.kernels.int4.protected import protected_decode, protected_decode_ref
 
@@ -365,26 +366,80 @@ def test_sweep_tiny_wiring():
     assert res["best"]["kv4_ms"] > 0 and set(res["kv4rl"]) >= {"best_fused", "best_two_launch"}
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(k_mode="trans", block_n=32), dict(block_n=64, num_splits=1),
-                                dict(block_n=32, pipe_edges=True)],
-                         ids=["bytes", "trans", "one_split", "pipe_edges"])
+TMA_KW = [dict(), dict(k_mode="trans", block_n=64), dict(block_n=128, num_splits=1), dict(block_n=64, pipe_edges=True)]
+
+
+@pytest.mark.parametrize("kw", TMA_KW, ids=["bytes", "trans", "one_split", "pipe_edges"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 def test_tma_descriptor_path_matches_reference(kw, with_side, device):
-    """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks)."""
-    n = 96
+    """TMA loads (N a multiple of 8; the copy engine's zero fill past N replaces the masks), over enough blocks
+    that a split's pipelined loop cycles through every shared-memory stage (the second stage is where a box
+    that is not a multiple of 128 bytes lands misaligned)."""
+    n = 256
     g = torch.Generator().manual_seed(5)
     q = torch.randn(B, HQ, D, generator=g).to(device)
     k, v = torch.randn(B, HKV, n, D, generator=g).to(device), torch.randn(B, HKV, n, D, generator=g).to(device)
-    c = build_kv4_batch(k, v, torch.tensor([96, 41, 7], device=device), sink=4, recent=16)
+    c = build_kv4_batch(k, v, torch.tensor([256, 141, 7], device=device), sink=4, recent=16)
     cfg = DEFAULT_CONFIG.replace(tma=True, **kw)
     assert tma_applies(cfg, n, D) and not tma_applies(cfg, 90, D) and not tma_applies(cfg.replace(int_pv=True), n, D)
     qp = prepare_query_ref(q)
     args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *c.main_range())
     side = side_buffer(c) if with_side else None
-    o, lse = kv4_main_decode(*args, config=cfg, side=side, backend="triton")
+    lp = plan_kv4_decode(*args, config=cfg, side=side, backend="triton")
+    assert lp.tma and lp.tma_note == ""
+    o, lse = lp.run()
     o_ref, lse_ref = kv4_main_decode(*args, side=side, backend="torch")
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 2e-2 if with_side else 2e-3)  # bf16 PV operands on the protected region
+
+
+def test_tma_refusals_are_named_on_the_launch_record(device):
+    """Shapes the descriptors cannot serve run the pointer loads, and the launch record says why: block_n 16/32
+    (fp16 scale boxes of 32/64 bytes would put the next pipeline stage off TMA's 128-byte shared-memory alignment:
+    the first H200 run's 'misaligned address'), N not a multiple of 8, integer PV; without ``tma`` no note."""
+    base = DEFAULT_CONFIG.replace(tma=True)
+    for bn in (16, 32):
+        assert "128-byte" in tma_refusal(base.replace(block_n=bn), 256, 64)
+    assert tma_refusal(base.replace(block_n=64), 256, 64) is None and tma_refusal(base, 256, 128) is None
+    assert "N % 8" in tma_refusal(base, 90, 64) and "fp16 PV" in tma_refusal(base.replace(int_pv=True), 256, 64)
+    assert "d % 32" in tma_refusal(base, 256, 48) and tma_refusal(DEFAULT_CONFIG, 90, 48) is None
+    q, k, v = _qkv(4, device)
+    c = build_kv4_batch(k, v, LENGTHS.to(device))
+    args = (prepare_query_ref(q), c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off,
+            torch.zeros_like(c.lengths), c.lengths)
+    lp = plan_kv4_decode(*args, config=base.replace(block_n=32), backend="triton")
+    assert not lp.tma and "N % 8" in lp.tma_note  # N = 90 is refused first
+    assert plan_kv4_decode(*args, config=DEFAULT_CONFIG, backend="triton").tma_note == ""
+
+
+@gpu
+@pytest.mark.parametrize("kw", [dict(), dict(block_n=64), dict(block_n=64, k_mode="trans")],
+                         ids=["bn256", "bn64", "bn64_trans"])
+@pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
+def test_tma_at_a_real_shape_on_gpu(with_side, kw):
+    """TMA at Qwen2.5-7B's attention shape (d = 128, 28/4 heads, ragged lengths to 4k), where the benchmarks use
+    it: kernel against reference and against the pointer-load kernel."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 64], device="cuda")
+    b, n, d = lengths.shape[0], 4096, 128
+    q = torch.randn(b, 28, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    v = torch.randn(b, 4, n, d, device="cuda", generator=g)
+    c = build_kv4_batch(k, v, lengths, sink=4, recent=64) if with_side else build_kv4_batch(k, v, lengths)
+    main = c.main_range() if with_side else (torch.zeros_like(c.lengths), c.lengths)
+    side = side_buffer(c) if with_side else None
+    qp = prepare_query(q)
+    args = (qp, c.k_codes, c.k_scale, c.k_off, c.v_codes, c.v_scale, c.v_off, *main)
+    cfg = DEFAULT_CONFIG.replace(tma=True, **kw)
+    lp = plan_kv4_decode(*args, side=side, config=cfg)
+    assert lp.tma, lp.tma_note
+    o, lse = lp.run()
+    o_p, lse_p = kv4_main_decode(*args, side=side, config=cfg.replace(tma=False))
+    o_ref, lse_ref = kv4_main_decode(*args, side=side, backend="torch")
+    _close(lse, lse_ref, 1e-3)
+    _close(o, o_ref, 2e-2 if with_side else 5e-3)
+    _close(lse, lse_p, 1e-4)
+    _close(o, o_p, 1e-3)
 
 
 @pytest.mark.parametrize("pipe_edges", [False, True], ids=["peeled", "pipe_edges"])
@@ -544,15 +599,16 @@ def _paged_args(qp, pool, start, end):
             pool["block_table"], start, end)
 
 
-PAGED = [  # (block_size, config): tiles spanning pages, pages larger than a tile, one split and several
+PAGED = [  # (block_size, config): tiles spanning pages (per-row lookups), tiles inside pages, one split and several
     (16, dict(block_n=32, num_splits=3)),
     (8, dict(block_n=16, num_splits=1)),
     (64, dict(block_n=16, num_splits=2, tile_sums=False)),
+    (32, dict(block_n=32, num_splits=2)),
 ]
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16"])
+@pytest.mark.parametrize(("block_size", "kw"), PAGED, ids=["bs16_bn32", "bs8_bn16", "bs64_bn16", "bs32_bn32"])
 @pytest.mark.parametrize("with_side", [False, True], ids=["kv4", "kv4rl"])
 def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw, group, device):
     """A shuffled, non-contiguous pool with ragged lengths (one empty request), KV4 over whole requests or
@@ -587,7 +643,8 @@ def test_paged_decode_matches_reference_and_contiguous(with_side, block_size, kw
     _close(lse_ref, lse_cr, 1e-5)
     _close(o_ref, o_cr, 1e-5)
     lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side, config=cfg, backend="triton")
-    assert lp.path == "paged-rows" and lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
+    assert lp.path == ("paged-tiles" if block_size % kw["block_n"] == 0 else "paged-rows")
+    assert lp.splits == kw["num_splits"] and lp.states == lp.splits + int(with_side)
 
 
 @pytest.mark.skipif(DEV.type == "cuda", reason="the interpreter's d = 64 case; the GPU runs every test at d = 64")
@@ -606,6 +663,27 @@ def test_paged_decode_head_dim_64(device):
     o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=16, side=side_buffer(c))
     _close(lse, lse_ref, 1e-4)
     _close(o, o_ref, 2e-2)
+
+
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (32, 32)], ids=["rows", "tiles"])
+def test_paged_decode_odd_kv_heads(block_size, block_n, device):
+    """Three kv heads: no head pairs to read the scales as int32 words, so both paths read them one by one."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode_ref, plan_kv4_paged_decode
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 6, D, generator=g).to(device)
+    k, v = torch.randn(2, 3, 70, D, generator=g).to(device), torch.randn(2, 3, 70, D, generator=g).to(device)
+    c = build_kv4_batch(k, v, torch.tensor([70, 45], device=device), sink=4, recent=8)
+    pool = _paged_pool(c, block_size, seed=2)
+    qp = prepare_query(q, backend="triton")
+    args = _paged_args(qp, pool, *c.main_range())
+    cfg = DEFAULT_CONFIG.replace(block_n=block_n, num_splits=2)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side_buffer(c), config=cfg, backend="triton")
+    assert lp.path == ("paged-tiles" if block_size % block_n == 0 else "paged-rows")
+    o, lse = lp.run()
+    o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side_buffer(c))
+    _close(lse, lse_ref, 1e-4)
+    _close(o, o_ref, 2e-2)  # bf16 PV operands on the protected region
 
 
 def test_paged_decode_refuses_what_it_does_not_run(device):
@@ -638,7 +716,7 @@ def test_paged_decode_refuses_what_it_does_not_run(device):
 def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
     """Qwen2.5-7B's attention shape, ragged lengths to 4k, the default config (block_n 256: with 16-position pages
     a tile spans 16 of them), a shuffled pool: kernel against the paged reference and the contiguous kernel."""
-    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
+    from kvlib.kernels.int4.decode import kv4_paged_decode_ref, plan_kv4_paged_decode
 
     g = torch.Generator(device="cuda").manual_seed(5)
     lengths = torch.tensor([4096, 1, 3000, 777, 2048, 129, 4000, 0], device="cuda")
@@ -652,7 +730,9 @@ def test_paged_decode_at_a_real_shape_on_gpu(with_side, block_size):
     pool = _paged_pool(c, block_size, seed=9)
     qp = prepare_query(q)
     args = _paged_args(qp, pool, start, end)
-    o, lse = kv4_paged_decode(*args, block_size=block_size, side=side)
+    lp = plan_kv4_paged_decode(*args, block_size=block_size, side=side)
+    assert lp.path == ("paged-tiles" if block_size == 256 else "paged-rows")  # the default block_n is 256
+    o, lse = lp.run()
     o_ref, lse_ref = kv4_paged_decode_ref(*args, block_size=block_size, side=side)
     _close(lse, lse_ref, 1e-3)
     _close(o, o_ref, 2e-2 if with_side else 5e-3)

@@ -32,7 +32,9 @@ class KV4KernelConfig:
     - ``block_p``: side slots per step of the KV4-RL protected region; ``maxnreg``: ptxas register cap.
     - ``tma``: read the code tiles and scales through Hopper TMA descriptors (bulk asynchronous copies, no
       per-thread addresses; k_mode "bytes"/"trans" with fp16 PV, ``N`` a multiple of 8 so every row stride is
-      16-byte aligned; otherwise the pointer loads are used: :func:`~kvlib.kernels.int4.launch.tma_applies`).
+      16-byte aligned, ``block_n`` a multiple of 64 so every pipeline stage of the fp16 scale boxes stays 128-byte
+      aligned in shared memory); otherwise the pointer loads are used and the launch record says why
+      (:func:`~kvlib.kernels.int4.launch.tma_refusal`).
     - ``pipe_edges``: a split's partial first and last blocks run the masked step inside the
       software-pipelined loop (one uniform branch per block), instead of as two peeled steps whose loads
       nothing prefetches. ``None``: on with a side buffer (a KV4-RL main region is unaligned at both ends),

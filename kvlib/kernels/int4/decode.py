@@ -59,6 +59,7 @@ from kvlib.kernels.int4.launch import (
     pipe_edges_applies,
     plan_kv4_decode,
     tma_applies,
+    tma_refusal,
 )
 from kvlib.kernels.int4.paged import kv4_paged_decode, kv4_paged_decode_ref, plan_kv4_paged_decode
 from kvlib.kernels.int4.query import QueryInt8, _prep_query_kernel, prepare_query, prepare_query_ref
@@ -71,5 +72,5 @@ __all__ = [
     "_KMODES", "_kv4_decode_kernel", "_prep_query_kernel", "default_num_splits", "fuse_merge_applies",
     "kv4_main_decode", "kv4_main_decode_ref", "kv4_paged_decode", "kv4_paged_decode_ref", "pipe_edges_applies",
     "plan_kv4_decode", "plan_kv4_paged_decode", "prepare_query", "prepare_query_ref", "region_attention_ref",
-    "tma_applies",
+    "tma_applies", "tma_refusal",
 ]

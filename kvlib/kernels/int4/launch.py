@@ -86,11 +86,40 @@ def _words(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(dtype) if x.shape[-1] % size == 0 else x
 
 
+#: smallest shared-memory alignment of a TMA destination (CUDA programming guide, "alignment requirements for
+#: multi-dimensional TMA"): Triton 3.6 packs a pipelined load's stages back to back, so every box must be a
+#: multiple of it or the second stage starts misaligned (``CUDA error: misaligned address``; the fp16 scale box of
+#: ``block_n = 32`` positions is 64 bytes: tests/test_kv4_kernels.py, first H200 run)
+TMA_SMEM_ALIGN = 128
+
+
+def tma_refusal(config: KV4KernelConfig, n: int, d: int) -> str | None:
+    """Why ``config.tma`` cannot take effect at capacity ``n`` and head dim ``d`` (``None``: it can, or it is off).
+
+    The step reading descriptors is the bytes or transposed one with fp16 PV; global rows must be 16-byte strided
+    (``n`` a multiple of 8 for the fp16 scales, ``d / 2`` bytes of codes a multiple of 16); a box dimension is at
+    most 256; and every box (``2 block_n`` bytes of scales, ``block_n d / 2`` of codes) a multiple of
+    :data:`TMA_SMEM_ALIGN` bytes, i.e. ``block_n`` a multiple of 64."""
+    if not config.tma:
+        return None
+    if config.k_mode == "planes" or config.int_pv:
+        return "tma reads bytes/trans key codes with fp16 PV only"
+    if n % 8:
+        return f"tma needs N % 8 == 0 (16-byte fp16 scale rows), got N={n}"
+    if d % 32:
+        return f"tma needs d % 32 == 0 (16-byte code rows), got d={d}"
+    if config.block_n > 256:
+        return f"tma boxes are at most 256 rows, got block_n={config.block_n}"
+    if (2 * config.block_n) % TMA_SMEM_ALIGN:
+        return (f"tma needs block_n % 64 == 0: a {2 * config.block_n}-byte fp16 scale box would leave the next "
+                f"pipeline stage off the {TMA_SMEM_ALIGN}-byte shared-memory alignment TMA requires")
+    return None
+
+
 def tma_applies(config: KV4KernelConfig, n: int, d: int) -> bool:
-    """Whether ``config.tma`` takes effect at capacity ``n`` and head dim ``d``: TMA rows must be 16-byte
-    aligned (``n`` a multiple of 8 for the fp16 scales) and the step reading them is the bytes or
-    transposed one with fp16 PV."""
-    return bool(config.tma) and config.k_mode != "planes" and not config.int_pv and n % 8 == 0 and d % 4 == 0
+    """Whether ``config.tma`` takes effect at capacity ``n`` and head dim ``d`` (see :func:`tma_refusal`; the launch
+    record's ``tma_note`` says why not)."""
+    return bool(config.tma) and tma_refusal(config, n, d) is None
 
 
 def pipe_edges_applies(config: KV4KernelConfig, side: bool) -> bool:
@@ -134,7 +163,9 @@ class KV4Launch:
     :meth:`launch` itself (with another ``grid``, or without the merge) instead of flipping module state.
     """
 
-    path: str  #: "contiguous" (``[B, Hkv, N, ...]`` rows) or "paged-rows" (a page-table lookup per position)
+    #: "contiguous" (``[B, Hkv, N, ...]`` rows), "paged-tiles" (one page-table entry per tile) or "paged-rows"
+    #: (one per position)
+    path: str
     grid: tuple[int, int, int]
     splits: int  #: INT4 split programs per (request, kv head)
     states: int  #: states per pair: the splits plus the protected region's
@@ -153,6 +184,7 @@ class KV4Launch:
     args: tuple = field(repr=False)
     meta: dict = field(repr=False)  #: constexprs and launch options
     kernel: object = field(default=None, repr=False)  #: the compiled kernel, after :meth:`launch`
+    tma_note: str = ""  #: why ``config.tma`` was not taken (:func:`tma_refusal`); empty when taken or not asked
 
     @property
     def merge(self) -> str:
@@ -287,7 +319,8 @@ def plan_kv4_decode(
     k8, k8s, v8, v8s, cnt = _side_args(side, q8, k_scale, start32)
     kc, kw, ks, ko, vc, vw, vs, vo = (k_codes, _words(k_codes, torch.int16), k_scale, k_off, v_codes,
                                       _words(v_codes, torch.int16), v_scale, v_off)
-    tma = tma_applies(cfg.replace(k_mode=k_mode), n, d)
+    tma_note = tma_refusal(cfg.replace(k_mode=k_mode), n, d) or ""
+    tma = bool(cfg.tma) and not tma_note
     if tma:
         kc, vw, ks, ko, vs, vo = _tma_descriptors(kc, vw, ks, ko, vs, vo, cfg.block_n)
     pdl = cfg.pdl and pdl_supported(qp.q8)
@@ -306,7 +339,7 @@ def plan_kv4_decode(
     )  # fmt: skip
     return KV4Launch(path="contiguous", grid=(b, hkv, ns), splits=splits, states=ns, k_mode=k_mode, rows=gp, tma=tma,
                      pipe_edges=pipe, fuse=fuse, pdl=pdl, backend=backend, o_s=o_s, lse_s=lse_s, o=o, lse=lse,
-                     fn=_kv4_decode_kernel, args=args, meta=meta)
+                     fn=_kv4_decode_kernel, args=args, meta=meta, tma_note=tma_note)
 
 
 def kv4_main_decode(

@@ -11,11 +11,31 @@ Layout (one layer; the HF cache builds exactly these tensors):
 - ``side`` (KV4-RL): the per-sequence :class:`~kvlib.kernels.int4.launch.SideBuffer`, as in the contiguous path.
 
 The kernel is the contiguous one's bytes-mode step (INT8 query x INT4 codes for QK, fp16 ``p Δ_v`` x the codes as
-subnormal fp16 for PV, the same split plan, protected program and fused merge) with one change: each tile row
-looks up its page (an int32 load per position from the block table, cached), so a tile of ``block_n`` positions
-may span pages and any ``block_size`` works. This is the only paged path (``KV4Launch.path == "paged-rows"``):
-the scales of consecutive positions are ``H_kv`` apart, so they are 16-bit gathers (no int32 pairs, no TMA), and
-``k_mode``, ``int_pv`` and ``tma`` other than the defaults are refused rather than ignored.
+subnormal fp16 for PV, the same split plan, protected program and fused merge) reading rows through the table, on
+one of two paths (``KV4Launch.path``):
+
+- ``"paged-tiles"`` when ``block_size % block_n == 0``: each ``block_n``-position tile lies inside one page, so
+  one table entry per tile gives a scalar base, and the rows are addressed as the contiguous kernel addresses them
+  (loop-invariant 32-bit row offsets, ``H_kv`` rows apart; the same 16-byte code copies);
+- ``"paged-rows"`` otherwise (pages smaller than a tile, e.g. vLLM's 16): each row looks up its page (an int32
+  table gather per position, cached), so any ``block_size`` works, at the cost of a 64-bit address per row.
+
+The scales of consecutive positions are ``H_kv`` fp16 apart (no int32 position pairs as in the contiguous layout,
+no TMA); with ``H_kv`` even both paths read each as the int32 word of its head pair and keep its half (one
+``prmt``), so every load in the loop is an asynchronous copy of the software pipeliner. (The first version read
+them as 16-bit gathers, which stay synchronous loads inside the loop, and took about 2x the contiguous kernel's
+time at B=32, S=16k, Hq=28, Hkv=4, d=128, at block_size 16 and 256 alike, per-row lookups or not: the gathers are
+the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per thread per
+256-position tile at d=128, 8 query rows (``python -m dev.kv4_paged_probe --sass``): contiguous 1,033;
+paged-tiles 1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads;
+64-bit bases); paged-rows 1,190 (plus the per-row table values from shared memory and a 64-bit address per row;
+1,214 before the in-page offset was made loop-invariant); the 16-bit-gather version 1,137
+(rows, page 16) and 1,186 (page 256), 8 of them synchronous global loads.
+
+**Recommended page size for INT4 pools: a multiple of ``block_n``** (256 with
+:data:`~kvlib.kernels.int4.config.DEFAULT_CONFIG`), so the kernel takes the tile path; with smaller pages pass a
+``config`` whose ``block_n`` divides ``block_size`` (at least 16) or accept the per-row path. ``k_mode``,
+``int_pv`` and ``tma`` other than the defaults are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -49,33 +69,89 @@ from kvlib.kernels.int4.tl_helpers import LN2_C, LOG2E, V_UNSUB, _edges, _keep, 
 
 
 @triton.jit
+def _half_f32(w, h, FAST: tl.constexpr):
+    """fp16 half ``h & 1`` of int32 words ``w`` (heads ``h & ~1``, ``h | 1``) as fp32. FAST: one ``prmt`` moves the
+    two bytes down (its selector built from ``h`` once per program), one ``cvt`` widens them."""
+    if FAST:
+        sel = tl.full(w.shape, 0x4410, tl.int32) + (h & 1) * 0x22  # bytes {0, 1} or {2, 3}, then zeros
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 l, u; prmt.b32 t, $1, 0, $2; mov.b32 {l, u}, t; cvt.f32.f16 $0, l; }",
+            "=r,r,r", [w, sel], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    bits = (w >> ((h & 1) * 16)) & 0xFFFF
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pool_scales(ptr, row, h, PAIR: tl.constexpr, FAST: tl.constexpr):
+    """fp16 pool scales at element indices ``row`` (``(page * PAGE + slot) * HKV + h``) as fp32. PAIR (``HKV`` even):
+    read the int32 word holding heads ``h & ~1`` and ``h | 1`` and keep this head's half, so each load is 32 bits
+    wide (the software pipeliner makes asynchronous copies of those, not of 16-bit gathers, which stay synchronous
+    loads in the loop)."""
+    if PAIR:
+        return _half_f32(tl.load(ptr.to(tl.pointer_type(tl.int32)) + (row >> 1)), h, FAST)
+    return tl.load(ptr + row).to(tl.float32)
+
+
+@triton.jit
+def _tile_scales(base, i, h, PAIR: tl.constexpr, FAST: tl.constexpr):
+    """fp16 pool scales at ``base + i`` (``base``: the tile's first row of this head) as fp32; PAIR: through the int32
+    words of head pairs, as :func:`_pool_scales` (``base - (h & 1)`` is the pair's even, 4-byte aligned element)."""
+    if PAIR:
+        return _half_f32(tl.load((base - (h & 1)).to(tl.pointer_type(tl.int32)) + i // 2), h, FAST)
+    return tl.load(base + i).to(tl.float32)
+
+
+@triton.jit
 def _paged_step(
     n0, start, end, h, BTb, KC, KS, KO, VW, VS, VO, q0, q1, a_q, c_q, m_i, l_i, acc0, acc1, acc2, acc3, acc_m,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILE_SUMS: tl.constexpr,
-    FAST: tl.constexpr, MASKED: tl.constexpr,
+    FAST: tl.constexpr, MASKED: tl.constexpr, TILES: tl.constexpr = False,
 ):  # fmt: skip
     """Positions ``[n0, n0 + BLOCK_N)`` through the block table ``BTb`` (this request's row): QK, online softmax,
     PV, as :func:`kvlib.kernels.int4.region._main_step` in bytes mode with fp16 PV.
 
-    Only the page-table load is masked (``MASKED == 1``, an edge block): a position outside ``[start, end)``
-    reads page 0 (in bounds), and its score becomes ``-inf`` and its value scales 0 by select, so whatever bits
-    that page holds never reach the output. Interior blocks (``MASKED == 0``) load unmasked.
+    TILES (``PAGE % BLOCK_N == 0``, ``"paged-tiles"``): the tile lies inside one page, so one table entry gives
+    every row (``row0 + i * HKV``: the contiguous kernel's addressing with a row stride of ``HKV`` rows); otherwise
+    (``"paged-rows"``) each row looks up its page. Only the page-table load of the rows path is masked
+    (``MASKED == 1``, an edge block): a position outside ``[start, end)`` reads page 0 (in bounds); in the tiles
+    path an edge tile's page is the one holding its valid positions, whose other slots are in bounds too. Either
+    way such positions get score ``-inf`` and value scales 0 by select, so whatever bits they hold never reach the
+    output. Interior blocks (``MASKED == 0``) load unmasked.
     """
     half = tl.arange(0, HALF)
     QV: tl.constexpr = HALF // 2
     qv = tl.arange(0, QV)
+    PAIR: tl.constexpr = HKV % 2 == 0
     offs = n0 + tl.arange(0, BLOCK_N)
     valid = (offs >= start) & (offs < end)
-    if MASKED == 1:
-        page = tl.load(BTb + offs // PAGE, mask=valid, other=0)
+    if TILES:
+        # one table entry; scalar bases (64-bit math once per tile) plus loop-invariant 32-bit row offsets, as the
+        # contiguous kernel addresses its rows (here HKV rows apart)
+        page = _scalar_load(BTb + n0 // PAGE)
+        r0 = (page.to(tl.int64) * PAGE + n0 % PAGE) * HKV + h  # the tile's first (page, slot, kv head) row
+        i = tl.arange(0, BLOCK_N) * HKV
+        ks = _tile_scales(KS + r0, i, h, PAIR, FAST)
+        ko = _tile_scales(KO + r0, i, h, PAIR, FAST)
+        vs = _keep(_tile_scales(VS + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
+        vo = _keep(_tile_scales(VO + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
+        kc_ptr = KC + r0 * HALF + i[:, None] * HALF + half[None, :]
+        vw_ptr = VW + r0 * QV + i[:, None] * QV + qv[None, :]
     else:
-        page = tl.load(BTb + offs // PAGE)
-    row = (page.to(tl.int64) * PAGE + offs % PAGE) * HKV + h  # (page, slot, kv head) in the pool
-    ks = tl.load(KS + row).to(tl.float32)
-    ko = tl.load(KO + row).to(tl.float32)
-    vs = _keep(tl.load(VS + row).to(tl.float32), valid, 0.0, MASKED)
-    vo = _keep(tl.load(VO + row).to(tl.float32), valid, 0.0, MASKED)
-    kct = tl.trans(tl.load(KC + row[:, None] * HALF + half[None, :]))
+        if MASKED == 1:
+            page = tl.load(BTb + offs // PAGE, mask=valid, other=0)
+        else:
+            page = tl.load(BTb + offs // PAGE)
+        # (page, slot, kv head) in the pool: the page's 64-bit base plus a 32-bit in-page offset, which with
+        # BLOCK_N % PAGE == 0 (powers of two) is the same every tile
+        row = page.to(tl.int64) * (PAGE * HKV) + ((tl.arange(0, BLOCK_N) + n0 % PAGE) % PAGE * HKV + h)
+        ks = _pool_scales(KS, row, h, PAIR, FAST)
+        ko = _pool_scales(KO, row, h, PAIR, FAST)
+        vs = _keep(_pool_scales(VS, row, h, PAIR, FAST), valid, 0.0, MASKED)
+        vo = _keep(_pool_scales(VO, row, h, PAIR, FAST), valid, 0.0, MASKED)
+        kc_ptr = KC + row[:, None] * HALF + half[None, :]
+        vw_ptr = VW + row[:, None] * QV + qv[None, :]
+    kct = tl.trans(tl.load(kc_ptr))
     s_int = tl.dot(q0, _nibbles_i8(kct, False, FAST))
     s_int = tl.dot(q1, _nibbles_i8(kct, True, FAST), s_int, out_dtype=tl.int32)
     if q0.shape[0] != m_i.shape[0]:  # q zero-padded to 16 rows: fold the zero rows away (exact)
@@ -86,7 +162,7 @@ def _paged_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     pv = p * (vs + 0.0 * vo)[None, :]  # vo feeds a dot so that its load is pipelined (see _main_step)
-    vw = tl.load(VW + row[:, None] * QV + qv[None, :])  # int16 words of four codes, channels 4i..4i+3
+    vw = tl.load(vw_ptr)  # int16 words of four codes, channels 4i..4i+3
     p16 = pv.to(tl.float16)
     acc0 = tl.dot(p16, _plane_f16(vw, 0, FAST), acc0 * alpha[:, None])
     acc1 = tl.dot(p16, _plane_f16(vw, 1, FAST), acc1 * alpha[:, None])
@@ -106,7 +182,7 @@ def _paged_step(
 def _paged_region(
     b, h, sp, QH, QS, QSUM, BT, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2, MAXB, SPLITS, NS,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, TILE_SUMS: tl.constexpr, INTERP: tl.constexpr,
+    PAGE: tl.constexpr, TILE_SUMS: tl.constexpr, INTERP: tl.constexpr, TILES: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of request ``b``'s INT4 range, as :func:`kvlib.kernels.int4.region._main_region` (aligned
     blocks, peeled partial edge blocks), reading the pool through the block table."""
@@ -149,14 +225,14 @@ def _paged_region(
     if head >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _paged_step(
             head * BLOCK_N, start, end, h, BTb, KC, KS, KO, VW, VS, VO, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, FAST, 1,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, FAST, 1, TILES,
         )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range()
         n0 = i_lo * BLOCK_N
         while n0 < i_hi * BLOCK_N:
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _paged_step(
                 n0, start, end, h, BTb, KC, KS, KO, VW, VS, VO, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, False, 0,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, False, 0, TILES,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -164,12 +240,12 @@ def _paged_region(
             n0 = tl.multiple_of(n0, BLOCK_N)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _paged_step(
                 n0, start, end, h, BTb, KC, KS, KO, VW, VS, VO, q0, q1, a_q, c_q,
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, True, 0,
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, True, 0, TILES,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _paged_step(
             tail * BLOCK_N, start, end, h, BTb, KC, KS, KO, VW, VS, VO, q0, q1, a_q, c_q,
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, FAST, 1,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HKV, HALF, BLOCK_N, PAGE, TILE_SUMS, FAST, 1, TILES,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)
@@ -197,6 +273,7 @@ def _kv4_paged_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, TILE_SUMS: tl.constexpr, PROT: tl.constexpr, BLOCK_P: tl.constexpr,
     INTERP: tl.constexpr, PDL: tl.constexpr = False, FUSE: tl.constexpr = False, NS_P: tl.constexpr = 1,
+    TILES: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(B, Hkv, SPLITS + PROT)``, as :func:`kvlib.kernels.int4.region._kv4_decode_kernel`: INT4 splits over
     the paged pool, the protected region as the last program of each pair, and with ``FUSE`` the merge."""
@@ -213,10 +290,10 @@ def _kv4_paged_kernel(
                               HKV, G, GP, D, BLOCK_P, INTERP)
         else:
             _paged_region(b, h, sp, QH, QS, QSUM, BT, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2,
-                          MAXB, SPLITS, NS, HKV, G, GP, D, BLOCK_N, PAGE, TILE_SUMS, INTERP)
+                          MAXB, SPLITS, NS, HKV, G, GP, D, BLOCK_N, PAGE, TILE_SUMS, INTERP, TILES)
     else:
         _paged_region(b, h, sp, QH, QS, QSUM, BT, KC, KS, KO, VW, VS, VO, START, END, OUT, LSE, sm_scale_log2,
-                      MAXB, SPLITS, NS, HKV, G, GP, D, BLOCK_N, PAGE, TILE_SUMS, INTERP)
+                      MAXB, SPLITS, NS, HKV, G, GP, D, BLOCK_N, PAGE, TILE_SUMS, INTERP, TILES)
     if FUSE:
         _last_merges(b, h, CNT, OUT, LSE, OFIN, LSEFIN, NS, HKV, G, GP, D, NS_P)
 
@@ -318,10 +395,13 @@ def plan_kv4_paged_decode(
     args = (q8, _words(q8, torch.int16), qp.scale, qp.qsum, block_table, k_codes, k_scale, k_off,
             _words(v_codes, torch.int16), v_scale, v_off, start32, end32, k8, k8s, v8, v8s, cnt,
             o_s, lse_s, counters, o, lse, sm_scale * LOG2E, maxb, max(c, 1), splits)
+    tiles = block_size % cfg.block_n == 0  # every tile inside one page: one table entry per tile
     meta = dict(HKV=hkv, G=g, GP=gp, D=d, BLOCK_N=cfg.block_n, PAGE=block_size, TILE_SUMS=bool(cfg.tile_sums),
+                TILES=tiles,
                 PROT=prot, BLOCK_P=cfg.block_p, INTERP=not qp.q8.is_cuda, PDL=pdl, FUSE=fuse,
                 NS_P=triton.next_power_of_2(ns) if fuse else 1, **_launch_options(cfg, pdl))
-    return KV4Launch(path="paged-rows", grid=(b, hkv, ns), splits=splits, states=ns, k_mode="bytes", rows=gp,
+    return KV4Launch(path="paged-tiles" if tiles else "paged-rows", grid=(b, hkv, ns), splits=splits, states=ns,
+                     k_mode="bytes", rows=gp,
                      tma=False, pipe_edges=False, fuse=fuse, pdl=pdl, backend=backend, o_s=o_s, lse_s=lse_s, o=o,
                      lse=lse, fn=_kv4_paged_kernel, args=args, meta=meta)
 
