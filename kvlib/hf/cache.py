@@ -142,7 +142,8 @@ class KVFormatLayer(CacheLayerMixin):
         c = self.cache
         c._ensure_store(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.table = c._new_table(key_states.shape[0])
+        if self.table is None:
+            self.table = c._new_table(key_states.shape[0])
         self.pad = [0] * key_states.shape[0]
         self.is_initialized = True
 
@@ -383,6 +384,8 @@ class KVFormatCache(Cache):
         super().__init__(layers=[KVFormatLayer(self, i) for i in range(self.n_layers)])
         if batch_size is not None and self.device is not None:
             self._build_store(batch_size, self.device)
+            for la in self.layers:  # static pools: the page tables too, once
+                la.table = self._new_table(batch_size)
 
     # -- construction -----------------------------------------------------------------------------
     def _build_store(self, batch: int, device: torch.device) -> None:

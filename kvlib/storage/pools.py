@@ -125,7 +125,7 @@ class Int8Store(Store):
                       include_outliers_in_amax=getattr(kf, "include_outliers_in_amax", False))
         self.k = PagedPool(side=0, n_out=n_out_k, dithered=self.dithered, **common)
         self.v = PagedPool(side=1, n_out=n_out_v, dithered=False, **common)
-        for side, pool in enumerate((self.k, self.v)):
+        for pool in (self.k, self.v):
             if pool.n_out:
                 for layer in range(self.n_layers):
                     pool.set_outlier_channels(layer, self.outlier_table[layer].to(torch.int64))
@@ -338,7 +338,8 @@ class Int4Store(Store):
         out = []
         for side in (0, 1):
             c = _unpack(self.codes[side][layer, flat])
-            x = c * self.scale[side][layer, flat].float().unsqueeze(-1) + self.off[side][layer, flat].float().unsqueeze(-1)
+            sc, off = self.scale[side][layer, flat].float(), self.off[side][layer, flat].float()
+            x = c * sc.unsqueeze(-1) + off.unsqueeze(-1)
             out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2).contiguous())
         return out[0], out[1]  # keys still rotated; see gather_rows
 

@@ -1,0 +1,157 @@
+"""Paged pools (kvlib.storage): writes bit-exact against each format's reference, shuffled non-contiguous
+pages and ragged rows, and the byte account (format formula x positions allocated + page tables)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvlib.formats.base import get_format
+from kvlib.formats.dither_int8 import dither_quantize
+from kvlib.hf.cache import kernel_formats, make_cache
+from kvlib.storage.blocks import BlockAllocator
+from kvlib.storage.pools import Int4Store, Int8Store, PlainStore
+
+D, HKV, L = 32, 2, 2
+
+
+def _cfg(head_dim: int = D) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
+                       num_key_value_heads=HKV, head_dim=head_dim, vocab_size=64)
+
+
+def _fill(fmt: str, lens: list[int], **opts):
+    """A cache filled the way a benchmark does (cache.update), rows ragged through the keep mask."""
+    torch.manual_seed(0)
+    cache = make_cache(fmt, _cfg(), block_size=4, shuffle_blocks=7, **opts)
+    b, s = len(lens), max(lens)
+    k = torch.randn(b, HKV, s, D) * 2
+    v = torch.randn(b, HKV, s, D)
+    keep = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
+    for layer in range(L):
+        la = cache.layers[layer]
+        la.lazy_initialization(k, v)
+        la._write(k, v, keep)
+        la.columns = s
+    return cache, k, v
+
+
+def _slots(cache, layer: int, b: int, n: int) -> torch.Tensor:
+    return cache.layers[layer].table.slot_table()[b, :n].long()
+
+
+def test_pages_are_shuffled_and_not_contiguous() -> None:
+    cache, _, _ = _fill("bf16", [11, 6])
+    bt = cache.layers[0].table.blocks
+    assert any(b2 != b1 + 1 for row in bt for b1, b2 in zip(row, row[1:]))
+    a = BlockAllocator(8, shuffle=1)
+    got = a.alloc(8)
+    assert sorted(got) == list(range(8)) and got != list(range(8)) and a.alloc(1) is None
+
+
+@pytest.mark.parametrize("layout,outliers", [("w24", False), ("h10", False), ("h8", True)])
+def test_dither_int8_pool_bit_exact(layout: str, outliers: bool) -> None:
+    table = torch.tensor([[[0, 16], [3, 19]]] * L) if outliers else None
+    cache, k, v = _fill("dither-int8", [11, 6], dither_layout=layout, outlier_table=table)
+    st = cache.store
+    assert isinstance(st, Int8Store)
+    for layer in range(L):
+        for b, n in enumerate([11, 6]):
+            sl = _slots(cache, layer, b, n)
+            for h in range(HKV):
+                oc = table[layer, h] if outliers else None
+                qk = dither_quantize(k[b, h, :n], layer=layer, kv_head=h, slots=sl, seed=0, group=32,
+                                     outlier_channels=oc, side=0, dither_layout=layout)
+                qv = dither_quantize(v[b, h, :n], layer=layer, kv_head=h, slots=sl, seed=0, group=32, side=1,
+                                     dithered=False, dither_layout=layout)
+                assert torch.equal(st.k.codes[layer, sl, h], qk.codes)
+                assert torch.equal(st.k.scales[layer, sl, h], qk.scales)
+                if outliers:
+                    assert torch.equal(st.k.outliers[layer, sl, h], qk.outliers)
+                assert torch.equal(st.v.codes[layer, sl, h], qv.codes)
+                assert torch.equal(st.v.scales[layer, sl, h], qv.scales)
+
+
+def test_rtn_int8_pool_bit_exact() -> None:
+    cache, k, v = _fill("rtn-int8", [9, 3])
+    fmt = get_format("rtn-int8")
+    for b, n in enumerate([9, 3]):
+        sl = _slots(cache, 1, b, n)
+        for h in range(HKV):
+            for pool, x in ((cache.store.k, k), (cache.store.v, v)):
+                p = fmt.write(x[b, h, :n])
+                assert torch.equal(pool.codes[1, sl, h], p.codes) and torch.equal(pool.scales[1, sl, h], p.scales)
+
+
+def test_kv4_pool_bit_exact() -> None:
+    cache, k, v = _fill("kv4", [10, 5])
+    st = cache.store
+    assert isinstance(st, Int4Store)
+    fmt = get_format("kv4")
+    for b, n in enumerate([10, 5]):
+        sl = _slots(cache, 0, b, n)
+        for h in range(HKV):
+            for side, x in ((0, k), (1, v)):
+                p = fmt.write(x[b, h, :n], side=side)
+                assert torch.equal(st.codes[side][0, sl, h], p.codes)
+                assert torch.equal(st.scale[side][0, sl, h], p.scale[:, 0])
+                assert torch.equal(st.off[side][0, sl, h], p.offset[:, 0])
+    pages = st.pages(0, 0)
+    assert pages[0].shape == (st.num_blocks, 4, HKV, D // 2) and pages[1].shape == (st.num_blocks, 4, HKV)
+
+
+def test_kv4rl_pool_and_side_buffer_bit_exact() -> None:
+    lens = [13, 5]
+    cache, k, v = _fill("kv4rl", lens, sink=2, recent=4)
+    st = cache.store
+    fmt = get_format("kv4rl", sink=2, recent=4)
+    for b, n in enumerate(lens):
+        for h in range(HKV):
+            for side, x in ((0, k), (1, v)):
+                ref = fmt.write(x[b, h, :n], side=side, positions=torch.arange(n))
+                sl = _slots(cache, 1, b, n)
+                assert torch.equal(st.codes[side][1, sl, h], ref.main.codes)
+                occ = ref.side_pos >= 0
+                assert torch.equal(st.side8[side][1, b, h][occ], ref.side[occ])
+                assert torch.equal(st.side_scale[side][1, b, h][occ], ref.side_scale[occ])
+    # the dequantised layer equals the format's read
+    kk, vv = cache.layers[1].dequantized()
+    for b, n in enumerate(lens):
+        ref = fmt.read(fmt.write(k[b, 0, :n], side=0, positions=torch.arange(n)))
+        assert torch.allclose(kk[b, 0, :n], ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt,opts", [("bf16", {}), ("fp16", {}), ("dither-int8", {}), ("rtn-int8", {}),
+                                      ("kv4", {}), ("kv4rl", {"sink": 2, "recent": 4}),
+                                      ("dither-int8", {"outlier_table": torch.tensor([[[0, 16], [3, 19]]] * L)})])
+def test_kv_nbytes_is_formula_times_positions_plus_tables(fmt: str, opts: dict) -> None:
+    cache, _, _ = _fill(fmt, [11, 6], **opts)
+    st = cache.store
+    positions = L * st.n_slots * HKV
+    tables = sum(la.table.block_table.numel() * 4 + la.table.seq_lens.numel() * 4 for la in cache.layers)
+    assert cache.kv_nbytes() == st.bytes_per_position() * positions + st.fixed_bytes() + tables
+    kf = get_format(fmt, **{k: v for k, v in opts.items() if k != "outlier_table"})
+    if fmt in ("bf16", "fp16", "rtn-int8", "kv4"):
+        assert st.bytes_per_position() == 2 * kf.bytes_per_position(D)
+    if fmt == "kv4rl":
+        assert st.fixed_bytes() == 2 * L * HKV * 2 * kf.fixed_bytes(D)
+
+
+def test_static_pools_allocate_once() -> None:
+    cache = make_cache("bf16", _cfg(), batch_size=2, max_len=10, block_size=4, device="cpu")
+    st = cache.store
+    assert isinstance(st, PlainStore) and st.num_blocks == 2 * 3
+    before = cache.kv_nbytes()
+    x = torch.randn(2, HKV, 10, D)
+    for layer in range(L):
+        cache.update(x, x, layer)
+    assert cache.kv_nbytes() == before
+    with pytest.raises(ValueError, match="max_len"):
+        cache.update(x[:, :, :1], x[:, :, :1], 0)
+
+
+def test_kernel_formats_from_capabilities() -> None:
+    ks = kernel_formats()
+    assert {"dither-int8", "rtn-int8", "kv4", "kv4rl", "bf16"} <= set(ks)
+    assert "kivi2" not in ks and "fp8-e4m3" not in ks
