@@ -113,6 +113,38 @@ class KVFormatLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:  # noqa: D401
         return not self.cache.stateful
 
+    @property
+    def formats(self) -> tuple[KVFormat, KVFormat]:
+        return self.cache.key_format, self.cache.value_format
+
+    @property
+    def packed(self) -> list[list[list[Any]]]:
+        """``[side][row][kv_head]``: the format's packed object of each stream, rebuilt from the pages
+        (INT8 pools and format pages; a view for inspection, not what the kernels read)."""
+        from kvlib.formats.dither_int8 import DitherQTensor
+
+        st, t = self.cache.store, self.table
+        out: list[list[list[Any]]] = [[], []]
+        for b, n in enumerate(t.lens):
+            sl = t.slot_table()[b, :n].long()
+            for side in (0, 1):
+                row = []
+                for h in range(self.cache.n_kv):
+                    if isinstance(st, Int8Store):
+                        pool = (st.k, st.v)[side]
+                        oc = pool.outlier_channels[self.layer_idx, h] if pool.n_out else None
+                        outs = pool.outliers[self.layer_idx, sl, h] if pool.n_out else None
+                        row.append(DitherQTensor(pool.codes[self.layer_idx, sl, h], pool.scales[self.layer_idx, sl, h],
+                                                 sl, outs, oc, self.layer_idx, h, st.seed, side, st.group,
+                                                 pool.dithered, pool.dither_layout))
+                    elif isinstance(st, ObjectStore):
+                        row.append(st.objs[side][self.layer_idx][b][h])
+                    else:
+                        raise NotImplementedError(f"packed views exist for INT8 pools and stateful objects, not for "
+                                                  f"{type(st).__name__}")
+                out[side].append(row)
+        return out
+
     # kvpress-style presses rewrite layer.keys / layer.values: the packed pool cannot take float edits
     @property
     def keys(self) -> torch.Tensor | None:
@@ -176,11 +208,9 @@ class KVFormatLayer(CacheLayerMixin):
         store, t = self.cache.store, self.table
         b, h, s, d = k.shape
         if isinstance(store, ObjectStore):
-            if rows_keep is not None:
-                raise NotImplementedError(f"format {self.cache.key_format.name!r} (stateful, reference path) "
-                                          "does not take left-padded batches")
-            store.write_rows(self.layer_idx, k, v, t.lens)
-            t.lens = [n + s for n in t.lens]
+            keep = [None] * b if rows_keep is None else list(rows_keep)
+            store.write_rows(self.layer_idx, k, v, t.lens, keep)
+            t.lens = [n + (s if m is None else int(m.sum())) for n, m in zip(t.lens, keep)]
             return
         if rows_keep is None and s == 1:
             rows = torch.arange(b, device=k.device)
@@ -386,6 +416,11 @@ class KVFormatCache(Cache):
             self._build_store(batch_size, self.device)
             for la in self.layers:  # static pools: the page tables too, once
                 la.table = self._new_table(batch_size)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_states(key_states, value_states, layer_idx)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     # -- construction -----------------------------------------------------------------------------
     def _build_store(self, batch: int, device: torch.device) -> None:

@@ -497,19 +497,22 @@ class ObjectStore(Store):
         return sum(self.formats[s].nbytes(p) for s in (0, 1) for lay in self.objs[s] for row in lay for p in row
                    if p is not None)
 
-    def write_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: list[int]) -> None:
-        """Append ``k, v [B, H, s, d]`` at row positions ``start[b]..`` (every row the same count)."""
-        s_new = k.shape[2]
+    def write_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: list[int],
+                   keep: list[torch.Tensor | None]) -> None:
+        """Append row ``b``'s tokens of ``k, v [B, H, s, d]`` (those of the bool mask ``keep[b]``, or all) at
+        positions ``start[b]..``."""
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
             for b in range(x.shape[0]):
+                xb = x[b] if keep[b] is None else x[b][:, keep[b]]
+                s_new = xb.shape[1]
                 pos = torch.arange(start[b], start[b] + s_new, dtype=torch.int64, device=x.device)
                 for h in range(self.n_kv):
                     ctx = dict(layer=layer, kv_head=h, side=side, positions=pos, slots=pos + b * (1 << 20),
                                seed=self.seed)
                     if self.outlier_table is not None and side in self.outlier_sides:
                         ctx["outlier_channels"] = self.outlier_table[layer, h].to(torch.int64)
-                    self.objs[side][layer][b][h] = fmt.append(self.objs[side][layer][b][h], x[b, h].float(), **ctx)
+                    self.objs[side][layer][b][h] = fmt.append(self.objs[side][layer][b][h], xb[h].float(), **ctx)
 
     def read_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
