@@ -45,6 +45,34 @@ def _grow_tensor(t: torch.Tensor, n_slots: int) -> torch.Tensor:
     return out
 
 
+def int4_head_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kvlib.formats.kv4.int4_quantize` with one group per head, the same operations in the same
+    order, minus its finiteness check (a host sync; a CUDA graph cannot hold one). Returns packed codes
+    uint8 ``[..., d//2]``, fp16 scale and offset ``[...]``. The pool tests bind it to the format bit for bit."""
+    from kvlib.formats.kv4 import LEVELS, fp16_round, pack_nibbles
+
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    m = fp16_round(lo, "down")
+    delta = fp16_round((hi - m.float()) / LEVELS, "up")
+    df = delta.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
+    return pack_nibbles(c.to(torch.uint8)), delta, m
+
+
+def int8_vector_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvlib.formats.kv4rl.int8_quantize` (per-vector symmetric INT8) without its host-syncing check."""
+    from kvlib.formats.kv4 import fp16_round
+    from kvlib.formats.kv4rl import INT8_MAX
+
+    xf = x.float()
+    scale = fp16_round(xf.abs().amax(-1) / INT8_MAX, "up")
+    sf = scale.float()
+    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
 class Store:
     """Base: ``n_layers`` layers of ``num_blocks * block_size`` slots for ``H_kv`` heads of dim ``d``."""
 
@@ -215,7 +243,11 @@ class Int8Store(Store):
         return as_side(pool.layer(layer), "pool")
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        impl = self.kernel_impl(q.device, q.shape[1] // self.n_kv)
+        key = (q.device, q.shape[1] // self.n_kv)
+        cache = self.__dict__.setdefault("_impl", {})
+        if key not in cache:  # decided once per device and GQA ratio (no work inside a captured step)
+            cache[key] = self.kernel_impl(*key)
+        impl = cache[key]
         if impl is None:
             return None
         from kvlib.kernels.int8.decode import decode_int8
@@ -283,15 +315,12 @@ class Int4Store(Store):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
               pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
-        from kvlib.formats.kv4 import int4_quantize
-        from kvlib.formats.kv4rl import int8_quantize
-
         xs = (hadamard(k.float()), v.float())  # keys rotated (rotate="k", the kernel's layout)
         for side, x in enumerate(xs):
-            qt = int4_quantize(x)  # whole-head affine group per (token, head): batched = per stream
-            self.codes[side][layer, slots] = qt.codes
-            self.scale[side][layer, slots] = qt.scale[..., 0]
-            self.off[side][layer, slots] = qt.offset[..., 0]
+            codes, scale, off = int4_head_quantize(x)  # one affine group per (token, head): batched = per stream
+            self.codes[side][layer, slots] = codes
+            self.scale[side][layer, slots] = scale
+            self.off[side][layer, slots] = off
         if not self.rl:
             return
         s, w = self.sink, self.recent
@@ -300,7 +329,7 @@ class Int4Store(Store):
         if one_per_row:
             # one token per row (a decode step): distinct ring slots, masked write without a host sync
             for side, x in enumerate(xs):
-                c8, s8 = int8_quantize(x)
+                c8, s8 = int8_vector_quantize(x)
                 old = self.side8[side][layer, rows, :, ring]
                 olds = self.side_scale[side][layer, rows, :, ring]
                 self.side8[side][layer, rows, :, ring] = torch.where(keep[:, None, None], c8, old)
@@ -309,7 +338,7 @@ class Int4Store(Store):
         sel = keep.nonzero().squeeze(-1)  # prefill: kept positions have distinct slots (host sync is fine here)
         r, g = rows[sel], ring[sel]
         for side, x in enumerate(xs):
-            c8, s8 = int8_quantize(x[sel])
+            c8, s8 = int8_vector_quantize(x[sel])
             self.side8[side][layer, r, :, g] = c8
             self.side_scale[side][layer, r, :, g] = s8
 
