@@ -155,3 +155,59 @@ def test_kernel_formats_from_capabilities() -> None:
     ks = kernel_formats()
     assert {"dither-int8", "rtn-int8", "kv4", "kv4rl", "bf16"} <= set(ks)
     assert "kivi2" not in ks and "fp8-e4m3" not in ks
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """float64 attention of ``q [B, Hq, d]`` over ``k, v [B, Hkv, n, d]`` (GQA), row b over its first lens[b]."""
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        kk = k[b, :, :n].double().repeat_interleave(g, 0)
+        vv = v[b, :, :n].double().repeat_interleave(g, 0)
+        z = torch.einsum("hd,hnd->hn", q[b].double(), kk) * q.shape[-1] ** -0.5
+        out[b] = torch.einsum("hn,hnd->hd", z.softmax(-1), vv)
+    return out
+
+
+def test_int8_decode_reference_and_kernel_read_the_shuffled_pool() -> None:
+    """A block manager's pool (shuffled pages, ragged rows): the decode reference and the Triton kernel (CPU
+    interpreter) over the per-token slot table agree with attention over the dequantised layer."""
+    from kvlib.kernels.int8.decode import decode_int8, decode_reference
+
+    lens = [11, 6]
+    cache, _, _ = _fill("dither-int8", lens)
+    la, st = cache.layers[1], cache.store
+    torch.manual_seed(5)
+    q = torch.randn(2, 4, D)
+    kk, vv = la.dequantized()
+    want = _attend(q, kk, vv, lens)
+    args = (q, st.k.layer(1), st.v.layer(1), la.table.slot_table(), la.table.seq_lens)
+    ref = decode_reference(*args, layer=1, seed=0, impl="fma")
+    torch.testing.assert_close(ref.o.double(), want, atol=1e-5, rtol=0)
+    got = decode_int8(*args, layer=1, seed=0, impl="fma", fallback_to_reference=False)
+    torch.testing.assert_close(got.o.double(), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.tv_bound_one.double(), ref.tv_bound_one.double(), rtol=1e-3, atol=1e-6)
+
+
+def test_int4_pages_are_the_paged_kernels_layout() -> None:
+    """kv4 / kv4rl pages and side buffer, read by the INT4 helper's paged reference (when it is present)."""
+    import kvlib.kernels.int4.decode as k4
+
+    paged_ref = getattr(k4, "kv4_paged_decode_ref", None)
+    if paged_ref is None:
+        pytest.skip("kvlib.kernels.int4 has no kv4_paged_decode_ref yet")
+    from kvlib.core.hadamard import hadamard
+
+    for fmt, opts in (("kv4", {}), ("kv4rl", {"sink": 2, "recent": 4})):
+        lens = [13, 7]
+        cache, _, _ = _fill(fmt, lens, **opts)
+        st, t = cache.store, cache.layers[1].table
+        torch.manual_seed(6)
+        qp = k4.prepare_query_ref(torch.randn(2, 4, D), rotate=True)
+        start, end = st.main_range(t.seq_lens)
+        side = st.side_buffer(1, t.seq_lens) if st.rl else None
+        o, _ = paged_ref(qp, *st.pages(1, 0), *st.pages(1, 1), t.block_table, start, end, block_size=4, side=side,
+                         sm_scale=D ** -0.5)
+        kk, vv = cache.layers[1].dequantized()
+        want = _attend(qp.q8.float() * qp.scale.unsqueeze(-1), hadamard(kk.float()), vv, lens)  # rotated basis
+        torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=0)

@@ -360,13 +360,13 @@ class Int4Store(Store):
         return start, torch.maximum(start, n - self.recent)
 
     def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvlib.kernels.int4.decode import _unpack
+        from kvlib.formats.kv4 import unpack_nibbles
 
         b, n = st.shape
         flat = st.reshape(-1).long()
         out = []
         for side in (0, 1):
-            c = _unpack(self.codes[side][layer, flat])
+            c = unpack_nibbles(self.codes[side][layer, flat]).float()
             sc, off = self.scale[side][layer, flat].float(), self.off[side][layer, flat].float()
             x = c * sc.unsqueeze(-1) + off.unsqueeze(-1)
             out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2).contiguous())
@@ -401,7 +401,7 @@ class Int4Store(Store):
         import kvlib.kernels.int4.decode as k4
 
         paged = getattr(k4, "kv4_paged_decode", None)
-        if paged is None or q.device.type != "cuda" or self.d < 64:
+        if paged is None or q.device.type != "cuda" or self.d < 64 or q.shape[1] // self.n_kv > 16:
             return None  # the paged KV4 kernel has not landed (or cannot take this shape): reference path
         qp = k4.prepare_query(q, rotate=True)
         start, end = self.main_range(table.seq_lens)
