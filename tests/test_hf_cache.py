@@ -202,13 +202,28 @@ def test_crop_and_beam_reorders(llama, prompt) -> None:
         torch.testing.assert_close(got, k_want, rtol=0, atol=tol)
     dith = make_cache("dither-int8", llama.config)
     llama(prompt, past_key_values=dith)
-    dith.reorder_cache(torch.tensor([1, 0]))  # a permutation moves page tables, no pages
-    with pytest.raises(NotImplementedError, match="slot"):
-        dith.reorder_cache(torch.tensor([0, 0]))
+    before = dith.layers[1].keys
+    dith.reorder_cache(torch.tensor([1, 0]))  # dithered codes are bound to their slots: tables move, pages stay
+    dith.reorder_cache(torch.tensor([1, 1]))  # a repeat shares the prefix slots and writes fresh pages
+    assert torch.equal(dith.layers[1].keys, before[[0, 0]])
+    t = dith.layers[1].table
+    llama(torch.tensor([[5], [7]]), past_key_values=dith)
+    s0, s1 = t.slot_table()[:, 9].tolist()
+    assert s0 != s1 and t.slot_table()[0, :9].tolist() == t.slot_table()[1, :9].tolist()
     rl = make_cache("kv4rl", llama.config)
     llama(prompt, past_key_values=rl)
     with pytest.raises(NotImplementedError, match="stateful"):
         rl.crop(-1)
+
+
+@torch.no_grad()
+def test_beam_search(llama, prompt) -> None:
+    kw = dict(num_beams=2, num_return_sequences=2)
+    ref = _generate(llama, prompt, DynamicCache(config=llama.config), n=3, **kw)
+    out = _generate(llama, prompt, make_cache("fp32", llama.config), n=3, **kw)
+    assert torch.equal(ref.sequences, out.sequences)
+    dith = _generate(llama, prompt, make_cache("dither-int8", llama.config), n=3, **kw)
+    assert dith.sequences.shape == ref.sequences.shape
 
 
 @torch.no_grad()

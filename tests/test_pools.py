@@ -113,8 +113,8 @@ def test_kv4rl_pool_and_side_buffer_bit_exact() -> None:
                 sl = _slots(cache, 1, b, n)
                 assert torch.equal(st.codes[side][1, sl, h], ref.main.codes)
                 occ = ref.side_pos >= 0
-                assert torch.equal(st.side8[side][1, b, h][occ], ref.side[occ])
-                assert torch.equal(st.side_scale[side][1, b, h][occ], ref.side_scale[occ])
+                assert torch.equal(st.side8[side][1][b, h][occ], ref.side[occ])
+                assert torch.equal(st.side_scale[side][1][b, h][occ], ref.side_scale[occ])
     # the dequantised layer equals the format's read
     kk, vv = cache.layers[1].dequantized()
     for b, n in enumerate(lens):
@@ -129,7 +129,9 @@ def test_kv_nbytes_is_formula_times_positions_plus_tables(fmt: str, opts: dict) 
     cache, _, _ = _fill(fmt, [11, 6], **opts)
     st = cache.store
     positions = L * st.n_slots * HKV
-    tables = sum(la.table.block_table.numel() * 4 + la.table.seq_lens.numel() * 4 for la in cache.layers)
+    tabs = [(la.table.block_table, la.table.seq_lens) + ((la.table.tok, la.table.wpos) if la.table.token_slots else ())
+            for la in cache.layers]  # int32 block tables and lengths (+ per-token slots where codes are slot-bound)
+    tables = sum(t.numel() * 4 for ts in tabs for t in ts)
     assert cache.kv_nbytes() == st.bytes_per_position() * positions + st.fixed_bytes() + tables
     kf = get_format(fmt, **{k: v for k, v in opts.items() if k != "outlier_table"})
     if fmt in ("bf16", "fp16", "rtn-int8", "kv4"):

@@ -29,9 +29,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlib.core.checks import check_open_unit, check_positive_int
 from kvlib.core.philox import seed_key
-from kvlib.formats.base import KVFormat, available_formats, capabilities, get_format
+from kvlib.formats.base import KVFormat, available_formats, capabilities, format_class, get_format
 from kvlib.storage.blocks import BlockAllocator, PageTable
-from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, Store, store_class
+from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, Store, store_class
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
@@ -199,6 +199,10 @@ class KVFormatLayer(CacheLayerMixin):
         self._write(key_states, value_states)
         self.columns += key_states.shape[-2]
         phase = "prefill" if prior == 0 else "step"
+        if isinstance(c.store, PlainStore) and c.store.dtype != key_states.dtype:
+            # what the pool holds (a bf16 pool in an fp32 model): the prompt's attention sees the same values
+            key_states = key_states.to(c.store.dtype).to(key_states.dtype)
+            value_states = value_states.to(c.store.dtype).to(value_states.dtype)
         key_states = key_states.detach() if key_states.requires_grad else key_states
         key_states._kvlib = (self, phase)  # read by kvlib.hf.attention; plain tensors everywhere else
         return key_states, value_states
@@ -215,19 +219,20 @@ class KVFormatLayer(CacheLayerMixin):
         if rows_keep is None and s == 1:
             rows = torch.arange(b, device=k.device)
             pos = t.seq_lens.long()
-            t.reserve([n + 1 for n in t.lens])
-            slots = t.slots(rows, pos)
+            t.reserve([1] * b)
+            slots = t.write_slots(rows, pos)
             store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, pos + 1, one_per_row=True)
             t.advance([1] * b)
             return
         keep = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
         counts = keep.sum(1)
         n_new = counts.tolist()  # prefill / chunk: one host sync is fine here
-        t.reserve([a + n for a, n in zip(t.lens, n_new)])
+        t.reserve(n_new)
         rows, cols = keep.nonzero(as_tuple=True)
         base = torch.tensor(t.lens, dtype=torch.int64, device=k.device)
-        pos = base[rows] + (keep.cumsum(1) - 1)[rows, cols]
-        slots = t.slots(rows, pos)
+        offs = (keep.cumsum(1) - 1)[rows, cols]
+        pos = base[rows] + offs
+        slots = t.write_slots(rows, pos, offs)
         kt, vt = k.permute(0, 2, 1, 3)[rows, cols], v.permute(0, 2, 1, 3)[rows, cols]  # [N, H, d]
         store.write(self.layer_idx, kt, vt, slots, rows, pos, base + counts)
         t.advance(n_new, counts)
@@ -235,7 +240,7 @@ class KVFormatLayer(CacheLayerMixin):
     def rewrite_without_pads(self, k: torch.Tensor, v: torch.Tensor, pad: list[int]) -> None:
         """Prefill with left padding: forget the row writes and store only each row's real tokens."""
         t = self.table
-        t.set_lens([0] * t.batch)
+        t.reset()
         s = k.shape[-2]
         keep = torch.arange(s, device=k.device)[None, :] >= torch.tensor(pad, device=k.device)[:, None]
         self._write(k, v, keep)
@@ -296,8 +301,7 @@ class KVFormatLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         if self.table is not None:
-            self.table.select(list(range(self.table.batch)))
-            self.table.set_lens([0] * self.table.batch)
+            self.table.reset()
         self.columns = 0
         self.pad = [0] * (self.table.batch if self.table else 1)
         self._certs = []
@@ -323,25 +327,28 @@ class KVFormatLayer(CacheLayerMixin):
         idx = idx.to(torch.int64).cpu()
         rows = idx.tolist()
         store, t = self.cache.store, self.table
-        if store.paged and self.columns:
+        if t.token_slots:
+            t.select_tokens(rows)  # slot-bound codes never move: repeats share the prefix, write fresh pages
+        elif store.paged and self.columns:
+            # slot-independent codes: copy each selected row's pages (exact), into fresh pages or, for static
+            # pools, over the rows' own pages (gathered first)
             t.uniform()
-            if store.slot_bound and len(set(rows)) != len(rows):
-                raise NotImplementedError(
-                    f"format {self.cache.key_format.name!r}: its stored codes are bound to their slots (the dither "
-                    "is keyed by the slot), so a batch row cannot be duplicated into new pages (beam search "
-                    "reorders with repeats, batch_repeat_interleave after prefill). Use a deterministic format "
-                    "(rtn-int8, kv4, bf16) for beam search.")
-            if store.slot_bound:
-                t.select(rows)
+            width, bs = t.block_table.shape[1], t.block_size
+            src = t.block_table[idx.to(t.block_table.device)].long()
+            if t.static:
+                if len(rows) != t.batch:
+                    raise ValueError(f"static pools hold batch_size={t.batch} rows; a selection of {len(rows)} "
+                                     "rows needs make_cache without batch_size/max_len")
+                new_blocks = [list(b) for b in t.blocks]
             else:
-                width = t.block_table.shape[1]
-                src = t.block_table[idx.to(t.block_table.device)].long()
                 new_blocks = [t._take(width) for _ in rows]
-                dst = torch.tensor(new_blocks, dtype=torch.int64).reshape(len(rows), width).to(src.device)
-                bs = t.block_size
-                ar = torch.arange(bs, device=src.device)
-                store.copy_slots(self.layer_idx, (dst[..., None] * bs + ar).reshape(-1),
-                                 (src[..., None] * bs + ar).reshape(-1))
+            dst = torch.tensor(new_blocks, dtype=torch.int64).reshape(len(rows), width).to(src.device)
+            ar = torch.arange(bs, device=src.device)
+            store.copy_slots(self.layer_idx, (dst[..., None] * bs + ar).reshape(-1),
+                             (src[..., None] * bs + ar).reshape(-1))
+            if t.static:
+                t.set_lens([t.lens[r] for r in rows])
+            else:
                 t.select(rows, new_blocks)
         else:
             t.select(rows)
@@ -424,7 +431,7 @@ class KVFormatCache(Cache):
 
     # -- construction -----------------------------------------------------------------------------
     def _build_store(self, batch: int, device: torch.device) -> None:
-        nb = -(-self.max_len // self.block_size) * batch if self.max_len else 4 * batch
+        nb = -(-self.max_len // self.block_size) * batch if self.max_len else 1  # grows exactly as pages are taken
         self.store = self.store_cls(self.n_layers, self.n_kv, self.head_dim, self.block_size, nb, device,
                                     self.key_format, self.value_format, batch=batch, seed=self.seed,
                                     outlier_table=self.outlier_table, outlier_sides=self.outlier_sides)
@@ -449,7 +456,7 @@ class KVFormatCache(Cache):
             raise ValueError(f"key_states: batch {batch} differs from batch_size={self.static_batch} of make_cache")
         i = sum(1 for la in self.layers if la.table is not None)
         return PageTable(batch, self.block_size, self.store.device, self.allocators[i], self._grow,
-                         max_len=self.max_len)
+                         max_len=self.max_len, token_slots=self.store.paged and self.store.slot_bound)
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         if not 0 <= layer_idx < self.n_layers:
@@ -556,6 +563,12 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
         options.pop(legacy, None)  # options of the previous adapter's host-side telemetry
     cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_OPTIONS}
     shared = options  # the rest: format constructor options
+    v_all = {**shared, **val_opts} if vname == format else val_opts
+    for name, opts in ((format, {**shared, **key_opts}), (vname, v_all)):
+        unknown = sorted(set(opts) - set(format_class(name).options))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))} for format {name!r}; it accepts "
+                            f"{format_class(name).options or 'none'}, make_cache accepts {CACHE_OPTIONS}")
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
     cache = cache_class(kf, vf, config, batch_size=batch_size, max_len=max_len, block_size=block_size,

@@ -7,8 +7,16 @@ p % block_size`` of the layer's pool, so pages of one sequence need not be conti
 may hand them out in any order, as :class:`BlockAllocator` with ``shuffle`` does in the tests).
 
 Host mirrors (``lens``, ``blocks``) are kept beside the device tensors so that allocation never reads the
-device. With ``static=True`` every row gets all of its blocks at construction: a decode step then only
+device. With ``max_len`` every row gets all of its blocks at construction: a decode step then only
 reads and advances ``seq_lens`` on the device (no host sync, no shape change: CUDA-graph capturable).
+
+Token-slot mode (``token_slots=True``, for pools whose codes are bound to their slot, as dithered INT8
+is: the Philox counter is the slot, so pages can never be copied elsewhere): each row *writes* append-only
+into its own blocks at a write index ``wpos`` and a per-token slot table ``tok [B, cap]`` records where each
+logical position lives. A batch selection with repeats (beam search) then shares the prefix slots
+read-only and gives each repeated row fresh blocks for what it writes next; a crop shortens ``seq_lens``
+and leaves the cropped slots unused (a slot, hence a dither, is never reused inside a cache's life).
+Blocks of rows dropped by a selection are kept (other rows may still read them) until ``reset``.
 """
 
 from __future__ import annotations
@@ -56,8 +64,13 @@ class PageTable:
     """Block table, lengths and allocator of one layer (see the module docstring)."""
 
     def __init__(self, batch: int, block_size: int, device: torch.device, allocator: BlockAllocator,
-                 grow_pool, *, max_len: int | None = None) -> None:
+                 grow_pool, *, max_len: int | None = None, token_slots: bool = False) -> None:
         self.batch, self.block_size, self.device = batch, block_size, device
+        self.token_slots = token_slots
+        self.owned: list[int] = []  # every block this table took (released by reset)
+        self.wlens = [0] * batch  # write index per row (== lens unless token_slots)
+        self.wpos = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.tok = torch.zeros(batch, max_len or 0, dtype=torch.int32, device=device)
         self.allocator = allocator
         self._grow_pool = grow_pool  # callable(min_blocks) -> new num_blocks of the pool
         self.blocks: list[list[int]] = [[] for _ in range(batch)]
@@ -77,6 +90,7 @@ class PageTable:
             self.allocator.grow(self._grow_pool(self.allocator.used + n))
             got = self.allocator.alloc(n)
             assert got is not None
+        self.owned.extend(got)
         return got
 
     def _alloc_rows(self, rows: list[int], width: int) -> None:
@@ -94,14 +108,26 @@ class PageTable:
         tab = [bl + [0] * (width - len(bl)) for bl in self.blocks]
         self.block_table = torch.tensor(tab, dtype=torch.int32).reshape(self.batch, width).to(self.device)
 
-    def reserve(self, new_lens: list[int]) -> None:
-        """Make row ``b`` able to hold ``new_lens[b]`` positions (host only, unless a block is added)."""
+    def reserve(self, n_new: list[int]) -> None:
+        """Make row ``b`` able to take ``n_new[b]`` more tokens (host only, unless a block is added)."""
+        if self.token_slots:
+            want = max(a + n for a, n in zip(self.lens, n_new)) if self.batch else 0
+            if want > self.tok.shape[1]:
+                if self.static:
+                    raise ValueError(f"max_len={self.max_len} exceeded: a row would hold {want} positions")
+                grown = torch.zeros(self.batch, max(want, 2 * self.tok.shape[1], 16), dtype=torch.int32,
+                                    device=self.device)
+                grown[:, : self.tok.shape[1]] = self.tok
+                self.tok = grown
+        new_lens = [a + n for a, n in zip(self.wlens, n_new)]
         if self.static:
             over = [n for n in new_lens if n > self.max_len]
             if over:
-                raise ValueError(f"max_len={self.max_len} exceeded: a row would hold {max(over)} positions")
+                raise ValueError(f"max_len={self.max_len} exceeded: a row would hold {max(over)} positions "
+                                 "(static pools: a repeated row's fresh pages do not fit either)")
             return
         need = [b for b in range(self.batch) if -(-new_lens[b] // self.block_size) > len(self.blocks[b])]
+        # (in token-slot mode new_lens are write indices: each row's own append-only pages)
         if need:
             width = max(-(-n // self.block_size) for n in new_lens)
             for b in need:
@@ -118,24 +144,56 @@ class PageTable:
         bs = self.block_size
         return self.block_table[rows, torch.div(pos, bs, rounding_mode="floor")].long() * bs + pos % bs
 
+    def write_slots(self, rows: torch.Tensor, pos: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots for new tokens of ``rows`` at logical positions ``pos`` (``offs``: each token's index among its
+        row's new tokens); in token-slot mode they are recorded in ``tok``."""
+        if not self.token_slots:
+            return self.slots(rows, pos)
+        w = self.wpos.long()[rows] + (0 if offs is None else offs)
+        sl = self.slots(rows, w)
+        self.tok[rows, pos] = sl.to(torch.int32)
+        return sl
+
     def slot_table(self) -> torch.Tensor:
         """int32 ``[B, width * block_size]``: the slot of every position a row may hold (the INT8/bf16
         kernels' per-token slot table, computed from the block table on the device)."""
+        if self.token_slots:
+            return self.tok
         bs = self.block_size
         ar = torch.arange(bs, dtype=torch.int32, device=self.block_table.device)
         return (self.block_table[:, :, None] * bs + ar).reshape(self.batch, -1)
 
     def advance(self, n: list[int], n_dev: torch.Tensor | None = None) -> None:
         self.lens = [a + b for a, b in zip(self.lens, n)]
-        if n_dev is None:
-            self.seq_lens.add_(1) if all(x == 1 for x in n) else self.seq_lens.add_(
-                torch.tensor(n, dtype=torch.int32).to(self.device))
-        else:
-            self.seq_lens.add_(n_dev.to(torch.int32))
+        self.wlens = [a + b for a, b in zip(self.wlens, n)]
+        if n_dev is None and all(x == 1 for x in n):
+            self.seq_lens.add_(1)
+            self.wpos.add_(1)
+            return
+        inc = (torch.tensor(n, dtype=torch.int32).to(self.device) if n_dev is None else n_dev.to(torch.int32))
+        self.seq_lens.add_(inc)
+        self.wpos.add_(inc)
 
     def set_lens(self, lens: list[int]) -> None:
+        """Shorten rows (crop); in token-slot mode the write index stays (cropped slots are not reused)."""
         self.lens = list(lens)
         self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        if not self.token_slots:
+            self.wlens = list(lens)
+            self.wpos.copy_(self.seq_lens)
+
+    def reset(self) -> None:
+        """Empty every row; dynamic tables give all their blocks back (static ones keep their pages)."""
+        if not self.static:
+            self.allocator.release(self.owned)
+            self.owned, self.blocks = [], [[] for _ in range(self.batch)]
+            self._upload(0)
+            if self.token_slots:
+                self.tok = self.tok[:, :0]
+        self.lens = [0] * self.batch
+        self.wlens = [0] * self.batch
+        self.seq_lens.zero_()
+        self.wpos.zero_()
 
     def select(self, rows: list[int], new_blocks: list[list[int]] | None = None) -> None:
         """Rows ``rows`` of the table become the new batch (``new_blocks``: their fresh block lists)."""
@@ -143,12 +201,41 @@ class PageTable:
         for b in range(self.batch):
             if b not in keep:
                 self.allocator.release(self.blocks[b])
+                gone = set(self.blocks[b])
+                self.owned = [x for x in self.owned if x not in gone]
         self.blocks = [list(self.blocks[r]) for r in rows] if new_blocks is None else new_blocks
         self.lens = [self.lens[r] for r in rows]
+        self.wlens = list(self.lens)
         self.batch = len(rows)
         self._upload(self.block_table.shape[1])
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(self.device)
+        self.wpos = self.seq_lens.clone()
+
+    def select_tokens(self, rows: list[int]) -> None:
+        """Token-slot mode: rows ``rows`` become the batch; a row's first copy keeps its blocks and write index,
+        a repeat shares the prefix slots read-only and writes into fresh blocks."""
+        seen: set[int] = set()
+        blocks, wlens = [], []
+        for r in rows:
+            if r in seen:
+                blocks.append([])
+                wlens.append(0)
+            else:
+                blocks.append(self.blocks[r])
+                wlens.append(self.wlens[r])
+            seen.add(r)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.tok = self.tok[idx].clone()
+        self.blocks, self.wlens = blocks, wlens
+        self.lens = [self.lens[r] for r in rows]
+        self.batch = len(rows)
+        if self.static:
+            self._alloc_rows(list(range(self.batch)), self.block_table.shape[1])
+        self._upload(max(self.block_table.shape[1], max((len(b) for b in blocks), default=0)))
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(self.device)
+        self.wpos = torch.tensor(self.wlens, dtype=torch.int32).to(self.device)
 
     def nbytes(self) -> int:
         """Bytes of the page table itself (block table + lengths)."""
-        return sum(t.numel() * t.element_size() for t in (self.block_table, self.seq_lens))
+        ts = (self.block_table, self.seq_lens) + ((self.tok, self.wpos) if self.token_slots else ())
+        return sum(t.numel() * t.element_size() for t in ts)

@@ -95,7 +95,9 @@ class Store:
         return self.num_blocks * self.block_size
 
     def grow(self, min_blocks: int) -> int:
-        nb = max(min_blocks, 2 * self.num_blocks, 4)
+        # grow to what is asked plus 1/8 (a page table's next few blocks), not by doubling: kv_nbytes stays the
+        # positions in use to within a few pages (make_cache with max_len allocates once instead)
+        nb = max(min_blocks, self.num_blocks + -(-self.num_blocks // 8))
         self._resize(nb * self.block_size)
         self.num_blocks = nb
         return nb
@@ -286,14 +288,18 @@ class Int4Store(Store):
         if self.rl:
             self.sink, self.recent, self.capacity = kf.sink, kf.recent, kf.capacity
             c = self.capacity
-            self.side8 = [torch.zeros(L, self.batch, H, c, d, dtype=torch.int8, device=dev) for _ in range(2)]
-            self.side_scale = [torch.ones(L, self.batch, H, c, dtype=torch.float16, device=dev) for _ in range(2)]
+            # per side, per layer: [B, H, C, d] int8 and [B, H, C] fp16 (SideBuffer's layout)
+            self.side8 = [[torch.zeros(self.batch, H, c, d, dtype=torch.int8, device=dev) for _ in range(L)]
+                          for _ in range(2)]
+            self.side_scale = [[torch.ones(self.batch, H, c, dtype=torch.float16, device=dev) for _ in range(L)]
+                               for _ in range(2)]
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.codes, *self.scale, *self.off]
 
     def nbytes(self) -> int:
-        return super().nbytes() + (_nbytes(*self.side8, *self.side_scale) if self.rl else 0)
+        side = [*self.side8[0], *self.side8[1], *self.side_scale[0], *self.side_scale[1]] if self.rl else []
+        return super().nbytes() + _nbytes(*side)
 
     def bytes_per_position(self) -> float:
         return float(self.formats[0].main.bytes_per_position(self.d) * 2 if self.rl
@@ -301,7 +307,7 @@ class Int4Store(Store):
 
     def fixed_bytes(self) -> int:
         # kv4rl's side buffer: fixed_bytes per (layer, kv head, side, sequence)
-        return 2 * self.n_layers * self.n_kv * self.batch * self.formats[0].fixed_bytes(self.d) if self.rl else 0
+        return 2 * self.n_layers * self.n_kv * self.fixed_rows() * self.formats[0].fixed_bytes(self.d) if self.rl else 0
 
     def _resize(self, n_slots: int) -> None:
         for lst in (self.codes, self.scale, self.off):
@@ -330,17 +336,17 @@ class Int4Store(Store):
             # one token per row (a decode step): distinct ring slots, masked write without a host sync
             for side, x in enumerate(xs):
                 c8, s8 = int8_vector_quantize(x)
-                old = self.side8[side][layer, rows, :, ring]
-                olds = self.side_scale[side][layer, rows, :, ring]
-                self.side8[side][layer, rows, :, ring] = torch.where(keep[:, None, None], c8, old)
-                self.side_scale[side][layer, rows, :, ring] = torch.where(keep[:, None], s8, olds)
+                old = self.side8[side][layer][rows, :, ring]
+                olds = self.side_scale[side][layer][rows, :, ring]
+                self.side8[side][layer][rows, :, ring] = torch.where(keep[:, None, None], c8, old)
+                self.side_scale[side][layer][rows, :, ring] = torch.where(keep[:, None], s8, olds)
             return
         sel = keep.nonzero().squeeze(-1)  # prefill: kept positions have distinct slots (host sync is fine here)
         r, g = rows[sel], ring[sel]
         for side, x in enumerate(xs):
             c8, s8 = int8_vector_quantize(x[sel])
-            self.side8[side][layer, r, :, g] = c8
-            self.side_scale[side][layer, r, :, g] = s8
+            self.side8[side][layer][r, :, g] = c8
+            self.side_scale[side][layer][r, :, g] = s8
 
     def side_count(self, lens: torch.Tensor) -> torch.Tensor:
         n = lens.long()
@@ -389,13 +395,11 @@ class Int4Store(Store):
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         if self.rl:
             for side in (0, 1):
-                if self.side8[side].shape[1] != idx.numel():  # batch size changes: all layers at once
-                    self.side8[side] = self.side8[side][:, idx].clone()
-                    self.side_scale[side] = self.side_scale[side][:, idx].clone()
-                else:
-                    self.side8[side][layer] = self.side8[side][layer, idx].clone()
-                    self.side_scale[side][layer] = self.side_scale[side][layer, idx].clone()
-            self.batch = idx.numel()
+                self.side8[side][layer] = self.side8[side][layer][idx].clone()
+                self.side_scale[side][layer] = self.side_scale[side][layer][idx].clone()
+
+    def fixed_rows(self) -> int:
+        return self.side8[0][0].shape[0] if self.rl else 0
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
         import kvlib.kernels.int4.decode as k4
