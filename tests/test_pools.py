@@ -137,7 +137,8 @@ def test_kv_nbytes_is_formula_times_positions_plus_tables(fmt: str, opts: dict) 
     if fmt in ("bf16", "fp16", "rtn-int8", "kv4"):
         assert st.bytes_per_position() == 2 * kf.bytes_per_position(D)
     if fmt == "kv4rl":
-        assert st.fixed_bytes() == 2 * L * HKV * 2 * kf.fixed_bytes(D)
+        # per (layer, head, side, row): the side buffer and the crop stash of crop_window=32 INT8 entries
+        assert st.fixed_bytes() == 2 * L * HKV * 2 * (kf.fixed_bytes(D) + 32 * (D + 2))
 
 
 def test_static_pools_allocate_once() -> None:
@@ -213,3 +214,39 @@ def test_int4_pages_are_the_paged_kernels_layout() -> None:
         kk, vv = cache.layers[1].dequantized()
         want = _attend(qp.q8.float() * qp.scale.unsqueeze(-1), hadamard(kk.float()), vv, lens)  # rotated basis
         torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefill,steps,crop", [(10, 5, 3), (13, 0, 7), (6, 9, 9), (12, 2, 14)])
+def test_kv4rl_crop_restores_the_side_buffer_exactly(prefill: int, steps: int, crop: int) -> None:
+    """After a crop the side buffer holds what the format holds for the shorter stream (the crop stash)."""
+    torch.manual_seed(2)
+    cache = make_cache("kv4rl", _cfg(), sink=2, recent=4, block_size=4)
+    n = prefill + steps
+    k, v = torch.randn(2, HKV, n, D), torch.randn(2, HKV, n, D)
+    for layer in range(L):
+        cache.update(k[:, :, :prefill], v[:, :, :prefill], layer)
+    for t in range(prefill, n):
+        for layer in range(L):
+            cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], layer)
+    cache.crop(-crop)
+    m = n - crop
+    fmt = get_format("kv4rl", sink=2, recent=4)
+    st = cache.store
+    for layer in range(L):
+        for b in range(2):
+            for h in range(HKV):
+                for side, x in ((0, k), (1, v)):
+                    ref = fmt.write(x[b, h, :m], side=side, positions=torch.arange(m))
+                    occ = ref.side_pos >= 0
+                    assert torch.equal(st.side8[side][layer][b, h][occ], ref.side[occ]), (layer, b, h, side)
+                    assert torch.equal(st.side_scale[side][layer][b, h][occ], ref.side_scale[occ])
+    assert cache.get_seq_length() == m
+
+
+def test_kv4rl_crop_past_the_stash_is_refused() -> None:
+    cache = make_cache("kv4rl", _cfg(), sink=2, recent=4, crop_window=2)
+    x = torch.randn(1, HKV, 12, D)
+    for layer in range(L):
+        cache.update(x, x, layer)
+    with pytest.raises(NotImplementedError, match="crop_window"):
+        cache.crop(-5)

@@ -36,7 +36,7 @@ from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, S
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
     "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
-    "outlier_table", "outlier_sides", "shuffle_blocks",
+    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window",
 )
 
 
@@ -111,7 +111,7 @@ class KVFormatLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # noqa: D401
-        return not self.cache.stateful
+        return not isinstance(self.cache.store, ObjectStore)
 
     @property
     def formats(self) -> tuple[KVFormat, KVFormat]:
@@ -314,12 +314,16 @@ class KVFormatLayer(CacheLayerMixin):
         n = abs(tokens_to_remove)
         if n == 0:
             return
-        if self.cache.stateful:
+        store = self.cache.store
+        if isinstance(store, ObjectStore):
             raise NotImplementedError(
-                f"format {self.cache.key_format.name!r} is stateful (a side buffer or residual window overwritten "
-                "by the tokens to remove): crop cannot restore it")
+                f"format {self.cache.key_format.name!r} is stateful (a residual window overwritten by the tokens to "
+                "remove): crop cannot restore it")
+        old = list(self.table.lens)
+        new = [max(0, ln - n) for ln in old]
+        store.crop(self.layer_idx, old, new)
         self.columns -= n
-        self.table.set_lens([max(0, ln - n) for ln in self.table.lens])
+        self.table.set_lens(new)
 
     def _select(self, idx: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -375,7 +379,9 @@ class KVFormatCache(Cache):
                  telemetry: bool | None = None, tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
-                 device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None) -> None:
+                 device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
+                 crop_window: int = 32) -> None:
+        self.crop_window = check_positive_int("crop_window", crop_window)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.n_layers = int(text.num_hidden_layers)
         self.n_heads = int(text.num_attention_heads)
@@ -434,7 +440,8 @@ class KVFormatCache(Cache):
         nb = -(-self.max_len // self.block_size) * batch if self.max_len else 1  # grows exactly as pages are taken
         self.store = self.store_cls(self.n_layers, self.n_kv, self.head_dim, self.block_size, nb, device,
                                     self.key_format, self.value_format, batch=batch, seed=self.seed,
-                                    outlier_table=self.outlier_table, outlier_sides=self.outlier_sides)
+                                    outlier_table=self.outlier_table, outlier_sides=self.outlier_sides,
+                                    crop_window=self.crop_window)
         self.allocators = [BlockAllocator(nb, shuffle=self.shuffle_blocks) for _ in range(self.n_layers)]
 
     def _ensure_store(self, key_states: torch.Tensor) -> None:

@@ -84,7 +84,9 @@ class Store:
 
     def __init__(self, n_layers: int, n_kv: int, d: int, block_size: int, num_blocks: int, device: torch.device,
                  key_format: KVFormat, value_format: KVFormat, *, batch: int, seed: int = 0,
-                 outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,)) -> None:
+                 outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
+                 crop_window: int = 32) -> None:
+        self.crop_window = crop_window
         self.n_layers, self.n_kv, self.d, self.block_size = n_layers, n_kv, d, block_size
         self.num_blocks, self.device, self.batch, self.seed = num_blocks, device, batch, seed
         self.formats = (key_format, value_format)
@@ -116,6 +118,9 @@ class Store:
 
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         """Per-sequence state (side buffers) follows a batch selection; none by default."""
+
+    def crop(self, layer: int, old_lens: list[int], new_lens: list[int]) -> None:
+        """Per-sequence state follows a crop; none by default."""
 
     def nbytes(self) -> int:
         return _nbytes(*self._tensors())
@@ -293,12 +298,21 @@ class Int4Store(Store):
                           for _ in range(2)]
             self.side_scale = [[torch.ones(self.batch, H, c, dtype=torch.float16, device=dev) for _ in range(L)]
                                for _ in range(2)]
+            # crop support: the INT8 entries of the last ``crop_window`` positions evicted from the ring, by
+            # position mod U, so that a crop of up to U tokens restores the side buffer exactly
+            u = self.undo = max(int(getattr(self, "crop_window", 32)), 1)
+            self.stash8 = [[torch.zeros(self.batch, H, u, d, dtype=torch.int8, device=dev) for _ in range(L)]
+                           for _ in range(2)]
+            self.stash_scale = [[torch.ones(self.batch, H, u, dtype=torch.float16, device=dev) for _ in range(L)]
+                                for _ in range(2)]
+            self.valid = [[0] * self.batch for _ in range(L)]  # stash entries valid per (layer, row)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.codes, *self.scale, *self.off]
 
     def nbytes(self) -> int:
-        side = [*self.side8[0], *self.side8[1], *self.side_scale[0], *self.side_scale[1]] if self.rl else []
+        side = [t for grp in (self.side8, self.side_scale, self.stash8, self.stash_scale) for lay in grp for t in lay
+                ] if self.rl else []
         return super().nbytes() + _nbytes(*side)
 
     def bytes_per_position(self) -> float:
@@ -307,7 +321,10 @@ class Int4Store(Store):
 
     def fixed_bytes(self) -> int:
         # kv4rl's side buffer: fixed_bytes per (layer, kv head, side, sequence)
-        return 2 * self.n_layers * self.n_kv * self.fixed_rows() * self.formats[0].fixed_bytes(self.d) if self.rl else 0
+        if not self.rl:
+            return 0
+        per = self.formats[0].fixed_bytes(self.d) + self.undo * (self.d + 2)  # side buffer + crop stash
+        return 2 * self.n_layers * self.n_kv * self.fixed_rows() * per
 
     def _resize(self, n_slots: int) -> None:
         for lst in (self.codes, self.scale, self.off):
@@ -332,21 +349,73 @@ class Int4Store(Store):
         s, w = self.sink, self.recent
         keep = (pos < s) | (pos >= lens_after[rows] - w)
         ring = pos if w == 0 else torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        u = self.undo
         if one_per_row:
-            # one token per row (a decode step): distinct ring slots, masked write without a host sync
+            # one token per row (a decode step): distinct ring slots, masked writes without a host sync.
+            # The entry leaving the ring (position pos - recent, in the same ring slot) goes to the crop stash.
+            ev = pos - w
+            ev_ok = (ev >= s) & (w > 0)
             for side, x in enumerate(xs):
                 c8, s8 = int8_vector_quantize(x)
                 old = self.side8[side][layer][rows, :, ring]
                 olds = self.side_scale[side][layer][rows, :, ring]
+                st8, sts = self.stash8[side][layer], self.stash_scale[side][layer]
+                j = ev % u
+                st8[rows, :, j] = torch.where(ev_ok[:, None, None], old, st8[rows, :, j])
+                sts[rows, :, j] = torch.where(ev_ok[:, None], olds, sts[rows, :, j])
                 self.side8[side][layer][rows, :, ring] = torch.where(keep[:, None, None], c8, old)
                 self.side_scale[side][layer][rows, :, ring] = torch.where(keep[:, None], s8, olds)
+            self.valid[layer] = [min(u, a + 1) for a in self.valid[layer]]
             return
-        sel = keep.nonzero().squeeze(-1)  # prefill: kept positions have distinct slots (host sync is fine here)
+        # prefill / chunk (host syncs are fine here): stash the last U evictions, then write the ring
+        c8s = [int8_vector_quantize(x) for x in xs]
+        rows_h, pos_h, la_h = rows.tolist(), pos.tolist(), lens_after.tolist()
+        for b in sorted(set(rows_h)):
+            n1 = la_h[b]
+            n0 = n1 - rows_h.count(b)
+            lo, hi = max(s, n1 - w - u), n1 - w
+            if w == 0 or hi <= lo:
+                continue
+            a0, a1 = max(lo, n0 - w), min(hi, n0)
+            olds = torch.arange(a0, max(a0, a1), device=pos.device)  # were in the ring before this write
+            if olds.numel():
+                og = s + (olds - s) % w
+                for side in (0, 1):
+                    self.stash8[side][layer][b, :, olds % u] = self.side8[side][layer][b, :, og]
+                    self.stash_scale[side][layer][b, :, olds % u] = self.side_scale[side][layer][b, :, og]
+            mine = [i for i, (r_, p_) in enumerate(zip(rows_h, pos_h)) if r_ == b and max(lo, n0) <= p_ < hi]
+            if mine:
+                ii = torch.tensor(mine, device=pos.device)
+                for side in (0, 1):
+                    self.stash8[side][layer][b, :, pos[ii] % u] = c8s[side][0][ii].transpose(0, 1)
+                    self.stash_scale[side][layer][b, :, pos[ii] % u] = c8s[side][1][ii].transpose(0, 1)
+            self.valid[layer][b] = min(u, self.valid[layer][b] + (n1 - n0))
+        sel = keep.nonzero().squeeze(-1)  # kept positions have distinct slots
         r, g = rows[sel], ring[sel]
-        for side, x in enumerate(xs):
-            c8, s8 = int8_vector_quantize(x[sel])
-            self.side8[side][layer][r, :, g] = c8
-            self.side_scale[side][layer][r, :, g] = s8
+        for side in (0, 1):
+            self.side8[side][layer][r, :, g] = c8s[side][0][sel]
+            self.side_scale[side][layer][r, :, g] = c8s[side][1][sel]
+
+    def crop(self, layer: int, old_lens: list[int], new_lens: list[int]) -> None:
+        """Restore the side buffer to what it held at ``new_lens`` (positions that re-enter the recent window
+        come back from the crop stash); error when the stash does not reach that far."""
+        if not self.rl:
+            return
+        s, w, u = self.sink, self.recent, self.undo
+        for b, (n, m) in enumerate(zip(old_lens, new_lens)):
+            a0 = max(s, m - w)
+            back = torch.arange(a0, max(a0, min(n - w, m)), device=self.device)
+            if not back.numel():
+                continue
+            if n - m > self.valid[layer][b]:
+                raise NotImplementedError(
+                    f"kv4rl: crop of {n - m} tokens reaches past the side buffer's crop stash "
+                    f"({self.valid[layer][b]} evicted entries kept; make_cache(..., crop_window=N) keeps more)")
+            ring = s + (back - s) % w
+            for side in (0, 1):
+                self.side8[side][layer][b, :, ring] = self.stash8[side][layer][b, :, back % u]
+                self.side_scale[side][layer][b, :, ring] = self.stash_scale[side][layer][b, :, back % u]
+            self.valid[layer][b] -= n - m
 
     def side_count(self, lens: torch.Tensor) -> torch.Tensor:
         n = lens.long()
@@ -394,9 +463,10 @@ class Int4Store(Store):
 
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         if self.rl:
-            for side in (0, 1):
-                self.side8[side][layer] = self.side8[side][layer][idx].clone()
-                self.side_scale[side][layer] = self.side_scale[side][layer][idx].clone()
+            for grp in (self.side8, self.side_scale, self.stash8, self.stash_scale):
+                for side in (0, 1):
+                    grp[side][layer] = grp[side][layer][idx].clone()
+            self.valid[layer] = [self.valid[layer][i] for i in idx.tolist()]
 
     def fixed_rows(self) -> int:
         return self.side8[0][0].shape[0] if self.rl else 0
