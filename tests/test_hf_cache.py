@@ -212,8 +212,12 @@ def test_crop_and_beam_reorders(llama, prompt) -> None:
     assert s0 != s1 and t.slot_table()[0, :9].tolist() == t.slot_table()[1, :9].tolist()
     rl = make_cache("kv4rl", llama.config)
     llama(prompt, past_key_values=rl)
+    rl.crop(-1)  # restored from the crop stash (tests/test_pools.py binds it to the format)
+    assert rl.get_seq_length() == 8
+    kivi = make_cache("kivi2", llama.config)
+    llama(prompt, past_key_values=kivi)
     with pytest.raises(NotImplementedError, match="stateful"):
-        rl.crop(-1)
+        kivi.crop(-1)
 
 
 @torch.no_grad()
