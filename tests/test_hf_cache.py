@@ -86,13 +86,18 @@ def test_other_caches_on_the_same_model_are_untouched(prompt) -> None:
 
 
 @torch.no_grad()
-def test_switching_the_attention_away_is_refused(prompt) -> None:
+def test_another_attention_gets_the_whole_pool(prompt) -> None:
+    """With another implementation switched on, the cache hands it the dequantised pool (never new tokens only)."""
     model = _model()
-    cache = make_cache("bf16", model.config)
-    model(prompt, past_key_values=cache)
+    ref = DynamicCache(config=model.config)
+    want = [model(prompt, past_key_values=ref).logits, model(prompt[:, :1], past_key_values=ref).logits]
+    cache = make_cache("fp32", model.config)
+    got = [model(prompt, past_key_values=cache).logits]
     model.config._attn_implementation = "sdpa"
-    with pytest.raises(RuntimeError, match="kvlib"):
-        model(prompt[:, :1], past_key_values=cache)
+    got.append(model(prompt[:, :1], past_key_values=cache).logits)
+    assert cache.kernel_path(0) == "dequantized-for:sdpa"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 @torch.no_grad()

@@ -16,8 +16,9 @@ What it does: a kvlib cache's ``update`` hands back the new tokens' float K/V ta
   load), when one applies to the device and shape; otherwise, and for multi-token steps on a filled cache
   (assisted decoding, a continued conversation), the torch reference: the pool dequantised transiently for
   the layer and the previous implementation with the mask. ``cache.kernel_path(layer)`` says which.
-A kvlib cache used while another implementation is active is refused at its next update (no silent
-wrong answers from attending over the new tokens alone).
+A kvlib cache used while another implementation is active (an observing or probing attention, or one the
+user set) hands that implementation the whole pool dequantised instead (the reference path; its
+``kernel_path`` says ``"dequantized-for:<name>"``), so it never attends over the new tokens alone.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, S
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
     "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
-    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window",
+    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill",
 )
 
 
@@ -186,11 +186,7 @@ class KVFormatLayer(CacheLayerMixin):
         c._check_states(key_states, value_states, self.layer_idx)
         from kvlib.hf.attention import is_active
 
-        if c.config is not None and not is_active(c.config):
-            raise RuntimeError(
-                f"config._attn_implementation is {getattr(c.config, '_attn_implementation', None)!r}, not 'kvlib': a "
-                "kvlib cache hands the attention only the new tokens, so another implementation would attend over "
-                "those alone. Leave the implementation make_cache set (kvlib.hf.attention.activate(config)).")
+        foreign = c.config is not None and not is_active(c.config)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.table.batch:
@@ -198,7 +194,12 @@ class KVFormatLayer(CacheLayerMixin):
         prior = self.columns
         self._write(key_states, value_states)
         self.columns += key_states.shape[-2]
-        phase = "prefill" if prior == 0 else "step"
+        if foreign:
+            # another attention implementation is active (an observing or probing one, or the user's): it needs
+            # the whole K/V, so hand it the pool dequantised (the reference path; slower, never wrong)
+            self.path = f"dequantized-for:{getattr(c.config, '_attn_implementation', None)}"
+            return self.dequantized()
+        phase = "prefill" if prior == 0 and c.prefill == "float" else "step"
         if isinstance(c.store, PlainStore) and c.store.dtype != key_states.dtype:
             # what the pool holds (a bf16 pool in an fp32 model): the prompt's attention sees the same values
             key_states = key_states.to(c.store.dtype).to(key_states.dtype)
@@ -380,8 +381,12 @@ class KVFormatCache(Cache):
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
                  device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
-                 crop_window: int = 32) -> None:
+                 crop_window: int = 32, prefill: str = "float") -> None:
         self.crop_window = check_positive_int("crop_window", crop_window)
+        if prefill not in ("float", "stored"):
+            raise ValueError(f"prefill must be 'float' (attend over the float prompt, as serving does) or 'stored' "
+                             f"(attend over what the pool holds, the fidelity analyses' semantics), got {prefill!r}")
+        self.prefill = prefill
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.n_layers = int(text.num_hidden_layers)
         self.n_heads = int(text.num_attention_heads)
@@ -547,7 +552,10 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
     ``config``: the model's ``PretrainedConfig`` (shapes are validated from it, and kvlib's attention
     function is made active on it: :mod:`kvlib.hf.attention`). With ``batch_size`` and ``max_len`` (and
     ``device``) the pools and page tables are allocated once, with static shapes (CUDA-graph capturable).
-    ``options``: ``value_format`` (default: the key format), ``key_options`` / ``value_options``, ``seed``,
+    ``options``: ``prefill`` (``"float"``, default: the prompt's attention sees the float K/V, as serving
+    engines do; ``"stored"``: it sees what the pool holds, the semantics of the fidelity analyses),
+    ``crop_window`` (kv4rl: ring evictions kept so that ``crop`` can restore the side buffer),
+    ``value_format`` (default: the key format), ``key_options`` / ``value_options``, ``seed``,
     ``outlier_table`` ``[L, Hkv, 2m]`` with ``outlier_sides``, ``tau`` / ``delta_req`` / ``steps`` (the
     certificate's allocation), ``shuffle_blocks`` (hand out pages in a shuffled order, as a block manager
     may), ``cache_class``; any other keyword goes to the format constructor of both sides.

@@ -348,7 +348,8 @@ class Int4Store(Store):
             return
         s, w = self.sink, self.recent
         keep = (pos < s) | (pos >= lens_after[rows] - w)
-        ring = pos if w == 0 else torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        ring = torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        ring = torch.where(keep, ring, torch.zeros_like(ring))  # a position not kept touches no slot (masked below)
         u = self.undo
         if one_per_row:
             # one token per row (a decode step): distinct ring slots, masked writes without a host sync.
