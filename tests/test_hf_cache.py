@@ -189,6 +189,10 @@ def test_edits_of_layer_keys_are_refused(llama, prompt) -> None:
     assert la.keys.shape == (2, 2, 9, 32)  # a dequantised view
     with pytest.raises(NotImplementedError, match="press"):
         la.keys = la.keys[:, :, :4]
+    la.values[:, :, :2] *= 0.5  # in place on the view: cannot reach the pool, refused at the next update
+    with pytest.raises(NotImplementedError, match="in place"):
+        with torch.no_grad():
+            llama(prompt[:, :1], past_key_values=cache)
 
 
 @torch.no_grad()
@@ -233,6 +237,18 @@ def test_beam_search(llama, prompt) -> None:
     assert torch.equal(ref.sequences, out.sequences)
     dith = _generate(llama, prompt, make_cache("dither-int8", llama.config), n=3, **kw)
     assert dith.sequences.shape == ref.sequences.shape
+
+
+@torch.no_grad()
+def test_static_dithered_pool_reuses_cropped_slots(llama, prompt) -> None:
+    """Assisted decoding crops every step: a row that shares no slots rewinds its write index, so static pools
+    do not run out (a row sharing its prefix keeps it: a live slot's dither is never reused)."""
+    cache = make_cache("dither-int8", llama.config, batch_size=2, max_len=12, device="cpu")
+    llama(prompt, past_key_values=cache)
+    for _ in range(5):
+        llama(torch.tensor([[1, 2], [3, 4]]), past_key_values=cache)
+        cache.crop(-2)
+    assert cache.get_seq_length() == 9 and cache.layers[0].table.wlens == [9, 9]
 
 
 @torch.no_grad()

@@ -148,7 +148,7 @@ class KVFormatLayer(CacheLayerMixin):
     # kvpress-style presses rewrite layer.keys / layer.values: the packed pool cannot take float edits
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if not self.is_initialized else self.dequantized()[0]
+        return None if not self.is_initialized else self._view(0)
 
     @keys.setter
     def keys(self, value: Any) -> None:
@@ -156,7 +156,26 @@ class KVFormatLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if not self.is_initialized else self.dequantized()[1]
+        return None if not self.is_initialized else self._view(1)
+
+    def _view(self, side: int) -> torch.Tensor:
+        """A dequantised view of the pool; a snapshot is kept so that an in-place edit of it (which cannot
+        reach the packed pool) is refused at the next update instead of being silently lost."""
+        views = self.__dict__.get("_views")
+        if views is None or views[2] != self.columns:
+            k, v = self.dequantized()
+            views = self.__dict__["_views"] = ((k, v), (k.clone(), v.clone()), self.columns)
+        return views[0][side]
+
+    def _check_views(self) -> None:
+        views = self.__dict__.pop("_views", None)
+        if views is None:
+            return
+        for name, got, snap in zip(("keys", "values"), views[0], views[1]):
+            if not torch.equal(got, snap):
+                raise NotImplementedError(
+                    f"layer.{name} of a kvlib cache was modified in place; it is a dequantised view of the packed "
+                    "pool, so the edit cannot reach the cache and is refused (a kvpress press needs a DynamicCache)")
 
     @values.setter
     def values(self, value: Any) -> None:
@@ -191,6 +210,7 @@ class KVFormatLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.table.batch:
             raise ValueError(f"key_states: batch {key_states.shape[0]} differs from the cache's {self.table.batch}")
+        self._check_views()
         prior = self.columns
         self._write(key_states, value_states)
         self.columns += key_states.shape[-2]
@@ -301,6 +321,7 @@ class KVFormatLayer(CacheLayerMixin):
         return -1 if self.cache.max_len is None else self.cache.max_len
 
     def reset(self) -> None:
+        self.__dict__.pop("_views", None)
         if self.table is not None:
             self.table.reset()
         self.columns = 0
@@ -320,6 +341,7 @@ class KVFormatLayer(CacheLayerMixin):
             raise NotImplementedError(
                 f"format {self.cache.key_format.name!r} is stateful (a residual window overwritten by the tokens to "
                 "remove): crop cannot restore it")
+        self._check_views()
         old = list(self.table.lens)
         new = [max(0, ln - n) for ln in old]
         store.crop(self.layer_idx, old, new)
@@ -329,6 +351,7 @@ class KVFormatLayer(CacheLayerMixin):
     def _select(self, idx: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self._check_views()
         idx = idx.to(torch.int64).cpu()
         rows = idx.tolist()
         store, t = self.cache.store, self.table

@@ -68,6 +68,7 @@ class PageTable:
         self.batch, self.block_size, self.device = batch, block_size, device
         self.token_slots = token_slots
         self.owned: list[int] = []  # every block this table took (released by reset)
+        self.shared = [False] * batch  # token-slot mode: the row's prefix slots are shared with another row
         self.wlens = [0] * batch  # write index per row (== lens unless token_slots)
         self.wpos = torch.zeros(batch, dtype=torch.int32, device=device)
         self.tok = torch.zeros(batch, max_len or 0, dtype=torch.int32, device=device)
@@ -175,12 +176,12 @@ class PageTable:
         self.wpos.add_(inc)
 
     def set_lens(self, lens: list[int]) -> None:
-        """Shorten rows (crop); in token-slot mode the write index stays (cropped slots are not reused)."""
+        """Shorten rows (crop). A row whose slots are its own rewinds its write index (the cropped slots are
+        written again); in token-slot mode a row sharing slots with another keeps it (they are not reused)."""
         self.lens = list(lens)
         self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        if not self.token_slots:
-            self.wlens = list(lens)
-            self.wpos.copy_(self.seq_lens)
+        self.wlens = [w if self.token_slots and sh else n for w, n, sh in zip(self.wlens, lens, self.shared)]
+        self.wpos.copy_(torch.tensor(self.wlens, dtype=torch.int32))
 
     def reset(self) -> None:
         """Empty every row; dynamic tables give all their blocks back (static ones keep their pages)."""
@@ -192,6 +193,7 @@ class PageTable:
                 self.tok = self.tok[:, :0]
         self.lens = [0] * self.batch
         self.wlens = [0] * self.batch
+        self.shared = [False] * self.batch
         self.seq_lens.zero_()
         self.wpos.zero_()
 
@@ -206,6 +208,7 @@ class PageTable:
         self.blocks = [list(self.blocks[r]) for r in rows] if new_blocks is None else new_blocks
         self.lens = [self.lens[r] for r in rows]
         self.wlens = list(self.lens)
+        self.shared = [False] * len(rows)
         self.batch = len(rows)
         self._upload(self.block_table.shape[1])
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(self.device)
@@ -216,6 +219,8 @@ class PageTable:
         a repeat shares the prefix slots read-only and writes into fresh blocks."""
         seen: set[int] = set()
         blocks, wlens = [], []
+        dup = {r for r in rows if rows.count(r) > 1}
+        shared = [self.shared[r] or r in dup for r in rows]
         for r in rows:
             if r in seen:
                 blocks.append([])
@@ -226,7 +231,7 @@ class PageTable:
             seen.add(r)
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.tok = self.tok[idx].clone()
-        self.blocks, self.wlens = blocks, wlens
+        self.blocks, self.wlens, self.shared = blocks, wlens, shared
         self.lens = [self.lens[r] for r in rows]
         self.batch = len(rows)
         if self.static:
