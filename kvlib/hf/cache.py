@@ -14,6 +14,17 @@ Left padding: at prefill the attention reads the pad columns off the mask and re
 them, so pools hold real tokens only (positions count from a row's first real token); the cache keeps the
 pad count per row to map mask columns back.
 
+``prefill="stored"`` makes the prompt's attention see what the pool holds instead (the fidelity analyses'
+semantics). Another attention implementation switched on after ``make_cache`` (an observing or probing
+one) gets the whole pool dequantised from ``update`` (``kernel_path`` ``"dequantized-for:<name>"``).
+
+Batch operations: slot-independent pools (bf16, rtn-int8, kv4, kv4rl) copy a selected row's pages;
+dithered INT8 (and other slot-bound format pages) never move a code, since its Philox counter is its
+slot: page tables switch to token-slot mode (:mod:`kvlib.storage.blocks`), repeats share the prefix and
+write fresh pages. ``crop`` works for every paged format (kv4rl restores its side buffer from a stash of
+the last ``crop_window`` ring evictions). ``layer.keys``/``layer.values`` are dequantised views: assigning
+them (a kvpress press) is refused at once, an in-place edit at the next update.
+
 Certificates (dithered keys): the decode kernel's (or on CPU its float64 torch reference's) one-accumulator
 TV bound per (layer, query head, row, step), kept on the device; :meth:`KVFormatCache.certificates` stacks
 them, :meth:`KVFormatCache.certificate_summary` syncs once.

@@ -223,7 +223,7 @@ class Int8Store(Store):
             x.scatter_(-1, oc.unsqueeze(0).expand(x.shape[0], -1, -1), pool.outliers[layer, slots].float())
         return x
 
-    def kernel_impl(self, device: torch.device, gqa: int) -> str | None:
+    def kernel_impl(self, device: torch.device, gqa: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
         """The INT8 decode kernel this store's layer would take on ``device`` (None: reference path)."""
         from kvlib.kernels.int8.decode import resolve_impl
 
@@ -239,7 +239,7 @@ class Int8Store(Store):
         if self.k.dither_layout == "h8":
             from kvlib.kernels.int8.gluon import gluon_unsupported
 
-            probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=torch.float32)
+            probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=dtype)  # the Gluon kernel: fp16/bf16
             if not gluon_unsupported(probe, self._side(self.k, 0), self._side(self.v, 0), False):
                 impl = "gluon"
         return impl
@@ -250,7 +250,7 @@ class Int8Store(Store):
         return as_side(pool.layer(layer), "pool")
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        key = (q.device, q.shape[1] // self.n_kv)
+        key = (q.device, q.shape[1] // self.n_kv, q.dtype)
         cache = self.__dict__.setdefault("_impl", {})
         if key not in cache:  # decided once per device and GQA ratio (no work inside a captured step)
             cache[key] = self.kernel_impl(*key)
@@ -262,7 +262,9 @@ class Int8Store(Store):
         out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
                           layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False,
                           fallback_to_reference=False)
-        return out.o, f"int8-{impl}", out.tv_bound_one
+        ran = getattr(out, "path", None)  # the kernel's own record of what ran, where it keeps one
+        label = f"int8-{impl}" if not ran else ran if ran.startswith("int8") else f"int8-{ran}"
+        return out.o, label, out.tv_bound_one
 
     def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
         """CPU: the kernel's float64 torch reference (same radius, same certificate), for dithered keys."""
