@@ -250,3 +250,27 @@ def test_kv4rl_crop_past_the_stash_is_refused() -> None:
         cache.update(x, x, layer)
     with pytest.raises(NotImplementedError, match="crop_window"):
         cache.crop(-5)
+
+
+@pytest.mark.parametrize("fmt,opts", [("bf16", {}), ("dither-int8", {"dither_layout": "h8"}), ("kv4", {}),
+                                      ("kv4rl", {"sink": 2, "recent": 4})])
+def test_a_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts: dict, monkeypatch) -> None:
+    """A one-token update of static pools makes no device-to-host read (what a CUDA graph cannot hold):
+    every Tensor -> Python conversion raises inside the step."""
+    cache = make_cache(fmt, _cfg(), batch_size=2, max_len=16, block_size=4, device="cpu", **opts)
+    x = torch.randn(2, HKV, 9, D)
+    for layer in range(L):
+        cache.update(x, x, layer)
+    one = torch.randn(2, HKV, 1, D)
+    if fmt == "dither-int8":
+        cache.store.write_backend = "triton"  # the CUDA path's write kernel (here under the interpreter)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read inside a decode-step write")
+
+    for name in ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for layer in range(L):
+        cache.update(one, one, layer)
+    monkeypatch.undo()
+    assert cache.layers[0].table.seq_lens.tolist() == [10, 10]

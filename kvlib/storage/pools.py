@@ -191,8 +191,8 @@ class Int8Store(Store):
         d, g = self.d, self.group
         pow2 = d & (d - 1) == 0 and d % 4 == 0 and (d // g) & (d // g - 1) == 0
         # the Triton write kernel takes power-of-two shapes; others use its torch reference (same bits)
-        backend = "auto" if pow2 else "torch"
-        write_int8(pool, layer, x.contiguous(), slots, backend=backend, validate=not x.is_cuda)
+        backend = getattr(self, "write_backend", "auto") if pow2 else "torch"
+        write_int8(pool, layer, x.contiguous(), slots, backend=backend, validate=not x.is_cuda and backend != "triton")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
               pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
