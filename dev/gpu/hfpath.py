@@ -40,9 +40,12 @@ def models():
                        num_key_value_heads=3, head_dim=64, vocab_size=4096, max_position_embeddings=8192)
     qwen = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=2, num_attention_heads=28,
                        num_key_value_heads=4, head_dim=128, vocab_size=32768, max_position_embeddings=32768)
-    with torch.device("cuda"):  # random weights made on the device (speed does not depend on their values)
-        yield "tiny-llama-d64", LlamaForCausalLM(tiny), 4, 256
-        yield "qwen2.5-7b-shape-2L", Qwen2ForCausalLM(qwen), 8, 2048
+    def build(cls, cfg):
+        with torch.device("cuda"):  # random weights made on the device (speed does not depend on their values)
+            return cls(cfg)
+
+    yield "tiny-llama-d64", build(LlamaForCausalLM, tiny), 4, 256
+    yield "qwen2.5-7b-shape-2L", build(Qwen2ForCausalLM, qwen), 8, 2048
 
 
 def timed(fn, reps: int = 20) -> float:

@@ -565,13 +565,16 @@ class KVFormatCache(Cache):
 
 def _probe_format(fmt: KVFormat, d: int, side: int, outlier_table: Any) -> None:
     """Write and read two tokens of width ``d`` (CPU) so option errors surface at make_cache."""
-    x = torch.linspace(-1.0, 1.0, 2 * d).reshape(2, d)
-    ctx = dict(layer=0, kv_head=0, side=side, positions=torch.arange(2), slots=torch.arange(2), seed=0)
+    cpu = torch.device("cpu")  # whatever the default device is
+    x = torch.linspace(-1.0, 1.0, 2 * d, device=cpu).reshape(2, d)
+    ctx = dict(layer=0, kv_head=0, side=side, positions=torch.arange(2, device=cpu),
+               slots=torch.arange(2, device=cpu), seed=0)
     if outlier_table is not None:
         ctx["outlier_channels"] = torch.as_tensor(outlier_table)[0, 0].to(torch.int64)
     try:
         p = fmt.write(x, **ctx)
-        fmt.read(fmt.append(p, x[:1], **{**ctx, "positions": torch.arange(2, 3), "slots": torch.arange(2, 3)}))
+        nxt = torch.arange(2, 3, device=cpu)
+        fmt.read(fmt.append(p, x[:1], **{**ctx, "positions": nxt, "slots": nxt}))
     except NotImplementedError as e:
         raise ValueError(f"format {fmt.name!r} cannot decode token by token ({e}); it cannot back a cache") from None
     except (ValueError, TypeError) as e:
