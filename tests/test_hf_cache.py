@@ -275,3 +275,26 @@ def test_smollm2_decodes_through_the_pool(smol) -> None:
     diff = max(float((x - y).abs().max()) for x, y in zip(ref.logits, out.logits))
     assert diff < 1.0, diff  # logits of order 10: INT8 keys move them by a few hundredths per layer
     assert cache.certificates().shape[-1] == 2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fmt,tol", [("bf16", 2e-2), ("dither-int8", 2e-2), ("kv4", 0.25), ("kv4rl", 0.25)])
+def test_kernel_path_through_the_model_matches_the_reference_path(prompt, fmt, tol) -> None:
+    """The decode kernels (Triton, here under the CPU interpreter) inside generate: logits vs DynamicCache and
+    vs the reference path within the format's tolerance, and kernel_path says the kernel ran."""
+    import kvlib.kernels.int4.decode as k4
+
+    if fmt.startswith("kv4") and not hasattr(k4, "kv4_paged_decode"):
+        pytest.skip("the paged KV4 kernel (kv4_paged_decode) has not landed in kvlib.kernels.int4")
+    model = _model()
+    ids = prompt[:1, :6]
+    ref = _generate(model, ids, DynamicCache(config=model.config), n=2)
+    plain = _generate(model, ids, make_cache(fmt, model.config), n=2)
+    cache = make_cache(fmt, model.config)
+    cache._ensure_store(torch.zeros(1, 2, 1, 32))
+    cache.store.interpret = True
+    out = _generate(model, ids, cache, n=2)
+    assert cache.kernel_path(1) in ("bf16-triton", "int8-tc", "int8-fma", "kv4-triton", "kv4rl-triton"), \
+        cache.kernel_path(1)
+    for other in (ref, plain):
+        assert max(float((a - b).abs().max()) for a, b in zip(other.logits, out.logits)) <= tol

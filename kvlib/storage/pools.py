@@ -77,6 +77,8 @@ class Store:
     """Base: ``n_layers`` layers of ``num_blocks * block_size`` slots for ``H_kv`` heads of dim ``d``."""
 
     family = "reference"
+    #: run the decode kernels on CPU tensors under TRITON_INTERPRET=1 (tests: the kernel path through a model)
+    interpret = False
     #: True when a stored code depends on its slot (dithered: the Philox counter is the slot), so pages
     #: cannot be moved to other slots
     slot_bound = False
@@ -225,9 +227,11 @@ class Int8Store(Store):
 
     def kernel_impl(self, device: torch.device, gqa: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
         """The INT8 decode kernel this store's layer would take on ``device`` (None: reference path)."""
+        from kvlib.kernels.backend import triton_available
         from kvlib.kernels.int8.decode import resolve_impl
 
-        if not self.dithered or device.type != "cuda":
+        on = device.type == "cuda" or (self.interpret and triton_available(device))
+        if not self.dithered or not on:
             return None  # the INT8 kernels regenerate a key dither: RTN keys have only the reference
         d4 = self.d // 4
         if self.d % 4 or d4 & (d4 - 1) or self.group % 4:
@@ -236,7 +240,7 @@ class Int8Store(Store):
             impl = resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
         except ValueError:
             return None
-        if self.k.dither_layout == "h8":
+        if self.k.dither_layout == "h8" and device.type == "cuda":
             from kvlib.kernels.int8.gluon import gluon_unsupported
 
             probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=dtype)  # the Gluon kernel: fp16/bf16
@@ -476,9 +480,11 @@ class Int4Store(Store):
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
         import kvlib.kernels.int4.decode as k4
+        from kvlib.kernels.backend import triton_available
 
         paged = getattr(k4, "kv4_paged_decode", None)
-        if paged is None or q.device.type != "cuda" or self.d < 64 or q.shape[1] // self.n_kv > 16:
+        on = q.device.type == "cuda" or (self.interpret and triton_available(q.device))
+        if paged is None or not on or (q.is_cuda and self.d < 64) or q.shape[1] // self.n_kv > 16:
             return None  # the paged KV4 kernel has not landed (or cannot take this shape): reference path
         qp = k4.prepare_query(q, rotate=True)
         start, end = self.main_range(table.seq_lens)
@@ -515,7 +521,10 @@ class PlainStore(Store):
         return tuple(t[layer, flat].reshape(b, n, self.n_kv, self.d).transpose(1, 2) for t in self.kv)
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        if q.device.type != "cuda" or self.formats[0].kernel != "bf16" or self.d & (self.d - 1):
+        from kvlib.kernels.backend import triton_available
+
+        on = q.device.type == "cuda" or (self.interpret and triton_available(q.device))
+        if not on or self.formats[0].kernel != "bf16" or self.d & (self.d - 1):
             return None
         from kvlib.kernels.bf16.decode import decode_bf16
 
