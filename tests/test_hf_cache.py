@@ -298,3 +298,14 @@ def test_kernel_path_through_the_model_matches_the_reference_path(prompt, fmt, t
         cache.kernel_path(1)
     for other in (ref, plain):
         assert max(float((a - b).abs().max()) for a, b in zip(other.logits, out.logits)) <= tol
+
+
+@torch.no_grad()
+def test_static_pools_record_certificates_by_position(llama, prompt) -> None:
+    cache = make_cache("dither-int8", llama.config, batch_size=2, max_len=16, device="cpu")
+    _generate(llama, prompt, cache, n=3)
+    c = cache.certificates()
+    assert c.shape == (2, 4, 2, 16)
+    done = ~torch.isnan(c)
+    assert done[..., 9:11].all() and not done[..., :9].any() and not done[..., 11:].any()  # steps at 9 and 10
+    assert cache.certificate_summary()["n"] == int(done.sum())

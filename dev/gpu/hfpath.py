@@ -138,9 +138,15 @@ def graph_step(model, cache, tok, B: int, pos: int, dyn_ms: float) -> dict:
     with torch.cuda.graph(g):
         static_out = model(static_ids, position_ids=static_pos, past_key_values=cache).logits
     before = cache.layers[0].table.seq_lens.clone()
+    certified = lambda: int((~torch.isnan(cache.certificates())).sum()) if "_cert_buf" in cache.layers[0].__dict__ \
+        else -1  # noqa: E731
+    c0 = certified()
     g.replay()
     torch.cuda.synchronize()
     advanced = bool((cache.layers[0].table.seq_lens == before + 1).all())
+    if c0 >= 0:
+        c1 = certified()
+        line("PASS" if c1 > c0 else "FAIL", f"graph step records its certificates on the device ({c0} -> {c1})")
     finite = bool(torch.isfinite(static_out).all())
     ms = timed(g.replay, reps=10)
     name = "graph step"

@@ -313,13 +313,28 @@ class KVFormatLayer(CacheLayerMixin):
             if isinstance(c.store, Int8Store) and c.store.dithered and q.device.type == "cpu":
                 o, cert = c.store.reference_certificates(self.layer_idx, q, self.table, scaling, c.delta_loc)
                 self.path = "torch-reference"
-                self._certs.append(cert.to(torch.float32))
+                self._record(cert.to(torch.float32))
                 return o
             return None
         o, self.path, cert = got
         if cert is not None:
-            self._certs.append(cert)
+            self._record(cert)
         return o
+
+    def _record(self, cert: torch.Tensor) -> None:
+        """Keep a step's certificates ``[B, Hq]`` on the device. Static pools write them into a buffer
+        ``[B, Hq, max_len]`` at the query's position (device indices: a captured step records every replay);
+        growing ones keep a list of steps."""
+        t = self.table
+        if not t.static:
+            self._certs.append(cert)
+            return
+        buf = self.__dict__.get("_cert_buf")
+        if buf is None:
+            buf = self.__dict__["_cert_buf"] = torch.full((t.batch, cert.shape[1], t.max_len), math.nan,
+                                                          dtype=torch.float32, device=cert.device)
+        rows = torch.arange(t.batch, device=cert.device)
+        buf[rows, :, (t.seq_lens.long() - 1).clamp(min=0)] = cert.to(torch.float32)
 
     # -- HF layer interface ---------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -338,6 +353,7 @@ class KVFormatLayer(CacheLayerMixin):
         self.columns = 0
         self.pad = [0] * (self.table.batch if self.table else 1)
         self._certs = []
+        self.__dict__.pop("_cert_buf", None)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:  # legacy form: the absolute length to keep
@@ -395,6 +411,9 @@ class KVFormatLayer(CacheLayerMixin):
         self.pad = [self.pad[r] for r in rows]
         if self._certs:
             self._certs = [c[idx.to(c.device)] for c in self._certs]
+        buf = self.__dict__.get("_cert_buf")
+        if buf is not None:
+            self._cert_buf = buf[idx.to(buf.device)].clone()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -525,7 +544,13 @@ class KVFormatCache(Cache):
 
     def certificates(self) -> torch.Tensor:
         """float ``[L, Hq, B, steps]`` device tensor: the decode kernel's TV bound per (layer, query head, row,
-        step) for dithered keys (``+inf`` vacuous); empty when no certified step ran. No host sync."""
+        step) for dithered keys (``+inf`` vacuous); empty when no certified step ran. No host sync.
+
+        Static pools (``batch_size``/``max_len``): ``[L, Hq, B, max_len]`` indexed by the query's position,
+        NaN where no certified step ran (so CUDA-graph replays record theirs)."""
+        bufs = [la.__dict__.get("_cert_buf") for la in self.layers]
+        if all(b is not None for b in bufs):
+            return torch.stack(bufs).permute(0, 2, 1, 3)
         per = [la._certs for la in self.layers]
         n = min((len(c) for c in per), default=0)
         if n == 0:
@@ -535,6 +560,7 @@ class KVFormatCache(Cache):
     def certificate_summary(self) -> dict[str, Any]:
         """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates (one sync)."""
         c = self.certificates().double()
+        c = c[~torch.isnan(c)]  # static pools: positions without a certified step
         n = c.numel()
         if n == 0:
             return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
