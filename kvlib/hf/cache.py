@@ -207,6 +207,10 @@ class KVFormatLayer(CacheLayerMixin):
         if self.table is None:
             self.table = c._new_table(key_states.shape[0])
         self.pad = [0] * key_states.shape[0]
+        if self.table.static and isinstance(c.store, Int8Store) and c.store.dithered:
+            # allocated here, not inside a (possibly captured) decode step whose replays would re-fill it
+            self.__dict__["_cert_buf"] = torch.full((self.table.batch, c.n_heads, self.table.max_len), math.nan,
+                                                    dtype=torch.float32, device=c.store.device)
         self.is_initialized = True
 
     # -- writes ---------------------------------------------------------------------------------
