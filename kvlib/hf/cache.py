@@ -357,7 +357,8 @@ class KVFormatLayer(CacheLayerMixin):
         self.columns = 0
         self.pad = [0] * (self.table.batch if self.table else 1)
         self._certs = []
-        self.__dict__.pop("_cert_buf", None)
+        if "_cert_buf" in self.__dict__:
+            self.__dict__["_cert_buf"].fill_(math.nan)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:  # legacy form: the absolute length to keep
