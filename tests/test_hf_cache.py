@@ -143,6 +143,11 @@ def test_generate_fills_certificates_by_default(llama, prompt) -> None:
     assert c.shape == (2, 4, 2, 2)  # [L, Hq, B, steps]: two decode steps after the prefill
     assert torch.isfinite(c).all() and (c >= 0).all()
     assert cache.certificate_summary()["n"] == c.numel()
+    sampled = make_cache("dither-int8", llama.config, stride=2)
+    _generate(llama, prompt, sampled, n=4)
+    assert sampled.certificates().shape == (2, 4, 2, 2)  # decode calls 1 and 3 of 3
+    with pytest.raises(TypeError, match="keep_records"):
+        make_cache("dither-int8", llama.config, keep_records=True)
 
 
 def test_errors_name_the_option_at_make_cache(llama) -> None:

@@ -47,7 +47,7 @@ from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, S
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
     "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
-    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill",
+    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride",
 )
 
 
@@ -313,8 +313,10 @@ class KVFormatLayer(CacheLayerMixin):
         c = self.cache
         q = query[:, :, 0]
         got = c.store.decode(self.layer_idx, q, self.table, scaling, c.delta_loc) if c.store.paged else None
+        self._calls = self.__dict__.get("_calls", 0) + 1
+        certify = (self._calls - 1) % c.stride == 0  # telemetry stride (CPU reference path)
         if got is None:
-            if isinstance(c.store, Int8Store) and c.store.dithered and q.device.type == "cpu":
+            if isinstance(c.store, Int8Store) and c.store.dithered and q.device.type == "cpu" and certify:
                 o, cert = c.store.reference_certificates(self.layer_idx, q, self.table, scaling, c.delta_loc)
                 self.path = "torch-reference"
                 self._record(cert.to(torch.float32))
@@ -352,6 +354,7 @@ class KVFormatLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.__dict__.pop("_views", None)
+        self._calls = 0
         if self.table is not None:
             self.table.reset()
         self.columns = 0
@@ -439,7 +442,8 @@ class KVFormatCache(Cache):
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
                  device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
-                 crop_window: int = 32, prefill: str = "float") -> None:
+                 crop_window: int = 32, prefill: str = "float", stride: int = 1) -> None:
+        self.stride = check_positive_int("stride", stride)
         self.crop_window = check_positive_int("crop_window", crop_window)
         if prefill not in ("float", "stored"):
             raise ValueError(f"prefill must be 'float' (attend over the float prompt, as serving does) or 'stored' "
@@ -531,6 +535,8 @@ class KVFormatCache(Cache):
     def _check_states(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         if not 0 <= layer_idx < self.n_layers:
             raise ValueError(f"layer_idx={layer_idx}: the cache was made for a config with {self.n_layers} layers")
+        if self.dtype is not None and k.dtype != self.dtype:
+            raise ValueError(f"key_states are {k.dtype}, make_cache was given dtype={self.dtype}")
         if k.ndim != 4 or k.shape[1] != self.n_kv or k.shape[-1] != self.head_dim or v.shape != k.shape:
             raise ValueError(f"key/value states must be [B, kv_heads={self.n_kv}, s, head_dim={self.head_dim}] as "
                              f"the config says; got {tuple(k.shape)} and {tuple(v.shape)} (a config of another "
@@ -577,7 +583,7 @@ class KVFormatCache(Cache):
         cov, ovf, s, mx, nf = stats
         return {"n": n, "coverage": cov / n, "overflow_fraction": ovf / n,
                 "mean_finite": s / nf if nf else float("nan"), "max_finite": mx if nf else float("nan"),
-                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc}
+                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride}
 
     telemetry_summary = certificate_summary
 
@@ -620,9 +626,12 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
     ``config``: the model's ``PretrainedConfig`` (shapes are validated from it, and kvlib's attention
     function is made active on it: :mod:`kvlib.hf.attention`). With ``batch_size`` and ``max_len`` (and
     ``device``) the pools and page tables are allocated once, with static shapes (CUDA-graph capturable).
+    ``dtype``: the K/V dtype the model hands over, checked at each update (None: any).
     ``options``: ``prefill`` (``"float"``, default: the prompt's attention sees the float K/V, as serving
     engines do; ``"stored"``: it sees what the pool holds, the semantics of the fidelity analyses),
     ``crop_window`` (kv4rl: ring evictions kept so that ``crop`` can restore the side buffer),
+    ``stride`` (CPU reference path of dithered keys: certify every ``stride``-th decode step per layer; the
+    decode kernel certifies every step within its own launch),
     ``value_format`` (default: the key format), ``key_options`` / ``value_options``, ``seed``,
     ``outlier_table`` ``[L, Hkv, 2m]`` with ``outlier_sides``, ``tau`` / ``delta_req`` / ``steps`` (the
     certificate's allocation), ``shuffle_blocks`` (hand out pages in a shuffled order, as a block manager
@@ -642,8 +651,11 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
     cache_class = options.pop("cache_class", None) or KVFormatCache
     if not callable(cache_class):
         raise TypeError(f"cache_class must be a KVFormatCache subclass or a callable, got {cache_class!r}")
-    for legacy in ("slot_stride", "stride", "keep_records", "two_sided"):
-        options.pop(legacy, None)  # options of the previous adapter's host-side telemetry
+    gone = sorted(set(options) & {"slot_stride", "keep_records", "two_sided"})
+    if gone:
+        raise TypeError(f"make_cache: option(s) {gone} belonged to the previous adapter's host-side telemetry; the "
+                        "certificate now comes from the decode kernel (one-accumulator bound, slots from the page "
+                        "table): drop them")
     cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_OPTIONS}
     shared = options  # the rest: format constructor options
     v_all = {**shared, **val_opts} if vname == format else val_opts
