@@ -316,11 +316,12 @@ class KVFormatLayer(CacheLayerMixin):
         self._calls = self.__dict__.get("_calls", 0) + 1
         certify = (self._calls - 1) % c.stride == 0  # telemetry stride (CPU reference path)
         if got is None:
-            if isinstance(c.store, Int8Store) and c.store.dithered and q.device.type == "cpu" and certify:
+            if isinstance(c.store, Int8Store) and c.store.dithered and certify:
+                # no kernel for this device or shape: the kernel's float64 reference, certificate included
                 o, cert = c.store.reference_certificates(self.layer_idx, q, self.table, scaling, c.delta_loc)
                 self.path = "torch-reference"
-                self._record(cert.to(torch.float32))
-                return o
+                self._record(cert.to(device=q.device, dtype=torch.float32))
+                return o.to(q.device)
             return None
         o, self.path, cert = got
         if cert is not None:
