@@ -26,6 +26,7 @@ _EXPORTS = {
     "get_format": "kvlib.formats.base",
     "load_model": "kvlib.hf.model",
     "make_cache": "kvlib.hf.cache",
+    "kernel_formats": "kvlib.hf.cache",
     "make_gated_cache": "kvlib.hf.gate",
 }
 _SUBMODULES = {

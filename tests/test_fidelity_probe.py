@@ -99,7 +99,7 @@ def test_storage_view_equals_format_cache(tiny_model, fmt, opts):
     from kvlib.hf.cache import make_cache
 
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
-    ref = _chunk_then_decode(tiny_model, ids, make_cache(fmt, tiny_model.config, **opts), 20, True)
+    ref = _chunk_then_decode(tiny_model, ids, make_cache(fmt, tiny_model.config, prefill="stored", **opts), 20, True)
     fast = _chunk_then_decode(tiny_model, ids, storage_view(fmt, **opts)(tiny_model.config), 20, True)
     assert torch.allclose(ref, fast, atol=1e-5, rtol=0)
 

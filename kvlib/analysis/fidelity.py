@@ -29,12 +29,13 @@ CacheSpec = None | str | tuple[str, dict[str, Any]] | Callable[[Any], Any]
 
 def build_cache(spec: CacheSpec, config: Any) -> Any:
     """A fresh cache for ``spec`` (see module docstring)."""
+    # prefill="stored": the prompt's attention sees the stored K/V too (the analyses' semantics)
     if spec is None:
-        return make_cache("fp32", config)
+        return make_cache("fp32", config, prefill="stored")
     if isinstance(spec, str):
-        return make_cache(spec, config)
+        return make_cache(spec, config, prefill="stored")
     if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
-        return make_cache(spec[0], config, **dict(spec[1]))
+        return make_cache(spec[0], config, **{"prefill": "stored", **dict(spec[1])})
     if callable(spec):
         return spec(config)
     raise TypeError(f"spec must be None, a format name, (format, options) or a callable, got {spec!r}")

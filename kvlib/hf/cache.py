@@ -1,430 +1,642 @@
-"""HF transformers ``Cache`` adapters, written once over the :class:`~kvlib.formats.base.KVFormat` interface.
+"""A transformers ``Cache`` whose K/V live only in kvlib's packed paged pools (:mod:`kvlib.storage`).
 
-``make_cache(format, config, **options)`` returns a :class:`KVFormatCache`: one
-:class:`KVFormatLayer` per decoder layer, each holding the *packed* form of every
-(batch row, kv head, side) stream and handing dequantised float K/V to the attention. Stateless
-formats are read incrementally (only new tokens are dequantised; earlier ones are kept as a
-float working copy, as the HF interface needs float tensors); stateful formats (those overriding
-``append``: side buffers, residual windows) are re-read in full each step, because an old token's
-representation can change. ``packed_nbytes()`` measures the packed store from its tensors.
+``make_cache(format, config, ...)`` returns a :class:`KVFormatCache`: one :class:`KVFormatLayer` per
+decoder layer, each with its own page table (:class:`kvlib.storage.blocks.PageTable`) over the layer's
+slice of one :class:`kvlib.storage.pools.Store` (the format family's pools). There is no float copy:
+``update`` writes the new tokens into the pool and hands the *new tokens only* back, tagged, to the
+attention function of :mod:`kvlib.hf.attention`, which ``make_cache`` activates on the config. That
+function attends over the float prompt at prefill (SDPA with the mask) and, at each decode step, calls the
+decode kernel on the pool (or, where no kernel applies, the torch reference: the pool dequantised for the
+layer, transiently, and the model's previous attention implementation with its mask).
+``kernel_path(layer)`` says which path the last step took.
 
-Certificate telemetry (``telemetry=True``, dithered key formats only): on every ``stride``-th
-forward call per layer, the last query row of each query head (the real post-RoPE query, seen
-through :func:`kvlib.hf.model.instrument`) is certified against the layer's keys with
-:func:`kvlib.certify.bound.score_radius` / :func:`kvlib.certify.bound.certificate`, under the
-request-level allocation ``delta_loc = delta_req / (L * Hq * steps)``. Results are aggregated on the
-device (no host sync in the decode loop); ``telemetry_summary()`` syncs once at the end.
+Left padding: at prefill the attention reads the pad columns off the mask and rewrites each row without
+them, so pools hold real tokens only (positions count from a row's first real token); the cache keeps the
+pad count per row to map mask columns back.
+
+``prefill="stored"`` makes the prompt's attention see what the pool holds instead (the fidelity analyses'
+semantics). Another attention implementation switched on after ``make_cache`` (an observing or probing
+one) gets the whole pool dequantised from ``update`` (``kernel_path`` ``"dequantized-for:<name>"``).
+
+Batch operations: slot-independent pools (bf16, rtn-int8, kv4, kv4rl) copy a selected row's pages;
+dithered INT8 (and other slot-bound format pages) never move a code, since its Philox counter is its
+slot: page tables switch to token-slot mode (:mod:`kvlib.storage.blocks`), repeats share the prefix and
+write fresh pages. ``crop`` works for every paged format (kv4rl restores its side buffer from a stash of
+the last ``crop_window`` ring evictions). ``layer.keys``/``layer.values`` are dequantised views: assigning
+them (a kvpress press) is refused at once, an in-place edit at the next update.
+
+Certificates (dithered keys): the decode kernel's (or on CPU its float64 torch reference's) one-accumulator
+TV bound per (layer, query head, row, step), kept on the device; :meth:`KVFormatCache.certificates` stacks
+them, :meth:`KVFormatCache.certificate_summary` syncs once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib.formats.base import KVFormat, available_formats, get_format
+from kvlib.core.checks import check_open_unit, check_positive_int
+from kvlib.core.philox import seed_key
+from kvlib.formats.base import KVFormat, available_formats, capabilities, format_class, get_format
+from kvlib.storage.blocks import BlockAllocator, PageTable
+from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, Store, store_class
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
-    "value_format", "value_options", "key_options", "seed", "slot_stride", "telemetry", "stride",
-    "tau", "delta_req", "steps", "keep_records", "two_sided", "outlier_table", "outlier_sides",
+    "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
+    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride",
 )
-#: key formats whose residual has a known sub-Gaussian proxy (see kvlib.certify.bound.PROXY)
-PROXY_OF_FORMAT = {"dither-int8": "dither", "sr-int8": "sr"}
+
+
+def _proxies() -> dict[str, str]:
+    return {n: capabilities(n)["variance_proxy"] for n in available_formats() if capabilities(n)["variance_proxy"]}
+
+
+class _ProxyTable(dict):
+    """``{format: variance proxy}`` derived from the formats' declared capabilities (gate compatibility)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._loaded = False
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            self.update(_proxies())
+
+    def __getitem__(self, k):  # noqa: ANN001
+        self._load()
+        return super().__getitem__(k)
+
+    def __contains__(self, k) -> bool:  # noqa: ANN001
+        self._load()
+        return super().__contains__(k)
+
+    def get(self, k, default=None):  # noqa: ANN001
+        self._load()
+        return super().get(k, default)
+
+    def __iter__(self):
+        self._load()
+        return super().__iter__()
+
+    def keys(self):
+        self._load()
+        return super().keys()
+
+    def items(self):
+        self._load()
+        return super().items()
+
+
+#: key formats whose residual has a sub-Gaussian proxy (from each format class's ``variance_proxy``)
+PROXY_OF_FORMAT = _ProxyTable()
 
 
 def _is_stateful(fmt: KVFormat) -> bool:
-    return type(fmt).append is not KVFormat.append
+    return bool(type(fmt).stateful)
 
 
-@dataclass
-class Telemetry:
-    """Device-side aggregates of the per-(layer, query head, step) certificates."""
-
-    n_layers: int
-    n_heads: int
-    tau: float
-    device: torch.device | None = None
-    count: torch.Tensor | None = None  # [L, Hq] certificates taken
-    covered: torch.Tensor | None = None  # [L, Hq] certificates <= tau (finite)
-    overflow: torch.Tensor | None = None  # [L, Hq] non-finite certificates
-    max_cert: torch.Tensor | None = None  # [L, Hq] max over finite certificates
-    sum_cert: torch.Tensor | None = None  # [L, Hq] sum over finite certificates
-    records: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    seconds: float = 0.0  # wall time spent inside the telemetry (host clock; synced on CUDA)
-    calls: int = 0
-
-    def _init(self, device: torch.device) -> None:
-        shape = (self.n_layers, self.n_heads)
-        self.device = device
-        self.count = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.covered = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.overflow = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.max_cert = torch.full(shape, -math.inf, dtype=torch.float64, device=device)
-        self.sum_cert = torch.zeros(shape, dtype=torch.float64, device=device)
-
-    def add(self, layer: int, cert: torch.Tensor) -> None:
-        """Fold one step's certificates ``[Hq]`` (or ``[B, Hq]``) of ``layer`` in, on the device."""
-        if self.count is None:
-            self._init(cert.device)
-        c = cert.reshape(-1, self.n_heads).double()
-        fin = torch.isfinite(c)
-        self.count[layer] += c.shape[0]
-        self.covered[layer] += (fin & (c <= self.tau)).sum(0)
-        self.overflow[layer] += (~fin).sum(0)
-        cf = torch.where(fin, c, torch.zeros_like(c))
-        self.sum_cert[layer] += cf.sum(0)
-        self.max_cert[layer] = torch.maximum(self.max_cert[layer], torch.where(fin, c, -math.inf).amax(0))
-
-    def summary(self) -> dict[str, Any]:
-        """Host-side summary (one sync): coverage, overflow fraction, finite mean and max, cost."""
-        if self.count is None or int(self.count.sum()) == 0:
-            return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
-                    "mean_finite": float("nan"), "max_finite": float("nan"), "seconds": self.seconds,
-                    "calls": self.calls}
-        n = int(self.count.sum())
-        n_fin = n - int(self.overflow.sum())
-        return {
-            "n": n,
-            "coverage": int(self.covered.sum()) / n,
-            "overflow_fraction": int(self.overflow.sum()) / n,
-            "mean_finite": float(self.sum_cert.sum()) / n_fin if n_fin else float("nan"),
-            "max_finite": float(self.max_cert.max()) if n_fin else float("nan"),
-            "seconds": self.seconds,
-            "calls": self.calls,
-        }
-
-
-class GrowingPacked:
-    """A stateless format's packed stream with amortised O(1) appends.
-
-    Per-token tensor fields live in buffers that double their capacity when full; ``view()`` gives
-    the format's packed dataclass over the first ``n`` rows (what ``read``/``nbytes`` see).
-    ``allocated_nbytes`` counts the whole capacity.
-    """
-
-    def __init__(self, first: Any) -> None:
-        if not dataclasses.is_dataclass(first):
-            raise TypeError(f"packed object must be a dataclass, got {type(first).__name__}")
-        self.cls = type(first)
-        self.fields = [f.name for f in dataclasses.fields(first)]
-        self.per_token = {f.name for f in dataclasses.fields(first) if f.metadata.get("per_token", False)}
-        self.meta = {k: getattr(first, k) for k in self.fields if k not in self.per_token}
-        self.n = 0
-        self.bufs: dict[str, torch.Tensor | None] = {
-            k: (None if getattr(first, k) is None else getattr(first, k)[:0].clone()) for k in self.per_token}
-        self._view: Any = None
-        self.append(first)
-
-    def append(self, new: Any) -> None:
-        k_new = None
-        for k in self.per_token:
-            t = getattr(new, k)
-            if t is None or self.bufs[k] is None:
-                if (t is None) != (self.bufs[k] is None):
-                    raise ValueError(f"packed field {k!r} is None in one chunk and not in another")
-                continue
-            k_new = t.shape[0]
-            buf = self.bufs[k]
-            if buf.shape[0] < self.n + k_new:
-                cap = max(self.n + k_new, 2 * buf.shape[0], 16)
-                grown = buf.new_empty((cap, *buf.shape[1:]))
-                grown[: self.n] = buf[: self.n]
-                self.bufs[k] = buf = grown
-            buf[self.n:self.n + k_new] = t
-        self.n += 0 if k_new is None else k_new
-        self._view = None
-
-    def view(self) -> Any:
-        if self._view is None:
-            vals = {k: (None if self.bufs[k] is None else self.bufs[k][: self.n]) for k in self.per_token}
-            self._view = self.cls(**{k: vals[k] if k in vals else self.meta[k] for k in self.fields})
-        return self._view
-
-    def allocated_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.bufs.values() if b is not None)
+def kernel_formats() -> list[str]:
+    """Names of the formats that have decode kernels (their declared ``kernel`` capability)."""
+    return [n for n in available_formats() if capabilities(n)["kernel"]]
 
 
 class KVFormatLayer(CacheLayerMixin):
-    """One decoder layer's cache: packed K and V per (batch row, kv head) in a KVFormat."""
+    """One decoder layer: a page table over its slice of the cache's store (see the module docstring)."""
 
     is_sliding = False
-    is_croppable = False
     is_compileable = False
 
-    def __init__(self, layer_idx: int, key_format: KVFormat, value_format: KVFormat, *,
-                 seed: int = 0, slot_stride: int = 1 << 20, outliers: torch.Tensor | None = None,
-                 outlier_sides: tuple[int, ...] = (0,)) -> None:
+    def __init__(self, cache: KVFormatCache, layer_idx: int) -> None:
         super().__init__()
-        self.outliers = outliers  # [kv_heads, 2m] channel table of this layer, or None
-        self.outlier_sides = tuple(outlier_sides)
-        self.layer_idx = layer_idx
-        self.formats = (key_format, value_format)
-        self.seed = seed
-        self.slot_stride = slot_stride
-        self.store: list[list[list[Any]]] = []  # [side][batch][kv_head]: GrowingPacked or stateful packed
-        self.cumulative_length = 0
-        self._work: list[torch.Tensor | None] = [None, None]  # float working copies with spare capacity
+        self.cache, self.layer_idx = cache, layer_idx
+        self.table: PageTable | None = None
+        self.columns = 0  # sequence length as the model sees it (pad columns included)
+        self.pad = [0]  # left-pad columns per row (not stored)
+        self.path = "none"
+        self._certs: list[torch.Tensor] = []
+
+    @property
+    def is_croppable(self) -> bool:  # noqa: D401
+        return not isinstance(self.cache.store, ObjectStore)
+
+    @property
+    def formats(self) -> tuple[KVFormat, KVFormat]:
+        return self.cache.key_format, self.cache.value_format
 
     @property
     def packed(self) -> list[list[list[Any]]]:
-        """``[side][batch][kv_head]`` packed objects of the format (views for stateless formats)."""
-        return [[[p.view() if isinstance(p, GrowingPacked) else p for p in row] for row in side]
-                for side in self.store]
+        """``[side][row][kv_head]``: the format's packed object of each stream, rebuilt from the pages
+        (INT8 pools and format pages; a view for inspection, not what the kernels read)."""
+        from kvlib.formats.dither_int8 import DitherQTensor
+
+        st, t = self.cache.store, self.table
+        out: list[list[list[Any]]] = [[], []]
+        for b, n in enumerate(t.lens):
+            sl = t.slot_table()[b, :n].long()
+            for side in (0, 1):
+                row = []
+                for h in range(self.cache.n_kv):
+                    if isinstance(st, Int8Store):
+                        pool = (st.k, st.v)[side]
+                        oc = pool.outlier_channels[self.layer_idx, h] if pool.n_out else None
+                        outs = pool.outliers[self.layer_idx, sl, h] if pool.n_out else None
+                        row.append(DitherQTensor(pool.codes[self.layer_idx, sl, h], pool.scales[self.layer_idx, sl, h],
+                                                 sl, outs, oc, self.layer_idx, h, st.seed, side, st.group,
+                                                 pool.dithered, pool.dither_layout))
+                    elif isinstance(st, ObjectStore):
+                        row.append(st.objs[side][self.layer_idx][b][h])
+                    else:
+                        raise NotImplementedError(f"packed views exist for INT8 pools and stateful objects, not for "
+                                                  f"{type(st).__name__}")
+                out[side].append(row)
+        return out
+
+    # kvpress-style presses rewrite layer.keys / layer.values: the packed pool cannot take float edits
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if not self.is_initialized else self._view(0)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self._refuse_edit(value, "keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if not self.is_initialized else self._view(1)
+
+    def _view(self, side: int) -> torch.Tensor:
+        """A dequantised view of the pool; a snapshot is kept so that an in-place edit of it (which cannot
+        reach the packed pool) is refused at the next update instead of being silently lost."""
+        views = self.__dict__.get("_views")
+        if views is None or views[2] != self.columns:
+            k, v = self.dequantized()
+            views = self.__dict__["_views"] = ((k, v), (k.clone(), v.clone()), self.columns)
+        return views[0][side]
+
+    def _check_views(self) -> None:
+        views = self.__dict__.pop("_views", None)
+        if views is None:
+            return
+        for name, got, snap in zip(("keys", "values"), views[0], views[1]):
+            if not torch.equal(got, snap):
+                raise NotImplementedError(
+                    f"layer.{name} of a kvlib cache was modified in place; it is a dequantised view of the packed "
+                    "pool, so the edit cannot reach the cache and is refused (a kvpress press needs a DynamicCache)")
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self._refuse_edit(value, "values")
+
+    def _refuse_edit(self, value: Any, name: str) -> None:
+        if value is None and not getattr(self, "is_initialized", False):
+            return  # the mixin's constructor
+        raise NotImplementedError(
+            f"layer.{name} of a kvlib cache is a read-only dequantised view of the packed pool; editing it (as a "
+            "kvpress press does) would be undone at the next step, so it is refused. Prune tokens before they "
+            "enter the cache, or use a DynamicCache with the press.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        c = self.cache
+        c._ensure_store(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.n_kv, _, self.head_dim = key_states.shape
-        self.store = [[[None] * self.n_kv for _ in range(self.batch_size)] for _ in range(2)]
-        empty = key_states.new_zeros((self.batch_size, self.n_kv, 0, self.head_dim))
-        self.keys, self.values = empty, empty.clone()
+        if self.table is None:
+            self.table = c._new_table(key_states.shape[0])
+        self.pad = [0] * key_states.shape[0]
+        if self.table.static and isinstance(c.store, Int8Store) and c.store.dithered:
+            # allocated here, not inside a (possibly captured) decode step whose replays would re-fill it
+            self.__dict__["_cert_buf"] = torch.full((self.table.batch, c.n_heads, self.table.max_len), math.nan,
+                                                    dtype=torch.float32, device=c.store.device)
         self.is_initialized = True
 
-    def _append_work(self, side: int, deq: torch.Tensor) -> torch.Tensor:
-        """Append ``deq [B, H, s, d]`` to the working copy (capacity doubling); return the filled view."""
-        n, s_new = self.cumulative_length, deq.shape[-2]
-        buf = self._work[side]
-        if buf is None or buf.shape[-2] < n + s_new:
-            cap = max(n + s_new, 2 * (0 if buf is None else buf.shape[-2]), 64)
-            grown = deq.new_empty((*deq.shape[:2], cap, deq.shape[-1]))
-            if buf is not None:
-                grown[:, :, :n] = buf[:, :, :n]
-            self._work[side] = buf = grown
-        buf[:, :, n:n + s_new] = deq
-        return buf[:, :, :n + s_new]
-
-    def _write_side(self, side: int, x: torch.Tensor) -> torch.Tensor:
-        fmt = self.formats[side]
-        b_n, h_n, s_new, _ = x.shape
-        start = self.cumulative_length
-        positions = torch.arange(start, start + s_new, dtype=torch.int64, device=x.device)
-        stateful = _is_stateful(fmt)
-        rows = []
-        for b in range(b_n):
-            heads = []
-            for h in range(h_n):
-                ctx = dict(layer=self.layer_idx, kv_head=h, side=side, positions=positions,
-                           slots=positions + b * self.slot_stride, seed=self.seed)
-                if self.outliers is not None and side in self.outlier_sides:
-                    ctx["outlier_channels"] = self.outliers[h].to(torch.int64)
-                prev = self.store[side][b][h]
-                if stateful:
-                    self.store[side][b][h] = fmt.append(prev, x[b, h].float(), **ctx)
-                    heads.append(fmt.read(self.store[side][b][h]))
-                else:
-                    new = fmt.write(x[b, h].float(), **ctx)
-                    if prev is None:
-                        self.store[side][b][h] = GrowingPacked(new)
-                    else:
-                        prev.append(new)
-                    heads.append(fmt.read(new))
-            rows.append(torch.stack(heads))
-        deq = torch.stack(rows).to(self.dtype)
-        return deq if stateful else self._append_work(side, deq)
-
+    # -- writes ---------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache
+        c._check_states(key_states, value_states, self.layer_idx)
+        from kvlib.hf.attention import is_active
+
+        foreign = c.config is not None and not is_active(c.config)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.batch_size:
-            raise ValueError(f"key_states: batch {key_states.shape[0]} differs from the cache's {self.batch_size}")
-        self.keys = self._write_side(0, key_states)
-        self.values = self._write_side(1, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        return self.keys, self.values
+        if key_states.shape[0] != self.table.batch:
+            raise ValueError(f"key_states: batch {key_states.shape[0]} differs from the cache's {self.table.batch}")
+        self._check_views()
+        prior = self.columns
+        self._write(key_states, value_states)
+        self.columns += key_states.shape[-2]
+        if foreign:
+            # another attention implementation is active (an observing or probing one, or the user's): it needs
+            # the whole K/V, so hand it the pool dequantised (the reference path; slower, never wrong)
+            self.path = f"dequantized-for:{getattr(c.config, '_attn_implementation', None)}"
+            return self.dequantized()
+        phase = "prefill" if prior == 0 and c.prefill == "float" else "step"
+        if isinstance(c.store, PlainStore) and c.store.dtype != key_states.dtype:
+            # what the pool holds (a bf16 pool in an fp32 model): the prompt's attention sees the same values
+            key_states = key_states.to(c.store.dtype).to(key_states.dtype)
+            value_states = value_states.to(c.store.dtype).to(value_states.dtype)
+        key_states = key_states.detach() if key_states.requires_grad else key_states
+        key_states._kvlib = (self, phase)  # read by kvlib.hf.attention; plain tensors everywhere else
+        return key_states, value_states
 
+    def _write(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None = None) -> None:
+        """Append ``k, v [B, H, s, d]`` to every row (``rows_keep [B, s]`` bool: tokens to keep)."""
+        store, t = self.cache.store, self.table
+        b, h, s, d = k.shape
+        if isinstance(store, ObjectStore):
+            keep = [None] * b if rows_keep is None else list(rows_keep)
+            store.write_rows(self.layer_idx, k, v, t.lens, keep)
+            t.lens = [n + (s if m is None else int(m.sum())) for n, m in zip(t.lens, keep)]
+            return
+        if rows_keep is None and s == 1:
+            rows = torch.arange(b, device=k.device)
+            pos = t.seq_lens.long()
+            t.reserve([1] * b)
+            slots = t.write_slots(rows, pos)
+            store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, pos + 1, one_per_row=True)
+            t.advance([1] * b)
+            return
+        keep = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
+        counts = keep.sum(1)
+        n_new = counts.tolist()  # prefill / chunk: one host sync is fine here
+        t.reserve(n_new)
+        rows, cols = keep.nonzero(as_tuple=True)
+        base = torch.tensor(t.lens, dtype=torch.int64, device=k.device)
+        offs = (keep.cumsum(1) - 1)[rows, cols]
+        pos = base[rows] + offs
+        slots = t.write_slots(rows, pos, offs)
+        kt, vt = k.permute(0, 2, 1, 3)[rows, cols], v.permute(0, 2, 1, 3)[rows, cols]  # [N, H, d]
+        store.write(self.layer_idx, kt, vt, slots, rows, pos, base + counts)
+        t.advance(n_new, counts)
+
+    def rewrite_without_pads(self, k: torch.Tensor, v: torch.Tensor, pad: list[int]) -> None:
+        """Prefill with left padding: forget the row writes and store only each row's real tokens."""
+        t = self.table
+        t.reset()
+        s = k.shape[-2]
+        keep = torch.arange(s, device=k.device)[None, :] >= torch.tensor(pad, device=k.device)[:, None]
+        self._write(k, v, keep)
+        self.pad = list(pad)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float K, V ``[B, H, columns, d]`` (model dtype) at the model's columns (pads zero): the reference
+        path's transient view of the pool."""
+        store, t = self.cache.store, self.table
+        n = max(t.lens) if t.lens else 0
+        if isinstance(store, ObjectStore):
+            k, v = store.read_rows(self.layer_idx, n)
+        elif isinstance(store, Int4Store):
+            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens)
+        else:
+            k, v = store.gather(self.layer_idx, t.slot_table()[:, :n])
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        lens = torch.tensor(t.lens, device=k.device)
+        valid = torch.arange(n, device=k.device)[None, :] < lens[:, None]
+        k = k * valid[:, None, :, None]
+        v = v * valid[:, None, :, None]
+        if any(self.pad) or n != self.columns:
+            kk = k.new_zeros(k.shape[0], k.shape[1], self.columns, k.shape[-1])
+            vv = torch.zeros_like(kk)
+            for b, p in enumerate(self.pad):
+                kk[b, :, p:p + t.lens[b]] = k[b, :, : t.lens[b]]
+                vv[b, :, p:p + t.lens[b]] = v[b, :, : t.lens[b]]
+            k, v = kk, vv
+        return k, v
+
+    def decode_kernel(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """``o [B, Hq, d]`` from the decode kernel for a one-token step, or None (reference path)."""
+        c = self.cache
+        q = query[:, :, 0]
+        got = c.store.decode(self.layer_idx, q, self.table, scaling, c.delta_loc) if c.store.paged else None
+        self._calls = self.__dict__.get("_calls", 0) + 1
+        certify = (self._calls - 1) % c.stride == 0  # telemetry stride (CPU reference path)
+        if got is None:
+            if isinstance(c.store, Int8Store) and c.store.dithered and certify:
+                # no kernel for this device or shape: the kernel's float64 reference, certificate included
+                o, cert = c.store.reference_certificates(self.layer_idx, q, self.table, scaling, c.delta_loc)
+                self.path = "torch-reference"
+                self._record(cert.to(device=q.device, dtype=torch.float32))
+                return o.to(q.device)
+            return None
+        o, self.path, cert = got
+        if cert is not None:
+            self._record(cert)
+        return o
+
+    def _record(self, cert: torch.Tensor) -> None:
+        """Keep a step's certificates ``[B, Hq]`` on the device. Static pools write them into a buffer
+        ``[B, Hq, max_len]`` at the query's position (device indices: a captured step records every replay);
+        growing ones keep a list of steps."""
+        t = self.table
+        if not t.static:
+            self._certs.append(cert)
+            return
+        buf = self.__dict__.get("_cert_buf")
+        if buf is None:
+            buf = self.__dict__["_cert_buf"] = torch.full((t.batch, cert.shape[1], t.max_len), math.nan,
+                                                          dtype=torch.float32, device=cert.device)
+        rows = torch.arange(t.batch, device=cert.device)
+        buf[rows, :, (t.seq_lens.long() - 1).clamp(min=0)] = cert.to(torch.float32)
+
+    # -- HF layer interface ---------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        return self.columns + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.cumulative_length
+        return self.columns
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.cache.max_len is None else self.cache.max_len
 
     def reset(self) -> None:
-        self.store = []
-        self._work = [None, None]
-        self.keys = self.values = None
-        self.cumulative_length = 0
-        self.is_initialized = False
-
-    def packed_nbytes(self) -> int:
-        """Bytes held by the packed store of this layer, measured from its tensors."""
-        return sum(self.formats[s].nbytes(p) for s, side in enumerate(self.packed) for row in side for p in row
-                   if p is not None)
-
-    def allocated_nbytes(self) -> int:
-        """Bytes allocated for the packed store, spare capacity of the growing buffers included."""
-        total = 0
-        for s, side in enumerate(self.store):
-            for row in side:
-                for p in row:
-                    if isinstance(p, GrowingPacked):
-                        total += p.allocated_nbytes()
-                    elif p is not None:
-                        total += self.formats[s].nbytes(p)
-        return total
-
-    def working_nbytes(self) -> int:
-        """Bytes allocated for the float working copy handed to the attention (not the packed store)."""
-        if not self.is_initialized:
-            return 0
-        work = [w for w in self._work if w is not None] or [t for t in (self.keys, self.values) if t is not None]
-        return sum(t.numel() * t.element_size() for t in work)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("KVFormatCache does not support beam search (reorder_cache)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError("KVFormatCache cannot repeat a non-empty cache along the batch")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError("KVFormatCache cannot select batch rows of a non-empty cache")
+        self.__dict__.pop("_views", None)
+        self._calls = 0
+        if self.table is not None:
+            self.table.reset()
+        self.columns = 0
+        self.pad = [0] * (self.table.batch if self.table else 1)
+        self._certs = []
+        if "_cert_buf" in self.__dict__:
+            self.__dict__["_cert_buf"].fill_(math.nan)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise NotImplementedError("KVFormatCache is not croppable")
+        if tokens_to_remove > 0:  # legacy form: the absolute length to keep
+            if tokens_to_remove >= self.columns:
+                return
+            tokens_to_remove = self.columns - tokens_to_remove
+        n = abs(tokens_to_remove)
+        if n == 0:
+            return
+        store = self.cache.store
+        if isinstance(store, ObjectStore):
+            raise NotImplementedError(
+                f"format {self.cache.key_format.name!r} is stateful (a residual window overwritten by the tokens to "
+                "remove): crop cannot restore it")
+        self._check_views()
+        old = list(self.table.lens)
+        new = [max(0, ln - n) for ln in old]
+        store.crop(self.layer_idx, old, new)
+        self.columns -= n
+        self.table.set_lens(new)
+
+    def _select(self, idx: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        self._check_views()
+        idx = idx.to(torch.int64).cpu()
+        rows = idx.tolist()
+        store, t = self.cache.store, self.table
+        if t.token_slots:
+            t.select_tokens(rows)  # slot-bound codes never move: repeats share the prefix, write fresh pages
+        elif store.paged and self.columns:
+            # slot-independent codes: copy each selected row's pages (exact), into fresh pages or, for static
+            # pools, over the rows' own pages (gathered first)
+            t.uniform()
+            width, bs = t.block_table.shape[1], t.block_size
+            src = t.block_table[idx.to(t.block_table.device)].long()
+            if t.static:
+                if len(rows) != t.batch:
+                    raise ValueError(f"static pools hold batch_size={t.batch} rows; a selection of {len(rows)} "
+                                     "rows needs make_cache without batch_size/max_len")
+                new_blocks = [list(b) for b in t.blocks]
+            else:
+                new_blocks = [t._take(width) for _ in rows]
+            dst = torch.tensor(new_blocks, dtype=torch.int64).reshape(len(rows), width).to(src.device)
+            ar = torch.arange(bs, device=src.device)
+            store.copy_slots(self.layer_idx, (dst[..., None] * bs + ar).reshape(-1),
+                             (src[..., None] * bs + ar).reshape(-1))
+            if t.static:
+                t.set_lens([t.lens[r] for r in rows])
+            else:
+                t.select(rows, new_blocks)
+        else:
+            t.select(rows)
+        store.select_rows(self.layer_idx, idx.to(self.device))
+        self.pad = [self.pad[r] for r in rows]
+        if self._certs:
+            self._certs = [c[idx.to(c.device)] for c in self._certs]
+        buf = self.__dict__.get("_cert_buf")
+        if buf is not None:
+            self._cert_buf = buf[idx.to(buf.device)].clone()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self.table.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
 
 
 class KVFormatCache(Cache):
-    """A transformers ``Cache`` storing K and V in kvlib formats; see :func:`make_cache`."""
+    """A transformers ``Cache`` storing K and V in kvlib's paged pools; see :func:`make_cache`."""
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
-                 slot_stride: int = 1 << 20, telemetry: bool = False, stride: int = 32, tau: float = 0.2,
-                 delta_req: float = 1e-2, steps: int = 256, keep_records: bool = False,
-                 two_sided: bool = False, outlier_table: torch.Tensor | None = None,
-                 outlier_sides: tuple[int, ...] = (0,)) -> None:
+                 telemetry: bool | None = None, tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
+                 outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
+                 batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
+                 device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
+                 crop_window: int = 32, prefill: str = "float", stride: int = 1) -> None:
+        self.stride = check_positive_int("stride", stride)
+        self.crop_window = check_positive_int("crop_window", crop_window)
+        if prefill not in ("float", "stored"):
+            raise ValueError(f"prefill must be 'float' (attend over the float prompt, as serving does) or 'stored' "
+                             f"(attend over what the pool holds, the fidelity analyses' semantics), got {prefill!r}")
+        self.prefill = prefill
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        n_layers = int(text.num_hidden_layers)
+        self.n_layers = int(text.num_hidden_layers)
         self.n_heads = int(text.num_attention_heads)
         self.n_kv = int(getattr(text, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.n_heads)
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+        if self.n_heads % self.n_kv:
+            raise ValueError(f"config: num_attention_heads={self.n_heads} is not a multiple of "
+                             f"num_key_value_heads={self.n_kv}")
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.n_layers
         bad = set(layer_types) - {"full_attention"}
         if bad:
             raise ValueError(f"config: KVFormatCache supports full-attention layers only, found {sorted(bad)}")
+        seed_key(seed)  # TypeError/ValueError naming seed
+        self.seed = seed
+        self.delta_req = check_open_unit("delta_req", delta_req)
+        self.tau = float(tau)
+        self.steps = check_positive_int("steps", steps)
+        check_positive_int("block_size", block_size)
+        for name, v in (("batch_size", batch_size), ("max_len", max_len)):
+            if v is not None:
+                check_positive_int(name, v)
+        if (batch_size is None) != (max_len is None) and max_len is not None:
+            raise ValueError("max_len needs batch_size (static pools are allocated for a fixed batch)")
         if outlier_table is not None:
             outlier_table = torch.as_tensor(outlier_table)
-            if outlier_table.ndim != 3 or tuple(outlier_table.shape[:2]) != (n_layers, self.n_kv):
-                raise ValueError(f"outlier_table must have shape [layers={n_layers}, kv_heads={self.n_kv}, 2m], "
+            if outlier_table.ndim != 3 or tuple(outlier_table.shape[:2]) != (self.n_layers, self.n_kv):
+                raise ValueError(f"outlier_table must have shape [layers={self.n_layers}, kv_heads={self.n_kv}, 2m], "
                                  f"got {tuple(outlier_table.shape)}")
-        layers = [KVFormatLayer(i, key_format, value_format, seed=seed, slot_stride=slot_stride,
-                                outliers=None if outlier_table is None else outlier_table[i],
-                                outlier_sides=outlier_sides)
-                  for i in range(n_layers)]
-        super().__init__(layers=layers)
         self.key_format, self.value_format = key_format, value_format
-        self.telemetry_on = bool(telemetry)
-        self.proxy = PROXY_OF_FORMAT.get(key_format.name, "")
-        if self.telemetry_on and not self.proxy:
-            raise ValueError(f"telemetry: format {key_format.name!r} has no certificate; "
-                             f"certifiable key formats: {', '.join(sorted(PROXY_OF_FORMAT))}")
-        self.two_sided = bool(two_sided)
-        if not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"stride must be a positive int, got {stride!r}")
-        self.stride, self.tau, self.delta_req, self.steps = stride, float(tau), float(delta_req), int(steps)
-        self.keep_records = keep_records
-        self.telemetry = Telemetry(n_layers, self.n_heads, float(tau))
-        self._calls = [0] * n_layers
+        self.config = config if hasattr(config, "_attn_implementation") else None
+        self.store_cls = store_class(key_format, value_format, outlier_table=outlier_table)
+        self.stateful = _is_stateful(key_format) or _is_stateful(value_format)
+        self.proxy = type(key_format).variance_proxy or ""
+        if telemetry and not (self.proxy == "dither" and self.store_cls is Int8Store):
+            raise ValueError(f"telemetry: format {key_format.name!r} has no kernel certificate; certified key "
+                             "formats: dither-int8")
+        self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
+        self.static_batch, self.max_len, self.block_size = batch_size, max_len, block_size
+        self.device = None if device is None else torch.device(device)
+        self.dtype, self.shuffle_blocks = dtype, shuffle_blocks
+        self.store: Store | None = None
+        self.allocators: list[BlockAllocator] = []
+        super().__init__(layers=[KVFormatLayer(self, i) for i in range(self.n_layers)])
+        if batch_size is not None and self.device is not None:
+            self._build_store(batch_size, self.device)
+            for la in self.layers:  # static pools: the page tables too, once
+                la.table = self._new_table(batch_size)
 
-    # -- byte account ---------------------------------------------------------------------------
-    def packed_nbytes(self) -> int:
-        """Bytes of the packed K+V store over all layers, measured from its tensors."""
-        return sum(layer.packed_nbytes() for layer in self.layers)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_states(key_states, value_states, layer_idx)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def allocated_nbytes(self) -> int:
-        """Bytes allocated for the packed store, including spare capacity of the growing buffers."""
-        return sum(layer.allocated_nbytes() for layer in self.layers)
+    # -- construction -----------------------------------------------------------------------------
+    def _build_store(self, batch: int, device: torch.device) -> None:
+        nb = -(-self.max_len // self.block_size) * batch if self.max_len else 1  # grows exactly as pages are taken
+        self.store = self.store_cls(self.n_layers, self.n_kv, self.head_dim, self.block_size, nb, device,
+                                    self.key_format, self.value_format, batch=batch, seed=self.seed,
+                                    outlier_table=self.outlier_table, outlier_sides=self.outlier_sides,
+                                    crop_window=self.crop_window)
+        self.allocators = [BlockAllocator(nb, shuffle=self.shuffle_blocks) for _ in range(self.n_layers)]
 
-    def working_nbytes(self) -> int:
-        """Bytes of the float working copies (what the HF attention interface requires)."""
-        return sum(layer.working_nbytes() for layer in self.layers)
+    def _ensure_store(self, key_states: torch.Tensor) -> None:
+        if self.store is None:
+            self._build_store(key_states.shape[0], key_states.device)
+        elif self.store.device != key_states.device:
+            raise ValueError(f"key_states on {key_states.device}, the cache's pools on {self.store.device}")
 
-    # -- certificate telemetry ------------------------------------------------------------------
+    def _grow(self, min_blocks: int) -> int:
+        if self.max_len is not None:
+            raise ValueError(f"the static pools (batch_size={self.static_batch}, max_len={self.max_len}) are full")
+        nb = self.store.grow(min_blocks)
+        for a in self.allocators:
+            a.grow(nb)
+        return nb
+
+    def _new_table(self, batch: int) -> PageTable:
+        if self.static_batch is not None and batch != self.static_batch:
+            raise ValueError(f"key_states: batch {batch} differs from batch_size={self.static_batch} of make_cache")
+        i = sum(1 for la in self.layers if la.table is not None)
+        return PageTable(batch, self.block_size, self.store.device, self.allocators[i], self._grow,
+                         max_len=self.max_len, token_slots=self.store.paged and self.store.slot_bound)
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
+        if not 0 <= layer_idx < self.n_layers:
+            raise ValueError(f"layer_idx={layer_idx}: the cache was made for a config with {self.n_layers} layers")
+        if self.dtype is not None and k.dtype != self.dtype:
+            raise ValueError(f"key_states are {k.dtype}, make_cache was given dtype={self.dtype}")
+        if k.ndim != 4 or k.shape[1] != self.n_kv or k.shape[-1] != self.head_dim or v.shape != k.shape:
+            raise ValueError(f"key/value states must be [B, kv_heads={self.n_kv}, s, head_dim={self.head_dim}] as "
+                             f"the config says; got {tuple(k.shape)} and {tuple(v.shape)} (a config of another "
+                             "model?)")
+
+    # -- telemetry / certificates -----------------------------------------------------------------
     @property
     def delta_loc(self) -> float:
-        """Request-level allocation ``delta_req / (L * Hq * steps)``."""
-        return self.delta_req / (len(self.layers) * self.n_heads * self.steps)
+        """Request-level allocation ``delta_req / (L * Hq * steps)`` (per row and step)."""
+        return self.delta_req / (self.n_layers * self.n_heads * self.steps)
+
+    def kernel_path(self, layer_idx: int = 0) -> str:
+        """Which path layer ``layer_idx``'s last step took (``"int8-gluon"``, ``"kv4-triton"``,
+        ``"torch-reference"``, ``"sdpa-prefill"``, ...)."""
+        return self.layers[layer_idx].path
+
+    def certificates(self) -> torch.Tensor:
+        """float ``[L, Hq, B, steps]`` device tensor: the decode kernel's TV bound per (layer, query head, row,
+        step) for dithered keys (``+inf`` vacuous); empty when no certified step ran. No host sync.
+
+        Static pools (``batch_size``/``max_len``): ``[L, Hq, B, max_len]`` indexed by the query's position,
+        NaN where no certified step ran (so CUDA-graph replays record theirs)."""
+        bufs = [la.__dict__.get("_cert_buf") for la in self.layers]
+        if all(b is not None for b in bufs):
+            return torch.stack(bufs).permute(0, 2, 1, 3)
+        per = [la._certs for la in self.layers]
+        n = min((len(c) for c in per), default=0)
+        if n == 0:
+            return torch.empty(self.n_layers, self.n_heads, 0, 0)
+        return torch.stack([torch.stack(c[:n], -1) for c in per]).permute(0, 2, 1, 3)
+
+    def certificate_summary(self) -> dict[str, Any]:
+        """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates (one sync)."""
+        c = self.certificates().double()
+        c = c[~torch.isnan(c)]  # static pools: positions without a certified step
+        n = c.numel()
+        if n == 0:
+            return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
+                    "mean_finite": float("nan"), "max_finite": float("nan"), "tau": self.tau}
+        fin = torch.isfinite(c)
+        cf = torch.where(fin, c, torch.zeros_like(c))
+        stats = torch.stack([(fin & (c <= self.tau)).sum().double(), (~fin).sum().double(), cf.sum(),
+                             torch.where(fin, c, torch.full_like(c, -math.inf)).max(), fin.sum().double()]).tolist()
+        cov, ovf, s, mx, nf = stats
+        return {"n": n, "coverage": cov / n, "overflow_fraction": ovf / n,
+                "mean_finite": s / nf if nf else float("nan"), "max_finite": mx if nf else float("nan"),
+                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride}
+
+    telemetry_summary = certificate_summary
+
+    # -- byte account -----------------------------------------------------------------------------
+    def kv_nbytes(self) -> int:
+        """Bytes of the pools (format bytes, allocated positions) plus the page tables, from the tensors."""
+        if self.store is None:
+            return 0
+        return self.store.nbytes() + sum(la.table.nbytes() for la in self.layers if la.table is not None)
+
+    packed_nbytes = kv_nbytes
 
     def observe_query(self, layer_idx: int, query: torch.Tensor) -> None:
-        """Called by the instrumented attention with the real post-RoPE query ``[B, Hq, Sq, d]``."""
-        if not self.telemetry_on:
-            return
-        call = self._calls[layer_idx]
-        self._calls[layer_idx] += 1
-        if call % self.stride:
-            return
-        t0 = time.perf_counter()
-        cert = self.certify(layer_idx, query[:, :, -1, :])
-        self.telemetry.add(layer_idx, cert)
-        if self.keep_records:
-            self.telemetry.records.append((layer_idx, call, self.layers[layer_idx].cumulative_length, cert.detach()))
-        if query.is_cuda:
-            torch.cuda.synchronize(query.device)
-        self.telemetry.seconds += time.perf_counter() - t0
-        self.telemetry.calls += 1
-
-    def certify(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """Certificates ``[B, Hq]`` (float64) for queries ``q [B, Hq, d]`` against the layer's keys.
-
-        One-accumulator form ``1 - 1/A^2`` (what a kernel carries) unless ``two_sided``; ``+inf``
-        when vacuous. ``p_tilde`` comes from the dequantised keys the attention used. All KV heads
-        of a batch row are certified in one batched call.
-        """
-        from kvlib.certify.bound import certificate_from_scores
-
-        layer = self.layers[layer_idx]
-        g = self.n_heads // self.n_kv
-        sm = self.head_dim ** -0.5
-        out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
-        for b in range(q.shape[0]):
-            packs = layer.packed[0][b]
-            qh = q[b].double().view(self.n_kv, g, self.head_dim)  # [Hkv, g, d]
-            z_hat = torch.einsum("hgd,hsd->hgs", qh, layer.keys[b].double()) * sm  # [Hkv, g, S]
-            c = certificate_from_scores(z_hat, self._packed_radius(packs, qh, sm, z_hat.shape[-1]))
-            out[b] = (c.tv_bound if self.two_sided else c.tv_bound_one).reshape(-1)
-        return out
-
-    def _packed_radius(self, packs: list, qh: torch.Tensor, sm: float, n: int) -> torch.Tensor:
-        """Score radius ``[Hkv, g, S]`` of one batch row from its packed keys (scales, fp16 outliers)."""
-        from kvlib.certify.bound import score_radius
-
-        scales = torch.stack([p.scales for p in packs]).unsqueeze(1)  # [Hkv, 1, S, ng]
-        oc = getattr(packs[0], "outlier_channels", None)
-        kw: dict[str, Any] = {}
-        if oc is not None and oc.numel():
-            kw["outlier_channels"] = torch.stack([p.outlier_channels for p in packs]).unsqueeze(1)
-            kw["outliers"] = torch.stack([p.outliers for p in packs]).unsqueeze(1)
-        # the dither layout sets the dither-mean term of the radius (2^-25 on w24's grid, 2^-11 on h10's, 2^-9 on h8's)
-        return score_radius(qh, scales, sm_scale=sm, n=n, delta=self.delta_loc, group=packs[0].group,
-                            proxy=self.proxy, layout=getattr(packs[0], "dither_layout", "w24"), **kw)
-
-    def telemetry_summary(self) -> dict[str, Any]:
-        """Coverage at ``tau``, overflow fraction, finite mean/max, calls and seconds (one host sync)."""
-        s = self.telemetry.summary()
-        s.update(tau=self.tau, stride=self.stride, delta_req=self.delta_req, delta_loc=self.delta_loc)
-        return s
+        """Kept for :mod:`kvlib.hf.model`'s observing attention; certificates now come from the kernel."""
 
 
-def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
-    """A transformers ``Cache`` storing K/V in the registered kvlib format ``format``.
+def _probe_format(fmt: KVFormat, d: int, side: int, outlier_table: Any) -> None:
+    """Write and read two tokens of width ``d`` (CPU) so option errors surface at make_cache."""
+    cpu = torch.device("cpu")  # whatever the default device is
+    x = torch.linspace(-1.0, 1.0, 2 * d, device=cpu).reshape(2, d)
+    ctx = dict(layer=0, kv_head=0, side=side, positions=torch.arange(2, device=cpu),
+               slots=torch.arange(2, device=cpu), seed=0)
+    if outlier_table is not None:
+        ctx["outlier_channels"] = torch.as_tensor(outlier_table)[0, 0].to(torch.int64)
+    try:
+        p = fmt.write(x, **ctx)
+        nxt = torch.arange(2, 3, device=cpu)
+        fmt.read(fmt.append(p, x[:1], **{**ctx, "positions": nxt, "slots": nxt}))
+    except NotImplementedError as e:
+        raise ValueError(f"format {fmt.name!r} cannot decode token by token ({e}); it cannot back a cache") from None
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"format {fmt.name!r} with head_dim={d}: {e}") from None
 
-    ``options``: ``value_format`` (default: same as keys), ``key_options`` / ``value_options``
-    (per-side constructor options), ``seed``, ``outlier_table`` ``[L, Hkv, 2m]`` with
-    ``outlier_sides`` (per-(layer, kv head) fp16 bypass channels, passed to the format as
-    ``outlier_channels``), ``telemetry`` / ``stride`` / ``tau`` / ``delta_req`` / ``steps`` /
-    ``keep_records`` / ``two_sided`` (certificate telemetry), ``cache_class`` (a
-    :class:`KVFormatCache` subclass, or a callable building one, with the same signature: e.g. the
-    certificate gate of :mod:`kvlib.hf.gate`), and any other keyword is passed to the format
-    constructor of both sides. Usable as ``model.generate(..., past_key_values=cache)``.
+
+def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_len: int | None = None,
+               block_size: int = 16, device: Any = None, dtype: torch.dtype | None = None,
+               **options: Any) -> KVFormatCache:
+    """A transformers ``Cache`` storing K/V in the registered kvlib format ``format`` (paged pools).
+
+    ``config``: the model's ``PretrainedConfig`` (shapes are validated from it, and kvlib's attention
+    function is made active on it: :mod:`kvlib.hf.attention`). With ``batch_size`` and ``max_len`` (and
+    ``device``) the pools and page tables are allocated once, with static shapes (CUDA-graph capturable).
+    ``dtype``: the K/V dtype the model hands over, checked at each update (None: any).
+    ``options``: ``prefill`` (``"float"``, default: the prompt's attention sees the float K/V, as serving
+    engines do; ``"stored"``: it sees what the pool holds, the semantics of the fidelity analyses),
+    ``crop_window`` (kv4rl: ring evictions kept so that ``crop`` can restore the side buffer),
+    ``stride`` (CPU reference path of dithered keys: certify every ``stride``-th decode step per layer; the
+    decode kernel certifies every step within its own launch),
+    ``value_format`` (default: the key format), ``key_options`` / ``value_options``, ``seed``,
+    ``outlier_table`` ``[L, Hkv, 2m]`` with ``outlier_sides``, ``tau`` / ``delta_req`` / ``steps`` (the
+    certificate's allocation), ``shuffle_blocks`` (hand out pages in a shuffled order, as a block manager
+    may), ``cache_class``; any other keyword goes to the format constructor of both sides.
     """
     if not isinstance(format, str):
         raise TypeError(f"format must be a str, got {type(format).__name__}")
@@ -440,8 +652,27 @@ def make_cache(format: str, config: Any, **options: Any) -> KVFormatCache:
     cache_class = options.pop("cache_class", None) or KVFormatCache
     if not callable(cache_class):
         raise TypeError(f"cache_class must be a KVFormatCache subclass or a callable, got {cache_class!r}")
+    gone = sorted(set(options) & {"slot_stride", "keep_records", "two_sided"})
+    if gone:
+        raise TypeError(f"make_cache: option(s) {gone} belonged to the previous adapter's host-side telemetry; the "
+                        "certificate now comes from the decode kernel (one-accumulator bound, slots from the page "
+                        "table): drop them")
     cache_opts = {k: options.pop(k) for k in list(options) if k in CACHE_OPTIONS}
     shared = options  # the rest: format constructor options
+    v_all = {**shared, **val_opts} if vname == format else val_opts
+    for name, opts in ((format, {**shared, **key_opts}), (vname, v_all)):
+        unknown = sorted(set(opts) - set(format_class(name).options))
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))} for format {name!r}; it accepts "
+                            f"{format_class(name).options or 'none'}, make_cache accepts {CACHE_OPTIONS}")
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
-    return cache_class(kf, vf, config, **cache_opts)
+    cache = cache_class(kf, vf, config, batch_size=batch_size, max_len=max_len, block_size=block_size,
+                        device=device, dtype=dtype, **cache_opts)
+    ot = cache.outlier_table
+    for side, fmt in enumerate((kf, vf)):
+        _probe_format(fmt, cache.head_dim, side, ot if ot is not None and side in cache.outlier_sides else None)
+    from kvlib.hf.attention import activate
+
+    activate(config)
+    return cache

@@ -1,0 +1,673 @@
+"""Device-resident paged pools of every layer of a model, one class per kernel family.
+
+Shared by the formats (bit-exact writes), the write kernels, the decode kernels and the HF cache
+(:mod:`kvlib.hf.cache`). Pages follow vLLM: a layer's pool is ``[num_blocks * block_size, H_kv, ...]``
+(slot = ``block * block_size + offset``, see :mod:`kvlib.storage.blocks`), all layers stacked on a
+leading axis. No float copy of the cache is kept anywhere; :meth:`Store.gather` dequantises a layer
+transiently for the torch reference path.
+
+* :class:`Int8Store` (dither-int8 in each dither layout, with outlier channels; rtn-int8): the
+  :class:`kvlib.storage.paged.PagedPool` layout (int8 codes, fp16 group scales, fp16 outliers). Dithered
+  keys are written by :func:`kvlib.kernels.int8.write.write_int8` (Triton on CUDA, its torch reference on
+  CPU; the Philox counter is the slot, so dithered pages are bound to their slots); values RTN in the same
+  layout (``dithered=False``, what the decode kernel reads). rtn-int8 is written by its format.
+* :class:`Int4Store` (kv4; kv4rl): codes uint8 ``[NB, bs, H, d//2]``, scale/offset fp16 ``[NB, bs, H]``,
+  keys Hadamard-rotated; kv4rl adds the per-sequence INT8 side buffer ``[B, H, C, d]`` + fp16 scales of
+  :class:`kvlib.kernels.int4.decode.SideBuffer` (sinks in slots ``0..s-1``, recent positions in the ring).
+* :class:`PlainStore` (bf16/fp16/fp32 passthrough pages).
+* :class:`FormatStore` (any other stateless format): each per-token field of the format's packed
+  dataclass gets its own pages; reads rebuild the dataclass and call the format's ``read``.
+* :class:`ObjectStore` (stateful formats without pages, e.g. kivi2): the format's own packed object per
+  (layer, row, head), re-read whole each step (the reference path).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from kvlib.core.hadamard import hadamard
+from kvlib.formats.base import KVFormat
+from kvlib.storage.paged import PagedPool
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _grow_tensor(t: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """``t [L, n, ...]`` with its slot axis grown to ``n_slots`` (old slots kept at their index)."""
+    out = t.new_zeros((t.shape[0], n_slots, *t.shape[2:]))
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def int4_head_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kvlib.formats.kv4.int4_quantize` with one group per head, the same operations in the same
+    order, minus its finiteness check (a host sync; a CUDA graph cannot hold one). Returns packed codes
+    uint8 ``[..., d//2]``, fp16 scale and offset ``[...]``. The pool tests bind it to the format bit for bit."""
+    from kvlib.formats.kv4 import LEVELS, fp16_round, pack_nibbles
+
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    m = fp16_round(lo, "down")
+    delta = fp16_round((hi - m.float()) / LEVELS, "up")
+    df = delta.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
+    return pack_nibbles(c.to(torch.uint8)), delta, m
+
+
+def int8_vector_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvlib.formats.kv4rl.int8_quantize` (per-vector symmetric INT8) without its host-syncing check."""
+    from kvlib.formats.kv4 import fp16_round
+    from kvlib.formats.kv4rl import INT8_MAX
+
+    xf = x.float()
+    scale = fp16_round(xf.abs().amax(-1) / INT8_MAX, "up")
+    sf = scale.float()
+    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+class Store:
+    """Base: ``n_layers`` layers of ``num_blocks * block_size`` slots for ``H_kv`` heads of dim ``d``."""
+
+    family = "reference"
+    #: run the decode kernels on CPU tensors under TRITON_INTERPRET=1 (tests: the kernel path through a model)
+    interpret = False
+    #: True when a stored code depends on its slot (dithered: the Philox counter is the slot), so pages
+    #: cannot be moved to other slots
+    slot_bound = False
+    paged = True
+
+    def __init__(self, n_layers: int, n_kv: int, d: int, block_size: int, num_blocks: int, device: torch.device,
+                 key_format: KVFormat, value_format: KVFormat, *, batch: int, seed: int = 0,
+                 outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
+                 crop_window: int = 32) -> None:
+        self.crop_window = crop_window
+        self.n_layers, self.n_kv, self.d, self.block_size = n_layers, n_kv, d, block_size
+        self.num_blocks, self.device, self.batch, self.seed = num_blocks, device, batch, seed
+        self.formats = (key_format, value_format)
+        self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
+
+    @property
+    def n_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def grow(self, min_blocks: int) -> int:
+        # grow to what is asked plus 1/8 (a page table's next few blocks), not by doubling: kv_nbytes stays the
+        # positions in use to within a few pages (make_cache with max_len allocates once instead)
+        nb = max(min_blocks, self.num_blocks + -(-self.num_blocks // 8))
+        self._resize(nb * self.block_size)
+        self.num_blocks = nb
+        return nb
+
+    # subclasses: _tensors() (slot-axis tensors [L, n_slots, ...]), _resize, write, gather
+    def _tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def _resize(self, n_slots: int) -> None:
+        raise NotImplementedError
+
+    def copy_slots(self, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy layer ``layer``'s contents of slots ``src`` to slots ``dst`` (slot-independent formats)."""
+        for t in self._tensors():
+            t[layer, dst] = t[layer, src].clone()
+
+    def select_rows(self, layer: int, idx: torch.Tensor) -> None:
+        """Per-sequence state (side buffers) follows a batch selection; none by default."""
+
+    def crop(self, layer: int, old_lens: list[int], new_lens: list[int]) -> None:
+        """Per-sequence state follows a crop; none by default."""
+
+    def nbytes(self) -> int:
+        return _nbytes(*self._tensors())
+
+    def bytes_per_position(self) -> float:
+        """K + V bytes per position per KV head, from the formats' layout formulas."""
+        return float(self.formats[0].bytes_per_position(self.d) + self.formats[1].bytes_per_position(self.d))
+
+    def fixed_bytes(self) -> int:
+        """Bytes independent of the positions allocated (per-head constants, per-sequence side buffers)."""
+        return 0
+
+    def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
+        """``(o [B, Hq, d] fp32, path, certificate [B, Hq] or None)`` from a decode kernel, or None when
+        this store has no kernel for ``q``'s device and shape (the caller takes the reference path)."""
+        return None
+
+
+class Int8Store(Store):
+    family = "int8"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        kf = self.formats[0]
+        self.dithered = kf.name == "dither-int8"
+        self.slot_bound = self.dithered
+        self.group = kf.group
+        layout = getattr(kf, "dither_layout", "w24")
+        n_out_k = 0 if self.outlier_table is None or 0 not in self.outlier_sides else self.outlier_table.shape[-1]
+        n_out_v = 0 if self.outlier_table is None or 1 not in self.outlier_sides else self.outlier_table.shape[-1]
+        if self.dithered and kf.outlier_channels is not None and self.outlier_table is None:
+            oc = torch.as_tensor(kf.outlier_channels).to(torch.int64)
+            self.outlier_table = oc.expand(self.n_layers, self.n_kv, oc.numel())
+            n_out_k = oc.numel()
+        common = dict(n_layers=self.n_layers, n_slots=self.n_slots, n_kv_heads=self.n_kv, d=self.d, group=self.group,
+                      seed=self.seed, device=self.device, dither_layout=layout,
+                      include_outliers_in_amax=getattr(kf, "include_outliers_in_amax", False))
+        self.k = PagedPool(side=0, n_out=n_out_k, dithered=self.dithered, **common)
+        self.v = PagedPool(side=1, n_out=n_out_v, dithered=False, **common)
+        for pool in (self.k, self.v):
+            if pool.n_out:
+                for layer in range(self.n_layers):
+                    pool.set_outlier_channels(layer, self.outlier_table[layer].to(torch.int64))
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.k.codes, self.k.scales, self.k.outliers, self.v.codes, self.v.scales, self.v.outliers]
+
+    def _resize(self, n_slots: int) -> None:
+        for p in (self.k, self.v):
+            p.codes, p.scales, p.outliers = (_grow_tensor(t, n_slots) for t in (p.codes, p.scales, p.outliers))
+            p.n_slots = n_slots
+
+    def nbytes(self) -> int:
+        # the outlier channel index set is a per-(layer, head) constant of the pool, counted once
+        return super().nbytes() + self.fixed_bytes()
+
+    def bytes_per_position(self) -> float:
+        # the pool's layout formula: int8 codes + fp16 group scales + fp16 outliers, per side
+        return float(self.k.bytes_per_token_head() + self.v.bytes_per_token_head())
+
+    def fixed_bytes(self) -> int:
+        return _nbytes(self.k.outlier_channels if self.k.n_out else None,
+                       self.v.outlier_channels if self.v.n_out else None)
+
+    def _write_int8(self, pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+        from kvlib.kernels.int8.write import write_int8
+
+        d, g = self.d, self.group
+        pow2 = d & (d - 1) == 0 and d % 4 == 0 and (d // g) & (d // g - 1) == 0
+        # the Triton write kernel takes power-of-two shapes; others use its torch reference (same bits)
+        backend = getattr(self, "write_backend", "auto") if pow2 else "torch"
+        write_int8(pool, layer, x.contiguous(), slots, backend=backend, validate=not x.is_cuda and backend != "triton")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+              pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
+        if self.dithered:
+            self._write_int8(self.k, layer, k, slots)
+            self._write_int8(self.v, layer, v, slots)
+            return
+        n, h, d = k.shape
+        for pool, x, fmt in ((self.k, k, self.formats[0]), (self.v, v, self.formats[1])):
+            p = fmt.write(x.reshape(n * h, d).float())  # rtn-int8: per-token, per-group, so batched = per stream
+            pool.codes[layer, slots] = p.codes.reshape(n, h, d)
+            pool.scales[layer, slots] = p.scales.reshape(n, h, -1)
+
+    def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n = st.shape
+        flat = st.reshape(-1).long()
+        out = []
+        for pool in (self.k, self.v):
+            x = pool.read(layer, flat) if pool.dithered else self._read_rtn(pool, layer, flat)
+            out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2))
+        return out[0], out[1]
+
+    def _read_rtn(self, pool: PagedPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        s = pool.scales[layer, slots].float().repeat_interleave(self.group, dim=-1)
+        x = s * pool.codes[layer, slots].float()
+        if pool.n_out:
+            oc = pool.outlier_channels[layer]
+            x.scatter_(-1, oc.unsqueeze(0).expand(x.shape[0], -1, -1), pool.outliers[layer, slots].float())
+        return x
+
+    def kernel_impl(self, device: torch.device, gqa: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+        """The INT8 decode kernel this store's layer would take on ``device`` (None: reference path)."""
+        from kvlib.kernels.backend import triton_available
+        from kvlib.kernels.int8.decode import resolve_impl
+
+        on = device.type == "cuda" or (self.interpret and triton_available(device))
+        if not self.dithered or not on:
+            return None  # the INT8 kernels regenerate a key dither: RTN keys have only the reference
+        d4 = self.d // 4
+        if self.d % 4 or d4 & (d4 - 1) or self.group % 4:
+            return None
+        try:
+            impl = resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
+        except ValueError:
+            return None
+        if self.k.dither_layout == "h8" and device.type == "cuda":
+            from kvlib.kernels.int8.gluon import gluon_unsupported
+
+            probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=dtype)  # the Gluon kernel: fp16/bf16
+            if not gluon_unsupported(probe, self._side(self.k, 0), self._side(self.v, 0), False):
+                impl = "gluon"
+        return impl
+
+    def _side(self, pool: PagedPool, layer: int):
+        from kvlib.kernels.int8.decode import as_side
+
+        return as_side(pool.layer(layer), "pool")
+
+    def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
+        key = (q.device, q.shape[1] // self.n_kv, q.dtype)
+        cache = self.__dict__.setdefault("_impl", {})
+        if key not in cache:  # decided once per device and GQA ratio (no work inside a captured step)
+            cache[key] = self.kernel_impl(*key)
+        impl = cache[key]
+        if impl is None:
+            return None
+        from kvlib.kernels.int8.decode import decode_int8
+
+        out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
+                          layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False,
+                          fallback_to_reference=False)
+        ran = getattr(out, "path", None)  # the kernel's own record of what ran, where it keeps one
+        label = f"int8-{impl}" if not ran else ran if ran.startswith("int8") else f"int8-{ran}"
+        return out.o, label, out.tv_bound_one
+
+    def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
+        """CPU: the kernel's float64 torch reference (same radius, same certificate), for dithered keys."""
+        from kvlib.kernels.int8.decode import decode_reference
+
+        layout = self.k.dither_layout
+        impl = "auto"
+        if layout != "w24" and (self.group != self.d // 4 or self.group not in (32, 64)):
+            impl = "fma"  # the half-word layouts' reference for shapes the h10 kernel does not take
+        out = decode_reference(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
+                               layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl)
+        return out.o, out.tv_bound_one
+
+
+class Int4Store(Store):
+    family = "int4"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        kf = self.formats[0]
+        self.rl = kf.name == "kv4rl"
+        L, N, H, d = self.n_layers, self.n_slots, self.n_kv, self.d
+        dev = self.device
+        self.codes = [torch.zeros(L, N, H, d // 2, dtype=torch.uint8, device=dev) for _ in range(2)]
+        self.scale = [torch.zeros(L, N, H, dtype=torch.float16, device=dev) for _ in range(2)]
+        self.off = [torch.zeros(L, N, H, dtype=torch.float16, device=dev) for _ in range(2)]
+        self.sink = self.recent = self.capacity = 0
+        if self.rl:
+            self.sink, self.recent, self.capacity = kf.sink, kf.recent, kf.capacity
+            c = self.capacity
+            # per side, per layer: [B, H, C, d] int8 and [B, H, C] fp16 (SideBuffer's layout)
+            self.side8 = [[torch.zeros(self.batch, H, c, d, dtype=torch.int8, device=dev) for _ in range(L)]
+                          for _ in range(2)]
+            self.side_scale = [[torch.ones(self.batch, H, c, dtype=torch.float16, device=dev) for _ in range(L)]
+                               for _ in range(2)]
+            # crop support: the INT8 entries of the last ``crop_window`` positions evicted from the ring, by
+            # position mod U, so that a crop of up to U tokens restores the side buffer exactly
+            u = self.undo = max(int(getattr(self, "crop_window", 32)), 1)
+            self.stash8 = [[torch.zeros(self.batch, H, u, d, dtype=torch.int8, device=dev) for _ in range(L)]
+                           for _ in range(2)]
+            self.stash_scale = [[torch.ones(self.batch, H, u, dtype=torch.float16, device=dev) for _ in range(L)]
+                                for _ in range(2)]
+            self.valid = [[0] * self.batch for _ in range(L)]  # stash entries valid per (layer, row)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.codes, *self.scale, *self.off]
+
+    def nbytes(self) -> int:
+        side = [t for grp in (self.side8, self.side_scale, self.stash8, self.stash_scale) for lay in grp for t in lay
+                ] if self.rl else []
+        return super().nbytes() + _nbytes(*side)
+
+    def bytes_per_position(self) -> float:
+        return float(self.formats[0].main.bytes_per_position(self.d) * 2 if self.rl
+                     else self.formats[0].bytes_per_position(self.d) * 2)
+
+    def fixed_bytes(self) -> int:
+        # kv4rl's side buffer: fixed_bytes per (layer, kv head, side, sequence)
+        if not self.rl:
+            return 0
+        per = self.formats[0].fixed_bytes(self.d) + self.undo * (self.d + 2)  # side buffer + crop stash
+        return 2 * self.n_layers * self.n_kv * self.fixed_rows() * per
+
+    def _resize(self, n_slots: int) -> None:
+        for lst in (self.codes, self.scale, self.off):
+            lst[:] = [_grow_tensor(t, n_slots) for t in lst]
+
+    def pages(self, layer: int, side: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes [NB, bs, H, d//2], scale [NB, bs, H], offset [NB, bs, H])`` views of one layer and side."""
+        nb, bs, h = self.num_blocks, self.block_size, self.n_kv
+        return (self.codes[side][layer].view(nb, bs, h, -1), self.scale[side][layer].view(nb, bs, h),
+                self.off[side][layer].view(nb, bs, h))
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+              pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
+        xs = (hadamard(k.float()), v.float())  # keys rotated (rotate="k", the kernel's layout)
+        for side, x in enumerate(xs):
+            codes, scale, off = int4_head_quantize(x)  # one affine group per (token, head): batched = per stream
+            self.codes[side][layer, slots] = codes
+            self.scale[side][layer, slots] = scale
+            self.off[side][layer, slots] = off
+        if not self.rl:
+            return
+        s, w = self.sink, self.recent
+        keep = (pos < s) | (pos >= lens_after[rows] - w)
+        ring = torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        ring = torch.where(keep, ring, torch.zeros_like(ring))  # a position not kept touches no slot (masked below)
+        u = self.undo
+        if one_per_row:
+            # one token per row (a decode step): distinct ring slots, masked writes without a host sync.
+            # The entry leaving the ring (position pos - recent, in the same ring slot) goes to the crop stash.
+            ev = pos - w
+            ev_ok = (ev >= s) & (w > 0)
+            for side, x in enumerate(xs):
+                c8, s8 = int8_vector_quantize(x)
+                old = self.side8[side][layer][rows, :, ring]
+                olds = self.side_scale[side][layer][rows, :, ring]
+                st8, sts = self.stash8[side][layer], self.stash_scale[side][layer]
+                j = ev % u
+                st8[rows, :, j] = torch.where(ev_ok[:, None, None], old, st8[rows, :, j])
+                sts[rows, :, j] = torch.where(ev_ok[:, None], olds, sts[rows, :, j])
+                self.side8[side][layer][rows, :, ring] = torch.where(keep[:, None, None], c8, old)
+                self.side_scale[side][layer][rows, :, ring] = torch.where(keep[:, None], s8, olds)
+            self.valid[layer] = [min(u, a + 1) for a in self.valid[layer]]
+            return
+        # prefill / chunk (host syncs are fine here): stash the last U evictions, then write the ring
+        c8s = [int8_vector_quantize(x) for x in xs]
+        rows_h, pos_h, la_h = rows.tolist(), pos.tolist(), lens_after.tolist()
+        for b in sorted(set(rows_h)):
+            n1 = la_h[b]
+            n0 = n1 - rows_h.count(b)
+            lo, hi = max(s, n1 - w - u), n1 - w
+            if w == 0 or hi <= lo:
+                continue
+            a0, a1 = max(lo, n0 - w), min(hi, n0)
+            olds = torch.arange(a0, max(a0, a1), device=pos.device)  # were in the ring before this write
+            if olds.numel():
+                og = s + (olds - s) % w
+                for side in (0, 1):
+                    self.stash8[side][layer][b, :, olds % u] = self.side8[side][layer][b, :, og]
+                    self.stash_scale[side][layer][b, :, olds % u] = self.side_scale[side][layer][b, :, og]
+            mine = [i for i, (r_, p_) in enumerate(zip(rows_h, pos_h)) if r_ == b and max(lo, n0) <= p_ < hi]
+            if mine:
+                ii = torch.tensor(mine, device=pos.device)
+                for side in (0, 1):
+                    self.stash8[side][layer][b, :, pos[ii] % u] = c8s[side][0][ii].transpose(0, 1)
+                    self.stash_scale[side][layer][b, :, pos[ii] % u] = c8s[side][1][ii].transpose(0, 1)
+            self.valid[layer][b] = min(u, self.valid[layer][b] + (n1 - n0))
+        sel = keep.nonzero().squeeze(-1)  # kept positions have distinct slots
+        r, g = rows[sel], ring[sel]
+        for side in (0, 1):
+            self.side8[side][layer][r, :, g] = c8s[side][0][sel]
+            self.side_scale[side][layer][r, :, g] = c8s[side][1][sel]
+
+    def crop(self, layer: int, old_lens: list[int], new_lens: list[int]) -> None:
+        """Restore the side buffer to what it held at ``new_lens`` (positions that re-enter the recent window
+        come back from the crop stash); error when the stash does not reach that far."""
+        if not self.rl:
+            return
+        s, w, u = self.sink, self.recent, self.undo
+        for b, (n, m) in enumerate(zip(old_lens, new_lens)):
+            a0 = max(s, m - w)
+            back = torch.arange(a0, max(a0, min(n - w, m)), device=self.device)
+            if not back.numel():
+                continue
+            if n - m > self.valid[layer][b]:
+                raise NotImplementedError(
+                    f"kv4rl: crop of {n - m} tokens reaches past the side buffer's crop stash "
+                    f"({self.valid[layer][b]} evicted entries kept; make_cache(..., crop_window=N) keeps more)")
+            ring = s + (back - s) % w
+            for side in (0, 1):
+                self.side8[side][layer][b, :, ring] = self.stash8[side][layer][b, :, back % u]
+                self.side_scale[side][layer][b, :, ring] = self.stash_scale[side][layer][b, :, back % u]
+            self.valid[layer][b] -= n - m
+
+    def side_count(self, lens: torch.Tensor) -> torch.Tensor:
+        n = lens.long()
+        return (n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)).to(torch.int32)
+
+    def side_buffer(self, layer: int, lens: torch.Tensor):
+        from kvlib.kernels.int4.decode import SideBuffer
+
+        return SideBuffer(self.side8[0][layer], self.side_scale[0][layer], self.side8[1][layer],
+                          self.side_scale[1][layer], self.side_count(lens))
+
+    def main_range(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = lens.to(torch.int32)
+        if not self.rl:
+            return torch.zeros_like(n), n
+        start = n.clamp(max=self.sink)
+        return start, torch.maximum(start, n - self.recent)
+
+    def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvlib.formats.kv4 import unpack_nibbles
+
+        b, n = st.shape
+        flat = st.reshape(-1).long()
+        out = []
+        for side in (0, 1):
+            c = unpack_nibbles(self.codes[side][layer, flat]).float()
+            sc, off = self.scale[side][layer, flat].float(), self.off[side][layer, flat].float()
+            x = c * sc.unsqueeze(-1) + off.unsqueeze(-1)
+            out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2).contiguous())
+        return out[0], out[1]  # keys still rotated; see gather_rows
+
+    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected)."""
+        k, v = self.gather(layer, st)
+        if self.rl:
+            from kvlib.kernels.int4.attention import side_positions
+
+            pos = side_positions(lens.to(k.device), self.sink, self.recent)  # [B, C]
+            for side, x in enumerate((k, v)):
+                vals = self.side8[side][layer].float() * self.side_scale[side][layer].float().unsqueeze(-1)
+                ok = pos >= 0
+                bi, ci = ok.nonzero(as_tuple=True)
+                x[bi, :, pos[bi, ci]] = vals[bi, :, ci]
+        return hadamard(k), v
+
+    def select_rows(self, layer: int, idx: torch.Tensor) -> None:
+        if self.rl:
+            for grp in (self.side8, self.side_scale, self.stash8, self.stash_scale):
+                for side in (0, 1):
+                    grp[side][layer] = grp[side][layer][idx].clone()
+            self.valid[layer] = [self.valid[layer][i] for i in idx.tolist()]
+
+    def fixed_rows(self) -> int:
+        return self.side8[0][0].shape[0] if self.rl else 0
+
+    def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
+        import kvlib.kernels.int4.decode as k4
+        from kvlib.kernels.backend import triton_available
+
+        paged = getattr(k4, "kv4_paged_decode", None)
+        on = q.device.type == "cuda" or (self.interpret and triton_available(q.device))
+        if paged is None or not on or (q.is_cuda and self.d < 64) or q.shape[1] // self.n_kv > 16:
+            return None  # the paged KV4 kernel has not landed (or cannot take this shape): reference path
+        qp = k4.prepare_query(q, rotate=True)
+        start, end = self.main_range(table.seq_lens)
+        kc, ks, ko = self.pages(layer, 0)
+        vc, vs, vo = self.pages(layer, 1)
+        side = self.side_buffer(layer, table.seq_lens) if self.rl else None
+        o, _ = paged(qp, kc, ks, ko, vc, vs, vo, table.block_table, start, end, block_size=self.block_size,
+                     side=side, sm_scale=sm)
+        return o, "kv4rl-triton" if self.rl else "kv4-triton", None
+
+
+class PlainStore(Store):
+    family = "bf16"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.dtype = self.formats[0].dtype
+        self.kv = [torch.zeros(self.n_layers, self.n_slots, self.n_kv, self.d, dtype=self.dtype, device=self.device)
+                   for _ in range(2)]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return list(self.kv)
+
+    def _resize(self, n_slots: int) -> None:
+        self.kv = [_grow_tensor(t, n_slots) for t in self.kv]
+
+    def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        self.kv[0][layer, slots] = k.to(self.dtype)
+        self.kv[1][layer, slots] = v.to(self.dtype)
+
+    def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n = st.shape
+        flat = st.reshape(-1).long()
+        return tuple(t[layer, flat].reshape(b, n, self.n_kv, self.d).transpose(1, 2) for t in self.kv)
+
+    def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
+        from kvlib.kernels.backend import triton_available
+
+        on = q.device.type == "cuda" or (self.interpret and triton_available(q.device))
+        if not on or self.formats[0].kernel != "bf16" or self.d & (self.d - 1):
+            return None
+        from kvlib.kernels.bf16.decode import decode_bf16
+
+        out = decode_bf16(q, self.kv[0][layer], self.kv[1][layer], table.slot_table(), table.seq_lens, sm_scale=sm)
+        return out.o, "bf16-triton", None
+
+
+class FormatStore(Store):
+    """Pages for each per-token field of any stateless format's packed dataclass (torch reference path)."""
+
+    family = "reference"
+    slot_bound = True  # a format may use the slot as a counter (dither, stochastic rounding): never move
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.fields: list[dict[str, torch.Tensor] | None] = [None, None]
+        self.meta: dict[tuple[int, int, int], dict[str, Any]] = {}
+        self.cls: list[type | None] = [None, None]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for f in self.fields if f for t in f.values()]
+
+    def _resize(self, n_slots: int) -> None:
+        for f in self.fields:
+            if f:
+                for k in list(f):
+                    f[k] = _grow_tensor(f[k], n_slots)
+
+    def _ctx(self, layer: int, h: int, side: int, slots: torch.Tensor, pos: torch.Tensor) -> dict[str, Any]:
+        ctx = dict(layer=layer, kv_head=h, side=side, slots=slots, positions=pos, seed=self.seed)
+        if self.outlier_table is not None and side in self.outlier_sides:
+            ctx["outlier_channels"] = self.outlier_table[layer, h].to(torch.int64)
+        return ctx
+
+    def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        for side, x in enumerate((k, v)):
+            fmt = self.formats[side]
+            for h in range(self.n_kv):
+                p = fmt.write(x[:, h].float(), **self._ctx(layer, h, side, slots, pos))
+                per = {f.name for f in dataclasses.fields(p) if f.metadata.get("per_token", False)}
+                if self.fields[side] is None:
+                    self.cls[side] = type(p)
+                    self.fields[side] = {
+                        n: torch.zeros(self.n_layers, self.n_slots, self.n_kv, *getattr(p, n).shape[1:],
+                                       dtype=getattr(p, n).dtype, device=self.device)
+                        for n in per if getattr(p, n) is not None}
+                self.meta.setdefault((side, layer, h), {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                                                        if f.name not in per})
+                for n, t in self.fields[side].items():
+                    t[layer, slots, h] = getattr(p, n).to(t.device)
+
+    def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n = st.shape
+        flat = st.reshape(-1).long()
+        out = []
+        for side in (0, 1):
+            fmt, heads = self.formats[side], []
+            for h in range(self.n_kv):
+                meta = self.meta.get((side, layer, h))
+                if meta is None:
+                    heads.append(torch.zeros(flat.numel(), self.d, device=self.device))
+                    continue
+                vals = {name: t[layer, flat, h] for name, t in self.fields[side].items()}
+                per = {f.name for f in dataclasses.fields(self.cls[side]) if f.metadata.get("per_token", False)}
+                vals.update({name: None for name in per if name not in vals})
+                heads.append(fmt.read(self.cls[side](**vals, **meta)).float())
+            out.append(torch.stack(heads, 1).reshape(b, n, self.n_kv, self.d).transpose(1, 2))
+        return out[0], out[1]
+
+
+class ObjectStore(Store):
+    """Stateful formats without pages: the format's packed object per (side, layer, row, head)."""
+
+    paged = False
+    slot_bound = True
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.objs = [[[[None] * self.n_kv for _ in range(self.batch)] for _ in range(self.n_layers)] for _ in (0, 1)]
+
+    def _resize(self, n_slots: int) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return sum(self.formats[s].nbytes(p) for s in (0, 1) for lay in self.objs[s] for row in lay for p in row
+                   if p is not None)
+
+    def write_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: list[int],
+                   keep: list[torch.Tensor | None]) -> None:
+        """Append row ``b``'s tokens of ``k, v [B, H, s, d]`` (those of the bool mask ``keep[b]``, or all) at
+        positions ``start[b]..``."""
+        for side, x in enumerate((k, v)):
+            fmt = self.formats[side]
+            for b in range(x.shape[0]):
+                xb = x[b] if keep[b] is None else x[b][:, keep[b]]
+                s_new = xb.shape[1]
+                pos = torch.arange(start[b], start[b] + s_new, dtype=torch.int64, device=x.device)
+                for h in range(self.n_kv):
+                    ctx = dict(layer=layer, kv_head=h, side=side, positions=pos, slots=pos + b * (1 << 20),
+                               seed=self.seed)
+                    if self.outlier_table is not None and side in self.outlier_sides:
+                        ctx["outlier_channels"] = self.outlier_table[layer, h].to(torch.int64)
+                    self.objs[side][layer][b][h] = fmt.append(self.objs[side][layer][b][h], xb[h].float(), **ctx)
+
+    def read_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for side in (0, 1):
+            fmt = self.formats[side]
+            rows = []
+            for row in self.objs[side][layer]:
+                heads = [fmt.read(p) if p is not None else torch.zeros(0, self.d) for p in row]
+                rows.append(torch.stack([torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0])) for t in heads]))
+            out.append(torch.stack(rows))
+        return out[0], out[1]
+
+    def select_rows(self, layer: int, idx: torch.Tensor) -> None:
+        rows = idx.tolist()
+        for side in (0, 1):
+            old = self.objs[side][layer]
+            seen: set[int] = set()
+            new = []
+            for r in rows:
+                new.append(old[r] if r not in seen else copy.deepcopy(old[r]))
+                seen.add(r)
+            self.objs[side][layer] = new
+        self.batch = len(rows)
+
+
+def store_class(key_format: KVFormat, value_format: KVFormat, *, outlier_table: Any = None) -> type[Store]:
+    """The store for a (key, value) format pair: a kernel family where both sides are its natural pair."""
+    kn, vn = key_format.name, value_format.name
+    if kn in ("dither-int8", "rtn-int8") and vn == kn and (kn == "dither-int8" or outlier_table is None):
+        if not (kn == "rtn-int8" and key_format.group != value_format.group):
+            return Int8Store
+    if kn in ("kv4", "kv4rl") and vn == kn:
+        ok = key_format.rotate == "k" and (kn == "kv4rl" or key_format.group is None)
+        if kn == "kv4rl":
+            ok = ok and key_format.main.group is None and key_format.protect == "int8" and (
+                key_format.capacity == key_format.sink + key_format.recent)
+        if ok:
+            return Int4Store
+    if kn in ("bf16", "fp16", "fp32") and vn == kn:
+        return PlainStore
+    if key_format.stateful or value_format.stateful:
+        return ObjectStore
+    return FormatStore
