@@ -45,27 +45,10 @@ torch.set_num_threads(1)
 
 PASSTHROUGH = ("fp32", "bf16")
 LOSSY = ("dither-int8", "rtn-int8", "kv4", "kv4rl")
-PENDING_REASON = "kvlib cache rewrite pending"
-#: (check, kvlib format) pairs known to fail, as strict xfails (the lead removes them as they are fixed).
-#: Before the paged-pool rewrite of issue 24 (no ``kvlib.kernel_formats``): found by running this file
-#: against kvlib/hf/cache.py at ccfa074.
-PENDING_BEFORE_REWRITE: set[tuple[str, str]] = {
-    *((check, fmt) for check in ("beam", "batch_ops", "crop", "edit-prune", "edit-rewrite")
-      for fmt in PASSTHROUGH + LOSSY),
-    ("edit-inplace", "kv4rl"),
-    *(("validate", name) for name in ("group", "seed", "delta_req", "block-int8", "block_size", "batch_size",
-                                      "max_len", "no_such_option")),
-    ("mismatch", "head_dim"), ("mismatch", "layer"), ("kernel_formats", ""),
-    *(("bytes", fmt) for fmt in PASSTHROUGH + LOSSY),
-    *(("static", fmt) for fmt in PASSTHROUGH + LOSSY),
-}
-#: With the rewrite (branch hfpath at 74b339c): an in-place edit of the tensor ``layer.values`` hands
-#: out is silently lost (assignment is refused with a clear error), and in a static dither-int8 pool
-#: assisted decoding overflows max_len=48 for a 44-token sequence (crops never reuse a slot).
-PENDING_WITH_REWRITE: set[tuple[str, str]] = {
-    *(("edit-inplace", fmt) for fmt in PASSTHROUGH + LOSSY), ("static", "dither-int8"),
-}
-PENDING = PENDING_WITH_REWRITE if hasattr(kvlib, "kernel_formats") else PENDING_BEFORE_REWRITE
+PENDING_REASON = "known gap of the kvlib cache"
+#: (check, kvlib format) pairs known to fail, as strict xfails: empty since the paged-pool cache (a fixed
+#: gap turns its strict xfail into a failure, so this set cannot go stale).
+PENDING: set[tuple[str, str]] = set()
 
 
 def kinds(check: str, formats: tuple[str, ...] = PASSTHROUGH + LOSSY) -> list[Any]:
