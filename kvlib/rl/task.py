@@ -150,11 +150,13 @@ def parse_answer(content: str | None) -> int | None:
         return None
     s = content.strip()
     s = re.sub(r"\\(?:text|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", s)
-    s = s.replace("$", "").replace("\u2212", "-").replace("\\!", "").replace("\\,", "").replace("{", "").replace("}", "")
+    for old, new in (("$", ""), ("\u2212", "-"), ("\\!", ""), ("\\,", ""), ("{", ""), ("}", "")):
+        s = s.replace(old, new)
     if "=" in s:
         s = s.rsplit("=", 1)[1]
     s = s.strip().rstrip(".").strip()
-    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s).replace(" ", "")
+    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)
+    s = re.sub(r"^([+-])\s+", r"\1", s)  # "- 5"; spaces between digits stay (and fail: "4 2" is not 42)
     if not _NUMBER.match(s):
         return None
     return int(float(s)) if "." in s else int(s)
