@@ -92,3 +92,27 @@ def test_config_bad_input():
         GRPOConfig(tis_cap=0.9)
     with pytest.raises(ValueError, match="dual_clip"):
         GRPOConfig(dual_clip=1.0)
+
+
+def test_bf16_rollout_copy_and_autocast_learner():
+    """The arms' set-up: bf16 rollout weights refreshed after each step, learner over fp32 master weights."""
+    from kvlib.rl.loop import frozen_copy, sync_weights
+
+    model = _tiny()
+    copy16 = frozen_copy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    sync_weights(model, copy16)
+    for a, b in zip(model.state_dict().values(), copy16.state_dict().values(), strict=True):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b)
+    cfg = GRPOConfig(group_size=4, prompts_per_iteration=4, max_new_tokens=8, lr=1e-2, beta=0.05,
+                     learner_autocast="bfloat16")
+    dyn = lambda batch: DynamicCache(config=model.config)  # noqa: E731
+    hist = run_grpo(model, None, [3, 4, 6, 7, 8, 9], cfg=cfg, cache_factory=dyn, iterations=2, seed=0,
+                    reward_fn=_reward, prompt_fn=_prompt, eos_token_id=EOS, pad_token_id=PAD,
+                    rollout_dtype=torch.bfloat16)
+    assert all(math.isfinite(v) for v in hist["loss"])
+    assert next(model.parameters()).dtype == torch.float32
+    assert min(hist["sampler_learner_kl_k3"]) > 0  # bf16 sampler vs bf16-autocast learner: not bit-equal paths
+    with pytest.raises(ValueError, match="learner_autocast"):
+        GRPOConfig(learner_autocast="fp8")

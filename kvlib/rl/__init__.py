@@ -45,7 +45,7 @@ from kvlib.rl.grpo import (
     tis_weights,
     token_mean,
 )
-from kvlib.rl.loop import DEFAULT_SOURCES, GRPOConfig, evaluate, frozen_copy, grpo_iteration, run_grpo
+from kvlib.rl.loop import DEFAULT_SOURCES, GRPOConfig, evaluate, frozen_copy, grpo_iteration, run_grpo, sync_weights
 from kvlib.rl.sampler import Rollout, learner_logprobs, sample
 from kvlib.rl.task import Problem, format_prompt, last_boxed, make_problems, parse_answer, reward, split_of
 
@@ -53,5 +53,5 @@ __all__ = [
     "DEFAULT_SOURCES", "GRPOConfig", "Problem", "Rollout", "clipped_surrogate", "evaluate", "format_prompt",
     "frozen_copy", "group_advantages", "grpo_iteration", "grpo_loss", "informative_groups", "kl_k3",
     "last_boxed", "learner_logprobs", "make_problems", "parse_answer", "reward", "run_grpo", "sample",
-    "split_of", "tis_weights", "token_mean",
+    "split_of", "sync_weights", "tis_weights", "token_mean",
 ]

@@ -15,6 +15,7 @@ reward, response length, reference KL, sampler-learner KL, TIS statistics, rollo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -60,6 +61,9 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     updates_per_iteration: int = 1
     micro_batch: int | None = None
+    #: None: learner forwards in the policy's own dtype (fp32 master weights -> fp32 learner);
+    #: "bfloat16": learner forwards under torch.autocast(bf16) over fp32 master weights. Same for every arm.
+    learner_autocast: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -72,6 +76,8 @@ class GRPOConfig:
             raise ValueError(f"tis_cap must be >= 1 or None, got {self.tis_cap!r}")
         if self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip!r}")
+        if self.learner_autocast not in (None, "bfloat16"):
+            raise ValueError(f"learner_autocast must be None or 'bfloat16', got {self.learner_autocast!r}")
         if self.beta < 0 or self.lr <= 0:
             raise ValueError(f"need beta >= 0 and lr > 0, got beta={self.beta!r}, lr={self.lr!r}")
 
@@ -89,9 +95,26 @@ def _subset(r: Rollout, idx: torch.Tensor) -> Rollout:
                    response_mask=r.response_mask[idx], sampler_logprobs=r.sampler_logprobs[idx], seconds=r.seconds)
 
 
+def _autocast(model: Any, cfg: GRPOConfig) -> Any:
+    if cfg.learner_autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.device.type, dtype=getattr(torch, cfg.learner_autocast))
+
+
+def sync_weights(src: Any, dst: Any) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst`` (cast to ``dst``'s dtype): the weight push
+    from learner to rollout engine after each update (KV4-RL appendix: "the updated weights are copied
+    into the rollout engine")."""
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
+            if a.shape != b.shape:
+                raise ValueError(f"sync_weights: {name} has shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            b.copy_(a)
+
+
 def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, tokenizer: Any,
                    problems: Sequence[Any], *, cfg: GRPOConfig, cache_factory: Callable[[int], Any],
-                   generator: torch.Generator,
+                   generator: torch.Generator, rollout_model: Any | None = None,
                    reward_fn: Callable[[Any, Any], float] = _default_reward,
                    prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
                    eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, float]:
@@ -100,6 +123,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     ``prompt_fn(tokenizer, problem)`` gives a prompt (text, or a list of token ids);
     ``reward_fn(response, problem)`` scores a response (decoded text when there is a tokenizer,
     else its list of token ids, EOS included). ``ref_model`` may be None only when ``cfg.beta == 0``.
+    ``rollout_model`` (default: ``policy``) samples; it must hold the policy's current weights
+    (e.g. a bf16 copy kept by :func:`sync_weights`, as :func:`run_grpo` does with ``rollout_dtype``).
     """
     if len(problems) != cfg.prompts_per_iteration:
         raise ValueError(f"problems must hold cfg.prompts_per_iteration={cfg.prompts_per_iteration} items, "
@@ -109,7 +134,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     t_start = time.perf_counter()
     g = cfg.group_size
     prompts = [prompt_fn(tokenizer, p) for p in problems for _ in range(g)]
-    rollout = sample(policy, tokenizer, prompts, cache_factory=cache_factory, max_new_tokens=cfg.max_new_tokens,
+    sampler_model = policy if rollout_model is None else rollout_model
+    rollout = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory, max_new_tokens=cfg.max_new_tokens,
                      generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     responses: list[Any] = rollout.texts or [r[m.bool()].tolist() for r, m in
                                              zip(rollout.response_ids.cpu(), rollout.response_mask.cpu(), strict=True)]
@@ -119,7 +145,7 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     advantages = grpo.group_advantages(rewards, g, delta=cfg.delta)
     mask = rollout.response_mask
     t_learn = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(policy, cfg):
         old_logp = learner_logprobs(policy, rollout, micro_batch=cfg.micro_batch)
         ref_logp = learner_logprobs(ref_model, rollout, micro_batch=cfg.micro_batch) if cfg.beta > 0 else None
     n_tok_total = mask.sum()
@@ -140,7 +166,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         for s in range(0, chunk.numel(), mb):
             idx = chunk[s:s + mb]
             sub = _subset(rollout, idx)
-            logp = learner_logprobs(policy, sub)
+            with _autocast(policy, cfg):
+                logp = learner_logprobs(policy, sub)
             loss, st = grpo.grpo_loss(logp, old_logp[idx], None if ref_logp is None else ref_logp[idx],
                                       rollout.sampler_logprobs[idx], advantages[idx], mask[idx],
                                       eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
@@ -157,6 +184,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if rollout_model is not None and rollout_model is not policy:
+        sync_weights(policy, rollout_model)
     if policy.device.type == "cuda":
         torch.cuda.synchronize(policy.device)
     t_end = time.perf_counter()
@@ -196,11 +225,14 @@ def run_grpo(policy: Any, tokenizer: Any, train_problems: Sequence[Any], *, cfg:
              reward_fn: Callable[[Any, Any], float] = _default_reward,
              prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
              eos_token_id: int | None = None, pad_token_id: int | None = None,
+             rollout_dtype: torch.dtype | None = None,
              callback: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, list[Any]]:
     """``iterations`` GRPO iterations of ``policy`` (trained in place; copy first if it is shared).
 
     Each iteration draws ``cfg.prompts_per_iteration`` problems from ``train_problems`` without
-    replacement (seeded by ``seed``). Returns the history: ``{"iteration": [...], metric: [...]}``
+    replacement (seeded by ``seed``). With ``rollout_dtype`` (e.g. ``torch.bfloat16``) rollouts are
+    drawn by a copy of the policy in that dtype, refreshed after every update, while the learner keeps
+    the policy's own (fp32 master) weights. Returns the history: ``{"iteration": [...], metric: [...]}``
     plus ``"config"`` (the GRPOConfig as a dict) and ``"seed"``.
     """
     if not isinstance(iterations, int) or iterations < 1:
@@ -211,12 +243,16 @@ def run_grpo(policy: Any, tokenizer: Any, train_problems: Sequence[Any], *, cfg:
     policy.requires_grad_(True)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
+    rollout_model = None
+    if rollout_dtype is not None:
+        rollout_model = frozen_copy(policy).to(dtype=rollout_dtype)
     gen = torch.Generator().manual_seed(seed)
     history: dict[str, list[Any]] = {"iteration": []}
     for it in range(iterations):
         pick = torch.randperm(len(train_problems), generator=gen)[:cfg.prompts_per_iteration].tolist()
         m = grpo_iteration(policy, ref, optimizer, tokenizer, [train_problems[i] for i in pick], cfg=cfg,
-                           cache_factory=cache_factory, generator=gen, reward_fn=reward_fn, prompt_fn=prompt_fn,
+                           cache_factory=cache_factory, generator=gen, rollout_model=rollout_model,
+                           reward_fn=reward_fn, prompt_fn=prompt_fn,
                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         if not all(math.isfinite(v) for v in m.values()):
             raise FloatingPointError(f"non-finite metric at iteration {it}: {m}")
