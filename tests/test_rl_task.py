@@ -32,6 +32,16 @@ def test_problems_deterministic_true_and_split_disjoint():
     assert len({p.uid for p in a}) == 50
 
 
+def test_worked_solutions_earn_reward_and_wrong_ones_do_not():
+    for p in task.make_problems("train", 40, seed=5, min_steps=1, max_steps=12):
+        sol = task.worked_solution(p)
+        assert task.reward(sol, p.answer) == 1.0
+        assert sol.count("Step ") == p.steps
+        assert task.reward(sol.replace(f"boxed{{{p.answer}}}", f"boxed{{{p.answer + 1}}}"), p.answer) == 0.0
+    with pytest.raises(ValueError, match="ops"):
+        task.worked_solution(task.Problem(uid="x", question="q", answer=1, steps=1))
+
+
 def test_problems_bad_input():
     with pytest.raises(ValueError, match="split"):
         task.make_problems("test", 1)
@@ -80,10 +90,15 @@ def test_chat_prompt_and_short_real_rollout(smol):
     from kvlib.rl.sampler import learner_logprobs, sample
 
     model, tok = smol
-    p = task.make_problems("train", 1, seed=0, min_steps=1, max_steps=1)[0]
-    prompt = task.format_prompt(tok, p)
-    assert p.question in prompt and task.INSTRUCTION in prompt
-    assert prompt.rstrip().endswith("assistant")  # generation prompt appended
+    p = task.make_problems("heldout", 1, seed=0, min_steps=1, max_steps=1)[0]
+    bare = task.format_prompt(tok, p)
+    assert p.question in bare and task.INSTRUCTION in bare
+    assert bare.rstrip().endswith("assistant")  # generation prompt appended
+    prompt = task.prompt_fn()(tok, p)  # the runs' prompt: worked examples as earlier turns, same ending
+    shots = task.fewshot_examples(task.DEFAULT_SHOTS)
+    assert prompt.endswith(bare[bare.index(p.question) - len("<|im_start|>user\n"):])
+    assert all(task.worked_solution(ex) in prompt for ex in shots)
+    assert len(tok(prompt, add_special_tokens=False)["input_ids"]) > 700  # the probe's context regime
     r = sample(model, tok, [prompt], cache_factory=lambda b: DynamicCache(config=model.config), max_new_tokens=6,
                generator=torch.Generator().manual_seed(0))
     assert r.response_ids.shape[1] <= 6 and len(r.texts) == 1

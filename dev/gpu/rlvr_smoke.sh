@@ -11,7 +11,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 start=$(date +%s)
-$PY -m kvlib.rl.smoke --out "$OUT" --iterations 3 --max-new-tokens 512 --budget-s 150 2>&1 | tee "$OUT/rlvr_smoke.log"
+$PY -m kvlib.rl.smoke --out "$OUT" --iterations 3 --max-new-tokens 384 --budget-s 150 2>&1 | tee "$OUT/rlvr_smoke.log"
 rc=${PIPESTATUS[0]}
 echo "wall $(( $(date +%s) - start )) s, rc=$rc"
 if [ "$rc" -eq 0 ] && [ -f "$OUT/rlvr_smoke.json" ]; then echo "PASS: rlvr smoke"; else echo "FAIL: rlvr smoke (rc=$rc)"; fi

@@ -49,7 +49,7 @@ class GRPOConfig:
 
     group_size: int = 8
     prompts_per_iteration: int = 16
-    max_new_tokens: int = 768
+    max_new_tokens: int = 384
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip: float = 3.0
@@ -86,8 +86,11 @@ def _default_reward(response: Any, problem: Any) -> float:
     return rl_task.reward(response, problem.answer)
 
 
+_PROMPT = rl_task.prompt_fn()  # DEFAULT_SHOTS worked examples, fixed for every run and arm
+
+
 def _default_prompt(tokenizer: Any, problem: Any) -> str:
-    return rl_task.format_prompt(tokenizer, problem)
+    return _PROMPT(tokenizer, problem)
 
 
 def _subset(r: Rollout, idx: torch.Tensor) -> Rollout:

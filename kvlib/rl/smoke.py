@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--iterations", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per GRPO iteration")
+    ap.add_argument("--arm-prompts", type=int, default=16)
+    ap.add_argument("--per-steps", type=int, default=12, help="calibration problems per chain length")
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip later parts past this wall time")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -62,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                               "max_new_tokens": args.max_new_tokens, "difficulty": rl_task.DIFFICULTY}
     fails: list[str] = []
+    prompt = rl_task.prompt_fn()  # the runs' prompt: DEFAULT_SHOTS worked examples
 
     # 1. calibration: lengths and accuracy by chain length, bf16 weights, DynamicCache
-    probs = [p for s in range(2, 15, 2) for p in rl_task.make_problems("heldout", 12, seed=s, min_steps=s,
+    probs = [p for s in range(2, 15, 2) for p in rl_task.make_problems("heldout", args.per_steps, seed=s, min_steps=s,
                                                                          max_steps=s)]
-    prompts = [rl_task.format_prompt(tok, p) for p in probs]
+    prompts = [prompt(tok, p) for p in probs]
     r = sample(roll16, tok, prompts, cache_factory=_dynamic(roll16), max_new_tokens=args.max_new_tokens,
                generator=torch.Generator().manual_seed(0))
     rewards = [rl_task.reward(t, p.answer) for t, p in zip(r.texts, probs, strict=True)]
@@ -92,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. GRPO iterations: the bf16 arm as it runs today
     if time.perf_counter() - t0 < args.budget_s:
-        cfg = GRPOConfig(group_size=8, prompts_per_iteration=8, max_new_tokens=args.max_new_tokens, lr=1e-6,
-                         micro_batch=16)
+        cfg = GRPOConfig(group_size=args.group_size, prompts_per_iteration=args.prompts,
+                         max_new_tokens=args.max_new_tokens, lr=1e-6, micro_batch=16)
         before = [p.detach().clone() for p in policy.parameters()]
         train = rl_task.make_problems("train", 256, seed=0)
         hist = run_grpo(policy, tok, train, cfg=cfg, cache_factory=_dynamic(policy), iterations=args.iterations,
@@ -116,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. sampler-learner mismatch by cache format, same fp32 learner, same prompts
     arms: dict[str, Any] = {}
-    probs = rl_task.make_problems("heldout", 16, seed=99)
-    prompts = [rl_task.format_prompt(tok, p) for p in probs]
+    probs = rl_task.make_problems("heldout", args.arm_prompts, seed=99)
+    prompts = [prompt(tok, p) for p in probs]
     for name in ("bf16-dynamic", "bf16", "kv4", "kv4rl"):
         if time.perf_counter() - t0 > args.budget_s:
             arms[name] = {"skipped": "time budget"}
