@@ -111,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, policy.parameters(), strict=True))
         result["grpo"] = hist
         finite = all(math.isfinite(v) for k, vs in hist.items() if k not in ("config", "seed") for v in vs)
-        for ok, what in ((finite, "all GRPO metrics finite"), (changed, "parameters changed"),
+        # an update is expected only when some group had reward variance (else every advantage is 0 and,
+        # with pi == pi_ref, so is the KL gradient)
+        informative = max(hist["informative_group_fraction"]) > 0
+        if not informative:
+            print("WARN: no group had reward variance: no update expected; retune the difficulty")
+        for ok, what in ((finite, "all GRPO metrics finite"),
+                         (changed == informative, f"parameters changed iff some group was informative ({changed})"),
                          (max(hist["tis_max"]) <= cfg.tis_cap + 1e-6, f"TIS weights <= C={cfg.tis_cap}")):
             print(("PASS: " if ok else "FAIL: ") + what)
             if not ok:
