@@ -116,3 +116,20 @@ def test_bf16_rollout_copy_and_autocast_learner():
     assert min(hist["sampler_learner_kl_k3"]) > 0  # bf16 sampler vs bf16-autocast learner: not bit-equal paths
     with pytest.raises(ValueError, match="learner_autocast"):
         GRPOConfig(learner_autocast="fp8")
+
+
+def test_evaluate_avg_and_pass_at_k():
+    from kvlib.rl.loop import evaluate
+
+    model = _tiny()
+    dyn = lambda batch: DynamicCache(config=model.config)  # noqa: E731
+    kw = dict(max_new_tokens=6, cache_factory=dyn, prompt_fn=_prompt, eos_token_id=EOS, pad_token_id=PAD,
+              batch_size=5)
+    # a reward that ignores the response: problem 3 always right, 4 never -> avg@k = pass@k = 1/2
+    res = evaluate(model, None, [3, 4], k=4, generator=torch.Generator().manual_seed(0),
+                   reward_fn=lambda resp, p: float(p == 3), **kw)
+    assert res["correct"] == [4, 0] and res["avg_at_k"] == 0.5 and res["pass_at_k"] == 0.5
+    res = evaluate(model, None, [3, 4, 6], k=3, generator=torch.Generator().manual_seed(0), reward_fn=_reward, **kw)
+    assert all(0 <= c <= 3 for c in res["correct"])
+    assert res["avg_at_k"] == pytest.approx(sum(res["correct"]) / 9)
+    assert res["pass_at_k"] >= res["avg_at_k"]

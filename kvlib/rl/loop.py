@@ -272,7 +272,8 @@ def run_grpo(policy: Any, tokenizer: Any, train_problems: Sequence[Any], *, cfg:
 def evaluate(model: Any, tokenizer: Any, problems: Sequence[Any], *, k: int = 1, max_new_tokens: int,
              cache_factory: Callable[[int], Any], generator: torch.Generator, batch_size: int = 32,
              reward_fn: Callable[[Any, Any], float] = _default_reward,
-             prompt_fn: Callable[[Any, Any], Any] = _default_prompt) -> dict[str, Any]:
+             prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
+             eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
     """avg@k and pass@k on ``problems`` (KV4-RL appendix evaluation), sampled at temperature 1.
 
     The paper's common evaluator is bf16: pass a bf16 copy of the policy and a bf16 cache factory
@@ -286,9 +287,12 @@ def evaluate(model: Any, tokenizer: Any, problems: Sequence[Any], *, k: int = 1,
     for s in range(0, len(prompts), batch_size):
         part = prompts[s:s + batch_size]
         r = sample(model, tokenizer, [p for _, p in part], cache_factory=cache_factory,
-                   max_new_tokens=max_new_tokens, generator=generator)
-        for (i, _), text in zip(part, r.texts, strict=True):
-            correct[i] += int(reward_fn(text, problems[i]) > 0)
+                   max_new_tokens=max_new_tokens, generator=generator, eos_token_id=eos_token_id,
+                   pad_token_id=pad_token_id)
+        responses = r.texts or [x[m.bool()].tolist() for x, m in
+                                zip(r.response_ids.cpu(), r.response_mask.cpu(), strict=True)]
+        for (i, _), resp in zip(part, responses, strict=True):
+            correct[i] += int(reward_fn(resp, problems[i]) > 0)
     n = max(len(problems), 1)
     return {"avg_at_k": sum(correct) / (n * k), "pass_at_k": sum(c > 0 for c in correct) / n, "k": k,
             "correct": correct}
