@@ -1,0 +1,298 @@
+"""One GRPO iteration (rollout -> rewards -> advantages -> loss -> optimizer step), a run, an evaluator.
+
+Synchronous and on-policy up to numerics: each iteration samples ``prompts_per_iteration x
+group_size`` responses from the current policy through ``cache_factory`` (the only thing that
+differs between the bf16 / kv4 / kv4rl arms), scores them under the *learner* (pi_old, same
+weights, learner precision) and the frozen initial policy (pi_ref), and takes
+``updates_per_iteration`` optimizer steps on the :func:`kvlib.rl.grpo.grpo_loss` of mini-batches
+of that rollout. The paper's partial (asynchronous) collection is out of scope here: with one
+update per rollout, pi_old and the sampler share weights and every bit of ``pi_old / q`` is the
+cache's numerical mismatch, which is the quantity under study.
+
+Metrics per iteration go into a ``history`` dict of lists (one key per metric), ready to plot:
+reward, response length, reference KL, sampler-learner KL, TIS statistics, rollout seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvlib.rl import grpo
+from kvlib.rl import task as rl_task
+from kvlib.rl.sampler import Rollout, learner_logprobs, sample
+
+#: where each GRPOConfig default comes from (Table A1's values are not in our text of the paper)
+DEFAULT_SOURCES: dict[str, str] = {
+    "dual_clip": "KV4-RL appendix training setup: 'dual clipping ... coefficient 3.0'",
+    "temperature": "KV4-RL Section 3: temperature 1, no top-k/top-p (fixed, not configurable)",
+    "eps_low": "PPO/DAPO default 0.2 (assumed; Table A1 not in our text)",
+    "eps_high": "DAPO clip-higher 0.28 (assumed; Table A1 not in our text)",
+    "tis_cap": "Yao et al. 2025 TIS default C=2 (assumed; Table A1 not in our text)",
+    "beta": "verl GRPO kl_loss_coef 1e-3 with low_var_kl (assumed)",
+    "delta": "verl/Eq. 3.1 stabiliser 1e-6",
+    "group_size": "small-scale choice (8 responses per prompt)",
+    "lr": "small-scale choice for a 135M policy; tune on the GPU smoke",
+}
+
+
+@dataclass
+class GRPOConfig:
+    """Hyper-parameters of one arm; every arm of a comparison shares them (only the cache differs)."""
+
+    group_size: int = 8
+    prompts_per_iteration: int = 16
+    max_new_tokens: int = 384
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float = 3.0
+    tis_cap: float | None = 2.0
+    beta: float = 1e-3
+    delta: float = 1e-6
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    updates_per_iteration: int = 1
+    micro_batch: int | None = None
+    #: None: learner forwards in the policy's own dtype (fp32 master weights -> fp32 learner);
+    #: "bfloat16": learner forwards under torch.autocast(bf16) over fp32 master weights. Same for every arm.
+    learner_autocast: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"group_size must be an int >= 2, got {self.group_size!r}")
+        if not isinstance(self.prompts_per_iteration, int) or self.prompts_per_iteration < 1:
+            raise ValueError(f"prompts_per_iteration must be an int >= 1, got {self.prompts_per_iteration!r}")
+        if not isinstance(self.updates_per_iteration, int) or self.updates_per_iteration < 1:
+            raise ValueError(f"updates_per_iteration must be an int >= 1, got {self.updates_per_iteration!r}")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ValueError(f"tis_cap must be >= 1 or None, got {self.tis_cap!r}")
+        if self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip!r}")
+        if self.learner_autocast not in (None, "bfloat16"):
+            raise ValueError(f"learner_autocast must be None or 'bfloat16', got {self.learner_autocast!r}")
+        if self.beta < 0 or self.lr <= 0:
+            raise ValueError(f"need beta >= 0 and lr > 0, got beta={self.beta!r}, lr={self.lr!r}")
+
+
+def _default_reward(response: Any, problem: Any) -> float:
+    return rl_task.reward(response, problem.answer)
+
+
+_PROMPT = rl_task.prompt_fn()  # DEFAULT_SHOTS worked examples, fixed for every run and arm
+
+
+def _default_prompt(tokenizer: Any, problem: Any) -> str:
+    return _PROMPT(tokenizer, problem)
+
+
+def _subset(r: Rollout, idx: torch.Tensor) -> Rollout:
+    return Rollout(prompt_ids=r.prompt_ids[idx], prompt_mask=r.prompt_mask[idx], response_ids=r.response_ids[idx],
+                   response_mask=r.response_mask[idx], sampler_logprobs=r.sampler_logprobs[idx], seconds=r.seconds)
+
+
+def _autocast(model: Any, cfg: GRPOConfig) -> Any:
+    if cfg.learner_autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.device.type, dtype=getattr(torch, cfg.learner_autocast))
+
+
+def sync_weights(src: Any, dst: Any) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst`` (cast to ``dst``'s dtype): the weight push
+    from learner to rollout engine after each update (KV4-RL appendix: "the updated weights are copied
+    into the rollout engine")."""
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
+            if a.shape != b.shape:
+                raise ValueError(f"sync_weights: {name} has shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            b.copy_(a)
+
+
+def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Optimizer, tokenizer: Any,
+                   problems: Sequence[Any], *, cfg: GRPOConfig, cache_factory: Callable[[int], Any],
+                   generator: torch.Generator, rollout_model: Any | None = None,
+                   reward_fn: Callable[[Any, Any], float] = _default_reward,
+                   prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
+                   eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, float]:
+    """One GRPO iteration on ``problems`` (``cfg.prompts_per_iteration`` of them); returns its metrics.
+
+    ``prompt_fn(tokenizer, problem)`` gives a prompt (text, or a list of token ids);
+    ``reward_fn(response, problem)`` scores a response (decoded text when there is a tokenizer,
+    else its list of token ids, EOS included). ``ref_model`` may be None only when ``cfg.beta == 0``.
+    ``rollout_model`` (default: ``policy``) samples; it must hold the policy's current weights
+    (e.g. a bf16 copy kept by :func:`sync_weights`, as :func:`run_grpo` does with ``rollout_dtype``).
+    """
+    if len(problems) != cfg.prompts_per_iteration:
+        raise ValueError(f"problems must hold cfg.prompts_per_iteration={cfg.prompts_per_iteration} items, "
+                         f"got {len(problems)}")
+    if ref_model is None and cfg.beta > 0:
+        raise ValueError("ref_model is required when cfg.beta > 0")
+    t_start = time.perf_counter()
+    g = cfg.group_size
+    prompts = [prompt_fn(tokenizer, p) for p in problems for _ in range(g)]
+    sampler_model = policy if rollout_model is None else rollout_model
+    rollout = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory, max_new_tokens=cfg.max_new_tokens,
+                     generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    responses: list[Any] = rollout.texts or [r[m.bool()].tolist() for r, m in
+                                             zip(rollout.response_ids.cpu(), rollout.response_mask.cpu(), strict=True)]
+    device = rollout.response_ids.device
+    rewards = torch.tensor([reward_fn(resp, problems[i // g]) for i, resp in enumerate(responses)],
+                           dtype=torch.float32, device=device)
+    advantages = grpo.group_advantages(rewards, g, delta=cfg.delta)
+    mask = rollout.response_mask
+    t_learn = time.perf_counter()
+    with torch.no_grad(), _autocast(policy, cfg):
+        old_logp = learner_logprobs(policy, rollout, micro_batch=cfg.micro_batch)
+        ref_logp = learner_logprobs(ref_model, rollout, micro_batch=cfg.micro_batch) if cfg.beta > 0 else None
+    n_tok_total = mask.sum()
+    sampler_learner_k1 = float(grpo.token_mean(rollout.sampler_logprobs - old_logp, mask))
+    sampler_learner_k3 = float(grpo.token_mean(grpo.kl_k3(rollout.sampler_logprobs, old_logp), mask))
+    ref_kl = float(grpo.token_mean(grpo.kl_k3(old_logp, ref_logp), mask)) if ref_logp is not None else 0.0
+
+    batch = rollout.response_ids.shape[0]
+    order = torch.randperm(batch, generator=generator).to(device)
+    chunks = order.chunk(cfg.updates_per_iteration)
+    stats_sum: dict[str, float] = {}
+    grad_norms = []
+    tis_max = 0.0
+    for chunk in chunks:
+        sub_tokens = mask[chunk].sum().clamp(min=1)
+        mb = cfg.micro_batch or chunk.numel()
+        optimizer.zero_grad(set_to_none=True)
+        for s in range(0, chunk.numel(), mb):
+            idx = chunk[s:s + mb]
+            sub = _subset(rollout, idx)
+            with _autocast(policy, cfg):
+                logp = learner_logprobs(policy, sub)
+            loss, st = grpo.grpo_loss(logp, old_logp[idx], None if ref_logp is None else ref_logp[idx],
+                                      rollout.sampler_logprobs[idx], advantages[idx], mask[idx],
+                                      eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+                                      tis_cap=cfg.tis_cap, beta=cfg.beta)
+            # token_mean over the micro-batch, rescaled so the mini-batch loss is sum / N_tok(mini-batch)
+            weight = mask[idx].sum() / sub_tokens
+            (loss * weight).backward()
+            w = float(mask[idx].sum() / n_tok_total)
+            for k, v in st.items():
+                if k == "tis_max":
+                    tis_max = max(tis_max, v)
+                else:
+                    stats_sum[k] = stats_sum.get(k, 0.0) + w * v
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if rollout_model is not None and rollout_model is not policy:
+        sync_weights(policy, rollout_model)
+    if policy.device.type == "cuda":
+        torch.cuda.synchronize(policy.device)
+    t_end = time.perf_counter()
+    lengths = rollout.lengths.float()
+    eos_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    finished = (rollout.response_ids == eos_id).any(dim=1).float()
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "truncated_fraction": float(1.0 - finished.mean()),
+        "n_tokens": float(n_tok_total),
+        "informative_group_fraction": float(grpo.informative_groups(rewards, g).float().mean()),
+        "ref_kl_k3": ref_kl,
+        "sampler_learner_kl_k1": sampler_learner_k1,
+        "sampler_learner_kl_k3": sampler_learner_k3,
+        "tis_max": tis_max,
+        "grad_norm": max(grad_norms),
+        "rollout_seconds": rollout.seconds,
+        "learner_seconds": t_end - t_learn,
+        "iteration_seconds": t_end - t_start,
+    }
+    metrics.update({k: v for k, v in stats_sum.items()})
+    return metrics
+
+
+def frozen_copy(model: Any) -> Any:
+    """A deep copy with gradients off, in eval mode: the fixed initial policy pi_ref."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def run_grpo(policy: Any, tokenizer: Any, train_problems: Sequence[Any], *, cfg: GRPOConfig,
+             cache_factory: Callable[[int], Any], iterations: int, seed: int,
+             reward_fn: Callable[[Any, Any], float] = _default_reward,
+             prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
+             eos_token_id: int | None = None, pad_token_id: int | None = None,
+             rollout_dtype: torch.dtype | None = None,
+             callback: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, list[Any]]:
+    """``iterations`` GRPO iterations of ``policy`` (trained in place; copy first if it is shared).
+
+    Each iteration draws ``cfg.prompts_per_iteration`` problems from ``train_problems`` without
+    replacement (seeded by ``seed``). With ``rollout_dtype`` (e.g. ``torch.bfloat16``) rollouts are
+    drawn by a copy of the policy in that dtype, refreshed after every update, while the learner keeps
+    the policy's own (fp32 master) weights. Returns the history: ``{"iteration": [...], metric: [...]}``
+    plus ``"config"`` (the GRPOConfig as a dict) and ``"seed"``.
+    """
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    if len(train_problems) < cfg.prompts_per_iteration:
+        raise ValueError(f"train_problems ({len(train_problems)}) fewer than cfg.prompts_per_iteration")
+    ref = frozen_copy(policy) if cfg.beta > 0 else None
+    policy.requires_grad_(True)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    rollout_model = None
+    if rollout_dtype is not None:
+        rollout_model = frozen_copy(policy).to(dtype=rollout_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    history: dict[str, list[Any]] = {"iteration": []}
+    for it in range(iterations):
+        pick = torch.randperm(len(train_problems), generator=gen)[:cfg.prompts_per_iteration].tolist()
+        m = grpo_iteration(policy, ref, optimizer, tokenizer, [train_problems[i] for i in pick], cfg=cfg,
+                           cache_factory=cache_factory, generator=gen, rollout_model=rollout_model,
+                           reward_fn=reward_fn, prompt_fn=prompt_fn,
+                           eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        if not all(math.isfinite(v) for v in m.values()):
+            raise FloatingPointError(f"non-finite metric at iteration {it}: {m}")
+        history["iteration"].append(it)
+        for k, v in m.items():
+            history.setdefault(k, []).append(v)
+        if callback is not None:
+            callback(it, m)
+    history["config"] = [asdict(cfg)]
+    history["seed"] = [seed]
+    return history
+
+
+def evaluate(model: Any, tokenizer: Any, problems: Sequence[Any], *, k: int = 1, max_new_tokens: int,
+             cache_factory: Callable[[int], Any], generator: torch.Generator, batch_size: int = 32,
+             reward_fn: Callable[[Any, Any], float] = _default_reward,
+             prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
+             eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
+    """avg@k and pass@k on ``problems`` (KV4-RL appendix evaluation), sampled at temperature 1.
+
+    The paper's common evaluator is bf16: pass a bf16 copy of the policy and a bf16 cache factory
+    for every arm, so that the arms are scored by one evaluator. Returns the per-problem correct
+    counts too (for paired bootstrap CIs across arms on the same problems).
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    prompts = [(i, prompt_fn(tokenizer, p)) for i, p in enumerate(problems) for _ in range(k)]
+    correct = [0] * len(problems)
+    for s in range(0, len(prompts), batch_size):
+        part = prompts[s:s + batch_size]
+        r = sample(model, tokenizer, [p for _, p in part], cache_factory=cache_factory,
+                   max_new_tokens=max_new_tokens, generator=generator, eos_token_id=eos_token_id,
+                   pad_token_id=pad_token_id)
+        responses = r.texts or [x[m.bool()].tolist() for x, m in
+                                zip(r.response_ids.cpu(), r.response_mask.cpu(), strict=True)]
+        for (i, _), resp in zip(part, responses, strict=True):
+            correct[i] += int(reward_fn(resp, problems[i]) > 0)
+    n = max(len(problems), 1)
+    return {"avg_at_k": sum(correct) / (n * k), "pass_at_k": sum(c > 0 for c in correct) / n, "k": k,
+            "correct": correct}

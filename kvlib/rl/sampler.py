@@ -1,0 +1,158 @@
+"""Rollouts through ``model.generate`` with a caller-supplied cache, and the learner's log-probabilities.
+
+:func:`sample` draws responses at temperature 1 with no top-k/top-p and keeps the sampler's own
+per-token log-probabilities, taken from the very scores ``generate`` sampled from
+(``output_scores``); it checks that no logits processor changed them (``scores == logits``), so
+the recorded ``q`` is the sampling distribution (KV4-RL Section 3: "the recorded softmax
+probabilities match the sampling distribution"). The cache is ``cache_factory(batch)``: a
+``DynamicCache`` today, ``kvlib.make_cache(fmt, model.config, batch_size=..., max_len=...)`` once
+the packed decode path lands; this module does not care which.
+
+:func:`learner_logprobs` scores the same tokens under a learner in one teacher-forced forward
+(no cache), with the position ids ``generate`` used for left-padded prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled responses. Response tensors are ``[B, T]``; prompts are left-padded ``[B, P]``."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor  # 1 up to and including the first EOS
+    sampler_logprobs: torch.Tensor  # float32, log q(y_ij | h_ij) as sampled; 0 where masked
+    seconds: float
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+
+def _encode(tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]], pad_id: int,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty sequence")
+    if all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when prompts are strings")
+        seqs = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
+        seqs = [list(p) for p in prompts]
+    else:
+        raise TypeError("prompts must be all str or all sequences of int token ids")
+    if any(len(s) == 0 for s in seqs):
+        raise ValueError("every prompt must have at least one token")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):  # left padding, as generate expects for decoder-only models
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _seed_from(generator: torch.Generator | None) -> int | None:
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def sample(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[Sequence[int]], *,
+           cache_factory: Callable[[int], Any], max_new_tokens: int, generator: torch.Generator | None,
+           eos_token_id: int | None = None, pad_token_id: int | None = None) -> Rollout:
+    """Sample one response per prompt at temperature 1 (no top-k, no top-p) through ``cache_factory(B)``.
+
+    ``generate`` draws from the global torch RNG, so ``generator`` seeds it inside
+    ``torch.random.fork_rng`` (the caller's RNG state is left as it was): the same generator state
+    gives the same rollout. Raises RuntimeError if a logits processor altered the scores (then the
+    recorded log-probs would not be the sampling distribution).
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not callable(cache_factory):
+        raise TypeError("cache_factory must be callable: batch_size -> transformers Cache")
+    eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError("eos_token_id is needed (pass it, or a tokenizer that has one)")
+    pad = pad_token_id if pad_token_id is not None else (getattr(tokenizer, "pad_token_id", None) or eos)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = _encode(tokenizer, prompts, pad, device)
+    batch, width = prompt_ids.shape
+    cache = cache_factory(batch)
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos, pad_token_id=pad, output_scores=True, output_logits=True,
+                               return_dict_in_generate=True)
+    seed = _seed_from(generator)
+    devices = [device] if device.type == "cuda" else []
+    t0 = time.perf_counter()
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
+                             generation_config=gen_cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    response_ids = out.sequences[:, width:]
+    steps = response_ids.shape[1]
+    scores = torch.stack(out.scores, dim=1)[:, :steps]
+    logits = torch.stack(out.logits, dim=1)[:, :steps]
+    # EOS positions: valid up to and including the first EOS; later tokens are generate's padding
+    is_eos = response_ids == eos
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(is_eos[:, 0], steps,
+                                                                                        dtype=torch.long))
+    response_mask = (torch.arange(steps, device=device)[None, :] <= first[:, None]).long()
+    valid = response_mask.bool()
+    if not torch.equal(scores[valid], logits[valid]):
+        raise RuntimeError("a logits processor changed the scores; the recorded log-probs would not be the "
+                           f"temperature-1 distribution (generation config: {gen_cfg.to_diff_dict()})")
+    logq = torch.log_softmax(scores.float(), dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    logq = logq.masked_fill(~valid, 0.0)
+    texts = []
+    if tokenizer is not None and hasattr(tokenizer, "decode"):
+        texts = [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                 for r, m in zip(response_ids.cpu(), response_mask.cpu(), strict=True)]
+    return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                   response_mask=response_mask, sampler_logprobs=logq, seconds=seconds, texts=texts)
+
+
+def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = None) -> torch.Tensor:
+    """``[B, T]`` float32 log-probs of ``rollout``'s response tokens under ``model``, teacher-forced.
+
+    One forward over ``prompt + response`` per micro-batch (all of ``B`` by default), no cache. The
+    attention mask is the prompt's padding mask followed by ones (generate attends to every
+    generated position too) and the position ids are ``cumsum(mask) - 1``, which is what
+    ``generate`` uses for left-padded prompts. Gradients flow when called outside ``no_grad``.
+    Masked positions are 0.
+    """
+    ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)
+    attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.response_ids)], dim=1)
+    pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    width = rollout.prompt_ids.shape[1]
+    steps = rollout.response_ids.shape[1]
+    mb = ids.shape[0] if micro_batch is None else micro_batch
+    if not isinstance(mb, int) or mb < 1:
+        raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
+    rows = []
+    for s in range(0, ids.shape[0], mb):
+        logits = model(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
+                       use_cache=False).logits
+        pred = logits[:, width - 1:width + steps - 1].float()
+        tok = rollout.response_ids[s:s + mb].unsqueeze(-1)
+        rows.append(torch.log_softmax(pred, dim=-1).gather(-1, tok).squeeze(-1))
+    return torch.cat(rows, dim=0).masked_fill(~rollout.response_mask.bool(), 0.0)
