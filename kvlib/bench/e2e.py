@@ -454,8 +454,6 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 _sync(device)
                 row["fill_s"] = time.perf_counter() - t0
                 row["kv_bytes"] = cache_bytes(cache)
-                if getattr(cache, "_kvlib", False):
-                    row["kernel_path"] = str(cache.kernel_path(0))
                 live[m] = Stepper(m, model, cache, batch=batch, ctx=ctx, device=device, steps=prof.steps)
                 cache = None  # held by its Stepper only, so the group's memory goes when the group does
                 free -= need
@@ -519,6 +517,8 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
                    step_ms_rounds=per_round, noattn_ms=na, attention_ms=(ms - na) if na is not None else None,
                    graphed=st.graphed, attn_implementation=st.attn, notes=st.notes,
                    interleaved_with=sorted(x for x in live if x != m))
+        if getattr(st.cache, "_kvlib", False):  # the decode path the timed steps took (set by the captured step)
+            row["kernel_path"] = str(st.cache.kernel_path(0))
 
 
 def _with_quanto(f: Callable[[], float]) -> Callable[[], float]:
