@@ -292,13 +292,17 @@ def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr,
 
 @gluon.jit
 def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr,
-              Z8: gl.constexpr):
-    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
+              Z8: gl.constexpr, K_DITHER: gl.constexpr = True):
+    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]`` (RTN keys,
+    ``K_DITHER=False``: ``s_g q.c``; ``w`` unused)."""
     acc = gl.zeros([16, BN], gl.float32, layout=MMA)
     acc = mma_v2(qa, _bytes_kb(kc, False, BN, KB, KW), acc)
-    acc = mma_v2(qa, _bytes_kb(w, True, BN, KB, KW), acc)
+    if K_DITHER:
+        acc = mma_v2(qa, _bytes_kb(w, True, BN, KB, KW), acc)
     acc = gl.convert_layout(_rows8(acc, BN), Z8, assert_trivial=True)
-    return (acc + XI8_CONST * q1[:, None]) * s[None, :]
+    if K_DITHER:
+        return (acc + XI8_CONST * q1[:, None]) * s[None, :]
+    return acc * s[None, :]
 
 
 @gluon.jit
@@ -327,8 +331,9 @@ def _stage1_g8(
     s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PAGE: gl.constexpr = 0,
+    PAGE: gl.constexpr = 0, K_DITHER: gl.constexpr = True,
 ):
+    # K_DITHER=False: RTN keys (xi = 0): no Philox, no dither MMA (CERT off, the dispatcher's rule)
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -392,20 +397,25 @@ def _stage1_g8(
     ns_x = ns_ + BN
     sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
 
-    if AHEAD:
+    if AHEAD and K_DITHER:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+    if not K_DITHER:  # placeholders, never read
+        w0 = kc0
+        w1 = kc0
+        w2 = kc0
+        w3 = kc0
     for n0 in range(start, end, BN):
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
         # PV), so the registers of one tile, not two, are live at the Philox and QK peak
-        if not AHEAD:
+        if not AHEAD and K_DITHER:
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
-        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
-                                                                                MMA, Z8))
-        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
-                                                                                 MMA, Z8))
+        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8, K_DITHER)
+             + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW, MMA, Z8, K_DITHER))
+        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8, K_DITHER)
+              + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW, MMA, Z8, K_DITHER))
         z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
         kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
         sk = sk_x
@@ -439,7 +449,7 @@ def _stage1_g8(
         nv_x = nv_x + BN
         ns_x = ns_x + BN
         sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
-        if AHEAD:  # the next tile's dither, beside this tile's PV
+        if AHEAD and K_DITHER:  # the next tile's dither, beside this tile's PV
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
     l_i = gl.sum(l_t, 1)
@@ -470,7 +480,7 @@ def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | No
     checks = [
         (q.device.type == "cuda", "a CUDA device"),
         (d == 128 and k.group == 32 and v.group == 32, f"d = 128 with groups of 32 (got d={d}, group={k.group})"),
-        (k.dither_layout == "h8", f"an h8 key pool (got dither_layout={k.dither_layout!r})"),
+        (k.dither_layout == "h8" or not k.dithered, f"an h8 key pool (got dither_layout={k.dither_layout!r})"),
         (not v_dither, "RTN values (v_dither=False)"),
         (gqa <= 8, f"at most 8 query heads per KV head (got {gqa})"),
         (q.dtype in (torch.float16, torch.bfloat16), f"fp16/bf16 queries (got {q.dtype})"),
@@ -510,5 +520,6 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, K_DITHER=k.dithered,
+        num_warps=1,
     )
