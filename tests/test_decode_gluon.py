@@ -19,7 +19,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
 
 
-def _setup(B=3, hq=7, hkv=1, S=70, *, qdtype=torch.bfloat16, layer=5, k_out=False):
+def _setup(B=3, hq=7, hkv=1, S=70, *, qdtype=torch.bfloat16, layer=5, k_out=False, v_out=False, k_dither=True,
+           layout="h8"):
     g = torch.Generator().manual_seed(hq * 10 + hkv + S)
     T = B * S
     K = torch.randn(T, hkv, 128, generator=g)
@@ -27,10 +28,17 @@ def _setup(B=3, hq=7, hkv=1, S=70, *, qdtype=torch.bfloat16, layer=5, k_out=Fals
     V = torch.randn(T, hkv, 128, generator=g)
     n_slots = T + 7
     slot_ids = torch.randperm(n_slots, generator=g)[:T]
-    koc = torch.stack([torch.tensor([8, 9]) + 32 * h for h in range(hkv)]) if k_out else None
+    if k_out is True:
+        k_out = 1
+    # k_out RoPE pairs (c, c + 64) per head (the rotate-half pairing), the massive channel 9 among them
+    koc = (torch.stack([torch.tensor(sorted(p for c in [9, 40, 70 % 64, 23, 1, 50, 33, 60][:k_out]
+                                            for p in ((c + 5 * h) % 64, (c + 5 * h) % 64 + 64))) for h in range(hkv)])
+           if k_out else None)
+    voc = torch.stack([torch.tensor([0, 3, 70]) for _ in range(hkv)]) if v_out else None
     kp = make_pool_side(K, layer=layer, seed=SEED, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc,
-                        dither_layout="h8")
-    vp = make_pool_side(V, layer=layer, seed=SEED, side=1, n_slots=n_slots, slot_ids=slot_ids, dithered=False)
+                        dither_layout=layout, dithered=k_dither)
+    vp = make_pool_side(V, layer=layer, seed=SEED, side=1, n_slots=n_slots, slot_ids=slot_ids, dithered=False,
+                        outlier_channels=voc)
     slots = slot_ids.view(B, S).to(torch.int32)
     seq = torch.tensor([S - 9 * b for b in range(B)], dtype=torch.int32)  # ragged rows, tiles cut mid-way
     q = (2 * torch.randn(B, hq, 128, generator=g)).to(qdtype)
@@ -158,3 +166,25 @@ def test_combinations_without_a_gluon_kernel_say_which_path_ran():
         decode_int8(q64.to(DEV), dataclasses.replace(kp64, codes=kp64.codes.to(DEV), scales=kp64.scales.to(DEV)),
                     dataclasses.replace(vp64, codes=vp64.codes.to(DEV), scales=vp64.scales.to(DEV)), sl.to(DEV),
                     n.to(DEV), **kw)
+
+
+# ---- RTN keys (dithered=False, as rtn-int8): the constexpr K_DITHER=False, no Philox, no dither MMA, no certificate
+def test_rtn_keys_lift_the_layout_requirement():
+    q, kp, vp, *_ = _setup(hq=4, hkv=2, k_dither=False, layout="w24")
+    why = gluon_unsupported(q, kp, vp)
+    assert why is None or "h8" not in why
+
+
+@gpu
+@pytest.mark.parametrize("layout,impl", [("h8", "auto"), ("h8", "gluon"), ("w24", "gluon")])
+@pytest.mark.parametrize("hq,hkv", [(7, 1), (4, 2)])
+def test_rtn_keys_match_the_reference(layout, impl, hq, hkv):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, k_dither=False, layout=layout)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    assert ref.A is None
+    out = decode_int8(q, kp, vp, slots, seq, impl=impl, num_splits=3, cert=False, **kw)
+    assert out.path == "gluon" and out.A is None
+    for f in ("o", "lse"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).cpu(), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="cert"):
+        decode_int8(q, kp, vp, slots, seq, impl=impl, **kw)
