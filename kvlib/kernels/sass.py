@@ -189,10 +189,11 @@ def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0, **constexprs: 
     from kvlib.kernels.int8.config import DEFAULT_CONFIG
 
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
-            "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
+            "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32", "KO": "*fp16", "KOC": "*i64",
+            "VO": "*fp16", "VOC": "*i64"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead, PAGE=page,
-                 **constexprs)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead,
+                 PAGE=page) | constexprs
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

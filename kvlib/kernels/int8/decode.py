@@ -59,21 +59,23 @@ def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device:
     return 1 << (ns - 1).bit_length() if ns > 1 else 1
 
 
-def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto", v_dither: bool = False) -> str:
+def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto", v_dither: bool = False,
+                cert: bool = True) -> str:
     """The stage-1 kernel :func:`decode_stage1` runs for this request: ``"tc"``, ``"fma"``, ``"h10"`` or
-    ``"gluon"``. ``"auto"`` takes the Gluon kernel for an h8 pool wherever it runs (else ``"h10"``); an explicit
+    ``"gluon"``. ``"auto"`` takes the Gluon kernel for an h8 pool wherever it runs and compiles without spills
+    (:func:`kvlib.kernels.int8.gluon.gluon_auto_ok`: not with value outliers), else ``"h10"``; an explicit
     ``impl="gluon"`` that cannot run raises, naming what is missing. RTN keys (``k.dithered=False``) route as the
     pool's layout label says under ``"auto"``; any kernel may be asked for by name (:func:`key_layout`)."""
     asked = impl
     layout = key_layout(k, impl)
     impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, layout)
     if impl == "gluon" or (asked == "auto" and impl == "h10" and layout == "h8"):
-        from kvlib.kernels.int8.gluon import gluon_unsupported
+        from kvlib.kernels.int8.gluon import gluon_auto_ok, gluon_unsupported
 
         why = gluon_unsupported(q, k, v, v_dither)
         if impl == "gluon" and why:
             raise ValueError(why)
-        impl = "h10" if why else "gluon"
+        impl = "gluon" if impl == "gluon" or (not why and gluon_auto_ok(k, v, cert)) else "h10"
     if impl not in ("h10", "gluon") and layout != "w24":
         raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 or h8 pool needs "
                          "impl='h10'")
@@ -121,7 +123,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if d4 & (d4 - 1):
         raise ValueError(f"d // 4 must be a power of two for the kernel, got d={d}")
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    path = stage1_path(q, k, v, impl=impl, v_dither=v_dither)
+    path = stage1_path(q, k, v, impl=impl, v_dither=v_dither, cert=cert)
     if path == "gluon":
         from kvlib.kernels.int8.gluon import gluon_num_splits
 
@@ -146,7 +148,8 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if path == "gluon":
         from kvlib.kernels.int8.gluon import launch_g8
 
-        launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, ahead=cfg.ahead, **common)
+        launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, ahead=cfg.ahead,
+                  byp_rel=FP16_REL + rounding_gamma(d), byp_abs=FP16_SUB, **common)
     elif path == "h10":
         from kvlib.kernels.int8.h10 import launch_h10
 
