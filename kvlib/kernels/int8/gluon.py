@@ -2,10 +2,13 @@
 
 Same contract as :func:`kvlib.kernels.int8.h10._decode_int8_stage1_h10` with ``H8`` (split-KV stage 1;
 stage 2 is :func:`kvlib.kernels.tl.merge.merge_splits`), for ``d = 128``, groups of 32, a GQA group of at most
-8 heads, fp16/bf16 queries and no outlier channels. The arithmetic is the Triton kernel's with the variance as
+8 heads, fp16/bf16 queries and up to 16 outlier channels per side (``NOK``/``NOV``; SmolLM2 needs m >= 4 RoPE
+pairs). The arithmetic is the Triton kernel's with the variance as
 the four-FMA sum (``VAR_DOT=False`` there): the same exact fp16 operands (codes ``1152 + c - 1152``, the dither
 ``-(4 + b 2^-8)``, the value codes, ``1024 p s_v`` as hi + lo), fp32 accumulation, the same radius, so the same
-rounding analysis covers it.
+rounding analysis covers it; the outlier channels take the Triton kernel's fp16 bypass (two MMAs of the fp16
+outliers with the query's hi + lo, the bypass term in the radius; value outliers by their own MMA with
+``1024 p`` as hi + lo). ``K_DITHER=False`` reads RTN keys (``xi = 0``: no Philox, no dither MMA, no certificate).
 
 Why Gluon: the Triton kernel's remaining cost is its layout conversions (13 shared-memory round trips per
 tile at two warps per scheduler, ``dev/results/README.md``). Here every operand is *loaded* in the
