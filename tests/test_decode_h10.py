@@ -34,7 +34,8 @@ def _dev(side: PoolSide) -> PoolSide:
                                outliers=mv(side.outliers), outlier_channels=mv(side.outlier_channels))
 
 
-def _setup(B=2, hq=7, hkv=1, S=40, *, k_out=True, v_out=False, qdtype=torch.float32, layer=2, d=128):
+def _setup(B=2, hq=7, hkv=1, S=40, *, k_out=True, v_out=False, qdtype=torch.float32, layer=2, d=128, group=32,
+           layout="h10", k_dither=True):
     g = torch.Generator().manual_seed(hq * 10 + hkv + S)
     T = B * S
     K = torch.randn(T, hkv, d, generator=g)
@@ -42,12 +43,12 @@ def _setup(B=2, hq=7, hkv=1, S=40, *, k_out=True, v_out=False, qdtype=torch.floa
     V = torch.randn(T, hkv, d, generator=g)
     n_slots = T + 5
     slot_ids = torch.randperm(n_slots, generator=g)[:T]
-    koc = torch.stack([torch.tensor([8, 9]) + 32 * h for h in range(hkv)]) if k_out else None
-    voc = torch.stack([torch.tensor([0, 3, 70]) for _ in range(hkv)]) if v_out else None
+    koc = torch.stack([torch.tensor([8, 9]) + (32 * h) % d for h in range(hkv)]) if k_out else None
+    voc = torch.stack([torch.tensor([0, 3, d - 58]) for _ in range(hkv)]) if v_out else None
     kp = make_pool_side(K, layer=layer, seed=SEED, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc,
-                        dither_layout="h10")
+                        dither_layout=layout, group=group, dithered=k_dither)
     vp = make_pool_side(V, layer=layer, seed=SEED, side=1, n_slots=n_slots, slot_ids=slot_ids,
-                        outlier_channels=voc, dithered=False)
+                        outlier_channels=voc, dithered=False, group=group)
     slots = slot_ids.view(B, S).to(torch.int32)
     seq = torch.tensor([S - 5 * b for b in range(B)], dtype=torch.int32)
     q = (2 * torch.randn(B, hq, d, generator=g)).to(qdtype)
@@ -220,3 +221,34 @@ def test_kernel_matches_reference_across_gqa_ratios(hq, hkv):
     q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, S=24, qdtype=torch.bfloat16)
     ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
     _assert_close(decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw), ref)
+
+
+@pytest.mark.parametrize("layout,hq,hkv,qdtype", [("h10", 7, 1, torch.float32), ("h8", 4, 2, torch.bfloat16),
+                                                  ("h8", 9, 3, torch.float16)])
+def test_head_dim_64_with_groups_of_16(layout, hq, hkv, qdtype):
+    """SmolLM2's d = 64 as d = 4 G with G = 16 (the tensor cores' smallest reduction depth): Philox word i still
+    feeds group i (h10: 8 calls per position, h8: 4), with outlier channels on both sides."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=hq, hkv=hkv, d=64, group=16, layout=layout, qdtype=qdtype, v_out=True)
+    ref = decode_reference(q, kp, vp, slots, seq, impl="h10", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=C16, **kw)
+    _assert_close(out, ref, atol=3e-6 if layout == "h10" else 5e-6)
+    assert bool((out.tv_bound.cpu() < 1).all())  # a real certificate, not a vacuous one
+
+
+# ---- RTN keys (dithered=False, as rtn-int8): the constexpr K_DITHER=False, no Philox, no certificate
+@pytest.mark.parametrize("layout,impl,d,group", [("h10", "auto", 128, 32), ("h8", "auto", 128, 32),
+                                                 ("w24", "h10", 128, 32), ("h8", "h10", 64, 16)])
+def test_rtn_keys_match_the_reference(layout, impl, d, group):
+    """The layout label of an RTN key pool says nothing about its codes (no dither): "auto" routes on it, and the h10
+    kernel may be asked for by name whatever it says."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, d=d, group=group, layout=layout, k_dither=False, v_out=True)
+    ref = decode_reference(q, kp, vp, slots, seq, impl=impl, **kw)
+    assert ref.A is None
+    out = _decode_int8(q, kp, vp, slots, seq, num_splits=3, config=C16, impl=impl, cert=False,
+                       fallback_to_reference=False, **kw)
+    assert out.path == "h10" and out.A is None and out.tv_bound is None
+    atol, rtol = (3e-6, 2e-5) if DEV == "cpu" else (1.5e-5, 1e-4)
+    for f in ("o", "lse"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="cert"):
+        _decode_int8(q, kp, vp, slots, seq, impl=impl, fallback_to_reference=False, **kw)

@@ -1,5 +1,6 @@
 """Triton split-KV INT8 decode (under TRITON_INTERPRET=1 on CPU) against its float64 torch reference."""
 
+import dataclasses
 import math
 
 import pytest
@@ -35,10 +36,12 @@ def decode_int8(*args, **kw):
 
 def _dev(side):
     mv = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-    return PoolSide(side.codes.to(DEV), side.scales.to(DEV), mv(side.outliers), mv(side.outlier_channels), side.group)
+    return dataclasses.replace(side, codes=side.codes.to(DEV), scales=side.scales.to(DEV), outliers=mv(side.outliers),
+                               outlier_channels=mv(side.outlier_channels))
 
 
-def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=False, layer=1, seed=SEED):
+def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=False, layer=1, seed=SEED,
+           k_dither=True):
     g = torch.Generator().manual_seed(hq * 100 + hkv * 10 + d)
     T = B * S
     K = torch.randn(T, hkv, d, generator=g)
@@ -48,7 +51,8 @@ def _setup(B=2, hq=4, hkv=2, d=64, S=40, *, k_out=True, v_out=False, v_dither=Fa
     slot_ids = torch.randperm(n_slots, generator=g)[:T]  # scattered slots, as in a paged pool
     koc = torch.stack([torch.tensor([6, 7]) + 16 * h for h in range(hkv)]) if k_out else None
     voc = torch.stack([torch.tensor([0, 1, 33]) for _ in range(hkv)]) if v_out else None
-    kp = make_pool_side(K, layer=layer, seed=seed, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc)
+    kp = make_pool_side(K, layer=layer, seed=seed, side=0, n_slots=n_slots, slot_ids=slot_ids, outlier_channels=koc,
+                        dithered=k_dither)
     vp = make_pool_side(V, layer=layer, seed=seed, side=1, n_slots=n_slots, slot_ids=slot_ids,
                         outlier_channels=voc, dithered=v_dither)
     slots = slot_ids.view(B, S).to(torch.int32)
@@ -257,3 +261,45 @@ def test_block_table_bad_inputs_raise_naming_the_argument():
         decode_int8(q, kp, vp, None, seq, block_table=bt.float(), block_size=8, **kw)
     with pytest.raises(ValueError, match="block_table"):
         decode_int8(q, kp, vp, None, seq, block_table=bt[:1], block_size=8, **kw)
+
+
+# ---- RTN keys (a pool written with dithered=False, as rtn-int8 is): no dither read, no certificate
+@pytest.mark.parametrize("impl,v_out,v_dither", [("tc", False, False), ("tc", True, False), ("fma", True, True),
+                                                 ("auto", False, False)])
+def test_rtn_keys_match_the_reference(impl, v_out, v_dither):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, v_out=v_out, v_dither=v_dither, k_dither=False)
+    assert not kp.dithered
+    ref = decode_reference(q, kp, vp, slots, seq, impl=impl, **kw)
+    assert ref.A is None and ref.tv_bound is None  # no variance proxy: the reference certifies nothing either
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=3, config=C16, impl=impl, cert=False, **kw)
+    assert out.path == ("tc" if impl == "auto" else impl)
+    assert out.A is None and out.tv_bound is None
+    for f in ("o", "lse"):
+        torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f), atol=2e-6 if DEV == "cpu" else 1e-5,
+                                   rtol=1e-5 if DEV == "cpu" else 1e-4)
+    # the same codes read as dithered keys give other scores: the mode is really switched
+    dith = decode_reference(q, dataclasses.replace(kp, dithered=True), vp, slots, seq, impl=impl, **kw)
+    assert (dith.lse - ref.lse).abs().max() > 1e-3
+
+
+def test_rtn_keys_refuse_a_certificate():
+    q, kp, vp, slots, seq, kw, _ = _setup(k_dither=False)
+    for impl in ("tc", "fma", "auto"):
+        with pytest.raises(ValueError, match="cert"):
+            decode_int8(q, kp, vp, slots, seq, impl=impl, **kw)  # cert=True by default
+        with pytest.raises(ValueError, match="cert"):
+            decode_stage1(q, kp, vp, slots, seq, impl=impl, **kw)
+    with pytest.raises(ValueError, match="cert"):  # the CPU fallback refuses it as well
+        _decode_int8(q.cpu(), kp, vp, slots.cpu(), seq.cpu(), **kw)
+    with pytest.raises(TypeError, match="k_pool.dithered"):
+        decode_int8(q, dataclasses.replace(kp, dithered=0), vp, slots, seq, cert=False, **kw)
+
+
+def test_a_paged_pool_view_says_whether_its_keys_are_dithered():
+    """A kvlib.storage.paged pool built with dithered=False says so on its layer views, and the kernel reads it."""
+    from kvlib.kernels.int8.request import as_side
+    from kvlib.storage.paged import PagedPool
+
+    for dithered in (False, True):
+        pool = PagedPool(n_layers=1, n_slots=8, n_kv_heads=1, d=64, dithered=dithered)
+        assert as_side(pool.layer(0), "k_pool").dithered is dithered

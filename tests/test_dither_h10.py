@@ -301,7 +301,8 @@ def test_resolve_impl_rules():
     assert resolve_impl("auto", 128, 32, layout="h10") == "h10"
     assert resolve_impl("h10", 256, 64, layout="h10") == "h10"
     assert resolve_impl("fma", 64, 16, layout="h10") == "fma"
-    for d, g in ((64, 16), (128, 16), (512, 128), (256, 32)):
+    assert resolve_impl("auto", 64, 16, layout="h8") == "h10"  # d = 64 as 4 groups of 16 (tests/test_decode_h10.py)
+    for d, g in ((64, 32), (128, 16), (512, 128), (256, 32)):
         with pytest.raises(ValueError, match="group == d // 4"):
             resolve_impl("auto", d, g, layout="h10")
     with pytest.raises(ValueError, match="w24"):

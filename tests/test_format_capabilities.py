@@ -9,6 +9,7 @@ format table (:func:`kvlib.formats.format_table`) and the storage view of the fi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -249,10 +250,35 @@ def test_bf16_kernel_reads_its_formats() -> None:
         torch.testing.assert_close(out.o.double().cpu(), ref.o, atol=2e-2, rtol=2e-2)
 
 
-def test_int8_kernel_formats_are_dithered() -> None:
-    """The INT8 kernel subtracts the key dither: only a dithered format can name it."""
-    for name in formats_where(kernel="int8"):
-        assert not capabilities(name)["deterministic"], name
+def test_int8_kernel_reads_its_formats() -> None:
+    """The INT8 kernel subtracts the key dither, or (RTN-key mode, a pool side with ``dithered=False``) none: a
+    dithered format naming it carries the dither's variance proxy, and a deterministic one's packed codes and scales,
+    laid out as a pool, decode through the kernel as exact attention over the format's own read does (interpreter on
+    CPU), with no certificate."""
+    from kvlib.kernels.int8.decode import PoolSide, decode_int8
+
+    names = formats_where(kernel="int8")
+    assert {"dither-int8", "rtn-int8"} <= set(names)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    n, d = 24, 64
+    for name in names:
+        caps = capabilities(name)
+        if not caps["deterministic"]:
+            assert caps["variance_proxy"] == "dither", name
+            continue
+        f = get_format(name)
+        pk, pv = (f.write(torch.randn(n, d, generator=g), **_ctx(n, 0, 0)) for _ in range(2))
+        side = lambda p: PoolSide(p.codes.unsqueeze(1).to(dev), p.scales.unsqueeze(1).to(dev), group=p.group,  # noqa: E731
+                                  dithered=False)
+        q = torch.randn(1, 2, d, generator=g)
+        slots, seq = torch.arange(n, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32)
+        out = decode_int8(q.to(dev), side(pk), side(pv), slots.to(dev), seq.to(dev), layer=0, seed=0, cert=False,
+                          fallback_to_reference=False)
+        assert out.path in ("tc", "fma") and out.tv_bound is None, (name, out.path)
+        kd, vd = f.read(pk).double(), f.read(pv).double()
+        p = torch.softmax(q.double()[0] @ kd.T / math.sqrt(d), -1)
+        torch.testing.assert_close(out.o.double().cpu()[0], p @ vd, atol=2e-5, rtol=2e-5)
 
 
 # ------------------------------------------------------------------------------------------------

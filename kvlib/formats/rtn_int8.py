@@ -106,10 +106,12 @@ def scaled_bound(packed: Any, x_hat: torch.Tensor, step: Callable[[torch.Tensor]
 class RtnInt8(GroupScaledFormat):
     """Deterministic round-to-nearest INT8, per-token per-group fp16 scale.
 
-    No decode kernel reads it: the INT8 kernel subtracts the key dither (its RTN mode is for values only).
+    The INT8 decode kernels read it in their RTN-key mode (a pool side with ``dithered=False``: no dither, and no
+    certificate, so ``cert=False``).
     """
 
     bounded = True
+    kernel = "int8"
 
     def error_bound(self, packed: Int8Packed, x_hat: torch.Tensor) -> torch.Tensor:
         """Half a step: ``|x/s| <= 127.5`` (scales ``amax/127``, bumped), so the clamp error is <= 1/2 too."""

@@ -174,12 +174,13 @@ def kv4_count() -> dict[str, Any]:
     return out
 
 
-def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0) -> dict[str, Any]:
+def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0, **constexprs: Any) -> dict[str, Any]:
     """The Gluon h8 kernel (:mod:`kvlib.kernels.int8.gluon`) compiled for sm_90 at the latency benchmarks'
     shape: its loop per thread (one warp) per ``block_n``-position tile, registers, stack and shared memory
     (none: every operand is loaded in its tensor-core layout, every conversion checked trivial at compile time),
     with the defaults decode_int8 launches (``Int8KernelConfig.ahead``). ``page > 0``: the vLLM-style block-table
-    addressing with pages of ``page`` slots (:mod:`kvlib.kernels.tl.paging`)."""
+    addressing with pages of ``page`` slots (:mod:`kvlib.kernels.tl.paging`). ``constexprs``: the kernel's other
+    compile-time switches (e.g. ``K_DITHER=False``, RTN keys)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -188,9 +189,11 @@ def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0) -> dict[str, A
     from kvlib.kernels.int8.config import DEFAULT_CONFIG
 
     ptrs = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "VC": "*i32", "VS": "*fp16", "SLOTS": "*i32", "SEQ": "*i32",
-            "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32"}
+            "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32", "KO": "*fp16", "KOC": "*i64",
+            "VO": "*fp16", "VOC": "*i64"}
     block_n = G.BLOCK_N
-    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead, PAGE=page)
+    const = dict(GQA=gqa, NUM_SPLITS=NUM_SPLITS, CERT=cert, CERT_B=False, AHEAD=DEFAULT_CONFIG.ahead,
+                 PAGE=page) | constexprs
     params = inspect.signature(G._stage1_g8.fn).parameters
     const = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} | const
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in FLOATS else "i32")) for n in params}

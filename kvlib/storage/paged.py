@@ -61,6 +61,7 @@ class LayerView:
     outliers: torch.Tensor  # fp16 [n_slots, H, n_out]
     outlier_channels: torch.Tensor  # int64 [H, n_out]
     dither_layout: str = "w24"  # Philox dither layout of the pool (kvlib.core.philox.DITHER_LAYOUTS)
+    dithered: bool = True  # False: xi = 0 (RTN codes); the decode kernels read such keys in RTN-key mode
 
 
 class PagedPool:
@@ -114,7 +115,7 @@ class PagedPool:
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must lie in [0, {self.n_layers}), got {layer}")
         return LayerView(self.codes[layer], self.scales[layer], self.outliers[layer], self.outlier_channels[layer],
-                         self.dither_layout)
+                         self.dither_layout, self.dithered)
 
     def set_outlier_channels(self, layer: int, channels: torch.Tensor) -> None:
         """Fix the outlier set of ``layer``: int64 ``[H, n_out]`` (each row sorted, unique, in [0, d))."""

@@ -33,7 +33,9 @@ from kvlib.kernels.int8.request import (
     DecodeOut,
     PoolSide,
     as_side,
+    check_key_cert,
     check_request,
+    key_layout,
     make_pool_side,
     resolve_impl,
 )
@@ -57,20 +59,24 @@ def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device:
     return 1 << (ns - 1).bit_length() if ns > 1 else 1
 
 
-def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto", v_dither: bool = False) -> str:
+def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto", v_dither: bool = False,
+                cert: bool = True) -> str:
     """The stage-1 kernel :func:`decode_stage1` runs for this request: ``"tc"``, ``"fma"``, ``"h10"`` or
-    ``"gluon"``. ``"auto"`` takes the Gluon kernel for an h8 pool wherever it runs (else ``"h10"``); an explicit
-    ``impl="gluon"`` that cannot run raises, naming what is missing."""
+    ``"gluon"``. ``"auto"`` takes the Gluon kernel for an h8 pool wherever it runs and compiles without spills
+    (:func:`kvlib.kernels.int8.gluon.gluon_auto_ok`: not with value outliers), else ``"h10"``; an explicit
+    ``impl="gluon"`` that cannot run raises, naming what is missing. RTN keys (``k.dithered=False``) route as the
+    pool's layout label says under ``"auto"``; any kernel may be asked for by name (:func:`key_layout`)."""
     asked = impl
-    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
-    if impl == "gluon" or (asked == "auto" and impl == "h10" and k.dither_layout == "h8"):
-        from kvlib.kernels.int8.gluon import gluon_unsupported
+    layout = key_layout(k, impl)
+    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, layout)
+    if impl == "gluon" or (asked == "auto" and impl == "h10" and layout == "h8"):
+        from kvlib.kernels.int8.gluon import gluon_auto_ok, gluon_unsupported
 
         why = gluon_unsupported(q, k, v, v_dither)
         if impl == "gluon" and why:
             raise ValueError(why)
-        impl = "h10" if why else "gluon"
-    if impl not in ("h10", "gluon") and k.dither_layout != "w24":
+        impl = "gluon" if impl == "gluon" or (not why and gluon_auto_ok(k, v, cert)) else "h10"
+    if impl not in ("h10", "gluon") and layout != "w24":
         raise ValueError(f"the Triton {impl!r} kernel reads the w24 dither layout only; an h10 or h8 pool needs "
                          "impl='h10'")
     if impl == "h10" and v_dither:
@@ -103,6 +109,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     cfg = check_config(config)
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
+    check_key_cert(k, cert)
     slots, page, max_len = check_request(q, k, v, slots, seq_lens, block_table, block_size)
     delta = check_open_unit("delta", delta)
     if not isinstance(layer, int) or not 0 <= layer < 2**31:
@@ -116,7 +123,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if d4 & (d4 - 1):
         raise ValueError(f"d // 4 must be a power of two for the kernel, got d={d}")
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    path = stage1_path(q, k, v, impl=impl, v_dither=v_dither)
+    path = stage1_path(q, k, v, impl=impl, v_dither=v_dither, cert=cert)
     if path == "gluon":
         from kvlib.kernels.int8.gluon import gluon_num_splits
 
@@ -128,7 +135,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     dev = q.device
     q = q.contiguous()
     slots = slots.contiguous()
-    layout = k.dither_layout if path in ("h10", "gluon") else "w24"
+    layout = key_layout(k, impl) if path in ("h10", "gluon") else "w24"
     # the Gluon kernel's operands and sums are the h10 kernel's over the h8 layout: the same rounding slack
     rad_extra = (radius_multiplier(1, delta, d, impl="h10" if path == "gluon" else path, layout=layout)
                  - radius_multiplier(1, delta, d, slack=False))
@@ -141,7 +148,8 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if path == "gluon":
         from kvlib.kernels.int8.gluon import launch_g8
 
-        launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, ahead=cfg.ahead, **common)
+        launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, ahead=cfg.ahead,
+                  byp_rel=FP16_REL + rounding_gamma(d), byp_abs=FP16_SUB, **common)
     elif path == "h10":
         from kvlib.kernels.int8.h10 import launch_h10
 
@@ -167,7 +175,9 @@ def decode_int8(
     ``q`` ``[B, Hq, d]``; pools per :class:`PoolSide`; ``slots [B, max_len]`` and ``seq_lens [B]``
     (each ``>= 1``). ``delta`` is the per-row failure probability (pass
     :func:`kvlib.certify.bound.request_delta` for the request-level allocation). ``v_dither``: values
-    were written with dither (else RTN). ``cert=False`` skips the certificate (constexpr switch);
+    were written with dither (else RTN). Keys stored without dither (``k_pool.dithered=False``, e.g. rtn-int8) are
+    read in RTN-key mode (no dither regenerated); they have no certificate, so ``cert`` must be False (else
+    ValueError). ``cert=False`` skips the certificate (constexpr switch);
     ``cert_b=False`` keeps only ``A`` (one-accumulator bound). ``impl`` and ``num_splits``: see
     :func:`decode_stage1`; ``config``: the kernels' tuning; ``block_table`` + ``block_size`` (with
     ``slots=None``): vLLM-style paged addressing. No host synchronisation: CUDA-graph safe.
@@ -175,6 +185,7 @@ def decode_int8(
     (``fallback_to_reference``, else raises). ``DecodeOut.path`` names what ran (``"reference"`` or the kernel).
     """
     check_config(config)
+    check_key_cert(as_side(k_pool, "k_pool"), cert)
     if not triton_available(q.device if isinstance(q, torch.Tensor) else torch.device("cpu")):
         if not fallback_to_reference:
             raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")

@@ -2,10 +2,13 @@
 
 Same contract as :func:`kvlib.kernels.int8.h10._decode_int8_stage1_h10` with ``H8`` (split-KV stage 1;
 stage 2 is :func:`kvlib.kernels.tl.merge.merge_splits`), for ``d = 128``, groups of 32, a GQA group of at most
-8 heads, fp16/bf16 queries and no outlier channels. The arithmetic is the Triton kernel's with the variance as
+8 heads, fp16/bf16 queries and up to 16 outlier channels per side (``NOK``/``NOV``; SmolLM2 needs m >= 4 RoPE
+pairs). The arithmetic is the Triton kernel's with the variance as
 the four-FMA sum (``VAR_DOT=False`` there): the same exact fp16 operands (codes ``1152 + c - 1152``, the dither
 ``-(4 + b 2^-8)``, the value codes, ``1024 p s_v`` as hi + lo), fp32 accumulation, the same radius, so the same
-rounding analysis covers it.
+rounding analysis covers it; the outlier channels take the Triton kernel's fp16 bypass (two MMAs of the fp16
+outliers with the query's hi + lo, the bypass term in the radius; value outliers by their own MMA with
+``1024 p`` as hi + lo). ``K_DITHER=False`` reads RTN keys (``xi = 0``: no Philox, no dither MMA, no certificate).
 
 Why Gluon: the Triton kernel's remaining cost is its layout conversions (13 shared-memory round trips per
 tile at two warps per scheduler, ``dev/results/README.md``). Here every operand is *loaded* in the
@@ -205,19 +208,35 @@ def _split4(x, BN: gl.constexpr, L1: gl.constexpr):
 
 
 @gluon.jit
+def _is_outlier(ch, OC_row, NO: gl.constexpr):
+    """Whether each channel of ``ch`` is one of the ``NO`` outlier channels at ``OC_row`` (scalar loads, unrolled:
+    no layout conversion)."""
+    hit = ch < 0
+    for i in gl.static_range(NO):
+        hit = hit | (ch == gl.load(OC_row + i).to(gl.int32))
+    return hit
+
+
+@gluon.jit
 def _q_group(Q_row, s_qh, g: gl.constexpr, GQA: gl.constexpr, QA: gl.constexpr, QB: gl.constexpr,
-             MMA: gl.constexpr):
+             MMA: gl.constexpr, KOC_row=None, NOK: gl.constexpr = 0):
     """Group ``g``'s query: the A operand ``[16, 32]`` (fp16, channels permuted as the keys') and per head
-    ``sum q_hi``, ``sum q^2``, ``sum |q - q_hi| (1 + 1/255)`` (``[16]`` in the scores' row layout)."""
+    ``sum q_hi``, ``sum q^2``, ``sum |q - q_hi| (1 + 1/255)`` (``[16]`` in the scores' row layout). The ``NOK``
+    key-outlier channels are zeroed (their codes are 0; they enter through the fp16 bypass)."""
     hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA))
     kA = gl.arange(0, 32, layout=gl.SliceLayout(0, QA))
     chA = 8 * ((kA % 8) // 2) + 4 * (kA // 16) + 2 * ((kA // 8) % 2) + (kA % 2)
     qa = gl.load(Q_row + hA[:, None] * s_qh + (g * 32 + chA)[None, :], mask=(hA < GQA)[:, None], other=0.0)
-    qa = qa.to(gl.float32).to(gl.float16)
+    qa = qa.to(gl.float32)
+    if NOK > 0:
+        qa = gl.where(_is_outlier(g * 32 + chA, KOC_row, NOK)[None, :], 0.0, qa)
+    qa = qa.to(gl.float16)
     hB = gl.arange(0, 16, layout=gl.SliceLayout(1, QB))
     cB = gl.arange(0, 32, layout=gl.SliceLayout(0, QB))
     qg = gl.load(Q_row + hB[:, None] * s_qh + (g * 32 + cB)[None, :], mask=(hB < GQA)[:, None],
                  other=0.0).to(gl.float32)
+    if NOK > 0:
+        qg = gl.where(_is_outlier(g * 32 + cB, KOC_row, NOK)[None, :], 0.0, qg)
     q_hi = qg.to(gl.float16).to(gl.float32)
     r1 = qg - q_hi
     L: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -292,13 +311,17 @@ def _load_side(C, S, slot_c, slot_s, mask_s, kvh, s_c_n, s_s_n, L: gl.constexpr,
 
 @gluon.jit
 def _qk_group(kc, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr, MMA: gl.constexpr,
-              Z8: gl.constexpr):
-    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]``."""
+              Z8: gl.constexpr, K_DITHER: gl.constexpr = True):
+    """Group scores ``s_g (q.c - q.m' + (4.5 - 2^-9) sum q)`` of the 8 head rows, ``[8, BN]`` (RTN keys,
+    ``K_DITHER=False``: ``s_g q.c``; ``w`` unused)."""
     acc = gl.zeros([16, BN], gl.float32, layout=MMA)
     acc = mma_v2(qa, _bytes_kb(kc, False, BN, KB, KW), acc)
-    acc = mma_v2(qa, _bytes_kb(w, True, BN, KB, KW), acc)
+    if K_DITHER:
+        acc = mma_v2(qa, _bytes_kb(w, True, BN, KB, KW), acc)
     acc = gl.convert_layout(_rows8(acc, BN), Z8, assert_trivial=True)
-    return (acc + XI8_CONST * q1[:, None]) * s[None, :]
+    if K_DITHER:
+        return (acc + XI8_CONST * q1[:, None]) * s[None, :]
+    return acc * s[None, :]
 
 
 @gluon.jit
@@ -313,22 +336,30 @@ def _pv_group(vw, ppT, vs, acc, BN: gl.constexpr, VA: gl.constexpr, V8: gl.const
 
 
 @gluon.jit
-def _store_group(o_base, s_os_h, acc, sc, g: gl.constexpr, GQA: gl.constexpr, MMA: gl.constexpr):
+def _store_group(o_base, s_os_h, acc, sc, g: gl.constexpr, GQA: gl.constexpr, MMA: gl.constexpr, VOC_row=None,
+                 NOV: gl.constexpr = 0):
     m = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
     ch = g * 32 + 4 * (m % 8) + 2 * (m // 16) + (m // 8) % 2
     h = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    gl.store(o_base + h[None, :] * s_os_h + ch[:, None], acc * sc[None, :], mask=(h < GQA)[None, :])
+    mask = (h < GQA)[None, :]
+    if NOV > 0:  # the value-outlier channels are written from their fp16 accumulator
+        mask = mask & (~_is_outlier(ch, VOC_row, NOV))[:, None]
+    gl.store(o_base + h[None, :] * s_os_h + ch[:, None], acc * sc[None, :], mask=mask)
 
 
 @gluon.jit
 def _stage1_g8(
-    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S,
-    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi,
-    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b,
+    Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S, KO, KOC, VO, VOC,
+    sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi, byp_rel, byp_abs,
+    s_qb, s_qh, s_kc_n, s_ks_n, s_vc_n, s_vs_n, s_sl_b, s_ko_n, s_ko_h, s_vo_n, s_vo_h,
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
-    PAGE: gl.constexpr = 0,
+    PAGE: gl.constexpr = 0, K_DITHER: gl.constexpr = True, NOK: gl.constexpr = 0, NOV: gl.constexpr = 0,
 ):
+    # NOK / NOV (<= 16 each): outlier channels of the keys / values, stored fp16 beside the codes (code 0 there), as
+    # in the Triton h10 kernel: the keys' enter the scores by two fp16 MMAs (q hi + lo) and the radius by the bypass
+    # term; the values' accumulate by their own MMA and are stored at their channels
+    # K_DITHER=False: RTN keys (xi = 0): no Philox, no dither MMA (CERT off, the dispatcher's rule)
     BN: gl.constexpr = _BN
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -339,10 +370,22 @@ def _stage1_g8(
     end = gl.minimum(start + split_len, seq_len)
 
     Q_row = Q + b * s_qb + kvh * GQA * s_qh
-    qa0, q10, q20, rr0 = _q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA)
-    qa1, q11, q21, rr1 = _q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA)
-    qa2, q12, q22, rr2 = _q_group(Q_row, s_qh, 2, GQA, QA, QB, MMA)
-    qa3, q13, q23, rr3 = _q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA)
+    KOC_row = KOC + kvh * NOK
+    VOC_row = VOC + kvh * NOV
+    qa0, q10, q20, rr0 = _q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA, KOC_row, NOK)
+    qa1, q11, q21, rr1 = _q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA, KOC_row, NOK)
+    qa2, q12, q22, rr2 = _q_group(Q_row, s_qh, 2, GQA, QA, QB, MMA, KOC_row, NOK)
+    qa3, q13, q23, rr3 = _q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA, KOC_row, NOK)
+    if NOK > 0:  # the outlier channels' query [16 heads, 16 channels] as fp16 hi + lo A operands
+        hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA))
+        cA = gl.arange(0, 16, layout=gl.SliceLayout(0, QA))
+        kocA = gl.load(KOC_row + cA, mask=cA < NOK, other=0)
+        qo = gl.load(Q_row + hA[:, None] * s_qh + kocA[None, :], mask=(hA < GQA)[:, None] & (cA < NOK)[None, :],
+                     other=0.0).to(gl.float32)
+        qo_hi = qo.to(gl.float16)
+        qo_lo = (qo - qo_hi.to(gl.float32)).to(gl.float16)
+        cK = gl.arange(0, 16, layout=gl.SliceLayout(1, KB))  # outlier index, the B operand's reduction rows
+        KBN: gl.constexpr = gl.SliceLayout(0, KB)
     H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # per head, heads on lanes g
     NL: gl.constexpr = gl.SliceLayout(0, Z8)  # per position of the scores
     q10 = gl.convert_layout(_rows8v(q10), H8L)
@@ -359,6 +402,18 @@ def _stage1_g8(
         v1 = gl.convert_layout(_rows8v(q21 * var_c), H8L)
         v2 = gl.convert_layout(_rows8v(q22 * var_c), H8L)
         v3 = gl.convert_layout(_rows8v(q23 * var_c), H8L)
+        if NOK > 0:  # |q_o| rounded UP to fp16 (its product with the exact fp16 |k_o| bounds from above), sum |q_o|
+            qa_abs = gl.abs(qo)
+            qa16 = qa_abs.to(gl.float16)
+            qo_abs16 = gl.where(qa16.to(gl.float32) < qa_abs,
+                                (qa16.to(gl.int16, bitcast=True) + 1).to(gl.float16, bitcast=True), qa16)
+            hB = gl.arange(0, 16, layout=gl.SliceLayout(1, QB))
+            cB = gl.arange(0, 16, layout=gl.SliceLayout(0, QB))
+            kocB = gl.load(KOC_row + cB, mask=cB < NOK, other=0)
+            qoB = gl.load(Q_row + hB[:, None] * s_qh + kocB[None, :], mask=(hB < GQA)[:, None] & (cB < NOK)[None, :],
+                          other=0.0).to(gl.float32)
+            qo_sum = gl.convert_layout(_rows8v(gl.convert_layout(gl.sum(gl.abs(qoB), 1), gl.SliceLayout(1, MMA))),
+                                       H8L)
 
     k0 = seed_lo.to(gl.uint32)
     k1 = seed_hi.to(gl.uint32)
@@ -375,6 +430,10 @@ def _stage1_g8(
     acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
     acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
     acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    if NOV > 0:
+        acc_vo = gl.zeros([16, 8], gl.float32, layout=MMA)
+        cV = gl.arange(0, 16, layout=gl.SliceLayout(1, VA))  # outlier index, the A operand's rows
+        VAN: gl.constexpr = gl.SliceLayout(0, VA)
 
     KNL: gl.constexpr = gl.SliceLayout(1, W)
     VNL: gl.constexpr = gl.SliceLayout(1, VW)
@@ -392,20 +451,34 @@ def _stage1_g8(
     ns_x = ns_ + BN
     sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
 
-    if AHEAD:
+    if AHEAD and K_DITHER:
         w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+    if not K_DITHER:  # placeholders, never read
+        w0 = kc0
+        w1 = kc0
+        w2 = kc0
+        w3 = kc0
     for n0 in range(start, end, BN):
         offs_n = n0 + gl.arange(0, BN, layout=NL)
         mask_n = offs_n < end
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
         # PV), so the registers of one tile, not two, are live at the Philox and QK peak
-        if not AHEAD:
+        if not AHEAD and K_DITHER:
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
-        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8) + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW,
-                                                                                MMA, Z8))
-        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8) + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW,
-                                                                                 MMA, Z8))
+        z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8, K_DITHER)
+             + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW, MMA, Z8, K_DITHER))
+        z += (_qk_group(kc2, w2, qa2, q12, s2, BN, KB, KW, MMA, Z8, K_DITHER)
+              + _qk_group(kc3, w3, qa3, q13, s3, BN, KB, KW, MMA, Z8, K_DITHER))
+        if NOK > 0:  # the bypass: fp16 outliers [16 outliers, BN] as the B operand, the query as hi + lo
+            n_o = n0 + gl.arange(0, BN, layout=KBN)
+            s_o = _slot(sl_row, n_o, end, PAGE)
+            ko = gl.load(KO + s_o.to(gl.int64)[None, :] * s_ko_n + kvh * s_ko_h + cK[:, None],
+                         mask=(cK < NOK)[:, None] & (n_o < end)[None, :], other=0.0).to(gl.float16)
+            zo = gl.zeros([16, BN], gl.float32, layout=MMA)
+            zo = mma_v2(qo_hi, ko, zo)
+            zo = mma_v2(qo_lo, ko, zo)
+            z += gl.convert_layout(_rows8(zo, BN), Z8, assert_trivial=True)
         z8 = gl.where(mask_n[None, :], z * zs, float("-inf"))
         kc0, kc1, kc2, kc3, ks = _load_side(KC, KS, sk_x, ss_x, ns_x < end, kvh, s_kc_n, s_ks_n, W, SC)
         sk = sk_x
@@ -416,6 +489,10 @@ def _stage1_g8(
             var = ((s0 * s0)[None, :] * v0[:, None] + (s1 * s1)[None, :] * v1[:, None]) + (
                 (s2 * s2)[None, :] * v2[:, None] + (s3 * s3)[None, :] * v3[:, None])
             u = gl.sqrt(var) * radm_h[:, None]
+            if NOK > 0:  # fp32 accumulation of exact products: its rounding is inside the (1 + 2^-8)
+                byp = mma_v2(qo_abs16, gl.abs(ko), gl.zeros([16, BN], gl.float32, layout=MMA))
+                byp = gl.convert_layout(_rows8(byp, BN), Z8, assert_trivial=True)
+                u += zs * (byp * (byp_rel * (1.0 + 2.0**-8)) + qo_sum[:, None] * byp_abs)
             pa = p * _ex2(u)
             if CERT_B:
                 pb = p * _ex2(-u)
@@ -434,12 +511,21 @@ def _stage1_g8(
         acc1 = _pv_group(vw1, ppT, u1, acc1 * alpha_pv[None, :], BN, VA, V8, PB)
         acc2 = _pv_group(vw2, ppT, u2, acc2 * alpha_pv[None, :], BN, VA, V8, PB)
         acc3 = _pv_group(vw3, ppT, u3, acc3 * alpha_pv[None, :], BN, VA, V8, PB)
+        if NOV > 0:  # value outliers [16 outliers, BN] fp16 as the A operand, 1024 p as hi + lo (exact)
+            n_v = n0 + gl.arange(0, BN, layout=VAN)
+            s_v = _slot(sl_row, n_v, end, PAGE)
+            vo = gl.load(VO + s_v.to(gl.int64)[None, :] * s_vo_n + kvh * s_vo_h + cV[:, None],
+                         mask=(cV < NOV)[:, None] & (n_v < end)[None, :], other=0.0).to(gl.float16)
+            p_hi = ppT.to(gl.float16)
+            p_lo = (ppT - p_hi.to(gl.float32)).to(gl.float16)
+            acc_vo = mma_v2(vo, gl.convert_layout(p_hi, PB, assert_trivial=True), acc_vo * alpha_pv[None, :])
+            acc_vo = mma_v2(vo, gl.convert_layout(p_lo, PB, assert_trivial=True), acc_vo)
         vw0, vw1, vw2, vw3, vs = _load_side(VC, VS, sv_x, ss_x, ns_x < end, kvh, s_vc_n, s_vs_n, VW, SC)
         nk_x = nk_x + BN
         nv_x = nv_x + BN
         ns_x = ns_x + BN
         sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
-        if AHEAD:  # the next tile's dither, beside this tile's PV
+        if AHEAD and K_DITHER:  # the next tile's dither, beside this tile's PV
             w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
 
     l_i = gl.sum(l_t, 1)
@@ -448,10 +534,16 @@ def _stage1_g8(
     lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     o_base = O_S + b * s_os_b + split * s_os_s + (kvh * GQA) * s_os_h
     sc = gl.convert_layout(inv_l * (1.0 / 1024.0), gl.SliceLayout(0, MMA))
-    _store_group(o_base, s_os_h, acc0, sc, 0, GQA, MMA)
-    _store_group(o_base, s_os_h, acc1, sc, 1, GQA, MMA)
-    _store_group(o_base, s_os_h, acc2, sc, 2, GQA, MMA)
-    _store_group(o_base, s_os_h, acc3, sc, 3, GQA, MMA)
+    _store_group(o_base, s_os_h, acc0, sc, 0, GQA, MMA, VOC_row, NOV)
+    _store_group(o_base, s_os_h, acc1, sc, 1, GQA, MMA, VOC_row, NOV)
+    _store_group(o_base, s_os_h, acc2, sc, 2, GQA, MMA, VOC_row, NOV)
+    _store_group(o_base, s_os_h, acc3, sc, 3, GQA, MMA, VOC_row, NOV)
+    if NOV > 0:
+        mo = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        ho = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        voc = gl.load(VOC_row + mo, mask=mo < NOV, other=0)
+        gl.store(o_base + ho[None, :] * s_os_h + voc[:, None], acc_vo * sc[None, :],
+                 mask=(mo < NOV)[:, None] & (ho < GQA)[None, :])
     h = gl.arange(0, 8, layout=H8L)
     l_off = b * s_ls_b + (kvh * GQA + h) * s_ls_h + split
     gl.store(LSE_S + l_off, lse, mask=h < GQA)
@@ -463,21 +555,32 @@ def _stage1_g8(
 
 def gluon_unsupported(q: torch.Tensor, k, v, v_dither: bool = False) -> str | None:
     """Why the Gluon kernel cannot run this request (``None`` when it can): it needs a CUDA device, d = 128,
-    groups of 32, an h8 key pool, RTN values, at most 8 query heads per KV head, fp16/bf16 queries and no outlier
-    channels."""
+    groups of 32, an h8 key pool (any layout label for RTN keys), RTN values, at most 8 query heads per KV head,
+    fp16/bf16 queries and at most 16 outlier channels per side."""
     d = q.shape[-1]
     gqa = q.shape[1] // k.codes.shape[1]
     checks = [
         (q.device.type == "cuda", "a CUDA device"),
         (d == 128 and k.group == 32 and v.group == 32, f"d = 128 with groups of 32 (got d={d}, group={k.group})"),
-        (k.dither_layout == "h8", f"an h8 key pool (got dither_layout={k.dither_layout!r})"),
+        (k.dither_layout == "h8" or not k.dithered, f"an h8 key pool (got dither_layout={k.dither_layout!r})"),
         (not v_dither, "RTN values (v_dither=False)"),
         (gqa <= 8, f"at most 8 query heads per KV head (got {gqa})"),
         (q.dtype in (torch.float16, torch.bfloat16), f"fp16/bf16 queries (got {q.dtype})"),
-        (k.outliers is None and v.outliers is None, "no outlier channels"),
+        (all(s.outliers is None or s.outliers.shape[-1] <= 16 for s in (k, v)),
+         "at most 16 outlier channels per side (8 RoPE pairs)"),
     ]
     missing = [what for ok, what in checks if not ok]
     return None if not missing else "impl='gluon' needs " + ", ".join(missing)
+
+
+def gluon_auto_ok(k, v, cert: bool = True) -> bool:
+    """Whether ``impl="auto"`` takes the Gluon kernel for a request it can run: only its variants whose sm_90 binary
+    has no spills (offline compiles, ``tests/test_decode_gluon.py``): no outliers, RTN keys, or key outliers (up to 16
+    channels) with the certificate on. Value outliers (16-32 B of stack at 4-16 channels) and uncertified key
+    outliers (8 B) spill, so ``auto`` gives those to the Triton h10 kernel; ``impl="gluon"`` still runs them."""
+    if v.outliers is not None:
+        return False
+    return k.outliers is None or cert
 
 
 def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device, programs_per_sm: int = 8) -> int:
@@ -490,8 +593,9 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device, p
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
               layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, ahead: bool = True,
-              page: int = 0) -> None:
-    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, no outliers);
+              page: int = 0, byp_rel: float = 0.0, byp_abs: float = 0.0) -> None:
+    """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, at most 16 outlier
+    channels per side; ``byp_rel``/``byp_abs``: the fp16 bypass's rounding allowance, as the h10 kernel's);
     ``ahead`` is :attr:`kvlib.kernels.int8.config.Int8KernelConfig.ahead`; ``page > 0``: ``slots`` is a block table
     of pages of ``page`` slots."""
     B, hq, d = q.shape
@@ -505,10 +609,18 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
     ks = k.scales.contiguous()
     vs = v.scales.contiguous()
     q = q.contiguous()
+    nok = k.outliers.shape[-1] if k.outliers is not None else 0
+    nov = v.outliers.shape[-1] if v.outliers is not None else 0
+    ko = k.outliers.contiguous() if nok else ks  # placeholders where a side has none (never read)
+    koc = k.outlier_channels.contiguous() if nok else slots
+    vo = v.outliers.contiguous() if nov else vs
+    voc = v.outlier_channels.contiguous() if nov else slots
     _stage1_g8[(B, hkv, ns)](
-        q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s,
-        sm, math.log(2.0 / delta), rad_extra, layer, k0, k1,
+        q, kc, ks, vc, vs, slots, seq_lens, o_s, lse_s, a_s, b_s, ko, koc, vo, voc,
+        sm, math.log(2.0 / delta), rad_extra, layer, k0, k1, byp_rel, byp_abs,
         q.stride(0), q.stride(1), kc.stride(0), ks.stride(0), vc.stride(0), vs.stride(0), slots.stride(0),
+        ko.stride(0), ko.stride(1) if nok else 0, vo.stride(0), vo.stride(1) if nov else 0,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, num_warps=1,
+        GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, K_DITHER=k.dithered,
+        NOK=nok, NOV=nov, num_warps=1,
     )

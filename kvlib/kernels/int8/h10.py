@@ -205,14 +205,17 @@ def _qT_group(Q_T, mask_h, koc, g: tl.constexpr, G: tl.constexpr, NOK: tl.conste
 @triton.jit
 def _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w, s_g, q_hi, q_lo, q1,
               g: tl.constexpr, G: tl.constexpr, Q_SPLIT: tl.constexpr, FAST: tl.constexpr,
-              SKIP_DITHER: tl.constexpr, H8: tl.constexpr = False):
-    """Group ``g``'s scores ``s_g t_g`` transposed, ``[BLOCK_N, BH]``."""
+              SKIP_DITHER: tl.constexpr, H8: tl.constexpr = False, K_DITHER: tl.constexpr = True):
+    """Group ``g``'s scores ``s_g t_g`` transposed, ``[BLOCK_N, BH]`` (``K_DITHER=False``: RTN keys,
+    ``s_g q.c``)."""
     offs_c = tl.arange(0, G)
     kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :], mask=mask_n[:, None], other=0)
     k16 = _codes_f16(kc, FAST)
     t = tl.dot(k16, q_hi)
     if Q_SPLIT:
         t = tl.dot(k16, q_lo, t)
+    if not K_DITHER:
+        return t * s_g[:, None]
     if not SKIP_DITHER:
         if H8:
             t = tl.dot(_neg_m8(w, FAST), q_hi, t)  # element 4j + k = channel g G + 4j + k
@@ -280,8 +283,10 @@ def _decode_int8_stage1_h10(
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
     PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False, PAGE: tl.constexpr = 0,
+    K_DITHER: tl.constexpr = True,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
+    ``K_DITHER=False``: RTN keys (``xi = 0``), no Philox and no dither dot (``CERT`` must be off).
 
     Operands are swapped ("swap AB"): the streamed tiles are the tensor-core A operand (16 positions
     or channels per fragment) and the GQA group the N dimension (8 heads fill an n8 fragment), so no
@@ -378,7 +383,7 @@ def _decode_int8_stage1_h10(
         slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
         ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
         vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
-        if SKIP_DITHER:  # timing only (the Philox cost on the roofline): never a result
+        if SKIP_DITHER or not K_DITHER:  # RTN keys: no dither (else timing only: never a result)
             w0 = slot.to(tl.uint32)[:, None] + cj
             w1 = w0
             w2 = w0
@@ -392,13 +397,13 @@ def _decode_int8_stage1_h10(
             qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
         else:
             qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST,
-                            SKIP_DITHER, H8)
+                            SKIP_DITHER, H8, K_DITHER)
                   + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
-                              SKIP_DITHER, H8))
+                              SKIP_DITHER, H8, K_DITHER))
             qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
-                             SKIP_DITHER, H8)
+                             SKIP_DITHER, H8, K_DITHER)
                    + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
-                               SKIP_DITHER, H8))
+                               SKIP_DITHER, H8, K_DITHER))
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
@@ -485,9 +490,10 @@ def _decode_int8_stage1_h10(
 
 
 def check_h10_shape(d: int, group: int) -> None:
-    """The kernel's shape rule: ``d = 4 G`` (Philox word ``i`` feeds group ``i``) and ``G in (32, 64)``."""
-    if group not in (32, 64) or d != 4 * group:
-        raise ValueError(f"impl='h10' needs d == 4 * group with group 32 or 64 (d 128 or 256), got d={d}, "
+    """The kernel's shape rule: ``d = 4 G`` (Philox word ``i`` feeds group ``i``) and ``G in (16, 32, 64)`` (16: the
+    tensor cores' smallest reduction depth; d = 64 as SmolLM2's heads)."""
+    if group not in (16, 32, 64) or d != 4 * group:
+        raise ValueError(f"impl='h10' needs d == 4 * group with group 16, 32 or 64 (d 64, 128 or 256), got d={d}, "
                          f"group={group}")
 
 
@@ -527,6 +533,7 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(config.pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=config.tile_sums, SKIP_DITHER=config.skip_philox,
         WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, ABLATE=config.ablate, PV_DEQUANT=config.pv_dequant,
-        H8=k.dither_layout == "h8", PAGE=page, num_warps=config.warps("h10"), num_stages=config.stages("h10"),
+        H8=k.dither_layout == "h8", PAGE=page, K_DITHER=k.dithered, num_warps=config.warps("h10"),
+        num_stages=config.stages("h10"),
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )

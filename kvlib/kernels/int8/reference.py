@@ -20,7 +20,7 @@ from kvlib.certify.bound import (
 )
 from kvlib.core.checks import check_open_unit
 from kvlib.core.philox import dither
-from kvlib.kernels.int8.request import DecodeOut, PoolSide, as_side, check_request, resolve_impl
+from kvlib.kernels.int8.request import DecodeOut, PoolSide, as_side, check_request, key_layout, resolve_impl
 from kvlib.kernels.tl.paging import slots_from_block_table
 
 
@@ -81,7 +81,8 @@ def decode_reference(
 
     ``impl`` picks the rounding slack of the kernel being mirrored (:func:`resolve_impl`, with the key
     pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``). Requests address the
-    pool by ``slots`` or by ``block_table`` + ``block_size`` (:mod:`kvlib.kernels.tl.paging`).
+    pool by ``slots`` or by ``block_table`` + ``block_size`` (:mod:`kvlib.kernels.tl.paging`). A key pool stored
+    without dither (``dithered=False``, RTN keys) is read as ``s c`` and gives no certificate (the fields are None).
     """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
@@ -89,7 +90,7 @@ def decode_reference(
     if block_table is not None:
         slots = slots_from_block_table(block_table, block_size)
     delta = check_open_unit("delta", delta)
-    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, k.dither_layout)
+    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, key_layout(k, impl))
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
@@ -105,13 +106,16 @@ def decode_reference(
         sl = slots[b, :L].to(torch.int64).cpu()
         pb = torch.zeros(hq, L, dtype=torch.float64)
         for h in range(hkv):
-            kh = dequant_rows(k, sl, layer=layer, kv_head=h, seed=seed, side_id=0)
+            kh = dequant_rows(k, sl, layer=layer, kv_head=h, seed=seed, side_id=0, dithered=k.dithered)
             vh = dequant_rows(v, sl, layer=layer, kv_head=h, seed=seed, side_id=1, dithered=v_dither)
             qh = q[b, h * gqa:(h + 1) * gqa].to(torch.float64).cpu()
             z = sm * qh @ kh.T  # [gqa, L]
             p = torch.softmax(z, -1)
             o[b, h * gqa:(h + 1) * gqa] = p @ vh
             lse[b, h * gqa:(h + 1) * gqa] = torch.logsumexp(z, -1)
+            pb[h * gqa:(h + 1) * gqa] = p
+            if not k.dithered:  # RTN keys: no variance proxy, no certificate
+                continue
             oc = k.outlier_channels[h].cpu() if k.outliers is not None else None
             out = k.outliers[sl, h].cpu() if k.outliers is not None else None
             u = score_radius(qh, k.scales[sl, h].cpu(), sm_scale=sm, n=L, delta=delta, group=k.group,
@@ -123,14 +127,16 @@ def decode_reference(
             c = certificate_from_scores(z, u)
             A[b, h * gqa:(h + 1) * gqa] = c.A
             Bv[b, h * gqa:(h + 1) * gqa] = c.B
-            pb[h * gqa:(h + 1) * gqa] = p
         probs.append(pb)
-    two, one, vac = bounds_from_AB(A, Bv)
-    res = DecodeOut(o, lse, A, Bv, two, one, vac)
+    if k.dithered:
+        two, one, vac = bounds_from_AB(A, Bv)
+        res = DecodeOut(o, lse, A, Bv, two, one, vac)
+    else:
+        res = DecodeOut(o, lse)
     return (res, probs) if return_probs else res
 
 
 def _side_cpu(side: PoolSide) -> PoolSide:
     mv = lambda t: None if t is None else t.cpu()  # noqa: E731
     return PoolSide(side.codes.cpu(), side.scales.cpu(), mv(side.outliers), mv(side.outlier_channels), side.group,
-                    side.dither_layout)
+                    side.dither_layout, side.dithered)

@@ -6,10 +6,15 @@ side (K or V) of one layer: ``codes`` int8 ``[n_slots, H_kv, d]``, ``scales`` fp
 ``outlier_channels`` int64 ``[H_kv, m]`` (code 0 there). Requests are rows of a slot table
 ``slots [B, max_len]``, or (vLLM's paged layout) of a block table ``block_table [B, max_blocks]`` over pages of
 ``block_size`` slots (:mod:`kvlib.kernels.tl.paging`), with lengths ``seq_lens [B]``.
+
+A key side stored without dither (``dithered=False``: ``xi = 0``, round-to-nearest codes, the pool rule of
+:mod:`kvlib.storage.paged`; e.g. rtn-int8) is read in RTN-key mode: the kernels regenerate no dither and, with no
+variance proxy to certify against, compute no certificate (``cert`` must be False).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +35,9 @@ class PoolSide:
     outlier_channels: torch.Tensor | None = None
     group: int = 32
     dither_layout: str = "w24"  # Philox dither layout of the stored codes (kvlib.core.philox.DITHER_LAYOUTS)
+    #: codes stored with the Philox dither subtracted on read (False: RTN codes, ``xi = 0``; keys then decode in
+    #: RTN-key mode, without a certificate)
+    dithered: bool = True
 
 
 def as_side(x: Any, name: str) -> PoolSide:
@@ -41,11 +49,13 @@ def as_side(x: Any, name: str) -> PoolSide:
         if group is None and x.scales.ndim == 3 and x.scales.shape[-1]:
             group = x.codes.shape[-1] // x.scales.shape[-1]  # e.g. kvlib.storage.paged.LayerView
         side = PoolSide(x.codes, x.scales, getattr(x, "outliers", None), getattr(x, "outlier_channels", None),
-                        int(group or 32), getattr(x, "dither_layout", "w24"))
+                        int(group or 32), getattr(x, "dither_layout", "w24"), bool(getattr(x, "dithered", True)))
     else:
         raise TypeError(f"{name} must be a PoolSide (codes, scales, outliers, outlier_channels), "
                         f"got {type(x).__name__}")
     check_layout(side.dither_layout)
+    if not isinstance(side.dithered, bool):
+        raise TypeError(f"{name}.dithered must be a bool, got {type(side.dithered).__name__}")
     check_tensor(f"{name}.codes", side.codes, ndim=3, dtype=torch.int8)
     n_slots, hkv, d = side.codes.shape
     check_group(f"{name}.group", side.group, d)
@@ -65,7 +75,7 @@ def as_side(x: Any, name: str) -> PoolSide:
         if tuple(side.outliers.shape) != (n_slots, hkv, m):
             raise ValueError(f"{name}.outliers must have shape {(n_slots, hkv, m)}, got {tuple(side.outliers.shape)}")
         if m == 0:
-            side = PoolSide(side.codes, side.scales, None, None, side.group, side.dither_layout)
+            side = dataclasses.replace(side, outliers=None, outlier_channels=None)
     return side
 
 
@@ -108,6 +118,21 @@ def check_request(q: torch.Tensor, k: PoolSide, v: PoolSide, slots: torch.Tensor
     return table
 
 
+def key_layout(k: PoolSide, impl: str) -> str:
+    """The dither layout the dispatch routes on: the key pool's; for RTN keys (``dithered=False``, no dither to
+    read, so every kernel reads them) the layout of the kernel asked for (``"auto"``: the pool's label)."""
+    if k.dithered or impl == "auto":
+        return k.dither_layout
+    return "h8" if impl in ("h10", "gluon") else "w24"
+
+
+def check_key_cert(k: PoolSide, cert: bool) -> None:
+    """RTN keys have no variance proxy, so no certificate: ``cert`` must be False (a ValueError naming it)."""
+    if not k.dithered and cert:
+        raise ValueError("cert must be False for a key pool stored without dither (k_pool.dithered=False, RTN keys: "
+                         "no variance proxy, so no certificate)")
+
+
 def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: str = "w24") -> str:
     """``"tc"``/``"fma"`` as asked; ``"auto"`` is ``tc`` where its rules hold (``d`` and ``group``
     powers of two, ``group >= 16`` for the 16-deep tensor-core dot, RTN values), else ``fma``.
@@ -115,7 +140,7 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
     Dithered values go to ``fma`` (the tc kernel reads RTN values only; dev/results/README.md says why).
 
     ``layout`` is the key pool's dither layout. ``"h10"`` or ``"h8"``: ``"auto"``/``"h10"`` give ``"h10"`` (the
-    kernel reads both half-word layouts; it needs ``group == d // 4``, ``group`` in (32, 64), ``d >= 128``;
+    kernel reads both half-word layouts; it needs ``group == d // 4``, ``group`` in (16, 32, 64), ``d >= 64``;
     other shapes raise), ``"fma"`` stays ``"fma"`` for :func:`decode_reference` only (the Triton fma kernel
     reads ``w24``), ``"tc"`` raises. ``"w24"``: ``"h10"`` raises, the rest as above.
     """
@@ -125,8 +150,9 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
                 raise ValueError(f"impl='gluon' reads the h8 dither layout only, got dither_layout={layout!r}")
             return "gluon"
         if impl in ("auto", "h10"):
-            if group != d // 4 or group not in (32, 64):
-                raise ValueError(f"impl='h10' (dither_layout={layout!r}) needs group == d // 4 with group in (32, 64), "
+            if group != d // 4 or group not in (16, 32, 64):
+                raise ValueError(f"impl='h10' (dither_layout={layout!r}) needs group == d // 4 with group in "
+                                 f"(16, 32, 64), "
                                  f"got d={d}, group={group}; other {layout} shapes have only the "
                                  f"torch reference (decode_reference with impl='fma')")
             return "h10"
@@ -160,7 +186,8 @@ def make_pool_side(
     """Quantise ``x [T, H_kv, d]`` into a fresh pool side, token ``t`` at slot ``slot_ids[t]``.
 
     Keys/dithered values go through :func:`kvlib.formats.dither_int8.dither_quantize` (the write path);
-    ``dithered=False`` stores round-to-nearest codes with the same scales (RTN values).
+    ``dithered=False`` stores round-to-nearest codes with the same scales (RTN values, or RTN keys: the side
+    records it, and the kernels read such keys in RTN-key mode).
     ``outlier_channels`` ``[H_kv, m]`` bypass in fp16. ``dither_layout`` (``"w24"``/``"h10"``) is the
     Philox dither layout, recorded on the returned side. For tests, notebooks and benchmarks.
     """
@@ -196,4 +223,4 @@ def make_pool_side(
                 outs[slot_ids, h] = x32[:, oc].to(torch.float16)
     dev = x.device
     return PoolSide(codes.to(dev), scales.to(dev), outs.to(dev) if m else None,
-                    outlier_channels.to(dev, torch.int64) if m else None, group, dither_layout)
+                    outlier_channels.to(dev, torch.int64) if m else None, group, dither_layout, dithered)

@@ -50,7 +50,9 @@ def _decode_int8_stage1(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CERT: tl.constexpr, CERT_B: tl.constexpr, V_DITHER: tl.constexpr,
     K_PREC: tl.constexpr, V_PREC: tl.constexpr, JOIN: tl.constexpr, VAR_DOT: tl.constexpr, PAGE: tl.constexpr = 0,
+    K_DITHER: tl.constexpr = True,
 ):
+    """fp32 stage 1 (``impl="fma"``); ``K_DITHER=False``: RTN keys (``xi = 0``, no Philox; ``CERT`` off)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,11 +141,17 @@ def _decode_int8_stage1(
                      other=0.0).to(tl.float32)
         c0 = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
         c1 = offs_g.to(tl.uint32)[None, :] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
-        w0, w1, w2, w3 = philox4x32(c0, c1, c2 + tl.zeros_like(c0), c3k + tl.zeros_like(c0), k0, k1)
-        kh0 = ks * (_byte(kw, 0).to(tl.float32) - _xi(w0))
-        kh1 = ks * (_byte(kw, 1).to(tl.float32) - _xi(w1))
-        kh2 = ks * (_byte(kw, 2).to(tl.float32) - _xi(w2))
-        kh3 = ks * (_byte(kw, 3).to(tl.float32) - _xi(w3))
+        if K_DITHER:
+            w0, w1, w2, w3 = philox4x32(c0, c1, c2 + tl.zeros_like(c0), c3k + tl.zeros_like(c0), k0, k1)
+            kh0 = ks * (_byte(kw, 0).to(tl.float32) - _xi(w0))
+            kh1 = ks * (_byte(kw, 1).to(tl.float32) - _xi(w1))
+            kh2 = ks * (_byte(kw, 2).to(tl.float32) - _xi(w2))
+            kh3 = ks * (_byte(kw, 3).to(tl.float32) - _xi(w3))
+        else:
+            kh0 = ks * _byte(kw, 0).to(tl.float32)
+            kh1 = ks * _byte(kw, 1).to(tl.float32)
+            kh2 = ks * _byte(kw, 2).to(tl.float32)
+            kh3 = ks * _byte(kw, 3).to(tl.float32)
         if JOIN:  # one [BLOCK_N, D] tile in natural channel order: byte J of word g is channel 4g + J
             kh = tl.reshape(tl.join(tl.join(kh0, kh2), tl.join(kh1, kh3)), (BLOCK_N, D))
             qk = tl.dot(qn, tl.trans(kh), input_precision=K_PREC)
@@ -271,9 +279,10 @@ def _decode_int8_stage1_tc(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr,
     Q_SPLIT: tl.constexpr, XI_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SKIP_DITHER: tl.constexpr = False, PAGE: tl.constexpr = 0,
+    SKIP_DITHER: tl.constexpr = False, PAGE: tl.constexpr = 0, K_DITHER: tl.constexpr = True,
 ):
-    """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``).
+    """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``). ``K_DITHER=False``: RTN keys (``xi = 0``:
+    no Philox, no dither dots; ``CERT`` off).
 
     Scores group by group (``NG = D // G`` unrolled 2-D dots, no cross-thread reductions):
     ``z = sm * sum_g s_g (q_g . c_g - q_g . fp16(xi_g))`` with the int8 codes exact in fp16, the
@@ -373,26 +382,29 @@ def _decode_int8_stage1_tc(
             kc = tl.load(KC + slot[:, None] * s_kc_n + kvh * s_kc_h + g * G + offs_c[None, :],
                          mask=mask_n[:, None], other=0)
             s_g = tl.load(KS + slot * s_ks_n + kvh * s_ks_h + g, mask=mask_n, other=0.0).to(tl.float32)
-            if SKIP_DITHER:  # timing only (the Philox cost on the roofline): a wrong dither, never a result
-                w0 = cs
-                w1 = cs
-                w2 = cs
-                w3 = cs
-            else:
-                cg = (g * G4 + offs_j).to(tl.uint32)[None, :] + tl.zeros_like(cs)
-                w0, w1, w2, w3 = philox4x32(cs, cg, c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs), k0, k1)
-            # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
-            xi = tl.reshape(tl.join(tl.join(_xi(w0), _xi(w2)), tl.join(_xi(w1), _xi(w3))), (BLOCK_N, G))
-            xi16 = xi.to(tl.float16)
             kT = tl.trans(kc.to(tl.float16))
-            xT = tl.trans(xi16)
             t = tl.dot(q_hi, kT)
-            t = tl.dot(-q_hi, xT, t)
-            if XI_SPLIT:  # xi - fp16(xi) is exact in fp32 and <= 2^-13: its fp16 rounding leaves <= 2^-25
-                t = tl.dot(-q_hi, tl.trans((xi - xi16.to(tl.float32)).to(tl.float16)), t)
-            if Q_SPLIT:
+            if not K_DITHER and Q_SPLIT:
                 t = tl.dot(q_lo, kT, t)
-                t = tl.dot(-q_lo, xT, t)
+            if K_DITHER:  # the dithered kernel's dots in their validated order
+                if SKIP_DITHER:  # timing only (the Philox cost on the roofline): a wrong dither, never a result
+                    w0 = cs
+                    w1 = cs
+                    w2 = cs
+                    w3 = cs
+                else:
+                    cg = (g * G4 + offs_j).to(tl.uint32)[None, :] + tl.zeros_like(cs)
+                    w0, w1, w2, w3 = philox4x32(cs, cg, c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs), k0, k1)
+                # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
+                xi = tl.reshape(tl.join(tl.join(_xi(w0), _xi(w2)), tl.join(_xi(w1), _xi(w3))), (BLOCK_N, G))
+                xi16 = xi.to(tl.float16)
+                xT = tl.trans(xi16)
+                t = tl.dot(-q_hi, xT, t)
+                if XI_SPLIT:  # xi - fp16(xi) is exact in fp32 and <= 2^-13: its fp16 rounding leaves <= 2^-25
+                    t = tl.dot(-q_hi, tl.trans((xi - xi16.to(tl.float32)).to(tl.float16)), t)
+                if Q_SPLIT:
+                    t = tl.dot(q_lo, kT, t)
+                    t = tl.dot(-q_lo, xT, t)
             qk += t * s_g[None, :]
             if CERT:  # var = sum_g Q2_g s_g^2 (the group's q^2 sum is cheaper here than a hoisted column)
                 var += tl.sum(qg * qg, 1)[:, None] * (s_g * s_g)[None, :]
@@ -493,7 +505,7 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
             NOV_P=triton.next_power_of_2(max(nov, 1)),
             CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32,
             XI_SPLIT=config.xi_split, PV_TERMS=config.pv_terms, NUM_SPLITS=ns, SKIP_DITHER=config.skip_philox,
-            PAGE=page, num_warps=num_warps, num_stages=num_stages,
+            PAGE=page, K_DITHER=k.dithered, num_warps=num_warps, num_stages=num_stages,
         )
         return
     if impl != "fma":
@@ -513,5 +525,5 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
         NOK=nok, NOK_P=triton.next_power_of_2(max(nok, 1)), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
         NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, V_DITHER=v_dither,
         K_PREC=config.k_precision, V_PREC=config.v_precision, JOIN=config.join, VAR_DOT=config.var_dot, PAGE=page,
-        num_warps=num_warps, num_stages=num_stages,
+        K_DITHER=k.dithered, num_warps=num_warps, num_stages=num_stages,
     )
