@@ -667,6 +667,10 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
                             f"{format_class(name).options or 'none'}, make_cache accepts {CACHE_OPTIONS}")
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device: compare as cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
     cache = cache_class(kf, vf, config, batch_size=batch_size, max_len=max_len, block_size=block_size,
                         device=device, dtype=dtype, **cache_opts)
     ot = cache.outlier_table
