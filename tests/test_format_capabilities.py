@@ -287,7 +287,8 @@ def test_int8_kernel_reads_its_formats() -> None:
 def test_toy_through_make_cache(toy, tiny_model) -> None:
     model = tiny_model
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(4))
-    cache = kvlib.make_cache(TOY, model.config)
+    # prefill="stored": the prompt attends over the stored 6-bit K/V (by default it attends over the float prompt)
+    cache = kvlib.make_cache(TOY, model.config, prefill="stored")
     logits = model(ids, past_key_values=cache, use_cache=True).logits
     ref = model(ids).logits
     assert torch.isfinite(logits).all()
@@ -296,12 +297,16 @@ def test_toy_through_make_cache(toy, tiny_model) -> None:
     cache2 = kvlib.make_cache(TOY, model.config)
     out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, past_key_values=cache2)
     assert out.shape == (1, ids.shape[1] + 3)
-    # the byte account of the cache is the class's: layout bytes = measured bytes
+    # the byte account of the cache is the class's: the toy's bytes per position x the positions its pages
+    # hold (every allocated slot, K and V, all layers) + the page tables
     cfg = model.config
-    S = cache2.get_seq_length()
     f = get_format(TOY)
-    layout = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * S * f.bytes_per_position(cfg.head_dim)
-    assert cache2.packed_nbytes() == layout
+    st = cache2.store
+    positions = cfg.num_hidden_layers * st.n_slots * cfg.num_key_value_heads
+    assert positions >= cfg.num_hidden_layers * cfg.num_key_value_heads * cache2.get_seq_length()
+    tables = sum(la.table.nbytes() for la in cache2.layers)  # block tables, lengths (+ per-token slots)
+    layout = 2 * positions * f.bytes_per_position(cfg.head_dim) + tables
+    assert cache2.kv_nbytes() == layout
 
 
 def test_toy_in_rollout_byte_account(toy) -> None:
@@ -367,6 +372,6 @@ def test_storage_view_of_every_view_format(toy, tiny_model) -> None:
     assert TOY in view_formats() and "kivi2" not in view_formats() and "dither-int8" not in view_formats()
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
     for name in view_formats():
-        a = model(ids, past_key_values=kvlib.make_cache(name, model.config), use_cache=True).logits
+        a = model(ids, past_key_values=kvlib.make_cache(name, model.config, prefill="stored"), use_cache=True).logits
         b = model(ids, past_key_values=storage_view(name)(model.config), use_cache=True).logits
         assert torch.allclose(a, b, rtol=0, atol=1e-5), name
