@@ -60,6 +60,10 @@ METHODS = PEERS + OURS
 #: kvlib format and make_cache options of each of our methods
 OUR_FORMAT = {"dither-int8": ("dither-int8", {"dither_layout": "h8"}), "rtn-int8": ("rtn-int8", {}),
               "kv4": ("kv4", {}), "kv4rl": ("kv4rl", {}), "dither-int8-gated": ("dither-int8", {"dither_layout": "h8"})}
+#: page size of each of our methods' pools: the INT4 kernel reads whole pages ("paged-tiles") only when a page is a
+#: multiple of its block_n = 256 (else "paged-rows"); the INT8 kernels gather per token, so 16 (make_cache's default)
+BLOCK_SIZE = {"kv4": 256, "kv4rl": 256}
+DEFAULT_BLOCK = 16
 HF_QUANT = {"hf-quanto-int4": ("quanto", 0), "hf-hqq-int4": ("hqq", 1)}  # backend, HF's axis for it
 NOOP_ATTN = "kvlib_e2e_noop"
 #: extra positions a kvlib cache is sized for: each replayed step may append one position (if the cache keeps its own
@@ -104,7 +108,7 @@ class Profile:
 
 PROFILES = {
     "gpu": Profile(QWEN25_7B, (1, 8, 32, 64), (4096, 16384, 32768), priority=((8, 16384), (64, 32768)),
-                   budget_ctxs=(16384, 32768), kv_budget_bytes=100e9, rounds=5, chunk=4096, time_budget_s=450.0,
+                   budget_ctxs=(16384, 32768), kv_budget_bytes=100e9, rounds=5, chunk=4096, time_budget_s=420.0,
                    hf_quant_max_tokens=8 * 16384, goal_cell=(64, 32768)),
     "ci": Profile(TINY, (1, 2), (32,), priority=((2, 64),), budget_ctxs=(64,), kv_budget_bytes=40e3, rounds=2,
                   chunk=16, time_budget_s=45.0, hf_quant_max_tokens=2 * 32, goal_cell=(2, 64), steps=2),
@@ -192,6 +196,30 @@ def _format_options(opts: dict) -> dict:
     return {k: v for k, v in opts.items() if k != "dither_layout"}
 
 
+def block_size(method: str) -> int:
+    """Page size our ``method``'s pools are made with (:data:`BLOCK_SIZE`)."""
+    return BLOCK_SIZE.get(method, DEFAULT_BLOCK)
+
+
+def paged_kv_bytes(fmt: str, *, layers: int, batch: int, kv_heads: int, max_len: int, d: int, block: int,
+                   options: dict | None = None, crop_window: int = 32) -> int:
+    """Bytes kvlib's static paged pools hold for ``batch`` rows of ``max_len`` positions: the format's bytes for
+    every page slot (``max_len`` rounded up to whole pages), its per-row constants (kv4rl: side buffer and the
+    crop stash of ``crop_window`` INT8 entries per side), and the int32 page tables (block table and lengths, plus
+    per-token slot tables and write indices where codes are bound to their slot: dithered INT8). The account of
+    :mod:`kvlib.storage.pools` / ``tests/test_pools.py``, written from the formats and the page geometry."""
+    from kvlib.formats.base import get_format
+
+    f = get_format(fmt, **(options or {}))
+    width = -(-max_len // block)
+    slots = batch * width * block  # per layer and head
+    out = 2 * layers * kv_heads * slots * f.bytes_per_position(d)
+    if fmt == "kv4rl":
+        out += 2 * layers * kv_heads * batch * (f.fixed_bytes(d) + crop_window * (d + 2))
+    tables = batch * width + batch + (batch * max_len + batch if fmt == "dither-int8" else 0)
+    return int(out + layers * 4 * tables)
+
+
 def cache_bytes(cache) -> int:
     """KV bytes measured from the cache's tensors: ``kv_nbytes()`` for kvlib's; for HF's, each layer's K/V
     tensors (``QuantizedCache``: packed codes, scales and zero points plus the bf16 residual)."""
@@ -256,14 +284,20 @@ def make_method_cache(method: str, config, *, batch: int, ctx: int, device: str,
     if method in OUR_FORMAT:
         fmt, opts = OUR_FORMAT[method]
         build = kvlib.make_cache
-        if method == "dither-int8-gated":
+        gated = method == "dither-int8-gated"
+        if gated:
+            # make_gated_cache's own block_size is the gate's repair block, not the page size: pools keep 16
             build = kvlib.make_gated_cache
         elif "batch_size" not in inspect.signature(build).parameters:
             raise MethodUnavailable(f"{method}: kvlib.make_cache{inspect.signature(build)} has no batch_size / "
                                     "max_len: the kernel-backed cache API is not in this kvlib")
+        else:
+            opts = {**opts, "block_size": block_size(method)}
         try:
             cache = build(fmt, config, batch_size=batch, max_len=ctx + HEADROOM, device=device, dtype=dtype, **opts)
-        except (TypeError, ValueError, NotImplementedError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to build is this method's recorded reason
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
             first = str(e).splitlines()[0][:200] if str(e) else ""
             raise MethodUnavailable(f"{method}: {build.__name__}({fmt!r}, config, batch_size=, max_len=, device=, "
                                     f"dtype=, {opts}) failed: {type(e).__name__}: {first}") from e
@@ -290,17 +324,61 @@ def fill(cache, config, *, batch: int, ctx: int, chunk: int, device: str, dtype:
         for layer in range(config.num_hidden_layers):
             cache.update(kk, vv, layer, {"cache_position": torch.arange(ctx, device=device)})
         return
+    per_row = _rowwise_fill(cache)
     for start in range(0, ctx, chunk):
         n = min(chunk, ctx - start)
         pos = torch.arange(start, start + n, device=device)
         for layer in range(config.num_hidden_layers):
-            cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
+            if per_row:
+                _write_rowwise(cache, layer, k[:, :, :n], v[:, :, :n])
+            else:
+                cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
+
+
+def _rowwise_fill(cache) -> bool:
+    """kv4rl pools: a multi-token write keeps its side-buffer crop stash with a host loop over rows x tokens
+    (``Int4Store.write``'s chunk path), O(B^2 S) per layer over a fill: hours at B = 64, S = 32k. Writing one row
+    per call (the same layer write with a row mask, as the left-padded prefill does) is O(B S) and stores the same
+    bits (tests/test_bench_e2e.py::test_rowwise_fill_stores_what_update_stores)."""
+    store = getattr(cache, "store", None)
+    return bool(getattr(cache, "_kvlib", False)) and type(store).__name__ == "Int4Store" and store.rl
+
+
+def _write_rowwise(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``cache.update(k, v, layer)`` of a kvlib cache, one row at a time (see :func:`_rowwise_fill`)."""
+    la = cache.layers[layer]
+    cache._check_states(k, v, layer)
+    if not la.is_initialized:
+        la.lazy_initialization(k, v)
+    b, _, s, _ = k.shape
+    for row in range(b):
+        keep = torch.zeros(b, s, dtype=torch.bool, device=k.device)
+        keep[row] = True
+        la._write(k, v, keep)
+    la.columns += s
 
 
 # ------------------------------------------------------------------------------------------------ timing
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+_KVLIB_ATTN = "kvlib"  # kvlib.hf.attention.NAME
+
+
+@contextlib.contextmanager
+def _attention_swapped(name: str, by: str):
+    """transformers' attention function registered as ``name`` temporarily replaced by the one of ``by``."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    old = ALL_ATTENTION_FUNCTIONS[name]
+    AttentionInterface.register(name, ALL_ATTENTION_FUNCTIONS[by])
+    try:
+        yield
+    finally:
+        AttentionInterface.register(name, old)
 
 
 class Stepper:
@@ -313,7 +391,10 @@ class Stepper:
         self.pos = torch.tensor([ctx], device=device)
         self.pos_ids = self.pos.view(1, 1).expand(batch, 1)
         self.static = method == GRAPH_PEER or getattr(cache, "_kvlib", False)
-        self.attn = getattr(cache, "attn_implementation", None) or model.config._attn_implementation
+        self.kvlib = getattr(cache, "_kvlib", False)
+        # make_cache makes "kvlib" the config's implementation (it delegates untagged K/V to the previous one);
+        # HF's caches are timed with plain SDPA, the implementation the model was built with
+        self.attn = _KVLIB_ATTN if self.kvlib and model.config._attn_implementation == _KVLIB_ATTN else "sdpa"
         self.graphs: dict[str, Any] = {}
         self.notes: list[str] = []
 
@@ -331,9 +412,15 @@ class Stepper:
         self._rewind()
         cfg = self.model.config
         old = cfg._attn_implementation
+        swap = contextlib.nullcontext()
+        if self.attn == _KVLIB_ATTN and attn == NOOP_ATTN:
+            # a kvlib cache hands any other active implementation the whole pool dequantised (its observing
+            # path): the probe keeps "kvlib" active and swaps its function for the no-op, so the cache write
+            # stays the decode step's own and only the attention goes
+            swap, attn = _attention_swapped(_KVLIB_ATTN, NOOP_ATTN), _KVLIB_ATTN
         cfg._attn_implementation = attn
         try:
-            with torch.no_grad():
+            with swap, torch.no_grad():
                 out = self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
                                  position_ids=self.pos_ids, attention_mask=NO_MASK, use_cache=True, logits_to_keep=1)
         finally:
@@ -403,9 +490,11 @@ def estimate_kv_bytes(method: str, cfg, batch: int, ctx: int) -> float:
     """Bytes a method's cache needs at (batch, ctx), for planning (measured bytes are what is reported)."""
     kw = dict(layers=cfg.num_hidden_layers, batch=batch, kv_heads=cfg.num_key_value_heads,
               ctx=alloc_positions(method, ctx), d=cfg.head_dim)
-    if method in OUR_FORMAT:  # 3% for the page table and whatever else the pool holds
+    if method in OUR_FORMAT:  # the pools' own account (pages, tables) plus 2% for the allocator's rounding
         fmt, opts = OUR_FORMAT[method]
-        return 1.03 * format_kv_bytes(fmt, **kw, options=_format_options(opts))
+        return 1.02 * paged_kv_bytes(fmt, layers=kw["layers"], batch=batch, kv_heads=kw["kv_heads"],
+                                     max_len=ctx + HEADROOM, d=kw["d"], block=block_size(method),
+                                     options=_format_options(opts))
     if method in HF_QUANT:  # the packed cache plus the bf16 copy each step dequantises (one layer)
         return format_kv_bytes("bf16", **kw) * (0.3 + 2.0 / cfg.num_hidden_layers)
     extra = 1.0 / cfg.num_hidden_layers if method == REFERENCE else 0.0  # DynamicCache's torch.cat copy of a layer
@@ -469,13 +558,21 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 row.update(status="oom", reason=f"out of memory while filling: {str(e)[:160]}")
             except Exception as e:  # noqa: BLE001 - one method failing must not stop the grid
                 first = str(e).splitlines()[0][:240] if str(e) else ""
-                row.update(status="error", reason=f"{type(e).__name__}: {first}")
+                row.update(status=_failed_status(m), reason=f"{m}: filling the cache failed: {type(e).__name__}: "
+                           f"{first}")
                 _cleanup(device)
         if live:
             _time_group(live, rows, model, prof, device)
         live.clear()
         _cleanup(device)
     return list(rows.values())
+
+
+def _failed_status(method: str) -> str:
+    """The gated slot is "unavailable" while kvlib's gate cannot drive the kernel cache (it is being rebuilt):
+    the step is run every time, so the slot runs as soon as the gate supports it; other methods' failures are
+    errors."""
+    return "unavailable" if method == "dither-int8-gated" else "error"
 
 
 @contextlib.contextmanager
@@ -495,12 +592,16 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
                 torch.cuda.reset_peak_memory_stats()
             with _quanto_torch_unpack() if m == "hf-quanto-int4" else contextlib.nullcontext():
                 timers[m] = st.timer(st.attn)
+                if st.kvlib:  # the decode path the step took (set while the step ran or was captured)
+                    rows[m]["kernel_path"] = str(st.cache.kernel_path(0))
                 timers[m + "|noattn"] = st.timer(NOOP_ATTN)
             if device == "cuda":
                 rows[m]["step_transient_bytes"] = int(torch.cuda.max_memory_allocated() - base)
         except Exception as e:  # noqa: BLE001
-            rows[m].update(status="error", reason=f"step failed: {type(e).__name__}: {str(e).splitlines()[0][:240]}")
+            first = str(e).splitlines()[0][:240] if str(e) else ""
+            rows[m].update(status=_failed_status(m), reason=f"{m}: decode step failed: {type(e).__name__}: {first}")
             timers.pop(m, None)
+            timers.pop(m + "|noattn", None)
     # quanto's torch unpack patch must be active whenever its step runs inside the rounds
     wrapped = {k: (_with_quanto(f) if k.startswith("hf-quanto") else f) for k, f in timers.items()}
     res = interleaved(wrapped, prof.rounds)
@@ -513,12 +614,12 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
         if ms is None:
             row.update(status="error", reason="every timed round failed")
             continue
+        if st.kvlib and st.cache.kernel_path(0) != row.get("kernel_path"):  # a later step took another path
+            row["kernel_path_changed_to"] = str(st.cache.kernel_path(0))
         row.update(status="ok", step_ms=ms, ms_per_token=ms, tokens_per_s=row["batch"] / (ms * 1e-3),
                    step_ms_rounds=per_round, noattn_ms=na, attention_ms=(ms - na) if na is not None else None,
                    graphed=st.graphed, attn_implementation=st.attn, notes=st.notes,
                    interleaved_with=sorted(x for x in live if x != m))
-        if getattr(st.cache, "_kvlib", False):  # the decode path the timed steps took (set by the captured step)
-            row["kernel_path"] = str(st.cache.kernel_path(0))
 
 
 def _with_quanto(f: Callable[[], float]) -> Callable[[], float]:
@@ -543,7 +644,13 @@ def annotate(rows: list[dict], cfg, wbytes: dict) -> None:
             shape = dict(layers=cfg.num_hidden_layers, batch=b, kv_heads=cfg.num_key_value_heads, ctx=n, d=cfg.head_dim)
             r["kv_bytes_bf16_formula"] = bf16 = format_kv_bytes("bf16", **shape)
             fmt, opts = OUR_FORMAT.get(m, ("bf16", {}))
-            if m not in HF_QUANT:
+            if m in OUR_FORMAT:  # what the static paged pools hold (pages, tables), see paged_kv_bytes
+                r["block_size"] = block_size(m)
+                r["kv_bytes_formula"] = paged_kv_bytes(fmt, layers=shape["layers"], batch=b,
+                                                       kv_heads=shape["kv_heads"], max_len=s + HEADROOM,
+                                                       d=shape["d"], block=block_size(m),
+                                                       options=_format_options(opts))
+            elif m not in HF_QUANT:
                 r["kv_bytes_formula"] = format_kv_bytes(fmt, **shape, options=_format_options(opts))
             if r.get("status") != "ok":
                 continue
