@@ -24,8 +24,10 @@ together, the cell is timed group by group (``group`` in each row). Time split: 
 attention function replaced by a no-op that returns zeros of the output's shape (the cache write, e.g.
 DynamicCache's torch.cat of the layer, projections, MLP, norms and logits unchanged; registered with
 transformers' ``AttentionInterface``), so ``attention_ms = step_ms - noattn_ms``. Bytes: ``kv_bytes``
-measured from the cache's tensors; ``weight_bytes_read`` is every parameter except the embedding table
-(a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is attention's share
+measured from the cache's tensors (kvlib's: ``kv_nbytes()``, every allocated page slot plus the page tables, equal
+to :func:`paged_kv_bytes`; pages of 16 positions for the INT8 formats, 256 for kv4/kv4rl so that the INT4 kernel
+reads whole tiles per page, ``block_size`` in each row); ``weight_bytes_read`` is every parameter except the
+embedding table (a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is attention's share
 of the bytes a step reads, which bounds the end-to-end ratio at equal
 batch. ``peak_bytes``: weights + this cache + the step's measured transient.
 
@@ -507,8 +509,9 @@ def _work_bytes(cfg, batch: int) -> float:
 
 
 def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Profile, device: str,
-             dtype: torch.dtype, label: str = "grid") -> list[dict]:
-    """Time ``methods`` at (batch, ctx): interleaved within groups that fit in memory together."""
+             dtype: torch.dtype, label: str = "grid", deadline: float | None = None) -> list[dict]:
+    """Time ``methods`` at (batch, ctx): interleaved within groups that fit in memory together. A method whose
+    group has not started by ``deadline`` (``time.perf_counter()``) is recorded as skipped for time."""
     rows: dict[str, dict] = {}
     todo = []
     for m in methods:
@@ -533,6 +536,9 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 continue
             todo.remove((m, need))
             row = rows[m]
+            if deadline is not None and not live and time.perf_counter() >= deadline:
+                row.update(status="skipped", reason="time budget spent before its memory group started")
+                continue
             row["group"] = group
             try:
                 cache = make_method_cache(m, cfg, batch=batch, ctx=ctx, device=device, dtype=dtype)
@@ -768,11 +774,13 @@ def run(profile: str, *, time_budget_s: float | None = None, kv_budget_bytes: fl
                 rows += [{"method": m, "batch": b, "ctx": s, "cell": "grid", "status": "skipped",
                           "reason": f"time budget of {budget_s:.0f} s spent"} for m in methods]
                 continue
-            rows += run_cell(model, cfg, methods, batch=b, ctx=s, prof=prof, device=device, dtype=dtype)
+            rows += run_cell(model, cfg, methods, batch=b, ctx=s, prof=prof, device=device, dtype=dtype,
+                             deadline=t_start + budget_s)
         else:
             bar.set_postfix_str(f"budget S={what}")
             budget_res["rows"] += _budget_cell(model, cfg, rows, what, kv_budget, methods, prof, device, dtype,
                                                t_start + budget_s, budget_res)
+        _save_partial(rows, budget_res)
     annotate(rows + budget_res["rows"], cfg, wbytes)
     _budget_ratios(budget_res)
     result = {
@@ -798,6 +806,17 @@ def run(profile: str, *, time_budget_s: float | None = None, kv_budget_bytes: fl
     return result
 
 
+def _save_partial(rows: list[dict], budget_res: dict) -> None:
+    """Rows so far to ``$KVLIB_E2E_PARTIAL`` (if set) after each cell: a run killed by its caller's time limit
+    still leaves what it measured (raw rows, no ratios)."""
+    path = os.environ.get("KVLIB_E2E_PARTIAL")
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump({"partial": True, "rows": rows, "budget": budget_res}, fh, default=str)
+
+
 def _budget_cell(model, cfg, rows, ctx, kv_budget, methods, prof, device, dtype, deadline, res) -> list[dict]:
     """Largest batch per method whose KV at ``ctx`` fits ``kv_budget`` (measured bytes/token); time it there."""
     bpt = bytes_per_token(rows)
@@ -818,7 +837,7 @@ def _budget_cell(model, cfg, rows, ctx, kv_budget, methods, prof, device, dtype,
                         "reason": "time budget spent"})
             continue
         out += run_cell(model, cfg, [m], batch=bmax, ctx=ctx, prof=prof,
-                        device=device, dtype=dtype, label="budget")
+                        device=device, dtype=dtype, label="budget", deadline=deadline)
     return out
 
 
@@ -870,7 +889,8 @@ def decode_table(result: dict):
     cols = {"batch": "B", "ctx": "S", "method": "method", "ms_per_token": "ms/step", "tokens_per_s": "tokens/s",
             "speedup_vs_dynamic": "x DynamicCache", "speedup_vs_static_graph": "x StaticCache graph",
             "attention_ms": "attention ms", "noattn_ms": "rest ms", "kv_share": "KV share of bytes read",
-            "kv_GB": "KV GB", "kv_bytes_vs_bf16": "KV / bf16", "peak_GB": "peak GB", "graphed": "graph"}
+            "kv_GB": "KV GB", "kv_bytes_vs_bf16": "KV / bf16", "peak_GB": "peak GB", "graphed": "graph",
+            "kernel_path": "decode path", "block_size": "page"}
     out = out[[c for c in cols if c in out]].rename(columns=cols)
     return out.sort_values(["S", "B", "method"]).reset_index(drop=True)
 
