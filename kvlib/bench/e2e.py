@@ -27,9 +27,11 @@ transformers' ``AttentionInterface``), so ``attention_ms = step_ms - noattn_ms``
 measured from the cache's tensors (kvlib's: ``kv_nbytes()``, every allocated page slot plus the page tables, equal
 to :func:`paged_kv_bytes`; pages of 16 positions for the INT8 formats, 256 for kv4/kv4rl so that the INT4 kernel
 reads whole tiles per page, ``block_size`` in each row); ``weight_bytes_read`` is every parameter except the
-embedding table (a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is attention's share
-of the bytes a step reads, which bounds the end-to-end ratio at equal
-batch. ``peak_bytes``: weights + this cache + the step's measured transient.
+embedding table (a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is
+attention's share of the bytes a step reads, which bounds the end-to-end ratio at equal batch.
+``peak_bytes``: weights + this cache + the step's measured transient. The time-split probe on a kvlib cache keeps
+"kvlib" active and swaps its registered function for the no-op (any other active implementation would be handed
+the whole pool dequantised by the cache, kvlib's observing path, and time that instead).
 
 Fixed KV budget (``kv_budget_bytes``, default 100 GB): per format the largest batch whose KV at S fits,
 from its measured bytes per token; tokens/s measured at that batch where it fits the device.
