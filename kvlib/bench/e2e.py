@@ -68,6 +68,9 @@ OUR_FORMAT = {"dither-int8": ("dither-int8", {"dither_layout": "h8"}), "rtn-int8
 #: multiple of its block_n = 256 (else "paged-rows"); the INT8 kernels gather per token, so 16 (make_cache's default)
 BLOCK_SIZE = {"kv4": 256, "kv4rl": 256}
 DEFAULT_BLOCK = 16
+#: our methods whose decode step takes the torch reference on CUDA too (kvlib.storage.pools.Int8Store.kernel_impl
+#: gives RTN keys no kernel yet): planned with the transient of one dequantised layer; kernel_path says what ran
+REFERENCE_STEP = ("rtn-int8",)
 HF_QUANT = {"hf-quanto-int4": ("quanto", 0), "hf-hqq-int4": ("hqq", 1)}  # backend, HF's axis for it
 NOOP_ATTN = "kvlib_e2e_noop"
 #: extra positions a kvlib cache is sized for: each replayed step may append one position (if the cache keeps its own
@@ -496,7 +499,10 @@ def estimate_kv_bytes(method: str, cfg, batch: int, ctx: int) -> float:
               ctx=alloc_positions(method, ctx), d=cfg.head_dim)
     if method in OUR_FORMAT:  # the pools' own account (pages, tables) plus 2% for the allocator's rounding
         fmt, opts = OUR_FORMAT[method]
-        return 1.02 * paged_kv_bytes(fmt, layers=kw["layers"], batch=batch, kv_heads=kw["kv_heads"],
+        extra = 0.0
+        if method in REFERENCE_STEP:  # the step dequantises one layer: fp32 codes, scales, product, bf16 K/V, mask
+            extra = 6 * format_kv_bytes("bf16", **kw) * 2 / cfg.num_hidden_layers
+        return extra + 1.02 * paged_kv_bytes(fmt, layers=kw["layers"], batch=batch, kv_heads=kw["kv_heads"],
                                      max_len=ctx + HEADROOM, d=kw["d"], block=block_size(method),
                                      options=_format_options(opts))
     if method in HF_QUANT:  # the packed cache plus the bf16 copy each step dequantises (one layer)
@@ -693,9 +699,15 @@ def goals(result: dict) -> list[dict]:
     for name, m, kind, target in GOALS:
         g = {"goal": name, "method": m, "kind": kind, "target": target, "measured": None, "met": None}
         if kind == "bytes":
-            ok = [r["kv_bytes_vs_bf16"] for r in rows if r["method"] == m and r.get("status") == "ok"]
-            g["measured"] = max(ok) if ok else None
-            g["where"] = "max over cells"
+            # judged at the goal cell (else the largest cell that ran): at real shapes page rounding and page tables
+            # are well under 1%; at tiny shapes (ci) they are not, so the max over cells is reported beside it
+            ok = [r for r in rows if r["method"] == m and r.get("status") == "ok" and r["cell"] == "grid"]
+            if ok:
+                at = next((r for r in ok if (r["batch"], r["ctx"]) == (gb, gs)), None) or max(
+                    ok, key=lambda r: (r["batch"] * r["ctx"], r["ctx"]))
+                g["measured"] = at["kv_bytes_vs_bf16"]
+                g["where"] = f"B={at['batch']}, S={at['ctx']}"
+                g["max_over_cells"] = max(r["kv_bytes_vs_bf16"] for r in ok)
             g["met"] = None if not ok else g["measured"] <= target
         elif kind == "speed":
             r = next((r for r in rows if r["method"] == m and r["cell"] == "grid"
