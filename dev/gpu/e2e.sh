@@ -60,6 +60,11 @@ for x in rows:
         why.setdefault((x["status"], x["method"], str(x.get("reason", ""))[:150]), []).append(f"{x['batch']}/{x['ctx']}")
 for (st, m, reason), cells in why.items():
     print(f"  {st:<11} {m:<17} B/S {','.join(cells)[:40]}: {reason}")
+fills = [(x["method"], x["batch"], x["ctx"], x["fill_transient_bytes"] / x["layer_bf16_bytes"]) for x in rows
+         if x.get("fill_transient_bytes") is not None and x["method"] != "dynamic-sdpa"]
+if fills:  # a kvlib fill in chunks should stay well under one bf16 layer's K+V (no float copy of a layer)
+    worst = max(fills, key=lambda t: t[3])
+    print(f"fill transient / one bf16 layer (K+V), worst: {worst[0]} B={worst[1]} S={worst[2]}: {worst[3]:.2f}")
 notes = {(x["method"], n[:180]) for x in rows for n in (x.get("notes") or [])}
 for m, n in sorted(notes):
     print(f"  note {m}: {n}")

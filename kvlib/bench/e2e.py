@@ -549,6 +549,9 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 continue
             row["group"] = group
             try:
+                if device == "cuda":
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 cache = make_method_cache(m, cfg, batch=batch, ctx=ctx, device=device, dtype=dtype)
                 t0 = time.perf_counter()
                 ctx_mgr = _quanto_torch_unpack() if m == "hf-quanto-int4" else contextlib.nullcontext()
@@ -557,6 +560,11 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 _sync(device)
                 row["fill_s"] = time.perf_counter() - t0
                 row["kv_bytes"] = cache_bytes(cache)
+                if device == "cuda":  # the fill's transient above the cache it leaves (chunks, not float layers)
+                    row["fill_transient_bytes"] = int(torch.cuda.max_memory_allocated() - base - row["kv_bytes"])
+                    row["layer_bf16_bytes"] = int(format_kv_bytes("bf16", layers=1, batch=batch,
+                                                                  kv_heads=cfg.num_key_value_heads, ctx=ctx,
+                                                                  d=cfg.head_dim))
                 live[m] = Stepper(m, model, cache, batch=batch, ctx=ctx, device=device, steps=prof.steps)
                 cache = None  # held by its Stepper only, so the group's memory goes when the group does
                 free -= need
