@@ -118,7 +118,7 @@ PROFILES = {
                    budget_ctxs=(16384, 32768), kv_budget_bytes=100e9, rounds=5, chunk=4096, time_budget_s=420.0,
                    hf_quant_max_tokens=8 * 16384, goal_cell=(64, 32768)),
     "ci": Profile(TINY, (1, 2), (32,), priority=((2, 64),), budget_ctxs=(64,), kv_budget_bytes=40e3, rounds=2,
-                  chunk=16, time_budget_s=45.0, hf_quant_max_tokens=2 * 32, goal_cell=(2, 64), steps=2),
+                  chunk=16, time_budget_s=120.0, hf_quant_max_tokens=2 * 32, goal_cell=(2, 64), steps=2),
 }
 PROFILES["cpu"] = PROFILES["ci"]
 
