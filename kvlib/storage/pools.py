@@ -231,8 +231,8 @@ class Int8Store(Store):
         from kvlib.kernels.int8.decode import resolve_impl
 
         on = device.type == "cuda" or (self.interpret and triton_available(device))
-        if not self.dithered or not on:
-            return None  # the INT8 kernels regenerate a key dither: RTN keys have only the reference
+        if not on:
+            return None
         d4 = self.d // 4
         if self.d % 4 or d4 & (d4 - 1) or self.group % 4:
             return None
@@ -240,7 +240,9 @@ class Int8Store(Store):
             impl = resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
         except ValueError:
             return None
-        if self.k.dither_layout == "h8" and device.type == "cuda":
+        # RTN keys (rtn-int8): the kernels' RTN-key mode (no dither, no certificate); the Gluon kernel reads them
+        # whatever the pool's layout label, and is the fastest where it applies
+        if (self.k.dither_layout == "h8" or not self.dithered) and device.type == "cuda":
             from kvlib.kernels.int8.gluon import gluon_unsupported
 
             probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=dtype)  # the Gluon kernel: fp16/bf16
@@ -264,8 +266,8 @@ class Int8Store(Store):
         from kvlib.kernels.int8.decode import decode_int8
 
         out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
-                          layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False,
-                          fallback_to_reference=False)
+                          layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl,
+                          cert=self.dithered, fallback_to_reference=False)
         ran = getattr(out, "path", None)  # the kernel's own record of what ran, where it keeps one
         label = f"int8-{impl}" if not ran else ran if ran.startswith("int8") else f"int8-{ran}"
         return out.o, label, out.tv_bound_one
