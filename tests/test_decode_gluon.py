@@ -255,3 +255,33 @@ def test_outlier_and_rtn_key_variants_compile_for_sm90_without_spills():
     for out in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255
         assert out["top_opcodes"].get("HMMA", 0) > 0
+
+
+@gpu
+@pytest.mark.parametrize("layer", [0, 1, 16])
+@pytest.mark.parametrize("impl", ["gluon", "h10"])
+def test_layer_and_seed_words_equal_to_one_are_run_time_values(layer, impl):
+    """Triton turns an integer argument equal to 1 into a compile-time constant unless told not to; the layer
+    index and the seed words are Philox counter inputs, so layer 1 (or a seed word of 1) must compile and match
+    the reference like any other (a real model's second layer is layer 1)."""
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=4, hkv=1, layer=layer)
+    for seed in (SEED, 1, 2**32 + 1):
+        kw = dict(layer=layer, seed=seed)
+        kps = make_pool_side(_setup_keys(layer, seed), layer=layer, seed=seed, side=0, dither_layout="h8")
+        n = kps.codes.shape[0]
+        sl = torch.arange(n, dtype=torch.int32).view(1, n).to(DEV)
+        sq = torch.tensor([n], dtype=torch.int32, device=DEV)
+        mv = lambda s: dataclasses.replace(s, codes=s.codes.to(DEV), scales=s.scales.to(DEV))  # noqa: E731
+        kd = mv(kps)
+        vd = mv(make_pool_side(_setup_keys(layer, seed + 1), layer=layer, seed=seed, side=1, dithered=False))
+        qq = q[:1]
+        ref = decode_reference(qq, kd, vd, sl, sq, impl="h10", **kw)
+        out = decode_int8(qq, kd, vd, sl, sq, impl=impl, **kw)
+        assert out.path == impl
+        torch.testing.assert_close(out.tv_bound_one.double().cpu(), ref.tv_bound_one.cpu(), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out.o.double().cpu(), ref.o.cpu(), atol=2e-5, rtol=1e-4)
+
+
+def _setup_keys(layer: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(layer * 7 + seed % 1000)
+    return torch.randn(40, 1, 128, generator=g)

@@ -347,7 +347,8 @@ def _store_group(o_base, s_os_h, acc, sc, g: gl.constexpr, GQA: gl.constexpr, MM
     gl.store(o_base + h[None, :] * s_os_h + ch[:, None], acc * sc[None, :], mask=mask)
 
 
-@gluon.jit
+# layer and seed are run-time values: a layer (or seed word) equal to 1 must not become a constexpr
+@gluon.jit(do_not_specialize=["layer", "seed_lo", "seed_hi"])
 def _stage1_g8(
     Q, KC, KS, VC, VS, SLOTS, SEQ, O_S, LSE_S, A_S, B_S, KO, KOC, VO, VOC,
     sm_scale, log_2_over_delta, rad_extra, layer, seed_lo, seed_hi, byp_rel, byp_abs,

@@ -267,7 +267,8 @@ def _storeT_group(o_base, s_os_h, heads, accT, sc, mask_h, voc, g: tl.constexpr,
              mask=mask_h[None, :] & keep[:, None])
 
 
-@triton.jit
+# layer and seed are run-time values: a layer (or seed word) equal to 1 must not become a constexpr
+@triton.jit(do_not_specialize=["layer", "seed_lo", "seed_hi"])
 def _decode_int8_stage1_h10(
     Q, KC, KS, KO, KOC, VC, VS, VO, VOC, SLOTS, SEQ,
     O_S, LSE_S, A_S, B_S,
