@@ -37,8 +37,9 @@ Repair granularity (``level``):
 
 Host syncs: none at the certificate stage (counts, maxima and the per-row tallies stay on the device);
 one ``torch.nonzero`` of the over-threshold (row, KV head) mask per layer and step decides whether any
-repair runs (a host sync of a few bytes, microseconds on a GPU; this is why static, CUDA-graph-captured
-pools are refused). The repair path itself (rare by design) syncs freely.
+repair runs (a host sync of a few bytes, microseconds on a GPU; it is also why a gated step cannot be
+captured in a CUDA graph: static pools work, eager, and a capture is refused by name). The repair path
+itself (rare by design) syncs freely.
 
 A certificate is a bound on a total variation, which never exceeds 1; a vacuous (``+inf``/NaN) one counts
 as over every ``tau`` and is reported in ``overflow``. The prefill attends over the float prompt (exact),
@@ -114,9 +115,6 @@ class GatedCache(KVFormatCache):
                              "pass telemetry=False")
         if not (isinstance(tau, (int, float)) and tau >= 0 and not math.isnan(tau)):
             raise ValueError(f"tau must be a non-negative number, got {tau!r}")
-        if options.get("batch_size") is not None or options.get("max_len") is not None:
-            raise ValueError("batch_size/max_len: static (CUDA-graph) pools cannot be gated: the gate reads one "
-                             "host-side nonzero per layer and step")
         if options.get("stride", 1) != 1:
             raise ValueError("stride: the gate needs a certificate at every decode step (stride=1)")
         if options.get("prefill", "float") != "float":
@@ -145,8 +143,34 @@ class GatedCache(KVFormatCache):
         pin = self.shadow == "host" and torch.cuda.is_available()  # pinned: async copies to the GPU
         return torch.zeros(shape, dtype=self.shadow_dtype, device=self._shadow_device(), pin_memory=pin)
 
+    #: decode-step writes to a host shadow of a GPU cache are staged on the device and copied over in one go
+    #: every this many steps (or before a repair reads the shadow): indexing host memory with device slots
+    #: would otherwise sync at every layer and step
+    STAGE_STEPS = 64
+
     def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                   slots: torch.Tensor | None) -> None:
+        if slots is not None and self._stage_writes(k):
+            stage = self.__dict__.setdefault("_stage", [[] for _ in range(self.n_layers)])[layer_idx]
+            stage.append((slots.detach().clone(), k.detach().to(self.shadow_dtype), v.detach().to(self.shadow_dtype)))
+            if len(stage) >= self.STAGE_STEPS:
+                self._flush(layer_idx)
+            return
+        self._store_shadow(layer_idx, k, v, rows, pos, slots)
+
+    def _stage_writes(self, k: torch.Tensor) -> bool:
+        return self.shadow == "host" and k.device.type != "cpu"
+
+    def _flush(self, layer_idx: int) -> None:
+        """Copy the staged writes of a host shadow (one device-to-host transfer)."""
+        stage = self.__dict__.get("_stage", [[]] * self.n_layers)[layer_idx]
+        if stage:
+            sl, k, v = (torch.cat(t) for t in zip(*stage))
+            stage.clear()
+            self._store_shadow(layer_idx, k, v, None, None, sl)
+
+    def _store_shadow(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
+                      pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
         dev = self._shadow_device()
         if slots is not None:  # paged: the pool's slot index
             need, lead = self.store.n_slots, ()
@@ -167,12 +191,15 @@ class GatedCache(KVFormatCache):
 
     def shadow_nbytes(self) -> int:
         """Bytes of the shadow as allocated (K and V, every layer), from its tensors."""
+        for i in range(self.n_layers):
+            self._flush(i)
         return sum(t.numel() * t.element_size() for pair in self._sh for t in pair if t is not None)
 
     def _shadow_read(self, layer, b: int, h: int, pos: torch.Tensor, device: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Shadow K, V ``[n, d]`` (float32 on ``device``) of row ``b``, KV head ``h`` at positions ``pos``, and the
         bytes moved (measured from the read tensors)."""
+        self._flush(layer.layer_idx)
         sk, sv = self._sh[layer.layer_idx]
         if isinstance(self.store, ObjectStore):
             idx = (b, pos.to(sk.device), h)
@@ -212,9 +239,11 @@ class GatedCache(KVFormatCache):
                             group=packed.group, outlier_channels=oc if outs is not None else None,
                             outliers=outs, proxy=self.kind).expand(qg.shape[0], S)
 
-    def _stored(self, layer, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored (dequantised) K, V ``[Hkv, n, d]`` float64 of row ``b``'s real tokens."""
-        k, v = layer.dequantized()
+    def _stored(self, layer, b: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored (dequantised) K, V ``[Hkv, n, d]`` float64 of row ``b``'s real tokens (``kv``: the layer's
+        ``dequantized()``, when the caller already has it)."""
+        k, v = layer.dequantized() if kv is None else kv
         p, n = layer.pad[b], layer.table.lens[b]
         return k[b, :, p:p + n].double(), v[b, :, p:p + n].double()
 
@@ -222,8 +251,9 @@ class GatedCache(KVFormatCache):
         """Certificates ``[B, Hq]`` computed in torch (formats without a kernel certificate)."""
         g = self.n_heads // self.n_kv
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
+        kv = layer.dequantized()
         for b in range(q.shape[0]):
-            k_hat, _ = self._stored(layer, b)
+            k_hat, _ = self._stored(layer, b, kv)
             packed = self._key_heads(layer, b)
             qb = q[b].double().view(self.n_kv, g, self.head_dim)
             for h in range(self.n_kv):
@@ -234,6 +264,10 @@ class GatedCache(KVFormatCache):
 
     # -- the gate ---------------------------------------------------------------------------------
     def _step_certificate(self, layer, q: torch.Tensor, sm: float) -> torch.Tensor:
+        if self._kernel_cert and "_cert_buf" in layer.__dict__:  # static pools: by the query's position
+            t = layer.table
+            buf = layer.__dict__["_cert_buf"]
+            return buf[torch.arange(t.batch, device=buf.device), :, (t.seq_lens.long() - 1).clamp(min=0)].double()
         if self._kernel_cert:
             n = len(layer._certs)
             if n == self._n_certs_seen[layer.layer_idx]:
@@ -259,6 +293,9 @@ class GatedCache(KVFormatCache):
     def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float) -> torch.Tensor:
         """Called by :mod:`kvlib.hf.attention` after a decode step's attention: ``q [B, Hq, d]``, ``o [B, Hq, d]``
         (the kernel's or reference's output). Returns ``o`` with the over-threshold groups recomputed."""
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a gated decode step cannot be captured in a CUDA graph: the gate reads one host-side "
+                               "nonzero per layer and step to decide whether a repair runs")
         if layer.layer_idx == 0:
             self.forward_steps += 1
         cert = self._step_certificate(layer, q, sm)  # [B, Hq]
@@ -271,12 +308,13 @@ class GatedCache(KVFormatCache):
         if pairs.shape[0] == 0:
             return o
         o = o.clone()
+        kv = layer.dequantized() if self.level == "block" else None  # once per layer and step
         for b, h in pairs.tolist():
             rows = slice(h * g, (h + 1) * g)
             if self.level == "head":
                 out, ev = self._repair_head(layer, b, h, q[b, rows], sm)
             else:
-                out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm)
+                out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm, kv)
             o[b, rows] = out.to(o.dtype)
             ev.update(layer=layer.layer_idx, row=b, kv_head=h, step=self.forward_steps,
                       cert=float(cert[b, rows].nan_to_num(nan=math.inf).max()))
@@ -289,11 +327,11 @@ class GatedCache(KVFormatCache):
         out = torch.softmax(sm * (qg.float() @ k.T), -1) @ v  # float32 attention over the shadow
         return out, dict(tokens=n, bytes=moved, bytes_whole_head=moved, positions=n, blocks=None)
 
-    def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float
-                       ) -> tuple[torch.Tensor, dict]:
+    def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float,
+                       kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         n, bs, d = layer.table.lens[b], self.block_size, self.head_dim
         dev = qg.device
-        k_hat, v_hat = self._stored(layer, b)
+        k_hat, v_hat = self._stored(layer, b, kv)
         k_hat, v_hat = k_hat[h].to(dev), v_hat[h].to(dev)
         q64 = qg.double()
         z = sm * q64 @ k_hat.T  # [g, n]
