@@ -59,11 +59,11 @@ class Recorder:
         self.cache, self.orig, self.log = cache, cache.gate_step, []
         cache.gate_step = self.hook
 
-    def hook(self, layer, q, o, sm):
+    def hook(self, layer, q, o, sm, kv=None):
         n_ev = len(self.cache.events)
         stored = [self.cache._stored(layer, b) for b in range(q.shape[0])]
         packed = copy.deepcopy([self.cache._key_heads(layer, b) for b in range(q.shape[0])])  # stateful: grows
-        out = self.orig(layer, q, o, sm)
+        out = self.orig(layer, q, o, sm, kv)
         self.log.append(dict(layer=layer, q=q.clone(), before=o.clone(), after=out.clone(), sm=sm, stored=stored,
                              packed=packed, events=self.cache.events[n_ev:]))
         return out
@@ -140,8 +140,8 @@ def test_certificate_is_sound_against_the_exact_keys(model, ids, fmt) -> None:
     certs = []
     orig = gated._step_certificate
 
-    def keep(layer, q, sm):
-        c = orig(layer, q, sm)
+    def keep(layer, q, sm, kv=None):
+        c = orig(layer, q, sm, kv)
         certs.append((layer, q.clone(), sm, c.clone(), [gated._stored(layer, b)[0] for b in range(q.shape[0])]))
         return c
 

@@ -247,11 +247,10 @@ class GatedCache(KVFormatCache):
         p, n = layer.pad[b], layer.table.lens[b]
         return k[b, :, p:p + n].double(), v[b, :, p:p + n].double()
 
-    def _torch_certificates(self, layer, q: torch.Tensor, sm: float) -> torch.Tensor:
+    def _torch_certificates(self, layer, q: torch.Tensor, sm: float, kv: Any) -> torch.Tensor:
         """Certificates ``[B, Hq]`` computed in torch (formats without a kernel certificate)."""
         g = self.n_heads // self.n_kv
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
-        kv = layer.dequantized()
         for b in range(q.shape[0]):
             k_hat, _ = self._stored(layer, b, kv)
             packed = self._key_heads(layer, b)
@@ -263,7 +262,7 @@ class GatedCache(KVFormatCache):
         return out
 
     # -- the gate ---------------------------------------------------------------------------------
-    def _step_certificate(self, layer, q: torch.Tensor, sm: float) -> torch.Tensor:
+    def _step_certificate(self, layer, q: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
         if self._kernel_cert and "_cert_buf" in layer.__dict__:  # static pools: by the query's position
             t = layer.table
             buf = layer.__dict__["_cert_buf"]
@@ -274,7 +273,7 @@ class GatedCache(KVFormatCache):
                 raise RuntimeError(f"layer {layer.layer_idx}: the decode step recorded no certificate")
             self._n_certs_seen[layer.layer_idx] = n
             return layer._certs[-1].to(torch.float64)
-        return self._torch_certificates(layer, q, sm)
+        return self._torch_certificates(layer, q, sm, layer.dequantized() if kv is None else kv)
 
     def _tally(self, cert: torch.Tensor, over: torch.Tensor) -> None:
         """Device-side counts (no host sync)."""
@@ -290,15 +289,16 @@ class GatedCache(KVFormatCache):
         self.row_over += over.sum(1)
         self.row_max = torch.maximum(self.row_max, masked.amax(1))
 
-    def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float) -> torch.Tensor:
+    def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
         """Called by :mod:`kvlib.hf.attention` after a decode step's attention: ``q [B, Hq, d]``, ``o [B, Hq, d]``
-        (the kernel's or reference's output). Returns ``o`` with the over-threshold groups recomputed."""
+        (the kernel's or reference's output; ``kv`` the layer's ``dequantized()`` K/V when the reference path
+        already built them). Returns ``o`` with the over-threshold groups recomputed."""
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a gated decode step cannot be captured in a CUDA graph: the gate reads one host-side "
                                "nonzero per layer and step to decide whether a repair runs")
         if layer.layer_idx == 0:
             self.forward_steps += 1
-        cert = self._step_certificate(layer, q, sm)  # [B, Hq]
+        cert = self._step_certificate(layer, q, sm, kv)  # [B, Hq]
         over = ~(cert <= self.tau)  # NaN and +inf are over
         self._tally(cert, over)
         if not self.gate_on:
@@ -308,7 +308,8 @@ class GatedCache(KVFormatCache):
         if pairs.shape[0] == 0:
             return o
         o = o.clone()
-        kv = layer.dequantized() if self.level == "block" else None  # once per layer and step
+        if self.level == "block" and kv is None:
+            kv = layer.dequantized()  # once per layer and step
         for b, h in pairs.tolist():
             rows = slice(h * g, (h + 1) * g)
             if self.level == "head":
