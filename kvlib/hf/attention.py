@@ -86,6 +86,14 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[2] == 1 and not kwargs.get("output_attentions", False):
         o = layer.decode_kernel(query, sm)
+        gate = getattr(layer.cache, "gate_step", None)  # kvlib.hf.gate: repair over-threshold rows in this step
+        if gate is not None:
+            kv = None
+            if o is None:
+                kv = layer.dequantized()
+                layer.path = "torch-reference"
+                o = fn(module, query, *kv, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0][:, 0]
+            return gate(layer, query[:, :, 0], o, sm, kv).to(query.dtype).unsqueeze(1), None
         if o is not None:
             return o.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, d], as the HF implementations return
     k_all, v_all = layer.dequantized()

@@ -250,6 +250,12 @@ class KVFormatLayer(CacheLayerMixin):
         if isinstance(store, ObjectStore):
             keep = [None] * b if rows_keep is None else list(rows_keep)
             store.write_rows(self.layer_idx, k, v, t.lens, keep)
+            if self.cache.watch_writes:  # a gated cache's shadow (kvlib.hf.gate): the same tokens, by position
+                m = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
+                r, c = m.nonzero(as_tuple=True)
+                pos = torch.tensor(t.lens, dtype=torch.int64, device=k.device)[r] + (m.cumsum(1) - 1)[r, c]
+                self.cache._on_write(self.layer_idx, k.permute(0, 2, 1, 3)[r, c], v.permute(0, 2, 1, 3)[r, c], r,
+                                     pos, None)
             t.lens = [n + (s if m is None else int(m.sum())) for n, m in zip(t.lens, keep)]
             return
         if rows_keep is None and s == 1:
@@ -258,6 +264,8 @@ class KVFormatLayer(CacheLayerMixin):
             t.reserve([1] * b)
             slots = t.write_slots(rows, pos)
             store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, pos + 1, one_per_row=True)
+            if self.cache.watch_writes:
+                self.cache._on_write(self.layer_idx, k[:, :, 0], v[:, :, 0], rows, pos, slots)
             t.advance([1] * b)
             return
         keep = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
@@ -271,6 +279,8 @@ class KVFormatLayer(CacheLayerMixin):
         slots = t.write_slots(rows, pos, offs)
         kt, vt = k.permute(0, 2, 1, 3)[rows, cols], v.permute(0, 2, 1, 3)[rows, cols]  # [N, H, d]
         store.write(self.layer_idx, kt, vt, slots, rows, pos, base + counts)
+        if self.cache.watch_writes:
+            self.cache._on_write(self.layer_idx, kt, vt, rows, pos, slots)
         t.advance(n_new, counts)
 
     def rewrite_without_pads(self, k: torch.Tensor, v: torch.Tensor, pad: list[int]) -> None:
@@ -437,6 +447,13 @@ class KVFormatLayer(CacheLayerMixin):
 
 class KVFormatCache(Cache):
     """A transformers ``Cache`` storing K and V in kvlib's paged pools; see :func:`make_cache`."""
+
+    #: subclasses that mirror every written token (kvlib.hf.gate's shadow) set this and override _on_write
+    watch_writes = False
+
+    def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                  slots: torch.Tensor | None) -> None:
+        """Tokens ``k, v [N, H, d]`` were stored for ``rows``/``pos`` at ``slots`` (None: an unpaged store)."""
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
                  telemetry: bool | None = None, tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,

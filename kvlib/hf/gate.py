@@ -1,474 +1,443 @@
-"""A certificate-gated KV cache: head- or block-level exact repair, written back once per request.
+"""A certificate-gated KV cache on the paged pools: same-step exact repair from an opt-in shadow.
 
-:class:`GatedCache` is a :class:`kvlib.hf.cache.KVFormatCache` that keeps an exact copy of every
-K/V it is given (the paper's fp16 backup "off-GPU"; here in ``backup_dtype`` on ``backup_device``)
-and, inside the attention hook of :mod:`kvlib.hf.model` (``observe_query``, called with the real
-post-RoPE query *before* the attention is computed), certifies the last query row of every query
-head against the layer's stored keys. When a (layer, query head) certificate exceeds ``tau``, the
-KV head of that GQA group is repaired: its K and V at every position so far are copied from the
-exact copy into the float store the attention reads (the write-back), and the head stays exact for
-the rest of the request (new positions are stored exact too). The step's attention therefore uses
-the repaired values; nothing is recomputed. A head is paged in at most once per request, and only
-that transfer counts as ``bytes_moved`` (measured from the copied tensors).
+:class:`GatedCache` is a :class:`kvlib.hf.cache.KVFormatCache` plus a *shadow* of every K/V it stores,
+in ``shadow_dtype`` (fp16 by default; bf16/fp32 by option), in the pool's own paged layout (indexed by the
+page table's slots; an unpaged stateful store, e.g. kivi2, by row and position), on the device
+(``shadow="device"``) or in pinned host memory (``shadow="host"``, the paper's off-GPU copy).
 
-Which certificate (``kind``):
+At each one-token decode step, after the kernel (or the torch reference path) has produced the layer's
+output, :mod:`kvlib.hf.attention` calls :meth:`GatedCache.gate_step`: every (row, query head) whose
+certificate exceeds ``tau`` (or is non-finite) triggers a repair of its GQA group in the same step, merged
+in place of the kernel's output rows, and the bytes read from the shadow are counted. A repair is per
+step: nothing is written back into the pools (they hold the format only), so a head over ``tau`` at a
+later step is repaired again and moves its bytes again.
 
-* ``"dither"`` / ``"sr"`` (dither-int8, sr-int8 keys): the WitCert probabilistic certificate
-  (:meth:`KVFormatCache.certify`, sub-Gaussian radius, request-level ``delta_loc``, outlier
-  bypass included).
-* ``"deterministic"`` (fp8-e4m3, rtn-int8, kivi2 keys): the theorem does not apply to these formats
-  (their error is a deterministic function of the key, not an independent dither), so no
-  probabilistic radius is sound. The excerpt of the paper we have does not say how its fp8 and KIVI
-  gates decide; the closest honest gate is a *worst-case* certificate: the same bound
-  ``TV <= 1 - 1/A^2`` with a deterministic radius ``u_t = sm_scale * sum_c |q_c| E_{t,c}``, where
-  ``E`` bounds the storage error elementwise from the packed data alone (fp8: half an e4m3 ulp
-  relative plus the subnormal step; rtn-int8: half a step; kivi2: half a 2-bit step plus the fp16
-  rounding of its input, fp16 rounding for the residual window), plus fp32 dot-product slack. It is
-  sound with probability one, but conservative: expect it to flag far more than the dithered gate.
+Which certificate (``kind``, from the key format's declared capabilities, :mod:`kvlib.formats.base`):
+
+* a ``variance_proxy`` (``"dither"``, ``"sr"``): the WitCert probabilistic certificate; dither-int8 on
+  the INT8 pools takes the decode kernel's own (or its float64 reference's) certificate of the step,
+  recorded by the cache; other proxy formats get the same bound in torch (:func:`score_radius` from
+  the stored scales, request-level ``delta_loc``).
+* ``"deterministic"`` (``bounded=True`` formats: fp8-e4m3, rtn-int8, kivi2): a worst-case certificate,
+  the same ``TV <= 1 - 1/A^2`` with radius ``u_t = sm * sum_c |q_c| E_{t,c} + fp32 dot slack``, ``E`` the
+  format's :meth:`error_bound` of the packed keys. Sound with probability one, conservative.
 
 Repair granularity (``level``):
 
-* ``"head"``: the whole KV head is paged in (every position so far) and stays exact.
-* ``"block"``: the positions of the KV head are cut in blocks of ``block_size`` tokens; the blocks
-  are ranked once by their share of the excess ``A - 1``, ``sum_{t in j} p_tilde_t (e^{u_t} - 1)``
-  (``mass_j (e^{u_j} - 1)`` for a block with one radius; summed over the group's over-threshold
-  query heads), paged in that order, and after each block the certificate of every query head of
-  the group is recomputed exactly (paged positions: exact scores, radius the fp32 dot-product slack
-  only); paging stops at the first point where all of them are ``<= tau`` (or every block is
-  paged). Paged positions stay exact for the rest of the request and each moves at most once;
-  positions written later are stored in the format and may be paged by a later step.
-  ``blocks_paged`` / ``bytes_moved`` are reported beside ``bytes_whole_head`` (what the head-level
-  gate would have moved at the same steps).
+* ``"head"``: the group's rows are recomputed from the shadow K/V of every position of the head
+  (float32 softmax attention); the whole head is read.
+* ``"block"``: the gate's blocks are the pool's pages (``block_size`` tokens). Blocks are ranked by their
+  share of the excess ``A - 1``, ``sum_{t in j} p_tilde_t (e^{u_t} - 1)`` summed over the group's
+  over-threshold query heads (:func:`kvlib.certify.fallback.block_excess`), then paged in from the shadow
+  one by one in that order; after each, the certificate of every query head of the group is recomputed
+  (paged positions: shadow scores, radius the fp32 slack only) and paging stops at the first point where
+  all are ``<= tau`` (or every block is paged). The rows are then recomputed over the mixed keys and values
+  (shadow for paged blocks, the stored format elsewhere). ``bytes_whole_head`` reports what the head gate
+  would have moved for the same repairs.
 
-A certificate is a bound on a total variation, which never exceeds 1, so a vacuous (``+inf``/NaN)
-certificate is read as 1: it is over every ``tau < 1``, and ``tau >= 1`` never repairs.
-At prefill only the last query row is certified (the row that produces the first generated token);
-the repair then makes every row of that layer exact. The exact copy is of the keys and values the
-layer was given, which in a compressed run depend on earlier layers' compressed attention, as
-the paper's backup does.
+Host syncs: none at the certificate stage (counts, maxima and the per-row tallies stay on the device);
+one ``torch.nonzero`` of the over-threshold (row, KV head) mask per layer and step decides whether any
+repair runs (a host sync of a few bytes, microseconds on a GPU; it is also why a gated step cannot be
+captured in a CUDA graph: static pools work, eager, and a capture is refused by name). The repair path
+itself (rare by design) syncs freely.
+
+A certificate is a bound on a total variation, which never exceeds 1; a vacuous (``+inf``/NaN) one counts
+as over every ``tau`` and is reported in ``overflow``. The prefill attends over the float prompt (exact),
+so only decode steps are certified and repaired.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import time
 from typing import Any
 
 import torch
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, certificate_from_scores
+from kvlib.certify.bound import certificate_from_scores, score_radius
 from kvlib.certify.fallback import block_excess
-from kvlib.hf.cache import PROXY_OF_FORMAT, KVFormatCache, _is_stateful, make_cache
+from kvlib.formats.base import format_class, formats_where
+from kvlib.hf.cache import KVFormatCache, make_cache
+from kvlib.storage.pools import FormatStore, Int8Store, ObjectStore
 
-__all__ = ["DETERMINISTIC_FORMATS", "GATE_LEVELS", "GatedCache", "gate_kind", "make_gated_cache",
-           "key_error_bound"]
+__all__ = ["GATE_LEVELS", "SHADOWS", "GatedCache", "gate_kind", "gateable_formats", "make_gated_cache"]
 
 #: repair granularities of the gate
 GATE_LEVELS = ("head", "block")
+#: where the shadow lives
+SHADOWS = ("device", "host")
+_SHADOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-#: key formats the gate certifies with a deterministic (worst-case) radius
-DETERMINISTIC_FORMATS = ("fp8-e4m3", "rtn-int8", "kivi2")
-_FP32_REL = 2.0**-22  # generous relative slack of a few fp32 operations (divide, multiply, add)
-_E4M3_HALF_ULP = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to the magnitude
-_E4M3_SUB_HALF = 2.0**-10  # half the e4m3 subnormal spacing 2^-9
+
+def gateable_formats() -> list[str]:
+    """Key formats with a certificate: a declared variance proxy, or a deterministic error bound."""
+    return sorted(set(formats_where(bounded=True)) | {n for n in formats_where(deterministic=False)
+                                                       if format_class(n).variance_proxy})
 
 
 def gate_kind(format_name: str) -> str:
     """``"dither"``/``"sr"`` (probabilistic certificate) or ``"deterministic"`` for a key format."""
-    if format_name in PROXY_OF_FORMAT:
-        return PROXY_OF_FORMAT[format_name]
-    if format_name in DETERMINISTIC_FORMATS:
+    try:
+        cls = format_class(format_name)
+    except (KeyError, ValueError):
+        cls = None
+    if cls is not None and cls.variance_proxy:
+        return cls.variance_proxy
+    if cls is not None and cls.bounded:
         return "deterministic"
     raise ValueError(f"format {format_name!r} has no certificate for the gate; gateable key formats: "
-                     f"{', '.join(sorted(PROXY_OF_FORMAT) + list(DETERMINISTIC_FORMATS))}")
+                     f"{', '.join(gateable_formats())}")
 
 
-def key_error_bound(format_name: str, packed: Any, k_hat: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound ``E [S, d]`` (float64) on ``|k_hat - k|`` from one head's packed keys.
-
-    ``k_hat [S, d]`` is the dequantised key (what the attention reads). Deterministic formats only.
-    """
-    kh = k_hat.to(torch.float64).abs()
-    if format_name in ("fp8-e4m3", "rtn-int8"):
-        g = packed.group
-        s = packed.scales.to(torch.float64).repeat_interleave(g, dim=-1)  # [S, d]
-        y = torch.where(s > 0, kh / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(kh))
-        if format_name == "rtn-int8":
-            step = torch.full_like(y, 0.5)  # |x/s| <= 127.5 (scales amax/127, bumped): clamp error <= 1/2
-        else:  # RNE to e4m3 (clamp at 448 included: |x/s| <= 448.5)
-            step = (_E4M3_HALF_ULP * y + _E4M3_SUB_HALF) / (1.0 - _E4M3_HALF_ULP)
-        return s * step * (1.0 + _FP32_REL) + _FP32_REL * kh
-    if format_name == "kivi2":
-        n_q, d = packed.codes.shape[0], k_hat.shape[-1]
-        e = kh * FP16_REL + FP16_SUB  # residual window: fp16 rounding
-        if n_q:
-            half = 0.5 * packed.scale.to(torch.float64).repeat_interleave(packed.group, dim=0)[:, :d]  # [n_q, d]
-            zero = packed.zero.to(torch.float64).abs().repeat_interleave(packed.group, dim=0)[:, :d]
-            quant = half * (1.0 + _FP32_REL) + _FP32_REL * (kh[:n_q] + zero)  # 2-bit step of the fp16 input
-            e = e.clone()
-            e[:n_q] = quant + (kh[:n_q] + half) * FP16_REL + FP16_SUB  # plus the input's fp16 rounding
-        return e
-    raise ValueError(f"format_name: no deterministic error bound for {format_name!r}; "
-                     f"known: {', '.join(DETERMINISTIC_FORMATS)}")
+def _slack(sm: float, d: int, qa: torch.Tensor, ka: torch.Tensor) -> torch.Tensor:
+    """fp32 dot-product rounding of the scores, ``sm (d + 2) 2^-24 sum_c |q_c||k_c|``: ``[g, S]``."""
+    return sm * (d + 2) * 2.0**-24 * (qa @ ka.T)
 
 
 class GatedCache(KVFormatCache):
-    """KV format cache with a certificate gate and head-level exact repair; see the module doc.
+    """KV format cache with a certificate gate and same-step exact repair from a shadow; see the module doc."""
 
-    Extra options: ``backup_dtype`` (exact copy dtype; default: the dtype the model hands over, so
-    the copy is exact), ``backup_device`` (default ``"cpu"``, the paper's off-GPU copy), ``gate``
-    (False: keep the copy and the records but never repair, i.e. a flag-only observer).
-    """
+    watch_writes = True
 
     def __init__(self, key_format: Any, value_format: Any, config: Any, *, tau: float = 0.2,
-                 backup_dtype: torch.dtype | None = None, backup_device: str | torch.device = "cpu",
-                 gate: bool = True, level: str = "head", block_size: int = 32, **options: Any) -> None:
+                 shadow: str = "device", shadow_dtype: torch.dtype = torch.float16, gate: bool = True,
+                 level: str = "head", **options: Any) -> None:
         if level not in GATE_LEVELS:
             raise ValueError(f"level must be one of {GATE_LEVELS}, got {level!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if shadow not in SHADOWS:
+            raise ValueError(f"shadow must be one of {SHADOWS}, got {shadow!r}")
+        if not isinstance(shadow_dtype, torch.dtype):
+            raise TypeError(f"shadow_dtype must be a torch.dtype, got {type(shadow_dtype).__name__}")
+        if shadow_dtype not in _SHADOW_DTYPES:
+            raise ValueError(f"shadow_dtype must be one of {_SHADOW_DTYPES}, got {shadow_dtype}")
         if options.get("telemetry"):
             raise ValueError("telemetry: a GatedCache records its own certificates (gate_summary); "
                              "pass telemetry=False")
         if not (isinstance(tau, (int, float)) and tau >= 0 and not math.isnan(tau)):
             raise ValueError(f"tau must be a non-negative number, got {tau!r}")
-        if backup_dtype is not None and not isinstance(backup_dtype, torch.dtype):
-            raise TypeError(f"backup_dtype must be a torch.dtype or None, got {type(backup_dtype).__name__}")
+        if options.get("stride", 1) != 1:
+            raise ValueError("stride: the gate needs a certificate at every decode step (stride=1)")
+        if options.get("prefill", "float") != "float":
+            raise ValueError("prefill: a gated cache attends over the float prompt (prefill='float'); only decode "
+                             "steps are gated")
         self.kind = gate_kind(key_format.name)
         super().__init__(key_format, value_format, config, tau=tau, **options)
-        if self.kind != "deterministic":
-            self.proxy = self.kind  # the base class certifies dithered keys with this proxy
         self.gate_on = bool(gate)
         self.level = level
-        self.block_size = block_size
-        self.backup_dtype = backup_dtype
-        self.backup_device = torch.device(backup_device)
-        n_layers = len(self.layers)
-        self._exact: list[list[torch.Tensor | None]] = [[None, None] for _ in range(n_layers)]
-        self.repaired: list[torch.Tensor | None] = [None] * n_layers  # bool [B, Hkv] per layer
-        self._exact_pos: list[torch.Tensor | None] = [None] * n_layers  # bool [B, Hkv, cap]: paged positions
-        self.blocks_paged = 0
-        self.positions_paged = 0
-        self.bytes_whole_head = 0
-        self._block_heads: set[tuple[int, int, int]] = set()  # (layer, row, kv head) the block gate touched
-        self.row_over: torch.Tensor | None = None  # [B] over-threshold certificates per batch row
-        self.row_max: torch.Tensor | None = None  # [B] largest finite certificate per batch row
-        self.bytes_moved = 0
-        self.n_certs = 0
-        self.n_over = 0
-        self.n_overflow = 0
-        self.max_cert = -math.inf
+        self.shadow = shadow
+        self.shadow_dtype = shadow_dtype
+        self._sh: list[list[torch.Tensor | None]] = [[None, None] for _ in range(self.n_layers)]
+        self._kernel_cert = self.kind == "dither" and self.store_cls is Int8Store
+        self._n_certs_seen = [0] * self.n_layers
+        self._stats: torch.Tensor | None = None  # device [4]: n_certs, n_over, n_overflow, max finite cert
+        self.row_over: torch.Tensor | None = None  # device [B]: over-threshold certificates per row
+        self.row_max: torch.Tensor | None = None  # device [B]: largest finite certificate per row
+        self.events: list[dict[str, Any]] = []  # one per (layer, row, kv head, step) repair
         self.forward_steps = 0
-        self.gate_seconds = 0.0
-        self.events: list[dict[str, Any]] = []  # one per repair: layer, row, kv head, tokens, bytes, cert
 
-    # -- the exact copy -------------------------------------------------------------------------
-    def _append_exact(self, layer_idx: int, side: int, x: torch.Tensor, start: int) -> None:
-        dtype = self.backup_dtype or x.dtype
-        buf = self._exact[layer_idx][side]
-        n_new = x.shape[-2]
-        if buf is None or buf.shape[-2] < start + n_new:
-            cap = max(start + n_new, 2 * (0 if buf is None else buf.shape[-2]), 64)
-            grown = torch.empty((*x.shape[:2], cap, x.shape[-1]), dtype=dtype, device=self.backup_device)
-            if buf is not None:
-                grown[:, :, :start] = buf[:, :, :start]
-            self._exact[layer_idx][side] = buf = grown
-        buf[:, :, start:start + n_new] = x.detach().to(device=self.backup_device, dtype=dtype)
+    # -- the shadow -------------------------------------------------------------------------------
+    def _shadow_device(self) -> torch.device:
+        return self.store.device if self.shadow == "device" else torch.device("cpu")
 
-    def exact_nbytes(self) -> int:
-        """Bytes of the exact copy held aside (filled positions only), measured from its tensors."""
-        total = 0
-        for i, layer in enumerate(self.layers):
-            for buf in self._exact[i]:
-                if buf is not None:
-                    n = layer.cumulative_length
-                    total += buf[:, :, :n].numel() * buf.element_size()
-        return total
+    def _alloc(self, shape: tuple[int, ...]) -> torch.Tensor:
+        pin = self.shadow == "host" and torch.cuda.is_available()  # pinned: async copies to the GPU
+        return torch.zeros(shape, dtype=self.shadow_dtype, device=self._shadow_device(), pin_memory=pin)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[layer_idx]
-        start = layer.cumulative_length if layer.is_initialized else 0
-        self._append_exact(layer_idx, 0, key_states, start)
-        self._append_exact(layer_idx, 1, value_states, start)
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.repaired[layer_idx] is None:
-            self.repaired[layer_idx] = torch.zeros(keys.shape[0], keys.shape[1], dtype=torch.bool)
-        rep = self.repaired[layer_idx]
-        if self.level == "block":
-            self._grow_mask(layer_idx, keys.shape[0], keys.shape[1], layer.cumulative_length)
-            if _is_stateful(layer.formats[0]) or _is_stateful(layer.formats[1]):
-                self._reapply_blocks(layer_idx, keys, values)
-        if bool(rep.any()):
-            n = layer.cumulative_length
-            for side, out in ((0, keys), (1, values)):
-                # the float store of a stateless format persists (only new rows need the exact copy);
-                # a stateful format's is re-read from its packed form each step, so re-apply all rows
-                s0 = 0 if _is_stateful(layer.formats[side]) else start
-                src = self._exact[layer_idx][side]
-                for b, h in rep.nonzero().tolist():
-                    out[b, h, s0:n] = src[b, h, s0:n].to(device=out.device, dtype=out.dtype)
-        return keys, values
+    #: decode-step writes to a host shadow of a GPU cache are staged on the device and copied over in one go
+    #: every this many steps (or before a repair reads the shadow): indexing host memory with device slots
+    #: would otherwise sync at every layer and step
+    STAGE_STEPS = 64
 
-    # -- block-level state ----------------------------------------------------------------------
-    def _grow_mask(self, layer_idx: int, rows: int, heads: int, n: int) -> None:
-        m = self._exact_pos[layer_idx]
-        if m is None or m.shape[-1] < n:
-            cap = max(n, 2 * (0 if m is None else m.shape[-1]), 64)
-            grown = torch.zeros(rows, heads, cap, dtype=torch.bool)
-            if m is not None:
-                grown[..., :m.shape[-1]] = m
-            self._exact_pos[layer_idx] = grown
-
-    def _reapply_blocks(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A stateful format re-reads every row each step: write the paged positions back again."""
-        n = self.layers[layer_idx].cumulative_length
-        mask = self._exact_pos[layer_idx][..., :n]
-        if not bool(mask.any()):
+    def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                  slots: torch.Tensor | None) -> None:
+        if slots is not None and self._stage_writes(k):
+            stage = self.__dict__.setdefault("_stage", [[] for _ in range(self.n_layers)])[layer_idx]
+            stage.append((slots.detach().clone(), k.detach().to(self.shadow_dtype), v.detach().to(self.shadow_dtype)))
+            if len(stage) >= self.STAGE_STEPS:
+                self._flush(layer_idx)
             return
-        for side, out in ((0, keys), (1, values)):
-            src = self._exact[layer_idx][side]
-            for b, h in mask.any(-1).nonzero().tolist():
-                pos = mask[b, h].nonzero().squeeze(-1)
-                out[b, h, pos] = src[b, h, pos].to(device=out.device, dtype=out.dtype)
+        self._store_shadow(layer_idx, k, v, rows, pos, slots)
 
-    def exact_positions(self, layer_idx: int) -> torch.Tensor:
-        """Bool ``[B, Hkv, S]``: positions whose stored K/V are the exact copy (paged or head-repaired)."""
-        layer = self.layers[layer_idx]
-        n = layer.cumulative_length
-        rep = self.repaired[layer_idx]
-        if rep is None:
-            return torch.zeros(0, self.n_kv, 0, dtype=torch.bool)
-        mask = rep.unsqueeze(-1).expand(*rep.shape, n).clone()
-        if self._exact_pos[layer_idx] is not None:
-            mask |= self._exact_pos[layer_idx][..., :n]
-        return mask
+    def _stage_writes(self, k: torch.Tensor) -> bool:
+        return self.shadow == "host" and k.device.type != "cpu"
 
-    # -- certificates ---------------------------------------------------------------------------
-    def scores_and_radius(self, layer_idx: int, b: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Computed scores and radii ``[Hkv, g, S]`` (float64) of row ``b`` for queries ``q [Hq, d]``.
+    def _flush(self, layer_idx: int) -> None:
+        """Copy the staged writes of a host shadow (one device-to-host transfer)."""
+        stage = self.__dict__.get("_stage", [[]] * self.n_layers)[layer_idx]
+        if stage:
+            sl, k, v = (torch.cat(t) for t in zip(*stage))
+            stage.clear()
+            self._store_shadow(layer_idx, k, v, None, None, sl)
 
-        Positions the block gate paged in carry only the fp32 dot-product slack as radius.
-        """
-        layer = self.layers[layer_idx]
-        g = self.n_heads // self.n_kv
-        sm = self.head_dim ** -0.5
-        k_hat = layer.keys[b].double()  # [Hkv, S, d]
-        qh = q.double().view(self.n_kv, g, self.head_dim)
-        z_hat = torch.einsum("hgd,hsd->hgs", qh, k_hat) * sm
-        qa_ka = torch.einsum("hgd,hsd->hgs", qh.abs(), k_hat.abs())
-        slack = sm * (self.head_dim + 2) * 2.0**-24 * qa_ka  # fp32 dot-product rounding
-        if self.kind == "deterministic":
-            err = torch.stack([key_error_bound(self.key_format.name, p, k_hat[h])
-                               for h, p in enumerate(layer.packed[0][b])])  # [Hkv, S, d]
-            u = sm * torch.einsum("hgd,hsd->hgs", qh.abs(), err) + slack
-        else:  # the base class's probabilistic radius (KVFormatCache.certify), unchanged
-            u = self._packed_radius(layer.packed[0][b], qh, sm, z_hat.shape[-1]).expand_as(z_hat)
-        m = self._exact_pos[layer_idx]
-        if m is not None:
-            paged = m[b, :, :z_hat.shape[-1]].to(u.device).unsqueeze(1)  # [Hkv, 1, S]
-            if bool(paged.any()):
-                u = torch.where(paged, slack, u)
-        return z_hat, u
+    def _store_shadow(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
+                      pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+        dev = self._shadow_device()
+        if slots is not None:  # paged: the pool's slot index
+            need, lead = self.store.n_slots, ()
+            idx = (slots.long().to(dev),)
+        else:  # unpaged stateful store: [B, positions]
+            need, lead = int(pos.max()) + 1 if pos.numel() else 0, (self.layers[layer_idx].table.batch,)
+            idx = (rows.long().to(dev), pos.long().to(dev))
+        for side, x in ((0, k), (1, v)):
+            buf = self._sh[layer_idx][side]
+            axis = len(lead)
+            if buf is None or buf.shape[axis] < need:
+                cap = need if slots is not None else max(need, 2 * (0 if buf is None else buf.shape[axis]), 64)
+                grown = self._alloc((*lead, cap, self.n_kv, self.head_dim))
+                if buf is not None:
+                    grown[(slice(None),) * axis + (slice(0, buf.shape[axis]),)] = buf
+                self._sh[layer_idx][side] = buf = grown
+            buf[idx] = x.detach().to(device=dev, dtype=self.shadow_dtype, non_blocking=True)
 
-    def _tv(self, z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        c = certificate_from_scores(z, u)
-        return c.tv_bound if self.two_sided else c.tv_bound_one
+    def shadow_nbytes(self) -> int:
+        """Bytes of the shadow as allocated (K and V, every layer), from its tensors."""
+        for i in range(self.n_layers):
+            self._flush(i)
+        return sum(t.numel() * t.element_size() for pair in self._sh for t in pair if t is not None)
 
-    def certify(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """Certificates ``[B, Hq]`` (float64) for queries ``q [B, Hq, d]``; deterministic radius where needed."""
-        if self.kind != "deterministic" and self.level == "head":
-            return super().certify(layer_idx, q)
-        if self.level == "block":
-            out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
-            for b in range(q.shape[0]):
-                out[b] = self._tv(*self.scores_and_radius(layer_idx, b, q[b])).reshape(-1)
+    def _shadow_read(self, layer, b: int, h: int, pos: torch.Tensor, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Shadow K, V ``[n, d]`` (float32 on ``device``) of row ``b``, KV head ``h`` at positions ``pos``, and the
+        bytes moved (measured from the read tensors)."""
+        self._flush(layer.layer_idx)
+        sk, sv = self._sh[layer.layer_idx]
+        if isinstance(self.store, ObjectStore):
+            idx = (b, pos.to(sk.device), h)
+        else:
+            idx = (layer.table.slot_table()[b, pos.to(layer.table.slot_table().device)].long().to(sk.device), h)
+        k, v = sk[idx], sv[idx]
+        moved = k.numel() * k.element_size() + v.numel() * v.element_size()
+        return (k.to(device, torch.float32, non_blocking=True), v.to(device, torch.float32, non_blocking=True), moved)
+
+    # -- stored keys and radii (repair path and torch certificates) -------------------------------
+    def _key_heads(self, layer, b: int) -> list[Any]:
+        """The packed key object of each KV head of row ``b`` (for radii and error bounds)."""
+        st = self.store
+        if isinstance(st, FormatStore):  # rebuild each head's dataclass from its pages
+            import dataclasses
+
+            sl = layer.table.slot_table()[b, :layer.table.lens[b]].long()
+            per = {f.name for f in dataclasses.fields(st.cls[0]) if f.metadata.get("per_token", False)}
+            out = []
+            for h in range(self.n_kv):
+                vals = {n: t[layer.layer_idx, sl, h] for n, t in st.fields[0].items()}
+                vals.update({n: None for n in per if n not in vals})
+                out.append(st.cls[0](**vals, **st.meta[(0, layer.layer_idx, h)]))
             return out
-        layer = self.layers[layer_idx]
+        return layer.packed[0][b]
+
+    def _radius(self, packed: Any, k_hat: torch.Tensor, qg: torch.Tensor, sm: float) -> torch.Tensor:
+        """Score radius ``[g, S]`` (float64) of one head's stored keys for its group's queries ``qg [g, d]``."""
+        d, S = self.head_dim, k_hat.shape[0]
+        slack = _slack(sm, d, qg.abs(), k_hat.abs())
+        if self.kind == "deterministic":
+            err = self.key_format.error_bound(packed, k_hat).to(torch.float64)
+            return sm * (qg.abs() @ err.T) + slack
+        oc = getattr(packed, "outlier_channels", None)
+        outs = getattr(packed, "outliers", None)
+        return score_radius(qg, packed.scales.to(qg.device), sm_scale=sm, n=max(S, 1), delta=self.delta_loc,
+                            group=packed.group, outlier_channels=oc if outs is not None else None,
+                            outliers=outs, proxy=self.kind).expand(qg.shape[0], S)
+
+    def _stored(self, layer, b: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored (dequantised) K, V ``[Hkv, n, d]`` float64 of row ``b``'s real tokens (``kv``: the layer's
+        ``dequantized()``, when the caller already has it)."""
+        k, v = layer.dequantized() if kv is None else kv
+        p, n = layer.pad[b], layer.table.lens[b]
+        return k[b, :, p:p + n].double(), v[b, :, p:p + n].double()
+
+    def _torch_certificates(self, layer, q: torch.Tensor, sm: float, kv: Any) -> torch.Tensor:
+        """Certificates ``[B, Hq]`` computed in torch (formats without a kernel certificate)."""
         g = self.n_heads // self.n_kv
-        sm = self.head_dim ** -0.5
-        gamma = (self.head_dim + 2) * 2.0**-24  # fp32 dot-product rounding, relative to sum |q||k|
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
         for b in range(q.shape[0]):
-            k_hat = layer.keys[b].double()  # [Hkv, S, d]
-            err = torch.stack([key_error_bound(self.key_format.name, p, k_hat[h])
-                               for h, p in enumerate(layer.packed[0][b])])  # [Hkv, S, d]
-            qh = q[b].double().view(self.n_kv, g, self.head_dim)
-            z_hat = torch.einsum("hgd,hsd->hgs", qh, k_hat) * sm
-            qa = qh.abs()
-            u = sm * (torch.einsum("hgd,hsd->hgs", qa, err) + gamma * torch.einsum("hgd,hsd->hgs", qa, k_hat.abs()))
-            c = certificate_from_scores(z_hat, u)
-            out[b] = (c.tv_bound if self.two_sided else c.tv_bound_one).reshape(-1)
+            k_hat, _ = self._stored(layer, b, kv)
+            packed = self._key_heads(layer, b)
+            qb = q[b].double().view(self.n_kv, g, self.head_dim)
+            for h in range(self.n_kv):
+                z = sm * qb[h] @ k_hat[h].T
+                u = self._radius(packed[h], k_hat[h].to(q.device), qb[h], sm)
+                out[b, h * g:(h + 1) * g] = certificate_from_scores(z, u).tv_bound_one
         return out
 
-    def observe_query(self, layer_idx: int, query: torch.Tensor) -> None:
-        """The gate: certify the step's last query rows, repair over-threshold KV heads before attention."""
-        t0 = time.perf_counter()
-        rep = self.repaired[layer_idx]
-        if layer_idx == 0:
-            self.forward_steps += 1
-        if rep is None or bool(rep.all()):
-            return
-        g = self.n_heads // self.n_kv
-        zu = None
-        if self.level == "block":  # scores and radii once per row, shared by the certificate and the repair
-            zu = [self.scores_and_radius(layer_idx, b, query[b, :, -1, :]) for b in range(query.shape[0])]
-            cert = torch.stack([self._tv(z, u).reshape(-1) for z, u in zu]).cpu()  # [B, Hq]
-        else:
-            cert = self.certify(layer_idx, query[:, :, -1, :]).cpu()  # [B, Hq]
-        live = ~rep.repeat_interleave(g, dim=1)  # query heads of not-yet-repaired KV heads
-        c = cert[live]
-        fin = torch.isfinite(c)
-        eff = torch.where(torch.isnan(cert), torch.ones_like(cert), cert.clamp(max=1.0))  # TV <= 1 always
-        over = (eff > self.tau) & live
-        if self.row_over is None:
-            self.row_over = torch.zeros(cert.shape[0], dtype=torch.int64)
-            self.row_max = torch.full((cert.shape[0],), -math.inf, dtype=torch.float64)
+    # -- the gate ---------------------------------------------------------------------------------
+    def _step_certificate(self, layer, q: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
+        if self._kernel_cert and "_cert_buf" in layer.__dict__:  # static pools: by the query's position
+            t = layer.table
+            buf = layer.__dict__["_cert_buf"]
+            return buf[torch.arange(t.batch, device=buf.device), :, (t.seq_lens.long() - 1).clamp(min=0)].double()
+        if self._kernel_cert:
+            n = len(layer._certs)
+            if n == self._n_certs_seen[layer.layer_idx]:
+                raise RuntimeError(f"layer {layer.layer_idx}: the decode step recorded no certificate")
+            self._n_certs_seen[layer.layer_idx] = n
+            return layer._certs[-1].to(torch.float64)
+        return self._torch_certificates(layer, q, sm, layer.dequantized() if kv is None else kv)
+
+    def _tally(self, cert: torch.Tensor, over: torch.Tensor) -> None:
+        """Device-side counts (no host sync)."""
+        fin = torch.isfinite(cert)
+        if self._stats is None:
+            self._stats = torch.tensor([0.0, 0.0, 0.0, -math.inf], dtype=torch.float64, device=cert.device)
+            self.row_over = torch.zeros(cert.shape[0], dtype=torch.int64, device=cert.device)
+            self.row_max = torch.full((cert.shape[0],), -math.inf, dtype=torch.float64, device=cert.device)
+        masked = torch.where(fin, cert, torch.full_like(cert, -math.inf))
+        self._stats[:3] += torch.stack([torch.tensor(float(cert.numel()), dtype=torch.float64, device=cert.device),
+                                        over.sum().double(), (~fin).sum().double()])
+        self._stats[3] = torch.maximum(self._stats[3], masked.max())
         self.row_over += over.sum(1)
-        self.row_max = torch.maximum(self.row_max, torch.where(live & torch.isfinite(cert), cert, -math.inf).amax(1))
-        self.n_certs += int(c.numel())
-        self.n_overflow += int((~fin).sum())
-        self.n_over += int(over.sum())
-        if bool(fin.any()):
-            self.max_cert = max(self.max_cert, float(c[fin].max()))
-        if self.gate_on:
-            heads = over.view(over.shape[0], self.n_kv, g).any(-1)
-            for b, h in heads.nonzero().tolist():
-                if self.level == "head":
-                    self._repair(layer_idx, b, h, float(cert[b, h * g:(h + 1) * g].max()))
-                else:
-                    self._repair_blocks(layer_idx, b, h, query[b, :, -1, :], over[b, h * g:(h + 1) * g], zu[b])
-        self.gate_seconds += time.perf_counter() - t0
+        self.row_max = torch.maximum(self.row_max, masked.amax(1))
 
-    def _repair(self, layer_idx: int, b: int, h: int, cert: float) -> None:
-        """Page KV head ``h`` of row ``b`` in from the exact copy and write it into the attention's store."""
-        layer = self.layers[layer_idx]
-        n = layer.cumulative_length
-        moved = 0
-        for side, dst in ((0, layer.keys), (1, layer.values)):
-            src = self._exact[layer_idx][side][b, h, :n]
-            dst[b, h, :n] = src.to(device=dst.device, dtype=dst.dtype)  # in place: the tensor attention gets
-            moved += src.numel() * src.element_size()
-        self.repaired[layer_idx][b, h] = True
-        self.bytes_moved += moved
-        self.bytes_whole_head += moved
-        self.events.append(dict(layer=layer_idx, row=b, kv_head=h, tokens=n, bytes=moved, cert=cert,
-                                step=self.forward_steps))
-
-    def _repair_blocks(self, layer_idx: int, b: int, h: int, q: torch.Tensor, over: torch.Tensor,
-                       zu: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Page blocks of KV head ``h`` (row ``b``) by decreasing excess until every certificate of its
-        group is ``<= tau``; ``q [Hq, d]`` the step's queries, ``over [g]`` the over-threshold heads.
-
-        The certificate after each paged block is computed exactly for every prefix of the order at
-        once (one batched :func:`certificate_from_scores` over the candidate states), then the
-        shortest prefix that meets ``tau`` is paged in.
-        """
-        layer = self.layers[layer_idx]
-        n = layer.cumulative_length
-        bs = self.block_size
+    def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
+        """Called by :mod:`kvlib.hf.attention` after a decode step's attention: ``q [B, Hq, d]``, ``o [B, Hq, d]``
+        (the kernel's or reference's output; ``kv`` the layer's ``dequantized()`` K/V when the reference path
+        already built them). Returns ``o`` with the over-threshold groups recomputed."""
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a gated decode step cannot be captured in a CUDA graph: the gate reads one host-side "
+                               "nonzero per layer and step to decide whether a repair runs")
+        if layer.layer_idx == 0:
+            self.forward_steps += 1
+        cert = self._step_certificate(layer, q, sm, kv)  # [B, Hq]
+        over = ~(cert <= self.tau)  # NaN and +inf are over
+        self._tally(cert, over)
+        if not self.gate_on:
+            return o
         g = self.n_heads // self.n_kv
-        sm = self.head_dim ** -0.5
-        z_all, u_all = self.scores_and_radius(layer_idx, b, q) if zu is None else zu
-        z, u = z_all[h], u_all[h]  # [g, S], the state before this head's repair (other heads are untouched)
-        before = float(self._tv(z, u).nan_to_num(nan=1.0).clamp(max=1.0).max())
-        mask = self._exact_pos[layer_idx][b, h, :n]
+        pairs = over.view(over.shape[0], self.n_kv, g).any(-1).nonzero()  # the one host sync of the step
+        if pairs.shape[0] == 0:
+            return o
+        o = o.clone()
+        if self.level == "block" and kv is None:
+            kv = layer.dequantized()  # once per layer and step
+        for b, h in pairs.tolist():
+            rows = slice(h * g, (h + 1) * g)
+            if self.level == "head":
+                out, ev = self._repair_head(layer, b, h, q[b, rows], sm)
+            else:
+                out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm, kv)
+            o[b, rows] = out.to(o.dtype)
+            ev.update(layer=layer.layer_idx, row=b, kv_head=h, step=self.forward_steps,
+                      cert=float(cert[b, rows].nan_to_num(nan=math.inf).max()))
+            self.events.append(ev)
+        return o
+
+    def _repair_head(self, layer, b: int, h: int, qg: torch.Tensor, sm: float) -> tuple[torch.Tensor, dict]:
+        n = layer.table.lens[b]
+        k, v, moved = self._shadow_read(layer, b, h, torch.arange(n), qg.device)
+        out = torch.softmax(sm * (qg.float() @ k.T), -1) @ v  # float32 attention over the shadow
+        return out, dict(tokens=n, bytes=moved, bytes_whole_head=moved, positions=n, blocks=None)
+
+    def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float,
+                       kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        n, bs, d = layer.table.lens[b], self.block_size, self.head_dim
+        dev = qg.device
+        k_hat, v_hat = self._stored(layer, b, kv)
+        k_hat, v_hat = k_hat[h].to(dev), v_hat[h].to(dev)
+        q64 = qg.double()
+        z = sm * q64 @ k_hat.T  # [g, n]
+        u = self._radius(self._key_heads(layer, b)[h], k_hat, q64, sm)
         exc = sum(block_excess(z[i], u[i], bs) for i in over.nonzero().squeeze(-1).tolist())
-        exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)
-        nb = exc.shape[0]
-        blk = torch.arange(n) // bs  # block of each position
-        open_ = torch.zeros(nb, dtype=torch.bool).index_put_((blk[~mask],), torch.tensor(True))
-        order = [j for j in torch.argsort(exc, descending=True, stable=True).tolist() if bool(open_[j])]
-        src_k = self._exact[layer_idx][0][b, h, :n]
-        src_v = self._exact[layer_idx][1][b, h, :n]
-        qh = q.double().view(self.n_kv, g, self.head_dim)[h]  # [g, d]
-        kd = src_k.double()
-        z_ex = sm * qh @ kd.T  # [g, S]: exact scores of every position
-        u_ex = sm * (self.head_dim + 2) * 2.0**-24 * (qh.abs() @ kd.abs().T)
-        # candidate states k = 0..len(order): the first k blocks of the order paged (plus earlier pages)
-        rank = torch.full((nb,), len(order) + 1, dtype=torch.long)
-        rank[torch.tensor(order, dtype=torch.long)] = torch.arange(1, len(order) + 1)
-        ex = (rank[blk].unsqueeze(0) <= torch.arange(len(order) + 1).unsqueeze(1)) & ~mask  # [K+1, S]
-        zs = torch.where(ex.unsqueeze(1), z_ex, z)  # [K+1, g, S]
-        us = torch.where(ex.unsqueeze(1), u_ex, u)
-        traj = self._tv(zs, us).nan_to_num(nan=1.0).clamp(max=1.0).amax(-1)  # [K+1]
-        ok = (traj <= self.tau).nonzero()
-        k = int(ok[0]) if ok.numel() else len(order)
-        pos = ex[k].nonzero().squeeze(-1)
-        layer.keys[b, h, pos] = src_k[pos].to(device=layer.keys.device, dtype=layer.keys.dtype)
-        layer.values[b, h, pos] = src_v[pos].to(device=layer.values.device, dtype=layer.values.dtype)
-        self._exact_pos[layer_idx][b, h, pos] = True
-        per_pos = 2 * self.head_dim * src_k.element_size()
-        moved = int(pos.numel()) * per_pos
-        key = (layer_idx, b, h)
-        first = key not in self._block_heads
-        self._block_heads.add(key)
-        whole = n * per_pos if first else 0  # the head-level gate pages a head once, all positions so far
-        self.blocks_paged += k
-        self.positions_paged += int(pos.numel())
-        self.bytes_moved += moved
-        self.bytes_whole_head += whole
-        self.events.append(dict(layer=layer_idx, row=b, kv_head=h, tokens=n, blocks=order[:k],
-                                positions=int(pos.numel()),
-                                priority=[float(exc[j]) for j in order], bytes=moved, bytes_whole_head=whole,
-                                cert=before, trajectory=[float(t) for t in traj[:k + 1]], step=self.forward_steps))
+        exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)  # non-finite blocks first
+        order = torch.argsort(exc, descending=True, stable=True).tolist()
+        k_mix, v_mix = k_hat.clone(), v_hat.clone()
+        tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
+        traj, moved, paged = [float(tv.max())], 0, 0
+        while traj[-1] > self.tau and paged < len(order):  # page block by block, recertify after each
+            j = order[paged]
+            pos = torch.arange(j * bs, min((j + 1) * bs, n))
+            ks, vs, nbytes = self._shadow_read(layer, b, h, pos, dev)
+            moved += nbytes
+            paged += 1
+            k_mix[pos], v_mix[pos] = ks.double(), vs.double()
+            z[:, pos] = sm * q64 @ k_mix[pos].T
+            u[:, pos] = _slack(sm, d, q64.abs(), k_mix[pos].abs())
+            tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
+            traj.append(float(tv.max()))
+        out = torch.softmax(z, -1) @ v_mix
+        per_pos = 2 * d * torch.empty((), dtype=self.shadow_dtype).element_size()
+        positions = sum(min((j + 1) * bs, n) - j * bs for j in order[:paged])
+        return out, dict(tokens=n, bytes=moved, bytes_whole_head=n * per_pos, positions=positions,
+                         blocks=order[:paged], priority=[float(exc[j]) for j in order], trajectory=traj)
+
+    # -- batch operations the shadow does not follow ---------------------------------------------------
+    def _refuse(self, what: str) -> None:
+        raise NotImplementedError(f"{what} on a GatedCache: the shadow does not follow batch reorders or crops yet")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("batch_select_indices")
+
+    def crop(self, max_length: int) -> None:
+        self._refuse("crop")
+
+    # -- records ------------------------------------------------------------------------------------
+    def _counts(self) -> tuple[int, int, int, float]:
+        if self._stats is None:
+            return 0, 0, 0, float("nan")
+        n, over, ovf, mx = self._stats.tolist()  # one sync
+        return int(n), int(over), int(ovf), mx if math.isfinite(mx) else float("nan")
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(e["bytes"] for e in self.events)
 
     def row_summaries(self) -> list[dict[str, Any]]:
         """Per batch row (request): flagged, over-threshold count, max certificate, what was paged."""
         if self.row_over is None:
             return []
+        row_over, row_max = self.row_over.tolist(), self.row_max.tolist()
         out = []
-        for b in range(self.row_over.shape[0]):
+        for b in range(len(row_over)):
             ev = [e for e in self.events if e["row"] == b]
-            moved = sum(e["bytes"] for e in ev)
             out.append({
-                "flagged": int(self.row_over[b] > 0),
-                "n_over": int(self.row_over[b]),
-                "max_cert": float(self.row_max[b]) if math.isfinite(float(self.row_max[b])) else float("nan"),
-                "heads_repaired": sum(1 for e in ev if "blocks" not in e),
-                "blocks_paged": sum(len(e.get("blocks", ())) for e in ev),
-                "bytes_moved": moved,
-                "bytes_whole_head": sum(e.get("bytes_whole_head", e["bytes"]) for e in ev),
+                "flagged": int(row_over[b] > 0),
+                "n_over": int(row_over[b]),
+                "max_cert": row_max[b] if math.isfinite(row_max[b]) else float("nan"),
+                "heads_repaired": len({(e["layer"], e["kv_head"]) for e in ev}),
+                "blocks_paged": sum(len(e["blocks"] or ()) for e in ev),
+                "bytes_moved": sum(e["bytes"] for e in ev),
+                "bytes_whole_head": sum(e["bytes_whole_head"] for e in ev),
                 "repair_events": len(ev),
-                "positions_paged": sum(e.get("positions", 0) for e in ev),
+                "positions_paged": sum(e["positions"] for e in ev),
             })
         return out
 
     def gate_summary(self) -> dict[str, Any]:
-        """Per-request record: flagged, heads repaired, bytes moved, certificate maxima and counts."""
-        rows = self.repaired[0].shape[0] if self.repaired[0] is not None else 0
-        heads_repaired = sum(int(r.sum()) for r in self.repaired if r is not None)
+        """Per-cache record: flagged, heads repaired, bytes moved, certificate maxima and counts."""
+        n, over, ovf, mx = self._counts()
+        rows = self.layers[0].table.batch if self.layers[0].table is not None else 0
         return {
-            "kind": self.kind,
-            "tau": self.tau,
-            "flagged": int(self.n_over > 0),
-            "n_certs": self.n_certs,
-            "n_over": self.n_over,
-            "overflow": self.n_overflow,
-            "max_cert": self.max_cert if self.n_certs else float("nan"),
-            "heads_repaired": heads_repaired,
-            "heads_total": len(self.layers) * rows * self.n_kv,
+            "kind": self.kind, "tau": self.tau, "level": self.level, "block_size": self.block_size,
+            "shadow": self.shadow, "shadow_dtype": str(self.shadow_dtype).removeprefix("torch."),
+            "flagged": int(over > 0), "n_certs": n, "n_over": over, "overflow": ovf, "max_cert": mx,
+            "heads_repaired": len({(e["layer"], e["row"], e["kv_head"]) for e in self.events}),
+            "heads_total": self.n_layers * rows * self.n_kv,
             "bytes_moved": self.bytes_moved,
-            "bytes_whole_head": self.bytes_whole_head,
-            "level": self.level,
-            "block_size": self.block_size,
-            "blocks_paged": self.blocks_paged,
-            "positions_paged": self.positions_paged,
-            "repair_events": len(self.events),
-            "gate_seconds": self.gate_seconds,
-            "steps": self.forward_steps,
+            "bytes_whole_head": sum(e["bytes_whole_head"] for e in self.events),
+            "blocks_paged": sum(len(e["blocks"] or ()) for e in self.events),
+            "positions_paged": sum(e["positions"] for e in self.events),
+            "repair_events": len(self.events), "steps": self.forward_steps,
+            "shadow_nbytes": self.shadow_nbytes(),
         }
 
 
-def make_gated_cache(format: str, config: Any, *, tau: float = 0.2, backup_dtype: torch.dtype | None = None,
-                     backup_device: str | torch.device = "cpu", gate: bool = True, level: str = "head",
+def make_gated_cache(format: str, config: Any, *, tau: float = 0.2, shadow: str = "device",
+                     shadow_dtype: torch.dtype = torch.float16, gate: bool = True, level: str = "head",
                      block_size: int = 32, **options: Any) -> GatedCache:
-    """:func:`kvlib.hf.cache.make_cache` with the certificate gate (``tau``, exact-copy options,
-    repair ``level`` ``"head"`` or ``"block"`` with ``block_size`` tokens per block).
-
-    See :class:`GatedCache`; every other option goes to ``make_cache``.
+    """:func:`kvlib.hf.cache.make_cache` with the certificate gate: ``tau``, the shadow (``shadow`` ``"device"``
+    or ``"host"``, ``shadow_dtype`` fp16/bf16/fp32), repair ``level`` ``"head"`` or ``"block"``, and
+    ``block_size`` (the pool's page size, which is also the gate's block). ``gate=False``: certify and count,
+    never repair (a flag-only observer). See :class:`GatedCache`; every other option goes to ``make_cache``.
     """
-    cls = functools.partial(GatedCache, backup_dtype=backup_dtype, backup_device=backup_device, gate=gate,
-                            level=level, block_size=block_size)
-    return make_cache(format, config, cache_class=cls, tau=tau, **options)
+    gone = sorted(set(options) & {"backup_dtype", "backup_device"})
+    if gone:
+        raise TypeError(f"make_gated_cache: {gone} were the float-copy gate's options; use shadow='device'|'host' "
+                        "and shadow_dtype=")
+    cls = functools.partial(GatedCache, shadow=shadow, shadow_dtype=shadow_dtype, gate=gate, level=level)
+    return make_cache(format, config, cache_class=cls, tau=tau, block_size=block_size, **options)
