@@ -133,7 +133,7 @@ def interleaved(timers: dict[str, Callable[[], float]], rounds: int, *,
     counted as ``None``, and its median is over the rounds that ran (``None`` if none did)."""
     names = list(timers)
     ms: dict[str, list] = {n: [] for n in names}
-    for r in range(rounds):
+    for r in range(rounds if names else 0):  # nothing to time (every method of a group failed to set up)
         for name in names[r % len(names):] + names[:r % len(names)]:
             try:
                 ms[name].append(timers[name]())
