@@ -58,16 +58,20 @@ def latency_figure(fixed: pd.DataFrame):
     import seaborn as sns
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    sns.lineplot(data=fixed, x="ctx_max", y="kv4_speedup_vs_sdpa", hue="batch", marker="o", ax=axes[0], palette="viridis")
+    kw = dict(data=fixed, x="ctx_max", hue="batch", marker="o", palette="viridis")
+    sns.lineplot(y="kv4_speedup_vs_sdpa", ax=axes[0], **kw)
     axes[0].axhline(3.0, ls="--", c="k", lw=1, label="goal 3.0x")
     axes[0].axhline(16 / 4.25, ls=":", c="r", lw=1, label="byte limit 3.76x")
-    axes[0].set_xscale("log", base=2); axes[0].set_ylabel("KV4 speedup vs SDPA bf16"); axes[0].legend(fontsize=7)
-    sns.lineplot(data=fixed, x="ctx_max", y="kv4rl_frac_of_kv4", hue="batch", marker="o", ax=axes[1], palette="viridis")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_ylabel("KV4 speedup vs SDPA bf16")
+    axes[0].legend(fontsize=7)
+    sns.lineplot(y="kv4rl_frac_of_kv4", ax=axes[1], **kw)
     axes[1].axhline(0.97, ls="--", c="k", lw=1)
     bb = fixed.drop_duplicates("ctx_max").sort_values("ctx_max")
     axes[1].plot(bb.ctx_max, bb.kv4rl_byte_bound, ls=":", c="r", lw=1.2, label="byte bound")
     axes[1].legend(fontsize=7)
-    axes[1].set_xscale("log", base=2); axes[1].set_ylabel("KV4-RL speed / KV4 speed")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_ylabel("KV4-RL speed / KV4 speed")
     fig.tight_layout()
     return fig
 
