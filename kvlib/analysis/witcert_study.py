@@ -86,3 +86,31 @@ def long_context_rows(contexts: list[int], d: int, *, q_scale: float, rows: int,
             long.append({"S": n, "allocation": alloc, "coverage": coverage(c, tau), "median cert": float(c.median()),
                          "median radius": float(u.median()), "TV > cert": int((r["tv"] > c).sum())})
     return long
+
+
+def soundness_trials(families, S: int, d: int, *, rows: int, trials: int, q_scale: float, deltas: list[float],
+                     seed: int, generator: torch.Generator):
+    """For each key family of ``synthetic_keys`` (keys and ``rows`` queries drawn from ``generator``),
+    ``trials`` dither draws certified at each delta: the raw results per family, and one row per (family,
+    delta) with the certificate's violations (TV > cert) and the failures of its concentration event, each
+    with an exact 95% upper bound on its rate."""
+    from scipy.stats import binomtest
+
+    from kvlib.certify.bound import synthetic_keys
+
+    res, table = {}, []
+    for fam in families:
+        k = synthetic_keys(fam, S, d, generator=generator)
+        q = q_scale * torch.randn(rows, d, generator=generator)
+        r = certify_trials(k, q, trials=trials, deltas=tuple(deltas), seed0=seed * 1000 + 1)
+        res[fam] = r
+        n = r["tv"].numel()
+        for i, dl in enumerate(deltas):
+            viol = int((r["tv"] > r["cert"][i]).sum())
+            ev = int(r["event"][i].sum())
+            ci_v = binomtest(viol, n).proportion_ci(method="exact")
+            ci_e = binomtest(ev, n).proportion_ci(method="exact")
+            table.append({"keys": fam, "delta": dl, "pairs": n, "TV > cert": viol, "rate": viol / n,
+                          "rate 95% hi": ci_v.high, "event fails": ev, "event rate": ev / n,
+                          "event 95% hi": ci_e.high})
+    return res, table
