@@ -1,6 +1,6 @@
 """Known-answer checks of the Triton Philox against Random123's ``kat_vectors``: our ``philox4x32`` helper
 (any round count) and Triton's own ``tl.philox`` (10 rounds), each in a one-program kernel, beside the torch
-reference ``kvlib.core.philox.philox4x32_10``."""
+reference ``kvlib.core.philox.philox4x32_10``. tests/test_philox.py runs the same kernels."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from kvlib.kernels.tl.philox import philox4x32
 
 
 @triton.jit
-def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+def philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
+    """Our ``philox4x32`` on BLOCK (counter, key) rows: counters ``[BLOCK, 4]``, keys ``[BLOCK, 2]`` in, the
+    four words out as int64 ``[BLOCK, 4]``."""
     i = tl.arange(0, BLOCK)
-    w0, w1, w2, w3 = philox4x32(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
-                                tl.load(c_ptr + 4 * i + 3), tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1),
-                                N_ROUNDS)
+    args = (tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2), tl.load(c_ptr + 4 * i + 3),
+            tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1))
+    w0, w1, w2, w3 = philox4x32(*args, N_ROUNDS, WIDE)
     tl.store(o_ptr + 4 * i, w0.to(tl.int64))
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
@@ -27,10 +29,14 @@ def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
+def tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
+    """Triton's own ``tl.philox`` (10 rounds, key ``(seed & 0xffffffff, seed >> 32)``) on the same layout."""
     i = tl.arange(0, BLOCK)
-    w0, w1, w2, w3 = tl.philox(seed, tl.load(c_ptr + 4 * i).to(tl.uint32), tl.load(c_ptr + 4 * i + 1).to(tl.uint32),
-                               tl.load(c_ptr + 4 * i + 2).to(tl.uint32), tl.load(c_ptr + 4 * i + 3).to(tl.uint32))
+    c0 = tl.load(c_ptr + 4 * i).to(tl.uint32)
+    c1 = tl.load(c_ptr + 4 * i + 1).to(tl.uint32)
+    c2 = tl.load(c_ptr + 4 * i + 2).to(tl.uint32)
+    c3 = tl.load(c_ptr + 4 * i + 3).to(tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
     tl.store(o_ptr + 4 * i, w0.to(tl.int64))
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
@@ -49,13 +55,13 @@ def kat_rows(vectors: list[dict[str, Any]], device: str, triton_label: str) -> l
         ctr, key, want = _words(v["counter"]), _words(v["key"]), _words(v["output"])
         ours = philox4x32_10(ctr, key, rounds=v["rounds"])
         out = torch.empty(1, 4, dtype=torch.int64, device=device)
-        _philox_kernel[(1,)](ctr[None].to(device), key[None].to(device), out, N_ROUNDS=v["rounds"], BLOCK=1)
+        philox_kernel[(1,)](ctr[None].to(device), key[None].to(device), out, N_ROUNDS=v["rounds"], BLOCK=1)
         row = {"rounds": v["rounds"], "counter": " ".join(v["counter"]), "key": " ".join(v["key"]),
                "expected": " ".join(v["output"]), "torch": bool(torch.equal(ours, want)),
                triton_label: bool(torch.equal(out[0].cpu(), want))}
         if v["rounds"] == 10:  # tl.philox is 10 rounds with key (seed & 0xffffffff, seed >> 32)
             o2 = torch.empty(1, 4, dtype=torch.int64, device=device)
-            _tl_philox_kernel[(1,)](ctr[None].to(device), o2, int(key[0]) | (int(key[1]) << 32), BLOCK=1)
+            tl_philox_kernel[(1,)](ctr[None].to(device), o2, int(key[0]) | (int(key[1]) << 32), BLOCK=1)
             row["tl.philox"] = bool(torch.equal(o2[0].cpu(), want))
         rows.append(row)
     return rows
