@@ -103,35 +103,11 @@ tl = triton.language
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from kvlib.kernels.tl.philox import dither_tile, philox4x32  # noqa: E402
+from kvlib.kernels.tl.philox import dither_tile  # noqa: E402
+from kvlib.kernels.tl.philox_kat import philox_kernel as _philox_kernel  # noqa: E402
+from kvlib.kernels.tl.philox_kat import tl_philox_kernel as _tl_philox_kernel  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@triton.jit
-def _philox_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr = False):
-    i = tl.arange(0, BLOCK)
-    args = (tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2), tl.load(c_ptr + 4 * i + 3),
-            tl.load(k_ptr + 2 * i), tl.load(k_ptr + 2 * i + 1))
-    w0, w1, w2, w3 = philox4x32(*args, N_ROUNDS, WIDE)
-    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
-
-
-@triton.jit
-def _tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    c0 = tl.load(c_ptr + 4 * i).to(tl.uint32)
-    c1 = tl.load(c_ptr + 4 * i + 1).to(tl.uint32)
-    c2 = tl.load(c_ptr + 4 * i + 2).to(tl.uint32)
-    c3 = tl.load(c_ptr + 4 * i + 3).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
-    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
-    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
 
 
 @triton.jit

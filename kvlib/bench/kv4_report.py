@@ -1,0 +1,231 @@
+"""What the kv4rl_latency notebook derives from the ``kv4`` benchmark's result and the development probes'
+result files: the byte bound of KV4-RL / KV4, the SASS issue-rate model, the claims, the figure and the
+probe numbers its design notes cite. Each function only reads result dicts (no GPU), so the notebook renders
+anywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from kvlib.formats.base import get_format
+from kvlib.publish.provenance import load_result
+
+NAN = float("nan")
+# H200 SXM: 132 SMs x 4 schedulers, one warp instruction (32 threads) per clock each, 1.98 GHz boost
+H200_ISSUE_PER_S = 132 * 4 * 32 * 1.98e9  # thread instructions per second
+
+
+@dataclass(frozen=True)
+class ByteBound:
+    """The byte bound of KV4-RL / KV4: KV4-RL reads its P = min(S, sink + recent) protected positions as INT8
+    (``b8`` bytes each) instead of INT4 (``b4``), the formats' own byte accounts; a kernel that reads bytes as
+    efficiently in both regions cannot beat S b4 / ((S - P) b4 + P b8)."""
+
+    b4: float
+    b8: float
+    cap: int
+
+    @classmethod
+    def from_shape(cls, shape: dict[str, Any]) -> ByteBound:
+        d = shape["d"]
+        f_rl = get_format("kv4rl", sink=shape["sink"], recent=shape["recent"])
+        cap = shape["sink"] + shape["recent"]
+        return cls(get_format("kv4").bytes_per_position(d), f_rl.fixed_bytes(d) / cap, cap)
+
+    def __call__(self, S: int) -> float:
+        P = min(S, self.cap)
+        return S * self.b4 / ((S - P) * self.b4 + P * self.b8)
+
+
+def rerun_rows(fixed: pd.DataFrame, source_profile: str) -> tuple[pd.DataFrame | None, str | None]:
+    """The S >= 16k rows of the same benchmark run again (``dev/kv4_rerun``) beside this run's, and that
+    run's commit; (None, None) when the file is absent."""
+    rerun = load_result("dev/kv4_rerun", source_profile)
+    if rerun is None:
+        return None, None
+    rr = pd.DataFrame(rerun["results"]["fixed"])
+    both = fixed.merge(rr, on=["batch", "ctx_max"], suffixes=("", "_rerun"))
+    return both[both.ctx_max >= 16384], rerun["provenance"]["commit"]
+
+
+def latency_figure(fixed: pd.DataFrame):
+    """KV4's speedup over SDPA and KV4-RL's share of KV4's speed against context, with the goals and the
+    byte bound (``fixed`` must carry a ``kv4rl_byte_bound`` column)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    kw = dict(data=fixed, x="ctx_max", hue="batch", marker="o", palette="viridis")
+    sns.lineplot(y="kv4_speedup_vs_sdpa", ax=axes[0], **kw)
+    axes[0].axhline(3.0, ls="--", c="k", lw=1, label="goal 3.0x")
+    axes[0].axhline(16 / 4.25, ls=":", c="r", lw=1, label="byte limit 3.76x")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_ylabel("KV4 speedup vs SDPA bf16")
+    axes[0].legend(fontsize=7)
+    sns.lineplot(y="kv4rl_frac_of_kv4", ax=axes[1], **kw)
+    axes[1].axhline(0.97, ls="--", c="k", lw=1)
+    bb = fixed.drop_duplicates("ctx_max").sort_values("ctx_max")
+    axes[1].plot(bb.ctx_max, bb.kv4rl_byte_bound, ls=":", c="r", lw=1.2, label="byte bound")
+    axes[1].legend(fontsize=7)
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_ylabel("KV4-RL speed / KV4 speed")
+    fig.tight_layout()
+    return fig
+
+
+def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
+                   rr16: pd.DataFrame | None) -> list[dict[str, str]]:
+    """The two claims (keyword arguments of ``Run.claim``): KV4's kernel speedup and KV4-RL's share."""
+    gl, best = goals, fixed.kv4_speedup_vs_sdpa.max()
+    speedup = dict(
+        claim_id="kv4rl-kv4-kernel-speedup",
+        ours=f"attention kernel only: {fixed.kv4_speedup_vs_sdpa.min():.2f}-{best:.2f}x vs SDPA bf16 (fixed shapes)",
+        verdict="reproduced" if 1.44 <= best else "differs",
+        why="kernel-level, not whole decode step; issue goal 3.0x at long context: "
+            + (f"S = 16k min {gl['kv4_speedup_16k_min']:.2f}x ("
+               + ("met" if gl["kv4_speedup_16k_min"] >= 3.0 else "not met") + "), "
+               if gl.get("kv4_speedup_16k_min") is not None else "")
+            + f"S >= 4k min {gl['kv4_speedup_long_ctx_min']:.2f}x ("
+            + ("met" if gl["kv4_speedup_long_ctx_min"] >= 3.0 else "not met") + ")")
+    agg = gl["kv4rl_frac_ragged_aggregate"]
+    f16 = fixed[fixed.ctx_max >= 16384].kv4rl_frac_of_kv4
+    why = [] if agg >= 0.94 else ["our protected path costs more than the paper's at these shapes"]
+    why.append(f"bytes alone cap KV4-RL/KV4 at {bound(1024):.0%} at S=1k, {bound(4096):.0%} at 4k, "
+               f"{bound(16384):.1%} at 16k (INT8 side entries are {bound.b8 / bound.b4:.1f}x an INT4 entry), so the "
+               "97% goal is reachable only at long context")
+    if len(f16):
+        why.append(f"at S = 16k it reads {f16.min():.1%}-{f16.max():.1%}: the issue's 97% goal is "
+                   + ("met" if f16.min() >= 0.97 else "not met")
+                   + ("" if rr16 is None or not len(rr16) else
+                      f" (a second run: {rr16.kv4rl_frac_of_kv4_rerun.min():.1%}-"
+                      f"{rr16.kv4rl_frac_of_kv4_rerun.max():.1%})"))
+    protect = dict(claim_id="kv4rl-protect-speed", ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); "
+                   f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
+                   verdict="reproduced" if agg >= 0.94 else "differs", why="; ".join(why))
+    return [speedup, protect]
+
+
+SASS_KEYS = ("kv4_sass_per_code", "kv4_sass_regs", "kv4_warps_per_sm", "kv4_issue_ms", "kv4_byte_ms",
+             "kv4_ms_b32_16k", "kv4_issue_share", "kv4_sass_bitops_share")
+
+
+def sass_issue_model(k4: dict[str, Any], fixed: pd.DataFrame, shape: dict[str, Any],
+                     b4: float) -> tuple[dict[str, Any], str]:
+    """Why the kernel stops short of SDPA's bandwidth at B = 32, S = 16k: its main loop compiled for sm_90
+    (``k4``, the offline count of ``python -m kvlib.bench sass_count``) against the bytes it streams and the
+    instructions it must issue. Returns the glued values (``SASS_KEYS``) and a sentence."""
+    row = fixed[(fixed.batch == 32) & (fixed.ctx_max == 16384)].iloc[0]
+    codes = 32 * shape["hkv"] * 16384 * shape["d"] * 2  # stored 4-bit codes, K and V
+    issue_ms = codes * k4["per_element"] / H200_ISSUE_PER_S * 1e3
+    byte_ms = 32 * 16384 * shape["hkv"] * 2 * b4 / (row.sdpa_GBps * 1e9) * 1e3  # b4: per side (K, V)
+    warps = (65536 // (k4["registers"] * 32 * k4["num_warps"])) * k4["num_warps"]
+    vals = dict(kv4_sass_per_code=k4["per_element"], kv4_sass_regs=int(k4["registers"]), kv4_warps_per_sm=int(warps),
+                kv4_issue_ms=issue_ms, kv4_byte_ms=byte_ms, kv4_ms_b32_16k=float(row.kv4_ms),
+                kv4_issue_share=issue_ms / byte_ms,
+                kv4_sass_bitops_share=(k4["top_opcodes"].get("LOP3", 0) + k4["top_opcodes"].get("SHF", 0))
+                / k4["instructions"])
+    text = (f"B=32, S=16k: the loop issues {k4['per_element']:.2f} instructions per stored code at "
+            f"{k4['registers']} registers ({warps} warps per SM); at perfect issue that is {issue_ms:.3f} ms, "
+            f"reading the bytes at SDPA's measured bandwidth {byte_ms:.3f} ms; measured {row.kv4_ms:.3f} ms.")
+    return vals, text
+
+
+def _row(name: str, **match):  # the first row of a dev probe's result list that matches (None when absent)
+    res = load_result(f"dev/{name}", "gpu")
+    if res is None:
+        return None
+    return next((x for x in res["results"] if all(x.get(k) == v for k, v in match.items())), None)
+
+
+def _get(x, field, scale=1.0):
+    return x[field] * scale if x else NAN
+
+
+def probe_values() -> tuple[dict[str, Any], pd.DataFrame | None]:
+    """The numbers of the design notes, from the development probes' result files in ``dev/results/`` (NaN
+    where a file is absent), and the decomposition table of ``kv4rl_decompose_pipe`` (None when absent)."""
+    v: dict[str, Any] = {}
+    prep = load_result("dev/kv4_prep_probe_mma", "gpu")
+    row1k = next((x for x in prep["results"]["rows"] if x["batch"] == 32 and x["ctx"] == 1024), None) if prep else None
+    v["prep_kv4_ieee_us"] = _get(row1k, "kv4_ieee_ms", 1e3)
+    v["prep_kv4_mma_us"] = _get(row1k, "kv4_ms", 1e3)
+    v["prep_mismatch_mma"] = max(x["code_mismatch_mma"] for x in prep["results"]["rows"]) if prep else NAN
+    v["prep_mismatch_ieee"] = max(x["code_mismatch_ieee"] for x in prep["results"]["rows"]) if prep else NAN
+
+    def sweep_rl(stem, shape):
+        sweep = load_result(f"dev/{stem}", "gpu")
+        return sweep["results"]["shapes"][shape]["kv4rl"] if sweep else None
+
+    rl = sweep_rl("kv4_sweep_packed2", "b32_s16k")
+    v["packed_rl_ms"], v["own_rl_ms"] = _get(rl and rl["packed_fused"], "ms"), _get(rl and rl["default_fused"], "ms")
+    rl = sweep_rl("kv4_sweep_plans2", "b32_s16k")
+    v["last_rl_ms"], v["last_own_rl_ms"] = _get(rl and rl["last_fused"], "ms"), _get(rl and rl["default_fused"], "ms")
+    for stem, variant, key in (("kv4_sweep_order", "interleave_fused", "order"),
+                               ("kv4_sweep_prot", "prot_prefetch_fused", "pref")):
+        rl = sweep_rl(stem, "b512_s4k")
+        v[f"{key}_rl_ms"] = _get(rl and rl[variant], "ms")
+        v[f"{key}_own_rl_ms"] = _get(rl and rl["default_fused"], "ms")
+    pdl = load_result("dev/kv4_sweep_pdl", "gpu")
+    if pdl:
+        sh = pdl["results"]["shapes"]
+        # the sweep ran with pdl off by default: its "pdl" variant against its "default"
+        ratios = [s["kv4"]["pdl"]["ms"] / s["kv4"]["default"]["ms"] for s in sh.values()]
+        v.update(pdl_mean_ratio=sum(ratios) / len(ratios), pdl_n_shapes=len(ratios),
+                 pdl_b32_1k_us=sh["b32_s1k"]["kv4"]["pdl"]["ms"] * 1e3,
+                 nopdl_b32_1k_us=sh["b32_s1k"]["kv4"]["default"]["ms"] * 1e3)
+    else:
+        v.update(dict.fromkeys(("pdl_mean_ratio", "pdl_n_shapes", "pdl_b32_1k_us", "nopdl_b32_1k_us"), NAN))
+    # the same probe before the edge blocks were pipelined
+    v["dec_old_structure_us"] = _get(_row("kv4rl_decompose_rows8", batch=32, ctx=16384), "structure_ms", 1e3)
+    dec = load_result("dev/kv4rl_decompose_pipe", "gpu")
+    table = None
+    if dec:
+        dd = pd.DataFrame(dec["results"])
+        b32 = dd[(dd.batch == 32) & (dd.ctx == 16384)].iloc[0]
+        v["dec_structure_us"] = float(b32.structure_ms) * 1e3
+        v["dec_protected_us"] = float(b32.protected_work_ms) * 1e3
+        table = (pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4": dd.kv4_ms * 1e3, "structure": dd.structure_ms * 1e3,
+                               "protected work": dd.protected_work_ms * 1e3, "KV4-RL/KV4": dd.frac})
+                 .round(3).set_index(["B", "S"]))
+    else:
+        v["dec_structure_us"] = v["dec_protected_us"] = NAN
+    edges = load_result("dev/kv4rl_edges_run1", "gpu")
+    erows = {(x["batch"], x["ctx"]): x for x in edges["results"] if "batch" in x} if edges else {}
+    for key, (b_, n_) in (("b32_16k", (32, 16384)), ("b512_4k", (512, 4096)), ("ragged", (320, 16384))):
+        x = erows.get((b_, n_))
+        v[f"edges_{key}_peel_ms"] = _get(x, "kv4rl_ms")
+        v[f"edges_{key}_pipe_ms"] = _get(x, "kv4rl_pipe_edges_ms")
+        v[f"edges_{key}_frac_peel"] = _get(x, "frac")
+        v[f"edges_{key}_frac_pipe"] = _get(x, "frac_pipe_edges")
+        v[f"edges_{key}_kv4_ratio"] = x["kv4_pipe_edges_ms"] / x["kv4_ms"] if x else NAN
+    frow = _row("kv4rl_fold", batch=32, ctx=16384)
+    v["fold_rl_ms"], v["fold_own_rl_ms"] = _get(frow, "kv4rl_fold_ms"), _get(frow, "kv4rl_pipe_edges_ms")
+    srow = _row("kv4rl_side_merge", batch=32, ctx=16384)
+    v["smerge_rl_ms"], v["smerge_own_rl_ms"] = _get(srow, "kv4rl_side_merge2_ms"), _get(srow, "kv4rl_pipe_edges_ms")
+    # the last side-launch run, with the fused-merge pairs
+    sd32, sd8 = _row("kv4rl_side_r64_c100", batch=32, ctx=16384), _row("kv4rl_side_r64_c100", batch=8, ctx=32768)
+    v.update(side_rl_ms=_get(sd32, "kv4rl_side_ms"), side_r64_rl_ms=_get(sd32, "kv4rl_side_r64_sb32_c100_ms"),
+             side_own_rl_ms=_get(sd32, "kv4rl_ms"), fused_kv4_8_32k_ms=_get(sd8, "kv4_fused_ms"),
+             launch_kv4_8_32k_ms=_get(sd8, "kv4_ms"), fused_rl_8_32k_ms=_get(sd8, "kv4rl_fused_ms"),
+             launch_rl_8_32k_ms=_get(sd8, "kv4rl_ms"), fused_rl_32_16k_ms=_get(sd32, "kv4rl_fused_ms"))
+    # the second edges run, with the register-capped variants
+    crow = _row("kv4rl_edges", batch=32, ctx=16384)
+    v["cap_rl_ms"], v["cap_own_rl_ms"] = _get(crow, "kv4rl_pe_cap168_ctas3_ms"), _get(crow, "kv4rl_pipe_edges_ms")
+    for name, keys in (("kv4rl_edge", {"edgeprog_rl_ms": "kv4rl_edge_ms", "edgeprog_own_rl_ms": "kv4rl_ms"}),
+                       ("kv4rl_bias", {"bias_branch_rl_ms": "kv4rl_bias_branch_ms",
+                                       "bias_table_rl_ms": "kv4rl_bias_table_ms", "bias_own_rl_ms": "kv4rl_ms"}),
+                       ("kv4rl_s2", {"s2_rl_ms": "kv4rl_s2_ms", "s2_own_rl_ms": "kv4rl_ms"})):
+        x = _row(name, batch=32, ctx=16384)
+        for key, field in keys.items():
+            v[key] = _get(x, field)
+    st32, st128 = _row("kv4rl_structure", batch=32), _row("kv4rl_structure", batch=128)
+    v["struct_merge_us"] = ((st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
+                            if st32 else NAN)
+    v["struct_merge128_us"] = ((st128["kv4rl_empty_side_ms"] - st128["kv4rl_empty_side_no_merge_ms"]) * 1e3
+                               if st128 else NAN)
+    v["struct_rest128_us"] = (st128["kv4rl_empty_side_no_merge_ms"] - st128["kv4_ms"]) * 1e3 if st128 else NAN
+    v["edges_max_do"] = max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=NAN)
+    return v, table
