@@ -1082,3 +1082,32 @@ if __name__ == "__main__":  # python -m kvlib.bench.e2e [--profile gpu] [--time-
     a = ap.parse_args()
     r = run(a.profile, time_budget_s=a.time_budget, kv_budget_bytes=a.kv_budget_gb and a.kv_budget_gb * 1e9)
     print("\n".join(summary_lines(r)))
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM2 on the GPU
+def smollm2_table(res: dict | None):
+    """The SmolLM2 GPU check (``dev/gpu/smollm2.py``) as a table, one row per format."""
+    import pandas as pd
+
+    if res is None:
+        return pd.DataFrame({"note": ["data/results/gpu/smollm2_gpu.json is missing: run dev/gpu/smollm2.sh on a GPU"]})
+    rows = []
+    for fmt, r in res["formats"].items():
+        cert = r.get("cert_max_abs_diff")
+        rows.append({"format": fmt, "decode path": r.get("kernel_path", "-"),
+                     "token agreement": f"{r['token_match']:.3f}" if "token_match" in r else "-",
+                     "greedy-equal rows": f"{r['exact_rows']}/{r['rows']}" if "rows" in r else "-",
+                     "first differing token (48: none)": ", ".join(map(str, r.get("first_divergence", []))) or "-",
+                     "certificate vs reference": "-" if cert is None else f"{cert:.1e}",
+                     "error": r.get("error", "")})
+    return pd.DataFrame(rows)
+
+
+def smollm2_glue(res: dict | None) -> dict[str, str]:
+    """Glue values of the SmolLM2 GPU check ("n/a" where it did not run)."""
+    if res is None:
+        return {"smol_bf16_exact": "n/a", "smol_cert_diff": "n/a", "smol_cert_calls": "n/a"}
+    bf, di = res["formats"].get("bf16", {}), res["formats"].get("dither-int8", {})
+    return {"smol_bf16_exact": f"{bf['exact_rows']} of {bf['rows']}" if "rows" in bf else "n/a",
+            "smol_cert_diff": f"{di['cert_max_abs_diff']:.1e}" if "cert_max_abs_diff" in di else "n/a",
+            "smol_cert_calls": str(di.get("cert_checked_calls", "n/a"))}
