@@ -1043,19 +1043,25 @@ def paper_vs_run(result: dict) -> list[dict]:
         ok = abs(cap / PAPER["witcert-e2e-capacity"] - 1) <= 0.03
         out.append({"id": "witcert-e2e-capacity", "ours": f"{cap:.2f}x tokens in the same KV bytes",
                     "verdict": "reproduced" if ok else "differs", "why": "" if ok else "more than 3% away"})
-    rows = [r for r in _ok(result, "dither-int8") if r.get("speedup_vs_dynamic")]
+    # the paper compares quantised with fp16 serving, both as an engine runs them: our like-for-like peer is the
+    # bf16 StaticCache + SDPA step in a CUDA graph (DynamicCache's eager step carries Python overhead per layer)
+    key = "speedup_vs_static_graph"
+    rows = [r for r in _ok(result, "dither-int8") if r.get(key)]
     if not rows:
         out.append({"id": "witcert-e2e-throughput", "ours": "not measured", "verdict": "not reproducible here",
                     "why": _why_not(result, "dither-int8")})
     else:
         # the paper's requests are short (~50 tokens): our closest setting is the shortest S, where weights dominate
         s_min = min(r["ctx"] for r in rows)
-        short = statistics.median(r["speedup_vs_dynamic"] for r in rows if r["ctx"] == s_min)
-        sp = [r["speedup_vs_dynamic"] for r in rows]
+        short = statistics.median(r[key] for r in rows if r["ctx"] == s_min)
+        sp = [r[key] for r in rows]
+        dyn = [r["speedup_vs_dynamic"] for r in rows if r.get("speedup_vs_dynamic")]
         lo, hi = PAPER["witcert-e2e-throughput"]
         ok = lo - 0.05 <= short <= hi + 0.05
-        out.append({"id": "witcert-e2e-throughput", "ours": f"{short:.2f}x tokens/s vs DynamicCache + SDPA at equal "
-                    f"batch, median over B at S = {s_min} ({min(sp):.2f}-{max(sp):.2f}x over all {len(sp)} cells)",
+        vs_dyn = f"; {min(dyn):.2f}x or more vs eager DynamicCache + SDPA" if dyn else ""
+        out.append({"id": "witcert-e2e-throughput", "ours": f"{short:.2f}x tokens/s vs bf16 StaticCache + SDPA (CUDA "
+                    f"graphs, equal batch), median over B at S = {s_min} ({min(sp):.2f}-{max(sp):.2f}x over {len(sp)} "
+                    f"cells{vs_dyn})",
                     "verdict": "reproduced" if ok else "differs",
                     "why": "" if ok else (f"outside the paper's range widened by 0.05 ({lo - 0.05:.2f}-"
                                           f"{hi + 0.05:.2f}); their requests are ~50 tokens, ours S >= {s_min}")})
