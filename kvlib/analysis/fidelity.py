@@ -41,6 +41,22 @@ def build_cache(spec: CacheSpec, config: Any) -> Any:
     raise TypeError(f"spec must be None, a format name, (format, options) or a callable, got {spec!r}")
 
 
+def cache_formats(names: Sequence[str], config: Any) -> tuple[list[str], list[str]]:
+    """``(usable, offline)``: the formats of ``names`` that can back a cache, and the offline ones that
+    cannot append token by token (make_cache refuses them with a ValueError saying so)."""
+    ok, off = [], []
+    for name in names:
+        try:
+            make_cache(name, config)
+        except ValueError as e:
+            if "cannot back a cache" not in str(e):
+                raise
+            off.append(name)
+        else:
+            ok.append(name)
+    return ok, off
+
+
 def _is_chunkable(cache: Any) -> bool:
     # Stateless formats give the same stored K/V whether tokens arrive one by one or in a chunk.
     from kvlib.hf.cache import _is_stateful
