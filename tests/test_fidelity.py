@@ -72,6 +72,27 @@ def test_decode_and_chunk_modes_agree(smol) -> None:
         fid.forced_logits(model, ids, 10)
 
 
+def test_batched_forcing_matches_row_by_row(smol) -> None:
+    """One batched cache forced along several sequences gives each row's own forced logits (decode mode:
+    the stateful path, one forward per step for all rows)."""
+    model, tok = smol  # the full model: a kvlib cache on a truncated_model's config is not seen by its layers
+    ids = tok(LONG, return_tensors="pt").input_ids[0, :24].reshape(2, 12)
+    t: dict[str, float] = {}
+    ref = fid.forced_logits_batch(model, ids, 6, "fp32", mode="decode", timings=t)
+    assert ref.shape == (2, 6, model.config.vocab_size)
+    for b in range(2):
+        one = fid.forced_logits(model, ids[b:b + 1], 6, "fp32", mode="decode")
+        torch.testing.assert_close(ref[b], one, rtol=1e-4, atol=1e-3)  # matmul-shape rounding only
+    # a quantiser turns that rounding into a few flipped codes: far below the quantisation effect itself
+    both = fid.forced_logits_batch(model, ids, 6, "rtn-int8", mode="decode")
+    for b in range(2):
+        one = fid.forced_logits(model, ids[b:b + 1], 6, "rtn-int8", mode="decode")
+        assert fid.compare_logits(one, both[b])["kl"].mean() < 0.1 * fid.compare_logits(ref[b], one)["kl"].mean()
+    assert set(t) == {"prefill_s", "continuation_s"} and min(t.values()) > 0
+    with pytest.raises(ValueError, match="ids"):
+        fid.forced_logits_batch(model, ids[0], 6)
+
+
 def test_fidelity_probe_repeat_is_zero_and_ci_brackets(smol) -> None:
     model, tok = kvmodel.truncated_model(smol[0], 4), smol[1]
     prompts = [tok(t, return_tensors="pt").input_ids[0, :6] for t in ("Hello, how are", "The capital of France")]

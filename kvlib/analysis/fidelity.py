@@ -41,6 +41,22 @@ def build_cache(spec: CacheSpec, config: Any) -> Any:
     raise TypeError(f"spec must be None, a format name, (format, options) or a callable, got {spec!r}")
 
 
+def cache_formats(names: Sequence[str], config: Any) -> tuple[list[str], list[str]]:
+    """``(usable, offline)``: the formats of ``names`` that can back a cache, and the offline ones that
+    cannot append token by token (make_cache refuses them with a ValueError saying so)."""
+    ok, off = [], []
+    for name in names:
+        try:
+            make_cache(name, config)
+        except ValueError as e:
+            if "cannot back a cache" not in str(e):
+                raise
+            off.append(name)
+        else:
+            ok.append(name)
+    return ok, off
+
+
 def _is_chunkable(cache: Any) -> bool:
     # Stateless formats give the same stored K/V whether tokens arrive one by one or in a chunk.
     from kvlib.hf.cache import _is_stateful
@@ -53,17 +69,32 @@ def _is_chunkable(cache: Any) -> bool:
 
 @torch.no_grad()
 def forced_logits(model: Any, ids: torch.Tensor, prompt_len: int, spec: CacheSpec = None, *,
-                  mode: str = "auto", return_cache: bool = False) -> Any:
+                  mode: str = "auto", return_cache: bool = False, timings: dict[str, float] | None = None) -> Any:
     """Logits ``[N - P, V]`` (float32) predicting tokens ``P..N-1`` of ``ids [1, N]`` (``P = prompt_len``).
 
     The prompt is prefilled in one chunk; the continuation is fed one token per forward call
     (``mode="decode"``, what serving does) or in one chunk (``mode="chunk"``: same stored K/V for
     stateless formats, much faster). ``"auto"``: chunk when every format of the cache is stateless.
+    ``timings``: a dict that receives ``prefill_s`` and ``continuation_s`` (wall seconds).
     """
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise ValueError(f"ids must have shape [1, N], got {tuple(ids.shape)}")
+    out = forced_logits_batch(model, ids, prompt_len, spec, mode=mode, return_cache=return_cache, timings=timings)
+    return (out[0][0], out[1]) if return_cache else out[0]
+
+
+@torch.no_grad()
+def forced_logits_batch(model: Any, ids: torch.Tensor, prompt_len: int, spec: CacheSpec = None, *,
+                        mode: str = "auto", return_cache: bool = False,
+                        timings: dict[str, float] | None = None) -> Any:
+    """:func:`forced_logits` for a batch ``ids [B, N]`` of equal-length sequences (no padding): logits
+    ``[B, N - P, V]``, every row forced through one batched cache (one forward per step for all rows)."""
+    import time
+
+    if ids.ndim != 2 or ids.shape[0] < 1:
+        raise ValueError(f"ids must have shape [B, N], got {tuple(ids.shape)}")
     n = ids.shape[1]
     if not isinstance(prompt_len, int) or not 1 <= prompt_len < n:
         raise ValueError(f"prompt_len must be an int in [1, {n - 1}], got {prompt_len!r}")
@@ -73,14 +104,19 @@ def forced_logits(model: Any, ids: torch.Tensor, prompt_len: int, spec: CacheSpe
     cache = build_cache(spec, model.config)
     if mode == "auto":
         mode = "chunk" if _is_chunkable(cache) else "decode"
-    rows = [model(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits[0, -1:]]
+    t0 = time.perf_counter()
+    # logits_to_keep=1: the prompt's last row only (the full [B, P, V] logits would be gigabytes at P = 2k)
+    rows = [model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]]
+    t1 = time.perf_counter()
     if mode == "chunk":
         if n - 1 > prompt_len:
-            rows.append(model(ids[:, prompt_len:n - 1], past_key_values=cache, use_cache=True).logits[0])
+            rows.append(model(ids[:, prompt_len:n - 1], past_key_values=cache, use_cache=True).logits)
     else:
         for i in range(prompt_len, n - 1):
-            rows.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0])
-    out = torch.cat(rows).float()
+            rows.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
+    out = torch.cat(rows, 1).float()
+    if timings is not None:
+        timings.update(prefill_s=t1 - t0, continuation_s=time.perf_counter() - t1)
     return (out, cache) if return_cache else out
 
 

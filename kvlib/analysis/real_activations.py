@@ -247,9 +247,11 @@ def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None) 
 
 def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:
     """int64 ``[L, Hkv, 2m]``: per (layer, kv head) the ``m`` highest-energy RoPE pairs of the keys
-    of ``ids`` (a calibration prefix), for ``make_cache(..., outlier_table=...)``."""
+    of ``ids`` (a calibration prefix ``[S]``, ``[1, S]``, or a batch ``[B, S]`` whose rows are pooled: one table
+    for a batched cache), for ``make_cache(..., outlier_table=...)``."""
     acts = capture(model, ids)
-    return torch.stack([select_outlier_pairs(acts[i]["k"][0].transpose(0, 1), m) for i in sorted(acts)])
+    # [B, Hkv, S, d] -> [B*S, Hkv, d]: the pair energies summed over every calibration token of every row
+    return torch.stack([select_outlier_pairs(acts[i]["k"].transpose(1, 2).flatten(0, 1), m) for i in sorted(acts)])
 
 
 # ----------------------------------------------------------------------------------------------
