@@ -2,8 +2,10 @@
 notebooks in step with their MyST sources."""
 
 import json
+import os
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from kvlib.publish.assemble import write_toc
@@ -225,3 +227,19 @@ def test_api_page_names_live_where_it_says():
         *mod, attr = name.split(".")
         obj = getattr(importlib.import_module(".".join(mod)) if mod else kvlib, attr)
         assert obj.__module__ == home, f"{name} lives in {obj.__module__}, the page says {home}"
+
+
+def test_kernel_drops_only_the_widget_fallback_notice(sandbox, tmp_path, monkeypatch):
+    """tqdm.auto's 'IProgress not found' remark (the kernel has no widget frontend) stays off the pages; any
+    other warning still reaches them, and the runner leaves the caller's PYTHONWARNINGS as it was."""
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    src = tmp_path / "warn.md"
+    src.write_text(Path(TINY).read_text().split("```{code-cell}\nfrom kvlib")[0]
+                   + '```{code-cell}\nimport warnings\n\nfrom tqdm.auto import tqdm\n\n'
+                   + 'warnings.warn("kept warning")\n```\n')
+    e = NotebookEntry(name="warn", path=str(src), chapter="t", title="w", profiles={"ci": {}})
+    (o,) = run_notebooks("ci", entries=[e], progress=False)
+    assert o.status == "ok", o.detail
+    text = json.dumps(nbformat.read(executed_path("warn", "ci"), 4))
+    assert "kept warning" in text and "IProgress" not in text
+    assert os.environ["PYTHONWARNINGS"] == "default"

@@ -21,6 +21,10 @@ import nbformat
 from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
 
+#: warning filters of the executing kernel: it has no widget frontend, so ``tqdm.auto`` (imported by transformers)
+#: falls back to text progress bars and says so on stderr, a remark on the execution environment that would
+#: otherwise head every page that loads a model. Every other warning still reaches the page.
+KERNEL_WARNINGS = "ignore:IProgress not found:Warning"  # (tqdm.TqdmWarning is not importable at interpreter start)
 #: per-notebook wall-clock limit (s) by profile, enforced by papermill's cell timeout
 CELL_TIMEOUT = {"ci": 600, "cpu": 1800, "gpu": 3600}
 
@@ -176,6 +180,7 @@ def run_notebooks(
 
     outcomes: list[Outcome] = []
     env_backup = os.environ.get("KVLIB_PROFILE")
+    warn_backup = os.environ.get("PYTHONWARNINGS")
     bar = tqdm(plan, desc=f"notebooks [{profile}]", unit="nb", disable=not progress)
     for e, params, nb, why in bar:
         bar.set_postfix_str(e.name)
@@ -188,6 +193,7 @@ def run_notebooks(
         t0 = time.perf_counter()
         try:
             os.environ["KVLIB_PROFILE"] = profile
+            os.environ["PYTHONWARNINGS"] = KERNEL_WARNINGS  # read by the kernel process at its start
             pm.execute_notebook(
                 nb,
                 str(tmp),
@@ -207,10 +213,11 @@ def run_notebooks(
             if not isinstance(exc, pm.PapermillExecutionError):
                 msg = traceback.format_exception_only(type(exc), exc)[-1].strip()
             outcomes.append(Outcome(e.name, "failed", time.perf_counter() - t0, f"{msg[:300]} (see {tmp.name})"))
-    if env_backup is None:
-        os.environ.pop("KVLIB_PROFILE", None)
-    else:
-        os.environ["KVLIB_PROFILE"] = env_backup
+    for key, value in (("KVLIB_PROFILE", env_backup), ("PYTHONWARNINGS", warn_backup)):
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     return outcomes
 
 
