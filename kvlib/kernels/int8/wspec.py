@@ -1,0 +1,459 @@
+"""Warp-specialised RTN INT8 paged decode in Gluon (GPU only; not wired into the dispatcher yet, issue 28).
+
+Contract (split-KV stage 1; stage 2 is :func:`kvlib.kernels.tl.merge.merge_splits`): one query token per row,
+``q [B, Hq, d]`` fp16/bf16, ``Hq = GQA * H_kv`` with ``GQA <= 8``; vLLM pages of RTN int8 codes
+``k_codes, v_codes [num_blocks, block_size, H_kv, d]`` with per-token, per-group fp16 scales
+``k_scales, v_scales [num_blocks, block_size, H_kv, d // 32]`` (``x = s c``, the rtn-int8 format and the
+``dithered=False`` :class:`kvlib.storage.paged.PagedPool` layout); an int32 block table ``[B, max_blocks]`` and
+``seq_lens [B]``. d = 128, groups of 32.
+
+Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
+
+* a **producer partition** (one warp, few registers) walks the block table and streams each tile's K and V codes
+  (``block_n`` positions, ``block_n / min(block_size, block_n)`` TMA boxes of ``[rows, d]`` per side: a page of one
+  head is a strided 2-D box of the ``[num_blocks * block_size, H_kv * d]`` view, which TMA can address; the 8-byte
+  scale rows cannot be, TMA boxes need 16-byte rows) into a ``ring``-deep shared-memory ring, one mbarrier pair per
+  stage (``ready``: the TMA transaction bytes landed; ``empty``: the consumers have read the stage);
+* the **consumer partition** (the default one, one warpgroup) waits on ``ready``, reads the stage into registers in
+  the tensor-core operand layouts (int8 -> fp16 exact: ``|c| <= 127``), releases the stage, loads the next tile's
+  scales (plain loads, one tile ahead), and runs ``S = Q K^T`` per group of 32 channels (heads as M padded to 16,
+  ``mma_v2``; the group scale multiplies the group's partial scores, so the keys' products are exact), the online
+  softmax in base 2, and ``O_g += (1024 p s_v,g) V_g`` per group (one fp16 rounding of ``1024 p s``; ``1024``
+  keeps it out of the subnormals). The TMA of the next ``ring - 1`` tiles runs under this tile's math.
+
+Splits are tile-aligned (``ceil(ceil(len / NS) / block_n) * block_n`` positions), so every TMA box stays inside one
+page; positions past a split's end read page 0 (the block-table load is masked) and are removed by their score
+(``-inf``) and their value scale (0).
+
+:func:`wspec_reference` is the float64 torch reference of the same contract; :func:`plan` picks the splits and
+validates every argument (ValueError naming it) without a GPU, so the CPU tests cover it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+#: channels per scale group (the pool's group; the kernel's MMA k-chunk)
+GROUP = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class WSpecConfig:
+    """Compile-time shape of the kernel: ``block_n`` positions per tile, ``ring`` shared-memory stages, the consumer
+    partition's warps (one warpgroup), the producer's register budget and the launch's ``maxnreg`` (registers per
+    thread over the whole CTA: it sets how many CTAs fit an SM), ``ctas_per_sm`` for the split planner."""
+
+    block_n: int = 64
+    ring: int = 3
+    consumer_warps: int = 4
+    producer_regs: int = 40
+    maxnreg: int = 128
+    ctas_per_sm: int = 2
+
+    def __post_init__(self):
+        if self.block_n not in (32, 64, 128):
+            raise ValueError(f"block_n must be 32, 64 or 128, got {self.block_n}")
+        if not 2 <= self.ring <= 6:
+            raise ValueError(f"ring must be 2..6 stages, got {self.ring}")
+        if self.consumer_warps != 4:
+            raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
+        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
+            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
+        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
+        if self.ctas_per_sm < 1:
+            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+
+    def smem_bytes(self, d: int = 128) -> int:
+        """Shared memory of the ring (K and V codes) and its barriers."""
+        return self.ring * (2 * self.block_n * d + 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated launch: shapes, the split count and the TMA box rows."""
+
+    batch: int
+    hq: int
+    hkv: int
+    gqa: int
+    d: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    num_splits: int
+    box_rows: int
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
+
+
+def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, config: WSpecConfig | None = None,
+         num_splits: int | None = None, sms: int | None = None) -> Plan:
+    """Validate a request (ValueError/TypeError naming the argument) and choose its splits: about ``ctas_per_sm``
+    CTAs per SM over ``sms`` SMs (the device's count when None and on CUDA, else 132), at least 4 tiles per split.
+    Needs no GPU."""
+    cfg = config or WSpecConfig()
+    if not isinstance(cfg, WSpecConfig):
+        raise TypeError(f"config must be a WSpecConfig, got {type(cfg).__name__}")
+    _check_tensor("q", q, 3, (torch.float16, torch.bfloat16))
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        _check_tensor(name, t, 4, (torch.int8,))
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        _check_tensor(name, t, 4, (torch.float16,))
+    _check_tensor("block_table", block_table, 2, (torch.int32,))
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    B, hq, d = q.shape
+    nb, bs, hkv, dk = k_codes.shape
+    if d != 128:
+        raise ValueError(f"q: head_dim must be 128, got {d}")
+    if dk != d:
+        raise ValueError(f"k_codes: last dim must be q's head_dim {d}, got {dk}")
+    if tuple(v_codes.shape) != tuple(k_codes.shape):
+        raise ValueError(f"v_codes must have k_codes' shape {tuple(k_codes.shape)}, got {tuple(v_codes.shape)}")
+    want = (nb, bs, hkv, d // GROUP)
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be [num_blocks, block_size, H_kv, d/{GROUP}] = {want}, got {tuple(t.shape)}")
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes), ("k_scales", k_scales), ("v_scales", v_scales)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the TMA descriptor and the scale loads assume it)")
+    if bs < 8 or bs & (bs - 1):
+        raise ValueError(f"k_codes: block_size must be a power of two >= 8, got {bs}")
+    if hq % hkv:
+        raise ValueError(f"q: query heads ({hq}) must be a multiple of the KV heads ({hkv})")
+    gqa = hq // hkv
+    if gqa > 8:
+        raise ValueError(f"q: at most 8 query heads per KV head, got {gqa}")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must have q's batch {B} rows, got {block_table.shape[0]}")
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens must have q's batch {B} entries, got {seq_lens.shape[0]}")
+    devs = {t.device for t in (q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(x) for x in devs)}")
+    max_blocks = block_table.shape[1]
+    max_len = max_blocks * bs
+    if num_splits is None:
+        if sms is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        per_tiles = 4 * cfg.block_n
+        num_splits = max(1, min(math.ceil(sms * cfg.ctas_per_sm / max(1, B * hkv)), math.ceil(max_len / per_tiles)))
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return Plan(B, hq, hkv, gqa, d, bs, nb, max_blocks, num_splits, min(bs, cfg.block_n))
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel
+@gluon.jit
+def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, BT_row, kvh, start, end, n_tiles,
+              D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr):
+    """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece)."""
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
+        mbarrier.wait(empty.index(s), ph ^ 1)
+        mbarrier.expect(ready.index(s), 2 * BN * D)
+        n0 = start + i * BN
+        for j in gl.static_range(BN // RBOX):
+            n = n0 + j * RBOX
+            blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
+            row = blk * PAGE + n % PAGE
+            tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
+                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
+                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+
+
+@gluon.jit
+def _scales(S, BT_row, n, end, kvh, s_s_n, PAGE: gl.constexpr):
+    """The four group scales (fp32, 0 past the end) of positions ``n``."""
+    m = n < end
+    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+    base = S + (blk * PAGE + n % PAGE).to(gl.int64) * s_s_n + kvh * 4
+    s0 = gl.load(base, mask=m, other=0.0).to(gl.float32)
+    s1 = gl.load(base + 1, mask=m, other=0.0).to(gl.float32)
+    s2 = gl.load(base + 2, mask=m, other=0.0).to(gl.float32)
+    s3 = gl.load(base + 3, mask=m, other=0.0).to(gl.float32)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _q_group(Q_row, s_qh, g: gl.constexpr, GQA: gl.constexpr, QA: gl.constexpr):
+    h = gl.arange(0, 16, layout=gl.SliceLayout(1, QA))
+    c = gl.arange(0, 32, layout=gl.SliceLayout(0, QA))
+    q = gl.load(Q_row + h[:, None] * s_qh + (g * 32 + c)[None, :], mask=(h < GQA)[:, None], other=0.0)
+    return q.to(gl.float32).to(gl.float16)
+
+
+@gluon.jit
+def _k_operand(kb, g: gl.constexpr, KB: gl.constexpr):
+    """Group ``g``'s key codes of a stage ``[BN, D]`` as the QK B operand ``[32, BN]`` (exact fp16)."""
+    return kb.slice(g * 32, 32, dim=1).permute([1, 0]).load(KB).to(gl.float16)
+
+
+@gluon.jit
+def _v_operand(vb, g: gl.constexpr, KB: gl.constexpr):
+    """Group ``g``'s value codes ``[BN, 32]`` as the PV B operand (exact fp16)."""
+    return vb.slice(g * 32, 32, dim=1).load(KB).to(gl.float16)
+
+
+@gluon.jit
+def _pv(pa, vs, vb, acc, alpha, MMA: gl.constexpr):
+    """``acc alpha + fp16(1024 p s_v) V_g`` (``pa`` is ``1024 p`` in the A operand layout)."""
+    ps = (pa * vs[None, :]).to(gl.float16)
+    return mma_v2(ps, vb, acc * alpha[:, None])
+
+
+@gluon.jit
+def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+              sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+              GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)  # positions of the scores
+    NA: gl.constexpr = gl.SliceLayout(0, QA)  # positions of the P operand
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)  # heads
+
+    Q_row = Q + b * s_qb + kvh * GQA * s_qh
+    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
+    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
+    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
+    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
+    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+
+    nl = gl.arange(0, BN, layout=NL)
+    na = gl.arange(0, BN, layout=NA)
+    ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
+    vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = start + i * BN
+        mbarrier.wait(ready.index(s), ph)
+        kb = k_bufs.index(s)
+        vb = v_bufs.index(s)
+        kb0 = _k_operand(kb, 0, KB)
+        kb1 = _k_operand(kb, 1, KB)
+        kb2 = _k_operand(kb, 2, KB)
+        kb3 = _k_operand(kb, 3, KB)
+        vb0 = _v_operand(vb, 0, KB)
+        vb1 = _v_operand(vb, 1, KB)
+        vb2 = _v_operand(vb, 2, KB)
+        vb3 = _v_operand(vb, 3, KB)
+        # the stage is in registers: order the shared reads before the next TMA write, then free it
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+
+        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+        z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
+        z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
+        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(z, 1))
+        p = gl.exp2(z - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_t = l_t * alpha[:, None] + p
+        m_i = m_new
+        pa = gl.convert_layout(p * 1024.0, QA)
+        acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
+        acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
+        acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
+        acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
+        # the next tile's scales (all masked past the split: no memory traffic)
+        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
+        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
+
+    l_i = gl.sum(l_t, 1)
+    ok = l_i > 0.0
+    inv = gl.where(ok, (1.0 / 1024.0) / gl.where(ok, l_i, 1.0), 0.0)
+    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2, float("-inf"))
+    h = gl.arange(0, 16, layout=HL)
+    c = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
+    o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c[None, :]
+    hm = (h < GQA)[:, None]
+    gl.store(o_base, acc0 * inv[:, None], mask=hm)
+    gl.store(o_base + 32, acc1 * inv[:, None], mask=hm)
+    gl.store(o_base + 64, acc2 * inv[:, None], mask=hm)
+    gl.store(o_base + 96, acc3 * inv[:, None], mask=hm)
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
+
+
+# the split count is a run-time value: one binary serves every batch size
+@gluon.jit(do_not_specialize=["num_splits"])
+def _wspec_stage1(
+    Q, k_desc, v_desc, KS, VS, BT, SEQ, O_S, LSE_S,
+    sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
+    RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    D: gl.constexpr = 128
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ + b)
+    per = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN  # tile-aligned splits: a TMA box never crosses a page
+    start = split * per
+    end = gl.minimum(start + per, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
+    BT_row = BT + b * s_bt_b
+
+    k_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+                     sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                     GQA, PAGE, BN, RING, NW)),
+        (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BT_row, kvh, start, end, n_tiles,
+                     D, PAGE, BN, RBOX, RING)),
+    ], [1], [PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+def smem_layout(box_rows: int, d: int = 128):
+    """The NVMMA shared layout of one TMA box of int8 codes (``[box_rows, d]``), also the ring's."""
+    return gl.NVMMASharedLayout.get_default_for([box_rows, d], gl.int8)
+
+
+def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int):
+    """TMA descriptors over the ``[num_blocks * block_size, H_kv * d]`` views of the code pages."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    nb, bs, hkv, d = k_codes.shape
+    lay = smem_layout(box_rows, d)
+    out = []
+    for t in (k_codes, v_codes):
+        flat = t.view(nb * bs, hkv * d)
+        out.append(TensorDescriptor(flat, [nb * bs, hkv * d], [hkv * d, 1], [box_rows, d], lay))
+    return out
+
+
+def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, sm_scale: float | None = None,
+                 config: WSpecConfig | None = None, num_splits: int | None = None, descs=None, o_s=None, lse_s=None):
+    """Launch the kernel: per-split states ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log).
+    ``descs``, ``o_s``, ``lse_s``: reuse prebuilt descriptors/buffers (a CUDA graph captures no host work)."""
+    cfg = config or WSpecConfig()
+    pl = plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, config=cfg, num_splits=num_splits)
+    if not q.is_cuda:
+        raise ValueError("q: the warp-specialised kernel needs a CUDA (Hopper) device")
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
+    kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows)
+    B, hq, ns, d = pl.batch, pl.hq, pl.num_splits, pl.d
+    if o_s is None:
+        o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
+    if lse_s is None:
+        lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    ks = k_scales.view(-1, pl.hkv * 4)
+    vs = v_scales.view(-1, pl.hkv * 4)
+    _wspec_stage1[(B, pl.hkv, ns)](
+        q, kd, vd, ks, vs, block_table, seq_lens, o_s, lse_s,
+        sm * 1.4426950408889634, ns, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0), block_table.stride(0),
+        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+        GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
+        NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+    )
+    return o_s, lse_s
+
+
+def wspec_decode(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, **kw):
+    """Stage 1 and the exact LSE merge: ``(o [B, Hq, d] fp32, lse [B, Hq])``."""
+    from kvlib.kernels.tl.merge import merge_splits
+
+    o_s, lse_s = wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, **kw)
+    m = merge_splits(o_s, lse_s)
+    return m.o, m.lse
+
+
+def wspec_reference(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *,
+                    sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 torch reference: ``softmax(sm q (s_k c_k)^T) (s_v c_v)`` over each row's pages. Returns
+    ``(o [B, Hq, d], lse [B, Hq])`` (natural log)."""
+    pl = plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, num_splits=1)
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
+    B, hq, d = q.shape
+    o = torch.zeros(B, hq, d, dtype=torch.float64)
+    lse = torch.zeros(B, hq, dtype=torch.float64)
+    bs = pl.block_size
+
+    def deq(c, s):
+        return c.double() * s.double().repeat_interleave(GROUP, dim=-1)
+
+    for b in range(B):
+        L = int(seq_lens[b])
+        pos = torch.arange(L)
+        slot = block_table[b].cpu().long()[pos // bs] * bs + pos % bs
+        k = deq(k_codes.reshape(-1, pl.hkv, d).cpu()[slot], k_scales.reshape(-1, pl.hkv, d // GROUP).cpu()[slot])
+        v = deq(v_codes.reshape(-1, pl.hkv, d).cpu()[slot], v_scales.reshape(-1, pl.hkv, d // GROUP).cpu()[slot])
+        kk = k.repeat_interleave(pl.gqa, dim=1)  # [L, Hq, d]
+        vv = v.repeat_interleave(pl.gqa, dim=1)
+        z = sm * torch.einsum("hd,lhd->hl", q[b].cpu().double(), kk)
+        o[b] = torch.einsum("hl,lhd->hd", torch.softmax(z, -1), vv)
+        lse[b] = torch.logsumexp(z, -1)
+    return o, lse
+
+
+def rtn_pages(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN int8 pages of ``x [num_blocks * block_size, H_kv, d]``: codes ``[NB, bs, H, d]`` and fp16 scales
+    ``[NB, bs, H, d / 32]`` (``s = fp16(amax / 127)``, ``c = clamp(round(x / s), -127, 127)``)."""
+    n, h, d = x.shape
+    if n % block_size:
+        raise ValueError(f"x: {n} slots is not a whole number of pages of {block_size}")
+    xg = x.float().unflatten(-1, (d // GROUP, GROUP))
+    s = (xg.abs().amax(-1) / 127.0).half()
+    sf = s.float()
+    c = torch.round(xg / torch.where(sf > 0, sf, 1.0).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return c.reshape(n // block_size, block_size, h, d), s.reshape(n // block_size, block_size, h, d // GROUP)
+
+
+def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_size: int = 16):
+    """Compile the kernel for sm_90 without a GPU (Triton's own ptxas): the compiled kernel, whose ``asm`` holds
+    the TTGIR/PTX/cubin. Raises the compiler's error where the kernel does not build."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config or WSpecConfig()
+    rbox = min(block_size, cfg.block_n)
+    desc = f"tensordesc<i8[{rbox}, 128],{smem_layout(rbox)!r}>"
+    ptrs = {"Q": "*bf16", "k_desc": desc, "v_desc": desc, "KS": "*fp16", "VS": "*fp16", "BT": "*i32", "SEQ": "*i32",
+            "O_S": "*fp32", "LSE_S": "*fp32"}
+    const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
+                 NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs)
+    params = inspect.signature(_wspec_stage1.fn).parameters
+    sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
+    return triton.compile(GluonASTSource(_wspec_stage1, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.consumer_warps, "maxnreg": cfg.maxnreg})
