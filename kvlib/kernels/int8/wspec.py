@@ -261,6 +261,10 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         kb1 = _k_operand(kb, 1, KB)
         kb2 = _k_operand(kb, 2, KB)
         kb3 = _k_operand(kb, 3, KB)
+        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+        z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
+        z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
+        # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
         vb0 = _v_operand(vb, 0, KB)
         vb1 = _v_operand(vb, 1, KB)
         vb2 = _v_operand(vb, 2, KB)
@@ -268,10 +272,6 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         # the stage is in registers: order the shared reads before the next TMA write, then free it
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
-
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
-        z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = gl.exp2(z - m_new[:, None])
