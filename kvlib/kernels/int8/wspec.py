@@ -53,7 +53,7 @@ class WSpecConfig:
     thread over the whole CTA: it sets how many CTAs fit an SM), ``ctas_per_sm`` for the split planner."""
 
     block_n: int = 64
-    ring: int = 3
+    ring: int = 2  # ring 3 at maxnreg 128 spilled 48 B offline (ring 3 wants maxnreg 168)
     consumer_warps: int = 4
     producer_regs: int = 40
     maxnreg: int = 128

@@ -1,0 +1,143 @@
+"""The warp-specialised RTN INT8 decode (:mod:`kvlib.kernels.int8.wspec`) on the CPU: its launch planner's argument
+validation, its float64 reference against the INT8 family's reference, and (offline, no GPU) that it compiles for
+sm_90 without spills. Agreement of the kernel itself with the reference runs on the H200 (``dev/gpu/wspec.sh``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvlib.kernels.int8 import wspec as W
+
+HKV, D = 4, 128
+
+
+def _problem(B=2, hq=8, lens=(5, 40), bs=16, seed=0, extra=3):
+    g = torch.Generator().manual_seed(seed)
+    mb = max(-(-L // bs) for L in lens)
+    nb = B * mb + extra
+    kc, ks = W.rtn_pages(torch.randn(nb * bs, HKV, D, generator=g), bs)
+    vc, vs = W.rtn_pages(torch.randn(nb * bs, HKV, D, generator=g), bs)
+    bt = torch.randperm(nb, generator=g)[: B * mb].view(B, mb).to(torch.int32)
+    q = torch.randn(B, hq, D, generator=g).to(torch.bfloat16)
+    return q, kc, ks, vc, vs, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def test_rtn_pages_round_trip_within_half_a_step():
+    x = torch.randn(32, HKV, D)
+    c, s = W.rtn_pages(x, 16)
+    assert c.shape == (2, 16, HKV, D) and s.shape == (2, 16, HKV, D // 32) and c.dtype == torch.int8
+    back = c.reshape(32, HKV, D).float() * s.reshape(32, HKV, D // 32).float().repeat_interleave(32, -1)
+    step = s.reshape(32, HKV, D // 32).float().repeat_interleave(32, -1)
+    assert ((back - x).abs() <= 0.5 * step * (1 + 1e-3) + 1e-6).all()
+
+
+def test_reference_matches_the_int8_family_reference():
+    """The same pages read through :func:`kvlib.kernels.int8.reference.decode_reference` (RTN keys and values,
+    block-table addressing) give the same output and log-sum-exp."""
+    from kvlib.kernels.int8.reference import decode_reference
+    from kvlib.kernels.int8.request import PoolSide
+
+    q, kc, ks, vc, vs, bt, seq = _problem(B=3, hq=28, lens=(1, 17, 70))
+    o, lse = W.wspec_reference(q, kc, ks, vc, vs, bt, seq)
+    nb, bs = kc.shape[:2]
+    side = lambda c, s: PoolSide(c.view(nb * bs, HKV, D), s.view(nb * bs, HKV, D // 32), group=32,  # noqa: E731
+                                 dither_layout="h8", dithered=False)
+    ref = decode_reference(q, side(kc, ks), side(vc, vs), None, seq, layer=0, seed=0, block_table=bt, block_size=bs)
+    torch.testing.assert_close(o, ref.o.double(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref.lse.double(), atol=1e-10, rtol=1e-10)
+
+
+def test_plan_splits_and_box_rows():
+    q, kc, ks, vc, vs, bt, seq = _problem(B=2, hq=28, lens=(5, 40))
+    p = W.plan(q, kc, ks, vc, vs, bt, seq, sms=132)
+    assert (p.gqa, p.block_size, p.box_rows) == (7, 16, 16)
+    assert p.num_splits == 1  # max_len 48 < 4 tiles of 64
+    big = torch.zeros(2, 1024, dtype=torch.int32)
+    p = W.plan(q, kc, ks, vc, vs, big, seq, sms=132)
+    assert p.num_splits == 33  # ceil(132 * 2 / 8) CTAs per (row, head), under 16384 / 256
+    assert W.plan(q, kc, ks, vc, vs, bt, seq, num_splits=5).num_splits == 5
+    q64 = _problem(B=1, hq=4, lens=(64,), bs=64)
+    assert W.plan(*q64, config=W.WSpecConfig(block_n=32)).box_rows == 32
+
+
+@pytest.mark.parametrize("mutate, name", [
+    (lambda a: a.__setitem__(0, a[0].float()), "q"),
+    (lambda a: a.__setitem__(0, a[0][..., :64]), "q"),
+    (lambda a: a.__setitem__(0, a[0][:, :7]), "q"),
+    (lambda a: a.__setitem__(1, a[1].to(torch.int16)), "k_codes"),
+    (lambda a: a.__setitem__(3, a[3][:, :8]), "v_codes"),
+    (lambda a: a.__setitem__(2, a[2][..., :2]), "k_scales"),
+    (lambda a: a.__setitem__(4, a[4].float()), "v_scales"),
+    (lambda a: a.__setitem__(5, a[5].long()), "block_table"),
+    (lambda a: a.__setitem__(5, a[5][:1]), "block_table"),
+    (lambda a: a.__setitem__(6, a[6][:1]), "seq_lens"),
+])
+def test_plan_names_the_bad_argument(mutate, name):
+    args = list(_problem(B=2, hq=8, lens=(5, 40)))
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=name):
+        W.plan(*args)
+
+
+def test_plan_rejects_gqa_above_8_and_bad_splits():
+    q, kc, ks, vc, vs, bt, seq = _problem(B=2, hq=36, lens=(5, 40))
+    with pytest.raises(ValueError, match="at most 8"):
+        W.plan(q, kc, ks, vc, vs, bt, seq)
+    q = q[:, :8]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            W.plan(q, kc, ks, vc, vs, bt, seq, num_splits=bad)
+    with pytest.raises(TypeError, match="config"):
+        W.plan(q, kc, ks, vc, vs, bt, seq, config={"block_n": 64})
+
+
+@pytest.mark.parametrize("kw, name", [({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"),
+                                      ({"consumer_warps": 8}, "consumer_warps"), ({"producer_regs": 20}, "producer_regs"),
+                                      ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm")])
+def test_config_names_the_bad_field(kw, name):
+    with pytest.raises(ValueError, match=name):
+        W.WSpecConfig(**kw)
+
+
+def test_launch_refuses_cpu_tensors():
+    with pytest.raises(ValueError, match="CUDA"):
+        W.wspec_stage1(*_problem())
+
+
+@pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
+def test_compiles_for_sm90_without_spills():
+    """The default variant (and GQA 8 over 64-slot pages) builds for sm_90 with Triton's own toolchain: a producer
+    partition issuing TMA copies, HMMA in the consumer, no local-memory spills."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's NVIDIA toolchain is not installed")
+    prog = r"""
+import json, os, re, subprocess, tempfile
+from kvlib.kernels.int8 import wspec as W
+from kvlib.kernels.sass import _tool
+out = []
+for kw in ({}, {"gqa": 8, "block_size": 64}):
+    cc = W.compile_offline(**kw)
+    with tempfile.TemporaryDirectory() as t:
+        p = os.path.join(t, "k.cubin"); open(p, "wb").write(cc.asm["cubin"])
+        use = subprocess.run([_tool("cuobjdump"), "-res-usage", p], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", p], capture_output=True, text=True).stdout
+    r = dict(re.findall(r"(STACK|LOCAL):(\d+)", use))
+    out.append({"stack": int(r["STACK"]), "hmma": len(re.findall(r"\bHMMA\b", sass)),
+                "tma": len(re.findall(r"\bUTMALDG\b", sass)), "shared": cc.metadata.shared})
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=600,
+                          check=True)
+    import json
+
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert r["stack"] == 0 and r["hmma"] > 0 and r["tma"] > 0
+        assert r["shared"] >= W.WSpecConfig().smem_bytes() - 16 * W.WSpecConfig().ring
