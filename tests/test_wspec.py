@@ -96,9 +96,11 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
         W.plan(q, kc, ks, vc, vs, bt, seq, config={"block_n": 64})
 
 
-@pytest.mark.parametrize("kw, name", [({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"),
-                                      ({"consumer_warps": 8}, "consumer_warps"), ({"producer_regs": 20}, "producer_regs"),
-                                      ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm")])
+@pytest.mark.parametrize("kw, name", [
+    ({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"), ({"consumer_warps": 8}, "consumer_warps"),
+    ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
+    ({"swizzle": 16}, "swizzle"),
+])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
         W.WSpecConfig(**kw)

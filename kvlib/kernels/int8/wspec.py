@@ -14,12 +14,17 @@ Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
   head is a strided 2-D box of the ``[num_blocks * block_size, H_kv * d]`` view, which TMA can address; the 8-byte
   scale rows cannot be, TMA boxes need 16-byte rows) into a ``ring``-deep shared-memory ring, one mbarrier pair per
   stage (``ready``: the TMA transaction bytes landed; ``empty``: the consumers have read the stage);
-* the **consumer partition** (the default one, one warpgroup) waits on ``ready``, reads the stage into registers in
-  the tensor-core operand layouts (int8 -> fp16 exact: ``|c| <= 127``), releases the stage, loads the next tile's
-  scales (plain loads, one tile ahead), and runs ``S = Q K^T`` per group of 32 channels (heads as M padded to 16,
-  ``mma_v2``; the group scale multiplies the group's partial scores, so the keys' products are exact), the online
-  softmax in base 2, and ``O_g += (1024 p s_v,g) V_g`` per group (one fp16 rounding of ``1024 p s``; ``1024``
-  keeps it out of the subnormals). The TMA of the next ``ring - 1`` tiles runs under this tile's math.
+* the **consumer partition** (the default one, one warpgroup) waits on ``ready``, reads the stage in the
+  tensor-core operand layouts (int8 -> fp16 exact: ``|c| <= 127``) and runs ``S = Q K^T`` per group of 32 channels
+  (heads as M padded to 16, ``mma_v2``; the group scale multiplies the group's partial scores, so the keys' products
+  are exact), the online softmax in base 2, and ``O_g += (1024 p s_v,g) V_g`` per group (one fp16 rounding of
+  ``1024 p s``; ``1024`` keeps it out of the subnormals). The TMA of the next ``ring - 1`` tiles runs under this
+  tile's math.
+* the group scales (8 bytes per position and head: too narrow for a TMA box, whose rows need 16 bytes) either ride
+  in the stage (``scales_smem``, the default: the producer gathers them with plain loads, stores them and arrives on
+  ``ready``, whose count is then 2; the consumer reads every operand just before its MMA and frees the stage after
+  PV), or the consumer loads them itself a tile ahead into registers and frees the stage as soon as the codes are in
+  registers (``scales_smem=False``).
 
 Splits are tile-aligned (``ceil(ceil(len / NS) / block_n) * block_n`` positions), so every TMA box stays inside one
 page; positions past a split's end read page 0 (the block-table load is masked) and are removed by their score
@@ -53,11 +58,15 @@ class WSpecConfig:
     thread over the whole CTA: it sets how many CTAs fit an SM), ``ctas_per_sm`` for the split planner."""
 
     block_n: int = 64
-    ring: int = 2  # ring 3 at maxnreg 128 spilled 48 B offline (ring 3 wants maxnreg 168)
+    ring: int = 3
     consumer_warps: int = 4
-    producer_regs: int = 40
+    producer_regs: int = 64
     maxnreg: int = 128
     ctas_per_sm: int = 2
+    #: scales gathered by the producer into the stage (else loaded by the consumer a tile ahead, into registers:
+    #: that variant spilled offline at GQA 8 / 64-slot pages and at ring 3)
+    scales_smem: bool = True
+    swizzle: int = 128
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
@@ -70,12 +79,14 @@ class WSpecConfig:
             raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
         if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
+        if self.swizzle not in (0, 32, 64, 128):
+            raise ValueError(f"swizzle must be 0, 32, 64 or 128 bytes, got {self.swizzle}")
         if self.ctas_per_sm < 1:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
 
     def smem_bytes(self, d: int = 128) -> int:
-        """Shared memory of the ring (K and V codes) and its barriers."""
-        return self.ring * (2 * self.block_n * d + 16)
+        """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
+        return self.ring * (2 * self.block_n * d + (16 * self.block_n if self.scales_smem else 0) + 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +173,15 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 # ----------------------------------------------------------------------------------------------
 # the kernel
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, BT_row, kvh, start, end, n_tiles,
-              D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr):
-    """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece)."""
+def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+              s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
+              RING: gl.constexpr, SCALES_SMEM: gl.constexpr):
+    """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
+    ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
+    stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
+    TMA transaction)."""
+    if SCALES_SMEM:
+        nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -180,6 +197,18 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, ready, empty, BT_row, kvh, start, 
                                             k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
                                             v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+        if SCALES_SMEM:
+            n = n0 + nn
+            m = n < end
+            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+            slot = (blk * PAGE + n % PAGE).to(gl.int64)
+            kp = KS + slot * s_ks_n + kvh * 4
+            vp = VS + slot * s_vs_n + kvh * 4
+            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+                s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
+                s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
+            gl.thread_barrier()  # every lane's stores before the one arrival
+            mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
@@ -287,6 +316,71 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
         vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
 
+    _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+              GQA, MMA)
+
+
+@gluon.jit
+def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                   GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr):
+    """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
+    before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
+    not registers, holds the next tiles."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)
+    NA: gl.constexpr = gl.SliceLayout(0, QA)
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    Q_row = Q + b * s_qb + kvh * GQA * s_qh
+    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
+    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
+    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
+    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
+    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = start + i * BN
+        mbarrier.wait(ready.index(s), ph)
+        kb = k_bufs.index(s)
+        vb = v_bufs.index(s)
+        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+        z = mma_v2(qa0, _k_operand(kb, 0, KB), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa1, _k_operand(kb, 1, KB), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa2, _k_operand(kb, 2, KB), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa3, _k_operand(kb, 3, KB), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
+        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(z, 1))
+        p = gl.exp2(z - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_t = l_t * alpha[:, None] + p
+        m_i = m_new
+        pa = gl.convert_layout(p * 1024.0, QA)
+        acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB), acc0, alpha, MMA)
+        acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB), acc1, alpha, MMA)
+        acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB), acc2, alpha, MMA)
+        acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB), acc3, alpha, MMA)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+    _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+              GQA, MMA)
+
+
+@gluon.jit
+def _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+              GQA: gl.constexpr, MMA: gl.constexpr):
+    """The split's state: ``o = acc / (1024 l)`` (0 for an empty split), ``lse = ln(sum exp)`` (``-inf`` there)."""
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
     l_i = gl.sum(l_t, 1)
     ok = l_i > 0.0
     inv = gl.where(ok, (1.0 / 1024.0) / gl.where(ok, l_i, 1.0), 0.0)
@@ -302,13 +396,14 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
     gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
 
 
-# the split count is a run-time value: one binary serves every batch size
-@gluon.jit(do_not_specialize=["num_splits"])
+# the split count and the strides that follow it are run-time values: one binary serves every batch size and split
+# count (Triton would otherwise specialise a stride of 1 or a multiple of 16 into a new binary)
+@gluon.jit(do_not_specialize=["num_splits", "s_bt_b", "s_os_b", "s_os_h", "s_os_s", "s_ls_b", "s_ls_h"])
 def _wspec_stage1(
     Q, k_desc, v_desc, KS, VS, BT, SEQ, O_S, LSE_S,
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-    RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -323,34 +418,49 @@ def _wspec_stage1(
 
     k_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, D], v_desc.layout)
+    # the stages' scales, row ``stage * 8 + side * 4 + group`` (SCALES_SMEM; a small placeholder otherwise)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    if SCALES_SMEM:
+        s_bufs = gl.allocate_shared_memory(gl.float16, [RING * 8, BN], SL)
+    else:
+        s_bufs = gl.allocate_shared_memory(gl.float16, [8, 8], SL)
     ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(RING):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    gl.warp_specialize([
-        (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
-                     sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                     GQA, PAGE, BN, RING, NW)),
-        (_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BT_row, kvh, start, end, n_tiles,
-                     D, PAGE, BN, RBOX, RING)),
-    ], [1], [PRODUCER_REGS])
+    if SCALES_SMEM:
+        gl.warp_specialize([
+            (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
+                         n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                         GQA, PAGE, BN, RING, NW)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
 # host side
-def smem_layout(box_rows: int, d: int = 128):
-    """The NVMMA shared layout of one TMA box of int8 codes (``[box_rows, d]``), also the ring's."""
-    return gl.NVMMASharedLayout.get_default_for([box_rows, d], gl.int8)
+def smem_layout(box_rows: int, d: int = 128, swizzle: int = 128):
+    """The NVMMA shared layout of one TMA box of int8 codes (``[box_rows, d]``), also the ring's: ``swizzle``-byte
+    swizzling (0: none; 128 is what ``get_default_for`` picks for 128-byte rows)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8, rank=2)
 
 
-def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int):
+def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int, swizzle: int = 128):
     """TMA descriptors over the ``[num_blocks * block_size, H_kv * d]`` views of the code pages."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     nb, bs, hkv, d = k_codes.shape
-    lay = smem_layout(box_rows, d)
+    lay = smem_layout(box_rows, d, swizzle)
     out = []
     for t in (k_codes, v_codes):
         flat = t.view(nb * bs, hkv * d)
@@ -367,7 +477,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     if not q.is_cuda:
         raise ValueError("q: the warp-specialised kernel needs a CUDA (Hopper) device")
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
-    kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows)
+    kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
     B, hq, ns, d = pl.batch, pl.hq, pl.num_splits, pl.d
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
@@ -381,7 +491,8 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         sm * 1.4426950408889634, ns, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0), block_table.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
-        NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+        NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
+        num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -447,11 +558,11 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
 
     cfg = config or WSpecConfig()
     rbox = min(block_size, cfg.block_n)
-    desc = f"tensordesc<i8[{rbox}, 128],{smem_layout(rbox)!r}>"
+    desc = f"tensordesc<i8[{rbox}, 128],{smem_layout(rbox, 128, cfg.swizzle)!r}>"
     ptrs = {"Q": "*bf16", "k_desc": desc, "v_desc": desc, "KS": "*fp16", "VS": "*fp16", "BT": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
-                 NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs)
+                 NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
