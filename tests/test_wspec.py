@@ -59,7 +59,11 @@ def test_plan_splits_and_box_rows():
     assert p.num_splits == 1  # max_len 48 < 4 tiles of 64
     big = torch.zeros(2, 1024, dtype=torch.int32)
     p = W.plan(q, kc, ks, vc, vs, big, seq, sms=132)
-    assert p.num_splits == 33  # ceil(132 * 2 / 8) CTAs per (row, head), under 16384 / 256
+    assert p.num_splits == 33  # 132 * 2 // 8 CTAs per (row, head), under 16384 / 256
+    q32 = torch.zeros(32, 28, D, dtype=torch.bfloat16)
+    p = W.plan(q32, kc, ks, vc, vs, torch.zeros(32, 1024, dtype=torch.int32), torch.ones(32, dtype=torch.int32),
+               sms=132)
+    assert p.num_splits == 2  # one wave of 256 CTAs on 264 slots, not 3 splits and a second wave
     assert W.plan(q, kc, ks, vc, vs, bt, seq, num_splits=5).num_splits == 5
     q64 = _problem(B=1, hq=4, lens=(64,), bs=64)
     assert W.plan(*q64, config=W.WSpecConfig(block_n=32)).box_rows == 32

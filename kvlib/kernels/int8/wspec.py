@@ -116,7 +116,7 @@ def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
 
 def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, config: WSpecConfig | None = None,
          num_splits: int | None = None, sms: int | None = None) -> Plan:
-    """Validate a request (ValueError/TypeError naming the argument) and choose its splits: about ``ctas_per_sm``
+    """Validate a request (ValueError/TypeError naming the argument) and choose its splits: at most ``ctas_per_sm``
     CTAs per SM over ``sms`` SMs (the device's count when None and on CUDA, else 132), at least 4 tiles per split.
     Needs no GPU."""
     cfg = config or WSpecConfig()
@@ -164,7 +164,8 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
         if sms is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         per_tiles = 4 * cfg.block_n
-        num_splits = max(1, min(math.ceil(sms * cfg.ctas_per_sm / max(1, B * hkv)), math.ceil(max_len / per_tiles)))
+        # floor: whole waves (B = 32, H_kv = 4 on 132 SMs: 2 splits, 256 CTAs, not 3 and a 45% second wave)
+        num_splits = max(1, min(sms * cfg.ctas_per_sm // max(1, B * hkv), math.ceil(max_len / per_tiles)))
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return Plan(B, hq, hkv, gqa, d, bs, nb, max_blocks, num_splits, min(bs, cfg.block_n))
