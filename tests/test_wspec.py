@@ -103,7 +103,7 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
 @pytest.mark.parametrize("kw, name", [
     ({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"), ({"consumer_warps": 8}, "consumer_warps"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
-    ({"swizzle": 16}, "swizzle"),
+    ({"swizzle": 16}, "swizzle"), ({"vfold": True, "scales_smem": False}, "vfold"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -117,8 +117,9 @@ def test_launch_refuses_cpu_tensors():
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_compiles_for_sm90_without_spills():
-    """The default variant (and GQA 8 over 64-slot pages) builds for sm_90 with Triton's own toolchain: a producer
-    partition issuing TMA copies, HMMA in the consumer, no local-memory spills."""
+    """The default variant (also GQA 8 over 64-slot pages) and the bit-trick, folded-scale one (GQA 1) build for
+    sm_90 with Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumer, no local-memory
+    spills."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):

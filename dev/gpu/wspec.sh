@@ -33,15 +33,17 @@ T0 = time.time()
 OUT = os.environ["WSPEC_OUT"]
 DEV = "cuda"
 HKV, D = 4, 128
-TOL_O, TOL_LSE = 2e-3, 1e-3  # fp16(1024 p s_v) rounding: |err| <= 2^-11 |v| per term; keys exact in the MMA
+# o: 1e-3 max(1, max |o_ref|): fp16 roundings of 1024 p s_v (or of 1024 p and s_v c) are <= 2^-11 relative per
+# term, the keys' products are exact; lse: absolute
+TOL_O_REL, TOL_LSE = 1e-3, 1e-3
 CHECK_TIMEOUT_S = 110
-VARIANTS = {  # every one compiles offline for sm_90 without spills (kvlib.kernels.int8.wspec.compile_offline)
+VARIANTS = {  # every one compiles offline for sm_90 without spills at GQA 7 (kvlib.kernels.int8.wspec.compile_offline)
     "reg_bn64_r2": dict(block_n=64, ring=2, scales_smem=False, producer_regs=40),
-    "reg_bn32_r4": dict(block_n=32, ring=4, scales_smem=False, producer_regs=40),
-    "smem_bn64_r3": dict(block_n=64, ring=3, scales_smem=True, producer_regs=64),
-    "smem_bn128_r2": dict(block_n=128, ring=2, scales_smem=True, producer_regs=64),
-    "smem_bn64_r4": dict(block_n=64, ring=4, scales_smem=True, producer_regs=64),
-    "smem_bn64_r3_sw0": dict(block_n=64, ring=3, scales_smem=True, producer_regs=64, swizzle=0),
+    "smem_bn64_r3": dict(block_n=64, ring=3),
+    "smem_bn64_r3_prmt": dict(block_n=64, ring=3, prmt=True),
+    "smem_bn64_r3_prmt_vf": dict(block_n=64, ring=3, prmt=True, vfold=True),
+    "smem_bn128_r2_prmt_vf": dict(block_n=128, ring=2, prmt=True, vfold=True),
+    "smem_bn64_r3_prmt_vf_sw0": dict(block_n=64, ring=3, prmt=True, vfold=True, swizzle=0),
 }
 CHECKS = [  # (name, B, hq, lens, block_size)
     ("gqa7_bs16", 4, 28, [1, 77, 1000, 2049], 16),
@@ -108,13 +110,14 @@ def check_variant(vname):
                  "finite": bool(torch.isfinite(o).all() and torch.isfinite(o3).all())}
             if vname == next(iter(VARIANTS)) and bs == 16:
                 c["old_gluon_err_o"] = err(old_decode(q, kc, ks, vc, vs, bt, seq)[0], ro)
-            c["ok"] = (c["finite"] and c["deterministic"] and max(c["err_o"], c["err_o_ns3"]) <= TOL_O
+            c["tol_o"] = TOL_O_REL * max(1.0, ro.abs().max().item())
+            c["ok"] = (c["finite"] and c["deterministic"] and max(c["err_o"], c["err_o_ns3"]) <= c["tol_o"]
                        and max(c["err_lse"], c["err_lse_ns3"]) <= TOL_LSE)
             rec["checks"][cname] = c
-            print(f"{elapsed()} {vname:17s} {cname:10s} err_o {c['err_o']:.2e} (ns=3 {c['err_o_ns3']:.2e}) err_lse "
+            print(f"{elapsed()} {vname:24s} {cname:10s} err_o {c['err_o']:.2e} (ns=3 {c['err_o_ns3']:.2e}) err_lse "
                   f"{c['err_lse']:.2e} (ns=3 {c['err_lse_ns3']:.2e}) det {c['deterministic']} "
                   f"old_gluon_err_o {c.get('old_gluon_err_o', float('nan')):.2e} first {first:.1f}s -> "
-                  f"{'ok' if c['ok'] else 'BAD'}", flush=True)
+                  f"(tol {c['tol_o']:.1e}) -> {'ok' if c['ok'] else 'BAD'}", flush=True)
         rec["ok"] = all(c["ok"] for c in rec["checks"].values())
         try:  # registers/spills of the binaries this process built (informative)
             rec["binaries"] = [{"n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared}
@@ -192,7 +195,7 @@ def time_shape(B, S, passing):
     row["max_abs_vs_old"] = {n: (o[0] - oo).abs().max().item() for n, o in outs.items() if n != "old_gluon"}
     print(f"{elapsed()} {key} (splits {row['splits']}):", flush=True)
     for n, m in med.items():
-        print(f"   {n:17s} {m:8.4f} ms  {med['sdpa_bf16'] / m:5.2f}x SDPA  {med['old_gluon'] / m:5.2f}x old  "
+        print(f"   {n:24s} {m:8.4f} ms  {med['sdpa_bf16'] / m:5.2f}x SDPA  {med['old_gluon'] / m:5.2f}x old  "
               f"{row['GBps'][n]:6.0f} GB/s  max|o - old| {row['max_abs_vs_old'].get(n, float('nan')):.1e}",
               flush=True)
     return row
@@ -208,7 +211,7 @@ def main():
     import triton
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "tolerances": {"o": TOL_O, "lse": TOL_LSE}, "variants": {}, "timing": {}}
+           "tolerances": {"o_rel": TOL_O_REL, "lse": TOL_LSE}, "variants": {}, "timing": {}}
     print(f"device {res['device']}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     # every variant's checks in its own process, all at once: compiles run in parallel, a hang is one FAIL
     procs = {v: subprocess.Popen([sys.executable, __file__, "check", v], stdout=subprocess.PIPE,
@@ -253,7 +256,7 @@ def main():
                            f"{t['median_ms']['old_gluon'] / t['median_ms'][v]:.2f}x old"
                            for k, t in res["timing"].items() if v in t.get("median_ms", {}))
         why = "" if rec.get("ok") else ("  (error: see above)" if "error" in rec else "  (wrong results)")
-        print(f"{'PASS' if rec.get('ok') else 'FAIL'} {v:17s} {ratios}{why}")
+        print(f"{'PASS' if rec.get('ok') else 'FAIL'} {v:24s} {ratios}{why}")
     return 0 if passing else 1
 
 

@@ -67,6 +67,10 @@ class WSpecConfig:
     #: that variant spilled offline at GQA 8 / 64-slot pages and at ring 3)
     scales_smem: bool = True
     swizzle: int = 128
+    #: int8 -> fp16 by ``prmt`` bit tricks (else ``I2F`` conversions)
+    prmt: bool = False
+    #: (``scales_smem`` only) fp16 P, value scales folded into the value operand (else into P, per group, fp32)
+    vfold: bool = False
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
@@ -81,6 +85,8 @@ class WSpecConfig:
             raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
         if self.swizzle not in (0, 32, 64, 128):
             raise ValueError(f"swizzle must be 0, 32, 64 or 128 bytes, got {self.swizzle}")
+        if self.vfold and not self.scales_smem:
+            raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
         if self.ctas_per_sm < 1:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
 
@@ -234,15 +240,29 @@ def _q_group(Q_row, s_qh, g: gl.constexpr, GQA: gl.constexpr, QA: gl.constexpr):
 
 
 @gluon.jit
-def _k_operand(kb, g: gl.constexpr, KB: gl.constexpr):
-    """Group ``g``'s key codes of a stage ``[BN, D]`` as the QK B operand ``[32, BN]`` (exact fp16)."""
-    return kb.slice(g * 32, 32, dim=1).permute([1, 0]).load(KB).to(gl.float16)
+def _i8_to_f16(x, PRMT: gl.constexpr):
+    """int8 codes -> exact fp16. ``PRMT``: four codes per register by bit tricks (``c ^ 0x80`` under the fp16
+    exponent byte ``0x64`` is ``1152 + c``; one ``prmt`` and one packed subtract per two codes, full-rate integer
+    and fp16 pipes) instead of one quarter-rate ``I2F`` per code."""
+    if PRMT:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, k; xor.b32 t, $2, 0x80808080; mov.b32 k, 0x64806480; "
+            "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+            "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }",
+            "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+    return x.to(gl.float16)
 
 
 @gluon.jit
-def _v_operand(vb, g: gl.constexpr, KB: gl.constexpr):
+def _k_operand(kb, g: gl.constexpr, KB: gl.constexpr, PRMT: gl.constexpr = False):
+    """Group ``g``'s key codes of a stage ``[BN, D]`` as the QK B operand ``[32, BN]`` (exact fp16)."""
+    return _i8_to_f16(kb.slice(g * 32, 32, dim=1).permute([1, 0]).load(KB), PRMT)
+
+
+@gluon.jit
+def _v_operand(vb, g: gl.constexpr, KB: gl.constexpr, PRMT: gl.constexpr = False):
     """Group ``g``'s value codes ``[BN, 32]`` as the PV B operand (exact fp16)."""
-    return vb.slice(g * 32, 32, dim=1).load(KB).to(gl.float16)
+    return _i8_to_f16(vb.slice(g * 32, 32, dim=1).load(KB), PRMT)
 
 
 @gluon.jit
@@ -253,9 +273,19 @@ def _pv(pa, vs, vb, acc, alpha, MMA: gl.constexpr):
 
 
 @gluon.jit
+def _pv_fold(p16, vs_row, vb, acc, alpha, KB: gl.constexpr):
+    """``acc alpha + fp16(1024 p) fp16(s_v c)``: the group's value scales (one row of the stage's scales) multiply
+    the codes in the B operand, one fp16 product per code instead of one fp32 product and rounding per (head,
+    position) and group."""
+    vsc = vs_row.load(gl.SliceLayout(1, KB))
+    return mma_v2(p16, vb * vsc[:, None], acc * alpha[:, None])
+
+
+@gluon.jit
 def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
               sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-              GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr):
+              GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
+              PRMT: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -287,18 +317,18 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
-        kb0 = _k_operand(kb, 0, KB)
-        kb1 = _k_operand(kb, 1, KB)
-        kb2 = _k_operand(kb, 2, KB)
-        kb3 = _k_operand(kb, 3, KB)
+        kb0 = _k_operand(kb, 0, KB, PRMT)
+        kb1 = _k_operand(kb, 1, KB, PRMT)
+        kb2 = _k_operand(kb, 2, KB, PRMT)
+        kb3 = _k_operand(kb, 3, KB, PRMT)
         zero = gl.zeros([16, BN], gl.float32, layout=MMA)
         z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
         z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
         # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
-        vb0 = _v_operand(vb, 0, KB)
-        vb1 = _v_operand(vb, 1, KB)
-        vb2 = _v_operand(vb, 2, KB)
-        vb3 = _v_operand(vb, 3, KB)
+        vb0 = _v_operand(vb, 0, KB, PRMT)
+        vb1 = _v_operand(vb, 1, KB, PRMT)
+        vb2 = _v_operand(vb, 2, KB, PRMT)
+        vb3 = _v_operand(vb, 3, KB, PRMT)
         # the stage is in registers: order the shared reads before the next TMA write, then free it
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
@@ -324,7 +354,8 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
 @gluon.jit
 def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
                    sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                   GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr):
+                   GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
+                   VFOLD: gl.constexpr):
     """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
     before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
     not registers, holds the next tiles."""
@@ -356,21 +387,32 @@ def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, 
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
         zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, _k_operand(kb, 0, KB), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa1, _k_operand(kb, 1, KB), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa2, _k_operand(kb, 2, KB), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa3, _k_operand(kb, 3, KB), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
+        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = gl.exp2(z - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_t = l_t * alpha[:, None] + p
         m_i = m_new
-        pa = gl.convert_layout(p * 1024.0, QA)
-        acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB), acc0, alpha, MMA)
-        acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB), acc1, alpha, MMA)
-        acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB), acc2, alpha, MMA)
-        acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB), acc3, alpha, MMA)
+        if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
+            p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
+            acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
+            acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
+            acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+            acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+        else:
+            pa = gl.convert_layout(p * 1024.0, QA)
+            acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0, alpha,
+                       MMA)
+            acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1, alpha,
+                       MMA)
+            acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2, alpha,
+                       MMA)
+            acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3, alpha,
+                       MMA)
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
@@ -405,6 +447,7 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
+    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -434,7 +477,8 @@ def _wspec_stage1(
     if SCALES_SMEM:
         gl.warp_specialize([
             (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW)),
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
+                              PRMT, VFOLD)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
                          s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
         ], [1], [PRODUCER_REGS])
@@ -442,7 +486,7 @@ def _wspec_stage1(
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                          n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                         GQA, PAGE, BN, RING, NW)),
+                         GQA, PAGE, BN, RING, NW, PRMT)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
                          s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
         ], [1], [PRODUCER_REGS])
@@ -493,7 +537,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -563,7 +607,8 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
     ptrs = {"Q": "*bf16", "k_desc": desc, "v_desc": desc, "KS": "*fp16", "VS": "*fp16", "BT": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
-                 NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem)
+                 NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
