@@ -186,6 +186,5 @@ def sample_static(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[
             "batch": batch, "prompt_width": width, "max_len": max_len, "block_size": bs,
             "prefill_seconds": t_prefill - t0, "capture_seconds": state.get("capture_seconds", 0.0),
             "decode_seconds": t_end - t_prefill, "kv_nbytes": int(cache.kv_nbytes())}
-    del cache, state
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                    response_mask=response_mask, sampler_logprobs=logq, seconds=t_end - t0, texts=texts, info=info)

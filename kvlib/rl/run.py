@@ -177,8 +177,9 @@ def calibrate(model16: Any, tok: Any, args: argparse.Namespace) -> dict:
         for k in ("acc", "len", "ended"):
             d[k] /= d["n"]
     out = choose_difficulty(by)
-    out.update(by_steps=by, seconds=r.seconds, info=r.info, prompt_tokens_mean=float(r.prompt_mask.sum(1).float().mean()),
-               example=r.texts[len(r.texts) // 2][:1200], max_new_tokens=args.max_new_tokens, shots=args.shots)
+    out.update(by_steps=by, seconds=r.seconds, info=r.info,
+               prompt_tokens_mean=float(r.prompt_mask.sum(1).float().mean()), example=r.texts[len(r.texts) // 2][:1200],
+               max_new_tokens=args.max_new_tokens, shots=args.shots)
     for s, d in sorted(by.items()):
         log(f"  calibration steps {s}: acc {d['acc']:.2f} length {d['len']:.0f} ended {d['ended']:.2f}")
     log(f"calibration: difficulty {out['difficulty']} (pooled acc {out['pooled_accuracy']:.2f}), {r.seconds:.1f} s, "
@@ -282,15 +283,21 @@ def train(args: argparse.Namespace) -> int:
         rec["provenance"] = provenance(params, started)
         _write(path, rec)
 
-    e0 = time.time()
-    rec["eval"]["initial"] = evaluate_greedy(roll16, tok, held, args)
-    eval_s = time.time() - e0
-    log(f"{args.arm} seed {args.seed}: initial held-out accuracy {rec['eval']['initial']['accuracy']:.3f} "
-        f"({eval_s:.1f} s)")
+    if args.initial_eval:  # the parent evaluated the (shared) initial policy once, with the same evaluator
+        rec["eval"]["initial"] = json.loads(Path(args.initial_eval).read_text())
+        reserve = args.eval_reserve_s
+    else:
+        e0 = time.time()
+        rec["eval"]["initial"] = evaluate_greedy(roll16, tok, held, args)
+        reserve = 1.5 * (time.time() - e0) + 5
+    if rec["eval"]["initial"]["uids"] != [p.uid for p in held]:
+        raise ValueError("--initial-eval: its held-out problems are not this run's")
+    log(f"{args.arm} seed {args.seed}: initial held-out accuracy {rec['eval']['initial']['accuracy']:.3f}; "
+        f"final-evaluation reserve {reserve:.0f} s")
     save()
     last = 0.0
     for it in range(args.iterations):
-        if time.time() + 1.3 * last + 1.5 * eval_s + 5 > deadline:
+        if time.time() + 1.3 * last + reserve > deadline:
             rec["reason"] = f"time budget: stopped after {it} of {args.iterations} iterations"
             break
         ti = time.time()
@@ -377,6 +384,12 @@ def run_all(args: argparse.Namespace) -> int:
             paths = {p for r in tm["reps"][arm] for p in r["decode_paths"]}
             if args.device == "cuda" and not all(r["kernel"] and r["graphed"] for r in tm["reps"][arm]):
                 fails.append(f"timing {arm}: not every rollout was graphed on the kernel path ({sorted(paths)})")
+    held = problems("heldout", args.heldout, cal["difficulty"], seed=1)
+    e0 = time.time()
+    ev0 = evaluate_greedy(model16, tok, held, args)
+    eval_s = time.time() - e0
+    _write(out / "initial_eval.json", ev0)
+    log(f"initial policy, held-out accuracy {ev0['accuracy']:.3f} (greedy bf16 evaluator, {eval_s:.1f} s)")
     del model, model16
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -387,17 +400,21 @@ def run_all(args: argparse.Namespace) -> int:
         seeds = [s for s in range(1000) if s not in have][:args.n_seeds]
         runs += [(arm, s) for s in seeds]
     log(f"training runs (concurrent): {runs}; {deadline - time.time():.0f} s left")
+    # the final evaluations of all runs overlap at the end: reserve for them together
+    reserve = 1.3 * eval_s * max(len(runs), 1) + 10
     procs = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     for arm, seed in runs:
         logf = open(out / f"{arm}_seed{seed}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, "-m", "kvlib.rl.run", "train", "--arm", arm, "--seed", str(seed), "--out", args.out,
                "--deadline", str(deadline - args.train_margin_s), "--calibration", str(out / "calibration.json"),
+               "--initial-eval", str(out / "initial_eval.json"), "--eval-reserve-s", str(reserve),
                *_forward_args(args)]
         procs.append((arm, seed, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf))
     for arm, seed, p, logf in procs:
         try:
-            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+            rc = p.wait(timeout=max(1.0, deadline + args.exit_grace_s - time.time()))
         except subprocess.TimeoutExpired:
             p.kill()  # our own child, by its handle; its last per-iteration JSON stays (partial)
             rc = p.wait()
@@ -449,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-seeds", type=int, default=3, help="new seeds per arm in this call")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall budget of `all` from its start")
     ap.add_argument("--train-margin-s", type=float, default=15.0, help="runs must be done this long before it")
+    ap.add_argument("--exit-grace-s", type=float, default=10.0, help="past the budget, then a run is killed")
     ap.add_argument("--iterations", type=int, default=200, help="upper bound; the budget usually ends runs first")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--group", type=int, default=8)
@@ -456,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=1e-3)
     ap.add_argument("--tis-cap", type=_none_or(float), default=2.0)
-    ap.add_argument("--micro-batch", type=_none_or(int), default=16)
+    ap.add_argument("--micro-batch", type=_none_or(int), default=8, help="learner micro-batch (9 runs share memory)")
     ap.add_argument("--shots", type=int, default=3)
     ap.add_argument("--train-pool", type=int, default=1024)
     ap.add_argument("--heldout", type=int, default=128)
@@ -467,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=None, help="train: absolute time.time() to finish by")
     ap.add_argument("--calibration", default=None, help="train: calibration.json")
+    ap.add_argument("--initial-eval", default=None, help="train: the initial policy's evaluation (from `all`)")
+    ap.add_argument("--eval-reserve-s", type=float, default=30.0, help="train: time kept for the final evaluation")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device")
