@@ -12,10 +12,10 @@ EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 3, 4]]  # unequal lengths: left padding and position ids matter
 
 
-def _tiny(dtype=torch.float32):
+def _tiny(dtype=torch.float32, head_dim=None):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=head_dim,
                       bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
     model = LlamaForCausalLM(cfg).eval().to(dtype)
     model.config._attn_implementation = "sdpa"
@@ -96,3 +96,16 @@ def test_choose_difficulty_hand_case():
     assert got["pooled_accuracy"] == pytest.approx(0.35)
     got = choose_difficulty(by, target=0.0)  # {4} alone; ties broken toward longer chains
     assert (got["difficulty"]["min_steps"], got["difficulty"]["max_steps"]) == (4, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the decode kernels need a GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "kv4", "kv4rl"])
+def test_graph_replay_equals_eager_on_the_kernel_path(fmt):
+    model = _tiny(torch.bfloat16, head_dim=64).cuda()  # the INT4 kernels need d >= 64 on CUDA
+    kw = dict(fmt=fmt, max_new_tokens=24, generator=None, greedy=True, eos_token_id=EOS, pad_token_id=PAD)
+    eager = sample_static(model, None, PROMPTS, graph=False, **kw)
+    graphed = sample_static(model, None, PROMPTS, graph=True, **kw)
+    assert graphed.info["graphed"] and graphed.info["kernel"], graphed.info
+    assert not any(p in ("torch-reference", "none") for p in graphed.info["decode_paths"])
+    assert torch.equal(eager.response_ids, graphed.response_ids)
+    torch.testing.assert_close(eager.sampler_logprobs, graphed.sampler_logprobs, rtol=0, atol=1e-5)

@@ -38,6 +38,9 @@ from kvlib.rl.sampler import Rollout, _encode, _seed_from
 BLOCK_SIZE = {"kv4": 256, "kv4rl": 256}
 #: decode paths that are not a kernel
 REFERENCE_PATHS = ("torch-reference", "none")
+#: a failed CUDA-graph capture (its error) turns capture off for the rest of the process: the steps then run
+#: eager on the same kernels, and every rollout's info says graphed False with the error
+_CAPTURE_FAILED: list[str] = []
 
 
 def _sync(device: torch.device) -> None:
@@ -132,15 +135,25 @@ def sample_static(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[
                 raise RuntimeError(f"format {fmt!r}: decode took the torch reference on {device} (layer paths "
                                    f"{sorted(set(paths))}); the rollout must run on the kernel path")
             return o
-        if graph and state["kernel"] and t >= 2:
+        if graph and state["kernel"] and t >= 2 and not _CAPTURE_FAILED:
             tc = time.perf_counter()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):  # recorded, not run: the replay below is step t
-                state["out"] = forward(t)
+            pos_before = pos_buf.clone()
+            try:
+                with torch.cuda.graph(g):  # recorded, not run: the replay below is step t
+                    state["out"] = forward(t)
+            except Exception as e:  # noqa: BLE001 - recorded in info["graph_error"]; this step then runs eager
+                torch.cuda.synchronize(device)
+                _CAPTURE_FAILED.append(f"{type(e).__name__}: {str(e)[:300]}")
+                pos_buf.copy_(pos_before)  # nothing of the failed capture ran on the device
+                return step_eager(t)
             state["graph"] = g
             state["capture_seconds"] = time.perf_counter() - tc
             g.replay()
             return state["out"]
+        return step_eager(t)
+
+    def step_eager(t: int) -> torch.Tensor:
         o = forward(t)
         state["paths"].update(kernel_paths(cache))
         return o
@@ -183,6 +196,7 @@ def sample_static(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[
                  for r, m in zip(response_ids.cpu(), response_mask.cpu(), strict=True)]
     info = {"fmt": fmt, "prefill_path": prefill_path, "decode_paths": sorted(state["paths"]),
             "kernel": bool(state["kernel"]), "graphed": state["graph"] is not None, "steps": n,
+            "graph_error": _CAPTURE_FAILED[0] if graph and _CAPTURE_FAILED else None,
             "batch": batch, "prompt_width": width, "max_len": max_len, "block_size": bs,
             "prefill_seconds": t_prefill - t0, "capture_seconds": state.get("capture_seconds", 0.0),
             "decode_seconds": t_end - t_prefill, "kv_nbytes": int(cache.kv_nbytes())}

@@ -95,7 +95,8 @@ def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
             ax.fill_between(x, lo, hi, color=COLORS[arm], alpha=0.2, linewidth=0)
         ax.set_xlabel("GRPO iteration")
         ax.set_title(label, fontsize=10)
-    np.atleast_1d(axes)[0].legend(fontsize=8)
+    if np.atleast_1d(axes)[0].get_legend_handles_labels()[0]:
+        np.atleast_1d(axes)[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -154,7 +155,8 @@ def training_rollout_figure(runs: dict):
     a1.set_title("rollout seconds per iteration (runs share the GPU)", fontsize=10)
     a2.set_xlabel("GRPO iteration")
     a2.set_title("cumulative bf16 / arm rollout time (concurrent)", fontsize=10)
-    a1.legend(fontsize=8)
+    if a1.get_legend_handles_labels()[0]:
+        a1.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
