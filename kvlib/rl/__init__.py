@@ -3,7 +3,9 @@
 Issue 27 reproduces KV4-RL's training claims at 135M scale: GRPO with the paper's objective
 (:mod:`~kvlib.rl.grpo`), rollouts by ``model.generate`` through a ``cache_factory`` (bf16, kv4 or
 kv4rl: :mod:`~kvlib.rl.sampler`), a verifiable arithmetic task made on the fly
-(:mod:`~kvlib.rl.task`), the iteration/run/evaluator (:mod:`~kvlib.rl.loop`), and a GPU smoke
+(:mod:`~kvlib.rl.task`), the iteration/run/evaluator (:mod:`~kvlib.rl.loop`), the static-pool rollout
+engine with CUDA-graph decode (:mod:`~kvlib.rl.engine`), the runs of one GPU call (:mod:`~kvlib.rl.run`,
+dev/gpu/rlvr.sh), the chapter's tables and verdicts (:mod:`~kvlib.rl.report`), and a GPU smoke
 (:mod:`~kvlib.rl.smoke`, run by dev/gpu/rlvr_smoke.sh). Defaults and where each comes from:
 :data:`kvlib.rl.loop.DEFAULT_SOURCES` (Table A1's values are not in our text of the paper; only
 the dual-clip constant 3.0 is stated in its prose).
@@ -39,6 +41,7 @@ then ``updates_per_iteration`` steps), which keeps pi_old equal to the sampler's
 weight then measures only the cache's numerical mismatch.
 """
 
+from kvlib.rl.engine import sample_static
 from kvlib.rl.grpo import (
     clipped_surrogate,
     group_advantages,
@@ -55,6 +58,6 @@ from kvlib.rl.task import Problem, format_prompt, last_boxed, make_problems, par
 __all__ = [
     "DEFAULT_SOURCES", "GRPOConfig", "Problem", "Rollout", "clipped_surrogate", "evaluate", "format_prompt",
     "frozen_copy", "group_advantages", "grpo_iteration", "grpo_loss", "informative_groups", "kl_k3",
-    "last_boxed", "learner_logprobs", "make_problems", "parse_answer", "reward", "run_grpo", "sample",
+    "last_boxed", "learner_logprobs", "make_problems", "parse_answer", "reward", "run_grpo", "sample", "sample_static",
     "split_of", "sync_weights", "tis_weights", "token_mean",
 ]

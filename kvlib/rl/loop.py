@@ -64,6 +64,10 @@ class GRPOConfig:
     #: None: learner forwards in the policy's own dtype (fp32 master weights -> fp32 learner);
     #: "bfloat16": learner forwards under torch.autocast(bf16) over fp32 master weights. Same for every arm.
     learner_autocast: str | None = None
+    #: with one update per rollout, pi_old's log-probs are the update's own forward, detached (TRL does the
+    #: same for num_iterations == 1): one learner forward fewer. Bit-equal to a separate no-grad forward only
+    #: where the kernels are deterministic, so off by default.
+    reuse_old_logp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -78,6 +82,8 @@ class GRPOConfig:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip!r}")
         if self.learner_autocast not in (None, "bfloat16"):
             raise ValueError(f"learner_autocast must be None or 'bfloat16', got {self.learner_autocast!r}")
+        if self.reuse_old_logp and self.updates_per_iteration != 1:
+            raise ValueError("reuse_old_logp needs updates_per_iteration == 1 (later updates move pi_theta off pi_old)")
         if self.beta < 0 or self.lr <= 0:
             raise ValueError(f"need beta >= 0 and lr > 0, got beta={self.beta!r}, lr={self.lr!r}")
 
@@ -120,7 +126,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
                    generator: torch.Generator, rollout_model: Any | None = None,
                    reward_fn: Callable[[Any, Any], float] = _default_reward,
                    prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
-                   eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, float]:
+                   eos_token_id: int | None = None, pad_token_id: int | None = None,
+                   sampler: Callable[..., Rollout] | None = None) -> dict[str, float]:
     """One GRPO iteration on ``problems`` (``cfg.prompts_per_iteration`` of them); returns its metrics.
 
     ``prompt_fn(tokenizer, problem)`` gives a prompt (text, or a list of token ids);
@@ -128,6 +135,9 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     else its list of token ids, EOS included). ``ref_model`` may be None only when ``cfg.beta == 0``.
     ``rollout_model`` (default: ``policy``) samples; it must hold the policy's current weights
     (e.g. a bf16 copy kept by :func:`sync_weights`, as :func:`run_grpo` does with ``rollout_dtype``).
+    ``sampler(model, tokenizer, prompts, max_new_tokens=, generator=, eos_token_id=, pad_token_id=)``
+    replaces :func:`~kvlib.rl.sampler.sample` (e.g. :func:`kvlib.rl.engine.sample_static` bound to a
+    format); ``cache_factory`` is then unused.
     """
     if len(problems) != cfg.prompts_per_iteration:
         raise ValueError(f"problems must hold cfg.prompts_per_iteration={cfg.prompts_per_iteration} items, "
@@ -138,8 +148,14 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     g = cfg.group_size
     prompts = [prompt_fn(tokenizer, p) for p in problems for _ in range(g)]
     sampler_model = policy if rollout_model is None else rollout_model
-    rollout = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory, max_new_tokens=cfg.max_new_tokens,
-                     generator=generator, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if sampler is None:
+        rollout = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory,
+                         max_new_tokens=cfg.max_new_tokens, generator=generator, eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id)
+    else:
+        rollout = sampler(sampler_model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, generator=generator,
+                          eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    grpo_iteration.last_rollout_info = dict(rollout.info)
     responses: list[Any] = rollout.texts or [r[m.bool()].tolist() for r, m in
                                              zip(rollout.response_ids.cpu(), rollout.response_mask.cpu(), strict=True)]
     device = rollout.response_ids.device
@@ -149,12 +165,11 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     mask = rollout.response_mask
     t_learn = time.perf_counter()
     with torch.no_grad(), _autocast(policy, cfg):
-        old_logp = learner_logprobs(policy, rollout, micro_batch=cfg.micro_batch)
+        old_logp = None if cfg.reuse_old_logp else learner_logprobs(policy, rollout, micro_batch=cfg.micro_batch)
         ref_logp = learner_logprobs(ref_model, rollout, micro_batch=cfg.micro_batch) if cfg.beta > 0 else None
     n_tok_total = mask.sum()
-    sampler_learner_k1 = float(grpo.token_mean(rollout.sampler_logprobs - old_logp, mask))
-    sampler_learner_k3 = float(grpo.token_mean(grpo.kl_k3(rollout.sampler_logprobs, old_logp), mask))
-    ref_kl = float(grpo.token_mean(grpo.kl_k3(old_logp, ref_logp), mask)) if ref_logp is not None else 0.0
+    if old_logp is None:  # filled micro-batch by micro-batch from the update's own forward (reuse_old_logp)
+        old_logp = torch.zeros_like(rollout.sampler_logprobs)
 
     batch = rollout.response_ids.shape[0]
     order = torch.randperm(batch, generator=generator).to(device)
@@ -171,6 +186,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
             sub = _subset(rollout, idx)
             with _autocast(policy, cfg):
                 logp = learner_logprobs(policy, sub)
+            if cfg.reuse_old_logp:
+                old_logp[idx] = logp.detach()
             loss, st = grpo.grpo_loss(logp, old_logp[idx], None if ref_logp is None else ref_logp[idx],
                                       rollout.sampler_logprobs[idx], advantages[idx], mask[idx],
                                       eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
@@ -187,6 +204,9 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    sampler_learner_k1 = float(grpo.token_mean(rollout.sampler_logprobs - old_logp, mask))
+    sampler_learner_k3 = float(grpo.token_mean(grpo.kl_k3(rollout.sampler_logprobs, old_logp), mask))
+    ref_kl = float(grpo.token_mean(grpo.kl_k3(old_logp, ref_logp), mask)) if ref_logp is not None else 0.0
     if rollout_model is not None and rollout_model is not policy:
         sync_weights(policy, rollout_model)
     if policy.device.type == "cuda":

@@ -33,6 +33,8 @@ class Rollout:
     sampler_logprobs: torch.Tensor  # float32, log q(y_ij | h_ij) as sampled; 0 where masked
     seconds: float
     texts: list[str] = field(default_factory=list)
+    #: what the engine did (kvlib.rl.engine: cache format, kernel paths, graphed, prefill/decode seconds)
+    info: dict = field(default_factory=dict)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -143,16 +145,17 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)
     attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.response_ids)], dim=1)
     pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    width = rollout.prompt_ids.shape[1]
     steps = rollout.response_ids.shape[1]
     mb = ids.shape[0] if micro_batch is None else micro_batch
     if not isinstance(mb, int) or mb < 1:
         raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
     rows = []
     for s in range(0, ids.shape[0], mb):
+        # logits of the last steps + 1 positions only: the prompt's [P, vocab] logits are never needed (at
+        # 49k vocab they would dominate the learner's memory)
         logits = model(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
-                       use_cache=False).logits
-        pred = logits[:, width - 1:width + steps - 1].float()
+                       use_cache=False, logits_to_keep=steps + 1).logits
+        pred = logits[:, :steps].float()
         tok = rollout.response_ids[s:s + mb].unsqueeze(-1)
         rows.append(torch.log_softmax(pred, dim=-1).gather(-1, tok).squeeze(-1))
     return torch.cat(rows, dim=0).masked_fill(~rollout.response_mask.bool(), 0.0)

@@ -1,0 +1,79 @@
+"""The RLVR chapter's verdict rules on synthetic run records: each rule can come out either way."""
+
+import json
+
+from kvlib.rl import report
+
+
+def _rec(arm, seed, acc, lengths, refkl, n=64):
+    correct = [1] * int(round(acc * n)) + [0] * (n - int(round(acc * n)))
+    ev = {"accuracy": sum(correct) / n, "correct": correct, "uids": [f"u{i}" for i in range(n)]}
+    return {"arm": arm, "seed": seed, "status": "complete", "iterations_done": len(lengths),
+            "history": {"reward_mean": [0.3] * len(lengths), "response_length_mean": lengths, "ref_kl_k3": refkl,
+                        "sampler_learner_kl_k3": [1e-3] * len(lengths), "sampler_learner_kl_k1": [1e-3] * len(lengths),
+                        "rollout_seconds": [1.0] * len(lengths)},
+            "rollout_info": [{"decode_paths": [f"{arm}-triton"], "graphed": True}] * len(lengths),
+            "eval": {"initial": ev, "final": ev}}
+
+
+def _data(accs, kv4_len, kv4_kl, speedup=None):
+    runs = {}
+    for arm, per_seed in accs.items():
+        for s, a in enumerate(per_seed):
+            lengths = kv4_len if arm == "kv4" else [100.0] * 8
+            kl = kv4_kl if arm == "kv4" else [1e-3] * 8
+            runs[(arm, s)] = _rec(arm, s, a, lengths, kl)
+    summary = {"kv4rl": {"speedup_vs_bf16": speedup}}
+    timing = None if speedup is None else {"batch": 64, "steps": 256, "summary": summary}
+    return {"runs": runs, "timing": timing, "calibration": None}
+
+
+def _by_id(data):
+    return {v["id"]: v for v in report.verdicts(data)}
+
+
+def test_no_runs_is_not_measured():
+    v = _by_id({"runs": {}, "timing": None, "calibration": None})
+    assert len(v) == 4
+    assert all(x["verdict"] == "not reproducible here" and x["why"].startswith("not measured") for x in v.values())
+
+
+def test_kv4_degradation_and_trajectory_reproduced():
+    short, rising = [100.0, 95, 90, 85, 80, 75, 70, 65], [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7e-3, 8e-3]
+    d = _data({"bf16": [0.50, 0.52, 0.55], "kv4": [0.30, 0.33, 0.31], "kv4rl": [0.50, 0.52, 0.55]}, short, rising,
+              speedup=2.0)
+    v = _by_id(d)
+    assert v["kv4rl-rlvr-kv4-below-bf16"]["verdict"] == "reproduced"
+    assert v["kv4rl-rlvr-kv4-trajectory"]["verdict"] == "reproduced"
+    assert v["kv4rl-rlvr-rollout-speedup"]["verdict"] == "reproduced"
+    assert v["kv4rl-rlvr-accuracy-parity"]["verdict"] == "reproduced"  # identical per seed: CI [0, 0]
+
+
+def test_no_degradation_and_slow_rollout_differ():
+    flat, kl = [100.0] * 8, [1e-3] * 8
+    d = _data({"bf16": [0.50, 0.52, 0.55], "kv4": [0.52, 0.53, 0.57], "kv4rl": [0.40, 0.41, 0.44]}, flat, kl,
+              speedup=0.8)
+    v = _by_id(d)
+    assert v["kv4rl-rlvr-kv4-below-bf16"]["verdict"] == "differs"
+    assert v["kv4rl-rlvr-accuracy-parity"]["verdict"] == "differs"  # ~-10.6 pp, the CI far below -0.5
+    assert v["kv4rl-rlvr-rollout-speedup"]["verdict"] == "differs"
+    assert v["kv4rl-rlvr-kv4-trajectory"]["verdict"] == "differs"
+
+
+def test_two_seeds_are_underpowered():
+    d = _data({"bf16": [0.5, 0.52], "kv4": [0.3, 0.3], "kv4rl": [0.5, 0.5]}, [90.0] * 8, [1e-3] * 8)
+    v = _by_id(d)
+    for cid in ("kv4rl-rlvr-accuracy-parity", "kv4rl-rlvr-kv4-below-bf16", "kv4rl-rlvr-kv4-trajectory"):
+        assert v[cid]["verdict"] == "not reproducible here" and "underpowered" in v[cid]["why"], cid
+
+
+def test_load_and_tables(tmp_path):
+    d = _data({"bf16": [0.5], "kv4": [0.4]}, [90.0] * 8, [1e-3] * 8)
+    for (arm, s), r in d["runs"].items():
+        (tmp_path / f"{arm}_seed{s}.json").write_text(json.dumps(r))
+    got = report.load(tmp_path)
+    assert set(got["runs"]) == {("bf16", 0), ("kv4", 0)} and got["timing"] is None
+    assert len(report.runs_table(got["runs"])) == 2
+    acc = report.accuracy_table(got["runs"])
+    assert list(acc["arm"]) == ["bf16", "kv4"]
+    assert abs(acc.loc[1, "vs bf16, pp"] - (-9.375)) < 1e-9  # 26/64 - 32/64
