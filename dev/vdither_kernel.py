@@ -238,6 +238,10 @@ def launch(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: 
            num_stages: int, vd_mode: int = 0, v_order: int = 0, vxi: torch.Tensor | None = None,
            dbg: torch.Tensor | None = None, xi_split: bool = True, pv_terms: int = 3) -> None:
     """``launch_w24``'s tc branch for :func:`_tc_vd` (``vxi``/``dbg``: float32 ``[n_slots, H_kv, d]``)."""
+    from kvlib.kernels.backend import triton_available
+
+    if not triton_available(q.device):
+        raise RuntimeError("the scratch kernel needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
     gqa = hq // hkv

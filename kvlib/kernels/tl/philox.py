@@ -104,12 +104,12 @@ def _tf_mix(a, b, R: tl.constexpr):
 
 
 @triton.jit
-def _tf_round(x0, x1, x2, x3, I: tl.constexpr):
-    """Threefry4x32 round ``I`` (rotation constants R_32x4 of Random123's threefry.h, ``I mod 8``): even rounds mix
+def _tf_round(x0, x1, x2, x3, RND: tl.constexpr):
+    """Threefry4x32 round ``RND`` (rotation constants R_32x4 of Random123's threefry.h, ``RND mod 8``): even rounds mix
     (0, 1) and (2, 3), odd rounds (0, 3) and (2, 1)."""
-    RA: tl.constexpr = (10, 11, 13, 23, 6, 17, 25, 18)[I % 8]
-    RB: tl.constexpr = (26, 21, 27, 5, 20, 11, 10, 20)[I % 8]
-    if I % 2 == 0:
+    RA: tl.constexpr = (10, 11, 13, 23, 6, 17, 25, 18)[RND % 8]
+    RB: tl.constexpr = (26, 21, 27, 5, 20, 11, 10, 20)[RND % 8]
+    if RND % 2 == 0:
         x0, x1 = _tf_mix(x0, x1, RA)
         x2, x3 = _tf_mix(x2, x3, RB)
     else:

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.core.philox import philox4x32_10, threefry4x32 as threefry4x32_torch
+from kvlib.core.philox import philox4x32_10
+from kvlib.core.philox import threefry4x32 as threefry4x32_torch
 from kvlib.kernels.tl.philox import philox4x32, threefry4x32
 
 
