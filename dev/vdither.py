@@ -135,7 +135,8 @@ def cases(cpu: bool) -> list[tuple[str, dict]]:
     base = dict(block_n=16, num_warps=4, num_stages=3)  # the 2026-11-29 diagnosis run's launch (stages: tc default)
     if cpu:
         return [("removed_code", base), ("loaded_dither", base | {"vd_mode": 1}),
-                ("stored_dither", base | {"vd_mode": 2}), ("keys_only", base | {"v_dither": False}), ("values_only", base | {"k_dither": False})]
+                ("stored_dither", base | {"vd_mode": 2}),
+                ("keys_only", base | {"v_dither": False}), ("values_only", base | {"k_dither": False})]
     return [
         ("removed_code", base),
         ("loaded_dither", base | {"vd_mode": 1}),
