@@ -144,17 +144,12 @@ def cases(cpu: bool) -> list[tuple[str, dict]]:
         ("scale_then_dither", base | {"v_order": 1}),
         ("keys_only", base | {"v_dither": False}),
         ("values_only", base | {"k_dither": False}),
-        ("values_only_loaded", base | {"k_dither": False, "vd_mode": 1}),
         ("stages1", base | {"num_stages": 1}),
         ("stages2", base | {"num_stages": 2}),
         ("warps8", base | {"num_warps": 8}),
-        ("block32", base | {"block_n": 32}),
         ("block64", base | {"block_n": 64}),
-        ("one_split", base | {"ns": 1}),
-        ("no_xi_split_pv1", base | {"xi_split": False, "pv_terms": 1}),
         ("d128", base | {"shape": BIG}),
         ("d128_stored", base | {"shape": BIG, "vd_mode": 2}),
-        ("d128_block64_stages3", base | {"shape": BIG, "block_n": 64}),
         ("slots_above_2^20", base | {"slot_base": 1 << 20, "vd_mode": 2}),
     ]
 
@@ -182,7 +177,7 @@ def diagnose(rows: list[dict]) -> list[str]:
         out.append("wrong even with the dither loaded: not the generator; the dithered values' PV path")
     if bad("removed_code") and ok("stages1"):
         out.append("right with num_stages=1: the software pipeliner (num_stages > 1) breaks the path")
-    for n in ("stages2", "warps8", "block32", "block64", "one_split", "no_xi_split_pv1", "scale_then_dither"):
+    for n in ("stages2", "warps8", "block64", "scale_then_dither"):
         if bad("removed_code") and ok(n):
             out.append(f"the case {n!r} is right where the removed code is wrong")
     if ok("keys_only") and bad("values_only"):

@@ -11,7 +11,7 @@ export PYTHONPATH=${PYTHONPATH:-.}:.
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 status=0
-timeout 80 $PY -m dev.vdither --json "$OUT/vdither.json" || { echo "FAIL vdither bisect (rc=$?)"; status=1; }
+timeout 70 $PY -m dev.vdither --json "$OUT/vdither.json" || { echo "FAIL vdither bisect (rc=$?)"; status=1; }
 
 CS=${COMPUTE_SANITIZER_BIN:-$(command -v compute-sanitizer || true)}
 [ -z "$CS" ] && for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
@@ -22,13 +22,13 @@ else
   FILTER=(--kernel-name kns=_tc_vd)  # kns = kernel-name substring: keeps torch's own kernels out
   for tool in memcheck racecheck; do
     log="$OUT/vdither_$tool.log"
-    timeout 35 "$CS" --tool "$tool" "${FILTER[@]}" --error-exitcode 9 --print-limit 20 \
+    timeout 30 "$CS" --tool "$tool" "${FILTER[@]}" --error-exitcode 9 --print-limit 20 \
       --log-file "$log" $PY -m dev.vdither --sanitize > "$OUT/vdither_${tool}_stdout.txt" 2>&1
     rc=$?
     if [ ${#FILTER[@]} -gt 0 ] && ! grep -q "SUMMARY" "$log" 2>/dev/null; then  # said, then once unfiltered
       echo "$tool: no summary with ${FILTER[*]} (rc=$rc); rerunning without the kernel filter"
       FILTER=()
-      timeout 25 "$CS" --tool "$tool" --error-exitcode 9 --print-limit 20 --log-file "$log" \
+      timeout 20 "$CS" --tool "$tool" --error-exitcode 9 --print-limit 20 --log-file "$log" \
         $PY -m dev.vdither --sanitize > "$OUT/vdither_${tool}_stdout.txt" 2>&1
       rc=$?
     fi
