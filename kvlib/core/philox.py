@@ -56,6 +56,34 @@ DITHER_BIAS = {"w24": 2.0**-25, "h10": 2.0**-11, "h8": 2.0**-9}
 CALL_CHANNELS = {"w24": 4, "h10": 8, "h8": 16}
 
 
+#: counter-based generators a dither may draw its words from: name -> (family, rounds). Every one maps the same
+#: 128-bit counter ``(slot, j, kv_head, (layer << 1) | side)`` and the 64-bit seed to four 32-bit words, so a
+#: layout's channel map is the generator's. Philox4x32-10 (the paper's) is the default; the others are study
+#: options (issue 28: dev/results/philox_*.json says which passed the checks that make one an option). Random123's
+#: own notes (include/Random123/philox.h, threefry.h): Philox4x32 has no known statistical flaw at 8 rounds or more
+#: ("a cloud remains over Philox4x32 with 7 rounds": p ~ 1e-7 in very long SimpPoker tests), Threefry4x32 none at 12
+#: or more; their defaults (10, 20) add a safety margin.
+GENERATORS = {
+    "philox4x32-10": ("philox", 10),
+    "philox4x32-8": ("philox", 8),
+    "philox4x32-7": ("philox", 7),
+    "philox4x32-6": ("philox", 6),
+    "threefry4x32-13": ("threefry", 13),
+    "threefry4x32-20": ("threefry", 20),
+}
+DEFAULT_GENERATOR = "philox4x32-10"
+#: Threefry4x32 rotation constants (Random123 threefry.h, R_32x4_r_0 / R_32x4_r_1 for r = 0..7)
+THREEFRY_R32X4 = ((10, 26), (11, 21), (13, 27), (23, 5), (6, 20), (17, 11), (25, 10), (18, 20))
+THREEFRY_PARITY32 = 0x1BD11BDA  # SKEIN_KS_PARITY32
+
+
+def check_generator(generator: object) -> str:
+    """The generator name, or a ValueError naming ``generator``."""
+    if generator not in GENERATORS:
+        raise ValueError(f"generator must be one of {tuple(GENERATORS)}, got {generator!r}")
+    return generator  # type: ignore[return-value]
+
+
 def check_layout(layout: object) -> str:
     """The dither layout name, or a ValueError naming ``dither_layout``."""
     if layout not in DITHER_LAYOUTS:
@@ -116,6 +144,64 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) ->
             k1 = (k1 + PHILOX_W1) & MASK32
         c0, c1, c2, c3 = _round(c0, c1, c2, c3, k0, k1)
     return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3), dim=-1)
+
+
+def _check_u32_tensor(name: str, t: torch.Tensor) -> None:
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
+        raise ValueError(f"{name} must hold uint32 values in [0, 2^32), got range [{int(t.min())}, {int(t.max())}]")
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & MASK32
+
+
+def threefry4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 20) -> torch.Tensor:
+    """Random123 Threefry4x32 with ``rounds`` rounds: int64 ``[..., 4]`` counter and ``[..., 4]`` key of uint32
+    values; returns int64 ``[..., 4]`` (the two leading shapes broadcast). Add, rotate, xor only (no multiply):
+    a key injection after every fourth round (``ks[4] = parity ^ k0 ^ k1 ^ k2 ^ k3``, word 3 also gets the
+    injection's index), as in Random123's threefry.h."""
+    check_tensor("counter", counter, dtype=torch.int64)
+    check_tensor("key", key, dtype=torch.int64)
+    if counter.shape[-1:] != (4,):
+        raise ValueError(f"counter must have last dim 4, got shape {tuple(counter.shape)}")
+    if key.shape[-1:] != (4,):
+        raise ValueError(f"key must have last dim 4 (Threefry4x32), got shape {tuple(key.shape)}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    _check_u32_tensor("counter", counter)
+    _check_u32_tensor("key", key)
+    k = list(key.unbind(-1))
+    ks = k + [THREEFRY_PARITY32 ^ k[0] ^ k[1] ^ k[2] ^ k[3]]
+    x = [(c + ks[i]) & MASK32 for i, c in enumerate(counter.unbind(-1))]
+    for r in range(rounds):
+        ra, rb = THREEFRY_R32X4[r % 8]
+        if r % 2 == 0:  # mix (0, 1) and (2, 3)
+            x[0] = (x[0] + x[1]) & MASK32
+            x[1] = _rotl32(x[1], ra) ^ x[0]
+            x[2] = (x[2] + x[3]) & MASK32
+            x[3] = _rotl32(x[3], rb) ^ x[2]
+        else:  # mix (0, 3) and (2, 1)
+            x[0] = (x[0] + x[3]) & MASK32
+            x[3] = _rotl32(x[3], ra) ^ x[0]
+            x[2] = (x[2] + x[1]) & MASK32
+            x[1] = _rotl32(x[1], rb) ^ x[2]
+        if r % 4 == 3:  # key injection s = (r + 1) / 4
+            s = (r + 1) // 4
+            for i in range(4):
+                x[i] = (x[i] + ks[(s + i) % 5] + (s if i == 3 else 0)) & MASK32
+    return torch.stack(torch.broadcast_tensors(*x), dim=-1)
+
+
+def generator_words(counter: torch.Tensor, key: torch.Tensor, generator: str = DEFAULT_GENERATOR) -> torch.Tensor:
+    """The four words of ``generator`` (:data:`GENERATORS`) at int64 ``[..., 4]`` counters with the dither's
+    64-bit key ``[..., 2]`` = ``(seed lo, seed hi)``; Threefry4x32 takes the 128-bit key ``(lo, hi, 0, 0)``."""
+    family, rounds = GENERATORS[check_generator(generator)]
+    if family == "philox":
+        return philox4x32_10(counter, key, rounds=rounds)
+    check_tensor("key", key, dtype=torch.int64)
+    if key.shape[-1:] != (2,):
+        raise ValueError(f"key must have last dim 2, got shape {tuple(key.shape)}")
+    return threefry4x32(counter, torch.cat([key, torch.zeros_like(key)], dim=-1), rounds=rounds)
 
 
 def seed_key(seed: int) -> tuple[int, int]:
@@ -198,13 +284,15 @@ def h10_channel_map(d: int) -> torch.Tensor:
 
 
 def dither(
-    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0, layout: str = "w24"
+    slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0, layout: str = "w24",
+    generator: str = DEFAULT_GENERATOR,
 ) -> torch.Tensor:
-    """The dither float32 ``[S, d]`` for one (layer, kv_head, side) at the given slots."""
+    """The dither float32 ``[S, d]`` for one (layer, kv_head, side) at the given slots; ``generator`` names the
+    counter-based generator of its words (:data:`GENERATORS`; the default is the paper's Philox4x32-10)."""
     ctr = dither_counter(slots, d, layer=layer, kv_head=kv_head, side=side, layout=layout)
     k0, k1 = seed_key(seed)
     key = torch.tensor([k0, k1], dtype=torch.int64, device=ctr.device)
-    words = philox4x32_10(ctr, key)  # [S, n, 4]
+    words = generator_words(ctr, key, generator)  # [S, n, 4]
     if layout == "w24":
         return word_to_xi(words.reshape(words.shape[0], -1)[:, :d])
     xi = torch.empty(words.shape[0], d, dtype=torch.float32, device=words.device)

@@ -40,7 +40,10 @@ class Int8KernelConfig:
     - ``ahead``: the Gluon kernel computes each tile's Philox words at the end of the tile before, beside its
       PV (bit-identical; 3.8% faster at GQA 4, dev/results/gluon_probe5.json).
     - ``programs_per_sm``: one-warp Gluon programs resident per SM; the default split plan fills one wave.
-    - Timing-only ablations, never a result: ``skip_philox`` (tc, h10: the key dither replaced by garbage),
+    - ``generator``: the key dither's counter-based generator (:data:`kvlib.core.philox.GENERATORS`), which must be
+      the one the pool was written with; read by the h10 and Gluon kernels (the w24 kernels refuse any but the
+      default). Philox4x32-10 (the paper's) is the default; the others are the issue-28 study's options.
+    - Timing-only ablations, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage),
       ``ablate`` (h10 bit mask: 1 drops the QK path, 2 the PV path, 4 computes slots as
       ``b * stride + position``, right only for an identity slot table).
     """
@@ -62,6 +65,7 @@ class Int8KernelConfig:
     programs_per_sm: int = 8
     skip_philox: bool = False
     ablate: int = 0
+    generator: str = "philox4x32-10"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_n, int) or self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -77,6 +81,9 @@ class Int8KernelConfig:
             raise ValueError(f"pv_terms must be 1, 2 or 3, got {self.pv_terms!r}")
         if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be a positive int, got {self.programs_per_sm!r}")
+        from kvlib.core.philox import check_generator
+
+        check_generator(self.generator)
         if not isinstance(self.ablate, int) or not 0 <= self.ablate < 8:
             raise ValueError(f"ablate must be an int bit mask in [0, 8), got {self.ablate!r}")
 

@@ -25,7 +25,7 @@ import torch
 
 from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
 from kvlib.core.checks import check_open_unit
-from kvlib.core.philox import seed_key
+from kvlib.core.philox import DEFAULT_GENERATOR, seed_key
 from kvlib.kernels.backend import triton_available
 from kvlib.kernels.int8.config import DEFAULT_CONFIG, Int8KernelConfig, check_config
 from kvlib.kernels.int8.reference import _query_residual_mult, decode_reference, dequant_rows
@@ -145,11 +145,15 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     b_s = torch.empty(B, hq, ns, dtype=torch.float32, device=dev) if cert and cert_b else lse_s
     common = dict(delta=delta, rad_extra=rad_extra, layer=layer, k0=k0, k1=k1, ns=ns, cert=cert, cert_b=cert_b,
                   page=page)
+    if cfg.generator != DEFAULT_GENERATOR and path not in ("h10", "gluon"):
+        raise ValueError(f"config.generator={cfg.generator!r} is read by the h10 and Gluon kernels only; the {path!r} "
+                         "kernel regenerates Philox4x32-10")
     if path == "gluon":
         from kvlib.kernels.int8.gluon import launch_g8
 
         launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, sm=sm, ahead=cfg.ahead,
-                  byp_rel=FP16_REL + rounding_gamma(d), byp_abs=FP16_SUB, **common)
+                  byp_rel=FP16_REL + rounding_gamma(d), byp_abs=FP16_SUB,
+                  generator="none" if cfg.skip_philox else cfg.generator, **common)
     elif path == "h10":
         from kvlib.kernels.int8.h10 import launch_h10
 

@@ -43,6 +43,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kvlib.kernels.tl.philox_gluon import counter_words
+
 XI8_CONST: gl.constexpr = gl.constexpr(4.5 - 2.0**-9)
 LOG2E_C: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2_C: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -132,11 +134,18 @@ def _philox(c0, c1, c2, c3, k0, k1):
 
 
 @gluon.jit
-def _dither_words(slot, cj, c2, c3k, k0, k1, BN: gl.constexpr, W: gl.constexpr):
+def _dither_words(slot, cj, c2, c3k, k0, k1, BN: gl.constexpr, W: gl.constexpr, GEN: gl.constexpr = 0,
+                  N_ROUNDS: gl.constexpr = 10):
     """The four Philox words of counter ``(slot, call j, kv head, layer << 1)`` for each position and call ``[BN, 8]``
-    (word ``i`` is group ``i``'s dither of the call's 16 channels)."""
+    (word ``i`` is group ``i``'s dither of the call's 16 channels). ``GEN``/``N_ROUNDS``: another generator
+    (:func:`kvlib.kernels.tl.philox.generator_constexprs`; Philox4x32-10 keeps the validated ``_philox``)."""
     cs = slot.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
-    return _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
+    if GEN == 0 and N_ROUNDS == 10:
+        w0, w1, w2, w3 = _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
+    else:
+        w0, w1, w2, w3 = counter_words(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs),
+                                       k0, k1, GEN, N_ROUNDS)
+    return w0, w1, w2, w3
 
 
 @gluon.jit
@@ -356,6 +365,7 @@ def _stage1_g8(
     s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, NUM_SPLITS: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, AHEAD: gl.constexpr,
     PAGE: gl.constexpr = 0, K_DITHER: gl.constexpr = True, NOK: gl.constexpr = 0, NOV: gl.constexpr = 0,
+    GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
 ):
     # NOK / NOV (<= 16 each): outlier channels of the keys / values, stored fp16 beside the codes (code 0 there), as
     # in the Triton h10 kernel: the keys' enter the scores by two fp16 MMAs (q hi + lo) and the radius by the bypass
@@ -453,7 +463,7 @@ def _stage1_g8(
     sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
 
     if AHEAD and K_DITHER:
-        w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+        w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W, GEN, N_ROUNDS)
     if not K_DITHER:  # placeholders, never read
         w0 = kc0
         w1 = kc0
@@ -465,7 +475,7 @@ def _stage1_g8(
         # the next tile's operands are loaded once this tile's are consumed (keys after the scores, values after
         # PV), so the registers of one tile, not two, are live at the Philox and QK peak
         if not AHEAD and K_DITHER:
-            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W, GEN, N_ROUNDS)
         s0, s1, s2, s3 = _split4(ks, BN, NL)
         z = (_qk_group(kc0, w0, qa0, q10, s0, BN, KB, KW, MMA, Z8, K_DITHER)
              + _qk_group(kc1, w1, qa1, q11, s1, BN, KB, KW, MMA, Z8, K_DITHER))
@@ -527,7 +537,7 @@ def _stage1_g8(
         ns_x = ns_x + BN
         sk_x, sv_x, ss_x = _slots(sl_row, nk_x, nv_x, ns_x, end, PAGE)
         if AHEAD and K_DITHER:  # the next tile's dither, beside this tile's PV
-            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W)
+            w0, w1, w2, w3 = _dither_words(sk, cj, c2, c3k, k0, k1, BN, W, GEN, N_ROUNDS)
 
     l_i = gl.sum(l_t, 1)
     nonempty = l_i != 0.0
@@ -594,11 +604,15 @@ def gluon_num_splits(batch: int, hkv: int, max_len: int, device: torch.device, p
 
 def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: float, rad_extra: float,
               layer: int, k0: int, k1: int, ns: int, cert: bool, cert_b: bool, ahead: bool = True,
-              page: int = 0, byp_rel: float = 0.0, byp_abs: float = 0.0) -> None:
+              page: int = 0, byp_rel: float = 0.0, byp_abs: float = 0.0, generator: str = "philox4x32-10") -> None:
     """Launch :func:`_stage1_g8` on validated inputs (the h8 pool, d = 128, group 32, GQA <= 8, at most 16 outlier
     channels per side; ``byp_rel``/``byp_abs``: the fp16 bypass's rounding allowance, as the h10 kernel's);
     ``ahead`` is :attr:`kvlib.kernels.int8.config.Int8KernelConfig.ahead`; ``page > 0``: ``slots`` is a block table
-    of pages of ``page`` slots."""
+    of pages of ``page`` slots; ``generator``: the key dither's generator
+    (:attr:`kvlib.kernels.int8.config.Int8KernelConfig.generator`, ``"none"``: timing only)."""
+    from kvlib.kernels.tl.philox import generator_constexprs
+
+    gen = generator_constexprs(generator)
     B, hq, d = q.shape
     hkv = k.codes.shape[1]
     gqa = hq // hkv
@@ -623,5 +637,5 @@ def launch_g8(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delt
         ko.stride(0), ko.stride(1) if nok else 0, vo.stride(0), vo.stride(1) if nov else 0,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=gqa, NUM_SPLITS=ns, CERT=cert, CERT_B=cert and cert_b, AHEAD=ahead, PAGE=page, K_DITHER=k.dithered,
-        NOK=nok, NOV=nov, num_warps=1,
+        NOK=nok, NOV=nov, num_warps=1, **gen,
     )

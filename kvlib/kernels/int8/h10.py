@@ -44,7 +44,7 @@ import triton.language as tl
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range
 from kvlib.kernels.tl.paging import load_slots
-from kvlib.kernels.tl.philox import philox4x32
+from kvlib.kernels.tl.philox import counter_words, generator_constexprs
 
 #: ``xi = m - (1.5 - 2^-11)`` with ``m = 1 + (v >> 6) 2^-10`` (see :func:`kvlib.core.philox.half_to_xi`)
 XI_CONST: tl.constexpr = tl.constexpr(1.5 - 2.0**-11)
@@ -284,7 +284,7 @@ def _decode_int8_stage1_h10(
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
     WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
     PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False, PAGE: tl.constexpr = 0,
-    K_DITHER: tl.constexpr = True,
+    K_DITHER: tl.constexpr = True, GEN: tl.constexpr = 0, N_ROUNDS: tl.constexpr = 10,
 ):
     """Stage 1 over the h10 layout (module docstring); ``D = 4 G``: Philox word ``i`` feeds group ``i``.
     ``K_DITHER=False``: RTN keys (``xi = 0``), no Philox and no dither dot (``CERT`` must be off).
@@ -391,8 +391,9 @@ def _decode_int8_stage1_h10(
             w3 = w0
         else:
             cs = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D8], dtype=tl.uint32)
-            w0, w1, w2, w3 = philox4x32(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs), c3k + tl.zeros_like(cs),
-                                        k0, k1, WIDE=WIDE_MUL and FAST)  # WIDE: one mul.wide per product
+            # GEN/N_ROUNDS: the generator (Int8KernelConfig.generator); WIDE: one mul.wide per Philox product
+            w0, w1, w2, w3 = counter_words(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
+                                           c3k + tl.zeros_like(cs), k0, k1, GEN, N_ROUNDS, WIDE_MUL and FAST)
         if ABLATE & 1:
             wx = (w0 ^ w1 ^ w2 ^ w3).to(tl.float32)  # keeps the Philox work alive
             qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
@@ -534,7 +535,8 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(config.pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=config.tile_sums, SKIP_DITHER=config.skip_philox,
         WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, ABLATE=config.ablate, PV_DEQUANT=config.pv_dequant,
-        H8=k.dither_layout == "h8", PAGE=page, K_DITHER=k.dithered, num_warps=config.warps("h10"),
+        H8=k.dither_layout == "h8", PAGE=page, K_DITHER=k.dithered, **generator_constexprs(config.generator),
+        num_warps=config.warps("h10"),
         num_stages=config.stages("h10"),
         **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )

@@ -92,6 +92,99 @@ def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10, WIDE: tl.con
 
 
 @triton.jit
+def _rotl(x, R: tl.constexpr):
+    return (x << R) | (x >> (32 - R))
+
+
+@triton.jit
+def _tf_mix(a, b, R: tl.constexpr):
+    """One Threefry MIX: ``a += b; b = rotl(b, R) ^ a``."""
+    a = a + b
+    return a, _rotl(b, R) ^ a
+
+
+@triton.jit
+def _tf_round(x0, x1, x2, x3, RND: tl.constexpr):
+    """Threefry4x32 round ``RND`` (rotation constants R_32x4 of Random123's threefry.h, ``RND mod 8``): even rounds mix
+    (0, 1) and (2, 3), odd rounds (0, 3) and (2, 1)."""
+    RA: tl.constexpr = (10, 11, 13, 23, 6, 17, 25, 18)[RND % 8]
+    RB: tl.constexpr = (26, 21, 27, 5, 20, 11, 10, 20)[RND % 8]
+    if RND % 2 == 0:
+        x0, x1 = _tf_mix(x0, x1, RA)
+        x2, x3 = _tf_mix(x2, x3, RB)
+    else:
+        x0, x3 = _tf_mix(x0, x3, RA)
+        x2, x1 = _tf_mix(x2, x1, RB)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _tf_inject(x0, x1, x2, x3, ks0, ks1, ks2, ks3, ks4, S: tl.constexpr):
+    """Threefry key injection ``S``: word ``i`` gets ``ks[(S + i) mod 5]``, word 3 also ``S``."""
+    ks = (ks0, ks1, ks2, ks3, ks4)
+    return x0 + ks[S % 5], x1 + ks[(S + 1) % 5], x2 + ks[(S + 2) % 5], x3 + ks[(S + 3) % 5] + S
+
+
+@triton.jit
+def threefry4x32(c0, c1, c2, c3, k0, k1, k2, k3, N_ROUNDS: tl.constexpr = 20):
+    """Random123 threefry4x32-N on uint32 blocks (counter c0..c3, key k0..k3); returns 4 words. Add, rotate,
+    xor only; the rotation table and key schedule of :func:`kvlib.core.philox.threefry4x32`."""
+    x0 = c0.to(tl.uint32)
+    x1 = c1.to(tl.uint32)
+    x2 = c2.to(tl.uint32)
+    x3 = c3.to(tl.uint32)
+    ks0 = k0.to(tl.uint32)
+    ks1 = k1.to(tl.uint32)
+    ks2 = k2.to(tl.uint32)
+    ks3 = k3.to(tl.uint32)
+    ks4 = ks0 ^ ks1 ^ ks2 ^ ks3 ^ tl.full((), 0x1BD11BDA, tl.uint32)
+    x0 = x0 + ks0
+    x1 = x1 + ks1
+    x2 = x2 + ks2
+    x3 = x3 + ks3
+    for r in tl.static_range(N_ROUNDS):
+        x0, x1, x2, x3 = _tf_round(x0, x1, x2, x3, r)
+        if r % 4 == 3:  # key injection s = (r + 1) / 4: word i gets ks[(s + i) % 5], word 3 also s
+            x0, x1, x2, x3 = _tf_inject(x0, x1, x2, x3, ks0, ks1, ks2, ks3, ks4, (r + 1) // 4)
+    return x0, x1, x2, x3
+
+
+#: generator families as kernel constexprs (``GEN``): the names of :data:`kvlib.core.philox.GENERATORS`
+GEN_PHILOX: tl.constexpr = tl.constexpr(0)
+GEN_THREEFRY: tl.constexpr = tl.constexpr(1)
+GEN_NONE: tl.constexpr = tl.constexpr(2)  # timing only: the counter words themselves (no generator)
+
+
+def generator_constexprs(generator: str) -> dict[str, int]:
+    """``{"GEN": family code, "N_ROUNDS": rounds}`` of a generator name (:data:`kvlib.core.philox.GENERATORS`)
+    for a kernel launch; ``"none"`` is the timing-only no-generator code (a wrong dither, never a result)."""
+    from kvlib.core.philox import GENERATORS, check_generator
+
+    if generator == "none":
+        return {"GEN": 2, "N_ROUNDS": 0}
+    family, rounds = GENERATORS[check_generator(generator)]
+    return {"GEN": 0 if family == "philox" else 1, "N_ROUNDS": rounds}
+
+
+@triton.jit
+def counter_words(c0, c1, c2, c3, k0, k1, GEN: tl.constexpr = 0, N_ROUNDS: tl.constexpr = 10,
+                  WIDE: tl.constexpr = False):
+    """The four words of the dither's generator (``GEN``: 0 Philox4x32, 1 Threefry4x32 with key
+    ``(k0, k1, 0, 0)``, 2 none: the counter itself, timing only) at ``N_ROUNDS`` rounds."""
+    if GEN == 0:
+        w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS, WIDE)
+    elif GEN == 1:
+        z = tl.zeros((), tl.uint32)
+        w0, w1, w2, w3 = threefry4x32(c0, c1, c2, c3, k0, k1, z, z, N_ROUNDS)
+    else:
+        w0 = c0.to(tl.uint32)
+        w1 = c1.to(tl.uint32)
+        w2 = c2.to(tl.uint32)
+        w3 = c3.to(tl.uint32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def word_to_xi(w):
     """``xi = (w >> 8) 2^-24 + 2^-25 - 1/2`` in float32, exact (odd integer times 2^-25)."""
     n = 2 * (w.to(tl.uint32) >> 8).to(tl.int32) + (1 - (1 << 24))

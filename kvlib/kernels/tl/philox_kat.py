@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from kvlib.core.philox import philox4x32_10
-from kvlib.kernels.tl.philox import philox4x32
+from kvlib.core.philox import threefry4x32 as threefry4x32_torch
+from kvlib.kernels.tl.philox import philox4x32, threefry4x32
 
 
 @triton.jit
@@ -41,6 +42,35 @@ def tl_philox_kernel(c_ptr, o_ptr, seed, BLOCK: tl.constexpr):
     tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
     tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
     tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
+
+
+@triton.jit
+def threefry_kernel(c_ptr, k_ptr, o_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Our ``threefry4x32`` on BLOCK (counter, key) rows: counters ``[BLOCK, 4]``, keys ``[BLOCK, 4]`` in, the four
+    words out as int64 ``[BLOCK, 4]``."""
+    i = tl.arange(0, BLOCK)
+    w0, w1, w2, w3 = threefry4x32(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
+                                  tl.load(c_ptr + 4 * i + 3), tl.load(k_ptr + 4 * i), tl.load(k_ptr + 4 * i + 1),
+                                  tl.load(k_ptr + 4 * i + 2), tl.load(k_ptr + 4 * i + 3), N_ROUNDS)
+    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
+
+
+def threefry_kat_rows(vectors: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
+    """One row per Threefry4x32 known-answer vector (hex ``counter``, ``key`` of four words, ``output``, ``rounds``):
+    whether the torch reference and our Triton ``threefry4x32`` reproduce it."""
+    rows = []
+    for v in vectors:
+        ctr, key, want = _words(v["counter"]), _words(v["key"]), _words(v["output"])
+        out = torch.empty(1, 4, dtype=torch.int64, device=device)
+        threefry_kernel[(1,)](ctr[None].to(device), key[None].to(device), out, N_ROUNDS=v["rounds"], BLOCK=1)
+        rows.append({"rounds": v["rounds"], "counter": " ".join(v["counter"]), "key": " ".join(v["key"]),
+                     "expected": " ".join(v["output"]),
+                     "torch": bool(torch.equal(threefry4x32_torch(ctr, key, rounds=v["rounds"]), want)),
+                     "triton": bool(torch.equal(out[0].cpu(), want))})
+    return rows
 
 
 def _words(v: list[str]) -> torch.Tensor:
