@@ -249,17 +249,24 @@ def test_paper_verdicts_from_known_numbers():
     assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["witcert-e2e-bytes"] == "differs"
 
 
-def test_rowwise_fill_stores_what_update_stores():
-    # the kv4rl fill writes one row per call (its chunk write's host loop is O(B^2 S)); same pools, same bits
+@pytest.mark.parametrize("ctx", [150, 400])
+def test_kv4rl_fill_stores_what_update_stores(ctx):
+    # the kv4rl fill writes the side buffer only for the sinks and the last recent + crop-window positions, a few
+    # rows per call, and the codes alone in between (its chunk write's host loop is O(B^2 S)): same pools, same bits
     cfg = e2e.model_config(e2e.TINY)
-    caches = [e2e.make_method_cache("kv4rl", cfg, batch=3, ctx=200, device="cpu", dtype=torch.bfloat16) for _ in "ab"]
+    b = e2e.RL_ROW_GROUP + 2  # two row groups, the second partial
+    caches = [e2e.make_method_cache("kv4rl", cfg, batch=b, ctx=ctx, device="cpu", dtype=torch.bfloat16) for _ in "ab"]
     assert e2e._rowwise_fill(caches[0])
-    e2e.fill(caches[0], cfg, batch=3, ctx=200, chunk=64, device="cpu", dtype=torch.bfloat16)
+    segs = e2e.kv4rl_segments(ctx, 64, caches[0].store.sink, caches[0].store.recent + caches[0].store.undo)
+    assert segs[0][0] == 0 and segs[-1][1] == ctx and all(x[1] == y[0] for x, y in zip(segs, segs[1:]))
+    assert any(not side for *_, side in segs) == (ctx == 400)  # 400 > sink + tail: the codes-only path runs
+    e2e.fill(caches[0], cfg, batch=b, ctx=ctx, chunk=64, device="cpu", dtype=torch.bfloat16)
+    assert caches[0].store.rl  # switched back on after the codes-only writes
     g = torch.Generator(device="cpu").manual_seed(0)
-    shape = (3, cfg.num_key_value_heads, 64, cfg.head_dim)  # past sink 16 + recent 128 + stash 32
+    shape = (b, cfg.num_key_value_heads, 64, cfg.head_dim)  # past sink 16 + recent 128 + stash 32
     k, v = (torch.randn(shape, generator=g, dtype=torch.bfloat16) for _ in "kv")
-    for start in range(0, 200, 64):
-        n = min(64, 200 - start)
+    for start in range(0, ctx, 64):
+        n = min(64, ctx - start)
         for layer in range(cfg.num_hidden_layers):
             caches[1].update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": torch.arange(start, start + n)})
     a, b = (c.store for c in caches)
@@ -270,6 +277,6 @@ def test_rowwise_fill_stores_what_update_stores():
                 assert torch.equal(xx, yy), name
     assert a.valid == b.valid and max(max(v) for v in a.valid) > 0  # the stash was written
     for la, lb in zip(caches[0].layers, caches[1].layers, strict=True):
-        assert la.columns == lb.columns == 200 and la.table.lens == lb.table.lens
+        assert la.columns == lb.columns == ctx and la.table.lens == lb.table.lens
         assert torch.equal(la.table.seq_lens, lb.table.seq_lens)
         assert torch.equal(la.table.block_table, lb.table.block_table)

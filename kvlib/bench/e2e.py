@@ -331,36 +331,76 @@ def fill(cache, config, *, batch: int, ctx: int, chunk: int, device: str, dtype:
         for layer in range(config.num_hidden_layers):
             cache.update(kk, vv, layer, {"cache_position": torch.arange(ctx, device=device)})
         return
-    per_row = _rowwise_fill(cache)
+    if _rowwise_fill(cache):
+        _fill_kv4rl(cache, config, k, v, ctx=ctx, chunk=chunk)
+        return
     for start in range(0, ctx, chunk):
         n = min(chunk, ctx - start)
         pos = torch.arange(start, start + n, device=device)
         for layer in range(config.num_hidden_layers):
-            if per_row:
-                _write_rowwise(cache, layer, k[:, :, :n], v[:, :, :n])
-            else:
-                cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
+            cache.update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": pos})
 
 
 def _rowwise_fill(cache) -> bool:
-    """kv4rl pools: a multi-token write keeps its side-buffer crop stash with a host loop over rows x tokens
-    (``Int4Store.write``'s chunk path), O(B^2 S) per layer over a fill: hours at B = 64, S = 32k. Writing one row
-    per call (the same layer write with a row mask, as the left-padded prefill does) is O(B S) and stores the same
-    bits (tests/test_bench_e2e.py::test_rowwise_fill_stores_what_update_stores)."""
+    """kv4rl pools: a multi-token write keeps its side buffer and crop stash with a host loop over the tokens
+    of every row it writes (``Int4Store.write``'s chunk path), O(B^2 S) per layer over a fill (hours at B = 64,
+    S = 32k), and O(B S) (95 s at B = 64, S = 32k) when written one row per call; :func:`_fill_kv4rl`."""
     store = getattr(cache, "store", None)
-    return bool(getattr(cache, "_kvlib", False)) and type(store).__name__ == "Int4Store" and store.rl
+    return bool(getattr(cache, "_kvlib", False)) and type(store).__name__ == "Int4Store" and bool(
+        getattr(store, "rl", False))
 
 
-def _write_rowwise(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``cache.update(k, v, layer)`` of a kvlib cache, one row at a time (see :func:`_rowwise_fill`)."""
+#: rows per call of the kv4rl side-buffer writes (the host loop costs rows x tokens per call)
+RL_ROW_GROUP = 8
+
+
+def kv4rl_segments(ctx: int, chunk: int, sink: int, tail: int) -> list[tuple[int, int, bool]]:
+    """``(start, stop, side)`` pieces of a fill of ``ctx`` positions in chunks of ``chunk``: ``side`` where the
+    kv4rl side buffer must be written (positions below ``sink``, and the last ``tail`` = recent + crop window
+    positions), the codes only elsewhere. Pieces never cross a chunk boundary (position p holds chunk row p %
+    chunk, as a chunked fill writes it)."""
+    cuts = sorted({0, ctx, min(sink, ctx), max(ctx - tail, 0), *range(0, ctx, chunk)})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        if hi > lo:
+            out.append((lo, hi, lo < sink or hi > ctx - tail))
+    return out
+
+
+def _fill_kv4rl(cache, config, k: torch.Tensor, v: torch.Tensor, *, ctx: int, chunk: int) -> None:
+    """The kv4rl fill in O(B (sink + recent + crop window)) host work instead of O(B S): the INT4 codes of every
+    position are written by the store's vectorised path with its side buffer off (``store.rl`` False for that
+    call), and the side buffer (sinks, ring, crop stash) only where its final content comes from: the first
+    ``sink`` and the last ``recent + crop_window`` positions, a few rows per call. What a position in between
+    writes to the ring or the stash is overwritten by those last positions, so the pools hold the same bits as a
+    chunked ``cache.update`` (tests/test_bench_e2e.py::test_kv4rl_fill_stores_what_update_stores)."""
+    store = cache.store
+    tail = int(store.recent) + int(getattr(store, "undo", 0))
+    for lo, hi, side in kv4rl_segments(ctx, chunk, int(store.sink), tail):
+        a = lo % chunk
+        kk, vv = k[:, :, a:a + hi - lo], v[:, :, a:a + hi - lo]
+        for layer in range(config.num_hidden_layers):
+            if side:
+                _write_rows(cache, layer, kk, vv)
+                continue
+            store.rl = False
+            try:
+                cache.update(kk, vv, layer, {"cache_position": torch.arange(lo, hi, device=k.device)})
+            finally:
+                store.rl = True
+
+
+def _write_rows(cache, layer: int, k: torch.Tensor, v: torch.Tensor, group: int = RL_ROW_GROUP) -> None:
+    """``cache.update(k, v, layer)`` of a kvlib cache, ``group`` rows per call (the same layer write with a row
+    mask, as the left-padded prefill does)."""
     la = cache.layers[layer]
     cache._check_states(k, v, layer)
     if not la.is_initialized:
         la.lazy_initialization(k, v)
     b, _, s, _ = k.shape
-    for row in range(b):
+    for row in range(0, b, group):
         keep = torch.zeros(b, s, dtype=torch.bool, device=k.device)
-        keep[row] = True
+        keep[row:row + group] = True
         la._write(k, v, keep)
     la.columns += s
 
