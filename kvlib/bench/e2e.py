@@ -76,6 +76,9 @@ REFERENCE_STEP: tuple[str, ...] = ()
 SHADOWED = ("dither-int8-gated",)
 HF_QUANT = {"hf-quanto-int4": ("quanto", 0), "hf-hqq-int4": ("hqq", 1)}  # backend, HF's axis for it
 NOOP_ATTN = "kvlib_e2e_noop"
+#: a decode step slower than this (ms, measured once after the warm-up) is timed once per round instead of
+#: Profile.steps times (see Stepper.timer); each row says how many steps its rounds took (steps_per_round)
+SLOW_STEP_MS = 250.0
 #: extra positions a kvlib cache is sized for: each replayed step may append one position (if the cache keeps its own
 #: length counter), so a timed step reads between S and S + HEADROOM positions (<= 1.6% more at S = 4k)
 HEADROOM = 64
@@ -470,6 +473,7 @@ class Stepper:
         self.graphs: dict[str, Any] = {}
         self.notes: list[str] = []
         self.capture_errors: list[str] = []
+        self.steps_used: dict[str, int] = {}
 
     def _rewind(self) -> None:
         # StaticCache (transformers 5.17) writes at its own device-side counter, not at cache_position: set it back
@@ -540,20 +544,27 @@ class Stepper:
         fn = self.step_fn(attn)
         fn()  # warm-up (compilation, autotuning, allocator)
         _sync(self.device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(self.device)
+        # a step slower than SLOW_STEP_MS (an eager fallback at a large batch) is timed once per round, not
+        # ``steps`` times: its launch overhead is negligible beside it, and the run's time budget is not
+        steps = self.steps if (time.perf_counter() - t0) * 1e3 < SLOW_STEP_MS else 1
+        self.steps_used[attn] = steps
 
         def t() -> float:
             if self.device == "cuda":
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                for _ in range(self.steps):
+                for _ in range(steps):
                     fn()
                 b.record()
                 b.synchronize()
-                return a.elapsed_time(b) / self.steps
+                return a.elapsed_time(b) / steps
             t0 = time.perf_counter()
-            for _ in range(self.steps):
+            for _ in range(steps):
                 fn()
-            return (time.perf_counter() - t0) * 1e3 / self.steps
+            return (time.perf_counter() - t0) * 1e3 / steps
 
         return t
 
@@ -765,6 +776,7 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
         row.update(status="ok", step_ms=ms, ms_per_token=ms, tokens_per_s=row["batch"] / (ms * 1e-3),
                    step_ms_rounds=per_round, noattn_ms=na, attention_ms=(ms - na) if na is not None else None,
                    graphed=st.graphed, graph_tried=st.static and device == "cuda",
+                   steps_per_round=st.steps_used.get(st.attn), noattn_steps_per_round=st.steps_used.get(NOOP_ATTN),
                    capture_errors=list(st.capture_errors), attn_implementation=st.attn, notes=list(st.notes),
                    interleaved_with=sorted(x for x in live if x != m))
         if st.kvlib:
@@ -1168,7 +1180,9 @@ def not_run_table(result: dict):
     df = frame(result, None)
     if df.empty:
         return df
-    df = df[df["status"] != "ok"]
+    df = df[df["status"] != "ok"].copy()
+    df["batch"] = [_fmt(b, "d") if isinstance(b, int) or b is None else _fmt(int(b), "d") if b == b else "n/a"
+                   for b in df["batch"]]
     return df[["cell", "batch", "ctx", "method", "status", "reason"]].rename(columns={"batch": "B", "ctx": "S"})
 
 
@@ -1213,7 +1227,8 @@ def goals_table(result: dict):
     rows = []
     for g in result["goals"]:
         o, r = g.get("ours") or {}, g.get("ref") or {}
-        rows.append({"method": g["method"], "goal": g["goal"], "target": g["target"], "measured": _fmt(g["measured"]),
+        rows.append({"method": g["method"], "goal": g["goal"], "target": f"{g['target']:g}",
+                     "measured": _fmt(g["measured"]),
                      "reference": g.get("reference") or "n/a", "where": g.get("where", ""),
                      "verdict": verdict(g),
                      "x StaticCache graph": _fmt(g.get("vs_static_graph")),
