@@ -7,8 +7,9 @@ cache is filled to S positions with synthetic K/V through ``cache.update`` in ch
 random chunk is reused for every chunk and layer, since values do not change speed either), then one
 decode step ``model(input_ids=..., past_key_values=cache, cache_position=[S])`` is timed.
 
-Methods (:data:`METHODS`). Peers: ``dynamic-sdpa`` (HF ``DynamicCache`` + SDPA, eager; the reference of
-every ratio), ``static-sdpa`` (HF ``StaticCache`` + SDPA in a CUDA graph: the bf16 graph peer),
+Methods (:data:`METHODS`). Peers: ``dynamic-sdpa`` (HF ``DynamicCache`` + SDPA, eager; the issue's reference:
+goals are judged against it where it ran, else against the graph peer, and say which), ``static-sdpa`` (HF
+``StaticCache`` + SDPA in a CUDA graph: the bf16 graph peer, whose ratio every goal shows beside),
 ``hf-quanto-int4`` / ``hf-hqq-int4`` (HF ``QuantizedCache``, eager, packages from ``.whl`` via
 :func:`kvlib.bench.peers_hf.ensure_peer_packages`). Ours, by name through ``kvlib.make_cache(fmt, config,
 batch_size=B, max_len=S+1, device=, dtype=)``: ``dither-int8`` (h8 dither layout, certified), ``rtn-int8``,
@@ -16,8 +17,17 @@ batch_size=B, max_len=S+1, device=, dtype=)``: ``dither-int8`` (h8 dither layout
 records why not while the gate does not support the kernel cache). Our caches must offer ``kv_nbytes()``
 and ``kernel_path(layer)``; a cache without them is a recorded error naming the method, never skipped.
 
-Timing: a cache with static shapes is captured in a CUDA graph (its capture failing is recorded and the
-cell is timed eager, with ``graphed: false``); the others run eager. The methods of a cell whose caches
+Order and time (:meth:`Profile.plan`): the goal cell (B=64, S=32k) and the 32k fixed-budget cell first, then B=8,
+S=16k (the HF peers' cell) and the 16k budget, then the rest of the grid smallest first; a memory group not started
+within the time budget is recorded as skipped for time. Memory: each group's steppers, graphs and caches are dropped,
+cycles collected and torch's cache emptied before the next; ``memory_log`` has the device memory before each group
+and what it did not give back (a failed CUDA-graph capture used to leave torch's allocator "capturing", after which
+``empty_cache`` released nothing: :func:`kvlib.bench.timing.capture_graph` undoes that).
+
+Timing: a cache with static shapes (StaticCache and every kvlib cache) is captured in a CUDA graph (its capture
+failing is recorded in ``capture_errors`` and the cell is timed eager, with ``graphed: false``; ``write_path`` is
+the one-token write path a kvlib cache reports, where it reports one); the others run eager. A step slower than
+:data:`SLOW_STEP_MS` is timed once per round (``steps_per_round``). The methods of a cell whose caches
 fit in memory together are timed in interleaved rounds (:func:`kvlib.bench.timing.interleaved`), each
 round a few steps (the profile's ``steps``); the median over rounds is reported. Where they do not fit
 together, the cell is timed group by group (``group`` in each row). Time split: the same step with the
@@ -33,8 +43,10 @@ attention's share of the bytes a step reads, which bounds the end-to-end ratio a
 "kvlib" active and swaps its registered function for the no-op (any other active implementation would be handed
 the whole pool dequantised by the cache, kvlib's observing path, and time that instead).
 
-Fixed KV budget (``kv_budget_bytes``, default 100 GB): per format the largest batch whose KV at S fits,
-from its measured bytes per token; tokens/s measured at that batch where it fits the device.
+Fixed KV budget (``kv_budget_bytes``, default 100 GB): per method of ``Profile.budget_methods`` the largest batch
+whose KV at S fits, from its measured bytes per token; tokens/s measured at that batch, each in a memory group of
+its own, and the ratio against each bf16 peer at its own largest batch. The kv4rl fill writes its side buffer only
+where its final content comes from (:func:`_fill_kv4rl`; same bits as a chunked ``update``).
 
 On CPU (profile ci) a tiny config (2 layers, hidden 64) runs the same wiring on 3 shapes: never a speed claim.
 """
