@@ -1125,7 +1125,8 @@ def _budget_ratios(res: dict) -> None:
                 res[key][f"{m}@{s}"] = r["tokens_per_s"] / by[(ref, s)]["tokens_per_s"]
 
 
-def _fmt(v: Any, spec: str = ".3f") -> str:
+def fmt_na(v: Any, spec: str = ".3f") -> str:
+    """``v`` formatted, "n/a" for None or NaN (the chapter never prints nan)."""
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
@@ -1140,7 +1141,7 @@ def summary_lines(result: dict) -> list[str]:
     """Goals as printable lines: measured ratio, target, reference, met/missed, the graph peer's ratio beside."""
     lines = []
     for g in result["goals"]:
-        v = _fmt(g["measured"])
+        v = fmt_na(g["measured"])
         share = f"; reference KV share {g['kv_share']:.2f}" if g.get("kv_share") is not None else ""
         ref = f" vs {g['reference']}" if g.get("reference") else ""
         side = (f"; vs static graph {g['vs_static_graph']:.3f}" if g.get("vs_static_graph") is not None
@@ -1193,7 +1194,7 @@ def not_run_table(result: dict):
     if df.empty:
         return df
     df = df[df["status"] != "ok"].copy()
-    df["batch"] = [_fmt(b, "d") if isinstance(b, int) or b is None else _fmt(int(b), "d") if b == b else "n/a"
+    df["batch"] = [fmt_na(b, "d") if isinstance(b, int) or b is None else fmt_na(int(b), "d") if b == b else "n/a"
                    for b in df["batch"]]
     return df[["cell", "batch", "ctx", "method", "status", "reason"]].rename(columns={"batch": "B", "ctx": "S"})
 
@@ -1207,14 +1208,15 @@ def budget_table(result: dict):
     rows = []
     for r in bud["rows"]:
         key = f"{r['method']}@{r['ctx']}"
-        rows.append({"method": r["method"], "S": r["ctx"], "KV bytes/token": _fmt(bpt.get(r["method"]), ",.0f"),
-                     "max batch": _fmt(bud["max_batch"].get(key), "d"),
-                     "tokens/s": _fmt(r.get("tokens_per_s"), ",.0f"),
-                     "x DynamicCache": _fmt(bud["throughput_ratio"].get(key)),
-                     "x StaticCache graph": _fmt(bud.get("throughput_ratio_vs_static", {}).get(key)),
-                     "attention / rest ms": (f"{_fmt(r.get('attention_ms'), '.2f')} / {_fmt(r.get('noattn_ms'), '.2f')}"
-                                             if r.get("status") == "ok" else "n/a"),
-                     "KV share of bytes read": _fmt(r.get("kv_share"), ".2f"),
+        rows.append({"method": r["method"], "S": r["ctx"], "KV bytes/token": fmt_na(bpt.get(r["method"]), ",.0f"),
+                     "max batch": fmt_na(bud["max_batch"].get(key), "d"),
+                     "tokens/s": fmt_na(r.get("tokens_per_s"), ",.0f"),
+                     "x DynamicCache": fmt_na(bud["throughput_ratio"].get(key)),
+                     "x StaticCache graph": fmt_na(bud.get("throughput_ratio_vs_static", {}).get(key)),
+                     "attention / rest ms": (f"{fmt_na(r.get('attention_ms'), '.2f')} / "
+                                             f"{fmt_na(r.get('noattn_ms'), '.2f')}" if r.get("status") == "ok"
+                                             else "n/a"),
+                     "KV share of bytes read": fmt_na(r.get("kv_share"), ".2f"),
                      "graph": r.get("graphed", "n/a") if r.get("status") == "ok" else "n/a",
                      "status": r["status"], "reason": r.get("reason", "")})
     return pd.DataFrame(rows)
@@ -1240,17 +1242,17 @@ def goals_table(result: dict):
     for g in result["goals"]:
         o, r = g.get("ours") or {}, g.get("ref") or {}
         rows.append({"method": g["method"], "goal": g["goal"], "target": f"{g['target']:g}",
-                     "measured": _fmt(g["measured"]),
+                     "measured": fmt_na(g["measured"]),
                      "reference": g.get("reference") or "n/a", "where": g.get("where", ""),
                      "verdict": verdict(g),
-                     "x StaticCache graph": _fmt(g.get("vs_static_graph")),
-                     "x DynamicCache": _fmt(g.get("vs_dynamic")),
-                     "ours: attention / rest ms": (f"{_fmt(o.get('attention_ms'), '.2f')} / "
-                                                   f"{_fmt(o.get('rest_ms'), '.2f')}") if o else "n/a",
-                     "reference: attention / rest ms": (f"{_fmt(r.get('attention_ms'), '.2f')} / "
-                                                        f"{_fmt(r.get('rest_ms'), '.2f')}") if r else "n/a",
-                     "KV share of bytes read (ours / ref)": (f"{_fmt(o.get('kv_share'), '.2f')} / "
-                                                             f"{_fmt(r.get('kv_share'), '.2f')}") if o else "n/a",
+                     "x StaticCache graph": fmt_na(g.get("vs_static_graph")),
+                     "x DynamicCache": fmt_na(g.get("vs_dynamic")),
+                     "ours: attention / rest ms": (f"{fmt_na(o.get('attention_ms'), '.2f')} / "
+                                                   f"{fmt_na(o.get('rest_ms'), '.2f')}") if o else "n/a",
+                     "reference: attention / rest ms": (f"{fmt_na(r.get('attention_ms'), '.2f')} / "
+                                                        f"{fmt_na(r.get('rest_ms'), '.2f')}") if r else "n/a",
+                     "KV share of bytes read (ours / ref)": (f"{fmt_na(o.get('kv_share'), '.2f')} / "
+                                                             f"{fmt_na(r.get('kv_share'), '.2f')}") if o else "n/a",
                      "where the time went": g.get("where_time_went", "")})
     return pd.DataFrame(rows)
 
@@ -1279,9 +1281,9 @@ def memory_table(result: dict):
     for m in result.get("memory_log", []):
         b, nr = m.get("before") or {}, m.get("not_returned")
         rows.append({"cell": m["cell"], "B": m["batch"], "S": m["ctx"], "group": m["group"],
-                     "methods": ", ".join(m["methods"]), "free before (GB)": _fmt(_gb(b.get("free")), ".1f"),
-                     "reserved before (GB)": _fmt(_gb(b.get("reserved")), ".1f"),
-                     "not returned (GB)": _fmt(_gb(nr), ".2f")})
+                     "methods": ", ".join(m["methods"]), "free before (GB)": fmt_na(_gb(b.get("free")), ".1f"),
+                     "reserved before (GB)": fmt_na(_gb(b.get("reserved")), ".1f"),
+                     "not returned (GB)": fmt_na(_gb(nr), ".2f")})
     return pd.DataFrame(rows)
 
 
