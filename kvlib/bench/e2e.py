@@ -623,6 +623,8 @@ def estimate_kv_bytes(method: str, cfg, batch: int, ctx: int) -> float:
         extra = 0.0
         if method in REFERENCE_STEP:  # the step dequantises one layer: fp32 codes, scales, product, bf16 K/V, mask
             extra = 6 * format_kv_bytes("bf16", **kw) * 2 / cfg.num_hidden_layers
+        if fmt == "dither-int8":  # the certificates the step keeps on the device: fp32 [B, Hq, max_len] per layer
+            extra += cert_buffer_estimate(cfg, batch, ctx)
         if method in SHADOWED:  # make_gated_cache's default shadow: fp16 K/V of every page slot
             extra += paged_kv_bytes("bf16", layers=kw["layers"], batch=batch, kv_heads=kw["kv_heads"],
                                     max_len=ctx + HEADROOM, d=kw["d"], block=block_size(method))
@@ -633,6 +635,19 @@ def estimate_kv_bytes(method: str, cfg, batch: int, ctx: int) -> float:
         return format_kv_bytes("bf16", **kw) * (0.3 + 2.0 / cfg.num_hidden_layers)
     extra = 1.0 / cfg.num_hidden_layers if method == REFERENCE else 0.0  # DynamicCache's torch.cat copy of a layer
     return format_kv_bytes("bf16", **kw) * (1.0 + extra)
+
+
+def cert_buffer_estimate(cfg, batch: int, ctx: int) -> float:
+    """Bytes of the certificates a dithered cache keeps on the device once it decodes (kvlib.hf.cache records them
+    in an fp32 buffer [B, Hq, max_len] per layer): about a tenth of the INT8 pools at these shapes."""
+    return 4.0 * cfg.num_hidden_layers * batch * cfg.num_attention_heads * (ctx + HEADROOM)
+
+
+def cert_buffer_bytes(cache) -> int | None:
+    """Bytes of a kvlib cache's on-device certificate buffers, measured from its layers (None: it keeps none)."""
+    bufs = [getattr(la, "_cert_buf", None) for la in getattr(cache, "layers", [])]
+    bufs = [b for b in bufs if isinstance(b, torch.Tensor)]
+    return sum(b.numel() * b.element_size() for b in bufs) if bufs else None
 
 
 def _work_bytes(cfg, batch: int) -> float:
@@ -793,6 +808,7 @@ def _time_group(live: dict[str, Stepper], rows: dict[str, dict], model, prof: Pr
                    interleaved_with=sorted(x for x in live if x != m))
         if st.kvlib:
             row["write_path"] = write_path(st.cache)
+            row["cert_buffer_bytes"] = cert_buffer_bytes(st.cache)  # telemetry beside the KV bytes, not in them
 
 
 def _with_quanto(f: Callable[[], float]) -> Callable[[], float]:
