@@ -63,13 +63,55 @@ def _warm_up(fn: Callable[[], object], iters: int) -> None:
 def capture_graph(fn: Callable[[], object], *, warmup_iters: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``fn`` up, then capture one call in a CUDA graph; returns the graph and ``fn``'s static output.
 
-    Replaying the graph rewrites that output in place. Capture errors propagate (see :func:`graphed`).
+    Replaying the graph rewrites that output in place. Capture errors propagate (see :func:`graphed`), after
+    :func:`_abandon_capture` has undone what a failed capture leaves behind.
     """
     _warm_up(fn, warmup_iters)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    # our own pool handle, so that a failed capture's pool can be named and released (graph.pool() needs a capture
+    # that ended)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    except BaseException:
+        _abandon_capture(pool, stream)
+        raise
     return graph, out
+
+
+def _abandon_capture(pool, stream: torch.cuda.Stream) -> None:
+    """Undo what a failed capture leaves. When the capture was invalidated (an illegal call inside it), torch's
+    ``capture_end`` raises at ``cudaStreamEndCapture`` before it ends the allocator's routing to the graph's pool
+    and before ``torch.cuda.graph`` restores the stream. The allocator then believes a capture is still underway
+    for the rest of the process: ``torch.cuda.empty_cache`` (and the retry after an out-of-memory) releases
+    nothing, and every block freed later stays reserved. End that routing, release the pool (the graph never
+    will: its capture did not end) and restore the caller's stream. When the capture ended (a Python exception
+    raised inside it), the graph owns its pool and releases it when it is freed; nothing to do but the stream."""
+    torch.cuda.set_stream(stream)
+    dev = torch.cuda.current_device()
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:  # an older torch: nothing to call; the caller's memory log shows the effect
+        return
+    try:
+        end(dev, pool)
+    except RuntimeError:  # "not currently recording to mempool_id": capture_end ran, the graph owns the pool
+        return
+    release(dev, pool)
+
+
+def allocator_state() -> dict:
+    """Device memory as the driver and torch's caching allocator see it (CUDA only; empty dict otherwise):
+    ``free`` (``mem_get_info``), ``reserved`` and ``allocated`` bytes; ``cached = reserved - allocated`` that
+    ``empty_cache`` did not return is memory a leak or a stuck capture holds."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    res, alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    return {"free": int(free), "total": int(total), "reserved": int(res), "allocated": int(alloc),
+            "cached": int(res - alloc)}
 
 
 def graphed(fn: Callable[[], object], *, warmup_iters: int = 2) -> tuple[Callable[[], object], bool]:
@@ -81,7 +123,7 @@ def graphed(fn: Callable[[], object], *, warmup_iters: int = 2) -> tuple[Callabl
         graph, _ = capture_graph(fn, warmup_iters=0)
         return graph.replay, True
     except Exception:  # noqa: BLE001 - fall back to eager timing, recorded by the caller
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # capture_graph has released the failed capture's pool and restored the stream
         return fn, False
 
 
