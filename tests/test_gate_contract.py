@@ -157,6 +157,21 @@ def test_crop_then_continue_equals_a_cache_that_never_held_the_tokens() -> None:
         assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
+def _staged_host(model: Any) -> GatedCache:
+    """A host shadow whose decode writes are staged (as on a GPU) and flushed every 3 steps: a batch operation must
+    land the staged writes at their old slots before the rows move."""
+    cache = make_gated_cache("rtn-int8", model.config, tau=0.0, shadow="host", shadow_dtype=torch.float32)
+    cache._stage_writes = lambda k: True
+    cache.STAGE_STEPS = 3
+    return cache
+
+
+@pytest.mark.parametrize("check", ["beam", "batch_ops", "crop"])
+def test_tau_zero_staged_host_shadow(check: str) -> None:
+    kind = Kind("gated-tau0:rtn-int8:host-staged", _staged_host, exact=True, tol=EXACT_TOL)
+    {"crop": check_crop, **CHECKS}[check](kind)
+
+
 def test_row_tallies_follow_a_selection() -> None:
     model = tiny_model()
     cache = make_gated_cache("dither-int8", model.config, tau=0.0, max_repairs_per_step=1)  # one repair a layer
