@@ -70,7 +70,7 @@ class Stepper:
 
 def counters(c):
     s = c.gate_summary()
-    return {k: s[k] for k in ("n_certs", "n_over", "repair_events", "unrepaired", "bytes_moved", "bytes_idle",
+    return {k: s[k] for k in ("n_certs", "n_over", "repair_events", "unrepaired", "bytes_moved", "bytes_padding",
                               "heads_repaired", "steps")}
 
 

@@ -45,7 +45,10 @@ Two repair paths (``max_repairs_per_step``):
   captured, with no host sync. The ``k`` over-threshold groups of the layer's step with the largest certificates
   (``torch.topk`` over all (row, KV head) groups, non-over groups ranked last) are recomputed from the shadow over a
   fixed width (the page table's slot-table width, positions past a row's length masked) and merged with
-  ``torch.where``; budget slots with no over-threshold group read the shadow too and are discarded. When at most
+  ``torch.where``; budget slots with no over-threshold group are computed and discarded. The loads the fixed
+  shape needs but no repair uses (those slots, positions past a row's length) are redirected to one shadow
+  position, so memory moves the repaired rows' positions only (``bytes_moved``, as on the eager path); the
+  redirected loads are reported as ``bytes_padding``. When at most
   ``k`` groups are over, every one is repaired, with the same arithmetic as the eager path (both pad to the same
   width; outputs equal). Groups over ``tau`` that the budget left out are counted, per row and in total
   (``unrepaired``; ``gate_summary`` warns), never silently dropped. The host shadow stays eager-only (a capturable
@@ -120,7 +123,7 @@ def _slack(sm: float, d: int, qa: torch.Tensor, ka: torch.Tensor) -> torch.Tenso
 
 #: device tallies of the whole cache (``GatedCache._stats``) and per row (``GatedCache._rows``, one row per name)
 _STATS = ("n_certs", "n_over", "overflow", "max_cert", "steps", "repair_events", "bytes_moved", "bytes_whole_head",
-          "blocks_paged", "positions_paged", "unrepaired", "bytes_idle")
+          "blocks_paged", "positions_paged", "unrepaired", "bytes_padding")
 _ROWS = ("n_over", "max_cert", "repair_events", "bytes_moved", "bytes_whole_head", "blocks_paged", "positions_paged",
          "unrepaired")
 _S = {n: i for i, n in enumerate(_STATS)}
@@ -468,28 +471,34 @@ class GatedCache(KVFormatCache):
             slots = layer.table.slot_table()[bi, :W].long()
             at = (slots.to(sk.device), hi.to(sk.device)[:, None])
         pos_valid = torch.arange(W, device=dev)[None, :] < lens[bi][:, None]
+        # loads the fixed shape needs but no repair uses (idle budget slots, positions past a row's length) all read
+        # the shadow's first entry instead: one cached line, so memory moves only the repaired rows' positions
+        take = (pos_valid & valid[:, None]).to(sk.device)
+        at = tuple(torch.where(take, i, 0) for i in torch.broadcast_tensors(*at))
         exact = self._exact_rows(q.reshape(G, g, d)[idx], sk[at].to(dev), sv[at].to(dev), pos_valid, sm)
         flat = o.reshape(G, g, d)
         merged = torch.where(valid[:, None, None], exact.to(o.dtype), flat[idx])
         out = flat.index_copy(0, idx, merged).view_as(o)
-        # device counters: every budget slot reads W positions of K and V; unused slots count as idle bytes
+        # device counters: bytes moved are the repaired rows' positions (as on the eager path); the redirected
+        # loads are counted apart (bytes_padding)
         per_pos = 2 * d * sk.element_size()
         vd = valid.to(torch.float64)
         n_valid = vd.sum()
+        used = vd * lens[bi].to(torch.float64)  # positions read per budget slot
         R, S = self._rows, self._stats
         R[_R["repair_events"]].index_add_(0, bi, vd)
-        R[_R["bytes_moved"]].index_add_(0, bi, vd * (W * per_pos))
-        R[_R["bytes_whole_head"]].index_add_(0, bi, vd * lens[bi].to(torch.float64) * per_pos)
-        R[_R["positions_paged"]].index_add_(0, bi, vd * W)
+        R[_R["bytes_moved"]].index_add_(0, bi, used * per_pos)
+        R[_R["bytes_whole_head"]].index_add_(0, bi, used * per_pos)
+        R[_R["positions_paged"]].index_add_(0, bi, used)
         rep = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, bi, vd)
         R[_R["unrepaired"]] += over_g.sum(1) - rep
         self._heads[layer.layer_idx].view(-1).index_add_(0, idx, valid.to(torch.int64))
         S[_S["repair_events"]] += n_valid
-        S[_S["bytes_moved"]] += kb * W * per_pos
-        S[_S["bytes_whole_head"]] += (vd * lens[bi].to(torch.float64)).sum() * per_pos
-        S[_S["positions_paged"]] += n_valid * W
+        S[_S["bytes_moved"]] += used.sum() * per_pos
+        S[_S["bytes_whole_head"]] += used.sum() * per_pos
+        S[_S["positions_paged"]] += used.sum()
         S[_S["unrepaired"]] += flat_over.sum() - n_valid
-        S[_S["bytes_idle"]] += (kb - n_valid) * (W * per_pos)
+        S[_S["bytes_padding"]] += (kb * W - used.sum()) * per_pos
         return out
 
     def _repair_head(self, layer, b: int, h: int, qg: torch.Tensor, sm: float) -> tuple[torch.Tensor, dict]:
@@ -594,7 +603,7 @@ class GatedCache(KVFormatCache):
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes read from the shadow by repairs (the fixed-shape path: idle budget slots included)."""
+        """Bytes read from the shadow by repairs (the repaired rows' positions, on either path)."""
         return int(self._totals()["bytes_moved"])
 
     def row_summaries(self) -> list[dict[str, Any]]:
@@ -634,7 +643,7 @@ class GatedCache(KVFormatCache):
             "heads_repaired": 0 if self._heads is None else int((self._heads > 0).sum()),
             "heads_total": self.n_layers * rows * self.n_kv,
             "bytes_moved": int(s["bytes_moved"]), "bytes_whole_head": int(s["bytes_whole_head"]),
-            "bytes_idle": int(s["bytes_idle"]), "blocks_paged": int(s["blocks_paged"]),
+            "bytes_padding": int(s["bytes_padding"]), "blocks_paged": int(s["blocks_paged"]),
             "positions_paged": int(s["positions_paged"]), "repair_events": int(s["repair_events"]),
             "unrepaired": unrepaired, "steps": int(s["steps"]), "shadow_nbytes": self.shadow_nbytes(),
         }
