@@ -250,15 +250,6 @@ def test_bad_arguments(model) -> None:
     assert isinstance(make_gated_cache("fp8-e4m3", cfg), GatedCache)
 
 
-def test_batch_reorder_and_crop_are_refused(model, ids) -> None:
-    gated = make_gated_cache("dither-int8", model.config, tau=0.2)
-    teacher_forced(model, ids, gated, steps=0)
-    for call in (lambda: gated.reorder_cache(torch.tensor([0])), lambda: gated.crop(5),
-                 lambda: gated.batch_repeat_interleave(2), lambda: gated.batch_select_indices(torch.tensor([0]))):
-        with pytest.raises(NotImplementedError, match="shadow"):
-            call()
-
-
 # ----------------------------------------------------------------------------- block-level gate
 @pytest.mark.parametrize(("fmt", "tau"), [("dither-int8", TAU_DITHER), ("kivi2", 0.06), ("fp8-e4m3", 0.012)])
 def test_block_gate_order_stop_and_certificate_after_repair(model, ids, fmt, tau) -> None:

@@ -35,14 +35,41 @@ Repair granularity (``level``):
   (shadow for paged blocks, the stored format elsewhere). ``bytes_whole_head`` reports what the head gate
   would have moved for the same repairs.
 
-Host syncs: none at the certificate stage (counts, maxima and the per-row tallies stay on the device);
-one ``torch.nonzero`` of the over-threshold (row, KV head) mask per layer and step decides whether any
-repair runs (a host sync of a few bytes, microseconds on a GPU; it is also why a gated step cannot be
-captured in a CUDA graph: static pools work, eager, and a capture is refused by name). The repair path
-itself (rare by design) syncs freely.
+Two repair paths (``max_repairs_per_step``):
+
+* ``None`` (default): the eager path. Every over-threshold group is repaired, at either ``level``. One
+  ``torch.nonzero`` of the over-threshold (row, KV head) mask per layer and step decides whether any repair runs
+  (a host sync of a few bytes); the repair itself (rare by design) syncs freely. A gated step on this path cannot
+  be captured in a CUDA graph: a capture is refused, naming the option.
+* an int ``k``: the fixed-shape path (``level="head"``, ``shadow="device"``), the same at every step, eager or
+  captured, with no host sync. The ``k`` over-threshold groups of the layer's step with the largest certificates
+  (``torch.topk`` over all (row, KV head) groups, non-over groups ranked last) are recomputed from the shadow over a
+  fixed width (the page table's slot-table width, positions past a row's length masked) and merged with
+  ``torch.where``; budget slots with no over-threshold group are computed and discarded. The loads the fixed
+  shape needs but no repair uses (those slots, positions past a row's length) are redirected to one shadow
+  position, so memory moves the repaired rows' positions only (``bytes_moved``, as on the eager path); the
+  redirected loads are reported as ``bytes_padding``. When at most
+  ``k`` groups are over, every one is repaired, with the same arithmetic as the eager path (both pad to the same
+  width; outputs equal). Groups over ``tau`` that the budget left out are counted, per row and in total
+  (``unrepaired``; ``gate_summary`` warns), never silently dropped. The host shadow stays eager-only (a capturable
+  host read is not implemented), so the option needs ``shadow="device"``.
+
+Counters live on the device (float64 tallies per cache and per row, repair counts per (layer, row, KV head)) and
+are read only by :meth:`GatedCache.gate_summary` / :meth:`GatedCache.row_summaries` (one sync each). The eager
+path also keeps ``events``, one dict per repair (with blocks and certificate trajectory at ``level="block"``;
+``row`` is the batch index at that step).
+
+Batch operations (beam search, assisted and prompt-lookup decoding): ``reorder_cache``,
+``batch_repeat_interleave``, ``batch_select_indices`` and ``crop`` mirror the pools. The shadow is indexed by the
+pool's slots, so where the page tables keep the codes in place (dithered and other slot-bound formats: token-slot
+mode) it needs nothing; where the pools copy a selected row's pages (slot-independent formats such as rtn-int8),
+the shadow copies the same positions; an unpaged stateful store's shadow (by row) is indexed like its rows. A
+crop shortens the page tables only (the positions past a row's length are never read, and are overwritten by
+the next writes). The per-row tallies follow the rows (a repeated row takes its history along, so after repeats
+the rows' sums exceed the cache totals, which count work done).
 
 A certificate is a bound on a total variation, which never exceeds 1; a vacuous (``+inf``/NaN) one counts
-as over every ``tau`` and is reported in ``overflow``. The prefill attends over the float prompt (exact),
+as over every finite ``tau`` and is reported in ``overflow``. The prefill attends over the float prompt (exact),
 so only decode steps are certified and repaired.
 """
 
@@ -94,6 +121,15 @@ def _slack(sm: float, d: int, qa: torch.Tensor, ka: torch.Tensor) -> torch.Tenso
     return sm * (d + 2) * 2.0**-24 * (qa @ ka.T)
 
 
+#: device tallies of the whole cache (``GatedCache._stats``) and per row (``GatedCache._rows``, one row per name)
+_STATS = ("n_certs", "n_over", "overflow", "max_cert", "steps", "repair_events", "bytes_moved", "bytes_whole_head",
+          "blocks_paged", "positions_paged", "unrepaired", "bytes_padding")
+_ROWS = ("n_over", "max_cert", "repair_events", "bytes_moved", "bytes_whole_head", "blocks_paged", "positions_paged",
+         "unrepaired")
+_S = {n: i for i, n in enumerate(_STATS)}
+_R = {n: i for i, n in enumerate(_ROWS)}
+
+
 class GatedCache(KVFormatCache):
     """KV format cache with a certificate gate and same-step exact repair from a shadow; see the module doc."""
 
@@ -101,7 +137,7 @@ class GatedCache(KVFormatCache):
 
     def __init__(self, key_format: Any, value_format: Any, config: Any, *, tau: float = 0.2,
                  shadow: str = "device", shadow_dtype: torch.dtype = torch.float16, gate: bool = True,
-                 level: str = "head", **options: Any) -> None:
+                 level: str = "head", max_repairs_per_step: int | None = None, **options: Any) -> None:
         if level not in GATE_LEVELS:
             raise ValueError(f"level must be one of {GATE_LEVELS}, got {level!r}")
         if shadow not in SHADOWS:
@@ -120,20 +156,36 @@ class GatedCache(KVFormatCache):
         if options.get("prefill", "float") != "float":
             raise ValueError("prefill: a gated cache attends over the float prompt (prefill='float'); only decode "
                              "steps are gated")
+        if max_repairs_per_step is not None:
+            if isinstance(max_repairs_per_step, bool) or not isinstance(max_repairs_per_step, int):
+                raise TypeError(f"max_repairs_per_step must be an int or None, got "
+                                f"{type(max_repairs_per_step).__name__}")
+            if max_repairs_per_step < 1:
+                raise ValueError(f"max_repairs_per_step must be >= 1 (or None: the eager path), got "
+                                 f"{max_repairs_per_step}")
+            if level != "head":
+                raise ValueError("max_repairs_per_step: the fixed-shape repair recomputes whole heads (level='head'); "
+                                 "the block gate pages data-dependently and runs on the eager path only "
+                                 "(max_repairs_per_step=None)")
+            if shadow != "device":
+                raise ValueError("max_repairs_per_step: the fixed-shape repair reads a device shadow "
+                                 "(shadow='device'); the host shadow runs on the eager path only "
+                                 "(max_repairs_per_step=None)")
         self.kind = gate_kind(key_format.name)
         super().__init__(key_format, value_format, config, tau=tau, **options)
         self.gate_on = bool(gate)
         self.level = level
         self.shadow = shadow
         self.shadow_dtype = shadow_dtype
+        self.max_repairs = max_repairs_per_step
         self._sh: list[list[torch.Tensor | None]] = [[None, None] for _ in range(self.n_layers)]
         self._kernel_cert = self.kind == "dither" and self.store_cls is Int8Store
         self._n_certs_seen = [0] * self.n_layers
-        self._stats: torch.Tensor | None = None  # device [4]: n_certs, n_over, n_overflow, max finite cert
-        self.row_over: torch.Tensor | None = None  # device [B]: over-threshold certificates per row
-        self.row_max: torch.Tensor | None = None  # device [B]: largest finite certificate per row
-        self.events: list[dict[str, Any]] = []  # one per (layer, row, kv head, step) repair
-        self.forward_steps = 0
+        self._stats: torch.Tensor | None = None  # device float64 [len(_STATS)]
+        self._rows: torch.Tensor | None = None  # device float64 [len(_ROWS), B]
+        self._heads: torch.Tensor | None = None  # device int64 [L, B, Hkv]: repairs per (layer, row, KV head)
+        self.events: list[dict[str, Any]] = []  # eager path: one per (layer, row, kv head, step) repair
+        self.forward_steps = 0  # host count of the eager steps (events' step numbers); gate_summary counts on device
 
     # -- the shadow -------------------------------------------------------------------------------
     def _shadow_device(self) -> torch.device:
@@ -150,6 +202,7 @@ class GatedCache(KVFormatCache):
 
     def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                   slots: torch.Tensor | None) -> None:
+        self._ensure_tallies(self.layers[layer_idx].table.batch, k.device)  # at the prefill: never inside a capture
         if slots is not None and self._stage_writes(k):
             stage = self.__dict__.setdefault("_stage", [[] for _ in range(self.n_layers)])[layer_idx]
             stage.append((slots.detach().clone(), k.detach().to(self.shadow_dtype), v.detach().to(self.shadow_dtype)))
@@ -169,25 +222,31 @@ class GatedCache(KVFormatCache):
             stage.clear()
             self._store_shadow(layer_idx, k, v, None, None, sl)
 
+    def _grow_shadow(self, layer_idx: int, need: int) -> None:
+        """Make the layer's shadow hold ``need`` slots (paged) or positions per row (unpaged)."""
+        paged = self.store.paged
+        lead = () if paged else (self.layers[layer_idx].table.batch,)
+        for side in (0, 1):
+            buf = self._sh[layer_idx][side]
+            axis = len(lead)
+            if buf is None or buf.shape[axis] < need:
+                cap = need if paged else max(need, 2 * (0 if buf is None else buf.shape[axis]), 64)
+                grown = self._alloc((*lead, cap, self.n_kv, self.head_dim))
+                if buf is not None:
+                    grown[(slice(None),) * axis + (slice(0, buf.shape[axis]),)] = buf
+                self._sh[layer_idx][side] = grown
+
     def _store_shadow(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,
                       pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
         dev = self._shadow_device()
         if slots is not None:  # paged: the pool's slot index
-            need, lead = self.store.n_slots, ()
+            self._grow_shadow(layer_idx, self.store.n_slots)
             idx = (slots.long().to(dev),)
         else:  # unpaged stateful store: [B, positions]
-            need, lead = int(pos.max()) + 1 if pos.numel() else 0, (self.layers[layer_idx].table.batch,)
+            self._grow_shadow(layer_idx, int(pos.max()) + 1 if pos.numel() else 0)
             idx = (rows.long().to(dev), pos.long().to(dev))
         for side, x in ((0, k), (1, v)):
-            buf = self._sh[layer_idx][side]
-            axis = len(lead)
-            if buf is None or buf.shape[axis] < need:
-                cap = need if slots is not None else max(need, 2 * (0 if buf is None else buf.shape[axis]), 64)
-                grown = self._alloc((*lead, cap, self.n_kv, self.head_dim))
-                if buf is not None:
-                    grown[(slice(None),) * axis + (slice(0, buf.shape[axis]),)] = buf
-                self._sh[layer_idx][side] = buf = grown
-            buf[idx] = x.detach().to(device=dev, dtype=self.shadow_dtype, non_blocking=True)
+            self._sh[layer_idx][side][idx] = x.detach().to(device=dev, dtype=self.shadow_dtype, non_blocking=True)
 
     def shadow_nbytes(self) -> int:
         """Bytes of the shadow as allocated (K and V, every layer), from its tensors."""
@@ -208,6 +267,24 @@ class GatedCache(KVFormatCache):
         k, v = sk[idx], sv[idx]
         moved = k.numel() * k.element_size() + v.numel() * v.element_size()
         return (k.to(device, torch.float32, non_blocking=True), v.to(device, torch.float32, non_blocking=True), moved)
+
+    def _width(self, layer) -> int:
+        """Positions a repair attends over, masked past each row's length: the slot table's width (paged; fixed
+        for static pools) or the longest row (unpaged). Both repair paths pad to it (same arithmetic)."""
+        t = layer.table
+        if isinstance(self.store, ObjectStore):
+            return max(t.lens, default=0)
+        return t.tok.shape[1] if t.token_slots else t.block_table.shape[1] * t.block_size
+
+    @staticmethod
+    def _exact_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, sm: float
+                    ) -> torch.Tensor:
+        """float32 softmax attention ``[m, g, d]`` of ``q [m, g, d]`` over ``k, v [m, W, d]`` at the positions
+        ``valid [m, W]`` (the others masked out, their K/V zeroed, so that what the padding holds never matters)."""
+        k = torch.where(valid[..., None], k.float(), 0.0)
+        v = torch.where(valid[..., None], v.float(), 0.0)
+        z = (sm * torch.bmm(q.float(), k.transpose(1, 2))).masked_fill(~valid[:, None, :], -math.inf)
+        return torch.bmm(torch.softmax(z, -1), v)
 
     # -- stored keys and radii (repair path and torch certificates) -------------------------------
     def _key_heads(self, layer, b: int) -> list[Any]:
@@ -275,41 +352,78 @@ class GatedCache(KVFormatCache):
             return layer._certs[-1].to(torch.float64)
         return self._torch_certificates(layer, q, sm, layer.dequantized() if kv is None else kv)
 
-    def _tally(self, cert: torch.Tensor, over: torch.Tensor) -> None:
-        """Device-side counts (no host sync)."""
-        fin = torch.isfinite(cert)
+    def _ensure_tallies(self, batch: int, device: torch.device) -> None:
+        """Allocate the device counters (cache totals once; per-row ones for the batch, anew for a new batch that
+        no batch operation produced, e.g. after ``reset``)."""
         if self._stats is None:
-            self._stats = torch.tensor([0.0, 0.0, 0.0, -math.inf], dtype=torch.float64, device=cert.device)
-            self.row_over = torch.zeros(cert.shape[0], dtype=torch.int64, device=cert.device)
-            self.row_max = torch.full((cert.shape[0],), -math.inf, dtype=torch.float64, device=cert.device)
+            self._stats = torch.zeros(len(_STATS), dtype=torch.float64, device=device)
+            self._stats[_S["max_cert"]] = -math.inf
+        if self._rows is None or self._rows.shape[1] != batch:
+            self._rows = torch.zeros(len(_ROWS), batch, dtype=torch.float64, device=self._stats.device)
+            self._rows[_R["max_cert"]] = -math.inf
+            self._heads = torch.zeros(self.n_layers, batch, self.n_kv, dtype=torch.int64, device=self._stats.device)
+
+    def _tally(self, cert: torch.Tensor, over: torch.Tensor) -> None:
+        """Device-side counts of the step's certificates (no host sync)."""
+        S, R = self._stats, self._rows
+        fin = torch.isfinite(cert)
         masked = torch.where(fin, cert, torch.full_like(cert, -math.inf))
-        self._stats[:3] += torch.stack([torch.tensor(float(cert.numel()), dtype=torch.float64, device=cert.device),
-                                        over.sum().double(), (~fin).sum().double()])
-        self._stats[3] = torch.maximum(self._stats[3], masked.max())
-        self.row_over += over.sum(1)
-        self.row_max = torch.maximum(self.row_max, masked.amax(1))
+        S[_S["n_certs"]] += cert.numel()
+        S[_S["n_over"]] += over.sum()
+        S[_S["overflow"]] += (~fin).sum()
+        S[_S["max_cert"]] = torch.maximum(S[_S["max_cert"]], masked.max())
+        R[_R["n_over"]] += over.sum(1)
+        R[_R["max_cert"]] = torch.maximum(R[_R["max_cert"]], masked.amax(1))
+
+    def _check_capturable(self, layer, q: torch.Tensor) -> None:
+        if self.max_repairs is None:
+            raise RuntimeError(
+                "a gated decode step on the eager repair path (max_repairs_per_step=None) cannot be captured in a CUDA "
+                "graph: it reads one host-side nonzero per layer and step to decide whether a repair runs. "
+                "make_gated_cache(..., max_repairs_per_step=k) takes the fixed-shape path (shadow='device', "
+                "level='head'), which captures")
+        if not (self._kernel_cert and "_cert_buf" in layer.__dict__):
+            raise RuntimeError(
+                "a captured gated step needs the decode kernel's certificate on static pools: format 'dither-int8' "
+                "with make_gated_cache(..., batch_size=, max_len=, device=); the torch certificates of "
+                f"{self.key_format.name!r} are computed on the host")
+        if self._rows is None or self._rows.shape[1] != q.shape[0]:
+            raise RuntimeError("run the prefill (and a decode step) eagerly before capturing a gated step: the "
+                               "gate's device counters are allocated then")
 
     def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
         """Called by :mod:`kvlib.hf.attention` after a decode step's attention: ``q [B, Hq, d]``, ``o [B, Hq, d]``
         (the kernel's or reference's output; ``kv`` the layer's ``dequantized()`` K/V when the reference path
         already built them). Returns ``o`` with the over-threshold groups recomputed."""
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("a gated decode step cannot be captured in a CUDA graph: the gate reads one host-side "
-                               "nonzero per layer and step to decide whether a repair runs")
+            self._check_capturable(layer, q)
+        self._ensure_tallies(q.shape[0], q.device)
         if layer.layer_idx == 0:
             self.forward_steps += 1
+            self._stats[_S["steps"]] += 1
         cert = self._step_certificate(layer, q, sm, kv)  # [B, Hq]
         over = ~(cert <= self.tau)  # NaN and +inf are over
         self._tally(cert, over)
-        if not self.gate_on:
-            return o
         g = self.n_heads // self.n_kv
-        pairs = over.view(over.shape[0], self.n_kv, g).any(-1).nonzero()  # the one host sync of the step
+        over_g = over.view(over.shape[0], self.n_kv, g).any(-1)  # [B, Hkv]: groups to repair
+        if not self.gate_on:
+            self._rows[_R["unrepaired"]] += over_g.sum(1)
+            self._stats[_S["unrepaired"]] += over_g.sum()
+            return o
+        if self.max_repairs is not None:
+            return self._gate_fixed(layer, q, o, sm, cert, over_g)
+        return self._gate_eager(layer, q, o, sm, kv, cert, over, over_g)
+
+    def _gate_eager(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any, cert: torch.Tensor,
+                    over: torch.Tensor, over_g: torch.Tensor) -> torch.Tensor:
+        g = self.n_heads // self.n_kv
+        pairs = over_g.nonzero()  # the one host sync of the step
         if pairs.shape[0] == 0:
             return o
         o = o.clone()
         if self.level == "block" and kv is None:
             kv = layer.dequantized()  # once per layer and step
+        acc = torch.zeros(len(_ROWS), q.shape[0], dtype=torch.float64)  # host: added to the device tallies once
         for b, h in pairs.tolist():
             rows = slice(h * g, (h + 1) * g)
             if self.level == "head":
@@ -320,12 +434,79 @@ class GatedCache(KVFormatCache):
             ev.update(layer=layer.layer_idx, row=b, kv_head=h, step=self.forward_steps,
                       cert=float(cert[b, rows].nan_to_num(nan=math.inf).max()))
             self.events.append(ev)
+            for name, val in (("repair_events", 1), ("bytes_moved", ev["bytes"]),
+                              ("bytes_whole_head", ev["bytes_whole_head"]), ("blocks_paged", len(ev["blocks"] or ())),
+                              ("positions_paged", ev["positions"])):
+                acc[_R[name], b] += val
+        dev = self._rows.device
+        self._rows += acc.to(dev)  # the max_cert row of acc is 0: unchanged
+        tot = acc.sum(1)
+        for name in ("repair_events", "bytes_moved", "bytes_whole_head", "blocks_paged", "positions_paged"):
+            self._stats[_S[name]] += float(tot[_R[name]])
+        self._heads[layer.layer_idx].index_put_((pairs[:, 0].to(dev), pairs[:, 1].to(dev)),
+                                                torch.ones(len(pairs), dtype=torch.int64, device=dev), accumulate=True)
         return o
 
+    def _gate_fixed(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, cert: torch.Tensor,
+                    over_g: torch.Tensor) -> torch.Tensor:
+        """The fixed-shape repair (see the module doc): no host sync, capturable."""
+        B, n_kv, d = q.shape[0], self.n_kv, self.head_dim
+        g, G = self.n_heads // n_kv, q.shape[0] * n_kv
+        kb = min(self.max_repairs, G)
+        dev = q.device
+        flat_over = over_g.reshape(G)
+        score = cert.nan_to_num(nan=math.inf).view(B, n_kv, g).amax(-1).reshape(G)
+        score = torch.where(flat_over, score, torch.full_like(score, -math.inf))  # groups under tau rank last
+        idx = torch.topk(score, kb, sorted=False).indices  # [kb]: every over group, when at most kb are
+        valid = flat_over[idx]
+        bi, hi = idx // n_kv, idx % n_kv
+        W = self._width(layer)
+        sk, sv = self._sh[layer.layer_idx]
+        if isinstance(self.store, ObjectStore):
+            lens = torch.tensor(layer.table.lens, dtype=torch.int64, device=dev)
+            ar = torch.arange(W, device=sk.device)
+            at = (bi.to(sk.device)[:, None], ar[None, :], hi.to(sk.device)[:, None])
+        else:
+            lens = layer.table.seq_lens.long()
+            slots = layer.table.slot_table()[bi, :W].long()
+            at = (slots.to(sk.device), hi.to(sk.device)[:, None])
+        pos_valid = torch.arange(W, device=dev)[None, :] < lens[bi][:, None]
+        # loads the fixed shape needs but no repair uses (idle budget slots, positions past a row's length) all read
+        # the shadow's first entry instead: one cached line, so memory moves only the repaired rows' positions
+        take = (pos_valid & valid[:, None]).to(sk.device)
+        at = tuple(torch.where(take, i, 0) for i in torch.broadcast_tensors(*at))
+        exact = self._exact_rows(q.reshape(G, g, d)[idx], sk[at].to(dev), sv[at].to(dev), pos_valid, sm)
+        flat = o.reshape(G, g, d)
+        merged = torch.where(valid[:, None, None], exact.to(o.dtype), flat[idx])
+        out = flat.index_copy(0, idx, merged).view_as(o)
+        # device counters: bytes moved are the repaired rows' positions (as on the eager path); the redirected
+        # loads are counted apart (bytes_padding)
+        per_pos = 2 * d * sk.element_size()
+        vd = valid.to(torch.float64)
+        n_valid = vd.sum()
+        used = vd * lens[bi].to(torch.float64)  # positions read per budget slot
+        R, S = self._rows, self._stats
+        R[_R["repair_events"]].index_add_(0, bi, vd)
+        R[_R["bytes_moved"]].index_add_(0, bi, used * per_pos)
+        R[_R["bytes_whole_head"]].index_add_(0, bi, used * per_pos)
+        R[_R["positions_paged"]].index_add_(0, bi, used)
+        rep = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, bi, vd)
+        R[_R["unrepaired"]] += over_g.sum(1) - rep
+        self._heads[layer.layer_idx].view(-1).index_add_(0, idx, valid.to(torch.int64))
+        S[_S["repair_events"]] += n_valid
+        S[_S["bytes_moved"]] += used.sum() * per_pos
+        S[_S["bytes_whole_head"]] += used.sum() * per_pos
+        S[_S["positions_paged"]] += used.sum()
+        S[_S["unrepaired"]] += flat_over.sum() - n_valid
+        S[_S["bytes_padding"]] += (kb * W - used.sum()) * per_pos
+        return out
+
     def _repair_head(self, layer, b: int, h: int, qg: torch.Tensor, sm: float) -> tuple[torch.Tensor, dict]:
-        n = layer.table.lens[b]
+        n, W = layer.table.lens[b], self._width(layer)
         k, v, moved = self._shadow_read(layer, b, h, torch.arange(n), qg.device)
-        out = torch.softmax(sm * (qg.float() @ k.T), -1) @ v  # float32 attention over the shadow
+        kp, vp = (torch.cat([x, x.new_zeros(W - n, x.shape[-1])])[None] for x in (k, v))  # to the fixed path's width
+        valid = (torch.arange(W, device=qg.device) < n)[None]
+        out = self._exact_rows(qg[None], kp, vp, valid, sm)[0]  # float32 attention over the shadow
         return out, dict(tokens=n, bytes=moved, bytes_whole_head=moved, positions=n, blocks=None)
 
     def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float,
@@ -360,84 +541,129 @@ class GatedCache(KVFormatCache):
         return out, dict(tokens=n, bytes=moved, bytes_whole_head=n * per_pos, positions=positions,
                          blocks=order[:paged], priority=[float(exc[j]) for j in order], trajectory=traj)
 
-    # -- batch operations the shadow does not follow ---------------------------------------------------
-    def _refuse(self, what: str) -> None:
-        raise NotImplementedError(f"{what} on a GatedCache: the shadow does not follow batch reorders or crops yet")
+    # -- batch operations: the shadow and the per-row tallies follow the pools --------------------------
+    def _batch_op(self, op, rows: torch.Tensor | None) -> None:
+        """Run the pools' batch operation ``op`` and make the shadow follow (``rows``: the new batch's source rows,
+        None for a crop). See the module doc."""
+        for i in range(self.n_layers):
+            self._flush(i)  # staged host writes land at the slots they were written to
+        snaps = []
+        for la in self.layers:  # slot-independent pools copy the selected rows' pages: remember where they were
+            moves = (rows is not None and la.is_initialized and self._sh[la.layer_idx][0] is not None
+                     and self.store.paged and not la.table.token_slots and la.columns > 0)
+            snaps.append((la.table.slot_table().clone(), list(la.table.lens)) if moves else None)
+        op()
+        if rows is None:
+            return
+        for la, snap in zip(self.layers, snaps):
+            sh = self._sh[la.layer_idx]
+            if sh[0] is None:
+                continue
+            if isinstance(self.store, ObjectStore):  # by row and position: the rows follow
+                r = rows.to(sh[0].device)
+                self._sh[la.layer_idx] = [sh[0][r], sh[1][r]]
+            elif snap is not None:
+                old_st, old_lens = snap
+                w = old_st.shape[1]
+                r = rows.to(old_st.device)
+                keep = torch.arange(w, device=old_st.device)[None, :] < torch.tensor(old_lens, device=old_st.device)[r,
+                                                                                                                  None]
+                src, dst = old_st[r][keep].long(), la.table.slot_table()[:, :w][keep].long()
+                self._grow_shadow(la.layer_idx, self.store.n_slots)
+                for buf in self._sh[la.layer_idx]:
+                    buf[dst.to(buf.device)] = buf[src.to(buf.device)]  # the gather is a copy: in-place moves are safe
+        if self._rows is not None:
+            r = rows.to(self._rows.device)
+            self._rows, self._heads = self._rows[:, r], self._heads[:, r]
+
+    def _batch(self) -> int | None:
+        t = self.layers[0].table
+        return None if t is None else t.batch
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._refuse("reorder_cache")
+        self._batch_op(lambda: super(GatedCache, self).reorder_cache(beam_idx), torch.as_tensor(beam_idx).long().cpu())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._refuse("batch_repeat_interleave")
+        b = self._batch()
+        rows = None if b is None else torch.arange(b).repeat_interleave(repeats)
+        self._batch_op(lambda: super(GatedCache, self).batch_repeat_interleave(repeats), rows)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._refuse("batch_select_indices")
+        self._batch_op(lambda: super(GatedCache, self).batch_select_indices(indices),
+                       torch.as_tensor(indices).long().cpu())
 
     def crop(self, max_length: int) -> None:
-        self._refuse("crop")
+        self._batch_op(lambda: super(GatedCache, self).crop(max_length), None)
 
     # -- records ------------------------------------------------------------------------------------
-    def _counts(self) -> tuple[int, int, int, float]:
+    def _totals(self) -> dict[str, float]:
         if self._stats is None:
-            return 0, 0, 0, float("nan")
-        n, over, ovf, mx = self._stats.tolist()  # one sync
-        return int(n), int(over), int(ovf), mx if math.isfinite(mx) else float("nan")
+            return {n: (-math.inf if n == "max_cert" else 0.0) for n in _STATS}
+        return dict(zip(_STATS, self._stats.tolist()))  # one sync
 
     @property
     def bytes_moved(self) -> int:
-        return sum(e["bytes"] for e in self.events)
+        """Bytes read from the shadow by repairs (the repaired rows' positions, on either path)."""
+        return int(self._totals()["bytes_moved"])
 
     def row_summaries(self) -> list[dict[str, Any]]:
-        """Per batch row (request): flagged, over-threshold count, max certificate, what was paged."""
-        if self.row_over is None:
+        """Per batch row (request): flagged, over-threshold count, max certificate, repairs, bytes, unrepaired
+        groups (over ``tau`` but beyond the budget). Rows follow batch operations (see the module doc)."""
+        if self._rows is None:
             return []
-        row_over, row_max = self.row_over.tolist(), self.row_max.tolist()
+        R = self._rows.tolist()
+        heads = (self._heads > 0).sum((0, 2)).tolist()
         out = []
-        for b in range(len(row_over)):
-            ev = [e for e in self.events if e["row"] == b]
-            out.append({
-                "flagged": int(row_over[b] > 0),
-                "n_over": int(row_over[b]),
-                "max_cert": row_max[b] if math.isfinite(row_max[b]) else float("nan"),
-                "heads_repaired": len({(e["layer"], e["kv_head"]) for e in ev}),
-                "blocks_paged": sum(len(e["blocks"] or ()) for e in ev),
-                "bytes_moved": sum(e["bytes"] for e in ev),
-                "bytes_whole_head": sum(e["bytes_whole_head"] for e in ev),
-                "repair_events": len(ev),
-                "positions_paged": sum(e["positions"] for e in ev),
-            })
+        for b in range(len(heads)):
+            r = {n: R[i][b] for i, n in enumerate(_ROWS)}
+            mx = r.pop("max_cert")
+            out.append({"flagged": int(r["n_over"] > 0), "max_cert": mx if math.isfinite(mx) else float("nan"),
+                        "heads_repaired": int(heads[b]), **{n: int(v) for n, v in r.items()}})
         return out
 
     def gate_summary(self) -> dict[str, Any]:
-        """Per-cache record: flagged, heads repaired, bytes moved, certificate maxima and counts."""
-        n, over, ovf, mx = self._counts()
-        rows = self.layers[0].table.batch if self.layers[0].table is not None else 0
+        """Per-cache record: flagged, heads repaired, bytes moved, certificate maxima and counts, and the groups
+        over ``tau`` left unrepaired by ``max_repairs_per_step`` (a warning when there are any)."""
+        s = self._totals()
+        rows = self._batch() or 0
+        unrepaired = int(s["unrepaired"])
+        if self.gate_on and unrepaired:
+            import warnings
+
+            warnings.warn(f"GatedCache: {unrepaired} over-threshold (row, KV head) groups were not repaired: "
+                          f"max_repairs_per_step={self.max_repairs} was exceeded at some steps; raise it, or use "
+                          "max_repairs_per_step=None (eager, repairs all)", RuntimeWarning, stacklevel=2)
+        mx = s["max_cert"]
         return {
             "kind": self.kind, "tau": self.tau, "level": self.level, "block_size": self.block_size,
             "shadow": self.shadow, "shadow_dtype": str(self.shadow_dtype).removeprefix("torch."),
-            "flagged": int(over > 0), "n_certs": n, "n_over": over, "overflow": ovf, "max_cert": mx,
-            "heads_repaired": len({(e["layer"], e["row"], e["kv_head"]) for e in self.events}),
+            "repair_path": "eager" if self.max_repairs is None else "fixed", "max_repairs_per_step": self.max_repairs,
+            "flagged": int(s["n_over"] > 0), "n_certs": int(s["n_certs"]), "n_over": int(s["n_over"]),
+            "overflow": int(s["overflow"]), "max_cert": mx if math.isfinite(mx) else float("nan"),
+            "heads_repaired": 0 if self._heads is None else int((self._heads > 0).sum()),
             "heads_total": self.n_layers * rows * self.n_kv,
-            "bytes_moved": self.bytes_moved,
-            "bytes_whole_head": sum(e["bytes_whole_head"] for e in self.events),
-            "blocks_paged": sum(len(e["blocks"] or ()) for e in self.events),
-            "positions_paged": sum(e["positions"] for e in self.events),
-            "repair_events": len(self.events), "steps": self.forward_steps,
-            "shadow_nbytes": self.shadow_nbytes(),
+            "bytes_moved": int(s["bytes_moved"]), "bytes_whole_head": int(s["bytes_whole_head"]),
+            "bytes_padding": int(s["bytes_padding"]), "blocks_paged": int(s["blocks_paged"]),
+            "positions_paged": int(s["positions_paged"]), "repair_events": int(s["repair_events"]),
+            "unrepaired": unrepaired, "steps": int(s["steps"]), "shadow_nbytes": self.shadow_nbytes(),
         }
 
 
 def make_gated_cache(format: str, config: Any, *, tau: float = 0.2, shadow: str = "device",
                      shadow_dtype: torch.dtype = torch.float16, gate: bool = True, level: str = "head",
-                     block_size: int = 32, **options: Any) -> GatedCache:
+                     block_size: int = 32, max_repairs_per_step: int | None = None, **options: Any) -> GatedCache:
     """:func:`kvlib.hf.cache.make_cache` with the certificate gate: ``tau``, the shadow (``shadow`` ``"device"``
     or ``"host"``, ``shadow_dtype`` fp16/bf16/fp32), repair ``level`` ``"head"`` or ``"block"``, and
     ``block_size`` (the pool's page size, which is also the gate's block). ``gate=False``: certify and count,
-    never repair (a flag-only observer). See :class:`GatedCache`; every other option goes to ``make_cache``.
+    never repair (a flag-only observer). ``max_repairs_per_step``: None (the eager path: every over-threshold
+    group repaired, not capturable) or ``k``, the fixed-shape path's budget of (row, KV head) repairs per layer and
+    step (no host sync, CUDA-graph capturable; groups beyond it are counted as ``unrepaired``). See
+    :class:`GatedCache`; every other option goes to ``make_cache``.
     """
     gone = sorted(set(options) & {"backup_dtype", "backup_device"})
     if gone:
         raise TypeError(f"make_gated_cache: {gone} were the float-copy gate's options; use shadow='device'|'host' "
                         "and shadow_dtype=")
-    cls = functools.partial(GatedCache, shadow=shadow, shadow_dtype=shadow_dtype, gate=gate, level=level)
+    cls = functools.partial(GatedCache, shadow=shadow, shadow_dtype=shadow_dtype, gate=gate, level=level,
+                            max_repairs_per_step=max_repairs_per_step)
     return make_cache(format, config, cache_class=cls, tau=tau, block_size=block_size, **options)
