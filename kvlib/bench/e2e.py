@@ -76,6 +76,8 @@ METHODS = PEERS + OURS
 #: kvlib format and make_cache options of each of our methods
 OUR_FORMAT = {"dither-int8": ("dither-int8", {"dither_layout": "h8"}), "rtn-int8": ("rtn-int8", {}),
               "kv4": ("kv4", {}), "kv4rl": ("kv4rl", {}), "dither-int8-gated": ("dither-int8", {"dither_layout": "h8"})}
+#: the gate's own options: a fixed repair budget per layer and step, so that the gated step captures in a graph
+GATE_OPTIONS = {"max_repairs_per_step": 8}
 #: page size of each of our methods' pools: the INT4 kernel reads whole pages ("paged-tiles") only when a page is a
 #: multiple of its block_n = 256 (else "paged-rows"); the INT8 kernels gather per token, so 16 (make_cache's default)
 BLOCK_SIZE = {"kv4": 256, "kv4rl": 256}
@@ -335,6 +337,7 @@ def make_method_cache(method: str, config, *, batch: int, ctx: int, device: str,
         if gated:
             # make_gated_cache's own block_size is the gate's repair block, not the page size: pools keep 16
             build = kvlib.make_gated_cache
+            opts = {**opts, **GATE_OPTIONS}
         elif "batch_size" not in inspect.signature(build).parameters:
             raise MethodUnavailable(f"{method}: kvlib.make_cache{inspect.signature(build)} has no batch_size / "
                                     "max_len: the kernel-backed cache API is not in this kvlib")
