@@ -79,6 +79,13 @@ def test_refusals_name_the_argument():
     assert DEFAULT_CONFIG.generator == "philox4x32-10"
     with pytest.raises(ValueError, match="key"):
         threefry4x32(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    from kvlib.core.philox import GENERATOR_OPTIONS, NOT_OPTIONS
+
+    assert set(GENERATOR_OPTIONS) | set(NOT_OPTIONS) == set(GENERATORS) and DEFAULT_GENERATOR in GENERATOR_OPTIONS
+    for name in NOT_OPTIONS:
+        assert check_generator(name) == name
+        with pytest.raises(ValueError, match="study point"):
+            check_generator(name, options_only=True)
     assert generator_constexprs("none") == {"GEN": 2, "N_ROUNDS": 0}
     assert generator_constexprs("threefry4x32-13") == {"GEN": 1, "N_ROUNDS": 13}
 
