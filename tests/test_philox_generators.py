@@ -26,6 +26,8 @@ from kvlib.core.philox import (
 )
 from kvlib.kernels.tl.philox import counter_words, generator_constexprs
 
+# the kernel tests run under the interpreter on CPU and on CUDA in the GPU lane (-m gpu)
+pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 TF_KAT = json.loads((ROOT / "data" / "kat" / "threefry.json").read_text())["vectors"]
 
@@ -143,6 +145,15 @@ def test_h10_kernel_with_each_generator_matches_float64():
         assert r["path"] == "h10" and r["do_same"] < 2e-5, r
         if r["generator"] != DEFAULT_GENERATOR:
             assert r["do_cross"] > 1e3 * r["do_same"], r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
+def test_gluon_kernel_with_each_generator_matches_float64():
+    """The certified Gluon h8 kernel with config.generator = each generator, on keys written with it (GPU)."""
+    from dev.philox_timing import agreement
+
+    for r in agreement(impls=("gluon",), B=3, S=200, hq=28, hkv=4, dev="cuda"):
+        assert r.get("ok") and r["path"] == "gluon", r
 
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
