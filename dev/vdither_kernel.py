@@ -40,7 +40,8 @@ def _tc_vd(
     """The tensor-core stage 1 of ``kvlib.kernels.int8.w24`` (commit de4df59) with the value-dither path removed at
     b7182e0 restored (``V_DITHER``), plus the diagnosis switches of :mod:`dev.vdither` (``VD_MODE``: 0 the removed
     code, 1 the dither loaded from ``VXI`` instead of regenerated, 2 regenerated and also stored to ``DBG``;
-    ``V_ORDER``: 0 ``s (c - xi)`` as removed, 1 ``s c - s xi``)."""
+    ``V_ORDER``: 0 ``s (c - xi)`` as removed, 1 ``s c - s xi``, 2 the RTN ``s c`` dots as shipped plus the dither's
+    ``s xi`` in dots of its own, a candidate mend)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,8 +197,11 @@ def _tc_vd(
                     tl.store(DBG + slot[:, None] * s_x_n + kvh * s_x_h + offs_d[None, :], vxi, mask=mask_n[:, None])
             if V_ORDER == 0:
                 v = vs * (vc.to(tl.float32) - vxi)
-            else:
+            elif V_ORDER == 1:
                 v = vs * vc.to(tl.float32) - vs * vxi
+            else:  # 2: the RTN product s c as shipped, the dither's s xi in its own fp16 hi + lo dots (below)
+                v = vs * vc.to(tl.float32)
+                dv = vs * vxi
         else:
             v = vs * vc.to(tl.float32)
         if NOV > 0:
@@ -213,6 +217,11 @@ def _tc_vd(
             acc = tl.dot(p_hi, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
         if PV_TERMS >= 3:
             acc = tl.dot((pp - p_hi.to(tl.float32)).to(tl.float16), v_hi, acc)
+        if V_DITHER and V_ORDER == 2:  # acc -= p (s xi): s xi as fp16 hi + lo, exact to 2^-22 as the value path
+            dv_hi = dv.to(tl.float16)
+            acc = tl.dot(-p_hi, dv_hi, acc)
+            acc = tl.dot(-p_hi, (dv - dv_hi.to(tl.float32)).to(tl.float16), acc)
+            acc = tl.dot(-(pp - p_hi.to(tl.float32)).to(tl.float16), dv_hi, acc)
 
     nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)

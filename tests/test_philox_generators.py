@@ -95,11 +95,13 @@ def test_refusals_name_the_argument():
 @triton.jit
 def _words_kernel(c_ptr, o_ptr, k0, k1, GEN: tl.constexpr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    w = counter_words(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
-                      tl.load(c_ptr + 4 * i + 3), k0 + tl.zeros((), tl.uint32), k1 + tl.zeros((), tl.uint32),
-                      GEN, N_ROUNDS)
-    for j in tl.static_range(4):
-        tl.store(o_ptr + 4 * i + j, w[j].to(tl.int64))
+    w0, w1, w2, w3 = counter_words(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
+                                   tl.load(c_ptr + 4 * i + 3), k0 + tl.zeros((), tl.uint32),
+                                   k1 + tl.zeros((), tl.uint32), GEN, N_ROUNDS)
+    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
 
 
 @pytest.mark.parametrize("name", [*GENERATORS, "none"])
