@@ -132,6 +132,22 @@ def run_case(name: str, *, shape=None, k_dither=True, v_dither=True, vd_mode=0, 
 BIG = dict(B=2, hq=8, hkv=2, d=128, S=300)
 
 
+def mini_cases(dev: str) -> list[dict]:
+    """The minimal PV kernel (:func:`dev.vdither_kernel.mini_pv`) with the dither loaded (mode 0) and built by joins
+    and a reshape in the kernel (mode 1), at d = 64 and 128."""
+    from dev.vdither_kernel import mini_pv
+
+    rows = []
+    for mode in (0, 1):
+        for d in (64, 128):
+            try:
+                r = mini_pv(mode, d=d, dev=dev)
+            except Exception as e:  # reported, not fatal
+                r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+            rows.append({"name": f"mini_pv_mode{mode}_d{d}", "ok": r.get("bad") == 0} | r)
+    return rows
+
+
 def cases(cpu: bool) -> list[tuple[str, dict]]:
     base = dict(block_n=16, num_warps=4, num_stages=3)  # the 2026-11-29 diagnosis run's launch (stages: tc default)
     if cpu:
@@ -196,6 +212,12 @@ def diagnose(rows: list[dict]) -> list[str]:
         out.append("the failing cases are exactly those whose compiled kernel converts an fp32 value tile into the PV "
                    "dot's operand layout (TTGIR: local_load of f32 as dot_op opIdx 1, kWidth 8): a Triton layout-"
                    "conversion codegen fault, not Philox; separate_dither_dot is a mend")
+    mini = [r for r in rows if r["name"].startswith("mini_pv")]
+    if mini and any(r.get("ok") is False for r in mini):
+        out.append("the minimal PV kernel fails too: " + ", ".join(r["name"] for r in mini if r.get("ok") is False)
+                   + " (an upstream-sized reproducer, dev/vdither_kernel.py:_mini_pv)")
+    elif mini and all(r.get("ok") for r in mini):
+        out.append("the minimal PV kernel is right in both modes: the fault needs more of the kernel's context")
     if "slots_above_2^20" in by and by["slots_above_2^20"].get("dxi", 0) != 0:
         out.append("large slot indices change the dither: counter overflow")
     return out
@@ -228,6 +250,10 @@ def main() -> None:
         print(f"{name:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in keys if k in r), flush=True)
         if a.json:  # after every case: a timed-out run keeps what it measured
             _write(a.json, dev, rows, diagnose(rows), t0)
+    for r in mini_cases(dev):
+        rows.append(r)
+        print(f"{r['name']:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in ("max_err", "bad", "error")
+                                                              if k in r), flush=True)
     diag = diagnose(rows)
     print("DIAGNOSIS:")
     for line in diag:

@@ -289,3 +289,50 @@ def launch(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: 
         PAGE=0, K_DITHER=k.dithered, V_DITHER=v_dither, VD_MODE=vd_mode, V_ORDER=v_order,
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+@triton.jit
+def _mini_pv(P, C, X, S, OUT, BN: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """A minimal form of the removed PV step: ``o = p @ v`` with ``v = s (c - x)`` as fp16 ``hi + lo`` (two dots),
+    one ``[16, BN] x [BN, D]`` tile. ``MODE`` 0: ``x`` loaded; 1: ``x`` built in-kernel by joins and a reshape of
+    four ``[BN, D/4]`` tiles (as the removed code built the dither), each a function of its index only."""
+    h = tl.arange(0, 16)
+    n = tl.arange(0, BN)
+    d = tl.arange(0, D)
+    p = tl.load(P + h[:, None] * BN + n[None, :])
+    c = tl.load(C + n[:, None] * D + d[None, :])
+    s = tl.load(S + n[:, None] * D + d[None, :])
+    if MODE == 0:
+        x = tl.load(X + n[:, None] * D + d[None, :])
+    else:
+        g = tl.arange(0, D // 4)
+        base = (n[:, None] * D + 4 * g[None, :]).to(tl.float32)  # channel 4 g + 2 i + j of row n, as a float
+        x0 = (base % 7.0) * 0.0625 - 0.1875
+        x1 = ((base + 1.0) % 7.0) * 0.0625 - 0.1875
+        x2 = ((base + 2.0) % 7.0) * 0.0625 - 0.1875
+        x3 = ((base + 3.0) % 7.0) * 0.0625 - 0.1875
+        x = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BN, D))
+    v = s * (c.to(tl.float32) - x)
+    v_hi = v.to(tl.float16)
+    acc = tl.dot(p, v_hi)
+    acc = tl.dot(p, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
+    tl.store(OUT + h[:, None] * D + d[None, :], acc)
+
+
+def mini_pv(mode: int, *, bn: int = 16, d: int = 64, dev: str = "cuda", seed: int = 0) -> dict:
+    """Run :func:`_mini_pv` against float64 ``p @ (s (c - x))``; ``max_err`` and ``x`` as the kernel saw it."""
+    from kvlib.kernels.backend import triton_available
+
+    if not triton_available(torch.device(dev)):
+        raise RuntimeError("mini_pv needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(16, bn, generator=g).half()
+    c = torch.randint(-127, 128, (bn, d), generator=g, dtype=torch.int8)
+    s = (0.01 + 0.02 * torch.rand(bn, d, generator=g))
+    idx = (torch.arange(bn)[:, None] * d + torch.arange(d)[None, :]).float()
+    x = (idx % 7.0) * 0.0625 - 0.1875  # what MODE 1 builds (exact in fp32)
+    o = torch.empty(16, d, dtype=torch.float32, device=dev)
+    _mini_pv[(1,)](p.to(dev), c.to(dev), x.to(dev), s.to(dev), o, BN=bn, D=d, MODE=mode, num_warps=4)
+    ref = p.double() @ (s.double() * (c.double() - x.double()))
+    err = (o.double().cpu() - ref).abs()
+    return {"max_err": float(err.max()), "bad": int((err > 1e-3).sum()), "of": err.numel()}

@@ -42,6 +42,18 @@ def main() -> None:
                      "shared_bytes": cc.metadata.shared}
         print(f"{name:20s} fp32 value tile -> PV B operand: {res[name]['fp32_value_tile_to_B_operand']}  {loads}",
               flush=True)
+    from dev.vdither_kernel import _mini_pv
+
+    for mode in (0, 1):  # the minimal PV kernel of dev.vdither's mini_pv cases
+        for d in (64, 128):
+            cc = _compile(_mini_pv, dict(BN=16, D=d, MODE=mode),
+                          {"P": "*fp16", "C": "*i8", "X": "*fp32", "S": "*fp32", "OUT": "*fp32"}, num_warps=4,
+                          num_stages=1)
+            loads = [dict(shape=[int(a), int(b)], opIdx=int(i), kWidth=int(k))
+                     for a, b, i, k in PAT.findall(cc.asm["ttgir"])]
+            res[f"mini_pv_mode{mode}_d{d}"] = {"fp32_dot_operand_loads": loads,
+                                               "fp32_value_tile_to_B_operand": any(x["opIdx"] == 1 for x in loads)}
+            print(f"mini_pv_mode{mode}_d{d}  {loads}", flush=True)
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "dev/results/philox_vdither_ttgir.json")
     write_json_atomic(out, {"name": "philox_vdither_ttgir", "profile": "cpu (offline sm_90 compile)",
                             "provenance": provenance({"command": "python -m dev.vdither_ttgir"}, started),
