@@ -243,6 +243,10 @@ def main() -> None:
         sys.exit("--cpu needs TRITON_INTERPRET=1 set before Python starts")
     t0 = time.time()
     rows = []
+    for r in mini_cases(dev):  # first: small compiles, so a timed-out bisection still has them
+        rows.append(r)
+        print(f"{r['name']:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in ("max_err", "bad", "error")
+                                                              if k in r), flush=True)
     for name, kw in cases(a.cpu):
         r = run_case(name, dev=dev, **kw)
         rows.append(r)
@@ -250,10 +254,6 @@ def main() -> None:
         print(f"{name:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in keys if k in r), flush=True)
         if a.json:  # after every case: a timed-out run keeps what it measured
             _write(a.json, dev, rows, diagnose(rows), t0)
-    for r in mini_cases(dev):
-        rows.append(r)
-        print(f"{r['name']:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in ("max_err", "bad", "error")
-                                                              if k in r), flush=True)
     diag = diagnose(rows)
     print("DIAGNOSIS:")
     for line in diag:

@@ -67,7 +67,7 @@ rc=$?; [ $rc = 0 ] && res+=("part 1 (KAT + equality): PASS") || res+=("part 1 (K
 echo "[$(( $(date +%s) - start )) s]"
 
 echo "== part 2: generators in the Gluon/h10 kernels, agreement and CUDA-graph timing =="
-timeout 130 "$PY" -m dev.philox_timing "$OUT/philox_timing.json" 2>&1 | tail -40
+timeout 120 "$PY" -m dev.philox_timing "$OUT/philox_timing.json" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 [ $rc = 0 ] && res+=("part 2 (agreement + timing): PASS") || res+=("part 2 (agreement + timing): FAIL rc=$rc (124 = timed out)")
 echo "[$(( $(date +%s) - start )) s]"
