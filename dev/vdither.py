@@ -202,11 +202,12 @@ def diagnose(rows: list[dict]) -> list[str]:
         out.append("values alone (RTN keys) fail: the bug is in the value path, independent of the key dither")
     if bad("keys_only"):
         out.append("the shipped keys-only path FAILS here: the harness or the scratch copy is wrong, fix that first")
-    # the offline sm_90 TTGIR (dev.vdither_ttgir): only removed_code, stages1, stored_dither and values_only convert
+    # the offline sm_90 TTGIR (dev.vdither_ttgir): removed_code, stages1/2, warps8, block64, stored_dither and
+    # values_only convert
     # an fp32 value tile into the PV dot's B-operand layout (a local_load of 16x64xf32 as dot_op opIdx 1, kWidth 8:
     # the conversion hoisted above s * (c - xi) and the fp16 rounding); loaded_dither, scale_then_dither,
     # separate_dither_dot and keys_only convert fp16 tiles only
-    hoisted = ("removed_code", "stages1", "stored_dither", "values_only")
+    hoisted = ("removed_code", "stages1", "stages2", "warps8", "block64", "stored_dither", "values_only")
     clean = ("loaded_dither", "scale_then_dither", "separate_dither_dot", "keys_only")
     if all(bad(n) for n in hoisted if n in by) and all(ok(n) for n in clean if n in by) and bad("removed_code"):
         out.append("the failing cases are exactly those whose compiled kernel converts an fp32 value tile into the PV "
