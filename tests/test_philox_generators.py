@@ -24,7 +24,7 @@ from kvlib.core.philox import (
     philox4x32_10,
     threefry4x32,
 )
-from kvlib.kernels.tl.philox import counter_words, generator_constexprs
+from kvlib.kernels.tl.philox import counter_words, dither_tile, dither_tile_h8, dither_tile_h10, generator_constexprs
 
 # the kernel tests run under the interpreter on CPU and on CUDA in the GPU lane (-m gpu)
 pytestmark = pytest.mark.gpu
@@ -175,3 +175,38 @@ def test_gluon_kernel_compiles_with_each_generator_for_sm90():
         assert r["shared_bytes"] == 0 and r["stack_bytes"] == 0 and 0 < r["registers"] <= 255, name
     n = {k: v["instructions"] for k, v in out.items()}
     assert n["none"] < n["philox4x32-6"] < n["philox4x32-7"] < n["philox4x32-8"] < n["philox4x32-10"]
+
+
+@triton.jit
+def _tiles_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr, D: tl.constexpr, LAYOUT: tl.constexpr,
+                  GEN: tl.constexpr, N_ROUNDS: tl.constexpr):
+    r = tl.arange(0, BS)
+    if LAYOUT == 0:
+        xi = dither_tile(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    elif LAYOUT == 1:
+        xi = dither_tile_h10(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    else:
+        xi = dither_tile_h8(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    tl.store(o_ptr + r[:, None] * D + tl.arange(0, D)[None, :], xi)
+
+
+@pytest.mark.parametrize("name", ["philox4x32-8", "threefry4x32-13"])
+@pytest.mark.parametrize("layout", ["w24", "h10", "h8"])
+def test_dither_tiles_with_a_generator_match_torch(layout, name):
+    """The write path's Triton dither tiles with ``GEN``/``N_ROUNDS`` (what a write kernel passes for a generator)
+    equal the torch dither of that generator, bit for bit."""
+    from kvlib.core.philox import seed_key
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    slots = torch.tensor([0, 5, 2**32 - 1, 123456], dtype=torch.int64)
+    d = 64
+    k0, k1 = seed_key(2**40 + 77)
+    out = torch.empty(4, d, device=dev)
+    for kv_head, layer, side in ((3, 17, 1), (1, 1, 0)):
+        _tiles_kernel[(1,)](slots.to(dev), out, kv_head, layer, side, k0, k1, BS=4, D=d,
+                            LAYOUT=("w24", "h10", "h8").index(layout), **generator_constexprs(name))
+        want = dither(slots, d, layer=layer, kv_head=kv_head, seed=2**40 + 77, side=side, layout=layout,
+                      generator=name)
+        assert torch.equal(out.cpu(), want)
+        assert not torch.equal(want, dither(slots, d, layer=layer, kv_head=kv_head, seed=2**40 + 77, side=side,
+                                            layout=layout))
