@@ -231,7 +231,7 @@ def sanitize_run() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="PYTHONPATH=. python -m dev.vdither", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="a few cases under TRITON_INTERPRET=1")
     ap.add_argument("--json", default=None, help="write the rows and the diagnosis here")
     ap.add_argument("--sanitize", action="store_true", help="one tiny launch for compute-sanitizer")
