@@ -51,6 +51,11 @@ def main() -> None:
               f"{sum(r['TV > cert'] for r in rows)} over {rows[0]['pairs']} pairs x {len(rows)} (family, delta); "
               f"worst 95% hi / delta {worst['rate 95% hi'] / worst['delta']:.3f} ({worst['keys']}, {worst['delta']})",
               flush=True)
+    from kvlib.analysis.generators import event_homogeneity
+
+    res["event_homogeneity"] = event_homogeneity({n: res["soundness"][n]["rows"] for n in GENERATORS})
+    for r in res["event_homogeneity"]:
+        print(f"event homogeneity {r['keys']:8s} delta {r['delta']:<6} p {r['p']:.3f}  {r['event fails']}", flush=True)
     res["summary"] = {n: {"stream_pass": res["stream"][n]["verdict"]["pass"], "sound": res["soundness"][n]["sound"]}
                       for n in GENERATORS}
     write_json_atomic(__import__("pathlib").Path(out), {

@@ -8,7 +8,8 @@ fp32 and then splits into fp16 ``hi + lo``: a ``2^-22`` relative rounding, far b
 
 * ``vd_mode`` 0: the removed code; 1: the value dither loaded from a tensor the torch reference filled (no Philox
   in the kernel); 2: regenerated and stored, so the in-kernel dither itself is compared with the torch one;
-* ``v_order`` 1: ``s c - s xi`` instead of ``s (c - xi)`` (the dither applied after the scale multiply);
+* ``v_order`` 1: ``s c - s xi`` instead of ``s (c - xi)`` (the dither applied after the scale multiply); 2: the
+  shipped RTN ``s c`` dots plus the dither's ``s xi`` in dots of its own (a candidate mend);
 * values only (RTN keys, no certificate), keys only (RTN values: the shipped path, the control);
 * ``block_n``, ``num_warps``, ``num_stages`` (software pipelining), ``d``, splits, slots beyond 2^16.
 
@@ -131,6 +132,22 @@ def run_case(name: str, *, shape=None, k_dither=True, v_dither=True, vd_mode=0, 
 BIG = dict(B=2, hq=8, hkv=2, d=128, S=300)
 
 
+def mini_cases(dev: str) -> list[dict]:
+    """The minimal PV kernel (:func:`dev.vdither_kernel.mini_pv`) with the dither loaded (mode 0) and built by joins
+    and a reshape in the kernel (mode 1), at d = 64 and 128."""
+    from dev.vdither_kernel import mini_pv
+
+    rows = []
+    for mode in (0, 1):
+        for d in (64, 128):
+            try:
+                r = mini_pv(mode, d=d, dev=dev)
+            except Exception as e:  # reported, not fatal
+                r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+            rows.append({"name": f"mini_pv_mode{mode}_d{d}", "ok": r.get("bad") == 0} | r)
+    return rows
+
+
 def cases(cpu: bool) -> list[tuple[str, dict]]:
     base = dict(block_n=16, num_warps=4, num_stages=3)  # the 2026-11-29 diagnosis run's launch (stages: tc default)
     if cpu:
@@ -142,6 +159,7 @@ def cases(cpu: bool) -> list[tuple[str, dict]]:
         ("loaded_dither", base | {"vd_mode": 1}),
         ("stored_dither", base | {"vd_mode": 2}),
         ("scale_then_dither", base | {"v_order": 1}),
+        ("separate_dither_dot", base | {"v_order": 2}),
         ("keys_only", base | {"v_dither": False}),
         ("values_only", base | {"k_dither": False}),
         ("stages1", base | {"num_stages": 1}),
@@ -177,13 +195,30 @@ def diagnose(rows: list[dict]) -> list[str]:
         out.append("wrong even with the dither loaded: not the generator; the dithered values' PV path")
     if bad("removed_code") and ok("stages1"):
         out.append("right with num_stages=1: the software pipeliner (num_stages > 1) breaks the path")
-    for n in ("stages2", "warps8", "block64", "scale_then_dither"):
+    for n in ("stages2", "warps8", "block64", "scale_then_dither", "separate_dither_dot"):
         if bad("removed_code") and ok(n):
             out.append(f"the case {n!r} is right where the removed code is wrong")
     if ok("keys_only") and bad("values_only"):
         out.append("values alone (RTN keys) fail: the bug is in the value path, independent of the key dither")
     if bad("keys_only"):
         out.append("the shipped keys-only path FAILS here: the harness or the scratch copy is wrong, fix that first")
+    # the offline sm_90 TTGIR (dev.vdither_ttgir): removed_code, stages1/2, warps8, block64, stored_dither and
+    # values_only convert
+    # an fp32 value tile into the PV dot's B-operand layout (a local_load of 16x64xf32 as dot_op opIdx 1, kWidth 8:
+    # the conversion hoisted above s * (c - xi) and the fp16 rounding); loaded_dither, scale_then_dither,
+    # separate_dither_dot and keys_only convert fp16 tiles only
+    hoisted = ("removed_code", "stages1", "stages2", "warps8", "block64", "stored_dither", "values_only")
+    clean = ("loaded_dither", "scale_then_dither", "separate_dither_dot", "keys_only")
+    if all(bad(n) for n in hoisted if n in by) and all(ok(n) for n in clean if n in by) and bad("removed_code"):
+        out.append("the failing cases are exactly those whose compiled kernel converts an fp32 value tile into the PV "
+                   "dot's operand layout (TTGIR: local_load of f32 as dot_op opIdx 1, kWidth 8): a Triton layout-"
+                   "conversion codegen fault, not Philox; separate_dither_dot is a mend")
+    mini = [r for r in rows if r["name"].startswith("mini_pv")]
+    if mini and any(r.get("ok") is False for r in mini):
+        out.append("the minimal PV kernel fails too: " + ", ".join(r["name"] for r in mini if r.get("ok") is False)
+                   + " (an upstream-sized reproducer, dev/vdither_kernel.py:_mini_pv)")
+    elif mini and all(r.get("ok") for r in mini):
+        out.append("the minimal PV kernel is right in both modes: the fault needs more of the kernel's context")
     if "slots_above_2^20" in by and by["slots_above_2^20"].get("dxi", 0) != 0:
         out.append("large slot indices change the dither: counter overflow")
     return out
@@ -196,7 +231,7 @@ def sanitize_run() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="PYTHONPATH=. python -m dev.vdither", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="a few cases under TRITON_INTERPRET=1")
     ap.add_argument("--json", default=None, help="write the rows and the diagnosis here")
     ap.add_argument("--sanitize", action="store_true", help="one tiny launch for compute-sanitizer")
@@ -209,6 +244,10 @@ def main() -> None:
         sys.exit("--cpu needs TRITON_INTERPRET=1 set before Python starts")
     t0 = time.time()
     rows = []
+    for r in mini_cases(dev):  # first: small compiles, so a timed-out bisection still has them
+        rows.append(r)
+        print(f"{r['name']:24s} ok={r.get('ok')} " + " ".join(f"{k}={r[k]}" for k in ("max_err", "bad", "error")
+                                                              if k in r), flush=True)
     for name, kw in cases(a.cpu):
         r = run_case(name, dev=dev, **kw)
         rows.append(r)

@@ -40,7 +40,8 @@ def _tc_vd(
     """The tensor-core stage 1 of ``kvlib.kernels.int8.w24`` (commit de4df59) with the value-dither path removed at
     b7182e0 restored (``V_DITHER``), plus the diagnosis switches of :mod:`dev.vdither` (``VD_MODE``: 0 the removed
     code, 1 the dither loaded from ``VXI`` instead of regenerated, 2 regenerated and also stored to ``DBG``;
-    ``V_ORDER``: 0 ``s (c - xi)`` as removed, 1 ``s c - s xi``)."""
+    ``V_ORDER``: 0 ``s (c - xi)`` as removed, 1 ``s c - s xi``, 2 the RTN ``s c`` dots as shipped plus the dither's
+    ``s xi`` in dots of its own, a candidate mend)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,8 +197,11 @@ def _tc_vd(
                     tl.store(DBG + slot[:, None] * s_x_n + kvh * s_x_h + offs_d[None, :], vxi, mask=mask_n[:, None])
             if V_ORDER == 0:
                 v = vs * (vc.to(tl.float32) - vxi)
-            else:
+            elif V_ORDER == 1:
                 v = vs * vc.to(tl.float32) - vs * vxi
+            else:  # 2: the RTN product s c as shipped, the dither's s xi in its own fp16 hi + lo dots (below)
+                v = vs * vc.to(tl.float32)
+                dv = vs * vxi
         else:
             v = vs * vc.to(tl.float32)
         if NOV > 0:
@@ -213,6 +217,11 @@ def _tc_vd(
             acc = tl.dot(p_hi, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
         if PV_TERMS >= 3:
             acc = tl.dot((pp - p_hi.to(tl.float32)).to(tl.float16), v_hi, acc)
+        if V_DITHER and V_ORDER == 2:  # acc -= p (s xi): s xi as fp16 hi + lo, exact to 2^-22 as the value path
+            dv_hi = dv.to(tl.float16)
+            acc = tl.dot(-p_hi, dv_hi, acc)
+            acc = tl.dot(-p_hi, (dv - dv_hi.to(tl.float32)).to(tl.float16), acc)
+            acc = tl.dot(-(pp - p_hi.to(tl.float32)).to(tl.float16), dv_hi, acc)
 
     nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
@@ -280,3 +289,50 @@ def launch(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, delta: 
         PAGE=0, K_DITHER=k.dithered, V_DITHER=v_dither, VD_MODE=vd_mode, V_ORDER=v_order,
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+@triton.jit
+def _mini_pv(P, C, X, S, OUT, BN: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """A minimal form of the removed PV step: ``o = p @ v`` with ``v = s (c - x)`` as fp16 ``hi + lo`` (two dots),
+    one ``[16, BN] x [BN, D]`` tile. ``MODE`` 0: ``x`` loaded; 1: ``x`` built in-kernel by joins and a reshape of
+    four ``[BN, D/4]`` tiles (as the removed code built the dither), each a function of its index only."""
+    h = tl.arange(0, 16)
+    n = tl.arange(0, BN)
+    d = tl.arange(0, D)
+    p = tl.load(P + h[:, None] * BN + n[None, :])
+    c = tl.load(C + n[:, None] * D + d[None, :])
+    s = tl.load(S + n[:, None] * D + d[None, :])
+    if MODE == 0:
+        x = tl.load(X + n[:, None] * D + d[None, :])
+    else:
+        g = tl.arange(0, D // 4)
+        base = (n[:, None] * D + 4 * g[None, :]).to(tl.float32)  # channel 4 g + 2 i + j of row n, as a float
+        x0 = (base % 7.0) * 0.0625 - 0.1875
+        x1 = ((base + 1.0) % 7.0) * 0.0625 - 0.1875
+        x2 = ((base + 2.0) % 7.0) * 0.0625 - 0.1875
+        x3 = ((base + 3.0) % 7.0) * 0.0625 - 0.1875
+        x = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BN, D))
+    v = s * (c.to(tl.float32) - x)
+    v_hi = v.to(tl.float16)
+    acc = tl.dot(p, v_hi)
+    acc = tl.dot(p, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
+    tl.store(OUT + h[:, None] * D + d[None, :], acc)
+
+
+def mini_pv(mode: int, *, bn: int = 16, d: int = 64, dev: str = "cuda", seed: int = 0) -> dict:
+    """Run :func:`_mini_pv` against float64 ``p @ (s (c - x))``; ``max_err`` and ``x`` as the kernel saw it."""
+    from kvlib.kernels.backend import triton_available
+
+    if not triton_available(torch.device(dev)):
+        raise RuntimeError("mini_pv needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(16, bn, generator=g).half()
+    c = torch.randint(-127, 128, (bn, d), generator=g, dtype=torch.int8)
+    s = (0.01 + 0.02 * torch.rand(bn, d, generator=g))
+    idx = (torch.arange(bn)[:, None] * d + torch.arange(d)[None, :]).float()
+    x = (idx % 7.0) * 0.0625 - 0.1875  # what MODE 1 builds (exact in fp32)
+    o = torch.empty(16, d, dtype=torch.float32, device=dev)
+    _mini_pv[(1,)](p.to(dev), c.to(dev), x.to(dev), s.to(dev), o, BN=bn, D=d, MODE=mode, num_warps=4)
+    ref = p.double() @ (s.double() * (c.double() - x.double()))
+    err = (o.double().cpu() - ref).abs()
+    return {"max_err": float(err.max()), "bad": int((err > 1e-3).sum()), "of": err.numel()}

@@ -9,6 +9,7 @@ import torch
 
 from kvlib.analysis.generators import (
     _birthday_spacings,
+    event_homogeneity,
     quantize_keys,
     soundness,
     soundness_trials,
@@ -71,3 +72,11 @@ def test_birthday_spacings_accepts_uniform_and_rejects_a_lattice():
     assert min(ps) > 1e-3  # uniform values against the PCG64 reference: no systematic rejection
     lattice = (np.arange(1 << 16) * 4099) % (1 << 24)  # evenly spread: every spacing repeats
     assert _birthday_spacings(lattice, 512, 24)[2] < 1e-6
+
+
+def test_event_homogeneity_flags_a_shifted_count():
+    row = lambda f: {"keys": "gaussian", "delta": 0.5, "pairs": 10000, "event fails": f}  # noqa: E731
+    same = event_homogeneity({"a": [row(200)], "b": [row(210)], "c": [row(195)]})[0]
+    assert same["p"] > 0.05
+    assert event_homogeneity({"a": [row(200)], "b": [row(400)]})[0]["p"] < 1e-10
+    assert event_homogeneity({"a": [row(0)], "b": [row(0)]})[0]["p"] == 1.0

@@ -24,8 +24,10 @@ from kvlib.core.philox import (
     philox4x32_10,
     threefry4x32,
 )
-from kvlib.kernels.tl.philox import counter_words, generator_constexprs
+from kvlib.kernels.tl.philox import counter_words, dither_tile, dither_tile_h8, dither_tile_h10, generator_constexprs
 
+# the kernel tests run under the interpreter on CPU and on CUDA in the GPU lane (-m gpu)
+pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 TF_KAT = json.loads((ROOT / "data" / "kat" / "threefry.json").read_text())["vectors"]
 
@@ -79,6 +81,13 @@ def test_refusals_name_the_argument():
     assert DEFAULT_CONFIG.generator == "philox4x32-10"
     with pytest.raises(ValueError, match="key"):
         threefry4x32(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    from kvlib.core.philox import GENERATOR_OPTIONS, NOT_OPTIONS
+
+    assert set(GENERATOR_OPTIONS) | set(NOT_OPTIONS) == set(GENERATORS) and DEFAULT_GENERATOR in GENERATOR_OPTIONS
+    for name in NOT_OPTIONS:
+        assert check_generator(name) == name
+        with pytest.raises(ValueError, match="study point"):
+            check_generator(name, options_only=True)
     assert generator_constexprs("none") == {"GEN": 2, "N_ROUNDS": 0}
     assert generator_constexprs("threefry4x32-13") == {"GEN": 1, "N_ROUNDS": 13}
 
@@ -86,11 +95,13 @@ def test_refusals_name_the_argument():
 @triton.jit
 def _words_kernel(c_ptr, o_ptr, k0, k1, GEN: tl.constexpr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    w = counter_words(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
-                      tl.load(c_ptr + 4 * i + 3), k0 + tl.zeros((), tl.uint32), k1 + tl.zeros((), tl.uint32),
-                      GEN, N_ROUNDS)
-    for j in tl.static_range(4):
-        tl.store(o_ptr + 4 * i + j, w[j].to(tl.int64))
+    w0, w1, w2, w3 = counter_words(tl.load(c_ptr + 4 * i), tl.load(c_ptr + 4 * i + 1), tl.load(c_ptr + 4 * i + 2),
+                                   tl.load(c_ptr + 4 * i + 3), k0 + tl.zeros((), tl.uint32),
+                                   k1 + tl.zeros((), tl.uint32), GEN, N_ROUNDS)
+    tl.store(o_ptr + 4 * i, w0.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 1, w1.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 2, w2.to(tl.int64))
+    tl.store(o_ptr + 4 * i + 3, w3.to(tl.int64))
 
 
 @pytest.mark.parametrize("name", [*GENERATORS, "none"])
@@ -138,6 +149,15 @@ def test_h10_kernel_with_each_generator_matches_float64():
             assert r["do_cross"] > 1e3 * r["do_same"], r
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels run on a GPU only")
+def test_gluon_kernel_with_each_generator_matches_float64():
+    """The certified Gluon h8 kernel with config.generator = each generator, on keys written with it (GPU)."""
+    from dev.philox_timing import agreement
+
+    for r in agreement(impls=("gluon",), B=3, S=200, hq=28, hkv=4, dev="cuda"):
+        assert r.get("ok") and r["path"] == "gluon", r
+
+
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_gluon_kernel_compiles_with_each_generator_for_sm90():
     """The certified Gluon h8 kernel compiled offline for sm_90 with each generator (and none): no shared memory,
@@ -155,3 +175,38 @@ def test_gluon_kernel_compiles_with_each_generator_for_sm90():
         assert r["shared_bytes"] == 0 and r["stack_bytes"] == 0 and 0 < r["registers"] <= 255, name
     n = {k: v["instructions"] for k, v in out.items()}
     assert n["none"] < n["philox4x32-6"] < n["philox4x32-7"] < n["philox4x32-8"] < n["philox4x32-10"]
+
+
+@triton.jit
+def _tiles_kernel(s_ptr, o_ptr, kv_head, layer, side, k0, k1, BS: tl.constexpr, D: tl.constexpr, LAYOUT: tl.constexpr,
+                  GEN: tl.constexpr, N_ROUNDS: tl.constexpr):
+    r = tl.arange(0, BS)
+    if LAYOUT == 0:
+        xi = dither_tile(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    elif LAYOUT == 1:
+        xi = dither_tile_h10(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    else:
+        xi = dither_tile_h8(tl.load(s_ptr + r), kv_head, layer, side, k0, k1, D, GEN, N_ROUNDS)
+    tl.store(o_ptr + r[:, None] * D + tl.arange(0, D)[None, :], xi)
+
+
+@pytest.mark.parametrize("name", ["philox4x32-8", "threefry4x32-13"])
+@pytest.mark.parametrize("layout", ["w24", "h10", "h8"])
+def test_dither_tiles_with_a_generator_match_torch(layout, name):
+    """The write path's Triton dither tiles with ``GEN``/``N_ROUNDS`` (what a write kernel passes for a generator)
+    equal the torch dither of that generator, bit for bit."""
+    from kvlib.core.philox import seed_key
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    slots = torch.tensor([0, 5, 2**32 - 1, 123456], dtype=torch.int64)
+    d = 64
+    k0, k1 = seed_key(2**40 + 77)
+    out = torch.empty(4, d, device=dev)
+    for kv_head, layer, side in ((3, 17, 1), (1, 1, 0)):
+        _tiles_kernel[(1,)](slots.to(dev), out, kv_head, layer, side, k0, k1, BS=4, D=d,
+                            LAYOUT=("w24", "h10", "h8").index(layout), **generator_constexprs(name))
+        want = dither(slots, d, layer=layer, kv_head=kv_head, seed=2**40 + 77, side=side, layout=layout,
+                      generator=name)
+        assert torch.equal(out.cpu(), want)
+        assert not torch.equal(want, dither(slots, d, layer=layer, kv_head=kv_head, seed=2**40 + 77, side=side,
+                                            layout=layout))

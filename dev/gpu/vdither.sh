@@ -11,7 +11,7 @@ export PYTHONPATH=${PYTHONPATH:-.}:.
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 status=0
-timeout 70 $PY -m dev.vdither --json "$OUT/vdither.json" || { echo "FAIL vdither bisect (rc=$?)"; status=1; }
+timeout 85 $PY -m dev.vdither --json "$OUT/vdither.json" || { echo "FAIL vdither bisect (rc=$?)"; status=1; }
 
 CS=${COMPUTE_SANITIZER_BIN:-$(command -v compute-sanitizer || true)}
 [ -z "$CS" ] && for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do

@@ -273,6 +273,27 @@ def stream_verdict(rows: list[dict[str, Any]], alpha: float = ALPHA) -> dict[str
             "pass": all(r["p"] > alpha / m for r in rows)}
 
 
+def event_homogeneity(sound: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (key law, delta): do the generators' concentration-event failure counts differ? A chi-square test of the
+    ``generators x {fail, hold}`` table (rows of :func:`soundness` per generator); a generator whose dither were off
+    would move its count. Cells with no failure anywhere are reported with ``p = 1``."""
+    from scipy.stats import chi2_contingency
+
+    names = list(sound)
+    out = []
+    for i, r0 in enumerate(sound[names[0]]):
+        fails = [sound[n][i]["event fails"] for n in names]
+        pairs = [sound[n][i]["pairs"] for n in names]
+        row = {"keys": r0["keys"], "delta": r0["delta"], "event fails": dict(zip(names, fails, strict=True))}
+        if sum(fails) == 0:
+            row |= {"chi2": 0.0, "p": 1.0}
+        else:
+            st, p, _, _ = chi2_contingency([[f, n - f] for f, n in zip(fails, pairs, strict=True)])
+            row |= {"chi2": float(st), "p": float(p)}
+        out.append(row)
+    return out
+
+
 def generator_family_rounds(name: str) -> tuple[str, int]:
     """``(family, rounds)`` of a generator name of :data:`kvlib.core.philox.GENERATORS`."""
     return GENERATORS[check_generator(name)]

@@ -42,7 +42,8 @@ class Int8KernelConfig:
     - ``programs_per_sm``: one-warp Gluon programs resident per SM; the default split plan fills one wave.
     - ``generator``: the key dither's counter-based generator (:data:`kvlib.core.philox.GENERATORS`), which must be
       the one the pool was written with; read by the h10 and Gluon kernels (the w24 kernels refuse any but the
-      default). Philox4x32-10 (the paper's) is the default; the others are the issue-28 study's options.
+      default). Philox4x32-10 (the paper's) is the default; :data:`kvlib.core.philox.GENERATOR_OPTIONS` are the
+      ones a pool may be written with, the other names are timing probes of the issue-28 study.
     - Timing-only ablations, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage),
       ``ablate`` (h10 bit mask: 1 drops the QK path, 2 the PV path, 4 computes slots as
       ``b * stride + position``, right only for an identity slot table).

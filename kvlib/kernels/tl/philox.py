@@ -14,7 +14,8 @@ Both dither layouts of :mod:`kvlib.core.philox` are here: :func:`dither_tile` (`
 one 24-bit dither per word) and :func:`dither_tile_h10` (``"h10"``, one 10-bit dither per 16-bit
 half word, eight per Philox call). A kernel picks one with a constexpr branch (a string default on
 a ``constexpr`` parameter of a device function does not compile on the GPU with triton 3.6, so the
-two are separate functions rather than one with ``LAYOUT="w24"``).
+two are separate functions rather than one with ``LAYOUT="w24"``). Each takes ``GEN``/``N_ROUNDS``
+(:func:`generator_constexprs`) for a generator other than Philox4x32-10 (issue 28; the default path is unchanged).
 """
 
 from __future__ import annotations
@@ -192,10 +193,16 @@ def word_to_xi(w):
 
 
 @triton.jit
-def dither_words(slot, grp, kv_head, layer, side, k0, k1):
-    """The four Philox words of counter ``(slot, grp, kv_head, (layer << 1) | side)``."""
+def dither_words(slot, grp, kv_head, layer, side, k0, k1, GEN: tl.constexpr = 0, N_ROUNDS: tl.constexpr = 10):
+    """The four words of counter ``(slot, grp, kv_head, (layer << 1) | side)``: Philox4x32-10, or the generator
+    ``GEN``/``N_ROUNDS`` (:func:`generator_constexprs` of a :data:`kvlib.core.philox.GENERATORS` name)."""
     c3 = (_scalar(layer).to(tl.uint32) << 1) | _scalar(side).to(tl.uint32)
-    return philox4x32(slot, grp, _scalar(kv_head), c3, _scalar(k0), _scalar(k1))
+    if GEN == 0 and N_ROUNDS == 10:  # the validated path, unchanged
+        w0, w1, w2, w3 = philox4x32(slot, grp, _scalar(kv_head), c3, _scalar(k0), _scalar(k1))
+    else:
+        w0, w1, w2, w3 = counter_words(slot, grp, _scalar(kv_head) + tl.zeros_like(slot), c3 + tl.zeros_like(slot),
+                                       _scalar(k0), _scalar(k1), GEN, N_ROUNDS)
+    return w0, w1, w2, w3
 
 
 @triton.jit
@@ -215,7 +222,8 @@ def _word_blocks(b0, b1, b2, b3, BS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr, GEN: tl.constexpr = 0,
+                    N_ROUNDS: tl.constexpr = 10):
     """h10 dither float32 ``[BLOCK_S, D]``: one Philox call per eight channels (``D // 8`` calls per
     slot, each computed once), word ``i`` half ``h`` of call ``j`` -> channel ``i (D/4) + 2j + h``
     (D % 8 == 0, D // 8 a power of 2).
@@ -224,7 +232,7 @@ def dither_tile_h10(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
     j = tl.arange(0, D // 8)
     s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 8), tl.uint32)
     j2 = j[None, :].to(tl.uint32) + tl.zeros_like(s2)
-    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1)
+    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1, GEN, N_ROUNDS)
     # word i -> its contiguous block of D/4 channels: join(lo, hi)[s, j, h] is channel 2j + h
     b0 = tl.reshape(tl.join(half_to_xi(w0 & 0xFFFF), half_to_xi(w0 >> 16)), (BS, D // 4))
     b1 = tl.reshape(tl.join(half_to_xi(w1 & 0xFFFF), half_to_xi(w1 >> 16)), (BS, D // 4))
@@ -249,14 +257,15 @@ def _bytes_xi(w, BS: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def dither_tile_h8(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+def dither_tile_h8(slot, kv_head, layer, side, k0, k1, D: tl.constexpr, GEN: tl.constexpr = 0,
+                   N_ROUNDS: tl.constexpr = 10):
     """h8 dither float32 ``[BLOCK_S, D]``: one Philox call per sixteen channels (``D // 16`` calls per slot),
     word ``i`` byte ``k`` of call ``j`` -> channel ``i (D/4) + 4j + k`` (D % 16 == 0, D // 16 a power of 2)."""
     BS: tl.constexpr = slot.shape[0]
     j = tl.arange(0, D // 16)
     s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 16), tl.uint32)
     j2 = j[None, :].to(tl.uint32) + tl.zeros_like(s2)
-    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1)
+    w0, w1, w2, w3 = dither_words(s2, j2, kv_head, layer, side, k0, k1, GEN, N_ROUNDS)
     b0 = _bytes_xi(w0, BS, D // 16)
     b1 = _bytes_xi(w1, BS, D // 16)
     b2 = _bytes_xi(w2, BS, D // 16)
@@ -265,14 +274,15 @@ def dither_tile_h8(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
 
 
 @triton.jit
-def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr):
+def dither_tile(slot, kv_head, layer, side, k0, k1, D: tl.constexpr, GEN: tl.constexpr = 0,
+                N_ROUNDS: tl.constexpr = 10):
     """Dither float32 ``[BLOCK_S, D]`` for a block of slots ``[BLOCK_S]`` (layout ``w24``): one Philox
     call per four channels, its words spread over channels ``4g .. 4g+3`` (D % 4 == 0, D // 4 a power of 2).
     """
     grp = tl.arange(0, D // 4)
     s2 = slot[:, None].to(tl.uint32) + tl.zeros((1, D // 4), tl.uint32)
     g2 = grp[None, :].to(tl.uint32) + tl.zeros_like(s2)
-    w0, w1, w2, w3 = dither_words(s2, g2, kv_head, layer, side, k0, k1)
+    w0, w1, w2, w3 = dither_words(s2, g2, kv_head, layer, side, k0, k1, GEN, N_ROUNDS)
     # join(join(w0, w2), join(w1, w3))[s, g, i, j] = w_{2i + j}: channel 4g + 2i + j
     w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
     w = tl.reshape(w, (slot.shape[0], D))
