@@ -205,8 +205,12 @@ def merge_parameters(nb: nbformat.NotebookNode) -> bool:
             old = ast.get_source_segment(src, node.value)
             if name not in injected:
                 continue
+            try:
+                same = ast.literal_eval(node.value) == injected[name]
+            except ValueError:  # an expression: compare as text
+                same = False
             new = PythonTranslator.translate(injected[name])
-            if new == old:
+            if same or new == old:
                 continue
             comment = lines[node.end_lineno - 1][node.end_col_offset:].strip().removeprefix("#").strip()
             default = old if len(old) <= 60 and "\n" not in old else "another value"

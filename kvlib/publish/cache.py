@@ -202,7 +202,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
     """
     from kvlib.publish.provenance import load_result, parse_commit, result_problems
     from kvlib.publish.registry import all_notebooks
-    from kvlib.publish.runner import executed_path, load_source, source_path, stale_cells
+    from kvlib.publish.runner import _shown, executed_path, load_source, source_path, stale_cells
 
     path = executed_path(entry.name, profile)
     params = entry.params(profile)
@@ -227,7 +227,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
     if res is None:
         return problems + ["no result file"], None
     pv = res.get("provenance", {})
-    rel = src.relative_to(repo_root())
+    rel = _shown(src)
     sha = parse_commit(pv.get("commit"))[0]
     problems += result_problems(pv.get("commit"), str(rel))
     if sha is None:
@@ -237,7 +237,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
         problems.append(f"result started {started}, outside the execution {t0}..{t1}: another run wrote it")
     outputs = {f"data/results/{p}/{nb.name}.json" for nb in all_notebooks() for p in ("ci", "cpu", "gpu")}
     excl = [f":(exclude){o}" for o in sorted(outputs)]
-    changed = _git("diff", "--name-only", sha, "--", "kvlib", "data", "dev/results", str(rel), *excl).stdout.split()
+    changed = _git("diff", "--name-only", sha, "--", "kvlib", "data", "dev/results", rel, *excl).stdout.split()
     if changed:
         problems.append(f"changed since {sha[:12]}: {', '.join(changed[:4])}" + (
             f" (+{len(changed) - 4} more)" if len(changed) > 4 else ""))
@@ -253,7 +253,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
         elif not f.startswith("kvlib/") and f not in outputs:
             inputs[f] = sha256_file(root / f)
     report = {"modules": modules, "inputs": inputs}
-    rec = make_record(source_nb, params, report, commit=pv["commit"], profile=profile, source=str(rel),
+    rec = make_record(source_nb, params, report, commit=pv["commit"], profile=profile, source=rel,
                       wall_s=float(pm.get("duration") or 0.0),
                       stamped={"from_commit": sha, "conservative": True})
     return [], rec
