@@ -84,7 +84,9 @@ def _md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def cell(v: Any) -> str:
         return str(v if v is not None else "").replace("|", "\\|").replace("\n", " ")
 
-    return tabulate([[cell(r.get(c)) for c in cols] for r in rows], headers=cols, tablefmt="github")
+    # numparse off: tabulate would print a wall time of "28.0" as "28" and a commit of digits as a number
+    body = [[cell(r.get(c)) for c in cols] for r in rows]
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
 
 
 def _verdict(ours: dict[str, Any] | None) -> str:
