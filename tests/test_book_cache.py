@@ -8,7 +8,8 @@ import nbformat
 import pytest
 
 from kvlib.publish import cache
-from kvlib.publish.provenance import parse_commit, repo_root, result_problems, show_commit, source_last_change
+from kvlib.publish.commits import parse_commit, result_problems, show_commit, source_last_change
+from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
 from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells
 

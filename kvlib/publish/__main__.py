@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"\n{failed} notebook(s) failed; the others ran.", file=sys.stderr)
     if args.cmd == "build":
-        from kvlib.publish.provenance import COMMITTED_PROFILES
+        from kvlib.publish.commits import COMMITTED_PROFILES
 
         problems: list[str] = []
         asm.assemble(args.profile, outcomes, problems)

@@ -12,15 +12,8 @@ from typing import Any
 
 import nbformat
 
-from kvlib.publish.provenance import (
-    COMMITTED_PROFILES,
-    PROFILES,
-    load_result,
-    repo_root,
-    result_problems,
-    results_dir,
-    show_commit,
-)
+from kvlib.publish.commits import COMMITTED_PROFILES, result_problems, show_commit
+from kvlib.publish.provenance import PROFILES, load_result, repo_root, results_dir
 from kvlib.publish.registry import Chapter, NotebookEntry, all_notebooks, load_registry
 from kvlib.publish.run import load_claims
 from kvlib.publish.runner import Outcome, executed_path, source_path

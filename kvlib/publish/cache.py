@@ -200,7 +200,8 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
     notebooks' own result files. Because the modules it loaded are unknown, the stamp lists every ``kvlib``
     file and every such data file: conservative, so any later change there re-executes it.
     """
-    from kvlib.publish.provenance import load_result, parse_commit, result_problems
+    from kvlib.publish.commits import parse_commit, result_problems
+    from kvlib.publish.provenance import load_result
     from kvlib.publish.registry import all_notebooks
     from kvlib.publish.runner import _shown, executed_path, load_source, source_path, stale_cells
 

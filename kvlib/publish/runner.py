@@ -145,7 +145,8 @@ def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any]
     from a commit older than the source's last change.
     """
     from kvlib.publish import cache
-    from kvlib.publish.provenance import COMMITTED_PROFILES, git_commit, load_result, result_problems
+    from kvlib.publish.commits import COMMITTED_PROFILES, result_problems
+    from kvlib.publish.provenance import git_commit, load_result
 
     path = executed_path(entry.name, profile)
     executed = nbformat.read(path, as_version=4) if path.exists() else None
