@@ -179,3 +179,24 @@ def test_stamp_refuses_an_execution_it_cannot_check(sandbox, tmp_path):
     assert rec is None and any("code cell" in p for p in problems) and "no result file" in problems
     assert cache.stamp([e], "cpu")[0][1].startswith("not stamped")
     assert cache.KEY not in nbformat.read(dst, as_version=4).metadata
+
+
+@pytest.mark.parametrize(
+    ("profile", "problem", "strict", "built"),
+    [
+        ("cpu", "nb [cpu]: ran from a dirty tree (+dirty)", True, False),  # committed results must be clean
+        ("ci", "nb [ci]: ran from a dirty tree (+dirty)", True, True),  # a ci smoke run only warns
+        ("ci", "claim id 'x' is answered by 2 notebooks: a, b", True, False),  # a claim conflict fails everywhere
+        ("cpu", "nb [cpu]: ran from a dirty tree (+dirty)", False, True),  # --no-strict builds anyway
+    ],
+)
+def test_the_build_refuses_what_the_checks_find(monkeypatch, capsys, profile, problem, strict, built):
+    from kvlib.publish import assemble
+    from kvlib.publish.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(assemble, "assemble", lambda prof, outcomes, problems: problems.append(problem))
+    monkeypatch.setattr(assemble, "build_html", lambda strict: calls.append(strict) or 0)
+    rc = main(["build", "--profile", profile, "--no-run", *([] if strict else ["--no-strict"])])
+    assert (rc == 0) == built and bool(calls) == built
+    assert problem in capsys.readouterr().err

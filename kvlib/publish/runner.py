@@ -257,6 +257,7 @@ def run_notebooks(
             msg = detail[-1] if detail else type(exc).__name__
             if not isinstance(exc, pm.PapermillExecutionError):
                 msg = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            msg = " ".join(msg.split())  # one line in the summary table
             outcomes.append(Outcome(e.name, "failed", time.perf_counter() - t0, f"{msg[:300]} (see {tmp.name})"))
     for key, value in (("KVLIB_PROFILE", env_backup), ("PYTHONWARNINGS", warn_backup)):
         if value is None:
