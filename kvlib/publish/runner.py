@@ -2,7 +2,8 @@
 
 A notebook's source is a MyST markdown file (``notebooks/<chapter>/<name>.md``, jupytext's ``md:myst``), the
 one file a researcher edits. It is converted to a notebook in memory and executed; only the executed
-``.ipynb`` is written (``book/executed/<profile>/<name>.ipynb``).
+``.ipynb`` is written (``book/executed/<profile>/<name>.ipynb``), with its cache key in ``metadata.kvlib``
+(:mod:`kvlib.publish.cache`): ``build`` executes a notebook again only when that key no longer holds.
 """
 
 from __future__ import annotations
