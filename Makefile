@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 PROFILE ?= cpu
+# FRESH=1: execute every notebook (default: only those whose cache key changed; see book/reproduce.md)
+FRESH ?=
 
 .PHONY: book test test-gpu install lint clean
 
@@ -17,15 +19,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
-# Execute every notebook at $(PROFILE) (default cpu) and build the HTML book into _build/html.
+# Execute at $(PROFILE) (default cpu) the notebooks whose source, parameters, kvlib modules or inputs changed
+# since their committed execution (all of them with FRESH=1), and build the HTML book into _build/html.
 book: $(STAMP)
-	$(PY) -m kvlib.publish build --profile $(PROFILE)
+	$(PY) -m kvlib.publish build --profile $(PROFILE) $(if $(FRESH),--fresh)
 
-# Unit tests, then every notebook at the seconds-scale `ci` profile, then the book (warnings are errors).
+# Unit tests, then every notebook at the seconds-scale `ci` profile (executed afresh: a test, not a cache hit),
+# then the book (warnings are errors), then the built pages read back as a reader meets them.
 test: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev
 	$(PY) -m pytest -q tests
-	$(PY) -m kvlib.publish build --profile ci --no-progress
+	$(PY) -m kvlib.publish build --profile ci --no-progress --fresh
+	KVLIB_BOOK_HTML=_build/html $(PY) -m pytest -q tests/test_book_html.py
 
 # Every kernel test on a CUDA machine (the H200), Triton compiling for the device. No venv, no install:
 # $(GPU_PYTHON) with PYTHONPATH=. (torch, triton, scipy, pytest must be importable); fails without CUDA.

@@ -47,7 +47,7 @@ def test_unknown_parameter_is_rejected_before_running(sandbox):
 def test_failure_is_isolated_and_reported(sandbox):
     out = run_notebooks("ci", entries=[entry("first", fail=True), entry("second", x=5)], progress=False)
     status = {o.name: o.status for o in out}
-    assert status == {"first": "failed", "second": "ok"}
+    assert status == {"first": "failed", "second": "executed"}
     assert "asked to fail" in out[0].detail
     res = json.loads((sandbox / "results" / "ci" / "tiny.json").read_text())
     assert res["values"]["x2"] == 10
@@ -239,7 +239,7 @@ def test_kernel_drops_only_the_widget_fallback_notice(sandbox, tmp_path, monkeyp
                    + 'warnings.warn("kept warning")\n```\n')
     e = NotebookEntry(name="warn", path=str(src), chapter="t", title="w", profiles={"ci": {}})
     (o,) = run_notebooks("ci", entries=[e], progress=False)
-    assert o.status == "ok", o.detail
+    assert o.status == "executed", o.detail
     text = json.dumps(nbformat.read(executed_path("warn", "ci"), 4))
     assert "kept warning" in text and "IProgress" not in text
     assert os.environ["PYTHONWARNINGS"] == "default"

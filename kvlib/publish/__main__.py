@@ -6,6 +6,9 @@ Examples::
     python -m kvlib.publish run --profile ci           # every notebook at seconds-scale parameters
     python -m kvlib.publish run --only concentration_closed_forms -p n_steps=50000
     python -m kvlib.publish build --no-run             # render what is already executed
+    python -m kvlib.publish build --fresh              # execute every notebook, cache or not
+    python -m kvlib.publish stamp --profile cpu        # give checkable pre-cache executions a cache key
+    python -m kvlib.publish check-html                 # read _build/html for what a reader must not see
 """
 
 from __future__ import annotations
@@ -40,10 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--no-progress", action="store_true")
         if name == "build":
             p.add_argument("--no-run", action="store_true", help="render committed/previous runs without executing")
-            p.add_argument("--no-strict", action="store_true", help="do not turn Sphinx warnings into errors")
+            p.add_argument("--fresh", action="store_true",
+                           help="execute every notebook (default: only those whose cache key changed)")
+            p.add_argument("--no-strict", action="store_true",
+                           help="Sphinx warnings, provenance problems and duplicate claims warn instead of failing")
     a = sub.add_parser("assemble", help="write book/_render and _toc.yml for a profile")
     a.add_argument("--profile", choices=PROFILES, default="cpu")
     sub.add_parser("toc", help="regenerate _toc.yml from notebooks/registry.yml")
+    st = sub.add_parser("stamp", help="give executions made before the cache a cache key, where that is checkable")
+    st.add_argument("--profile", choices=PROFILES, default="cpu")
+    st.add_argument("--only", nargs="+", metavar="NOTEBOOK")
+    st.add_argument("--dry-run", action="store_true", help="say what would be stamped, write nothing")
+    ch = sub.add_parser("check-html", help="check the built book for what a reader must not see")
+    ch.add_argument("--html", default="_build/html")
     sub.add_parser("list", help="list registered notebooks and their profiles")
     args = ap.parse_args(argv)
 
@@ -62,13 +74,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "assemble":
         asm.assemble(args.profile)
         return 0
+    if args.cmd == "stamp":
+        from tabulate import tabulate
+
+        from kvlib.publish.cache import stamp
+        from kvlib.publish.runner import select
+
+        rows = stamp(select(args.profile, args.only), args.profile, write=not args.dry_run)
+        print(tabulate(rows, headers=["notebook", "stamp"], tablefmt="github"))
+        return 0
+    if args.cmd == "check-html":
+        from kvlib.publish.htmlcheck import check_book
+
+        found = check_book(args.html)
+        for f in found:
+            print(f)
+        print(f"{len(found)} problem(s) in {args.html}")
+        return 1 if found else 0
 
     from kvlib.publish.runner import run_notebooks, summary_table
 
     failed = 0
+    outcomes = []
     if args.cmd == "run" or not args.no_run:
         try:
-            outcomes = run_notebooks(args.profile, args.only, dict(args.param), progress=not args.no_progress)
+            reuse = args.cmd == "build" and not args.fresh
+            outcomes = run_notebooks(args.profile, args.only, dict(args.param), progress=not args.no_progress,
+                                     reuse=reuse)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -77,7 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"\n{failed} notebook(s) failed; the others ran.", file=sys.stderr)
     if args.cmd == "build":
-        asm.assemble(args.profile)
+        from kvlib.publish.commits import COMMITTED_PROFILES
+
+        problems: list[str] = []
+        asm.assemble(args.profile, outcomes, problems)
+        # Claim conflicts are a defect at every profile; provenance only binds committed results (ci results
+        # are a smoke run of the working tree).
+        fatal = [p for p in problems if not args.no_strict and (args.profile in COMMITTED_PROFILES or "claim id" in p)]
+        for p in problems:
+            print(f"{'error' if p in fatal else 'warning'}: {p}", file=sys.stderr)
+        if fatal:
+            print(f"{len(fatal)} provenance/claim problem(s): the book is not built (--no-strict builds it anyway)",
+                  file=sys.stderr)
+            return 1
         rc = asm.build_html(strict=not args.no_strict)
         if rc != 0:
             print(f"jupyter-book build failed (exit {rc})", file=sys.stderr)

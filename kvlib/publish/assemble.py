@@ -12,10 +12,11 @@ from typing import Any
 
 import nbformat
 
+from kvlib.publish.commits import COMMITTED_PROFILES, result_problems, show_commit
 from kvlib.publish.provenance import PROFILES, load_result, repo_root, results_dir
-from kvlib.publish.registry import Chapter, NotebookEntry, load_registry
+from kvlib.publish.registry import Chapter, NotebookEntry, all_notebooks, load_registry
 from kvlib.publish.run import load_claims
-from kvlib.publish.runner import executed_path
+from kvlib.publish.runner import Outcome, executed_path, source_path
 
 RENDER = Path("book") / "_render"
 
@@ -64,6 +65,7 @@ def write_toc(chapters: list[Chapter]) -> str:
             lines.append("    sections:")
             lines += [f"      - file: {s}" for s in secs]
     lines.append("  - file: book/_render/provenance")
+    lines.append("  - file: book/_render/exec_stats")
     lines.append("  - file: book/reproduce")
     lines.append("  - file: book/api")
     return "\n".join(lines) + "\n"
@@ -75,7 +77,9 @@ def _md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     def cell(v: Any) -> str:
         return str(v if v is not None else "").replace("|", "\\|").replace("\n", " ")
 
-    return tabulate([[cell(r.get(c)) for c in cols] for r in rows], headers=cols, tablefmt="github")
+    # numparse off: tabulate would print a wall time of "28.0" as "28" and a commit of digits as a number
+    body = [[cell(r.get(c)) for c in cols] for r in rows]
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
 
 
 def _verdict(ours: dict[str, Any] | None) -> str:
@@ -84,17 +88,29 @@ def _verdict(ours: dict[str, Any] | None) -> str:
     return ours["verdict"] + (f": {ours['why']}" if ours.get("why") else "")
 
 
-def claims_rows(rendered: dict[str, str]) -> list[dict[str, Any]]:
-    """Join the papers' claims with our results of the rendered profile of each notebook."""
+def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Join the papers' claims with our results of the rendered profile of each notebook.
+
+    A claim id that two rendered notebooks both answer is an error naming both (``problems`` given: appended
+    there, and the register shows the conflict instead of silently keeping one)."""
     known = load_claims()
-    ours: dict[str, dict[str, Any]] = {}
+    ours: dict[str, list[dict[str, Any]]] = {}
     for name, prof in rendered.items():
         res = load_result(name, prof)
         for c in (res or {}).get("claims", []):
-            ours[c["id"]] = dict(c, notebook=name, profile=prof)
+            ours.setdefault(c["id"], []).append(dict(c, notebook=name, profile=prof))
+    for cid, answers in ours.items():
+        if len(answers) > 1:
+            msg = (f"claim id {cid!r} is answered by {len(answers)} notebooks: "
+                   + ", ".join(f"{a['notebook']} ({a['verdict']})" for a in answers))
+            if problems is None:
+                raise ValueError(msg)
+            problems.append(msg)
     rows = []
     for cid, p in known.items():
-        o = ours.get(cid)
+        answers = ours.get(cid, [])
+        o = answers[0] if len(answers) == 1 else None
+        conflict = "conflict: " + "; ".join(f"{a['notebook']} says {_verdict(a)}" for a in answers)
         rows.append(
             {
                 "id": cid,
@@ -102,15 +118,15 @@ def claims_rows(rendered: dict[str, str]) -> list[dict[str, Any]]:
                 "where": p.get("where", ""),
                 "claim": p["statement"],
                 "paper's figure": p["paper_value"] + (f" ({p['setting']})" if p.get("setting") else ""),
-                "ours": o["ours"] if o else "",
-                "verdict": _verdict(o),
-                "source": f"{o['notebook']} [{o['profile']}]" if o else "",
+                "ours": o["ours"] if o else " / ".join(a["ours"] for a in answers),
+                "verdict": _verdict(o) if len(answers) < 2 else conflict,
+                "source": ", ".join(f"{a['notebook']} [{a['profile']}]" for a in answers),
             }
         )
     return rows
 
 
-VERDICT_ORDER = ("reproduced", "differs", "not reproducible here", "pending")
+VERDICT_ORDER = ("reproduced", "differs", "not reproducible here", "pending", "conflict")
 
 
 def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
@@ -150,7 +166,7 @@ def gpu_result_rows() -> list[dict[str, Any]]:
             {
                 "result file": f"data/results/gpu/{path.name}",
                 "device": pv.get("device", {}).get("device", ""),
-                "commit": str(pv.get("commit", ""))[:60],
+                "commit": show_commit(pv.get("commit")),
                 "started": pv.get("started", ""),
                 "duration (s)": pv.get("duration_s", ""),
             }
@@ -158,8 +174,142 @@ def gpu_result_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def assemble(profile: str) -> dict[str, str]:
-    """Write ``book/_render`` for a build at ``profile``; returns {notebook: profile rendered}."""
+def merge_parameters(nb: nbformat.NotebookNode) -> bool:
+    """One parameters view: the source's ``parameters`` cell shows the values this run used, and papermill's
+    injected cell (which repeats some of them and contradicts the defaults) is dropped. An assignment whose
+    value was injected reads ``name = <value used>  # <the source's comment> (source default: <old>)``.
+    Returns whether anything was merged (False: nothing was injected)."""
+    import ast
+
+    from papermill.translators import PythonTranslator
+
+    tags = [c.metadata.get("tags", []) for c in nb.cells]
+    inj = [i for i, t in enumerate(tags) if "injected-parameters" in t]
+    par = [i for i, t in enumerate(tags) if "parameters" in t]
+    if not inj:
+        return False
+    injected = nb.metadata.get("papermill", {}).get("parameters", {})
+    if par:
+        cell = nb.cells[par[0]]
+        src = cell.source
+        lines = src.splitlines()
+        for node in reversed(ast.parse(src).body):
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                continue
+            name = node.targets[0].id
+            old = ast.get_source_segment(src, node.value)
+            if name not in injected:
+                continue
+            try:
+                same = ast.literal_eval(node.value) == injected[name]
+            except ValueError:  # an expression: compare as text
+                same = False
+            new = PythonTranslator.translate(injected[name])
+            if same or new == old:
+                continue
+            comment = lines[node.end_lineno - 1][node.end_col_offset:].strip().removeprefix("#").strip()
+            default = old if len(old) <= 60 and "\n" not in old else "another value"
+            note = f"{comment} (source default: {default})" if comment else f"source default: {default}"
+            lines[node.lineno - 1:node.end_lineno] = [f"{name} = {new}  # {note}"]
+        cell.source = "\n".join(lines)
+    for i in reversed(inj):
+        del nb.cells[i]
+    return True
+
+
+def rerun_line(entry: NotebookEntry, profile: str) -> str:
+    """The page's one-line re-run command (papermill through the runner, at the rendered profile)."""
+    return (f"*Re-run this page:* `python -m kvlib.publish run --profile {profile} --only {entry.name}` "
+            f"(papermill executes `{entry.path}` at the `{profile}` parameters of `notebooks/registry.yml`; "
+            "the download button above gives this page as a notebook).")
+
+
+def prepare_page(nb: nbformat.NotebookNode, entry: NotebookEntry, profile: str) -> nbformat.NotebookNode:
+    """The rendered copy of an executed notebook: one parameters view and the re-run line under the title."""
+    merge_parameters(nb)
+    cell = nbformat.v4.new_markdown_cell(rerun_line(entry, profile))
+    cell["id"] = f"{entry.name[:50]}-rerun"
+    first_md = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"), -1)
+    nb.cells.insert(first_md + 1, cell)
+    return nb
+
+
+def provenance_problems(rendered: dict[str, str], inputs: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """Why a rendered number cannot be trusted to the commit it names (empty: every one can).
+
+    Each notebook rendered at a committed profile (:data:`COMMITTED_PROFILES`) must have a result file from a
+    clean tree at a commit descending from its source's last change; every GPU result file, and every result
+    file a notebook's recorded inputs name, must come from a clean, known commit."""
+    out = []
+    by_name = {nb.name: nb for nb in all_notebooks()}
+    for name, prof in rendered.items():
+        if prof not in COMMITTED_PROFILES:
+            continue
+        res = load_result(name, prof)
+        if res is None:
+            out.append(f"{name} [{prof}]: no result file data/results/{prof}/{name}.json")
+            continue
+        src = str(source_path(by_name[name]).relative_to(repo_root()))
+        out += [f"{name} [{prof}]: {p}" for p in result_problems(res.get("provenance", {}).get("commit"), src)]
+    files = {f"data/results/gpu/{p.name}" for p in results_dir("gpu").glob("*.json")}
+    for ins in (inputs or {}).values():
+        files |= {f for f in ins if f.endswith(".json") and f.startswith(("data/results/", "dev/results/"))}
+    for f in sorted(files):
+        path = repo_root() / f
+        if not path.exists() or f.removeprefix("data/results/").split("/")[0] == "ci":
+            continue
+        pv = json.loads(path.read_text()).get("provenance")
+        if pv is None:
+            continue  # not a result file with provenance (e.g. a known-answer table)
+        out += [f"{f}: {p}" for p in result_problems(pv.get("commit"))]
+    return out
+
+
+def _stats_rows(chapters: list[Chapter], rendered: dict[str, str], outcomes: dict[str, Outcome], profile: str,
+                ) -> list[dict]:
+    from kvlib.publish import cache
+
+    rows = []
+    for ch in chapters:
+        for entry in ch.notebooks:
+            prof = rendered.get(entry.name)
+            if prof is None:
+                rows.append({"notebook": entry.name, "this build": "no execution: placeholder page"})
+                continue
+            nb = nbformat.read(executed_path(entry.name, prof), as_version=4)
+            pm = nb.metadata.get("papermill", {})
+            rec = cache.record_of(nb)
+            pv = (load_result(entry.name, prof) or {}).get("provenance", {})
+            o = outcomes.get(entry.name)
+            if o is not None and o.status == "failed":
+                built = f"execution failed ({o.detail}); the previous execution is rendered"
+            elif o is not None and o.status in ("executed", "reused") and prof == profile:
+                built = o.status + (f" ({o.detail})" if o.status == "executed" else "")
+            elif o is not None and o.status == "skipped":
+                built = f"not run ({o.detail})"
+            else:
+                built = "rendered as committed (not run in this build)"
+            rows.append({
+                "notebook": entry.name,
+                "profile": prof,
+                "wall time (s)": f"{pm['duration']:.1f}" if pm.get("duration") is not None else "",
+                "commit": show_commit(pv.get("commit") or (rec or {}).get("commit")),
+                "device": pv.get("device", {}).get("device", ""),
+                "started": pv.get("started", pm.get("start_time", "")),
+                "cache key": "none" if rec is None else ("stamped" if rec.get("stamped") else "recorded"),
+                "this build": built,
+            })
+    return rows
+
+
+def assemble(profile: str, outcomes: list[Outcome] | None = None, problems: list[str] | None = None
+             ) -> dict[str, str]:
+    """Write ``book/_render`` for a build at ``profile``; returns {notebook: profile rendered}.
+
+    ``outcomes`` (the runner's, this build) feed the execution-statistics page; provenance and claim problems
+    are appended to ``problems`` when given (the caller decides whether they fail the build), else raised."""
+    from kvlib.publish import cache
+
     root = repo_root()
     render = root / RENDER
     if render.exists():
@@ -167,6 +317,7 @@ def assemble(profile: str) -> dict[str, str]:
     render.mkdir(parents=True)
     chapters = load_registry()
     rendered: dict[str, str] = {}
+    inputs: dict[str, dict[str, str]] = {}
     prov_rows = []
     for ch in chapters:
         (render / ch.id).mkdir()
@@ -180,7 +331,9 @@ def assemble(profile: str) -> dict[str, str]:
                 prov_rows.append({"notebook": nb.name, "rendered profile": "none"})
                 continue
             prof, path = src
-            shutil.copyfile(path, dst)
+            executed = nbformat.read(path, as_version=4)
+            inputs[nb.name] = (cache.record_of(executed) or {}).get("inputs", {})
+            nbformat.write(prepare_page(executed, nb, prof), dst)
             rendered[nb.name] = prof
             res = load_result(nb.name, prof) or {}
             pv = res.get("provenance", {})
@@ -189,25 +342,57 @@ def assemble(profile: str) -> dict[str, str]:
                     "notebook": nb.name,
                     "rendered profile": prof,
                     "device": pv.get("device", {}).get("device", ""),
-                    "commit": str(pv.get("commit", ""))[:12],
+                    "commit": show_commit(pv.get("commit")) if pv else "no result file",
                     "started": pv.get("started", ""),
                     "duration (s)": pv.get("duration_s", ""),
                 }
             )
-    (render / "claims.md").write_text(claims_page(claims_rows(rendered), chapters))
+    found: list[str] = []
+    (render / "claims.md").write_text(claims_page(claims_rows(rendered, found), chapters))
+    found += provenance_problems(rendered, inputs)
+    found += [f"{r['notebook']}: no executed run; its page is a placeholder" for r in prov_rows
+              if r["rendered profile"] == "none"]
+    checks = ("Every rendered result of a committed profile comes from a clean tree, at a commit that descends "
+              "from the last change to its notebook's source, and no claim is answered twice."
+              if not found else "**This build has provenance problems** (a strict build refuses them):\n\n"
+              + "\n".join(f"- {_md_escape(p)}" for p in found))
     (render / "provenance.md").write_text(
         "# Where the numbers come from\n\n"
         f"This build was assembled for profile `{profile}`. Each notebook below is rendered from the "
         "executed run named here; its result file `data/results/<profile>/<notebook>.json` records the "
-        "commit, device, package versions, parameters, start time and duration.\n\n"
+        "commit (in full, with `+dirty` when the tree had uncommitted changes), device, package versions, "
+        "parameters, start time and duration. Results of the `ci` profile are a smoke run of the working "
+        "tree, never committed, and are not held to the checks below.\n\n"
+        + checks + "\n\n"
         + _md_table(prov_rows, ["notebook", "rendered profile", "device", "commit", "started", "duration (s)"])
         + "\n\n## GPU benchmark results these notebooks render\n\n"
         "Written by `python -m kvlib.bench` on the GPU machine (`data/results/gpu/<topic>.json`).\n\n"
         + _md_table(gpu_result_rows(), ["result file", "device", "commit", "started", "duration (s)"])
         + "\n"
     )
+    by_name = {o.name: o for o in (outcomes or [])}
+    stats = _stats_rows(chapters, rendered, by_name, profile)
+    (render / "exec_stats.md").write_text(
+        "# Execution statistics\n\n"
+        f"How each page of this build (profile `{profile}`) came to be: the profile and wall time of the "
+        "execution rendered, the commit it ran at, the device, whether it carries a cache key, and whether "
+        "this build executed it again or reused it (a notebook is executed again only when its source, its "
+        "parameters, the `kvlib` modules its kernel loaded or the repository files it read changed; "
+        "`make book FRESH=1` executes every one).\n\n"
+        + _md_table(stats, ["notebook", "profile", "wall time (s)", "commit", "device", "started", "cache key",
+                            "this build"])
+        + "\n"
+    )
     (root / "_toc.yml").write_text(write_toc(chapters))
+    if problems is None and found:
+        raise ValueError("provenance problems:\n" + "\n".join(found))
+    if problems is not None:
+        problems += found
     return rendered
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
 
 
 def build_html(strict: bool = True) -> int:

@@ -2,7 +2,8 @@
 
 A notebook's source is a MyST markdown file (``notebooks/<chapter>/<name>.md``, jupytext's ``md:myst``), the
 one file a researcher edits. It is converted to a notebook in memory and executed; only the executed
-``.ipynb`` is written (``book/executed/<profile>/<name>.ipynb``).
+``.ipynb`` is written (``book/executed/<profile>/<name>.ipynb``), with its cache key in ``metadata.kvlib``
+(:mod:`kvlib.publish.cache`): ``build`` executes a notebook again only when that key no longer holds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SOURCE_FORMAT = "md:myst"
 @dataclass
 class Outcome:
     name: str
-    status: str  # ok | failed | skipped
+    status: str  # reused | executed | failed | skipped
     seconds: float
     detail: str = ""
 
@@ -116,20 +117,6 @@ def stale_cells(source: nbformat.NotebookNode, executed: nbformat.NotebookNode) 
     return out
 
 
-def _name_source(path: Path, source: Path) -> None:
-    # Given a notebook object, papermill records the whole object as the input path; name the file instead.
-    if not path.exists():
-        return
-    nb = nbformat.read(path, as_version=4)
-    pm_meta = nb.metadata.get("papermill", {})
-    try:
-        shown = str(source.relative_to(repo_root()))
-    except ValueError:
-        shown = str(source)
-    pm_meta["input_path"] = shown
-    nbformat.write(nb, path)
-
-
 def gpu_available() -> bool:
     try:
         import torch
@@ -150,19 +137,71 @@ def select(profile: str, only: list[str] | None = None) -> list[NotebookEntry]:
     return entries
 
 
+def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any], nb: nbformat.NotebookNode,
+                      ) -> list[str]:
+    """Why the build must execute ``entry`` again (empty: render its committed execution).
+
+    The cache key first (:func:`kvlib.publish.cache.why_stale`); then, at a committed profile and only when the
+    tree is clean (so that a new run would fix it), a result the strict build would refuse: from a dirty tree or
+    from a commit older than the source's last change.
+    """
+    from kvlib.publish import cache
+    from kvlib.publish.commits import COMMITTED_PROFILES, result_problems
+    from kvlib.publish.provenance import git_commit, load_result
+
+    path = executed_path(entry.name, profile)
+    executed = nbformat.read(path, as_version=4) if path.exists() else None
+    why = cache.why_stale(nb, params, executed)
+    if why or profile not in COMMITTED_PROFILES or git_commit().endswith("+dirty"):
+        return why
+    res = load_result(entry.name, profile)
+    if res is None:
+        return ["no result file"]
+    return result_problems(res.get("provenance", {}).get("commit"), _shown(source_path(entry)))
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(repo_root()))
+    except ValueError:
+        return str(path)
+
+
+def _finish(tmp: Path, entry: NotebookEntry, nb: nbformat.NotebookNode, params: dict[str, Any], profile: str,
+            commit: str, seconds: float) -> bool:
+    """Name the source, drop the runner's record cells and store the cache key; False: the epilogue never ran."""
+    from kvlib.publish import cache
+
+    if not tmp.exists():
+        return False
+    executed = nbformat.read(tmp, as_version=4)
+    report = cache.strip_record(executed)
+    executed.metadata.get("papermill", {})["input_path"] = _shown(source_path(entry))
+    if report is not None:
+        executed.metadata[cache.KEY] = cache.make_record(
+            nb, params, report, commit=commit, profile=profile, source=_shown(source_path(entry)), wall_s=seconds)
+    nbformat.write(executed, tmp)
+    return report is not None
+
+
 def run_notebooks(
     profile: str,
     only: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     progress: bool = True,
     entries: list[NotebookEntry] | None = None,
+    reuse: bool = False,
 ) -> list[Outcome]:
     """Run every selected notebook at ``profile``; one failure never stops the others.
 
-    ``entries`` replaces the registry (tests use it); ``only`` selects among them by name.
+    ``entries`` replaces the registry (tests use it); ``only`` selects among them by name. With ``reuse``, a
+    notebook whose committed execution is still current (:func:`reexecute_reasons`) is not executed again.
     """
     import papermill as pm
     from tqdm.auto import tqdm
+
+    from kvlib.publish import cache
+    from kvlib.publish.provenance import git_commit
 
     entries = select(profile, only) if entries is None else [e for e in entries if not only or e.name in only]
     plan: list[tuple[NotebookEntry, dict[str, Any] | None, nbformat.NotebookNode | None, str]] = []
@@ -187,15 +226,21 @@ def run_notebooks(
         if params is None:
             outcomes.append(Outcome(e.name, "skipped", 0.0, why))
             continue
+        reasons = reexecute_reasons(e, profile, params, nb) if reuse else ["asked to run"]
+        if not reasons:
+            rec = cache.record_of(nbformat.read(executed_path(e.name, profile), as_version=4)) or {}
+            outcomes.append(Outcome(e.name, "reused", 0.0, f"unchanged since its execution at {rec.get('commit')}"))
+            continue
         out = executed_path(e.name, profile)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".partial.ipynb")
+        commit = git_commit()
         t0 = time.perf_counter()
         try:
             os.environ["KVLIB_PROFILE"] = profile
             os.environ["PYTHONWARNINGS"] = KERNEL_WARNINGS  # read by the kernel process at its start
             pm.execute_notebook(
-                nb,
+                cache.instrument(nb),
                 str(tmp),
                 parameters=params,
                 cwd=str(repo_root()),
@@ -203,15 +248,17 @@ def run_notebooks(
                 execution_timeout=CELL_TIMEOUT[profile],
                 kernel_name="python3",
             )
-            _name_source(tmp, source_path(e))
+            if not _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0):
+                raise RuntimeError("the runner's epilogue cell left no record of the modules the kernel loaded")
             os.replace(tmp, out)
-            outcomes.append(Outcome(e.name, "ok", time.perf_counter() - t0))
+            outcomes.append(Outcome(e.name, "executed", time.perf_counter() - t0, "; ".join(reasons)))
         except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest still run
-            _name_source(tmp, source_path(e))
+            _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0)
             detail = str(exc).strip().splitlines()
             msg = detail[-1] if detail else type(exc).__name__
             if not isinstance(exc, pm.PapermillExecutionError):
                 msg = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            msg = " ".join(msg.split())  # one line in the summary table
             outcomes.append(Outcome(e.name, "failed", time.perf_counter() - t0, f"{msg[:300]} (see {tmp.name})"))
     for key, value in (("KVLIB_PROFILE", env_backup), ("PYTHONWARNINGS", warn_backup)):
         if value is None:
@@ -225,4 +272,6 @@ def summary_table(outcomes: list[Outcome]) -> str:
     from tabulate import tabulate
 
     rows = [(o.name, o.status, f"{o.seconds:.1f}", o.detail) for o in outcomes]
-    return tabulate(rows, headers=["notebook", "status", "time (s)", "detail"], tablefmt="github")
+    statuses = ("reused", "executed", "failed", "skipped")
+    counts = ", ".join(f"{sum(o.status == s for o in outcomes)} {s}" for s in statuses)
+    return tabulate(rows, headers=["notebook", "status", "time (s)", "why"], tablefmt="github") + f"\n\n{counts}"
