@@ -150,7 +150,7 @@ def ensure_peer_packages(wheel_dir: Path | str | None = None) -> dict[str, str |
     for backend, (module, _) in BACKENDS.items():
         reason = _importable(module)
         if reason is not None and not wheels:
-            reason += f" (no wheels in {wheel_dir})"
+            reason += f" (no wheels in {wheel_dir.name}/)"
         status[backend] = reason
     return status
 
