@@ -7,8 +7,10 @@ slots ``slots [N]`` of a :class:`kvlib.storage.paged.PagedPool`, following the s
 the two bit for bit. The dither layout is the pool's (``pool.dither_layout``, a constexpr of the
 kernel: ``"w24"`` or ``"h10"``, see :mod:`kvlib.core.philox`).
 
-Bit identity rests on doing the same IEEE fp32 operations in the same order: ``amax / 126.5`` and
-``x / s`` with ``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU),
+Bit identity rests on doing the same IEEE fp32 operations in the same order: ``x / s`` with
+``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU); ``amax / 126.5`` as torch
+does a division by a Python scalar on the device (IEEE ``div_rn`` on the CPU, ``amax * fp32(1/126.5)`` on
+CUDA, see :mod:`kvlib.kernels.write`),
 fp32 -> fp16 conversion round-to-nearest-even, ``+ xi`` in fp32, and round half to even
 (libdevice ``rint`` on the GPU; under the CPU interpreter, which lacks libdevice, the same rounding
 spelled with ``floor``, exact for |y| < 2^23).
@@ -28,6 +30,7 @@ from kvlib.core.checks import check_tensor
 from kvlib.core.philox import check_layout_d, seed_key
 from kvlib.formats.dither_int8 import check_x, dither_quantize
 from kvlib.kernels.tl.philox import dither_tile, dither_tile_h8, dither_tile_h10
+from kvlib.kernels.write import recip32
 from kvlib.storage.paged import PagedPool
 
 
@@ -49,6 +52,7 @@ def _write_int8_kernel(
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
     USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,8 +76,12 @@ def _write_int8_kernel(
         if not INCLUDE_OUT:
             a = tl.where(is_out, 0.0, a)
     amax = tl.max(a, axis=2)  # [BLOCK_S, NG]
-    s16 = tl.math.div_rn(amax, 126.5).to(tl.float16)
-    low = s16.to(tl.float32) * 127.0 < amax  # subnormal scales only: bump to the next fp16 up
+    # amax / QDIV as torch computes a division by a Python scalar on this device (kvlib.kernels.write)
+    if RECIP:
+        s16 = (amax * INV_QDIV).to(tl.float16)
+    else:
+        s16 = tl.math.div_rn(amax, QDIV).to(tl.float16)
+    low = s16.to(tl.float32) * QBUMP < amax  # subnormal scales only: bump to the next fp16 up
     s16 = tl.where(low, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
     s32 = s16.to(tl.float32)[:, :, None]
 
@@ -146,6 +154,20 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
             v.outliers[slots, h] = qt.outliers
 
 
+def write_rtn_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """Torch reference of ``rule="rtn"``: :meth:`kvlib.formats.rtn_int8.RtnInt8.write` (every head at once: its
+    scales are per token and group), stored by slot."""
+    from kvlib.formats.rtn_int8 import RtnInt8
+
+    _check_write_args(pool, layer, x, slots, validate=True)
+    n, h, d = x.shape
+    p = RtnInt8(pool.group).write(x.reshape(n * h, d).float())
+    v = pool.layer(layer)
+    slots = slots.to(torch.int64)
+    v.codes[slots] = p.codes.reshape(n, h, d)
+    v.scales[slots] = p.scales.reshape(n, h, -1)
+
+
 def _interpreting() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -164,6 +186,7 @@ def write_int8(
     num_warps: int = 4,
     dither: bool | None = None,
     use_rint: bool = False,
+    rule: str = "witcert",
 ) -> None:
     """Write ``x [N, H_kv, d]`` into ``pool`` at ``slots [N]`` for ``layer`` in one launch.
 
@@ -173,13 +196,25 @@ def write_int8(
     setting (benchmark ablation only: the stored codes then break the pool's contract).
     ``use_rint=True`` rounds with libdevice ``rint`` on CUDA instead of the floor-based spelling
     (same rounding, fewer instructions; the floor path is the one verified bit-identical on the H200).
+    ``rule``: ``"witcert"`` (the storage contract: ``s = fp16(amax / 126.5)``, bumped where ``127 s < amax``)
+    or ``"rtn"`` (:class:`kvlib.formats.rtn_int8.RtnInt8`: ``fp16(amax / 127)``, bumped where
+    ``127.5 s < amax``, round to nearest; the pool must be ``dithered=False`` without outliers). The scale
+    division is done as torch does it on the tensors' device (:mod:`kvlib.kernels.write`), so the stored
+    bytes equal the torch path's there.
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if rule not in ("witcert", "rtn"):
+        raise ValueError(f"rule must be 'witcert' or 'rtn', got {rule!r}")
+    if rule == "rtn" and (pool.dithered or pool.n_out):
+        raise ValueError("rule='rtn' needs a pool built with dithered=False and n_out=0 (rtn-int8's layout)")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
-        write_int8_reference(pool, layer, x, slots)
+        if rule == "rtn":
+            write_rtn_reference(pool, layer, x, slots)
+        else:
+            write_int8_reference(pool, layer, x, slots)
         return
     _check_write_args(pool, layer, x, slots, validate)
     if not x.is_cuda and not _interpreting():
@@ -196,6 +231,7 @@ def write_int8(
     if N == 0:
         return
     nout = pool.n_out
+    qdiv = 127.0 if rule == "rtn" else 126.5
     grid = (triton.cdiv(N, block_s), H)
     _write_int8_kernel[grid](
         x, slots, v.codes, v.scales, v.outliers, v.outlier_channels,
@@ -205,4 +241,5 @@ def write_int8(
         INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered if dither is None else dither,
         USE_RINT=bool(use_rint and x.is_cuda and not _interpreting()), BLOCK_S=block_s,
         LAYOUT=pool.dither_layout, num_warps=num_warps,
+        QDIV=qdiv, QBUMP=qdiv + 0.5, RECIP=x.is_cuda, INV_QDIV=recip32(qdiv),
     )
