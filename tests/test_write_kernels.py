@@ -16,6 +16,8 @@ from kvlib.storage.paged import PagedPool
 from kvlib.storage.pools import int4_head_quantize
 
 HKV, HQ, L = 2, 4, 2
+# CUDA where present (the GPU lane, dev/gpu/test-gpu.sh), else the CPU under TRITON_INTERPRET=1 (tests/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 FORMATS = [
     ("dither-int8", {"dither_layout": "w24"}),
@@ -51,14 +53,14 @@ def _store_tensors(st) -> list[torch.Tensor]:
 def _run(fmt: str, opts: dict, d: int, backend: str, lens: list[int], steps: int, max_len: int | None = None):
     """Prefill ragged rows (keep mask: the chunk write), then ``steps`` one-token decode steps (cache.update)."""
     torch.manual_seed(1)
-    kw = dict(batch_size=len(lens), max_len=max_len, device="cpu") if max_len else {}
-    cache = make_cache(fmt, _cfg(d), block_size=4, shuffle_blocks=5, **kw, **_opts(opts, d))
+    kw = dict(batch_size=len(lens), max_len=max_len) if max_len else {}
+    cache = make_cache(fmt, _cfg(d), block_size=4, shuffle_blocks=5, device=DEV, **kw, **_opts(opts, d))
     b, s = len(lens), max(lens)
-    k = torch.randn(b, HKV, s, d) * 3
-    v = torch.randn(b, HKV, s, d)
+    k = torch.randn(b, HKV, s, d, device=DEV) * 3
+    v = torch.randn(b, HKV, s, d, device=DEV)
     k[0, 0, 0] = 0.0  # an all-zero token (zero scale)
     v[-1, 1, 0] = 2.5  # a constant one (zero range)
-    keep = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
+    keep = (torch.arange(s)[None, :] < torch.tensor(lens)[:, None]).to(DEV)
     paths = []
     for layer in range(L):
         la = cache.layers[layer]
@@ -68,8 +70,8 @@ def _run(fmt: str, opts: dict, d: int, backend: str, lens: list[int], steps: int
         la.columns = s
         paths.append(cache.store.write_path)
     for _ in range(steps):
-        one_k = (torch.randn(b, HKV, 1, d) * 2).to(torch.bfloat16)  # what a bf16 model hands over
-        one_v = torch.randn(b, HKV, 1, d).to(torch.bfloat16)
+        one_k = (torch.randn(b, HKV, 1, d, device=DEV) * 2).to(torch.bfloat16)  # what a bf16 model hands over
+        one_v = torch.randn(b, HKV, 1, d, device=DEV).to(torch.bfloat16)
         for layer in range(L):
             cache.update(one_k, one_v, layer)
         paths.append(cache.store.write_path)
@@ -99,18 +101,17 @@ def test_kv4_kernel_equals_the_reference_quantizer_on_raw_slots() -> None:
     """The launcher alone: shuffled distinct slots, strided (non-contiguous) inputs, both sides."""
     torch.manual_seed(2)
     n, h, d, ns = 5, 3, 64, 17
-    base = torch.randn(h, n, d) * 4
+    base = torch.randn(h, n, d, device=DEV) * 4
     k = base.transpose(0, 1)  # [n, h, d], stride(0) = d: a transposed view, as HF hands K over
-    v = torch.randn(n, h, d).half()
-    slots = torch.randperm(ns)[:n]
-    pages = [(torch.zeros(ns, h, d // 2, dtype=torch.uint8), torch.zeros(ns, h, dtype=torch.float16),
-              torch.zeros(ns, h, dtype=torch.float16)) for _ in range(2)]
+    v = torch.randn(n, h, d, device=DEV).half()
+    slots = torch.randperm(ns)[:n].to(DEV)
+    pages = [_pages(ns, h, d) for _ in range(2)]
     write_int4(k, v, slots, pages[0], pages[1], validate=True)
     for side, x in enumerate((hadamard(k.float()), v.float())):
         want = int4_head_quantize(x)
         for t, w in zip(pages[side], want):
             assert torch.equal(t[slots], w)
-    untouched = torch.ones(ns, dtype=torch.bool)
+    untouched = torch.ones(ns, dtype=torch.bool, device=DEV)
     untouched[slots] = False
     assert not pages[0][0][untouched].any() and not pages[1][1][untouched].any()
 
@@ -121,21 +122,28 @@ def test_a_fused_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts
     """Static pools, fused write: every Tensor -> Python conversion raises inside the decode step's update
     (what a CUDA graph cannot hold; the GPU script checks the same with torch.cuda.set_sync_debug_mode)."""
     d = 64
-    cache = make_cache(fmt, _cfg(d), batch_size=2, max_len=16, block_size=4, device="cpu", **_opts(opts, d))
-    x = torch.randn(2, HKV, 7, d)
+    cache = make_cache(fmt, _cfg(d), batch_size=2, max_len=16, block_size=4, device=DEV, **_opts(opts, d))
+    x = torch.randn(2, HKV, 7, d, device=DEV)
     for layer in range(L):
         cache.update(x, x, layer)
     if fmt != "bf16":
         cache.store.write_backend = "triton"
-    one = torch.randn(2, HKV, 1, d)
+    one = torch.randn(2, HKV, 1, d, device=DEV)
 
     def refuse(*a, **k):
         raise AssertionError("host read inside a decode-step write")
 
     for name in ("item", "tolist", "__bool__", "nonzero", "__int__", "__float__", "__index__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    for layer in range(L):
-        cache.update(one, one, layer)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a device-to-host sync raises
+    try:
+        for layer in range(L):
+            cache.update(one, one, layer)
+    finally:
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
     monkeypatch.undo()
     assert cache.layers[0].table.seq_lens.tolist() == [8, 8]
     if fmt != "bf16":
@@ -145,8 +153,8 @@ def test_a_fused_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts
 def test_the_torch_write_path_of_rtn_int8_does_read_the_host() -> None:
     """The mock above can fail: rtn-int8's torch path checks its scales on the host (bool(tensor))."""
     d = 64
-    cache = make_cache("rtn-int8", _cfg(d), batch_size=2, max_len=16, block_size=4, device="cpu")
-    x = torch.randn(2, HKV, 3, d)
+    cache = make_cache("rtn-int8", _cfg(d), batch_size=2, max_len=16, block_size=4, device=DEV)
+    x = torch.randn(2, HKV, 3, d, device=DEV)
     cache.update(x, x, 0)
     cache.store.write_backend = "torch"
     calls = []
@@ -166,10 +174,11 @@ def test_the_torch_write_path_of_rtn_int8_does_read_the_host() -> None:
 
 def test_write_path_auto_and_explicit_choices() -> None:
     d = 64
-    cache = make_cache("kv4", _cfg(d), block_size=4)
-    x = torch.randn(1, HKV, 2, d)
+    cache = make_cache("kv4", _cfg(d), block_size=4, device=DEV)
+    x = torch.randn(1, HKV, 2, d, device=DEV)
     cache.update(x, x, 0)
-    assert cache.store.write_path == "kv4-torch"  # plain CPU, auto: the torch path, and it says so
+    # auto: fused on CUDA; on a plain CPU the torch path, and it says so
+    assert cache.store.write_path == ("kv4-triton" if DEV == "cuda" else "kv4-torch")
     cache.store.interpret = True  # the decode kernels under the interpreter: the fused write too
     cache.update(x[:, :, :1], x[:, :, :1], 0)
     assert cache.store.write_path == "kv4-triton"
@@ -179,8 +188,8 @@ def test_write_path_auto_and_explicit_choices() -> None:
 
 
 def test_fused_write_refuses_shapes_it_cannot_take() -> None:
-    cache = make_cache("rtn-int8", _cfg(48), block_size=4, group=16)  # d // group = 3: not the kernel's
-    x = torch.randn(1, HKV, 2, 48)
+    cache = make_cache("rtn-int8", _cfg(48), block_size=4, group=16, device=DEV)  # d // group = 3: not the kernel's
+    x = torch.randn(1, HKV, 2, 48, device=DEV)
     cache._ensure_store(x)
     cache.store.write_backend = "triton"
     with pytest.raises(ValueError, match="powers of two"):
@@ -192,14 +201,14 @@ def test_fused_write_refuses_shapes_it_cannot_take() -> None:
 
 
 def _pages(ns: int, h: int, d: int):
-    return (torch.zeros(ns, h, d // 2, dtype=torch.uint8), torch.zeros(ns, h, dtype=torch.float16),
-            torch.zeros(ns, h, dtype=torch.float16))
+    return (torch.zeros(ns, h, d // 2, dtype=torch.uint8, device=DEV),
+            torch.zeros(ns, h, dtype=torch.float16, device=DEV), torch.zeros(ns, h, dtype=torch.float16, device=DEV))
 
 
 def test_write_int4_bad_inputs_name_the_argument() -> None:
     n, h, d, ns = 2, 2, 32, 8
-    k, v = torch.randn(n, h, d), torch.randn(n, h, d)
-    sl = torch.tensor([1, 4])
+    k, v = torch.randn(n, h, d, device=DEV), torch.randn(n, h, d, device=DEV)
+    sl = torch.tensor([1, 4], device=DEV)
     pk, pv = _pages(ns, h, d), _pages(ns, h, d)
     with pytest.raises(ValueError, match="k and v"):
         write_int4(k, v[:, :1], sl, pk, pv)
@@ -214,28 +223,28 @@ def test_write_int4_bad_inputs_name_the_argument() -> None:
     with pytest.raises(TypeError, match=r"v_pages\[1\]"):
         write_int4(k, v, sl, pk, (pv[0], pv[1].float(), pv[2]))
     with pytest.raises(ValueError, match="slots must lie"):
-        write_int4(k, v, torch.tensor([1, ns]), pk, pv, validate=True)
+        write_int4(k, v, torch.tensor([1, ns], device=DEV), pk, pv, validate=True)
     with pytest.raises(ValueError, match="distinct"):
-        write_int4(k, v, torch.tensor([3, 3]), pk, pv, validate=True)
-    z8 = torch.zeros(2, h, 3, d, dtype=torch.int8)
-    zs = torch.ones(2, h, 3, dtype=torch.float16)
-    side = SideWrite(torch.arange(2), torch.tensor([5, 6]), torch.tensor([6, 7]), 1, 2, (z8, z8), (zs, zs),
-                     (z8, z8), (zs, zs))
+        write_int4(k, v, torch.tensor([3, 3], device=DEV), pk, pv, validate=True)
+    z8 = torch.zeros(2, h, 3, d, dtype=torch.int8, device=DEV)
+    zs = torch.ones(2, h, 3, dtype=torch.float16, device=DEV)
+    rows, pos, la = (torch.tensor(t, device=DEV) for t in ([0, 1], [5, 6], [6, 7]))
+    side = SideWrite(rows, pos, la, 1, 2, (z8, z8), (zs, zs), (z8, z8), (zs, zs))
     write_int4(k, v, sl, pk, pv, side=side)  # well-formed: accepted
-    bad = SideWrite(torch.arange(2), torch.tensor([5, 6]), torch.tensor([6, 7]), 1, 3, (z8, z8), (zs, zs),
-                    (z8, z8), (zs, zs))
+    bad = SideWrite(rows, pos, la, 1, 3, (z8, z8), (zs, zs), (z8, z8), (zs, zs))
     with pytest.raises(ValueError, match=r"side.buf8\[0\]"):
         write_int4(k, v, sl, pk, pv, side=bad)
     with pytest.raises(ValueError, match="side.rows"):
-        write_int4(k, v, sl, pk, pv, side=SideWrite(torch.arange(1), *list(vars(side).values())[1:]))
+        write_int4(k, v, sl, pk, pv, side=SideWrite(rows[:1], *list(vars(side).values())[1:]))
 
 
 def test_write_int8_rtn_rule_bad_inputs() -> None:
-    pool = PagedPool(n_layers=1, n_slots=8, n_kv_heads=2, d=32, dithered=True)
-    x = torch.randn(2, 2, 32)
+    pool = PagedPool(n_layers=1, n_slots=8, n_kv_heads=2, d=32, dithered=True, device=DEV)
+    x = torch.randn(2, 2, 32, device=DEV)
+    sl = torch.tensor([0, 1], device=DEV)
     with pytest.raises(ValueError, match="rule"):
-        write_int8(pool, 0, x, torch.tensor([0, 1]), backend="triton", rule="fast")
+        write_int8(pool, 0, x, sl, backend="triton", rule="fast")
     with pytest.raises(ValueError, match="rule='rtn'"):
-        write_int8(pool, 0, x, torch.tensor([0, 1]), backend="triton", rule="rtn")
+        write_int8(pool, 0, x, sl, backend="triton", rule="rtn")
     with pytest.raises(ValueError, match="x must have shape"):
-        write_int8(pool, 0, x[:, :1], torch.tensor([0, 1]), backend="triton")
+        write_int8(pool, 0, x[:, :1], sl, backend="triton")

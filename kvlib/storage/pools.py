@@ -387,8 +387,8 @@ class Int4Store(Store):
                 self.off[side][layer].view(nb, bs, h))
 
     def _fused_unsupported(self) -> str | None:
-        if self.d < 2 or self.d & (self.d - 1):
-            return f"the fused kv4 write takes a power-of-two head_dim, got d={self.d}"
+        if self.d < 2 or self.d > 512 or self.d & (self.d - 1):
+            return f"the fused kv4 write takes a power-of-two head_dim <= 512, got d={self.d}"
         return None
 
     def _side_write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, lens_after: torch.Tensor):

@@ -66,14 +66,34 @@ def _sdiv(x, C: tl.constexpr, INV: tl.constexpr, RECIP: tl.constexpr):
 
 
 @triton.jit
-def _hadamard(y, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr):
-    """:func:`kvlib.core.hadamard.hadamard` of ``y [D]`` fp32: stage ``h`` maps the pair ``(a, b)`` of channels
-    ``(i, i + h)`` in each block of ``2h`` to ``(a + b, a - b)``."""
-    for i in tl.static_range(LOG2D):
-        hh: tl.constexpr = 1 << i
-        t = tl.permute(tl.reshape(y, (D // (2 * hh), 2, hh)), (0, 2, 1))  # [blocks, h, 2]: (a, b) pairs last
-        a, b = tl.split(t)
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
+def _stage(y, D: tl.constexpr, HH: tl.constexpr):
+    """One butterfly stage: the pair ``(a, b)`` of channels ``(i, i + HH)`` in each block of ``2 HH`` becomes
+    ``(a + b, a - b)``."""
+    t = tl.permute(tl.reshape(y, (D // (2 * HH), 2, HH)), (0, 2, 1))  # [blocks, HH, 2]: (a, b) pairs last
+    a, b = tl.split(t)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
+
+
+@triton.jit
+def _hadamard(y, D: tl.constexpr, SCALE: tl.constexpr):
+    """:func:`kvlib.core.hadamard.hadamard` of ``y [D]`` fp32 (``2 <= D <= 512``): the stages in its order."""
+    y = _stage(y, D, 1)
+    if D >= 4:
+        y = _stage(y, D, 2)
+    if D >= 8:
+        y = _stage(y, D, 4)
+    if D >= 16:
+        y = _stage(y, D, 8)
+    if D >= 32:
+        y = _stage(y, D, 16)
+    if D >= 64:
+        y = _stage(y, D, 32)
+    if D >= 128:
+        y = _stage(y, D, 64)
+    if D >= 256:
+        y = _stage(y, D, 128)
+    if D >= 512:
+        y = _stage(y, D, 256)
     return y * SCALE
 
 
@@ -117,7 +137,7 @@ def _write_int4_kernel(
     k_ptr, v_ptr, slot_ptr, skn, skh, svn, svh,
     kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr,
     rows_ptr, pos_ptr, lens_ptr, k8_ptr, k8s_ptr, v8_ptr, v8s_ptr, kst_ptr, ksts_ptr, vst_ptr, vsts_ptr,
-    H: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, HSCALE: tl.constexpr,
     RECIP: tl.constexpr, INV15: tl.constexpr, INV127: tl.constexpr,
     SIDE: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, RW: tl.constexpr, C: tl.constexpr,
     U: tl.constexpr,
@@ -128,7 +148,7 @@ def _write_int4_kernel(
     slot = tl.load(slot_ptr + n).to(tl.int64)
     k = tl.load(k_ptr + n.to(tl.int64) * skn + h * skh + ch).to(tl.float32)
     v = tl.load(v_ptr + n.to(tl.int64) * svn + h * svh + ch).to(tl.float32)
-    kr = _hadamard(k, D, LOG2D, HSCALE)  # keys stored rotated (rotate="k")
+    kr = _hadamard(k, D, HSCALE)  # keys stored rotated (rotate="k")
     _int4_put(kr, kc_ptr, ks_ptr, ko_ptr, slot * H + h, D, RECIP, INV15)
     _int4_put(v, vc_ptr, vs_ptr, vo_ptr, slot * H + h, D, RECIP, INV15)
     if SIDE:
@@ -234,8 +254,8 @@ def write_int4(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages, v
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     n, h, d = k.shape
-    if d < 2 or d & (d - 1):
-        raise ValueError(f"k: head_dim must be a power of two >= 2 for the fused kv4 write, got {d}")
+    if d < 2 or d > 512 or d & (d - 1):
+        raise ValueError(f"k: head_dim must be a power of two in [2, 512] for the fused kv4 write, got {d}")
     check_tensor("slots", slots, ndim=1, floating=False)
     if slots.shape[0] != n:
         raise ValueError(f"slots must have length N={n} (one slot per token), got {slots.shape[0]}")
@@ -276,7 +296,8 @@ def write_int4(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages, v
     _write_int4_kernel[(n, h)](
         k, v, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_pages, *v_pages, *sargs,
-        H=h, D=d, LOG2D=int(math.log2(d)), HSCALE=float(np.float32(1.0 / math.sqrt(d))),
+        H=h, D=d, HSCALE=float(np.float32(1.0 / math.sqrt(d))),
         RECIP=dev.type == "cuda", INV15=recip32(15.0), INV127=recip32(127.0),
         SIDE=side is not None, SINK=sink, RECENT=recent, RW=max(recent, 1), C=max(cap, 1), U=u, num_warps=1,
+        enable_fp_fusion=False,  # no fma: the rotated key's `* 1/sqrt(d)` must round before `- m`, as in torch
     )
