@@ -8,13 +8,20 @@ transiently for the torch reference path.
 
 * :class:`Int8Store` (dither-int8 in each dither layout, with outlier channels; rtn-int8): the
   :class:`kvlib.storage.paged.PagedPool` layout (int8 codes, fp16 group scales, fp16 outliers). Dithered
-  keys are written by :func:`kvlib.kernels.int8.write.write_int8` (Triton on CUDA, its torch reference on
-  CPU; the Philox counter is the slot, so dithered pages are bound to their slots); values RTN in the same
-  layout (``dithered=False``, what the decode kernel reads). rtn-int8 is written by its format.
+  keys are written by :func:`kvlib.kernels.int8.write.write_int8` (the Philox counter is the slot, so dithered
+  pages are bound to their slots); values RTN in the same layout (``dithered=False``, what the decode kernel
+  reads). rtn-int8: the same kernel with ``rule="rtn"``, or its format's ``write`` on the torch path.
 * :class:`Int4Store` (kv4; kv4rl): codes uint8 ``[NB, bs, H, d//2]``, scale/offset fp16 ``[NB, bs, H]``,
   keys Hadamard-rotated; kv4rl adds the per-sequence INT8 side buffer ``[B, H, C, d]`` + fp16 scales of
   :class:`kvlib.kernels.int4.decode.SideBuffer` (sinks in slots ``0..s-1``, recent positions in the ring).
 * :class:`PlainStore` (bf16/fp16/fp32 passthrough pages).
+
+Writes (``Store.write``): the INT8 and INT4 stores write through the fused Triton kernels of
+:mod:`kvlib.kernels.write` on CUDA (and on CPU tensors when ``interpret`` is set, under TRITON_INTERPRET=1),
+one launch per side (INT8) or one for K, V and kv4rl's side buffer (INT4), with no host read, so a decode step
+captures in a CUDA graph. The torch path beside them is the reference (the same bytes, bound bit for bit in
+``tests/test_write_kernels.py``) and the CPU path; ``write_backend`` picks ("auto", "triton", "torch") and
+``write_path`` says which ran (a reason is attached where the fused write cannot take the shape).
 * :class:`FormatStore` (any other stateless format): each per-token field of the format's packed
   dataclass gets its own pages; reads rebuild the dataclass and call the format's ``read``.
 * :class:`ObjectStore` (stateful formats without pages, e.g. kivi2): the format's own packed object per
