@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from kvlib.core.hadamard import hadamard
 from kvlib.hf.cache import make_cache
-from kvlib.kernels.int8.write import write_int8
+from kvlib.kernels.int8.write import write_int8, write_int8_kv
 from kvlib.kernels.write.int4 import SideWrite, write_int4
 from kvlib.storage.paged import PagedPool
 from kvlib.storage.pools import int4_head_quantize
@@ -248,3 +248,19 @@ def test_write_int8_rtn_rule_bad_inputs() -> None:
         write_int8(pool, 0, x, sl, backend="triton", rule="rtn")
     with pytest.raises(ValueError, match="x must have shape"):
         write_int8(pool, 0, x[:, :1], sl, backend="triton")
+
+
+def test_write_int8_kv_bad_inputs_name_the_argument() -> None:
+    kw = dict(n_layers=1, n_slots=8, n_kv_heads=2, d=32, device=DEV)
+    kp, vp = PagedPool(side=0, **kw), PagedPool(side=1, dithered=False, **kw)
+    x = torch.randn(2, 2, 32, device=DEV)
+    sl = torch.tensor([0, 5], device=DEV)
+    write_int8_kv(kp, vp, 0, x, x, sl)  # well-formed: accepted
+    with pytest.raises(ValueError, match="group"):
+        write_int8_kv(kp, PagedPool(side=1, group=16, **kw), 0, x, x, sl)
+    with pytest.raises(ValueError, match="kpool: rule='rtn'"):
+        write_int8_kv(kp, vp, 0, x, x, sl, rule="rtn")
+    with pytest.raises(ValueError, match="slots must have length"):
+        write_int8_kv(kp, vp, 0, x, x, sl[:1])
+    with pytest.raises(ValueError, match="layer"):
+        write_int8_kv(kp, vp, 1, x, x, sl)

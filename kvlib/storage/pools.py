@@ -238,14 +238,12 @@ class Int8Store(Store):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
               pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
-        from kvlib.kernels.int8.write import write_int8
+        from kvlib.kernels.int8.write import write_int8, write_int8_kv
 
         fused = self._write_route(k)
         self.write_path = f"int8-{self._route}"
-        if fused:  # one launch per side, no host read (the checks that sync are the torch path's)
-            rule = "witcert" if self.dithered else "rtn"
-            write_int8(self.k, layer, k, slots, backend="triton", validate=False, rule=rule)
-            write_int8(self.v, layer, v, slots, backend="triton", validate=False, rule=rule)
+        if fused:  # K and V in one launch, no host read (the checks that sync are the torch path's)
+            write_int8_kv(self.k, self.v, layer, k, v, slots, rule="witcert" if self.dithered else "rtn")
             return
         if self.dithered:
             write_int8(self.k, layer, k.contiguous(), slots, backend="torch")

@@ -54,8 +54,44 @@ def _write_int8_kernel(
     USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
     QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)
+    _quantize_side(tl.program_id(0), tl.program_id(1), x_ptr, slot_ptr, codes_ptr, scales_ptr, out_ptr, och_ptr,
+                   N, stride_xn, stride_xh, layer, side, k0, k1, H, D, G, NOUT, NOUT_P2, INCLUDE_OUT, DITHER,
+                   USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+
+
+@triton.jit
+def _write_int8_kv_kernel(
+    k_ptr, v_ptr, slot_ptr, kc_ptr, ks_ptr, ko_ptr, koc_ptr, vc_ptr, vs_ptr, vo_ptr, voc_ptr,
+    N, skn, skh, svn, svh,
+    layer, side_k, side_v, k0, k1,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOUT_K: tl.constexpr, NOUT_P2_K: tl.constexpr, DITHER_K: tl.constexpr,
+    NOUT_V: tl.constexpr, NOUT_P2_V: tl.constexpr, DITHER_V: tl.constexpr, INCLUDE_OUT: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
+):
+    """K and V of one layer in one launch: grid axis 2 picks the side (a decode step's write: one launch)."""
+    if tl.program_id(2) == 0:
+        _quantize_side(tl.program_id(0), tl.program_id(1), k_ptr, slot_ptr, kc_ptr, ks_ptr, ko_ptr, koc_ptr,
+                       N, skn, skh, layer, side_k, k0, k1, H, D, G, NOUT_K, NOUT_P2_K, INCLUDE_OUT, DITHER_K,
+                       USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+    else:
+        _quantize_side(tl.program_id(0), tl.program_id(1), v_ptr, slot_ptr, vc_ptr, vs_ptr, vo_ptr, voc_ptr,
+                       N, svn, svh, layer, side_v, k0, k1, H, D, G, NOUT_V, NOUT_P2_V, INCLUDE_OUT, DITHER_V,
+                       USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+
+
+@triton.jit
+def _quantize_side(
+    pid_n, h, x_ptr, slot_ptr, codes_ptr, scales_ptr, out_ptr, och_ptr,
+    N, stride_xn, stride_xh,
+    layer, side, k0, k1,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
+):
+    """Tokens ``pid_n * BLOCK_S ..`` of head ``h`` of one side into its pool (the storage contract)."""
     NG: tl.constexpr = D // G
     n = pid_n * BLOCK_S + tl.arange(0, BLOCK_S)
     n_ok = n < N
@@ -172,6 +208,59 @@ def _interpreting() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_write_int8_kernel, InterpretedFunction)
+
+
+def write_int8_kv(
+    kpool: PagedPool,
+    vpool: PagedPool,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    rule: str = "witcert",
+    validate: bool = False,
+    block_s: int = 16,
+    num_warps: int = 4,
+) -> None:
+    """:func:`write_int8` of ``k`` into ``kpool`` and ``v`` into ``vpool`` (same slots) in ONE launch (Triton; CUDA,
+    or CPU tensors under TRITON_INTERPRET=1): the bytes two :func:`write_int8` calls store. The pools must share
+    heads, head dim, group, seed, dither layout and the outlier-in-amax setting (as an
+    :class:`kvlib.storage.pools.Int8Store`'s do); each keeps its own side, dither flag and outliers."""
+    if rule not in ("witcert", "rtn"):
+        raise ValueError(f"rule must be 'witcert' or 'rtn', got {rule!r}")
+    for name, pool, x in (("kpool", kpool, k), ("vpool", vpool, v)):
+        _check_write_args(pool, layer, x, slots, validate)
+        if rule == "rtn" and (pool.dithered or pool.n_out):
+            raise ValueError(f"{name}: rule='rtn' needs a pool built with dithered=False and n_out=0")
+    for attr in ("n_kv_heads", "d", "group", "seed", "dither_layout", "include_outliers_in_amax", "n_slots"):
+        if getattr(kpool, attr) != getattr(vpool, attr):
+            raise ValueError(f"kpool and vpool must share {attr}, got {getattr(kpool, attr)!r} and "
+                             f"{getattr(vpool, attr)!r}")
+    if not k.is_cuda and not _interpreting():
+        raise RuntimeError("write_int8_kv on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+    d, G = kpool.d, kpool.group
+    if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
+        raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
+    check_layout_d(kpool.dither_layout, d)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    N, H = k.shape[0], kpool.n_kv_heads
+    if N == 0:
+        return
+    k0, k1 = seed_key(kpool.seed)
+    kv, vv = kpool.layer(layer), vpool.layer(layer)
+    qdiv = 127.0 if rule == "rtn" else 126.5
+    p2 = [max(triton.next_power_of_2(p.n_out), 1) if p.n_out else 1 for p in (kpool, vpool)]
+    _write_int8_kv_kernel[(triton.cdiv(N, block_s), H, 2)](
+        k, v, slots, kv.codes, kv.scales, kv.outliers, kv.outlier_channels, vv.codes, vv.scales, vv.outliers,
+        vv.outlier_channels, N, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer, kpool.side, vpool.side, k0, k1,
+        H=H, D=d, G=G, NOUT_K=kpool.n_out, NOUT_P2_K=p2[0], DITHER_K=kpool.dithered,
+        NOUT_V=vpool.n_out, NOUT_P2_V=p2[1], DITHER_V=vpool.dithered, INCLUDE_OUT=kpool.include_outliers_in_amax,
+        USE_RINT=False, BLOCK_S=block_s, LAYOUT=kpool.dither_layout, num_warps=num_warps,
+        QDIV=qdiv, QBUMP=qdiv + 0.5, RECIP=k.is_cuda, INV_QDIV=recip32(qdiv),
+    )
 
 
 def write_int8(
