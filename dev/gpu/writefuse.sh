@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 24, fused pool writes on the GPU (kvlib.kernels.write, kvlib.kernels.int8.write; routed by
 # kvlib.storage.pools): for dither-int8 (w24, h10, h8 with outlier channels), rtn-int8, kv4, kv4rl:
-#   1. tests/test_write_kernels.py on CUDA (bit-exact vs the torch path at d=64/128, no host sync in a decode
-#      step under sync_mode("error"), bad inputs);
+#   1. tests/test_write_kernels.py on CUDA but its bit-exactness sweep, which part 2 repeats at larger shapes
+#      (raw-slot kernel check, no host sync in a decode step under torch.cuda.set_sync_debug_mode("error"),
+#      path reporting, bad inputs);
 #   2. bit-exactness at larger shapes (B=16 ragged prefill + 8 decode steps, d=64 and 128, H_kv=4);
 #   3. capture: one decode step's writes of every layer captured in a CUDA graph and replayed 8 times == the
 #      torch path run eagerly on the same tokens (every pool byte);
@@ -17,12 +18,13 @@ unset TRITON_INTERPRET  # compile for the GPU, never the interpreter
 PY="${PYTHON:-python}"
 mkdir -p "$OUT"
 
-timeout 110 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_write_kernels.py > "$OUT/writefuse_pytest.txt" 2>&1
+timeout 75 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_write_kernels.py -k "not bit_for_bit" \
+  > "$OUT/writefuse_pytest.txt" 2>&1
 prc=$?
 tail -n 3 "$OUT/writefuse_pytest.txt"
 if [ $prc -eq 0 ]; then echo "PASS: tests/test_write_kernels.py on CUDA"; else echo "FAIL: tests/test_write_kernels.py on CUDA (rc=$prc, see $OUT/writefuse_pytest.txt)"; fi
 
-PYTEST_RC=$prc timeout 120 "$PY" - <<'EOF'
+PYTEST_RC=$prc timeout 150 "$PY" - <<'EOF'
 import json
 import os
 import statistics
@@ -46,6 +48,14 @@ res: dict = {"pytest_rc": int(os.environ.get("PYTEST_RC", "-1")),
 if res["pytest_rc"] != 0:
     fails.append("tests/test_write_kernels.py")
 HKV = 4
+
+
+def dump() -> None:
+    """Results so far (written after each section, so a run stopped by its timeout still leaves them)."""
+    res["fails"] = fails
+    res["pass"] = not fails
+    with open(os.path.join(OUT, "writefuse.json"), "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def sync_mode(m) -> None:
@@ -120,6 +130,7 @@ def steps_data(b, d, n, seed=1):
              torch.randn(b, HKV, 1, d, device=DEV, generator=g).to(torch.bfloat16)) for _ in range(n)]
 
 
+T0 = time.perf_counter()
 # -- 2. bit-exactness at larger shapes -------------------------------------------------------------------------
 res["bit_exact"] = []
 for d in (64, 128):
@@ -155,6 +166,8 @@ def capture_step(c, kbuf, vbuf, n_layers):
     return g
 
 
+res["seconds_bit_exact"] = time.perf_counter() - T0
+dump()
 res["capture"] = []
 d, b, nl = 128, 8, 2
 for label, (fmt, opts) in formats(d, small_ring=True).items():
@@ -186,7 +199,7 @@ for label, (fmt, opts) in formats(d, small_ring=True).items():
             torch.cuda.current_stream().wait_stream(s)
             replay = g.replay
         else:
-            def replay():
+            def replay(got=got, kbuf=kbuf, vbuf=vbuf):
                 for layer in range(nl):
                     got.layers[layer]._write(kbuf, vbuf)
         for k1, v1 in data[1:9]:
@@ -220,6 +233,8 @@ def syncs(fn) -> bool:
         sync_mode(0)
 
 
+res["seconds_to_capture_end"] = time.perf_counter() - T0
+dump()
 res["timing"] = []
 NL, ROUNDS, REPS = (2, 2, 1) if SMALL else (28, 9, 10)
 for b in ((2,) if SMALL else (8, 64)):
@@ -248,7 +263,8 @@ for b in ((2,) if SMALL else (8, 64)):
                         st.write(layer, k1, v1, slots, rows, pos, pos + 1, one_per_row=True)
 
                 step()  # compile / warm up
-                mode = "eager (host sync: not capturable)" if syncs(step) else "graph" if CUDA else "eager (cpu dry run)"
+                mode = ("eager (host sync: not capturable)" if syncs(step) else
+                        "graph" if CUDA else "eager (cpu dry run)")
                 fn = step
                 if mode == "graph" and CUDA:
                     s = torch.cuda.Stream()
@@ -294,14 +310,12 @@ for b in ((2,) if SMALL else (8, 64)):
             traceback.print_exc()
             line("FAIL", f"timing {label} B={b}: {type(e).__name__}: {e}")
 
-res["fails"] = fails
-res["pass"] = not fails
-with open(os.path.join(OUT, "writefuse.json"), "w") as f:
-    json.dump(res, f, indent=1)
+res["seconds_total"] = time.perf_counter() - T0
+dump()
 print(f"SUMMARY writefuse: {'PASS' if not fails else 'FAIL'} ({len(fails)} failing)", flush=True)
 raise SystemExit(0 if not fails else 1)
 EOF
 rc=$?
-[ $rc -eq 124 ] && echo "FAIL: writefuse python part ran past 120 s"
+[ $rc -eq 124 ] && echo "FAIL: writefuse python part ran past 150 s"
 [ $prc -ne 0 ] && [ $rc -eq 0 ] && rc=1
 exit $rc
