@@ -264,3 +264,26 @@ def test_write_int8_kv_bad_inputs_name_the_argument() -> None:
         write_int8_kv(kp, vp, 0, x, x, sl[:1])
     with pytest.raises(ValueError, match="layer"):
         write_int8_kv(kp, vp, 1, x, x, sl)
+
+
+@pytest.mark.parametrize("fmt", ["kv4", "dither-int8"])  # block-table slots; token-slot mode (slot-bound pages)
+def test_step_addresses_kernel_equals_the_torch_addressing(fmt: str) -> None:
+    """PageTable.step_addresses: one launch == rows, pos, write_slots, pos + 1 (and the token-slot record)."""
+    lens = [9, 3, 6]
+    tabs = []
+    for backend in ("torch", "triton"):
+        cache, _ = _run(fmt, {}, 64, "torch", lens, steps=0)
+        t = cache.layers[0].table
+        t.reserve([1] * len(lens))
+        got = t.step_addresses(backend)
+        tabs.append((got, t.tok.clone() if t.token_slots else None, t))
+    (a, tok_a, ta), (b, tok_b, tb) = tabs
+    assert ta.token_slots == (fmt == "dither-int8")
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y)
+    assert torch.equal(a[1], ta.seq_lens.long()) and torch.equal(a[3], a[1] + 1)
+    assert torch.equal(a[2], ta.slots(a[0], ta.wpos.long() if ta.token_slots else a[1]))
+    if tok_a is not None:
+        assert torch.equal(tok_a, tok_b)
+    with pytest.raises(ValueError, match="backend"):
+        ta.step_addresses("fast")
