@@ -16,16 +16,17 @@ transiently for the torch reference path.
   :class:`kvlib.kernels.int4.decode.SideBuffer` (sinks in slots ``0..s-1``, recent positions in the ring).
 * :class:`PlainStore` (bf16/fp16/fp32 passthrough pages).
 
-Writes (``Store.write``): the INT8 and INT4 stores write through the fused Triton kernels of
-:mod:`kvlib.kernels.write` on CUDA (and on CPU tensors when ``interpret`` is set, under TRITON_INTERPRET=1),
-one launch per side (INT8) or one for K, V and kv4rl's side buffer (INT4), with no host read, so a decode step
-captures in a CUDA graph. The torch path beside them is the reference (the same bytes, bound bit for bit in
-``tests/test_write_kernels.py``) and the CPU path; ``write_backend`` picks ("auto", "triton", "torch") and
-``write_path`` says which ran (a reason is attached where the fused write cannot take the shape).
 * :class:`FormatStore` (any other stateless format): each per-token field of the format's packed
   dataclass gets its own pages; reads rebuild the dataclass and call the format's ``read``.
 * :class:`ObjectStore` (stateful formats without pages, e.g. kivi2): the format's own packed object per
   (layer, row, head), re-read whole each step (the reference path).
+
+Writes (``Store.write``): the INT8 and INT4 stores write through the fused Triton kernels of
+:mod:`kvlib.kernels.write` on CUDA (and on CPU tensors when ``interpret`` is set, under TRITON_INTERPRET=1):
+one launch per layer for K and V (and kv4rl's side buffer and crop stash in a decode step), with no host read,
+so a decode step captures in a CUDA graph. The torch path beside them is the reference (the same bytes, bound
+bit for bit in ``tests/test_write_kernels.py``) and the CPU path; ``write_backend`` picks ("auto", "triton",
+"torch") and ``write_path`` says which ran (with the reason where the fused write cannot take the shape).
 """
 
 from __future__ import annotations

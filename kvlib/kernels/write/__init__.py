@@ -3,8 +3,10 @@
 * :func:`kvlib.kernels.write.int4.write_int4` (kv4, kv4rl): Hadamard rotation of the keys, head-wise affine
   INT4 packing of K and V into their pages, and for kv4rl the INT8 sink/recent side buffer with its crop stash,
   in one launch (one program per (token, KV head)).
-* :func:`kvlib.kernels.int8.write.write_int8` (dither-int8 in each layout with outlier channels; rtn-int8 with
-  ``rule="rtn"``).
+* :func:`kvlib.kernels.int8.write.write_int8_kv` (dither-int8 in each layout with outlier channels; rtn-int8 with
+  ``rule="rtn"``): K and V of a layer in one launch (:func:`kvlib.kernels.int8.write.write_int8`: one side).
+* :mod:`kvlib.kernels.write.addressing`: a decode step's rows, positions, slots and lengths after the write from
+  the block table and ``seq_lens`` in one launch (:meth:`kvlib.storage.blocks.PageTable.step_addresses`).
 
 Each reproduces the bytes of the torch write path of :mod:`kvlib.storage.pools` bit for bit *on the device it
 runs on*: where the torch reference divides a tensor by a Python scalar, PyTorch's CUDA kernel multiplies by
