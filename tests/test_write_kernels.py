@@ -287,3 +287,12 @@ def test_step_addresses_kernel_equals_the_torch_addressing(fmt: str) -> None:
         assert torch.equal(tok_a, tok_b)
     with pytest.raises(ValueError, match="backend"):
         ta.step_addresses("fast")
+
+
+@pytest.mark.parametrize("fmt,want", [("bf16", "plain-torch"), ("sr-int8", "reference-torch"),
+                                      ("kivi2", "reference-torch")])
+def test_stores_without_a_fused_write_say_so(fmt: str, want: str) -> None:
+    cache = make_cache(fmt, _cfg(64), block_size=4, device=DEV)
+    x = torch.randn(1, HKV, 3, 64, device=DEV)
+    cache.update(x, x, 0)
+    assert cache.store.write_path == want

@@ -598,6 +598,7 @@ class PlainStore(Store):
         self.kv = [_grow_tensor(t, n_slots) for t in self.kv]
 
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        self.write_path = "plain-torch"  # a cast and a scatter per side: nothing to fuse
         self.kv[0][layer, slots] = k.to(self.dtype)
         self.kv[1][layer, slots] = v.to(self.dtype)
 
@@ -646,6 +647,7 @@ class FormatStore(Store):
         return ctx
 
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        self.write_path = "reference-torch"  # the format's own write per head (no kernel)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
             for h in range(self.n_kv):
@@ -702,6 +704,7 @@ class ObjectStore(Store):
                    keep: list[torch.Tensor | None]) -> None:
         """Append row ``b``'s tokens of ``k, v [B, H, s, d]`` (those of the bool mask ``keep[b]``, or all) at
         positions ``start[b]..``."""
+        self.write_path = "reference-torch"  # the format's own append per (row, head)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
             for b in range(x.shape[0]):
