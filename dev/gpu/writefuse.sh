@@ -8,8 +8,9 @@
 #   3. capture: one decode step's writes of every layer captured in a CUDA graph and replayed 8 times == the
 #      torch path run eagerly on the same tokens (every pool byte);
 #   4. one layer's write, torch path vs fused, B=8 and B=64, H_kv=4, d=128 (28 layers' writes per graph,
-#      interleaved rounds, median per layer), printing the ratio. The torch path of a format whose write syncs
-#      the host cannot be captured: it is timed eagerly and labelled so (speed is reported, never asserted).
+#      interleaved rounds, median per layer), printing the ratio; eager times of both beside. The torch path of
+#      a format whose write syncs the host cannot be captured: it is timed eagerly and labelled so (speed is
+#      reported, never asserted).
 # Runs from the repo root; prints PASS/FAIL lines and a SUMMARY; writes $OUT/writefuse.json. Under 4 minutes.
 set -uo pipefail
 export OUT="${OUT:-.}"
@@ -236,13 +237,13 @@ def syncs(fn) -> bool:
 res["seconds_to_capture_end"] = time.perf_counter() - T0
 dump()
 res["timing"] = []
-NL, ROUNDS, REPS = (2, 2, 1) if SMALL else (28, 9, 10)
+NL, ROUNDS, REPS, REPS_EAGER = (2, 2, 1, 1) if SMALL else (28, 9, 10, 3)
 for b in ((2,) if SMALL else (8, 64)):
     for label, (fmt, opts) in formats(128, small_ring=False).items():
         if label == "dither-int8-h10":
             continue  # same kernel as w24 but for the dither words; keep the script short
         try:
-            runners = {}
+            runners, eagers = {}, {}
             for backend in ("torch", "triton"):
                 c = make_cache(fmt, cfg(128, NL), batch_size=b, max_len=512, block_size=16, device=DEV,
                                **opts_for(opts, NL))
@@ -277,35 +278,41 @@ for b in ((2,) if SMALL else (8, 64)):
                         step()
                     fn = gr.replay
                 runners[backend] = (fn, mode, st.write_path)
-            times = {k: [] for k in runners}
+                eagers[backend + "-eager"] = step
+            fns = {**{k: r[0] for k, r in runners.items()}, **eagers}
+            times = {k: [] for k in fns}
             for _ in range(ROUNDS):  # interleaved: drift hits both paths alike
-                for k, (fn, _, _) in runners.items():
+                for k, fn in fns.items():
+                    reps = REPS if k in runners else REPS_EAGER
                     synchronize()
                     if CUDA:
                         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                         e0.record()
-                        for _ in range(REPS):
+                        for _ in range(reps):
                             fn()
                         e1.record()
                         e1.synchronize()
                         ms = e0.elapsed_time(e1)
                     else:
                         t0 = time.perf_counter()
-                        for _ in range(REPS):
+                        for _ in range(reps):
                             fn()
                         ms = (time.perf_counter() - t0) * 1e3
-                    times[k].append(ms * 1e3 / (REPS * NL))  # us per layer write
+                    times[k].append(ms * 1e3 / (reps * NL))  # us per layer write
             med = {k: statistics.median(v) for k, v in times.items()}
             ratio = med["torch"] / med["triton"]
             row = dict(format=label, B=b, H_kv=HKV, d=128, torch_us_per_layer=med["torch"],
                        fused_us_per_layer=med["triton"], ratio_torch_over_fused=ratio,
                        torch_mode=runners["torch"][1], fused_mode=runners["triton"][1],
-                       torch_path=runners["torch"][2], fused_path=runners["triton"][2], rounds=ROUNDS)
+                       torch_path=runners["torch"][2], fused_path=runners["triton"][2], rounds=ROUNDS,
+                       torch_eager_us_per_layer=med["torch-eager"], fused_eager_us_per_layer=med["triton-eager"],
+                       eager_ratio=med["torch-eager"] / med["triton-eager"])
             res["timing"].append(row)
             ok = (runners["triton"][1] == "graph" or not CUDA) and runners["triton"][2].endswith("-triton")
             line("PASS" if ok else "FAIL", f"timing {label} B={b}: torch {med['torch']:.1f} us/layer "
                  f"({runners['torch'][1]}), fused {med['triton']:.1f} us/layer ({runners['triton'][1]}), "
-                 f"ratio {ratio:.2f}x")
+                 f"ratio {ratio:.2f}x; eager: torch {med['torch-eager']:.1f}, fused {med['triton-eager']:.1f} "
+                 f"us/layer, ratio {med['torch-eager'] / med['triton-eager']:.2f}x")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             line("FAIL", f"timing {label} B={b}: {type(e).__name__}: {e}")
