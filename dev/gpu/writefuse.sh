@@ -42,6 +42,7 @@ OUT = os.environ.get("OUT", ".")
 # (graphs become eager calls, events wall clocks); the GPU run is the one that counts
 DEV = os.environ.get("WRITEFUSE_DEV", "cuda")
 SMALL = os.environ.get("WRITEFUSE_SMALL") == "1"
+SECTIONS = os.environ.get("WRITEFUSE_SECTIONS", "bit,capture,timing").split(",")  # to rerun a part alone
 CUDA = DEV == "cuda"
 fails: list[str] = []
 res: dict = {"pytest_rc": int(os.environ.get("PYTEST_RC", "-1")),
@@ -134,7 +135,7 @@ def steps_data(b, d, n, seed=1):
 T0 = time.perf_counter()
 # -- 2. bit-exactness at larger shapes -------------------------------------------------------------------------
 res["bit_exact"] = []
-for d in (64, 128):
+for d in ((64, 128) if "bit" in SECTIONS else ()):
     for label, (fmt, opts) in formats(d, small_ring=True).items():
         try:
             nb = 3 if SMALL else 16
@@ -171,7 +172,7 @@ res["seconds_bit_exact"] = time.perf_counter() - T0
 dump()
 res["capture"] = []
 d, b, nl = 128, 8, 2
-for label, (fmt, opts) in formats(d, small_ring=True).items():
+for label, (fmt, opts) in (formats(d, small_ring=True).items() if "capture" in SECTIONS else ()):
     try:
         lens = [40, 7, 33, 60, 12, 50, 29, 45]
         ref = filled(fmt, opts, d, "torch", lens, nl, 128)
@@ -238,7 +239,7 @@ res["seconds_to_capture_end"] = time.perf_counter() - T0
 dump()
 res["timing"] = []
 NL, ROUNDS, REPS, REPS_EAGER = (2, 2, 1, 1) if SMALL else (28, 9, 10, 3)
-for b in ((2,) if SMALL else (8, 64)):
+for b in ((2,) if SMALL else (8, 64)) if "timing" in SECTIONS else ():
     for label, (fmt, opts) in formats(128, small_ring=False).items():
         if label == "dither-int8-h10":
             continue  # same kernel as w24 but for the dither words; keep the script short
