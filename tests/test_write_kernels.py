@@ -23,6 +23,7 @@ FORMATS = [
     ("dither-int8", {"dither_layout": "w24"}),
     ("dither-int8", {"dither_layout": "h10"}),
     ("dither-int8", {"dither_layout": "h8", "outliers": True}),
+    ("dither-int8", {"dither_layout": "w24", "outliers": True, "outlier_sides": (0, 1)}),  # V outliers too
     ("rtn-int8", {}),
     ("kv4", {}),
     ("kv4rl", {"sink": 2, "recent": 4}),
