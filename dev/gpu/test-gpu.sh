@@ -18,7 +18,8 @@ LIMIT=${TEST_GPU_TIMEOUT_S:-225}
 # every test file that launches a kernel (tests/test_gpu_lane.py checks that none is missing)
 TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py tests/test_merge_tl.py
        tests/test_philox*.py tests/test_fallback.py tests/test_sass_count.py tests/test_bench_wiring.py
-       tests/test_format_capabilities.py tests/test_hf_cache.py tests/test_pools.py)
+       tests/test_format_capabilities.py tests/test_hf_cache.py tests/test_pools.py tests/test_write_kernels.py
+       tests/test_gate_fixed.py tests/test_wspec.py)
 
 unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # absolute: tests that chdir keep it

@@ -259,11 +259,9 @@ class KVFormatLayer(CacheLayerMixin):
             t.lens = [n + (s if m is None else int(m.sum())) for n, m in zip(t.lens, keep)]
             return
         if rows_keep is None and s == 1:
-            rows = torch.arange(b, device=k.device)
-            pos = t.seq_lens.long()
             t.reserve([1] * b)
-            slots = t.write_slots(rows, pos)
-            store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, pos + 1, one_per_row=True)
+            rows, pos, slots, lens_after = t.step_addresses()  # one launch on CUDA
+            store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, lens_after, one_per_row=True)
             if self.cache.watch_writes:
                 self.cache._on_write(self.layer_idx, k[:, :, 0], v[:, :, 0], rows, pos, slots)
             t.advance([1] * b)

@@ -8,17 +8,25 @@ transiently for the torch reference path.
 
 * :class:`Int8Store` (dither-int8 in each dither layout, with outlier channels; rtn-int8): the
   :class:`kvlib.storage.paged.PagedPool` layout (int8 codes, fp16 group scales, fp16 outliers). Dithered
-  keys are written by :func:`kvlib.kernels.int8.write.write_int8` (Triton on CUDA, its torch reference on
-  CPU; the Philox counter is the slot, so dithered pages are bound to their slots); values RTN in the same
-  layout (``dithered=False``, what the decode kernel reads). rtn-int8 is written by its format.
+  keys are written by :func:`kvlib.kernels.int8.write.write_int8` (the Philox counter is the slot, so dithered
+  pages are bound to their slots); values RTN in the same layout (``dithered=False``, what the decode kernel
+  reads). rtn-int8: the same kernel with ``rule="rtn"``, or its format's ``write`` on the torch path.
 * :class:`Int4Store` (kv4; kv4rl): codes uint8 ``[NB, bs, H, d//2]``, scale/offset fp16 ``[NB, bs, H]``,
   keys Hadamard-rotated; kv4rl adds the per-sequence INT8 side buffer ``[B, H, C, d]`` + fp16 scales of
   :class:`kvlib.kernels.int4.decode.SideBuffer` (sinks in slots ``0..s-1``, recent positions in the ring).
 * :class:`PlainStore` (bf16/fp16/fp32 passthrough pages).
+
 * :class:`FormatStore` (any other stateless format): each per-token field of the format's packed
   dataclass gets its own pages; reads rebuild the dataclass and call the format's ``read``.
 * :class:`ObjectStore` (stateful formats without pages, e.g. kivi2): the format's own packed object per
   (layer, row, head), re-read whole each step (the reference path).
+
+Writes (``Store.write``): the INT8 and INT4 stores write through the fused Triton kernels of
+:mod:`kvlib.kernels.write` on CUDA (and on CPU tensors when ``interpret`` is set, under TRITON_INTERPRET=1):
+one launch per layer for K and V (and kv4rl's side buffer and crop stash in a decode step), with no host read,
+so a decode step captures in a CUDA graph. The torch path beside them is the reference (the same bytes, bound
+bit for bit in ``tests/test_write_kernels.py``) and the CPU path; ``write_backend`` picks ("auto", "triton",
+"torch") and ``write_path`` says which ran (with the reason where the fused write cannot take the shape).
 """
 
 from __future__ import annotations
@@ -83,6 +91,13 @@ class Store:
     #: cannot be moved to other slots
     slot_bound = False
     paged = True
+    #: ``"auto"``: the fused Triton write (:mod:`kvlib.kernels.write`) on CUDA, and on CPU tensors when
+    #: ``interpret`` is set (TRITON_INTERPRET=1), the torch path elsewhere; ``"triton"``: the fused write or an
+    #: error; ``"torch"``: the torch path (the reference, bit for bit the same bytes)
+    write_backend = "auto"
+    #: the path the last write took, e.g. ``"int8-triton"``, ``"kv4-torch"``; ``"...-torch:<why>"`` when the
+    #: fused write cannot take the shape (never a silent fallback). None before the first write.
+    write_path: str | None = None
 
     def __init__(self, n_layers: int, n_kv: int, d: int, block_size: int, num_blocks: int, device: torch.device,
                  key_format: KVFormat, value_format: KVFormat, *, batch: int, seed: int = 0,
@@ -140,6 +155,35 @@ class Store:
         this store has no kernel for ``q``'s device and shape (the caller takes the reference path)."""
         return None
 
+    def _fused_unsupported(self) -> str | None:
+        """Why the fused write cannot take this store's shapes (None: it can)."""
+        return "no fused write for this store"
+
+    def _write_route(self, x: torch.Tensor) -> bool:
+        """True for the fused write, False for the torch path (``write_backend``); sets ``write_path``'s suffix.
+        Decided from attributes and the device type only: nothing is read back from the device."""
+        b = self.write_backend
+        if b not in ("auto", "triton", "torch"):
+            raise ValueError(f"write_backend must be 'auto', 'triton' or 'torch', got {b!r}")
+        self._route = "torch"
+        if b == "torch":
+            return False
+        from kvlib.kernels.backend import triton_available
+
+        why = self._fused_unsupported()
+        on = x.is_cuda or ((b == "triton" or self.interpret) and triton_available(x.device))
+        if b == "triton":
+            if why:
+                raise ValueError(f"write_backend='triton': {why}")
+            if not on:
+                raise RuntimeError("write_backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
+                                   "triton is imported")
+        elif why or not on:
+            self._route = f"torch:{why}" if why and on else "torch"
+            return False
+        self._route = "triton"
+        return True
+
 
 class Int8Store(Store):
     family = "int8"
@@ -187,20 +231,24 @@ class Int8Store(Store):
         return _nbytes(self.k.outlier_channels if self.k.n_out else None,
                        self.v.outlier_channels if self.v.n_out else None)
 
-    def _write_int8(self, pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
-        from kvlib.kernels.int8.write import write_int8
-
+    def _fused_unsupported(self) -> str | None:
         d, g = self.d, self.group
-        pow2 = d & (d - 1) == 0 and d % 4 == 0 and (d // g) & (d // g - 1) == 0
-        # the Triton write kernel takes power-of-two shapes; others use its torch reference (same bits)
-        backend = getattr(self, "write_backend", "auto") if pow2 else "torch"
-        write_int8(pool, layer, x.contiguous(), slots, backend=backend, validate=not x.is_cuda and backend != "triton")
+        if d & (d - 1) or d % 4 or (d // g) & (d // g - 1):
+            return f"the fused INT8 write takes d and d // group powers of two, got d={d}, group={g}"
+        return None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
               pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
+        from kvlib.kernels.int8.write import write_int8, write_int8_kv
+
+        fused = self._write_route(k)
+        self.write_path = f"int8-{self._route}"
+        if fused:  # K and V in one launch, no host read (the checks that sync are the torch path's)
+            write_int8_kv(self.k, self.v, layer, k, v, slots, rule="witcert" if self.dithered else "rtn")
+            return
         if self.dithered:
-            self._write_int8(self.k, layer, k, slots)
-            self._write_int8(self.v, layer, v, slots)
+            write_int8(self.k, layer, k.contiguous(), slots, backend="torch")
+            write_int8(self.v, layer, v.contiguous(), slots, backend="torch")
             return
         n, h, d = k.shape
         for pool, x, fmt in ((self.k, k, self.formats[0]), (self.v, v, self.formats[1])):
@@ -344,16 +392,52 @@ class Int4Store(Store):
         return (self.codes[side][layer].view(nb, bs, h, -1), self.scale[side][layer].view(nb, bs, h),
                 self.off[side][layer].view(nb, bs, h))
 
+    def _fused_unsupported(self) -> str | None:
+        if self.d < 2 or self.d > 512 or self.d & (self.d - 1):
+            return f"the fused kv4 write takes a power-of-two head_dim <= 512, got d={self.d}"
+        return None
+
+    def _side_write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, lens_after: torch.Tensor):
+        from kvlib.kernels.write.int4 import SideWrite
+
+        return SideWrite(rows, pos, lens_after, self.sink, self.recent,
+                         (self.side8[0][layer], self.side8[1][layer]),
+                         (self.side_scale[0][layer], self.side_scale[1][layer]),
+                         (self.stash8[0][layer], self.stash8[1][layer]),
+                         (self.stash_scale[0][layer], self.stash_scale[1][layer]))
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
               pos: torch.Tensor, lens_after: torch.Tensor, one_per_row: bool = False) -> None:
+        name = "kv4rl" if self.rl else "kv4"
+        if self._write_route(k):
+            from kvlib.kernels.write.int4 import write_int4
+
+            # a decode step (one token per row) writes kv4rl's side buffer in the same launch
+            side = self._side_write(layer, rows, pos, lens_after) if self.rl and one_per_row else None
+            pages = [(self.codes[i][layer], self.scale[i][layer], self.off[i][layer]) for i in (0, 1)]
+            write_int4(k, v, slots, pages[0], pages[1], side=side)
+            self.write_path = f"{name}-triton"
+            if not self.rl:
+                return
+            if one_per_row:
+                self.valid[layer] = [min(self.undo, a + 1) for a in self.valid[layer]]
+                return
+            self.write_path = f"{name}-triton+side-torch"  # a prefill / chunk: the side buffer by the torch path
+            self._write_side(layer, (hadamard(k.float()), v.float()), rows, pos, lens_after, one_per_row)
+            return
+        self.write_path = f"{name}-{self._route}"
         xs = (hadamard(k.float()), v.float())  # keys rotated (rotate="k", the kernel's layout)
         for side, x in enumerate(xs):
             codes, scale, off = int4_head_quantize(x)  # one affine group per (token, head): batched = per stream
             self.codes[side][layer, slots] = codes
             self.scale[side][layer, slots] = scale
             self.off[side][layer, slots] = off
-        if not self.rl:
-            return
+        if self.rl:
+            self._write_side(layer, xs, rows, pos, lens_after, one_per_row)
+
+    def _write_side(self, layer: int, xs: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, pos: torch.Tensor,
+                    lens_after: torch.Tensor, one_per_row: bool) -> None:
+        """kv4rl's side buffer (and crop stash) by the torch path."""
         s, w = self.sink, self.recent
         keep = (pos < s) | (pos >= lens_after[rows] - w)
         ring = torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
@@ -514,6 +598,7 @@ class PlainStore(Store):
         self.kv = [_grow_tensor(t, n_slots) for t in self.kv]
 
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        self.write_path = "plain-torch"  # a cast and a scatter per side: nothing to fuse
         self.kv[0][layer, slots] = k.to(self.dtype)
         self.kv[1][layer, slots] = v.to(self.dtype)
 
@@ -562,6 +647,7 @@ class FormatStore(Store):
         return ctx
 
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
+        self.write_path = "reference-torch"  # the format's own write per head (no kernel)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
             for h in range(self.n_kv):
@@ -618,6 +704,7 @@ class ObjectStore(Store):
                    keep: list[torch.Tensor | None]) -> None:
         """Append row ``b``'s tokens of ``k, v [B, H, s, d]`` (those of the bool mask ``keep[b]``, or all) at
         positions ``start[b]..``."""
+        self.write_path = "reference-torch"  # the format's own append per (row, head)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
             for b in range(x.shape[0]):

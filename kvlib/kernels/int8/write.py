@@ -7,8 +7,10 @@ slots ``slots [N]`` of a :class:`kvlib.storage.paged.PagedPool`, following the s
 the two bit for bit. The dither layout is the pool's (``pool.dither_layout``, a constexpr of the
 kernel: ``"w24"`` or ``"h10"``, see :mod:`kvlib.core.philox`).
 
-Bit identity rests on doing the same IEEE fp32 operations in the same order: ``amax / 126.5`` and
-``x / s`` with ``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU),
+Bit identity rests on doing the same IEEE fp32 operations in the same order: ``x / s`` with
+``tl.math.div_rn`` (Triton's plain ``/`` is an approximate division on the GPU); ``amax / 126.5`` as torch
+does a division by a Python scalar on the device (IEEE ``div_rn`` on the CPU, ``amax * fp32(1/126.5)`` on
+CUDA, see :mod:`kvlib.kernels.write`),
 fp32 -> fp16 conversion round-to-nearest-even, ``+ xi`` in fp32, and round half to even
 (libdevice ``rint`` on the GPU; under the CPU interpreter, which lacks libdevice, the same rounding
 spelled with ``floor``, exact for |y| < 2^23).
@@ -28,6 +30,7 @@ from kvlib.core.checks import check_tensor
 from kvlib.core.philox import check_layout_d, seed_key
 from kvlib.formats.dither_int8 import check_x, dither_quantize
 from kvlib.kernels.tl.philox import dither_tile, dither_tile_h8, dither_tile_h10
+from kvlib.kernels.write import recip32
 from kvlib.storage.paged import PagedPool
 
 
@@ -49,9 +52,46 @@ def _write_int8_kernel(
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
     USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)
+    _quantize_side(tl.program_id(0), tl.program_id(1), x_ptr, slot_ptr, codes_ptr, scales_ptr, out_ptr, och_ptr,
+                   N, stride_xn, stride_xh, layer, side, k0, k1, H, D, G, NOUT, NOUT_P2, INCLUDE_OUT, DITHER,
+                   USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+
+
+@triton.jit
+def _write_int8_kv_kernel(
+    k_ptr, v_ptr, slot_ptr, kc_ptr, ks_ptr, ko_ptr, koc_ptr, vc_ptr, vs_ptr, vo_ptr, voc_ptr,
+    N, skn, skh, svn, svh,
+    layer, side_k, side_v, k0, k1,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOUT_K: tl.constexpr, NOUT_P2_K: tl.constexpr, DITHER_K: tl.constexpr,
+    NOUT_V: tl.constexpr, NOUT_P2_V: tl.constexpr, DITHER_V: tl.constexpr, INCLUDE_OUT: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
+):
+    """K and V of one layer in one launch: grid axis 2 picks the side (a decode step's write: one launch)."""
+    if tl.program_id(2) == 0:
+        _quantize_side(tl.program_id(0), tl.program_id(1), k_ptr, slot_ptr, kc_ptr, ks_ptr, ko_ptr, koc_ptr,
+                       N, skn, skh, layer, side_k, k0, k1, H, D, G, NOUT_K, NOUT_P2_K, INCLUDE_OUT, DITHER_K,
+                       USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+    else:
+        _quantize_side(tl.program_id(0), tl.program_id(1), v_ptr, slot_ptr, vc_ptr, vs_ptr, vo_ptr, voc_ptr,
+                       N, svn, svh, layer, side_v, k0, k1, H, D, G, NOUT_V, NOUT_P2_V, INCLUDE_OUT, DITHER_V,
+                       USE_RINT, BLOCK_S, LAYOUT, QDIV, QBUMP, RECIP, INV_QDIV)
+
+
+@triton.jit
+def _quantize_side(
+    pid_n, h, x_ptr, slot_ptr, codes_ptr, scales_ptr, out_ptr, och_ptr,
+    N, stride_xn, stride_xh,
+    layer, side, k0, k1,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, INCLUDE_OUT: tl.constexpr, DITHER: tl.constexpr,
+    USE_RINT: tl.constexpr, BLOCK_S: tl.constexpr, LAYOUT: tl.constexpr,
+    QDIV: tl.constexpr, QBUMP: tl.constexpr, RECIP: tl.constexpr, INV_QDIV: tl.constexpr,
+):
+    """Tokens ``pid_n * BLOCK_S ..`` of head ``h`` of one side into its pool (the storage contract)."""
     NG: tl.constexpr = D // G
     n = pid_n * BLOCK_S + tl.arange(0, BLOCK_S)
     n_ok = n < N
@@ -72,8 +112,12 @@ def _write_int8_kernel(
         if not INCLUDE_OUT:
             a = tl.where(is_out, 0.0, a)
     amax = tl.max(a, axis=2)  # [BLOCK_S, NG]
-    s16 = tl.math.div_rn(amax, 126.5).to(tl.float16)
-    low = s16.to(tl.float32) * 127.0 < amax  # subnormal scales only: bump to the next fp16 up
+    # amax / QDIV as torch computes a division by a Python scalar on this device (kvlib.kernels.write)
+    if RECIP:
+        s16 = (amax * INV_QDIV).to(tl.float16)
+    else:
+        s16 = tl.math.div_rn(amax, QDIV).to(tl.float16)
+    low = s16.to(tl.float32) * QBUMP < amax  # subnormal scales only: bump to the next fp16 up
     s16 = tl.where(low, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
     s32 = s16.to(tl.float32)[:, :, None]
 
@@ -146,10 +190,77 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
             v.outliers[slots, h] = qt.outliers
 
 
+def write_rtn_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """Torch reference of ``rule="rtn"``: :meth:`kvlib.formats.rtn_int8.RtnInt8.write` (every head at once: its
+    scales are per token and group), stored by slot."""
+    from kvlib.formats.rtn_int8 import RtnInt8
+
+    _check_write_args(pool, layer, x, slots, validate=True)
+    n, h, d = x.shape
+    p = RtnInt8(pool.group).write(x.reshape(n * h, d).float())
+    v = pool.layer(layer)
+    slots = slots.to(torch.int64)
+    v.codes[slots] = p.codes.reshape(n, h, d)
+    v.scales[slots] = p.scales.reshape(n, h, -1)
+
+
 def _interpreting() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_write_int8_kernel, InterpretedFunction)
+
+
+def write_int8_kv(
+    kpool: PagedPool,
+    vpool: PagedPool,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    rule: str = "witcert",
+    validate: bool = False,
+    block_s: int = 16,
+    num_warps: int = 4,
+) -> None:
+    """:func:`write_int8` of ``k`` into ``kpool`` and ``v`` into ``vpool`` (same slots) in ONE launch (Triton; CUDA,
+    or CPU tensors under TRITON_INTERPRET=1): the bytes two :func:`write_int8` calls store. The pools must share
+    heads, head dim, group, seed, dither layout and the outlier-in-amax setting (as an
+    :class:`kvlib.storage.pools.Int8Store`'s do); each keeps its own side, dither flag and outliers."""
+    if rule not in ("witcert", "rtn"):
+        raise ValueError(f"rule must be 'witcert' or 'rtn', got {rule!r}")
+    for name, pool, x in (("kpool", kpool, k), ("vpool", vpool, v)):
+        _check_write_args(pool, layer, x, slots, validate)
+        if rule == "rtn" and (pool.dithered or pool.n_out):
+            raise ValueError(f"{name}: rule='rtn' needs a pool built with dithered=False and n_out=0")
+    for attr in ("n_kv_heads", "d", "group", "seed", "dither_layout", "include_outliers_in_amax", "n_slots"):
+        if getattr(kpool, attr) != getattr(vpool, attr):
+            raise ValueError(f"kpool and vpool must share {attr}, got {getattr(kpool, attr)!r} and "
+                             f"{getattr(vpool, attr)!r}")
+    if not k.is_cuda and not _interpreting():
+        raise RuntimeError("write_int8_kv on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+    d, G = kpool.d, kpool.group
+    if d & (d - 1) or d % 4 or (d // G) & (d // G - 1):
+        raise ValueError(f"the Triton write kernel needs d and d // group powers of two, got d={d}, group={G}")
+    check_layout_d(kpool.dither_layout, d)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    N, H = k.shape[0], kpool.n_kv_heads
+    if N == 0:
+        return
+    k0, k1 = seed_key(kpool.seed)
+    kv, vv = kpool.layer(layer), vpool.layer(layer)
+    qdiv = 127.0 if rule == "rtn" else 126.5
+    p2 = [max(triton.next_power_of_2(p.n_out), 1) if p.n_out else 1 for p in (kpool, vpool)]
+    _write_int8_kv_kernel[(triton.cdiv(N, block_s), H, 2)](
+        k, v, slots, kv.codes, kv.scales, kv.outliers, kv.outlier_channels, vv.codes, vv.scales, vv.outliers,
+        vv.outlier_channels, N, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer, kpool.side, vpool.side, k0, k1,
+        H=H, D=d, G=G, NOUT_K=kpool.n_out, NOUT_P2_K=p2[0], DITHER_K=kpool.dithered,
+        NOUT_V=vpool.n_out, NOUT_P2_V=p2[1], DITHER_V=vpool.dithered, INCLUDE_OUT=kpool.include_outliers_in_amax,
+        USE_RINT=False, BLOCK_S=block_s, LAYOUT=kpool.dither_layout, num_warps=num_warps,
+        QDIV=qdiv, QBUMP=qdiv + 0.5, RECIP=k.is_cuda, INV_QDIV=recip32(qdiv),
+    )
 
 
 def write_int8(
@@ -164,6 +275,7 @@ def write_int8(
     num_warps: int = 4,
     dither: bool | None = None,
     use_rint: bool = False,
+    rule: str = "witcert",
 ) -> None:
     """Write ``x [N, H_kv, d]`` into ``pool`` at ``slots [N]`` for ``layer`` in one launch.
 
@@ -173,13 +285,25 @@ def write_int8(
     setting (benchmark ablation only: the stored codes then break the pool's contract).
     ``use_rint=True`` rounds with libdevice ``rint`` on CUDA instead of the floor-based spelling
     (same rounding, fewer instructions; the floor path is the one verified bit-identical on the H200).
+    ``rule``: ``"witcert"`` (the storage contract: ``s = fp16(amax / 126.5)``, bumped where ``127 s < amax``)
+    or ``"rtn"`` (:class:`kvlib.formats.rtn_int8.RtnInt8`: ``fp16(amax / 127)``, bumped where
+    ``127.5 s < amax``, round to nearest; the pool must be ``dithered=False`` without outliers). The scale
+    division is done as torch does it on the tensors' device (:mod:`kvlib.kernels.write`), so the stored
+    bytes equal the torch path's there.
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if rule not in ("witcert", "rtn"):
+        raise ValueError(f"rule must be 'witcert' or 'rtn', got {rule!r}")
+    if rule == "rtn" and (pool.dithered or pool.n_out):
+        raise ValueError("rule='rtn' needs a pool built with dithered=False and n_out=0 (rtn-int8's layout)")
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
-        write_int8_reference(pool, layer, x, slots)
+        if rule == "rtn":
+            write_rtn_reference(pool, layer, x, slots)
+        else:
+            write_int8_reference(pool, layer, x, slots)
         return
     _check_write_args(pool, layer, x, slots, validate)
     if not x.is_cuda and not _interpreting():
@@ -196,6 +320,7 @@ def write_int8(
     if N == 0:
         return
     nout = pool.n_out
+    qdiv = 127.0 if rule == "rtn" else 126.5
     grid = (triton.cdiv(N, block_s), H)
     _write_int8_kernel[grid](
         x, slots, v.codes, v.scales, v.outliers, v.outlier_channels,
@@ -205,4 +330,5 @@ def write_int8(
         INCLUDE_OUT=pool.include_outliers_in_amax, DITHER=pool.dithered if dither is None else dither,
         USE_RINT=bool(use_rint and x.is_cuda and not _interpreting()), BLOCK_S=block_s,
         LAYOUT=pool.dither_layout, num_warps=num_warps,
+        QDIV=qdiv, QBUMP=qdiv + 0.5, RECIP=x.is_cuda, INV_QDIV=recip32(qdiv),
     )
