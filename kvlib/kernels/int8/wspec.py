@@ -71,24 +71,43 @@ class WSpecConfig:
     prmt: bool = False
     #: (``scales_smem`` only) fp16 P, value scales folded into the value operand (else into P, per group, fp32)
     vfold: bool = False
+    #: ``consumer_warps`` one-warp consumer partitions, each taking every ``consumer_warps``-th tile with its own
+    #: softmax state (written as its own split: no cross-warp max, P stays in its warp's registers); needs
+    #: ``scales_smem`` and ``vfold``
+    warp_tiles: bool = False
+    #: (``warp_tiles`` only) rescale the running state only when a head's max grows by more than 2^LAZY_TAU in
+    #: base 2; exact: the final normalisation uses the max the terms were scaled by
+    lazy_rescale: bool = False
 
     def __post_init__(self):
-        if self.block_n not in (32, 64, 128):
-            raise ValueError(f"block_n must be 32, 64 or 128, got {self.block_n}")
-        if not 2 <= self.ring <= 6:
-            raise ValueError(f"ring must be 2..6 stages, got {self.ring}")
+        if self.block_n not in (32, 64, 128, 256):
+            raise ValueError(f"block_n must be 32, 64, 128 or 256, got {self.block_n}")
+        if not 2 <= self.ring <= 8:
+            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
         if self.consumer_warps != 4:
             raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
         if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
         if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.swizzle not in (0, 32, 64, 128):
-            raise ValueError(f"swizzle must be 0, 32, 64 or 128 bytes, got {self.swizzle}")
+        if self.swizzle not in (32, 64, 128):
+            raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}" + (
+                "; 0 is refused: on the H200 the unswizzled ring read back wrong codes (max |o - ref| 3.4, "
+                "dev/results/wspec_timing.json): Triton's unswizzled NVMMA layout is not the row-major image a "
+                "SWIZZLE_NONE TMA box of 128-byte rows writes" if self.swizzle == 0 else ""))
         if self.vfold and not self.scales_smem:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
+        if self.warp_tiles and not (self.scales_smem and self.vfold):
+            raise ValueError("warp_tiles needs scales_smem=True and vfold=True")
+        if self.lazy_rescale and not self.warp_tiles:
+            raise ValueError("lazy_rescale needs warp_tiles=True")
         if self.ctas_per_sm < 1:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+
+    @property
+    def states_per_split(self) -> int:
+        """Softmax states each split writes (one per consumer warp with ``warp_tiles``)."""
+        return self.consumer_warps if self.warp_tiles else 1
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -419,6 +438,92 @@ def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, 
               GQA, MMA)
 
 
+#: lazy rescale threshold (base 2): terms stay <= 2^5 relative to the max they are scaled by, so 1024 p <= 32768
+#: stays a finite fp16 and the fp32 sums cannot overflow
+LAZY_TAU: gl.constexpr = gl.constexpr(5.0)
+
+
+@gluon.jit
+def _idle():
+    pass
+
+
+@gluon.jit
+def _consumer_warp(k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                   W: gl.constexpr, NCW: gl.constexpr, GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
+                   PRMT: gl.constexpr, LAZY: gl.constexpr):
+    """One consumer warp (``warp_tiles``): tiles ``W, W + NCW, ...`` of the split with its own softmax state, written
+    as state ``split * NCW + W``. One warp holds a whole ``[16, BN]`` score tile, so the max over positions and the
+    P operand of the PV MMA stay inside the warp (no shared-memory exchange, no CTA barrier); the ring's stages are
+    freed one by one by whichever warp read them."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    Q_row = Q + b * s_qb + kvh * GQA * s_qh
+    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
+    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
+    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
+    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
+    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL)
+    for i in range(W, n_tiles, NCW):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = start + i * BN
+        mbarrier.wait(ready.index(s), ph)
+        kb = k_bufs.index(s)
+        vb = v_bufs.index(s)
+        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
+        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
+        m_t = gl.max(z, 1)
+        if LAZY:
+            # a tile never lies wholly past the split's end, so m_t is finite and the first tile always rescales
+            if gl.max(m_t - m_i, 0) > LAZY_TAU:
+                m_new = gl.maximum(m_i, m_t)
+                alpha = gl.exp2(m_i - m_new)
+                l_t = l_t * alpha[:, None]
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+        else:
+            m_new = gl.maximum(m_i, m_t)
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[:, None]
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            m_i = m_new
+        p = gl.exp2(z - m_i[:, None])
+        l_t = l_t + p
+        p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)  # within the warp
+        one = gl.full([16], 1.0, gl.float32, layout=HL)
+        acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, one, KB)
+        acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, one, KB)
+        acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, one, KB)
+        acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, one, KB)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+    _epilogue(O_S, LSE_S, b, kvh, split * NCW + W, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b,
+              s_ls_h, GQA, MMA)
+
+
 @gluon.jit
 def _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA: gl.constexpr, MMA: gl.constexpr):
@@ -447,7 +552,9 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
-    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr = 128,
+    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, WTILES: gl.constexpr = False,
+    LAZY: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -474,7 +581,30 @@ def _wspec_stage1(
         mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    if SCALES_SMEM:
+    if WTILES:  # the default partition (4 warps: Triton wants a multiple of 4) idles; the consumers are workers
+        CW: gl.constexpr = NW
+        W0: gl.constexpr = 0
+        W1: gl.constexpr = 1
+        W2: gl.constexpr = 2
+        W3: gl.constexpr = 3
+        gl.warp_specialize([
+            (_idle, ()),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
+                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W0, CW, GQA, BN, RING, PRMT,
+                                LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
+                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W1, CW, GQA, BN, RING, PRMT,
+                                LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
+                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W2, CW, GQA, BN, RING, PRMT,
+                                LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
+                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, CW, GQA, BN, RING, PRMT,
+                                LAZY)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+        ], [1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    elif SCALES_SMEM:
         gl.warp_specialize([
             (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                               n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
@@ -523,7 +653,8 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         raise ValueError("q: the warp-specialised kernel needs a CUDA (Hopper) device")
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
     kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
-    B, hq, ns, d = pl.batch, pl.hq, pl.num_splits, pl.d
+    B, hq, d = pl.batch, pl.hq, pl.d
+    ns = pl.num_splits * cfg.states_per_split
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     if lse_s is None:
@@ -531,13 +662,15 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     q = q.contiguous()
     ks = k_scales.view(-1, pl.hkv * 4)
     vs = v_scales.view(-1, pl.hkv * 4)
-    _wspec_stage1[(B, pl.hkv, ns)](
+    _wspec_stage1[(B, pl.hkv, pl.num_splits)](
         q, kd, vd, ks, vs, block_table, seq_lens, o_s, lse_s,
-        sm * 1.4426950408889634, ns, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0), block_table.stride(0),
+        sm * 1.4426950408889634, pl.num_splits, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0),
+        block_table.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        PRMT=cfg.prmt, VFOLD=cfg.vfold, num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.maxnreg,
+        num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -608,7 +741,8 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-                 PRMT=cfg.prmt, VFOLD=cfg.vfold)
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale,
+                 CONSUMER_REGS=cfg.maxnreg)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
