@@ -103,11 +103,23 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
 @pytest.mark.parametrize("kw, name", [
     ({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"), ({"consumer_warps": 8}, "consumer_warps"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
-    ({"swizzle": 16}, "swizzle"), ({"vfold": True, "scales_smem": False}, "vfold"),
+    ({"swizzle": 16}, "swizzle"), ({"swizzle": 0}, "swizzle"), ({"vfold": True, "scales_smem": False}, "vfold"),
+    ({"block_n": 16}, "block_n"), ({"ring": 9}, "ring"), ({"warp_tiles": True}, "warp_tiles"),
+    ({"warp_tiles": True, "vfold": True, "scales_smem": False}, "vfold"), ({"lazy_rescale": True}, "lazy_rescale"),
+    ({"warp_tiles": True, "vfold": True, "consumer_warps": 8}, "consumer_warps"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
         W.WSpecConfig(**kw)
+
+
+def test_warp_tiles_states_and_shared_memory():
+    """Each split of the one-warp-consumer variant writes one state per consumer warp; the ring's bytes are the
+    codes of both sides, the scales and the barriers."""
+    wt = W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True)
+    assert wt.states_per_split == 4 and W.WSpecConfig().states_per_split == 1
+    assert wt.smem_bytes() == 8 * (2 * 32 * 128 + 16 * 32 + 16)
+    assert W.WSpecConfig(block_n=128, ring=3).smem_bytes() == 104496  # two CTAs fit 228 KB; ring 4 (139328) one
 
 
 def test_launch_refuses_cpu_tensors():
@@ -117,9 +129,9 @@ def test_launch_refuses_cpu_tensors():
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_compiles_for_sm90_without_spills():
-    """The default variant (also GQA 8 over 64-slot pages) and the bit-trick, folded-scale one (GQA 1) build for
-    sm_90 with Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumer, no local-memory
-    spills."""
+    """The default variant (also GQA 8 over 64-slot pages) and the one-warp-consumer, lazy-rescale one build for
+    sm_90 with Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumers, no
+    local-memory spills."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -129,7 +141,8 @@ import json, os, re, subprocess, tempfile
 from kvlib.kernels.int8 import wspec as W
 from kvlib.kernels.sass import _tool
 out = []
-for kw in ({}, {"gqa": 8, "block_size": 64}):
+wt = W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True, producer_regs=40)
+for kw in ({}, {"gqa": 8, "block_size": 64}, {"config": wt}):
     cc = W.compile_offline(**kw)
     with tempfile.TemporaryDirectory() as t:
         p = os.path.join(t, "k.cubin"); open(p, "wb").write(cc.asm["cubin"])

@@ -78,14 +78,18 @@ class WSpecConfig:
     #: (``warp_tiles`` only) rescale the running state only when a head's max grows by more than 2^LAZY_TAU in
     #: base 2; exact: the final normalisation uses the max the terms were scaled by
     lazy_rescale: bool = False
+    #: (``warp_tiles`` only) registers of each consumer warp after ``setmaxnreg`` (the launch's ``maxnreg`` sets the
+    #: CTA's pool: 12 warps, as Triton pads the partitions to warpgroups)
+    consumer_regs: int = 168
 
     def __post_init__(self):
-        if self.block_n not in (32, 64, 128, 256):
-            raise ValueError(f"block_n must be 32, 64, 128 or 256, got {self.block_n}")
+        if self.block_n not in (16, 32, 64, 128, 256) or (self.block_n == 16 and not self.warp_tiles):
+            raise ValueError(f"block_n must be 32, 64, 128 or 256 (16 with warp_tiles), got {self.block_n}")
         if not 2 <= self.ring <= 8:
             raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
-        if self.consumer_warps != 4:
-            raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
+        if self.consumer_warps != 4:  # 8 one-warp consumers spilled offline (152 registers each, the most 13 warps get)
+            raise ValueError(f"consumer_warps must be 4 (one warpgroup, or four one-warp consumers with warp_tiles), "
+                             f"got {self.consumer_warps}")
         if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
         if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
@@ -582,25 +586,24 @@ def _wspec_stage1(
         mbarrier.init(empty.index(i), count=1)
 
     if WTILES:  # the default partition (4 warps: Triton wants a multiple of 4) idles; the consumers are workers
-        CW: gl.constexpr = NW
         W0: gl.constexpr = 0
         W1: gl.constexpr = 1
         W2: gl.constexpr = 2
         W3: gl.constexpr = 3
         gl.warp_specialize([
             (_idle, ()),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
-                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W0, CW, GQA, BN, RING, PRMT,
-                                LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
-                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W1, CW, GQA, BN, RING, PRMT,
-                                LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
-                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W2, CW, GQA, BN, RING, PRMT,
-                                LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles, sm_log2,
-                                s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, CW, GQA, BN, RING, PRMT,
-                                LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W0, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W1, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W2, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
                          s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
         ], [1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -669,8 +672,8 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.maxnreg,
-        num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -742,9 +745,9 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
                  PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale,
-                 CONSUMER_REGS=cfg.maxnreg)
+                 CONSUMER_REGS=cfg.consumer_regs)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
     return triton.compile(GluonASTSource(_wspec_stage1, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.consumer_warps, "maxnreg": cfg.maxnreg})
+                          options={"num_warps": 4, "maxnreg": cfg.maxnreg})
