@@ -6,7 +6,9 @@
 #  - warp_tiles: four one-warp consumers, each taking every fourth tile with its own softmax state (no cross-warp
 #    max, P stays in its warp's registers: the two costs the first run's note named), with and without the lazy
 #    rescale (rescale only when a head's max grows by > 2^5; exact: the final normalisation uses the max the terms
-#    were scaled by);
+#    were scaled by); the lazy rescale also on the one-warpgroup consumer;
+#  - prefetch: the producer gathers the next tile's scales while it waits for a free stage (the scale loads sat
+#    between a stage's TMA issue and its ready arrival);
 #  - a TMA probe of the swizzle-0 bug (the config now refuses swizzle 0): a [rows, 128] int8 box TMA-loaded into an
 #    unswizzled and a 128-byte-swizzled NVMMA buffer, read back whole and as a column slice, compared with the source
 #    and with the hypothesis that Triton's unswizzled layout is 8-row x 16-byte core matrices, column chunks outer.
@@ -52,7 +54,10 @@ VARIANTS = {  # every one compiles offline for sm_90 without spills at GQA 7, 8 
     "bn128_r2": dict(block_n=128, ring=2, prmt=True, vfold=True),
     "bn128_r2_ns2x": dict(block_n=128, ring=2, prmt=True, vfold=True, ctas_per_sm=4),
     "bn128_r2_1cta": dict(block_n=128, ring=2, prmt=True, vfold=True, maxnreg=168, ctas_per_sm=1),
+    "bn128_r2_lazy": dict(block_n=128, ring=2, prmt=True, vfold=True, lazy_rescale=True),
+    "bn128_r2_pf": dict(block_n=128, ring=2, prmt=True, vfold=True, prefetch=True),
     "bn128_r3": dict(block_n=128, ring=3, prmt=True, vfold=True),
+    "bn128_r3_pf": dict(block_n=128, ring=3, prmt=True, vfold=True, prefetch=True),
     "bn128_r4": dict(block_n=128, ring=4, prmt=True, vfold=True, ctas_per_sm=1),
     "bn128_r4_ns2x": dict(block_n=128, ring=4, prmt=True, vfold=True, ctas_per_sm=2),
     "bn256_r2": dict(block_n=256, ring=2, prmt=True, vfold=True, ctas_per_sm=1, maxnreg=168),
@@ -62,6 +67,8 @@ VARIANTS = {  # every one compiles offline for sm_90 without spills at GQA 7, 8 
                        ctas_per_sm=1),
     "wt_bn32_r8_lazy": dict(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True,
                             producer_regs=40, ctas_per_sm=1),
+    "wt_bn32_r8_lazy_pf": dict(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True,
+                               producer_regs=40, ctas_per_sm=1, prefetch=True),
     "wt_bn32_r8_lazy_ns2x": dict(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True,
                                  producer_regs=40, ctas_per_sm=2),
     "wt_bn64_r6_lazy": dict(block_n=64, ring=6, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True,

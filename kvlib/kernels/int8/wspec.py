@@ -75,12 +75,14 @@ class WSpecConfig:
     #: softmax state (written as its own split: no cross-warp max, P stays in its warp's registers); needs
     #: ``scales_smem`` and ``vfold``
     warp_tiles: bool = False
-    #: (``warp_tiles`` only) rescale the running state only when a head's max grows by more than 2^LAZY_TAU in
-    #: base 2; exact: the final normalisation uses the max the terms were scaled by
+    #: (``vfold`` only) rescale the running state only when a head's max grows by more than LAZY_TAU in base 2;
+    #: exact: the final normalisation uses the max the terms were scaled by
     lazy_rescale: bool = False
     #: (``warp_tiles`` only) registers of each consumer warp after ``setmaxnreg`` (the launch's ``maxnreg`` sets the
     #: CTA's pool: 12 warps, as Triton pads the partitions to warpgroups)
     consumer_regs: int = 168
+    #: (``scales_smem`` only) the producer gathers the next tile's scales while it waits for a free stage
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128, 256) or (self.block_n == 16 and not self.warp_tiles):
@@ -103,8 +105,10 @@ class WSpecConfig:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
         if self.warp_tiles and not (self.scales_smem and self.vfold):
             raise ValueError("warp_tiles needs scales_smem=True and vfold=True")
-        if self.lazy_rescale and not self.warp_tiles:
-            raise ValueError("lazy_rescale needs warp_tiles=True")
+        if self.prefetch and not self.scales_smem:
+            raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
+        if self.lazy_rescale and not self.vfold:
+            raise ValueError("lazy_rescale needs vfold=True")
         if self.ctas_per_sm < 1:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
 
@@ -205,17 +209,71 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
               s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-              RING: gl.constexpr, SCALES_SMEM: gl.constexpr):
+              RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False):
     """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
     ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
-    TMA transaction)."""
-    if SCALES_SMEM:
-        nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    TMA transaction). ``PREFETCH``: :func:`_producer_pf`."""
+    if PREFETCH:
+        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                     s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING)
+    else:
+        if SCALES_SMEM:
+            nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        for i in range(n_tiles):
+            s = i % RING
+            ph = (i // RING) & 1
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), 2 * BN * D)
+            n0 = start + i * BN
+            for j in gl.static_range(BN // RBOX):
+                n = n0 + j * RBOX
+                blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
+                row = blk * PAGE + n % PAGE
+                tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
+                                                k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+                tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
+                                                v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+            if SCALES_SMEM:
+                n = n0 + nn
+                m = n < end
+                blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+                slot = (blk * PAGE + n % PAGE).to(gl.int64)
+                kp = KS + slot * s_ks_n + kvh * 4
+                vp = VS + slot * s_vs_n + kvh * 4
+                for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+                    s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
+                    s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
+                gl.thread_barrier()  # every lane's stores before the one arrival
+                mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
+    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``."""
+    m = n < end
+    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+    slot = (blk * PAGE + n % PAGE).to(gl.int64)
+    kp = KS + slot * s_ks_n + kvh * 4
+    vp = VS + slot * s_vs_n + kvh * 4
+    return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
+            gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
+            gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
+
+
+@gluon.jit
+def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                 s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
+                 RING: gl.constexpr):
+    """:func:`_producer` (``SCALES_SMEM``) with the scale gather a tile ahead: tile ``i + 1``'s scales are loaded
+    into registers right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free
+    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival."""
+    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
-        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
         mbarrier.wait(empty.index(s), ph ^ 1)
         mbarrier.expect(ready.index(s), 2 * BN * D)
         n0 = start + i * BN
@@ -227,18 +285,18 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_r
                                             k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
                                             v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        if SCALES_SMEM:
-            n = n0 + nn
-            m = n < end
-            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-            slot = (blk * PAGE + n % PAGE).to(gl.int64)
-            kp = KS + slot * s_ks_n + kvh * 4
-            vp = VS + slot * s_vs_n + kvh * 4
-            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
-                s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
-                s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
-            gl.thread_barrier()  # every lane's stores before the one arrival
-            mbarrier.arrive(ready.index(s), count=1)
+        s_bufs.index(s * 8 + 0).store(k0)
+        s_bufs.index(s * 8 + 1).store(k1)
+        s_bufs.index(s * 8 + 2).store(k2)
+        s_bufs.index(s * 8 + 3).store(k3)
+        s_bufs.index(s * 8 + 4).store(v0)
+        s_bufs.index(s * 8 + 5).store(v1)
+        s_bufs.index(s * 8 + 6).store(v2)
+        s_bufs.index(s * 8 + 7).store(v3)
+        gl.thread_barrier()  # every lane's stores before the one arrival
+        mbarrier.arrive(ready.index(s), count=1)
+        # the next tile's (all masked past the split: no memory traffic)
+        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
 
 
 @gluon.jit
@@ -378,7 +436,7 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
 def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
                    sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                    GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
-                   VFOLD: gl.constexpr):
+                   VFOLD: gl.constexpr, LAZY: gl.constexpr = False):
     """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
     before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
     not registers, holds the next tiles."""
@@ -415,11 +473,26 @@ def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, 
         z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
         z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(z, 1))
-        p = gl.exp2(z - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_t = l_t * alpha[:, None] + p
-        m_i = m_new
+        if LAZY:  # (VFOLD) rescale only when a head's max grew by more than 2^LAZY_TAU; alpha = 1 otherwise
+            m_t = gl.max(z, 1)
+            if gl.max(m_t - m_i, 0) > LAZY_TAU:
+                m_new = gl.maximum(m_i, m_t)
+                alpha = gl.exp2(m_i - m_new)
+                l_t = l_t * alpha[:, None]
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+            alpha = gl.full([16], 1.0, gl.float32, layout=HL)  # the accumulators are already rescaled
+            p = gl.exp2(z - m_i[:, None])
+            l_t = l_t + p
+        else:
+            m_new = gl.maximum(m_i, gl.max(z, 1))
+            p = gl.exp2(z - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[:, None] + p
+            m_i = m_new
         if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
             p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
             acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
@@ -556,7 +629,7 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
-    CONSUMER_REGS: gl.constexpr = 128,
+    CONSUMER_REGS: gl.constexpr = 128, PREFETCH: gl.constexpr = False,
     PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, WTILES: gl.constexpr = False,
     LAZY: gl.constexpr = False,
 ):
@@ -605,15 +678,15 @@ def _wspec_stage1(
                               n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, NW, GQA, BN,
                               RING, PRMT, LAZY)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif SCALES_SMEM:
         gl.warp_specialize([
             (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                               n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
-                              PRMT, VFOLD)),
+                              PRMT, VFOLD, LAZY)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -673,7 +746,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
         PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        PREFETCH=cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -745,7 +818,7 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
                  PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale,
-                 CONSUMER_REGS=cfg.consumer_regs)
+                 CONSUMER_REGS=cfg.consumer_regs, PREFETCH=cfg.prefetch)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
