@@ -4,6 +4,7 @@ sm_90 without spills. Agreement of the kernel itself with the reference runs on 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -161,3 +162,45 @@ print(json.dumps(out))
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert r["stack"] == 0 and r["hmma"] > 0 and r["tma"] > 0
         assert r["shared"] >= W.WSpecConfig().smem_bytes() - 16 * W.WSpecConfig().ring
+
+
+def _online(z, v, bn, lazy, tau=5.0):
+    """A float32 model of one consumer's arithmetic over scores ``z [H, L]`` (base 2) and values ``v [L, d]``: per
+    tile the max, the rescale (always, or only when a head's max grew by more than ``tau``), ``fp16(1024 p)``."""
+    H, L = z.shape
+    m = torch.full((H,), float("-inf"))
+    lsum = torch.zeros(H)
+    acc = torch.zeros(H, v.shape[1])
+    top = 0.0
+    for n0 in range(0, L, bn):
+        zt = z[:, n0:n0 + bn]
+        mt = zt.max(1).values
+        if not lazy or (mt - m).max() > tau:
+            mn = torch.maximum(m, mt)
+            alpha = torch.exp2(m - mn)
+            lsum, acc, m = lsum * alpha, acc * alpha[:, None], mn
+        p = torch.exp2(zt - m[:, None])
+        p16 = (1024.0 * p).half()
+        top = max(top, p16.float().max().item())
+        lsum = lsum + p.sum(1)
+        acc = acc + p16.float() @ v[n0:n0 + bn].half().float()
+    return acc / (1024.0 * lsum[:, None]), (m + torch.log2(lsum)) * math.log(2.0), top
+
+
+def test_lazy_rescale_stays_finite_and_exact_to_fp16_rounding():
+    """The lazy rule keeps every ``1024 p`` a finite fp16 (<= 1024 * 2^5) and gives the eager result to the same fp16
+    rounding of P, on scores that keep rising along the row (many rescales) and on flat ones (few)."""
+    g = torch.Generator().manual_seed(3)
+    L, H, d = 4096, 8, 32
+    v = torch.randn(L, d, generator=g)
+    for z in (torch.randn(H, L, generator=g) * torch.linspace(0.5, 12.0, L), 3 * torch.randn(H, L, generator=g)):
+        ref_o = torch.softmax(z.double() * math.log(2.0), -1) @ v.half().double()
+        ref_lse = torch.logsumexp(z.double() * math.log(2.0), -1)
+        for bn in (32, 128):
+            o_e, lse_e, _ = _online(z, v, bn, lazy=False)
+            o_l, lse_l, top = _online(z, v, bn, lazy=True)
+            assert top <= 1024 * 32 and math.isfinite(top)
+            tol = 1e-3 * max(1.0, ref_o.abs().max().item())
+            for o, lse in ((o_e, lse_e), (o_l, lse_l)):
+                assert (o.double() - ref_o).abs().max().item() <= tol
+                assert (lse.double() - ref_lse).abs().max().item() <= 1e-4

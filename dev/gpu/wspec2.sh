@@ -378,6 +378,10 @@ def main():
                            for k, t in res["timing"].items() if v in t.get("median_ms", {}))
         why = "" if rec.get("ok") else ("  (error: see above)" if "error" in rec else "  (wrong results)")
         print(f"{'PASS' if rec.get('ok') else 'FAIL'} {v:24s} {ratios}{why}")
+    print(f"best two by B=32 (timed at B=64, S=32k): {res.get('best2_by_B32')}")
+    for k, r in res.get("swizzle0_probe", {}).items():
+        print(f"tma probe {k}: {r}")
+    print(f"wall {time.time() - T0:.1f}s")
     return 0 if passing else 1
 
 

@@ -26,6 +26,20 @@ Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
   PV), or the consumer loads them itself a tile ahead into registers and frees the stage as soon as the codes are in
   registers (``scales_smem=False``).
 
+Second-round options (issue 28; ``dev/gpu/wspec2.sh`` times them):
+
+* ``warp_tiles``: four one-warp consumer partitions instead of one warpgroup, consumer ``w`` taking tiles
+  ``w, w + 4, ...`` with its own softmax state, written as state ``split * 4 + w`` of the split output (the merge
+  combines them). One warp holds a whole ``[16, block_n]`` score tile, so the max over positions and the P
+  operand of the PV MMA stay in the warp: no shared-memory round trip, no CTA barrier per tile. Triton pads the
+  partitions to warpgroups (an idle 4-warp default partition, 12 warps), so one CTA fits an SM.
+* ``lazy_rescale`` (with ``vfold``): the running state is rescaled only when some head's max grew by more than
+  ``LAZY_TAU = 5`` (base 2); terms stay ``<= 2^5`` relative to the max they are scaled by (``1024 p <= 32768``, a
+  finite fp16) and the final normalisation uses that same max, so the result is exact to the same fp16 rounding.
+* ``prefetch``: the producer loads the next tile's scales while it waits for a free stage.
+* ``swizzle=0`` is refused: on the H200 the unswizzled ring read back wrong codes (the TMA box and Triton's
+  unswizzled NVMMA layout disagree; ``dev/gpu/wspec2.sh`` probes how).
+
 Splits are tile-aligned (``ceil(ceil(len / NS) / block_n) * block_n`` positions), so every TMA box stays inside one
 page; positions past a split's end read page 0 (the block-table load is masked) and are removed by their score
 (``-inf``) and their value scale (0).
