@@ -43,7 +43,8 @@ VARIANTS = {  # every one compiles offline for sm_90 without spills at GQA 7 (kv
     "smem_bn64_r3_prmt": dict(block_n=64, ring=3, prmt=True),
     "smem_bn64_r3_prmt_vf": dict(block_n=64, ring=3, prmt=True, vfold=True),
     "smem_bn128_r2_prmt_vf": dict(block_n=128, ring=2, prmt=True, vfold=True),
-    "smem_bn64_r3_prmt_vf_sw0": dict(block_n=64, ring=3, prmt=True, vfold=True, swizzle=0),
+    # swizzle 0 gave wrong results on the H200 (2026-12-01) and is now refused by WSpecConfig (dev/gpu/wspec2.sh
+    # probes why)
 }
 CHECKS = [  # (name, B, hq, lens, block_size)
     ("gqa7_bs16", 4, 28, [1, 77, 1000, 2049], 16),

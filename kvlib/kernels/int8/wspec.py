@@ -26,6 +26,20 @@ Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
   PV), or the consumer loads them itself a tile ahead into registers and frees the stage as soon as the codes are in
   registers (``scales_smem=False``).
 
+Second-round options (issue 28; ``dev/gpu/wspec2.sh`` times them):
+
+* ``warp_tiles``: four one-warp consumer partitions instead of one warpgroup, consumer ``w`` taking tiles
+  ``w, w + 4, ...`` with its own softmax state, written as state ``split * 4 + w`` of the split output (the merge
+  combines them). One warp holds a whole ``[16, block_n]`` score tile, so the max over positions and the P
+  operand of the PV MMA stay in the warp: no shared-memory round trip, no CTA barrier per tile. Triton pads the
+  partitions to warpgroups (an idle 4-warp default partition, 12 warps), so one CTA fits an SM.
+* ``lazy_rescale`` (with ``vfold``): the running state is rescaled only when some head's max grew by more than
+  ``LAZY_TAU = 5`` (base 2); terms stay ``<= 2^5`` relative to the max they are scaled by (``1024 p <= 32768``, a
+  finite fp16) and the final normalisation uses that same max, so the result is exact to the same fp16 rounding.
+* ``prefetch``: the producer loads the next tile's scales while it waits for a free stage.
+* ``swizzle=0`` is refused: on the H200 the unswizzled ring read back wrong codes (the TMA box and Triton's
+  unswizzled NVMMA layout disagree; ``dev/gpu/wspec2.sh`` probes how).
+
 Splits are tile-aligned (``ceil(ceil(len / NS) / block_n) * block_n`` positions), so every TMA box stays inside one
 page; positions past a split's end read page 0 (the block-table load is masked) and are removed by their score
 (``-inf``) and their value scale (0).
@@ -71,24 +85,51 @@ class WSpecConfig:
     prmt: bool = False
     #: (``scales_smem`` only) fp16 P, value scales folded into the value operand (else into P, per group, fp32)
     vfold: bool = False
+    #: ``consumer_warps`` one-warp consumer partitions, each taking every ``consumer_warps``-th tile with its own
+    #: softmax state (written as its own split: no cross-warp max, P stays in its warp's registers); needs
+    #: ``scales_smem`` and ``vfold``
+    warp_tiles: bool = False
+    #: (``vfold`` only) rescale the running state only when a head's max grows by more than LAZY_TAU in base 2;
+    #: exact: the final normalisation uses the max the terms were scaled by
+    lazy_rescale: bool = False
+    #: (``warp_tiles`` only) registers of each consumer warp after ``setmaxnreg`` (the launch's ``maxnreg`` sets the
+    #: CTA's pool: 12 warps, as Triton pads the partitions to warpgroups)
+    consumer_regs: int = 168
+    #: (``scales_smem`` only) the producer gathers the next tile's scales while it waits for a free stage
+    prefetch: bool = False
 
     def __post_init__(self):
-        if self.block_n not in (32, 64, 128):
-            raise ValueError(f"block_n must be 32, 64 or 128, got {self.block_n}")
-        if not 2 <= self.ring <= 6:
-            raise ValueError(f"ring must be 2..6 stages, got {self.ring}")
-        if self.consumer_warps != 4:
-            raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
+        if self.block_n not in (16, 32, 64, 128, 256) or (self.block_n == 16 and not self.warp_tiles):
+            raise ValueError(f"block_n must be 32, 64, 128 or 256 (16 with warp_tiles), got {self.block_n}")
+        if not 2 <= self.ring <= 8:
+            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
+        if self.consumer_warps != 4:  # 8 one-warp consumers spilled offline (152 registers each, the most 13 warps get)
+            raise ValueError(f"consumer_warps must be 4 (one warpgroup, or four one-warp consumers with warp_tiles), "
+                             f"got {self.consumer_warps}")
         if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
             raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
         if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
             raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.swizzle not in (0, 32, 64, 128):
-            raise ValueError(f"swizzle must be 0, 32, 64 or 128 bytes, got {self.swizzle}")
+        if self.swizzle not in (32, 64, 128):
+            raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}" + (
+                "; 0 is refused: on the H200 the unswizzled ring read back wrong codes (max |o - ref| 3.4, "
+                "dev/results/wspec_timing.json): Triton's unswizzled NVMMA layout is not the row-major image a "
+                "SWIZZLE_NONE TMA box of 128-byte rows writes" if self.swizzle == 0 else ""))
         if self.vfold and not self.scales_smem:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
+        if self.warp_tiles and not (self.scales_smem and self.vfold):
+            raise ValueError("warp_tiles needs scales_smem=True and vfold=True")
+        if self.prefetch and not self.scales_smem:
+            raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
+        if self.lazy_rescale and not self.vfold:
+            raise ValueError("lazy_rescale needs vfold=True")
         if self.ctas_per_sm < 1:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+
+    @property
+    def states_per_split(self) -> int:
+        """Softmax states each split writes (one per consumer warp with ``warp_tiles``)."""
+        return self.consumer_warps if self.warp_tiles else 1
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -182,17 +223,71 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 @gluon.jit
 def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
               s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-              RING: gl.constexpr, SCALES_SMEM: gl.constexpr):
+              RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False):
     """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
     ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
-    TMA transaction)."""
-    if SCALES_SMEM:
-        nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    TMA transaction). ``PREFETCH``: :func:`_producer_pf`."""
+    if PREFETCH:
+        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                     s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING)
+    else:
+        if SCALES_SMEM:
+            nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        for i in range(n_tiles):
+            s = i % RING
+            ph = (i // RING) & 1
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), 2 * BN * D)
+            n0 = start + i * BN
+            for j in gl.static_range(BN // RBOX):
+                n = n0 + j * RBOX
+                blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
+                row = blk * PAGE + n % PAGE
+                tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
+                                                k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+                tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
+                                                v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+            if SCALES_SMEM:
+                n = n0 + nn
+                m = n < end
+                blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+                slot = (blk * PAGE + n % PAGE).to(gl.int64)
+                kp = KS + slot * s_ks_n + kvh * 4
+                vp = VS + slot * s_vs_n + kvh * 4
+                for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+                    s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
+                    s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
+                gl.thread_barrier()  # every lane's stores before the one arrival
+                mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
+    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``."""
+    m = n < end
+    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+    slot = (blk * PAGE + n % PAGE).to(gl.int64)
+    kp = KS + slot * s_ks_n + kvh * 4
+    vp = VS + slot * s_vs_n + kvh * 4
+    return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
+            gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
+            gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
+
+
+@gluon.jit
+def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                 s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
+                 RING: gl.constexpr):
+    """:func:`_producer` (``SCALES_SMEM``) with the scale gather a tile ahead: tile ``i + 1``'s scales are loaded
+    into registers right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free
+    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival."""
+    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
-        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
         mbarrier.wait(empty.index(s), ph ^ 1)
         mbarrier.expect(ready.index(s), 2 * BN * D)
         n0 = start + i * BN
@@ -204,18 +299,18 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_r
                                             k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
                                             v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        if SCALES_SMEM:
-            n = n0 + nn
-            m = n < end
-            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-            slot = (blk * PAGE + n % PAGE).to(gl.int64)
-            kp = KS + slot * s_ks_n + kvh * 4
-            vp = VS + slot * s_vs_n + kvh * 4
-            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
-                s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
-                s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
-            gl.thread_barrier()  # every lane's stores before the one arrival
-            mbarrier.arrive(ready.index(s), count=1)
+        s_bufs.index(s * 8 + 0).store(k0)
+        s_bufs.index(s * 8 + 1).store(k1)
+        s_bufs.index(s * 8 + 2).store(k2)
+        s_bufs.index(s * 8 + 3).store(k3)
+        s_bufs.index(s * 8 + 4).store(v0)
+        s_bufs.index(s * 8 + 5).store(v1)
+        s_bufs.index(s * 8 + 6).store(v2)
+        s_bufs.index(s * 8 + 7).store(v3)
+        gl.thread_barrier()  # every lane's stores before the one arrival
+        mbarrier.arrive(ready.index(s), count=1)
+        # the next tile's (all masked past the split: no memory traffic)
+        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
 
 
 @gluon.jit
@@ -355,7 +450,7 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
 def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
                    sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                    GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
-                   VFOLD: gl.constexpr):
+                   VFOLD: gl.constexpr, LAZY: gl.constexpr = False):
     """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
     before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
     not registers, holds the next tiles."""
@@ -392,11 +487,26 @@ def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, 
         z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
         z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(z, 1))
-        p = gl.exp2(z - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_t = l_t * alpha[:, None] + p
-        m_i = m_new
+        if LAZY:  # (VFOLD) rescale only when a head's max grew by more than 2^LAZY_TAU; alpha = 1 otherwise
+            m_t = gl.max(z, 1)
+            if gl.max(m_t - m_i, 0) > LAZY_TAU:
+                m_new = gl.maximum(m_i, m_t)
+                alpha = gl.exp2(m_i - m_new)
+                l_t = l_t * alpha[:, None]
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+            alpha = gl.full([16], 1.0, gl.float32, layout=HL)  # the accumulators are already rescaled
+            p = gl.exp2(z - m_i[:, None])
+            l_t = l_t + p
+        else:
+            m_new = gl.maximum(m_i, gl.max(z, 1))
+            p = gl.exp2(z - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[:, None] + p
+            m_i = m_new
         if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
             p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
             acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
@@ -417,6 +527,92 @@ def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, 
         mbarrier.arrive(empty.index(s), count=1)
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA, MMA)
+
+
+#: lazy rescale threshold (base 2): terms stay <= 2^5 relative to the max they are scaled by, so 1024 p <= 32768
+#: stays a finite fp16 and the fp32 sums cannot overflow
+LAZY_TAU: gl.constexpr = gl.constexpr(5.0)
+
+
+@gluon.jit
+def _idle():
+    pass
+
+
+@gluon.jit
+def _consumer_warp(k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                   W: gl.constexpr, NCW: gl.constexpr, GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
+                   PRMT: gl.constexpr, LAZY: gl.constexpr):
+    """One consumer warp (``warp_tiles``): tiles ``W, W + NCW, ...`` of the split with its own softmax state, written
+    as state ``split * NCW + W``. One warp holds a whole ``[16, BN]`` score tile, so the max over positions and the
+    P operand of the PV MMA stay inside the warp (no shared-memory exchange, no CTA barrier); the ring's stages are
+    freed one by one by whichever warp read them."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    Q_row = Q + b * s_qb + kvh * GQA * s_qh
+    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
+    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
+    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
+    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
+    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL)
+    for i in range(W, n_tiles, NCW):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = start + i * BN
+        mbarrier.wait(ready.index(s), ph)
+        kb = k_bufs.index(s)
+        vb = v_bufs.index(s)
+        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
+        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
+        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
+        m_t = gl.max(z, 1)
+        if LAZY:
+            # a tile never lies wholly past the split's end, so m_t is finite and the first tile always rescales
+            if gl.max(m_t - m_i, 0) > LAZY_TAU:
+                m_new = gl.maximum(m_i, m_t)
+                alpha = gl.exp2(m_i - m_new)
+                l_t = l_t * alpha[:, None]
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+        else:
+            m_new = gl.maximum(m_i, m_t)
+            alpha = gl.exp2(m_i - m_new)
+            l_t = l_t * alpha[:, None]
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            m_i = m_new
+        p = gl.exp2(z - m_i[:, None])
+        l_t = l_t + p
+        p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)  # within the warp
+        one = gl.full([16], 1.0, gl.float32, layout=HL)
+        acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, one, KB)
+        acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, one, KB)
+        acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, one, KB)
+        acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, one, KB)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+    _epilogue(O_S, LSE_S, b, kvh, split * NCW + W, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b,
+              s_ls_h, GQA, MMA)
 
 
 @gluon.jit
@@ -447,7 +643,9 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
-    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False,
+    CONSUMER_REGS: gl.constexpr = 128, PREFETCH: gl.constexpr = False,
+    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, WTILES: gl.constexpr = False,
+    LAZY: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -474,13 +672,35 @@ def _wspec_stage1(
         mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    if SCALES_SMEM:
+    if WTILES:  # the default partition (4 warps: Triton wants a multiple of 4) idles; the consumers are workers
+        W0: gl.constexpr = 0
+        W1: gl.constexpr = 1
+        W2: gl.constexpr = 2
+        W3: gl.constexpr = 3
+        gl.warp_specialize([
+            (_idle, ()),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W0, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W1, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W2, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
+                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, NW, GQA, BN,
+                              RING, PRMT, LAZY)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
+        ], [1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    elif SCALES_SMEM:
         gl.warp_specialize([
             (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                               n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
-                              PRMT, VFOLD)),
+                              PRMT, VFOLD, LAZY)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -523,7 +743,8 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         raise ValueError("q: the warp-specialised kernel needs a CUDA (Hopper) device")
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
     kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
-    B, hq, ns, d = pl.batch, pl.hq, pl.num_splits, pl.d
+    B, hq, d = pl.batch, pl.hq, pl.d
+    ns = pl.num_splits * cfg.states_per_split
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     if lse_s is None:
@@ -531,13 +752,15 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     q = q.contiguous()
     ks = k_scales.view(-1, pl.hkv * 4)
     vs = v_scales.view(-1, pl.hkv * 4)
-    _wspec_stage1[(B, pl.hkv, ns)](
+    _wspec_stage1[(B, pl.hkv, pl.num_splits)](
         q, kd, vd, ks, vs, block_table, seq_lens, o_s, lse_s,
-        sm * 1.4426950408889634, ns, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0), block_table.stride(0),
+        sm * 1.4426950408889634, pl.num_splits, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0),
+        block_table.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        PRMT=cfg.prmt, VFOLD=cfg.vfold, num_warps=cfg.consumer_warps, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.consumer_regs,
+        PREFETCH=cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -608,9 +831,10 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-                 PRMT=cfg.prmt, VFOLD=cfg.vfold)
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale,
+                 CONSUMER_REGS=cfg.consumer_regs, PREFETCH=cfg.prefetch)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
     return triton.compile(GluonASTSource(_wspec_stage1, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.consumer_warps, "maxnreg": cfg.maxnreg})
+                          options={"num_warps": 4, "maxnreg": cfg.maxnreg})
