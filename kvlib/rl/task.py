@@ -21,24 +21,30 @@ mismatch is known to be measurable at this model size. Two consequences for the 
   *is* an INT8 cache: kv4rl vs kv4 can only separate on contexts well past 144 tokens.
 - A bare chat-templated problem is ~60-120 tokens, so a bare prompt never leaves the protected window's
   neighbourhood. The prompt therefore carries :data:`DEFAULT_SHOTS` = 10 worked examples *at the task's
-  own difficulty* as earlier chat turns (:func:`format_prompt`, the model's chat template): ~800 prompt
-  tokens, so generation runs at contexts ~800-850, next to the probe's range, and every cached position
+  own difficulty* as earlier chat turns (:func:`format_prompt`, the model's chat template): ~870 prompt
+  tokens, so generation runs at contexts ~870-970, at and just below the probe's, and every cached position
   between the 16 sinks and the last 128 is INT4 under kv4rl, all of them under kv4.
 
 Calibration (issue 27, CPU, the real model). The first GPU run (6-12-step chains with add/sub/mul, 3 long
 examples) scored ~0 at temperature 1 (calibration 0.0-0.06 by chain length, n=16 each; bf16 training
-reward 0.000-0.016 over 13 iterations): GRPO cannot learn from all-zero groups. :data:`CPU_CALIBRATION`
-holds the measurement behind :data:`DIFFICULTY`: SmolLM2-135M-Instruct (shipped Q4_1 GGUF, dequantised,
-fp32 on the CPU), temperature 1, no top-k/top-p, 10 same-difficulty examples, ``max_new_tokens`` 48,
-held-out problems, exact match on the last box. Candidates measured (accuracy, n):
+reward 0.000-0.016 over 13 iterations; the samples ignored the format and rambled): GRPO cannot learn
+from all-zero groups. :data:`CPU_CALIBRATION` holds the measurements behind :data:`DIFFICULTY`
+(:mod:`kvlib.rl.calibrate`): SmolLM2-135M-Instruct (shipped Q4_1 GGUF, dequantised, fp32 on the CPU),
+temperature 1, no top-k/top-p, 10 same-difficulty examples, 4 samples per held-out question, exact
+match on the last box. Accuracy (n samples; SE ~0.09 at n=32):
 
-- 1 step, add/sub, operands <= 9: 0.69 (n=16; responses 35 tokens, all ended, prompt 804 tokens);
-- 2 steps, add/sub, operands <= 9: see :data:`CPU_CALIBRATION` (the committed choice if in 20-50%);
+- 1 step, add/sub: 0.69 (n=16, max_new_tokens 48);
+- 2 steps, add/sub: 0.09 (n=32, max_new_tokens 48: half were cut off at 48 tokens);
+- 1-2 steps, add only: 0.53 (n=32, max_new_tokens 80); 2 steps, add only: 0.59 (n=32);
+- **1-2 steps, add/sub: 0.375** (n=32, max_new_tokens 80, every response ended, 33 tokens mean,
+  prompts 871 tokens): the chosen setting, nearest the 0.35 target, so that most groups of 8 mix
+  right and wrong answers.
 
-GRPO wants groups of 8 with mixed rewards, i.e. accuracy well inside (0, 1); 0.69 would leave many groups
-all-correct, so the runs use the setting in :data:`DIFFICULTY`. Responses are short (~35-50 tokens), so
-``max_new_tokens`` 96 leaves room for KV4's expected length changes (the paper reports shorter KV4
-responses) and for rambling at temperature 1.
+The GPU rollouts are bf16 copies of the same weights (not fp32), so their starting accuracy can differ
+a little; the runs' first iterations show it. Responses are short (~35 tokens), so ``max_new_tokens`` 96
+leaves room for KV4's expected length changes (the paper reports shorter KV4 responses) and for
+rambling at temperature 1. What this task does not test: long reasoning. The KV cache matters here
+through the ~870-token few-shot context every response attends to, not through long responses.
 """
 
 from __future__ import annotations
@@ -53,21 +59,30 @@ from typing import Any
 #: the instruction the paper appends to every problem (KV4-RL, appendix training setup)
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 SYSTEM = "You are a careful assistant who solves arithmetic problems one step at a time."
-#: the GPU runs' task: 2-step add/sub chains of one-digit operands (calibrated on the CPU: module docstring)
-DIFFICULTY: dict[str, Any] = {"min_steps": 2, "max_steps": 2, "max_operand": 9, "max_abs": 999, "ops": "add,sub"}
+#: the GPU runs' task: 1-2-step add/sub chains of one-digit operands (calibrated on the CPU: module docstring)
+DIFFICULTY: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_operand": 9, "max_abs": 999, "ops": "add,sub"}
 DIFFICULTY_OPS: str = DIFFICULTY["ops"]
-#: worked examples in every prompt (see module docstring: they set the cached context to ~800 tokens)
+#: worked examples in every prompt (see module docstring: they set the cached context to ~870 tokens)
 DEFAULT_SHOTS = 10
-#: the CPU measurement behind DIFFICULTY (module docstring; /tmp script of issue 27's second attempt, numbers as printed)
+#: the CPU measurement behind DIFFICULTY (module docstring): ``python -m kvlib.rl.calibrate NAME 10 N 4 MAX_NEW
+#: '<difficulty json>'``, 4 samples per held-out question (seed 777), numbers as it printed them
 CPU_CALIBRATION: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct Q4_1 GGUF dequantised, fp32, CPU", "temperature": 1.0, "shots": DEFAULT_SHOTS,
-    "max_new_tokens": 48, "split": "heldout", "problem_seed": 777,
+    "split": "heldout", "problem_seed": 777, "samples_per_question": 4, "tool": "python -m kvlib.rl.calibrate",
     "candidates": {
-        "1 step add,sub operands<=9": {"accuracy": 0.6875, "n": 16, "response_tokens_mean": 35.1, "ended": 1.0,
-                                       "prompt_tokens_mean": 803.75},
+        "1 step, add,sub": {"accuracy": 0.6875, "n": 16, "max_new_tokens": 48, "response_tokens_mean": 35.1,
+                            "ended": 1.0, "prompt_tokens_mean": 803.8},
+        "2 steps, add,sub": {"accuracy": 0.09375, "n": 32, "max_new_tokens": 48, "response_tokens_mean": 47.4,
+                             "ended": 0.53, "prompt_tokens_mean": 1001.3},
+        "1-2 steps, add": {"accuracy": 0.53125, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 37.4,
+                           "ended": 1.0, "prompt_tokens_mean": 951.5},
+        "2 steps, add": {"accuracy": 0.59375, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 51.0,
+                         "ended": 1.0, "prompt_tokens_mean": 1009.1},
+        "1-2 steps, add,sub": {"accuracy": 0.375, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 33.3,
+                               "ended": 1.0, "prompt_tokens_mean": 871.0},
     },
-    "chosen": "2 steps add,sub operands<=9",
-    "accuracy": float("nan"), "n": 0, "prompt_tokens_mean": float("nan"),
+    "chosen": "1-2 steps, add,sub",
+    "accuracy": 0.375, "n": 32, "max_new_tokens": 80, "prompt_tokens_mean": 871.0, "response_tokens_mean": 33.3,
 }
 SPLITS = ("train", "heldout")
 _HELDOUT_BUCKETS = 8  # 1 in 8 candidate chains is held out
