@@ -97,3 +97,25 @@ def test_sample_bad_input():
         sample(model, None, [[1], "x"], max_new_tokens=2, **kw)
     with pytest.raises(TypeError, match="generator"):
         sample(model, None, PROMPTS, max_new_tokens=2, cache_factory=_dyn(model), generator=7, eos_token_id=EOS)
+
+
+def test_chunked_learner_logprobs_match_full_logits_values_and_grads():
+    """The chunked, checkpointed LM head gives the full-vocabulary log-softmax of the response positions,
+    and the same gradients."""
+    model = _tiny()
+    r = sample(model, None, PROMPTS, cache_factory=_dyn(model), max_new_tokens=10,
+               generator=torch.Generator().manual_seed(2), eos_token_id=EOS, pad_token_id=PAD)
+    ids = torch.cat([r.prompt_ids, r.response_ids], 1)
+    attn = torch.cat([r.prompt_mask, torch.ones_like(r.response_ids)], 1)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    steps = r.response_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -(steps + 1):-1]
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    ref = ref.masked_fill(~r.response_mask.bool(), 0.0)
+    g_ref = torch.autograd.grad(ref.sum(), model.lm_head.weight)[0]
+    lp = learner_logprobs(model, r, micro_batch=2, chunk_tokens=3)  # chunks of 1 position per 2 rows
+    torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=1e-5)
+    g = torch.autograd.grad(lp.sum(), model.lm_head.weight)[0]
+    torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        learner_logprobs(model, r, chunk_tokens=0)

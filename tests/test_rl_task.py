@@ -106,3 +106,15 @@ def test_chat_prompt_and_short_real_rollout(smol):
         lp = learner_logprobs(model, r)
     m = r.response_mask.bool()
     assert (lp[m] - r.sampler_logprobs[m]).abs().max() < 1e-4
+
+
+def test_ops_restrict_the_chain_and_bad_ops_raise():
+    probs = task.make_problems("train", 60, seed=2, min_steps=1, max_steps=2, max_operand=9, max_abs=999, ops="add")
+    assert all(op == "add" for p in probs for op, _ in p.ops)
+    assert all("Subtract" not in p.question and "Multiply" not in p.question for p in probs)
+    assert all(task.reward(task.worked_solution(p), p.answer) == 1.0 for p in probs)
+    mixed = task.make_problems("train", 60, seed=2, min_steps=1, max_steps=2, max_operand=9, max_abs=999,
+                               ops="add,sub")
+    assert {op for p in mixed for op, _ in p.ops} == {"add", "sub"}
+    with pytest.raises(ValueError, match="ops"):
+        task.make_problems("train", 1, ops="div")

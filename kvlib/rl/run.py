@@ -2,17 +2,22 @@
 
 Phases of ``all`` (one process; the device call is bounded by ``--budget-s``):
 
-1. *calibrate*: one temperature-1 bf16 rollout of held-out problems by chain length; the training and
-   held-out difficulty is the step range whose accuracy is nearest :data:`TARGET_ACC` (GRPO needs reward
-   variance inside groups). A committed ``calibration.json`` in ``--results`` is reused, so that later
-   calls (more seeds) train on the same task.
+1. *task*: the committed setting :data:`kvlib.rl.task.DIFFICULTY`, calibrated on the CPU with the real model
+   (:data:`kvlib.rl.task.CPU_CALIBRATION`); ``--calibrate`` instead runs one temperature-1 bf16 rollout of
+   held-out problems by chain length and picks the step range whose accuracy is nearest :data:`TARGET_ACC`.
+   A committed ``calibration.json`` in ``--results`` is reused, so that later calls train on the same task.
 2. *timing* (isolated, sequential): every arm decodes the same prompts for the same number of steps
    (``min_new_tokens = max_new_tokens``) from the initial policy, one warm-up then ``--timing-reps``
    interleaved repetitions; the rollout speedup over bf16 comes from here (sum of times), not from the
    training runs, whose rollouts share the GPU.
-3. *train*: one process per (arm, seed) not already in ``--results``, all concurrent on the GPU; each
-   stops before ``--budget-s`` runs out (keeping time for its final evaluation) and writes
-   ``DIR/rlvr/<arm>_seed<k>.json`` after every iteration (``partial: true`` until it completes).
+3. *train*: one process per (arm, seed) not already in ``--results``, all concurrent on the GPU, each under an
+   equal CUDA allocator cap (``set_per_process_memory_fraction``; the sum fits the GPU) with its memory estimate
+   from the shapes printed at start (:func:`memory_estimate`) and ``torch.cuda.max_memory_allocated`` logged per
+   iteration; each stops before ``--budget-s`` runs out (keeping time for its final evaluation) and writes
+   ``DIR/rlvr/<arm>_seed<k>.json`` after every iteration (``partial: true`` until it completes). Why all nine at
+   once: at 135M a process is launch-bound and leaves the GPU mostly idle, so concurrent processes add
+   throughput (first H200 run: 9 processes each did an iteration every 8-22 s with 256-token responses); running
+   seeds one after another in a process would divide each run's iterations by three.
 
 Every arm shares the learner (fp32 master weights, forward under bf16 autocast), the bf16 rollout copy
 of the weights, the task, the GRPOConfig and the bf16 greedy evaluator; only the rollout cache format
@@ -109,10 +114,11 @@ def grpo_config(args: argparse.Namespace):
                       learner_autocast=None if args.device == "cpu" else "bfloat16", reuse_old_logp=True)
 
 
-def prompt_function(args: argparse.Namespace):
+def prompt_function(args: argparse.Namespace, difficulty: dict):
+    """The runs' prompt: ``args.shots`` worked examples drawn at the task's own difficulty."""
     from kvlib.rl import task
 
-    return task.prompt_fn(shots=args.shots)
+    return task.prompt_fn(shots=args.shots, **difficulty)
 
 
 def problems(split: str, n: int, difficulty: dict, seed: int) -> list:
@@ -132,6 +138,41 @@ def _write(path: Path, obj: dict) -> None:
 
 def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def memory_estimate(config: Any, n_params: int, *, rollout_batch: int, prompt_tokens: int, max_new_tokens: int,
+                    micro_batch: int, eval_batch: int, chunk_tokens: int = 2048, grad_ckpt: bool = False) -> dict:
+    """Peak CUDA bytes of one training process, from the shapes (an estimate, printed at start and checked
+    against ``torch.cuda.max_memory_allocated`` per iteration on the GPU).
+
+    * weights: fp32 policy + its grads + AdamW's two moments + the fp32 reference + the bf16 rollout copy,
+      22 bytes a parameter;
+    * rollout: the bf16 KV pools (an upper bound for kv4/kv4rl) of ``rollout_batch`` rows at
+      ``prompt + max_new_tokens`` (rounded up to 256-token pages), or of the evaluator's batch if larger,
+      plus three fp32 ``[rows, vocab]`` sampling buffers;
+    * learner: the activations autograd keeps for one micro-batch at sequence ``prompt + response``
+      (per token and layer ~12 hidden + 5 intermediate values in bf16, the residual stream in fp32;
+      with ``grad_ckpt`` only each layer's fp32 input, plus one layer recomputed), plus the LM-head
+      chunk (fp32 logits, their softmax and gradient: 3 x ``chunk_tokens`` x vocab x 4 bytes).
+    """
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    vocab = config.vocab_size
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    seq = prompt_tokens + max_new_tokens
+    max_len = -(-(seq + 1) // 256) * 256
+    weights = 22 * n_params
+    kv_row = layers * 2 * kv_heads * head_dim * 2 * max_len
+    rollout = max(rollout_batch, eval_batch) * (kv_row + 3 * vocab * 4)
+    per_tok_layer = (12 * h + 5 * inter) * 2 + 2 * h * 4
+    act_full = micro_batch * seq * layers * per_tok_layer
+    act = micro_batch * seq * (layers * h * 4 + per_tok_layer) if grad_ckpt else act_full
+    head = 3 * chunk_tokens * vocab * 4
+    learner = act + head + micro_batch * seq * h * 4 * 2  # + the final hidden states and their gradient
+    total = weights + max(rollout, learner)  # rollout pools are freed before the learner runs
+    return {"weights": weights, "rollout": rollout, "learner": learner, "activations_no_ckpt": act_full,
+            "grad_ckpt": grad_ckpt, "total": total, "total_gib": total / 2**30}
 
 
 # ------------------------------------------------------------------------------------------------ calibrate
@@ -160,9 +201,10 @@ def calibrate(model16: Any, tok: Any, args: argparse.Namespace) -> dict:
     from kvlib.rl import task
     from kvlib.rl.engine import sample_static
 
+    base = {k: v for k, v in task.DIFFICULTY.items() if k not in ("min_steps", "max_steps")}
     probs = [p for s in CAL_STEPS for p in task.make_problems("heldout", args.cal_per_steps, seed=500 + s,
-                                                               min_steps=s, max_steps=s)]
-    prompt = prompt_function(args)
+                                                               min_steps=s, max_steps=s, **base)]
+    prompt = prompt_function(args, task.DIFFICULTY)
     r = sample_static(model16, tok, [prompt(tok, p) for p in probs], fmt="bf16", max_new_tokens=args.max_new_tokens,
                       generator=torch.Generator().manual_seed(0))
     ended = (r.response_ids == tok.eos_token_id).any(dim=1).tolist()
@@ -192,7 +234,7 @@ def timing(model16: Any, tok: Any, difficulty: dict, args: argparse.Namespace, a
     """Isolated rollout timing: every arm, same prompts, same number of decode steps (module docstring)."""
     from kvlib.rl.engine import sample_static
 
-    prompt = prompt_function(args)
+    prompt = prompt_function(args, difficulty)
     probs = problems("train", args.prompts, difficulty, seed=4242)
     prompts = [prompt(tok, p) for p in probs for _ in range(args.group)]
     T = args.max_new_tokens
@@ -224,12 +266,12 @@ def timing(model16: Any, tok: Any, difficulty: dict, args: argparse.Namespace, a
 
 
 # ------------------------------------------------------------------------------------------------ train
-def evaluate_greedy(model16: Any, tok: Any, held: list, args: argparse.Namespace) -> dict:
+def evaluate_greedy(model16: Any, tok: Any, held: list, args: argparse.Namespace, difficulty: dict) -> dict:
     """The common evaluator: greedy, bf16 weights, bf16 passthrough cache, for every arm."""
     from kvlib.rl import task
     from kvlib.rl.engine import sample_static
 
-    prompt = prompt_function(args)
+    prompt = prompt_function(args, difficulty)
     correct, lengths, seconds = [], [], 0.0
     for s in range(0, len(held), args.eval_batch):
         part = held[s:s + args.eval_batch]
@@ -262,7 +304,26 @@ def train(args: argparse.Namespace) -> int:
                             weight_decay=cfg.weight_decay)
     train_pool = problems("train", args.train_pool, difficulty, seed=0)
     held = problems("heldout", args.heldout, difficulty, seed=1)
-    prompt = prompt_function(args)
+    prompt = prompt_function(args, difficulty)
+    # memory: an explicit per-process budget (all runs share one GPU), the estimate from the shapes, and
+    # activation checkpointing of the decoder layers when the estimate without it does not fit
+    widths = [len(tok(prompt(tok, p), add_special_tokens=False)["input_ids"]) for p in held[:32]]
+    est_kw = dict(rollout_batch=cfg.prompts_per_iteration * cfg.group_size, prompt_tokens=max(widths),
+                  max_new_tokens=cfg.max_new_tokens, micro_batch=cfg.micro_batch or cfg.prompts_per_iteration
+                  * cfg.group_size, eval_batch=min(args.eval_batch, args.heldout))
+    n_params = sum(p.numel() for p in policy.parameters())
+    est = memory_estimate(policy.config, n_params, **est_kw)
+    cap = args.mem_cap_gib
+    if args.grad_ckpt == "on" or (args.grad_ckpt == "auto" and cap is not None and est["total_gib"] > 0.7 * cap):
+        est = memory_estimate(policy.config, n_params, grad_ckpt=True, **est_kw)
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()  # HF checkpoints layers only in training mode (Llama has no dropout: same numerics)
+    if args.device == "cuda" and cap is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
+    log(f"{args.arm} seed {args.seed}: memory estimate {est['total_gib']:.2f} GiB (weights "
+        f"{est['weights'] / 2**30:.2f}, rollout {est['rollout'] / 2**30:.2f}, learner {est['learner'] / 2**30:.2f}; "
+        f"grad checkpointing {est['grad_ckpt']}), cap {cap} GiB, prompt tokens <= {max(widths)}")
     sampler = functools.partial(sample_static, fmt=args.arm)
     gen = torch.Generator().manual_seed(args.seed)
     params = {k: v for k, v in vars(args).items() if k not in ("func",)}
@@ -277,7 +338,8 @@ def train(args: argparse.Namespace) -> int:
         "evaluator": "greedy, bf16 weights, bf16 passthrough cache (the same for every arm)",
         "timing_note": "rollout_seconds here are measured while the other runs share the GPU; the speedup comes "
                        "from timing.json (isolated)",
-        "history": {}, "rollout_info": [], "eval": {}, "device": _device_name(args.device)}
+        "history": {}, "rollout_info": [], "eval": {}, "device": _device_name(args.device),
+        "memory": {"estimate": est, "cap_gib": cap, "prompt_tokens_max": max(widths)}}
 
     def save() -> None:
         rec["provenance"] = provenance(params, started)
@@ -288,7 +350,7 @@ def train(args: argparse.Namespace) -> int:
         reserve = args.eval_reserve_s
     else:
         e0 = time.time()
-        rec["eval"]["initial"] = evaluate_greedy(roll16, tok, held, args)
+        rec["eval"]["initial"] = evaluate_greedy(roll16, tok, held, args, difficulty)
         reserve = 1.5 * (time.time() - e0) + 5
     if rec["eval"]["initial"]["uids"] != [p.uid for p in held]:
         raise ValueError("--initial-eval: its held-out problems are not this run's")
@@ -301,6 +363,8 @@ def train(args: argparse.Namespace) -> int:
             rec["reason"] = f"time budget: stopped after {it} of {args.iterations} iterations"
             break
         ti = time.time()
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         pick = torch.randperm(len(train_pool), generator=gen)[:cfg.prompts_per_iteration].tolist()
         m = grpo_iteration(policy, ref, opt, tok, [train_pool[i] for i in pick], cfg=cfg, cache_factory=None,
                            generator=gen, rollout_model=roll16, prompt_fn=lambda t, p: prompt(t, p), sampler=sampler)
@@ -315,15 +379,18 @@ def train(args: argparse.Namespace) -> int:
             h.setdefault(k, []).append(v)
         for k in ("prefill_seconds", "capture_seconds", "decode_seconds"):
             h.setdefault(f"rollout_{k}", []).append(info[k])
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        h.setdefault("max_memory_allocated_gib", []).append(peak)
         rec["rollout_info"].append({k: info[k] for k in ("decode_paths", "prefill_path", "kernel", "graphed", "steps")})
         rec["iterations_done"] = it + 1
         last = time.time() - ti
         log(f"{args.arm} s{args.seed} it {it}: reward {m['reward_mean']:.3f} len {m['response_length_mean']:.0f} "
             f"refKL {m['ref_kl_k3']:.2e} sKL {m['sampler_learner_kl_k3']:.2e} rollout {m['rollout_seconds']:.2f}s "
-            f"iter {last:.2f}s graphed {info['graphed']} {info['decode_paths']}")
+            f"iter {last:.2f}s peak {peak if peak is None else round(peak, 2)} GiB graphed {info['graphed']} "
+            f"{info['decode_paths']}")
         save()
     sync_weights(policy, roll16)
-    rec["eval"]["final"] = evaluate_greedy(roll16, tok, held, args)
+    rec["eval"]["final"] = evaluate_greedy(roll16, tok, held, args, difficulty)
     rec["status"] = "complete" if rec["iterations_done"] == args.iterations else "partial"
     rec["partial"] = rec["status"] != "complete"
     rec["seconds"] = time.time() - t_start
@@ -363,13 +430,24 @@ def run_all(args: argparse.Namespace) -> int:
     model, tok = load_policy(args.device, args.tiny)
     model16 = model.to(torch.bfloat16)
     cal_path = results / "calibration.json"
-    if cal_path.is_file() and not args.force:
-        cal = json.loads(cal_path.read_text())
-        log(f"calibration: reusing {cal_path}: difficulty {cal['difficulty']}")
-    else:
+    if args.calibrate:
         cal = calibrate(model16, tok, args)
         cal["provenance"] = provenance({k: v for k, v in vars(args).items() if k != "func"}, started)
         cal["device"] = _device_name(args.device)
+    elif cal_path.is_file():
+        cal = json.loads(cal_path.read_text())
+        log(f"calibration: reusing {cal_path}: difficulty {cal['difficulty']}")
+    else:  # the committed setting, calibrated on the CPU with the real model (kvlib.rl.task docstring)
+        from kvlib.rl import task
+
+        c = task.CPU_CALIBRATION
+        cal = {"difficulty": dict(task.DIFFICULTY), "source": "CPU calibration (kvlib.rl.task.CPU_CALIBRATION)",
+               "pooled_accuracy": c["accuracy"], "target": TARGET_ACC, "prompt_tokens_mean": c["prompt_tokens_mean"],
+               "cpu_calibration": c, "shots": task.DEFAULT_SHOTS}
+        if args.shots != task.DEFAULT_SHOTS or args.max_new_tokens < c["max_new_tokens"]:
+            log(f"WARNING: --shots {args.shots} / --max-new-tokens {args.max_new_tokens} differ from the CPU "
+                f"calibration's {task.DEFAULT_SHOTS} / {c['max_new_tokens']}: its accuracy does not apply")
+        log(f"calibration: the committed setting {cal['difficulty']}")
     _write(out / "calibration.json", cal)
     if (results / "timing.json").is_file() and not args.force:
         log("timing: already in results (use --force to measure again)")
@@ -386,7 +464,7 @@ def run_all(args: argparse.Namespace) -> int:
                 fails.append(f"timing {arm}: not every rollout was graphed on the kernel path ({sorted(paths)})")
     held = problems("heldout", args.heldout, cal["difficulty"], seed=1)
     e0 = time.time()
-    ev0 = evaluate_greedy(model16, tok, held, args)
+    ev0 = evaluate_greedy(model16, tok, held, args, cal["difficulty"])
     eval_s = time.time() - e0
     _write(out / "initial_eval.json", ev0)
     log(f"initial policy, held-out accuracy {ev0['accuracy']:.3f} (greedy bf16 evaluator, {eval_s:.1f} s)")
@@ -399,7 +477,12 @@ def run_all(args: argparse.Namespace) -> int:
         have = {int(p.stem.split("_seed")[1]) for p in results.glob(f"{arm}_seed*.json")} if not args.force else set()
         seeds = [s for s in range(1000) if s not in have][:args.n_seeds]
         runs += [(arm, s) for s in seeds]
-    log(f"training runs (concurrent): {runs}; {deadline - time.time():.0f} s left")
+    cap = args.mem_cap_gib
+    if cap is None and args.device == "cuda" and runs:
+        # the runs share the GPU: each gets an equal allocator cap, after ~1 GiB per process of CUDA context
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        cap = round((0.88 * total - len(runs)) / len(runs), 2)
+    log(f"training runs (concurrent): {runs}; {deadline - time.time():.0f} s left; per-process memory cap {cap} GiB")
     # the final evaluations of all runs overlap at the end: reserve for them together
     reserve = 1.3 * eval_s * max(len(runs), 1) + 10
     procs = []
@@ -410,6 +493,7 @@ def run_all(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "kvlib.rl.run", "train", "--arm", arm, "--seed", str(seed), "--out", args.out,
                "--deadline", str(deadline - args.train_margin_s), "--calibration", str(out / "calibration.json"),
                "--initial-eval", str(out / "initial_eval.json"), "--eval-reserve-s", str(reserve),
+               "--mem-cap-gib", "none" if cap is None else str(cap), "--grad-ckpt", args.grad_ckpt,
                *_forward_args(args)]
         procs.append((arm, seed, subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf))
     for arm, seed, p, logf in procs:
@@ -464,28 +548,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="redo calibration, timing and runs that have results")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--n-seeds", type=int, default=3, help="new seeds per arm in this call")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="wall budget of `all` from its start")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of `all` from its start")
     ap.add_argument("--train-margin-s", type=float, default=15.0, help="runs must be done this long before it")
     ap.add_argument("--exit-grace-s", type=float, default=10.0, help="past the budget, then a run is killed")
     ap.add_argument("--iterations", type=int, default=200, help="upper bound; the budget usually ends runs first")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="2-step solutions are ~45 tokens")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=1e-3)
     ap.add_argument("--tis-cap", type=_none_or(float), default=2.0)
-    ap.add_argument("--micro-batch", type=_none_or(int), default=8, help="learner micro-batch (9 runs share memory)")
-    ap.add_argument("--shots", type=int, default=3)
+    ap.add_argument("--micro-batch", type=_none_or(int), default=4, help="learner micro-batch (9 runs share memory)")
+    ap.add_argument("--shots", type=int, default=10, help="worked examples (kvlib.rl.task.DEFAULT_SHOTS)")
     ap.add_argument("--train-pool", type=int, default=1024)
     ap.add_argument("--heldout", type=int, default=128)
     ap.add_argument("--eval-batch", type=int, default=128)
+    ap.add_argument("--calibrate", action="store_true", help="run the GPU calibration (default: the committed setting)")
     ap.add_argument("--cal-per-steps", type=int, default=16)
-    ap.add_argument("--timing-reps", type=int, default=3)
+    ap.add_argument("--timing-reps", type=int, default=2, help="timed repetitions after a warm-up (~30 s in all)")
     ap.add_argument("--arm", choices=ARMS, help="train: the rollout cache format")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline", type=float, default=None, help="train: absolute time.time() to finish by")
     ap.add_argument("--calibration", default=None, help="train: calibration.json")
     ap.add_argument("--initial-eval", default=None, help="train: the initial policy's evaluation (from `all`)")
+    ap.add_argument("--mem-cap-gib", type=_none_or(float), default=None,
+                    help="train: per-process CUDA memory cap (set_per_process_memory_fraction); `all` sets it")
+    ap.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
+                    help="train: activation checkpointing (auto: when the estimate exceeds 70%% of the cap)")
     ap.add_argument("--eval-reserve-s", type=float, default=30.0, help="train: time kept for the final evaluation")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

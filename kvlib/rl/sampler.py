@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -133,7 +134,13 @@ def sample(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[Sequenc
                    response_mask=response_mask, sampler_logprobs=logq, seconds=seconds, texts=texts)
 
 
-def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = None) -> torch.Tensor:
+def _token_logprobs(lm_head: Any, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = None,
+                     chunk_tokens: int = 2048) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``rollout``'s response tokens under ``model``, teacher-forced.
 
     One forward over ``prompt + response`` per micro-batch (all of ``B`` by default), no cache. The
@@ -141,6 +148,12 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
     generated position too) and the position ids are ``cumsum(mask) - 1``, which is what
     ``generate`` uses for left-padded prompts. Gradients flow when called outside ``no_grad``.
     Masked positions are 0.
+
+    Memory: the decoder's hidden states are sliced to the response positions before the LM head, and
+    the head + log-softmax run over at most ``chunk_tokens`` (row x position) entries at a time, each
+    chunk under activation checkpointing when gradients flow, so the fp32 ``[rows, T, vocab]`` logits
+    (49k vocab: 0.2 MB per position) never exist for the whole micro-batch, neither in the forward nor
+    saved for the backward.
     """
     ids = torch.cat([rollout.prompt_ids, rollout.response_ids], dim=1)
     attn = torch.cat([rollout.prompt_mask, torch.ones_like(rollout.response_ids)], dim=1)
@@ -149,13 +162,32 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
     mb = ids.shape[0] if micro_batch is None else micro_batch
     if not isinstance(mb, int) or mb < 1:
         raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    decoder = getattr(model, "model", None)
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or lm_head is None:
+        raise TypeError(f"learner_logprobs needs a *ForCausalLM with .model and an output embedding, got "
+                        f"{type(model).__name__}")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("final_logit_softcapping is not applied by the chunked LM head")
+    scale = getattr(model.config, "logits_scaling", None) or 1.0
+    if scale != 1.0:
+        raise ValueError("logits_scaling is not applied by the chunked LM head")
+    grad = torch.is_grad_enabled()
     rows = []
     for s in range(0, ids.shape[0], mb):
-        # logits of the last steps + 1 positions only: the prompt's [P, vocab] logits are never needed (at
-        # 49k vocab they would dominate the learner's memory)
-        logits = model(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
-                       use_cache=False, logits_to_keep=steps + 1).logits
-        pred = logits[:, :steps].float()
-        tok = rollout.response_ids[s:s + mb].unsqueeze(-1)
-        rows.append(torch.log_softmax(pred, dim=-1).gather(-1, tok).squeeze(-1))
+        hidden = decoder(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
+                         use_cache=False).last_hidden_state
+        h = hidden[:, -(steps + 1):-1]  # position t predicts response token t
+        tok = rollout.response_ids[s:s + mb]
+        per = max(1, chunk_tokens // h.shape[0])  # positions per chunk, over all rows of the micro-batch
+        parts = []
+        for c in range(0, steps, per):
+            if grad:
+                parts.append(torch.utils.checkpoint.checkpoint(_token_logprobs, lm_head, h[:, c:c + per],
+                                                               tok[:, c:c + per], use_reentrant=False))
+            else:
+                parts.append(_token_logprobs(lm_head, h[:, c:c + per], tok[:, c:c + per]))
+        rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0).masked_fill(~rollout.response_mask.bool(), 0.0)

@@ -19,20 +19,32 @@ mismatch is known to be measurable at this model size. Two consequences for the 
 
 - KV4-RL keeps the first 16 and the last 128 positions in INT8, so below ~144 cached tokens it
   *is* an INT8 cache: kv4rl vs kv4 can only separate on contexts well past 144 tokens.
-- A bare chat-templated problem is 83-122 tokens and its worked solution 102-229 (mean 162;
-  SmolLM2 tokenizer, 50 train problems), so a bare prompt never leaves the protected window's
-  neighbourhood. The prompt therefore carries :data:`DEFAULT_SHOTS` = 3 worked examples as
-  earlier chat turns (:func:`format_prompt`): 825-864 prompt tokens, so generation runs at
-  contexts ~830-1090, the probe's range. The examples also teach the line format and the box,
-  which a 135M model at temperature 1 rarely finds alone (two CPU samples of 6-step chains without
-  examples: rambling, no box, reward 0).
+- A bare chat-templated problem is ~60-120 tokens, so a bare prompt never leaves the protected window's
+  neighbourhood. The prompt therefore carries :data:`DEFAULT_SHOTS` = 10 worked examples *at the task's
+  own difficulty* as earlier chat turns (:func:`format_prompt`, the model's chat template): ~870 prompt
+  tokens, so generation runs at contexts ~870-970, at and just below the probe's, and every cached position
+  between the 16 sinks and the last 128 is INT4 under kv4rl, all of them under kv4.
 
-:data:`DIFFICULTY` (6-12 steps) is a first setting, not a measurement of accuracy: the GPU smoke
-(kvlib.rl.smoke, part 1) records length, truncation and accuracy by chain length for SmolLM2
-with these prompts, and the runs should retune ``min_steps``/``max_steps`` from it so that
-accuracy starts clearly above zero and below one (GRPO needs reward variance within groups).
-Responses of ~100-250 tokens then suffice; ``max_new_tokens`` 384 leaves room for KV4's
-expected length changes (the paper reports shorter KV4 responses).
+Calibration (issue 27, CPU, the real model). The first GPU run (6-12-step chains with add/sub/mul, 3 long
+examples) scored ~0 at temperature 1 (calibration 0.0-0.06 by chain length, n=16 each; bf16 training
+reward 0.000-0.016 over 13 iterations; the samples ignored the format and rambled): GRPO cannot learn
+from all-zero groups. :data:`CPU_CALIBRATION` holds the measurements behind :data:`DIFFICULTY`
+(:mod:`kvlib.rl.calibrate`): SmolLM2-135M-Instruct (shipped Q4_1 GGUF, dequantised, fp32 on the CPU),
+temperature 1, no top-k/top-p, 10 same-difficulty examples, 4 samples per held-out question, exact
+match on the last box. Accuracy (n samples; SE ~0.09 at n=32):
+
+- 1 step, add/sub: 0.69 (n=16, max_new_tokens 48);
+- 2 steps, add/sub: 0.09 (n=32, max_new_tokens 48: half were cut off at 48 tokens);
+- 1-2 steps, add only: 0.53 (n=32, max_new_tokens 80); 2 steps, add only: 0.59 (n=32);
+- **1-2 steps, add/sub: 0.375** (n=32, max_new_tokens 80, every response ended, 33 tokens mean,
+  prompts 871 tokens): the chosen setting, nearest the 0.35 target, so that most groups of 8 mix
+  right and wrong answers.
+
+The GPU rollouts are bf16 copies of the same weights (not fp32), so their starting accuracy can differ
+a little; the runs' first iterations show it. Responses are short (~35 tokens), so ``max_new_tokens`` 96
+leaves room for KV4's expected length changes (the paper reports shorter KV4 responses) and for
+rambling at temperature 1. What this task does not test: long reasoning. The KV cache matters here
+through the ~870-token few-shot context every response attends to, not through long responses.
 """
 
 from __future__ import annotations
@@ -47,10 +59,31 @@ from typing import Any
 #: the instruction the paper appends to every problem (KV4-RL, appendix training setup)
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 SYSTEM = "You are a careful assistant who solves arithmetic problems one step at a time."
-#: default difficulty for the GPU runs (see module docstring)
-DIFFICULTY: dict[str, int] = {"min_steps": 6, "max_steps": 12, "max_operand": 9, "max_abs": 999}
-#: worked examples in every prompt (see module docstring: they set the cached context to ~850 tokens)
-DEFAULT_SHOTS = 3
+#: the GPU runs' task: 1-2-step add/sub chains of one-digit operands (calibrated on the CPU: module docstring)
+DIFFICULTY: dict[str, Any] = {"min_steps": 1, "max_steps": 2, "max_operand": 9, "max_abs": 999, "ops": "add,sub"}
+DIFFICULTY_OPS: str = DIFFICULTY["ops"]
+#: worked examples in every prompt (see module docstring: they set the cached context to ~870 tokens)
+DEFAULT_SHOTS = 10
+#: the CPU measurement behind DIFFICULTY (module docstring): ``python -m kvlib.rl.calibrate NAME 10 N 4 MAX_NEW
+#: '<difficulty json>'``, 4 samples per held-out question (seed 777), numbers as it printed them
+CPU_CALIBRATION: dict[str, Any] = {
+    "model": "SmolLM2-135M-Instruct Q4_1 GGUF dequantised, fp32, CPU", "temperature": 1.0, "shots": DEFAULT_SHOTS,
+    "split": "heldout", "problem_seed": 777, "samples_per_question": 4, "tool": "python -m kvlib.rl.calibrate",
+    "candidates": {
+        "1 step, add,sub": {"accuracy": 0.6875, "n": 16, "max_new_tokens": 48, "response_tokens_mean": 35.1,
+                            "ended": 1.0, "prompt_tokens_mean": 803.8},
+        "2 steps, add,sub": {"accuracy": 0.09375, "n": 32, "max_new_tokens": 48, "response_tokens_mean": 47.4,
+                             "ended": 0.53, "prompt_tokens_mean": 1001.3},
+        "1-2 steps, add": {"accuracy": 0.53125, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 37.4,
+                           "ended": 1.0, "prompt_tokens_mean": 951.5},
+        "2 steps, add": {"accuracy": 0.59375, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 51.0,
+                         "ended": 1.0, "prompt_tokens_mean": 1009.1},
+        "1-2 steps, add,sub": {"accuracy": 0.375, "n": 32, "max_new_tokens": 80, "response_tokens_mean": 33.3,
+                               "ended": 1.0, "prompt_tokens_mean": 871.0},
+    },
+    "chosen": "1-2 steps, add,sub",
+    "accuracy": 0.375, "n": 32, "max_new_tokens": 80, "prompt_tokens_mean": 871.0, "response_tokens_mean": 33.3,
+}
 SPLITS = ("train", "heldout")
 _HELDOUT_BUCKETS = 8  # 1 in 8 candidate chains is held out
 
@@ -70,19 +103,20 @@ class Problem:
 _OPS = {"add": "Add {a}.", "sub": "Subtract {a}.", "mul": "Multiply the result by {a}."}
 
 
-def _chain(rng: random.Random, n_steps: int, max_operand: int,
-           max_abs: int) -> tuple[str, int, int, tuple[tuple[str, int], ...]]:
+def _chain(rng: random.Random, n_steps: int, max_operand: int, max_abs: int,
+           allowed: tuple[str, ...] = ("add", "sub", "mul")) -> tuple[str, int, int, tuple[tuple[str, int], ...]]:
     value = rng.randint(1, max_operand + 1)
     start = value
     ops_done: list[tuple[str, int]] = []
     parts = [f"Start with {value}."]
     for _ in range(n_steps):
         a = rng.randint(1, max_operand)
-        ops = ["add", "sub"] + (["mul"] if a > 1 and abs(value * a) <= max_abs else [])
-        op = rng.choice(ops)
-        if op == "add" and abs(value + a) > max_abs:
+        ops = [o for o in ("add", "sub") if o in allowed]
+        ops += ["mul"] if "mul" in allowed and a > 1 and abs(value * a) <= max_abs else []
+        op = rng.choice(ops or ["add"])
+        if op == "add" and abs(value + a) > max_abs and "sub" in allowed:
             op = "sub"
-        elif op == "sub" and abs(value - a) > max_abs:
+        elif op == "sub" and abs(value - a) > max_abs and "add" in allowed:
             op = "add"
         value = value + a if op == "add" else value - a if op == "sub" else value * a
         parts.append(_OPS[op].format(a=a))
@@ -99,11 +133,12 @@ def split_of(question: str) -> str:
 
 def make_problems(split: str, n: int, seed: int = 0, *, min_steps: int = DIFFICULTY["min_steps"],
                   max_steps: int = DIFFICULTY["max_steps"], max_operand: int = DIFFICULTY["max_operand"],
-                  max_abs: int = DIFFICULTY["max_abs"]) -> list[Problem]:
+                  max_abs: int = DIFFICULTY["max_abs"], ops: str = DIFFICULTY_OPS) -> list[Problem]:
     """``n`` problems of ``split`` ("train" or "heldout"), a pure function of the arguments.
 
     Candidates are drawn from one stream seeded by ``(seed, difficulty)`` and kept when
-    :func:`split_of` says they belong to ``split`` (duplicates dropped).
+    :func:`split_of` says they belong to ``split`` (duplicates dropped). ``ops``: the operations a
+    chain may use, comma-separated from ``add,sub,mul``.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -113,7 +148,11 @@ def make_problems(split: str, n: int, seed: int = 0, *, min_steps: int = DIFFICU
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps!r}, {max_steps!r}")
     if max_operand < 2 or max_abs < max_operand + 1:
         raise ValueError(f"need max_operand >= 2 and max_abs > max_operand, got {max_operand!r}, {max_abs!r}")
-    rng = random.Random(f"kvlib.rl.task:{seed}:{min_steps}:{max_steps}:{max_operand}:{max_abs}")
+    if not isinstance(ops, str) or not ops or set(ops.split(",")) - set(_OPS):
+        raise ValueError(f"ops must name operations from {sorted(_OPS)}, comma-separated, got {ops!r}")
+    allowed = tuple(ops.split(","))
+    tag = "" if allowed == ("add", "sub", "mul") else f":{ops}"  # the default keeps its old problem stream
+    rng = random.Random(f"kvlib.rl.task:{seed}:{min_steps}:{max_steps}:{max_operand}:{max_abs}{tag}")
     out: list[Problem] = []
     seen: set[str] = set()
     tries = 0
@@ -122,12 +161,12 @@ def make_problems(split: str, n: int, seed: int = 0, *, min_steps: int = DIFFICU
         if tries > 1000 * (n + 10):
             raise ValueError(f"cannot draw {n} distinct {split} problems at this difficulty")
         steps = rng.randint(min_steps, max_steps)
-        q, ans, start, ops = _chain(rng, steps, max_operand, max_abs)
+        q, ans, start, done = _chain(rng, steps, max_operand, max_abs, allowed)
         if q in seen or split_of(q) != split:
             continue
         seen.add(q)
         uid = hashlib.sha256(q.encode()).hexdigest()[:12]
-        out.append(Problem(uid=uid, question=q, answer=ans, steps=steps, start=start, ops=ops))
+        out.append(Problem(uid=uid, question=q, answer=ans, steps=steps, start=start, ops=done))
     return out
 
 
@@ -222,9 +261,10 @@ def reward(response: str, answer: int) -> float:
     return 1.0 if got is not None and got == answer else 0.0
 
 
-def prompt_fn(shots: int = DEFAULT_SHOTS, seed: int = 12345) -> Any:
-    """``(tokenizer, problem) -> prompt`` with ``shots`` fixed worked examples: the loop's default."""
-    examples = fewshot_examples(shots, seed) if shots else []
+def prompt_fn(shots: int = DEFAULT_SHOTS, seed: int = 12345, **difficulty: Any) -> Any:
+    """``(tokenizer, problem) -> prompt`` with ``shots`` fixed worked examples (drawn at ``difficulty``,
+    default :data:`DIFFICULTY`): the loop's default."""
+    examples = fewshot_examples(shots, seed, **difficulty) if shots else []
 
     def fn(tokenizer: Any, problem: Problem | str) -> str:
         return format_prompt(tokenizer, problem, shots=examples)
