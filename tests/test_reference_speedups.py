@@ -37,13 +37,31 @@ def test_cached_dither_eviction_and_large_slots(monkeypatch):
     monkeypatch.setattr(ref, "XI_CACHE_BYTES", 3 * 512 * 64 * 4)  # room for three tables of one chunk
     for h in range(6):
         s = torch.arange(0, 300, 7)
-        assert torch.equal(ref.cached_dither(s, 64, layer=1, kv_head=h, seed=7), dither(s, 64, layer=1, kv_head=h, seed=7))
+        want = dither(s, 64, layer=1, kv_head=h, seed=7)
+        assert torch.equal(ref.cached_dither(s, 64, layer=1, kv_head=h, seed=7), want)
     assert len(ref._XI_TABLES) == 3 and ref._xi_bytes == 3 * 512 * 64 * 4
     big = torch.tensor([0, ref.XI_TABLE_MAX_SLOTS + 5])  # beyond the table limit: computed directly, no table
-    assert torch.equal(ref.cached_dither(big, 64, layer=9, kv_head=0, seed=7), dither(big, 64, layer=9, kv_head=0, seed=7))
+    want = dither(big, 64, layer=9, kv_head=0, seed=7)
+    assert torch.equal(ref.cached_dither(big, 64, layer=9, kv_head=0, seed=7), want)
     assert (64, 9, 0) not in {k[:3] for k in ref._XI_TABLES}
     with pytest.raises(ValueError, match="seed"):
         ref.cached_dither(torch.arange(3), 64, layer=0, kv_head=0, seed=-1)
+
+
+def test_pool_read_unchanged_by_tables(monkeypatch):
+    from kvlib.storage.paged import PagedPool
+
+    pool = PagedPool(side=0, n_out=2, dithered=True, n_layers=2, n_slots=64, n_kv_heads=2, d=64, group=32, seed=SEED,
+                     device=torch.device("cpu"), dither_layout="w24", include_outliers_in_amax=False)
+    pool.set_outlier_channels(1, torch.tensor([[3, 35], [8, 40]]))
+    g = torch.Generator().manual_seed(1)
+    pool.codes[1] = torch.randint(-127, 128, pool.codes[1].shape, generator=g, dtype=torch.int8)
+    pool.scales[1] = torch.rand(pool.scales[1].shape, generator=g).half()
+    pool.outliers[1] = torch.randn(pool.outliers[1].shape, generator=g).half()
+    slots = torch.randperm(64, generator=g)[:40]
+    fast = pool.read(1, slots)
+    monkeypatch.setattr(ref, "XI_TABLE_MAX_SLOTS", 0)
+    assert torch.equal(fast, pool.read(1, slots))
 
 
 @pytest.mark.parametrize("k_out", [False, True])

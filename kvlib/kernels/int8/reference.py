@@ -39,9 +39,12 @@ _xi_bytes = 0
 
 def cached_dither(slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0,
                   layout: str = "w24") -> torch.Tensor:
-    """``dither(slots, d, ...)`` (float32 ``[S, d]``, CPU) from a per-stream table indexed by slot."""
+    """``dither(slots, d, ...)`` (float32 ``[S, d]``) from a per-stream table indexed by slot, for CPU slots;
+    slots on another device get ``dither`` there (no host round trip)."""
     global _xi_bytes
-    slots = slots.to(torch.int64).cpu()
+    if slots.device.type != "cpu":
+        return dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side, layout=layout)
+    slots = slots.to(torch.int64)
     if slots.ndim != 1 or slots.numel() == 0 or int(slots.min()) < 0 or int(slots.max()) >= XI_TABLE_MAX_SLOTS:
         return dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side, layout=layout)
     key = (d, layer, kv_head, seed_key(seed), side, layout)
