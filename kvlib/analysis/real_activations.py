@@ -249,9 +249,19 @@ def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:
     """int64 ``[L, Hkv, 2m]``: per (layer, kv head) the ``m`` highest-energy RoPE pairs of the keys
     of ``ids`` (a calibration prefix ``[S]``, ``[1, S]``, or a batch ``[B, S]`` whose rows are pooled: one table
     for a batched cache), for ``make_cache(..., outlier_table=...)``."""
+    return outlier_tables(model, ids, [m])[m]
+
+
+def outlier_tables(model: Any, ids: torch.Tensor, ms: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{m: outlier_table(model, ids, m)}`` for every budget of ``ms`` from one capture of ``ids`` (the
+    forward is the cost; the tables are the same as one :func:`outlier_table` call per budget)."""
+    ms = [int(m) for m in ms]
+    if not ms:
+        return {}
     acts = capture(model, ids)
     # [B, Hkv, S, d] -> [B*S, Hkv, d]: the pair energies summed over every calibration token of every row
-    return torch.stack([select_outlier_pairs(acts[i]["k"].transpose(1, 2).flatten(0, 1), m) for i in sorted(acts)])
+    keys = [acts[i]["k"].transpose(1, 2).flatten(0, 1) for i in sorted(acts)]
+    return {m: torch.stack([select_outlier_pairs(k, m) for k in keys]) for m in ms}
 
 
 # ----------------------------------------------------------------------------------------------
