@@ -38,23 +38,24 @@ _xi_bytes = 0
 
 
 def cached_dither(slots: torch.Tensor, d: int, *, layer: int, kv_head: int, seed: int, side: int = 0,
-                  layout: str = "w24") -> torch.Tensor:
+                  layout: str = "w24", **options: Any) -> torch.Tensor:
     """``dither(slots, d, ...)`` (float32 ``[S, d]``) from a per-stream table indexed by slot, for CPU slots;
-    slots on another device get ``dither`` there (no host round trip)."""
+    slots on another device get ``dither`` there (no host round trip). ``options``: any further keyword of
+    ``dither`` (part of the stream's key, passed through)."""
     global _xi_bytes
+    kw = dict(layer=layer, kv_head=kv_head, seed=seed, side=side, layout=layout, **options)
     if slots.device.type != "cpu":
-        return dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side, layout=layout)
+        return dither(slots, d, **kw)
     slots = slots.to(torch.int64)
     if slots.ndim != 1 or slots.numel() == 0 or int(slots.min()) < 0 or int(slots.max()) >= XI_TABLE_MAX_SLOTS:
-        return dither(slots, d, layer=layer, kv_head=kv_head, seed=seed, side=side, layout=layout)
-    key = (d, layer, kv_head, seed_key(seed), side, layout)
+        return dither(slots, d, **kw)
+    key = (d, layer, kv_head, seed_key(seed), side, layout, *sorted((k, repr(v)) for k, v in options.items()))
     tab = _XI_TABLES.get(key)
     n = 0 if tab is None else tab.shape[0]
     hi = int(slots.max())
     if hi >= n:
         stop = min(-(-(hi + 1) // _XI_GROW) * _XI_GROW, XI_TABLE_MAX_SLOTS)
-        ext = dither(torch.arange(n, stop, dtype=torch.int64), d, layer=layer, kv_head=kv_head, seed=seed, side=side,
-                     layout=layout).cpu()
+        ext = dither(torch.arange(n, stop, dtype=torch.int64), d, **kw).cpu()
         tab = ext if tab is None else torch.cat([tab, ext])
         _xi_bytes += ext.numel() * ext.element_size()
         _XI_TABLES[key] = tab
