@@ -76,6 +76,35 @@ def test_batched_probe_reuses_contexts(tiny_model):
         batched_probe(tiny_model, prompts, resp, specs, batch=2, contexts=ctxs[:1])
 
 
+def test_batched_probe_shared_encodings_change_no_bit(tiny_model):
+    """Specs that store the shared context alike (KV4-RL views over one main format) reuse its encoding within a
+    batch; each spec probed alone (nothing to share) gives the same bits."""
+    from kvlib.analysis import storage_probe as sp
+
+    prompts = torch.randint(0, 97, (2, 18), generator=torch.Generator().manual_seed(4))
+    resp = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    specs = {"a": kv4rl_view(sink=2, recent=3), "b": kv4rl_view(sink=4, recent=1), "c": kv4rl_view(sink=0, recent=5),
+             "bf16": kv4rl_view(sink=2, recent=3, protect="bf16"), "kv4": ("kv4", dict(rotate="k"))}
+    seen = []
+    real = sp._memo
+
+    def spy(key, x, fn):
+        seen.append(key is not None and sp._ENCODINGS is not None
+                    and (*key, id(x)) in sp._ENCODINGS and sp._ENCODINGS[(*key, id(x))][0] is x)
+        return real(key, x, fn)
+
+    sp._memo = spy
+    try:
+        together = {r.name: r for r in batched_probe(tiny_model, prompts, resp, specs, batch=2)}
+    finally:
+        sp._memo = real
+    assert any(seen), "no encoding was shared"
+    assert sp._ENCODINGS is None and not sp._SHAREABLE
+    for name, spec in specs.items():
+        alone = batched_probe(tiny_model, prompts, resp, {name: spec}, batch=2)[0]
+        assert np.array_equal(alone.kl, together[name].kl) and np.array_equal(alone.top1, together[name].top1), name
+
+
 # ----------------------------------------------------------------------------- vectorised storage views
 def _chunk_then_decode(model, ids, cache, split, chunk):
     """Logits of ``ids [B, N]`` fed as a prefix of ``split`` tokens then the rest (one chunk or token by token)."""

@@ -75,7 +75,9 @@ def forced_logits(model: Any, ids: torch.Tensor, prompt_len: int, spec: CacheSpe
     The prompt is prefilled in one chunk; the continuation is fed one token per forward call
     (``mode="decode"``, what serving does) or in one chunk (``mode="chunk"``: same stored K/V for
     stateless formats, much faster). ``"auto"``: chunk when every format of the cache is stateless.
-    ``timings``: a dict that receives ``prefill_s`` and ``continuation_s`` (wall seconds).
+    ``timings``: a dict that receives ``prefill_s`` and ``continuation_s`` (wall seconds), and
+    ``prefill_cpu_s`` / ``continuation_cpu_s`` (this process's CPU seconds: on a shared machine the wall time
+    also counts the other processes' load, the CPU time only this work).
     """
     if ids.ndim == 1:
         ids = ids[None]
@@ -104,10 +106,10 @@ def forced_logits_batch(model: Any, ids: torch.Tensor, prompt_len: int, spec: Ca
     cache = build_cache(spec, model.config)
     if mode == "auto":
         mode = "chunk" if _is_chunkable(cache) else "decode"
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # logits_to_keep=1: the prompt's last row only (the full [B, P, V] logits would be gigabytes at P = 2k)
     rows = [model(ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]]
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if mode == "chunk":
         if n - 1 > prompt_len:
             rows.append(model(ids[:, prompt_len:n - 1], past_key_values=cache, use_cache=True).logits)
@@ -116,7 +118,8 @@ def forced_logits_batch(model: Any, ids: torch.Tensor, prompt_len: int, spec: Ca
             rows.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits)
     out = torch.cat(rows, 1).float()
     if timings is not None:
-        timings.update(prefill_s=t1 - t0, continuation_s=time.perf_counter() - t1)
+        timings.update(prefill_s=t1 - t0, continuation_s=time.perf_counter() - t1, prefill_cpu_s=c1 - c0,
+                       continuation_cpu_s=time.process_time() - c1)
     return (out, cache) if return_cache else out
 
 

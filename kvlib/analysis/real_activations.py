@@ -125,19 +125,22 @@ def certify_budget(acts: dict[int, dict[str, torch.Tensor]], budgets: Sequence[i
         cal = S // 2 if calib is None else calib
         for h in range(n_kv):
             xi = dither(torch.arange(S), d, layer=layer, kv_head=h, seed=seed, side=0)  # one draw for all m
+            k64 = k[h].double()
+            # the queries and the exact attention weights do not depend on the budget: once per (head, t)
+            qs = {t: q[h * g:(h + 1) * g, t].double() for t in pos}  # [g, d] each
+            p_true = {t: torch.softmax((qs[t] @ k64[: t + 1].T) * sm, -1) for t in pos}
             for m in budgets:
                 oc = select_outlier_pairs(k[h, :cal], m) if m else None
                 khat, scales, outliers = dither_keys(k[h], xi, oc, group=group)
                 khat = khat.double()
                 for t in pos:
-                    qh = q[h * g:(h + 1) * g, t].double()  # [g, d]
+                    qh = qs[t]
                     z_hat = (qh @ khat[: t + 1].T) * sm
                     u = score_radius(qh, scales[: t + 1], sm_scale=sm, n=t + 1, delta=dloc, group=group,
                                      outlier_channels=oc,
                                      outliers=None if outliers is None else outliers[: t + 1])
-                    z = (qh @ k[h, : t + 1].double().T) * sm
                     c = certificate_from_scores(z_hat, u)
-                    tv = 0.5 * (torch.softmax(z, -1) - torch.softmax(z_hat, -1)).abs().sum(-1)
+                    tv = 0.5 * (p_true[t] - torch.softmax(z_hat, -1)).abs().sum(-1)
                     for j in range(g):
                         rows.append({"m": m, "layer": layer, "kv_head": h, "q_head": h * g + j, "t": t,
                                      "cert": float(c.tv_bound[j]), "cert_one": float(c.tv_bound_one[j]),
@@ -249,9 +252,19 @@ def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:
     """int64 ``[L, Hkv, 2m]``: per (layer, kv head) the ``m`` highest-energy RoPE pairs of the keys
     of ``ids`` (a calibration prefix ``[S]``, ``[1, S]``, or a batch ``[B, S]`` whose rows are pooled: one table
     for a batched cache), for ``make_cache(..., outlier_table=...)``."""
+    return outlier_tables(model, ids, [m])[m]
+
+
+def outlier_tables(model: Any, ids: torch.Tensor, ms: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{m: outlier_table(model, ids, m)}`` for every budget of ``ms`` from one capture of ``ids`` (the
+    forward is the cost; the tables are the same as one :func:`outlier_table` call per budget)."""
+    ms = [int(m) for m in ms]
+    if not ms:
+        return {}
     acts = capture(model, ids)
     # [B, Hkv, S, d] -> [B*S, Hkv, d]: the pair energies summed over every calibration token of every row
-    return torch.stack([select_outlier_pairs(acts[i]["k"].transpose(1, 2).flatten(0, 1), m) for i in sorted(acts)])
+    keys = [acts[i]["k"].transpose(1, 2).flatten(0, 1) for i in sorted(acts)]
+    return {m: torch.stack([select_outlier_pairs(k, m) for k in keys]) for m in ms}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -131,8 +131,8 @@ class PagedPool:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Torch reference read: fp32 ``[N, H, d]`` = ``s (c - xi)`` with outliers substituted."""
-        from kvlib.core.philox import dither
         from kvlib.formats.dither_int8 import dequantize_codes
+        from kvlib.kernels.int8.reference import cached_dither  # the same dither, kept per stream by slot
 
         check_tensor("slots", slots, ndim=1, floating=False)
         v = self.layer(layer)
@@ -140,8 +140,8 @@ class PagedPool:
         out = torch.empty(slots.shape[0], self.n_kv_heads, self.d, dtype=torch.float32, device=self.device)
         for h in range(self.n_kv_heads):
             if self.dithered:
-                xi = dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side,
-                            layout=self.dither_layout).to(self.device)
+                xi = cached_dither(slots, self.d, layer=layer, kv_head=h, seed=self.seed, side=self.side,
+                                   layout=self.dither_layout).to(self.device)
             else:
                 xi = torch.zeros(slots.shape[0], self.d, device=self.device)
             out[:, h] = dequantize_codes(v.codes[slots, h], v.scales[slots, h], xi, self.group)
