@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One warm device call (session 16): GRPO runs (dev/gpu/rlvr.sh) with the GPU test lane, the fused-write checks and
 # the value-dither diagnosis beside them (started only once rlvr's isolated rollout timing is written, so that timing
-# runs alone), then the two timing scripts that need the device to themselves (dev/gpu/wspec2.sh, the fused-write
-# timing). Everything but rlvr's own archive goes into $OUT/lane.tar.gz (the device returns at most 8 files).
+# runs alone), then the fused-write timing, which needs the device to
+# itself. Everything but rlvr's own archive goes into $OUT/lane.tar.gz (the device returns at most 8 files).
 set -u
 OUT=${OUT:-/tmp/batch_out}; mkdir -p "$OUT/lane"
 t0=$(date +%s)
@@ -15,11 +15,10 @@ echo "side jobs start at $(( $(date +%s) - t0 )) s (timing.json: $([ -f "$OUT/rl
 (mkdir -p "$OUT/lane/v"; OUT="$OUT/lane/v" bash dev/gpu/vdither.sh > "$OUT/lane/vdither.log" 2>&1) &
 wait
 echo "rlvr and side jobs done at $(( $(date +%s) - t0 )) s"
-(mkdir -p "$OUT/lane/s"; OUT="$OUT/lane/s" timeout 130 bash dev/gpu/wspec2.sh > "$OUT/lane/wspec2.log" 2>&1)
 (mkdir -p "$OUT/lane/w2"; OUT="$OUT/lane/w2" WRITEFUSE_SECTIONS=timing timeout 150 bash dev/gpu/writefuse.sh \
   > "$OUT/lane/writefuse_timing.log" 2>&1)
 echo "all done at $(( $(date +%s) - t0 )) s"
 tar czf "$OUT/lane.tar.gz" -C "$OUT" lane && rm -rf "$OUT/lane"
-for f in rlvr_console test_gpu writefuse vdither wspec2 writefuse_timing; do
+for f in rlvr_console test_gpu writefuse vdither writefuse_timing; do
   echo "== $f"; tar xzf "$OUT/lane.tar.gz" -O "lane/$f.log" 2>/dev/null | grep -E "PASS|FAIL|TIMEOUT|DIAGNOSIS|SUMMARY|x SDPA|ratio|passed|failed" | tail -n 14 | cut -c1-220
 done
