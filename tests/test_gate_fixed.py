@@ -14,6 +14,8 @@ from kvlib.hf.cache import make_cache
 from kvlib.hf.gate import GatedCache, make_gated_cache
 
 D = 32
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test's device: on CPU under TRITON_INTERPRET=1
+DK = 64 if torch.cuda.is_available() else D  # its head dim: the GPU lane's smallest on CUDA, the small one on CPU
 #: thresholds that gate part of the tiny model's (row, KV head) groups on these two prompts: at most 3 of the 4 in
 #: any (layer, step), none in some (measured: group certificates 0.0014-0.0021 dither-int8, 0.011-0.018 fp8-e4m3,
 #: 0.046-0.095 kivi2, 0.0020-0.0031 rtn-int8)
@@ -25,12 +27,16 @@ def _opts(fmt: str) -> dict:
     return dict(SHORT_KIVI) if fmt == "kivi2" else {}
 
 
-@pytest.fixture(scope="module")
-def model():
+def _model(d: int = D) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=D, vocab_size=96, max_position_embeddings=256)
+                      num_key_value_heads=2, head_dim=d, vocab_size=96, max_position_embeddings=256)
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,8 @@ def teacher_forced(model, ids: torch.Tensor, cache, steps: int = 3) -> torch.Ten
     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     logits = [out.logits[:, -1]]
     for t in range(steps):
-        out = model(input_ids=torch.full((ids.shape[0], 1), 10 + 7 * t), past_key_values=cache, use_cache=True)
+        step = torch.full((ids.shape[0], 1), 10 + 7 * t, device=ids.device)
+        out = model(input_ids=step, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
@@ -165,11 +172,13 @@ def test_flag_only_counts_every_over_group_unrepaired(model, ids) -> None:
 
 
 @torch.no_grad()
-def test_fixed_path_on_the_kernel_with_static_pools(model, ids) -> None:
-    """Under the Triton interpreter the INT8 decode kernel runs on static pools: the capturable configuration."""
+def test_fixed_path_on_the_kernel_with_static_pools(ids) -> None:
+    """The INT8 decode kernel (on CUDA, else under the Triton interpreter) on static pools: the capturable
+    configuration."""
+    model, ids = _model(DK).to(DEV), ids.to(DEV)
     cache = make_gated_cache("dither-int8", model.config, tau=0.0, shadow_dtype=torch.float32, max_repairs_per_step=4,
-                             batch_size=2, max_len=16, device="cpu")
-    cache._ensure_store(torch.zeros(2, cache.n_kv, 1, D))
+                             batch_size=2, max_len=16, device=DEV)
+    cache._ensure_store(torch.zeros(2, cache.n_kv, 1, DK, device=DEV))
     cache.store.interpret = True
     got = teacher_forced(model, ids, cache, steps=2)
     assert cache.kernel_path(1).startswith("int8-"), cache.kernel_path(1)

@@ -119,19 +119,40 @@ def test_triton_words_equal_torch(name):
     assert torch.equal(out.cpu(), want)
 
 
-def test_w24_kernels_refuse_another_generator():
-    from kvlib.kernels.int8.config import DEFAULT_CONFIG
-    from kvlib.kernels.int8.decode import decode_int8, make_pool_side
+def _w24_request():
+    """A small w24 request on the lane's device (CUDA, else the CPU under the interpreter)."""
+    from kvlib.kernels.int8.decode import make_pool_side
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    K, V = torch.randn(20, 1, 64, generator=g), torch.randn(20, 1, 64, generator=g)
+    K, V = torch.randn(20, 1, 64, generator=g).to(dev), torch.randn(20, 1, 64, generator=g).to(dev)
     kp = make_pool_side(K, layer=0, seed=1, side=0)
     vp = make_pool_side(V, layer=0, seed=1, side=1, dithered=False)
-    q = torch.randn(1, 2, 64, generator=g)
-    slots = torch.arange(20, dtype=torch.int32)[None]
+    q = torch.randn(1, 2, 64, generator=g).to(dev)
+    slots = torch.arange(20, dtype=torch.int32, device=dev)[None]
+    return q, kp, vp, slots, torch.tensor([20], dtype=torch.int32, device=dev)
+
+
+def test_w24_kernels_refuse_another_generator():
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG
+    from kvlib.kernels.int8.decode import decode_int8
+
     with pytest.raises(ValueError, match="generator"):
-        decode_int8(q, kp, vp, slots, torch.tensor([20], dtype=torch.int32), layer=0, seed=1, impl="fma",
+        decode_int8(*_w24_request(), layer=0, seed=1, impl="fma",
                     config=DEFAULT_CONFIG.replace(generator="philox4x32-7"))
+
+
+def test_reference_fallback_refuses_another_generator(monkeypatch):
+    """Where no Triton backend runs, decode_int8 falls back to the torch reference, which regenerates
+    Philox4x32-10 only: another generator is refused there too, not read with the wrong dither."""
+    import kvlib.kernels.int8.decode as dec
+    from kvlib.kernels.int8.config import DEFAULT_CONFIG
+
+    req = _w24_request()
+    monkeypatch.setattr(dec, "triton_available", lambda device: False)
+    assert dec.decode_int8(*req, layer=0, seed=1, impl="fma").path == "reference"  # the fallback this covers
+    with pytest.raises(ValueError, match="generator"):
+        dec.decode_int8(*req, layer=0, seed=1, impl="fma", config=DEFAULT_CONFIG.replace(generator="philox4x32-7"))
 
 
 def test_h10_kernel_with_each_generator_matches_float64():

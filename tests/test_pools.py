@@ -14,6 +14,10 @@ from kvlib.storage.blocks import BlockAllocator
 from kvlib.storage.pools import Int4Store, Int8Store, PlainStore
 
 D, HKV, L = 32, 2, 2
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests' device: on CPU under TRITON_INTERPRET=1
+# the kernel tests' head dim: 64 on CUDA (the GPU lane's smallest; Triton's dots there are at least 16 deep, and the
+# fma kernel's run d // 4 deep), the small shape under the interpreter
+DK = 64 if torch.cuda.is_available() else D
 
 
 def _cfg(head_dim: int = D) -> LlamaConfig:
@@ -21,14 +25,14 @@ def _cfg(head_dim: int = D) -> LlamaConfig:
                        num_key_value_heads=HKV, head_dim=head_dim, vocab_size=64)
 
 
-def _fill(fmt: str, lens: list[int], **opts):
+def _fill(fmt: str, lens: list[int], device: str = "cpu", d: int = D, **opts):
     """A cache filled the way a benchmark does (cache.update), rows ragged through the keep mask."""
     torch.manual_seed(0)
-    cache = make_cache(fmt, _cfg(), block_size=4, shuffle_blocks=7, **opts)
+    cache = make_cache(fmt, _cfg(d), block_size=4, shuffle_blocks=7, **opts)
     b, s = len(lens), max(lens)
-    k = torch.randn(b, HKV, s, D) * 2
-    v = torch.randn(b, HKV, s, D)
-    keep = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
+    k = (torch.randn(b, HKV, s, d) * 2).to(device)
+    v = torch.randn(b, HKV, s, d).to(device)
+    keep = (torch.arange(s)[None, :] < torch.tensor(lens)[:, None]).to(device)
     for layer in range(L):
         la = cache.layers[layer]
         la.lazy_initialization(k, v)
@@ -173,23 +177,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) 
 
 
 def test_int8_decode_reference_and_kernel_read_the_shuffled_pool() -> None:
-    """A block manager's pool (shuffled pages, ragged rows): the decode reference and the Triton kernel (CPU
-    interpreter) over the per-token slot table agree with attention over the dequantised layer."""
+    """A block manager's pool (shuffled pages, ragged rows): the decode reference and the Triton kernel (on CUDA,
+    else the CPU interpreter) over the per-token slot table agree with attention over the dequantised layer."""
     from kvlib.kernels.int8.decode import decode_int8, decode_reference
 
     lens = [11, 6]
-    cache, _, _ = _fill("dither-int8", lens)
+    cache, _, _ = _fill("dither-int8", lens, device=DEV, d=DK)
     la, st = cache.layers[1], cache.store
     torch.manual_seed(5)
-    q = torch.randn(2, 4, D)
+    q = torch.randn(2, 4, DK).to(DEV)
     kk, vv = la.dequantized()
-    want = _attend(q, kk, vv, lens)
+    want = _attend(q.cpu(), kk.cpu(), vv.cpu(), lens)
     args = (q, st.k.layer(1), st.v.layer(1), la.table.slot_table(), la.table.seq_lens)
     ref = decode_reference(*args, layer=1, seed=0, impl="fma")
-    torch.testing.assert_close(ref.o.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref.o.double().cpu(), want, atol=1e-5, rtol=0)
     got = decode_int8(*args, layer=1, seed=0, impl="fma", fallback_to_reference=False)
-    torch.testing.assert_close(got.o.double(), want, atol=1e-4, rtol=0)
-    torch.testing.assert_close(got.tv_bound_one.double(), ref.tv_bound_one.double(), rtol=1e-3, atol=1e-6)
+    assert got.path == "fma", got.path
+    torch.testing.assert_close(got.o.double().cpu(), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.tv_bound_one.double().cpu(), ref.tv_bound_one.double().cpu(), rtol=1e-3,
+                               atol=1e-6)
 
 
 def test_int4_pages_are_the_paged_kernels_layout() -> None:
@@ -257,13 +263,13 @@ def test_kv4rl_crop_past_the_stash_is_refused() -> None:
 def test_a_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts: dict, monkeypatch) -> None:
     """A one-token update of static pools makes no device-to-host read (what a CUDA graph cannot hold):
     every Tensor -> Python conversion raises inside the step."""
-    cache = make_cache(fmt, _cfg(), batch_size=2, max_len=16, block_size=4, device="cpu", **opts)
-    x = torch.randn(2, HKV, 9, D)
+    cache = make_cache(fmt, _cfg(DK), batch_size=2, max_len=16, block_size=4, device=DEV, **opts)
+    x = torch.randn(2, HKV, 9, DK).to(DEV)
     for layer in range(L):
         cache.update(x, x, layer)
-    one = torch.randn(2, HKV, 1, D)
+    one = torch.randn(2, HKV, 1, DK).to(DEV)
     if fmt == "dither-int8":
-        cache.store.write_backend = "triton"  # the CUDA path's write kernel (here under the interpreter)
+        cache.store.write_backend = "triton"  # the CUDA path's write kernel (on CPU under the interpreter)
 
     def refuse(*a, **k):
         raise AssertionError("host read inside a decode-step write")

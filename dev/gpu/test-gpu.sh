@@ -7,19 +7,23 @@
 # Runs where the package is not installed and no venv exists: $PYTHON (default python3) with PYTHONPATH set
 # to the repository root. Needs torch, triton, numpy, scipy and pytest importable by that python (the H200
 # image has them). Fails at once, saying why, without CUDA or without one of those packages.
-# TEST_GPU_TIMEOUT_S (default 225, 0 = none) stops pytest cleanly past that many seconds (a device call is
-# short). Prints one line "test-gpu: PASS|FAIL|TIMEOUT ..."; with $OUT set, also writes $OUT/test-gpu.json
+# TEST_GPU_TIMEOUT_S (default 360, 0 = none) stops pytest cleanly past that many seconds (a device call is
+# short). TEST_GPU_WORKERS (default 8, 0 = one process) spreads the tests over that many pytest-xdist workers
+# where xdist is importable and the arguments name no -n of their own: one process cannot fit a device call (at
+# bb9b9f2 the 575 tests that finished took 837 s of test time in all; 6 workers, beside a GRPO job, ran them in
+# 172 s). Prints one line "test-gpu: PASS|FAIL|TIMEOUT ..."; with $OUT set, also writes $OUT/test-gpu.json
 # (counts, failed tests with their first error line, skipped tests with their reasons) and $OUT/test-gpu.xml.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 
 PY=${PYTHON:-python3}
-LIMIT=${TEST_GPU_TIMEOUT_S:-225}
+LIMIT=${TEST_GPU_TIMEOUT_S:-360}
+WORKERS=${TEST_GPU_WORKERS:-8}
 # every test file that launches a kernel (tests/test_gpu_lane.py checks that none is missing)
 TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py tests/test_merge_tl.py
        tests/test_philox*.py tests/test_fallback.py tests/test_sass_count.py tests/test_bench_wiring.py
        tests/test_format_capabilities.py tests/test_hf_cache.py tests/test_pools.py tests/test_write_kernels.py
-       tests/test_gate_fixed.py tests/test_wspec.py)
+       tests/test_gate_fixed.py tests/test_wspec.py tests/test_reference_speedups.py)
 
 unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # absolute: tests that chdir keep it
@@ -43,12 +47,24 @@ print(f"test-gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}, tri
       f"python {sys.version.split()[0]}", flush=True)
 EOF
 
+par=()
+if printf '%s\n' "$@" | grep -qE '^(-n|--numprocesses)'; then
+  how="workers as the arguments say"
+elif [ "$WORKERS" = 0 ]; then
+  how="one process (TEST_GPU_WORKERS=0)"
+elif ! "$PY" -c "import xdist" 2>/dev/null; then
+  how="one process (pytest-xdist not importable: the lane may not fit TEST_GPU_TIMEOUT_S)"
+else
+  par=(-n "$WORKERS")
+  how="$WORKERS pytest-xdist workers"
+fi
+echo "test-gpu: $how, limit ${LIMIT} s"
 junit=$(mktemp -t test-gpu.XXXXXX.xml)
 tmo=()
 [ "$LIMIT" != 0 ] && tmo=(timeout -s INT -k 20 "$LIMIT")
 # -m "gpu or not gpu": the GPU-only tests (marker gpu) and all the rest, whatever addopts may deselect
 ${tmo[@]+"${tmo[@]}"} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" --durations=10 \
-    --junitxml="$junit" "${TESTS[@]}" "$@"
+    --junitxml="$junit" ${par[@]+"${par[@]}"} "${TESTS[@]}" "$@"
 rc=$?
 
 "$PY" - "$junit" "$rc" "$LIMIT" "${OUT:-}" <<'EOF'

@@ -188,11 +188,14 @@ def decode_int8(
     Where no Triton backend runs (CPU without ``TRITON_INTERPRET=1``) it returns :func:`decode_reference`
     (``fallback_to_reference``, else raises). ``DecodeOut.path`` names what ran (``"reference"`` or the kernel).
     """
-    check_config(config)
+    cfg = check_config(config)
     check_key_cert(as_side(k_pool, "k_pool"), cert)
     if not triton_available(q.device if isinstance(q, torch.Tensor) else torch.device("cpu")):
         if not fallback_to_reference:
             raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+        if cfg.generator != DEFAULT_GENERATOR:  # refused on every device, as the w24 kernels refuse it in _stage1
+            raise ValueError(f"config.generator={cfg.generator!r}: the torch reference that runs here (no Triton "
+                             "backend for this device) regenerates Philox4x32-10 only")
         return decode_reference(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
                                 delta=delta, v_dither=v_dither, impl=impl, block_table=block_table,
                                 block_size=block_size)
