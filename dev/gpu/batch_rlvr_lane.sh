@@ -10,7 +10,7 @@ t0=$(date +%s)
 rpid=$!
 for _ in $(seq 1 150); do [ -f "$OUT/rlvr/timing.json" ] && break; kill -0 $rpid 2>/dev/null || break; sleep 1; done
 echo "side jobs start at $(( $(date +%s) - t0 )) s (timing.json: $([ -f "$OUT/rlvr/timing.json" ] && echo yes || echo no))"
-(mkdir -p "$OUT/lane/t"; OUT="$OUT/lane/t" TEST_GPU_TIMEOUT_S=240 bash dev/gpu/test-gpu.sh -n 6 > "$OUT/lane/test_gpu.log" 2>&1) &
+(mkdir -p "$OUT/lane/t"; OUT="$OUT/lane/t" bash dev/gpu/test-gpu.sh > "$OUT/lane/test_gpu.log" 2>&1) &
 (mkdir -p "$OUT/lane/w"; OUT="$OUT/lane/w" WRITEFUSE_SECTIONS=bit,capture bash dev/gpu/writefuse.sh > "$OUT/lane/writefuse.log" 2>&1) &
 (mkdir -p "$OUT/lane/v"; OUT="$OUT/lane/v" bash dev/gpu/vdither.sh > "$OUT/lane/vdither.log" 2>&1) &
 wait
