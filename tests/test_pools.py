@@ -280,3 +280,33 @@ def test_a_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts: dict
         cache.update(one, one, layer)
     monkeypatch.undo()
     assert cache.layers[0].table.seq_lens.tolist() == [10, 10]
+
+
+@pytest.mark.parametrize("chunks", [(13,), (5, 8), (3, 1, 9), (40,), (17, 23)])
+def test_kv4rl_chunked_writes_equal_token_by_token_writes(chunks: tuple[int, ...]) -> None:
+    """A prefill written in chunks leaves kv4rl's side buffer, crop stash and stash counts exactly as one-token
+    writes of the same tokens do (two code paths: the chunk's masked writes and the decode step's)."""
+    torch.manual_seed(3)
+    n = sum(chunks)
+    k, v = torch.randn(3, HKV, n, D), torch.randn(3, HKV, n, D)
+    a = make_cache("kv4rl", _cfg(), sink=2, recent=4, block_size=4)
+    b = make_cache("kv4rl", _cfg(), sink=2, recent=4, block_size=4)
+    t0 = 0
+    for c in chunks:
+        for layer in range(L):
+            a.update(k[:, :, t0:t0 + c], v[:, :, t0:t0 + c], layer)
+        t0 += c
+    for t in range(n):
+        for layer in range(L):
+            b.update(k[:, :, t:t + 1], v[:, :, t:t + 1], layer)
+    sa, sb = a.store, b.store
+    u = sa.undo
+    for layer in range(L):
+        for side in (0, 1):
+            assert torch.equal(sa.side8[side][layer], sb.side8[side][layer]), (layer, side)
+            assert torch.equal(sa.side_scale[side][layer], sb.side_scale[side][layer])
+            for row in range(3):
+                # the stash holds the last u positions that left the recent window (past the sink of 2)
+                pos = torch.arange(max(2, n - 4 - u), max(2, n - 4)) % u
+                assert torch.equal(sa.stash8[side][layer][row, :, pos], sb.stash8[side][layer][row, :, pos])
+                assert torch.equal(sa.stash_scale[side][layer][row, :, pos], sb.stash_scale[side][layer][row, :, pos])
