@@ -88,7 +88,7 @@ def test_batched_forcing_matches_row_by_row(smol) -> None:
     for b in range(2):
         one = fid.forced_logits(model, ids[b:b + 1], 6, "rtn-int8", mode="decode")
         assert fid.compare_logits(one, both[b])["kl"].mean() < 0.1 * fid.compare_logits(ref[b], one)["kl"].mean()
-    assert set(t) == {"prefill_s", "continuation_s"} and min(t.values()) > 0
+    assert set(t) == {"prefill_s", "continuation_s", "prefill_cpu_s", "continuation_cpu_s"} and min(t.values()) > 0
     with pytest.raises(ValueError, match="ids"):
         fid.forced_logits_batch(model, ids[0], 6)
 
