@@ -240,12 +240,16 @@ def test_paper_verdicts_from_known_numbers():
                      "speedup_vs_static_graph": 0.8},
                     {"method": "dither-int8", "cell": "grid", "status": "ok", "ctx": 32768, "speedup_vs_dynamic": 1.3,
                      "speedup_vs_static_graph": 1.3}],
-           "budget": {"ctxs": [32768], "throughput_ratio": {"kv4rl@32768": 2.6}, "rows": []}}
+           "budget": {"ctxs": [32768], "throughput_ratio": {"kv4rl@32768": 26.0},
+                      "throughput_ratio_vs_static": {"kv4rl@32768": 2.6}, "rows": []}}
     got = {c["id"]: c for c in e2e.paper_vs_run(res)}
     assert got["witcert-e2e-bytes"]["verdict"] == "reproduced"  # 136 B
     assert got["witcert-e2e-capacity"]["verdict"] == "reproduced"  # 256 / 136 = 1.88
     assert got["witcert-e2e-throughput"]["verdict"] == "reproduced"  # 0.8 at the shortest S
     assert got["kv4rl-e2e-rollout"]["verdict"] == "differs" and got["kv4rl-e2e-rollout"]["why"]  # 2.6 vs 1.80
+    assert got["kv4rl-e2e-rollout"]["ours"].startswith("2.60x")  # against the graph peer, not DynamicCache's 26x
+    res["budget"]["throughput_ratio_vs_static"]["kv4rl@32768"] = 1.9
+    assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["kv4rl-e2e-rollout"] == "reproduced"
     res["bytes_per_token"]["dither-int8"] = 160.0 * per
     assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["witcert-e2e-bytes"] == "differs"
 
