@@ -170,6 +170,10 @@ def test_stamp_refuses_an_execution_it_cannot_check(sandbox, tmp_path):
     dst = executed_path(nb.name, "cpu")
     dst.parent.mkdir(parents=True)
     shutil.copyfile(committed, dst)
+    # a pre-cache execution: without the key (committed executions gain one when they are re-run)
+    pre = nbformat.read(dst, as_version=4)
+    pre.metadata.pop(cache.KEY, None)
+    nbformat.write(pre, dst)
     text = (repo_root() / nb.path).read_text()
     end = text.index("\n```\n", text.index("```{code-cell}"))
     edited = tmp_path / "edited.md"
