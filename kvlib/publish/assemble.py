@@ -221,7 +221,7 @@ def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
         parts.append(f"(claims-{ch})=\n## {titles.get(ch, ch)}\n")
         if ch in titles:
             parts.append(f"{_counts_sentence(rs)} The chapter: {{doc}}`{titles[ch]} <{ch}/index>`.\n")
-        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**", r["rule"] or "-"]
+        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**", r["rule"] or "—"]
                 for r in rs]
         parts.append(list_table(body, ["claim", "paper", "ours", "verdict", "rule"], [30, 18, 30, 10, 12]))
         reasons = "\n".join(
