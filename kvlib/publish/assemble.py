@@ -4,6 +4,8 @@ the provenance page and the table of contents, then build with Jupyter Book 1.""
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -92,7 +94,9 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
     """Join the papers' claims with our results of the rendered profile of each notebook.
 
     A claim id that two rendered notebooks both answer is an error naming both (``problems`` given: appended
-    there, and the register shows the conflict instead of silently keeping one)."""
+    there, and the register shows the conflict instead of silently keeping one). Each row also carries its
+    chapter, the verdict's first word (``verdict word``), its reason (``why``) and the rule the result's claim
+    record states (``rule``, ``None`` when it states none)."""
     known = load_claims()
     ours: dict[str, list[dict[str, Any]]] = {}
     for name, prof in rendered.items():
@@ -111,15 +115,27 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
         answers = ours.get(cid, [])
         o = answers[0] if len(answers) == 1 else None
         conflict = "conflict: " + "; ".join(f"{a['notebook']} says {_verdict(a)}" for a in answers)
+        if len(answers) > 1:
+            word, why = "conflict", "; ".join(f"{a['notebook']} says {_verdict(a)}" for a in answers)
+        elif o is None:
+            word, why = "pending", "no run addresses it yet"
+        else:
+            word, why = o["verdict"], o.get("why") or ""
+        rule = o.get("rule") if o else None
         rows.append(
             {
                 "id": cid,
+                "chapter": p["chapter"],
                 "paper": p["paper"],
                 "where": p.get("where", ""),
                 "claim": p["statement"],
+                "statement": p["statement"],
                 "paper's figure": p["paper_value"] + (f" ({p['setting']})" if p.get("setting") else ""),
                 "ours": o["ours"] if o else " / ".join(a["ours"] for a in answers),
                 "verdict": _verdict(o) if len(answers) < 2 else conflict,
+                "verdict word": word,
+                "why": why,
+                "rule": str(rule) if rule not in (None, "") else None,
                 "source": ", ".join(f"{a['notebook']} [{a['profile']}]" for a in answers),
             }
         )
@@ -127,33 +143,153 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
 
 
 VERDICT_ORDER = ("reproduced", "differs", "not reproducible here", "pending", "conflict")
+PAPERS = {"witcert": "WitCert", "kv4rl": "KV4-RL"}
+
+
+def rows_in_contents_order(rows: list[dict[str, Any]], chapters: list[Chapter]) -> list[tuple[str, list[dict]]]:
+    """Claims grouped by chapter, chapters in the order of the contents (the registry); a claim file naming a
+    chapter the registry does not know comes last, under its own name."""
+    order = [ch.id for ch in chapters]
+    groups: dict[str, list[dict[str, Any]]] = {c: [] for c in order}
+    for r in rows:
+        groups.setdefault(r["chapter"], []).append(r)
+    return [(c, rs) for c, rs in groups.items() if rs]
+
+
+def verdict_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How many rows carry each verdict (the known verdicts first, in :data:`VERDICT_ORDER`)."""
+    counts = {v: 0 for v in VERDICT_ORDER}
+    for r in rows:
+        counts[r["verdict word"]] = counts.get(r["verdict word"], 0) + 1
+    return counts
+
+
+_LIST_MARKER = re.compile(r"^([-*+]|\d+[.)])(\s|$)")
+
+
+def _cell(text: str) -> str:
+    """Inline text for a list-table cell: one line, and nothing a list item would read as a marker of its own."""
+    text = " ".join(str(text).split())
+    return _LIST_MARKER.sub(lambda m: m.group(1)[:-1] + "\\" + m.group(1)[-1] + m.group(2), text, count=1)
+
+
+def list_table(rows: list[list[str]], header: list[str], widths: list[int], cls: str = "claims-table") -> str:
+    """A MyST ``list-table``: cells are parsed as MyST inline text, so ``$...$`` typesets (a pipe table would
+    split a formula's ``|x|`` into cells)."""
+    out = [":::{list-table}", ":header-rows: 1", f":class: {cls}", f":widths: {' '.join(map(str, widths))}", ""]
+    for r in [header, *rows]:
+        out.append(f"* - {_cell(r[0]) or '&nbsp;'}")
+        out += [f"  - {_cell(c) or '&nbsp;'}" for c in r[1:]]
+    out.append(":::")
+    return "\n".join(out) + "\n"
+
+
+def _claim_cell(r: dict[str, Any]) -> str:
+    return f"**{r['where']}** ({PAPERS.get(r['paper'], r['paper'])}): {r['statement']}"
+
+
+def _counts_sentence(rows: list[dict[str, Any]]) -> str:
+    counts = verdict_counts(rows)
+    parts = [f"{n} {v}" for v, n in counts.items() if n]
+    return f"{len(rows)} claim{'s' if len(rows) != 1 else ''}: " + ", ".join(parts) + "."
 
 
 def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
-    """The claims register: a count per chapter and verdict, then one table per chapter."""
-    known = load_claims()
+    """The claims register: a count per chapter and verdict, then one compact table per chapter in the order of
+    the contents, each followed by its verdicts' reasons (folded)."""
     titles = {ch.id: ch.title for ch in chapters}
-    by_chapter: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by_chapter.setdefault(known[r["id"]]["chapter"], []).append(r)
+    groups = rows_in_contents_order(rows, chapters)
+    total = verdict_counts(rows)
+    cols = [v for v in total if total[v] or v in VERDICT_ORDER[:3]]
     summary = []
-    for ch, rs in by_chapter.items():
-        counts = {v: sum(r["verdict"].startswith(v) for r in rs) for v in VERDICT_ORDER}
-        summary.append({"chapter": titles.get(ch, ch), **counts, "total": len(rs)})
-    n_rep = sum(s["reproduced"] for s in summary)
+    for ch, rs in groups:
+        counts = verdict_counts(rs)
+        summary.append([f"{{ref}}`{titles.get(ch, ch)} <claims-{ch}>`", *(str(counts.get(v, 0)) for v in cols),
+                        str(len(rs))])
+    summary.append(["**all chapters**", *(f"**{total[v]}**" for v in cols), f"**{len(rows)}**"])
     parts = [
         "# Claims register\n",
-        "Every numbered claim of the two papers that a chapter addresses: the paper's figure, ours, and a "
-        "verdict. Generated from `data/claims/*.yml` (the papers' side) and the result files of the runs "
-        f"rendered in this book (our side, with the notebook and profile it came from). {n_rep} of {len(rows)} "
-        "claims reproduced.\n",
-        _md_table(summary, ["chapter", *VERDICT_ORDER, "total"]) + "\n",
+        "Every numbered claim of the two papers that a chapter addresses: where the paper makes it, the paper's "
+        "figure, ours, the verdict and the rule that decides it. Generated from `data/claims/*.yml` (the papers' "
+        "side) and the result files of the runs rendered in this book (our side). Chapters follow the contents; "
+        f"under each table, a folded list gives each verdict's reason and the page it comes from. "
+        f"{total['reproduced']} of {len(rows)} claims reproduced.\n",
+        "(claims-summary)=\n## Verdicts per chapter\n",
+        list_table(summary, ["chapter", *cols, "total"], [40, *([12] * len(cols)), 8], cls="claims-summary"),
     ]
-    for ch, rs in by_chapter.items():
-        parts.append(f"## {titles.get(ch, ch)}\n")
-        for r in rs:
-            r["claim"] = f"**{r['where']}** ({r['paper']}): {r['claim']}"
-        parts.append(_md_table(rs, ["claim", "paper's figure", "ours", "verdict", "source"]) + "\n")
+    for ch, rs in groups:
+        parts.append(f"(claims-{ch})=\n## {titles.get(ch, ch)}\n")
+        if ch in titles:
+            parts.append(f"{_counts_sentence(rs)} The chapter: {{doc}}`{titles[ch]} <{ch}/index>`.\n")
+        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**", r["rule"] or "—"]
+                for r in rs]
+        parts.append(list_table(body, ["claim", "paper", "ours", "verdict", "rule"], [30, 18, 30, 10, 12]))
+        reasons = "\n".join(
+            f"- **{r['where']}**, {r['verdict word']}"
+            + (f": {' '.join(r['why'].split())}" if r["why"] and r["verdict word"] != "pending" else "")
+            + (f" (from {_source_text(r['source'])})" if r["source"] else "")
+            for r in rs
+        )
+        parts.append(f":::{{admonition}} Why each verdict\n:class: dropdown\n\n{reasons}\n:::\n")
+    return "\n".join(parts)
+
+
+def _source_text(source: str) -> str:
+    return source.replace("[", "at the ").replace("]", " profile")
+
+
+#: a number the story cites: ``[[notebook.key]]`` or ``[[notebook.key:format spec]]``
+PLACEHOLDER = re.compile(r"\[\[([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)(?::([^\]]*))?\]\]")
+
+
+def fill_story(text: str, rendered: dict[str, str], problems: list[str], where: str = "story") -> str:
+    """The story with each ``[[notebook.key:fmt]]`` replaced by that value of the notebook's rendered result file
+    (formatted with ``fmt``, a Python format spec). A value that is missing is a problem and reads "n/a"; so does
+    one that is not a finite number where a numeric format asks for one."""
+
+    def sub(m: re.Match) -> str:
+        nb, key, fmt = m.group(1), m.group(2), m.group(3) or ""
+        prof = rendered.get(nb)
+        values = ((load_result(nb, prof) if prof else None) or {}).get("values", {})
+        if key not in values:
+            problems.append(f"{where} cites {nb}.{key}, which "
+                            + (f"the {prof} result file does not hold" if prof else "no rendered run provides"))
+            return "n/a"
+        v = values[key]
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            return "n/a"
+        try:
+            return format(v, fmt)
+        except (TypeError, ValueError):
+            if isinstance(v, str):
+                return v  # a value the notebook already wrote as text ("n/a" when it has no run)
+            problems.append(f"{where}: format {fmt!r} does not apply to {nb}.{key} = {v!r}")
+            return str(v)
+
+    return PLACEHOLDER.sub(sub, text)
+
+
+def chapter_page(ch: Chapter, rows: list[dict[str, Any]], rendered: dict[str, str], problems: list[str]) -> str:
+    """A chapter's index page: its title, its story (numbers filled from the result files), a table of its claims
+    (claim, paper, ours, verdict) and the list of its pages."""
+    parts = [f"# {ch.title}\n"]
+    if ch.story:
+        path = repo_root() / ch.story
+        if path.is_file():
+            parts.append(fill_story(path.read_text().strip(), rendered, problems, where=ch.story) + "\n")
+        else:
+            problems.append(f"chapter {ch.id}: its story {ch.story} does not exist")
+    mine = [r for r in rows if r["chapter"] == ch.id]
+    if mine:
+        parts.append("## The chapter's claims\n")
+        parts.append(f"{_counts_sentence(mine)} The reasons for each verdict and the rule that decides it are in "
+                     f"the {{ref}}`claims register <claims-{ch.id}>`.\n")
+        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**"] for r in mine]
+        parts.append(list_table(body, ["claim", "paper", "ours", "verdict"], [34, 22, 32, 12]))
+    links = [f"- {{doc}}`/{p.removesuffix('.md')}`" for p in ch.pages]
+    links += [f"- {{doc}}`{nb.title} <{nb.name}>`" for nb in ch.notebooks]
+    if links:
+        parts.append("## Pages\n\n" + "\n".join(links) + "\n")
     return "\n".join(parts)
 
 
@@ -321,8 +457,6 @@ def assemble(profile: str, outcomes: list[Outcome] | None = None, problems: list
     prov_rows = []
     for ch in chapters:
         (render / ch.id).mkdir()
-        items = "\n".join(f"- {{doc}}`{nb.title} <{nb.name}>`" for nb in ch.notebooks)
-        (render / ch.id / "index.md").write_text(f"# {ch.title}\n\n{items}\n")
         for nb in ch.notebooks:
             src = pick_source(nb, profile)
             dst = render / ch.id / f"{nb.name}.ipynb"
@@ -348,7 +482,10 @@ def assemble(profile: str, outcomes: list[Outcome] | None = None, problems: list
                 }
             )
     found: list[str] = []
-    (render / "claims.md").write_text(claims_page(claims_rows(rendered, found), chapters))
+    rows = claims_rows(rendered, found)
+    for ch in chapters:
+        (render / ch.id / "index.md").write_text(chapter_page(ch, rows, rendered, found))
+    (render / "claims.md").write_text(claims_page(rows, chapters))
     found += provenance_problems(rendered, inputs)
     found += [f"{r['notebook']}: no executed run; its page is a placeholder" for r in prov_rows
               if r["rendered profile"] == "none"]

@@ -33,6 +33,8 @@ class Chapter:
     title: str
     pages: list[str] = field(default_factory=list)
     notebooks: list[NotebookEntry] = field(default_factory=list)
+    #: the chapter's story, shown on its index page above the claims table (``book/<id>/story.md``)
+    story: str | None = None
 
 
 def load_registry(path: Path | None = None) -> list[Chapter]:
@@ -62,7 +64,8 @@ def load_registry(path: Path | None = None) -> list[Chapter]:
                     needs_gpu=bool(nb.get("needs_gpu", False)),
                 )
             )
-        chapters.append(Chapter(id=ch["id"], title=ch["title"], pages=list(ch.get("pages", [])), notebooks=nbs))
+        chapters.append(Chapter(id=ch["id"], title=ch["title"], pages=list(ch.get("pages", [])), notebooks=nbs,
+                                story=ch.get("story")))
     return chapters
 
 

@@ -1,0 +1,125 @@
+"""The generated pages of the book machinery: chapter index pages (story + claims table) and the claims register
+(summary counts, contents order, rule column, math-safe cells). Built from the committed result files, no build."""
+
+import re
+from collections import Counter
+
+import pytest
+
+from kvlib.publish import assemble as asm
+from kvlib.publish.provenance import load_result, repo_root
+from kvlib.publish.registry import all_notebooks, load_registry
+
+
+@pytest.fixture(scope="module")
+def book():
+    chapters = load_registry()
+    rendered = {nb.name: "cpu" for nb in all_notebooks(chapters) if load_result(nb.name, "cpu") is not None}
+    problems: list[str] = []
+    rows = asm.claims_rows(rendered, problems)
+    return chapters, rendered, rows
+
+
+def _table_rows(md: str) -> list[list[str]]:
+    """The rows of the first list-table in ``md`` (header first), as lists of cell texts."""
+    block = md.split(":::{list-table}", 1)[1].split("\n:::", 1)[0]
+    rows: list[list[str]] = []
+    for line in block.splitlines():
+        if line.startswith("* - "):
+            rows.append([line[4:]])
+        elif line.startswith("  - "):
+            rows[-1].append(line[4:])
+    return rows
+
+
+def test_every_chapter_has_a_story(book):
+    chapters, _, _ = book
+    for ch in chapters:
+        assert ch.story, f"chapter {ch.id} declares no story in the registry"
+        assert (repo_root() / ch.story).is_file(), ch.story
+
+
+def test_a_chapter_page_has_its_story_and_a_table_of_its_claims(book):
+    chapters, rendered, rows = book
+    for ch in chapters:
+        problems: list[str] = []
+        page = asm.chapter_page(ch, rows, rendered, problems)
+        assert problems == [], problems
+        story = (repo_root() / ch.story).read_text()
+        first = asm.PLACEHOLDER.split(story.strip().split("\n\n")[0])[0].strip()
+        assert first and first in page, f"{ch.id}: the story's opening is not on the page"
+        assert "[[" not in page, f"{ch.id}: a placeholder was left unfilled"
+        mine = [r for r in rows if r["chapter"] == ch.id]
+        table = _table_rows(page)
+        assert table[0] == ["claim", "paper", "ours", "verdict"]
+        assert len(table) - 1 == len(mine)
+        for r, cells in zip(mine, table[1:]):
+            assert r["where"] in cells[0] and cells[3] == f"**{r['verdict word']}**"
+
+
+def test_story_numbers_come_from_the_result_file(monkeypatch):
+    fake = {"nb": {"values": {"x": 0.123456, "n": 12345, "bad": float("nan"), "txt": "n/a"}}}
+    monkeypatch.setattr(asm, "load_result", lambda name, prof: fake.get(name))
+    problems: list[str] = []
+    out = asm.fill_story("a [[nb.x:.2f]] b [[nb.n:,]] c [[nb.bad:.1f]] d [[nb.txt:.2f]] e [[nb.gone]] f [[other.x]]",
+                         {"nb": "cpu"}, problems)
+    assert out == "a 0.12 b 12,345 c n/a d n/a e n/a f n/a"
+    assert len(problems) == 2 and "nb.gone" in problems[0] and "other.x" in problems[1]
+
+
+def test_stories_carry_no_numbers_of_their_own_nor_issue_probe_or_path_names(book):
+    chapters, _, _ = book
+    bad = re.compile(r"issue|#\d|_probe|probe\d|\.json|dev/|/work|/home|\.venv", re.IGNORECASE)
+    for ch in chapters:
+        prose = asm.PLACEHOLDER.sub("", (repo_root() / ch.story).read_text())  # notebook names may say "probe"
+        assert not bad.search(prose), f"{ch.story}: {bad.search(prose).group(0)!r}"
+        prose = re.sub(r"(Proposition|Section|Sec\.|Eq\.|Table|Fig\.|App\.)\s+[\d.]+", "", prose)  # references
+        # measured numbers come from placeholders; what remains may name settings (1k, 2x2, 135M, Sec. 6)
+        decimals = re.findall(r"(?<![\w.])\d+\.\d+(?!\w)", prose)
+        assert decimals == [], f"{ch.story}: hand-typed numbers {decimals}"
+
+
+def test_register_summary_counts_equal_the_claims_verdicts(book):
+    chapters, _, rows = book
+    page = asm.claims_page([dict(r) for r in rows], chapters)
+    table = _table_rows(page)
+    header, body = table[0], table[1:]
+    assert header[0] == "chapter" and header[-1] == "total"
+    groups = asm.rows_in_contents_order(rows, chapters)
+    assert len(body) == len(groups) + 1
+    for (ch, rs), cells in zip(groups, body):
+        counts = Counter(r["verdict word"] for r in rs)
+        assert cells[1:] == [str(counts.get(v, 0)) for v in header[1:-1]] + [str(len(rs))], ch
+        assert sum(counts.get(v, 0) for v in header[1:-1]) == len(rs), f"{ch}: a verdict has no column"
+    total = Counter(r["verdict word"] for r in rows)
+    assert body[-1][1:] == [f"**{total.get(v, 0)}**" for v in header[1:-1]] + [f"**{len(rows)}**"]
+
+
+def test_register_follows_the_contents_order(book):
+    chapters, _, rows = book
+    page = asm.claims_page([dict(r) for r in rows], chapters)
+    sections = re.findall(r"^\(claims-([\w-]+)\)=$", page, re.MULTILINE)
+    assert sections[0] == "summary"
+    with_claims = {r["chapter"] for r in rows}
+    assert sections[1:] == [ch.id for ch in chapters if ch.id in with_claims]
+
+
+def test_register_rule_column_shows_the_rule_or_a_dash(book):
+    chapters, _, rows = book
+    rows = [dict(r) for r in rows]
+    ch = rows[0]["chapter"]
+    rows[0]["rule"] = "within 5% of the paper's figure"
+    mine = [r for r in rows if r["chapter"] == ch]
+    page = asm.claims_page(rows, chapters)
+    section = page.split(f"(claims-{ch})=", 1)[1]
+    table = _table_rows(section)
+    assert table[0] == ["claim", "paper", "ours", "verdict", "rule"]
+    assert table[1][4] == "within 5% of the paper's figure"
+    assert [c[4] for c in table[2:]] == [r["rule"] or "—" for r in mine[1:]]
+
+
+def test_list_table_cells_keep_math_and_escape_list_markers():
+    out = asm.list_table([["$|x| \\le s/2$", "- 3 points", "1. first"]], ["a", "b", "c"], [1, 1, 1])
+    assert "* - $|x| \\le s/2$" in out
+    assert "  - \\- 3 points" in out and "  - 1\\. first" in out
+    assert out.startswith(":::{list-table}") and out.rstrip().endswith(":::")
