@@ -72,7 +72,7 @@ print(f"ncu target: max |o_wspec - o_gluon| = {(o_new - old.o).abs().max().item(
 PYEOF
   secs=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
         --section SchedulerStats)
-  timeout 55 "$NCU" -k 'regex:_wspec_stage1|_stage1_g8' -s 2 -c 2 "${secs[@]}" -f -o "$OUT/kern_ncu" \
+  timeout 55 "$NCU" --clock-control none -k 'regex:_wspec_stage1|_stage1_g8' -s 2 -c 2 "${secs[@]}" -f -o "$OUT/kern_ncu" \
     "$PY" "$TGT" > "$OUT/kern_ncu.log" 2>&1
   rc=$?
   tail -n 4 "$OUT/kern_ncu.log"
