@@ -59,4 +59,7 @@ def main(out: str | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dev.cli import help_if_asked
+
+    help_if_asked(__doc__, "[OUT.json]")
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
