@@ -6,7 +6,7 @@ wrong on the H200 (the dither kernel's form); ``x`` loaded gets kWidth 4. ``pyth
 one line per case (K, form, kWidth, max_err, ok), then PASS when every case with ``4 kWidth <= K`` is right (the bug
 reproducing at ``4 kWidth > K`` is reported, not a failure)."""
 
-import json
+import datetime
 import re
 import sys
 
@@ -30,6 +30,7 @@ def _pv(P, C, X, OUT, K: tl.constexpr, JOIN: tl.constexpr):
 
 
 def main(out: str | None = None) -> int:
+    started = datetime.datetime.now(datetime.UTC)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows, ok_all = [], True
     for k in (16, 32, 64):
@@ -49,9 +50,10 @@ def main(out: str | None = None) -> int:
             rows.append(row)
             print(f"K={k:3d} {row['form']:6s} kWidth={kw} max_err={err:.3g} {'ok' if row['ok'] else 'WRONG'}")
     if out:
-        with open(out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "triton": triton.__version__,
-                       "rows": rows}, f, indent=1)
+        from kvlib.publish.provenance import provenance, write_json_atomic
+
+        write_json_atomic(out, {"name": "vdither_repro", "triton": triton.__version__, "rows": rows,
+                                "provenance": provenance({"command": "python -m dev.vdither_repro"}, started)})
     bug = [r for r in rows if not r["ok"]]
     cases = [(r["K"], r["form"], r["kWidth"]) for r in bug]
     print(("PASS" if ok_all else "FAIL") + f" vdither_repro: {len(bug)} wrong case(s) (K, form, kWidth) {cases}")
