@@ -3,7 +3,9 @@ case of :mod:`dev.vdither`: which cases convert an **fp32** tile into a dot-oper
 to ``tensor<..xf32, #ttg.dot_op<{opIdx = i, ..., kWidth = k}>>``). The removed path's value tile ``s (c - xi)`` is
 converted to the PV dot's B operand *before* its fp16 rounding (Triton hoisted the conversion over ``mulf`` and
 ``truncf``), as an fp32 tensor with the fp16 operand's ``kWidth = 8``; the shipped RTN path converts fp16 tiles.
-``python -m dev.vdither_ttgir [OUT.json]`` (default dev/results/philox_vdither_ttgir.json)."""
+``deep_operands``: the mma v2 operands whose layout is deeper than the dot (kWidth 8 at K = 16), the GPU's failing
+set (the fp32-conversion lead above did not match it: block64 converts fp32 and is right, scale_then_dither does
+not and is wrong). ``python -m dev.vdither_ttgir [OUT.json]`` (default dev/results/philox_vdither_ttgir.json)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,22 @@ CASES = {  # dev.vdither's cases at its base launch (block_n 16, 4 warps, 3 stag
 }
 PAT = re.compile(r"local_load [^\n]*-> tensor<(\d+)x(\d+)xf32, "
                  r"#ttg\.dot_op<\{opIdx = (\d), parent = #\w+, kWidth = (\d+)")
+#: every dot operand: rows, cols, element type, opIdx, parent, kWidth
+OPS = re.compile(r"-> tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = (\d), parent = #(\w+), kWidth = (\d+)")
+MMA = re.compile(r"#(mma\w*) = #ttg\.nvidia_mma<\{versionMajor = (\d)")
+
+
+def deep_operands(ir: str) -> list[dict]:
+    """mma v2 dot operands of K >= 16 whose layout is deeper than the dot (``4 kWidth > K``): the H200 bisection's
+    failing cases are exactly those with one (kWidth 8 at K = BLOCK_N = 16); the K = 2 bypass operands, present
+    in passing and failing cases alike, are left out."""
+    ver = dict(MMA.findall(ir))
+    out = []
+    for a, b, t, i, par, k in set(OPS.findall(ir)):
+        kdim = int(b) if i == "0" else int(a)
+        if ver.get(par) == "2" and kdim >= 16 and 4 * int(k) > kdim:
+            out.append(dict(shape=[int(a), int(b)], dtype=t, opIdx=int(i), kWidth=int(k), K=kdim))
+    return sorted(out, key=lambda x: (x["opIdx"], x["shape"], x["dtype"]))
 
 
 def main() -> None:
@@ -39,9 +57,8 @@ def main() -> None:
                  for a, b, i, k in PAT.findall(cc.asm["ttgir"])]
         res[name] = {"fp32_dot_operand_loads": loads,
                      "fp32_value_tile_to_B_operand": any(x["opIdx"] == 1 for x in loads),
-                     "shared_bytes": cc.metadata.shared}
-        print(f"{name:20s} fp32 value tile -> PV B operand: {res[name]['fp32_value_tile_to_B_operand']}  {loads}",
-              flush=True)
+                     "deep_operands": deep_operands(cc.asm["ttgir"]), "shared_bytes": cc.metadata.shared}
+        print(f"{name:20s} deep mma v2 operands (4 kWidth > K): {res[name]['deep_operands']}", flush=True)
     from dev.vdither_kernel import _mini_pv
 
     for mode in (0, 1):  # the minimal PV kernel of dev.vdither's mini_pv cases
@@ -52,8 +69,9 @@ def main() -> None:
             loads = [dict(shape=[int(a), int(b)], opIdx=int(i), kWidth=int(k))
                      for a, b, i, k in PAT.findall(cc.asm["ttgir"])]
             res[f"mini_pv_mode{mode}_d{d}"] = {"fp32_dot_operand_loads": loads,
-                                               "fp32_value_tile_to_B_operand": any(x["opIdx"] == 1 for x in loads)}
-            print(f"mini_pv_mode{mode}_d{d}  {loads}", flush=True)
+                                               "fp32_value_tile_to_B_operand": any(x["opIdx"] == 1 for x in loads),
+                                               "deep_operands": deep_operands(cc.asm["ttgir"])}
+            print(f"mini_pv_mode{mode}_d{d}  deep: {res[f'mini_pv_mode{mode}_d{d}']['deep_operands']}", flush=True)
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "dev/results/philox_vdither_ttgir.json")
     write_json_atomic(out, {"name": "philox_vdither_ttgir", "profile": "cpu (offline sm_90 compile)",
                             "provenance": provenance({"command": "python -m dev.vdither_ttgir"}, started),

@@ -30,6 +30,24 @@ def test_baseline_matches_reference(dtype, hq, hkv, ns):
     torch.testing.assert_close(out.lse.double().cpu(), ref.lse, atol=tol, rtol=tol)
 
 
+def test_fp32_pools_are_read_at_fp32():
+    """The fp32 format's pools take this kernel with fp32 dots; they must be IEEE fp32 ("ieee"), not Triton's CUDA
+    default tf32 (10-bit mantissa: errors ~2^-11 |q| |k|, which made the fp32 cache a 1.7e-4-off reference on the
+    H200, tests/test_gate_fixed.py). fp32 rounding alone stays near 1e-6 here; tf32 would be ~1e-3."""
+    g = torch.Generator().manual_seed(3)
+    B, S, d, hq, hkv = 2, 64, 64, 4, 2
+    k = torch.randn(B * S, hkv, d, generator=g)
+    v = torch.randn(B * S, hkv, d, generator=g)
+    slots = torch.randperm(B * S, generator=g).view(B, S).to(torch.int32)
+    seq = torch.tensor([S, 33], dtype=torch.int32)
+    q = 2 * torch.randn(B, hq, d, generator=g)
+    ref = decode_bf16_reference(q, k, v, slots, seq)
+    out = decode_bf16(q.to(DEV), k.to(DEV), v.to(DEV), slots.to(DEV), seq.to(DEV), num_splits=2, block_n=16)
+    assert out.path == "bf16"
+    torch.testing.assert_close(out.o.double().cpu(), ref.o, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.lse.double().cpu(), ref.lse, atol=2e-5, rtol=2e-5)
+
+
 def test_baseline_bad_shapes():
     k = torch.zeros(4, 2, 32, dtype=torch.float16)
     sl, n = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)

@@ -108,9 +108,8 @@ def test_impl_choice_and_errors():
 
     assert resolve_impl("auto", 128, 32) == "tc" and resolve_impl("auto", 96, 32) == "fma"
     assert resolve_impl("auto", 64, 8) == "fma"
-    assert resolve_impl("auto", 128, 32, v_dither=True) == "fma"  # dithered values take the fma kernel
-    with pytest.raises(ValueError, match="v_dither"):
-        resolve_impl("tc", 128, 32, v_dither=True)
+    assert resolve_impl("auto", 128, 32, v_dither=True) == "fma"  # auto: dithered values take the fma kernel
+    assert resolve_impl("tc", 128, 32, v_dither=True) == "tc"  # asked for: the mended tc value-dither path
     with pytest.raises(ValueError, match="impl"):
         resolve_impl("tc", 64, 8)
     with pytest.raises(ValueError, match="impl"):
@@ -120,6 +119,68 @@ def test_impl_choice_and_errors():
         decode_int8(q, kp, vp, slots, seq, config=Int8KernelConfig(pv_terms=4), **kw)
     with pytest.raises(TypeError, match="config"):
         decode_int8(q, kp, vp, slots, seq, config={"block_n": 16}, **kw)
+
+
+# ---- the tc kernel's value-dither path (issue 28): removed at b7182e0 after the H200 gave max |do| 3.3 at
+# block_n 16 while the interpreter was right; mended as the RTN dots plus dots of s xi (w24.py says why)
+@pytest.mark.parametrize("block_n,d,k_dither,v_out", [(16, 64, True, False), (16, 64, False, True),
+                                                      (64, 64, True, True), (16, 128, True, False),
+                                                      (32, 128, True, True)])
+def test_tensor_core_value_dither_matches_reference(block_n, d, k_dither, v_out):
+    q, kp, vp, slots, seq, kw, _ = _setup(hq=7, hkv=1, d=d, S=40, v_out=v_out, v_dither=True, k_dither=k_dither)
+    cert = dict(cert=False) if not k_dither else {}
+    ref = decode_reference(q, kp, vp, slots, seq, impl="tc", **kw)
+    out = decode_int8(q, kp, vp, slots, seq, num_splits=2, config=Int8KernelConfig(block_n=block_n), impl="tc",
+                      **cert, **kw)
+    assert out.path == "tc"
+    if k_dither:
+        _assert_close(out, ref)
+    else:
+        for f in ("o", "lse"):
+            torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f),
+                                       atol=2e-6 if DEV == "cpu" else 1e-5, rtol=1e-5 if DEV == "cpu" else 1e-4)
+    # the dither is really read: the same codes as RTN values give another output
+    rtn = decode_reference(q, kp, dataclasses.replace(vp, dithered=False), slots, seq, impl="tc",
+                           **(kw | dict(v_dither=False)))
+    assert (rtn.o - ref.o).abs().max() > 1e-3
+
+
+def test_tensor_core_pv_operands_fit_their_depth_offline():
+    """What the H200 got wrong, checked without a GPU: an sm_90 mma v2 dot operand whose layout is deeper than the
+    dot (4 kWidth > K). The removed value-dither tile had kWidth 8 at K = block_n = 16; the mended kernel must not,
+    and the reduced reproducer (dev/vdither_repro.py) must still be flagged (the check can fail)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's NVIDIA toolchain is not installed")
+    prog = """if True:
+        import json, re, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from kvlib.kernels.int8.w24 import tc_dot_layouts
+        from dev.vdither_repro import _pv
+        res = {}
+        for bn, d, nov in ((16, 64, 0), (16, 128, 3), (64, 128, 0)):
+            res[f"tc_bn{bn}_d{d}_nov{nov}"] = [o for o in tc_dot_layouts(block_n=bn, d=d, nov=nov)
+                                              if o[4] == 2 and o[6] == bn and 4 * o[5] > o[6]]
+        src = ASTSource(_pv, {"P": "*fp16", "C": "*i8", "X": "*fp32", "OUT": "*fp32", "K": "constexpr",
+                              "JOIN": "constexpr"}, {"K": 16, "JOIN": True},
+                        {(i,): [["tt.divisibility", 16]] for i in range(4)})
+        ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
+        res["repro"] = [int(k) for k in re.findall(r"dot_op<[{]opIdx = 1, parent = #mma[^,]*, kWidth = ([0-9]+)", ir)]
+        print(json.dumps(res))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=900,
+                          check=True)
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert max(res.pop("repro")) == 8  # the known-bad form: kWidth 8 at K = 16
+    assert res == {k: [] for k in res}, res
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])

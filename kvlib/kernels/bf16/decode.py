@@ -92,14 +92,20 @@ def _decode_bf16_stage1(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        if DOT_F32:  # "ieee": Triton's default for fp32 dots on CUDA is tf32 (2^-11), not the fp32 a pool promises
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
         qk = tl.where(mask_n[None, :], qk * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, out_dtype=tl.float32, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
     nonempty = l_i != 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))

@@ -137,7 +137,8 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
     """``"tc"``/``"fma"`` as asked; ``"auto"`` is ``tc`` where its rules hold (``d`` and ``group``
     powers of two, ``group >= 16`` for the 16-deep tensor-core dot, RTN values), else ``fma``.
 
-    Dithered values go to ``fma`` (the tc kernel reads RTN values only; dev/results/README.md says why).
+    ``"auto"`` sends dithered values to ``fma``; ``impl="tc"`` reads them too (its value-dither path was mended
+    at issue 28, dev/results/README.md "value-dither bug"; ``"auto"`` moves to it once the GPU lane has run it).
 
     ``layout`` is the key pool's dither layout. ``"h10"`` or ``"h8"``: ``"auto"``/``"h10"`` give ``"h10"`` (the
     kernel reads both half-word layouts; it needs ``group == d // 4``, ``group`` in (16, 32, 64), ``d >= 64``;
@@ -166,12 +167,11 @@ def resolve_impl(impl: str, d: int, group: int, v_dither: bool = False, layout: 
     if impl in ("h10", "gluon"):
         raise ValueError(f"impl={impl!r} reads the half-word dither layouts only, got dither_layout='w24'")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
-    ok = pow2(d) and pow2(group) and group >= 16 and not v_dither
+    ok = pow2(d) and pow2(group) and group >= 16
     if impl == "auto":
-        return "tc" if ok else "fma"
+        return "tc" if ok and not v_dither else "fma"
     if impl == "tc" and not ok:
-        raise ValueError(f"impl='tc' needs d and group powers of two with group >= 16 and RTN values "
-                         f"(v_dither=False), got d={d}, group={group}, v_dither={v_dither}")
+        raise ValueError(f"impl='tc' needs d and group powers of two with group >= 16, got d={d}, group={group}")
     if impl not in ("tc", "fma"):
         raise ValueError(f"impl must be 'auto', 'tc' or 'fma', got {impl!r}")
     return impl

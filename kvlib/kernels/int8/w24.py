@@ -11,6 +11,7 @@ one ``tl.dot`` of ``q^2`` with ``s^2`` per tile (plus the fp16 outlier term); wr
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import triton
@@ -280,9 +281,11 @@ def _decode_int8_stage1_tc(
     CERT: tl.constexpr, CERT_B: tl.constexpr,
     Q_SPLIT: tl.constexpr, XI_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SKIP_DITHER: tl.constexpr = False, PAGE: tl.constexpr = 0, K_DITHER: tl.constexpr = True,
+    V_DITHER: tl.constexpr = False,
 ):
     """Tensor-core stage 1 (see :func:`decode_stage1`, ``impl="tc"``). ``K_DITHER=False``: RTN keys (``xi = 0``:
-    no Philox, no dither dots; ``CERT`` off).
+    no Philox, no dither dots; ``CERT`` off). ``V_DITHER``: dithered values ``v = s (c - xi_v)``, computed as the
+    RTN dots of ``s c`` plus dots of their own for ``s xi_v`` (why not one tile: the comment at the value path).
 
     Scores group by group (``NG = D // G`` unrolled 2-D dots, no cross-thread reductions):
     ``z = sm * sum_g s_g (q_g . c_g - q_g . fp16(xi_g))`` with the int8 codes exact in fp16, the
@@ -352,6 +355,7 @@ def _decode_int8_stage1_tc(
     k0 = seed_lo.to(tl.uint32)
     k1 = seed_hi.to(tl.uint32)
     c3k = ((layer << 1) | 0).to(tl.uint32)
+    c3v = ((layer << 1) | 1).to(tl.uint32)
     c2 = kvh.to(tl.uint32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -448,6 +452,25 @@ def _decode_int8_stage1_tc(
             acc = tl.dot(p_hi, (v - v_hi.to(tl.float32)).to(tl.float16), acc)
         if PV_TERMS >= 3:
             acc = tl.dot((pp - p_hi.to(tl.float32)).to(tl.float16), v_hi, acc)
+        if V_DITHER:
+            # acc -= p (s xi_v), the dither (one Philox call per 4 channels, counter (slot, channel/4, head,
+            # 2 layer + 1)) in dots of its own. Not one tile s (c - xi_v): with that tile Triton 3.6 (sm_90,
+            # mma v2) gives the PV operands kWidth = 8 (it can no longer hoist the conversion to the int8 load),
+            # a layout 32 deep in K, and at BLOCK_N = 16 < 32 the dot came out wrong on the H200 (max |do| 3.3)
+            # while the interpreter was right; the RTN tiles here keep the kWidth 4 of the shipped path
+            # (dev/results/README.md, "value-dither bug"; tests/test_decode_int8.py checks the layouts offline)
+            D4: tl.constexpr = D // 4
+            vc0 = slot.to(tl.uint32)[:, None] + tl.zeros([BLOCK_N, D4], dtype=tl.uint32)
+            x0, x1, x2, x3 = philox4x32(vc0, tl.arange(0, D4).to(tl.uint32)[None, :] + tl.zeros_like(vc0),
+                                        c2 + tl.zeros_like(vc0), c3v + tl.zeros_like(vc0), k0, k1)
+            # join(join(x0, x2), join(x1, x3))[..., i, j] = x_{2i+j}: channel 4 j' + 2i + j in natural order
+            dv = vs * tl.reshape(tl.join(tl.join(_xi(x0), _xi(x2)), tl.join(_xi(x1), _xi(x3))), (BLOCK_N, D))
+            dv_hi = dv.to(tl.float16)  # s xi_v as fp16 hi + lo: exact to 2^-22 |s xi_v|, as the value path
+            acc = tl.dot(-p_hi, dv_hi, acc)
+            if PV_TERMS >= 2:
+                acc = tl.dot(-p_hi, (dv - dv_hi.to(tl.float32)).to(tl.float16), acc)
+            if PV_TERMS >= 3:
+                acc = tl.dot(-(pp - p_hi.to(tl.float32)).to(tl.float16), dv_hi, acc)
 
     nonempty = l_i != 0.0  # NaN (non-finite keys) must stay NaN, not look empty
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
@@ -505,7 +528,7 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
             NOV_P=triton.next_power_of_2(max(nov, 1)),
             CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32,
             XI_SPLIT=config.xi_split, PV_TERMS=config.pv_terms, NUM_SPLITS=ns, SKIP_DITHER=config.skip_philox,
-            PAGE=page, K_DITHER=k.dithered, num_warps=num_warps, num_stages=num_stages,
+            PAGE=page, K_DITHER=k.dithered, V_DITHER=v_dither, num_warps=num_warps, num_stages=num_stages,
         )
         return
     if impl != "fma":
@@ -527,3 +550,30 @@ def launch_w24(impl: str, q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm:
         K_PREC=config.k_precision, V_PREC=config.v_precision, JOIN=config.join, VAR_DOT=config.var_dot, PAGE=page,
         K_DITHER=k.dithered, num_warps=num_warps, num_stages=num_stages,
     )
+
+
+_DOT_OP = re.compile(r"-> tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = (\d), parent = #(\w+), kWidth = (\d+)")
+_MMA = re.compile(r"#(mma\w*) = #ttg\.nvidia_mma<\{versionMajor = (\d)")
+
+
+def tc_dot_layouts(*, block_n: int, d: int, group: int = 32, gqa: int = 7, nok: int = 2, nov: int = 0,
+                   v_dither: bool = True, k_dither: bool = True, num_warps: int = 4, num_stages: int = 3) -> list:
+    """The tensor-core kernel compiled offline for sm_90 (no GPU; run without ``TRITON_INTERPRET``): every dot
+    operand of its TTGIR as ``(rows, cols, dtype, opIdx, mma version, kWidth, K)``.
+
+    Why: an mma v2 operand of 16-bit type with ``4 kWidth > K`` (kWidth 8 at ``K = BLOCK_N = 16``) is the layout
+    the H200 computed wrong in the removed value-dither path (dev/results/README.md, "value-dither bug")."""
+    from kvlib.kernels.sass import _compile
+
+    cx = dict(GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, D=d, G=group, NOK=nok,
+              NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
+              CERT=k_dither, CERT_B=k_dither, Q_SPLIT=True, XI_SPLIT=True, PV_TERMS=3, NUM_SPLITS=2,
+              K_DITHER=k_dither, V_DITHER=v_dither)
+    cc = _compile(_decode_int8_stage1_tc, cx, {"Q": "*fp32"}, num_warps=num_warps, num_stages=num_stages)
+    ir = cc.asm["ttgir"]
+    ver = dict(_MMA.findall(ir))
+    out = set()
+    for a, b, t, i, parent, k in _DOT_OP.findall(ir):
+        a, b, i, k = int(a), int(b), int(i), int(k)
+        out.add((a, b, t, i, int(ver.get(parent, 0)), k, b if i == 0 else a))
+    return sorted(out)
