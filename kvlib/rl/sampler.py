@@ -267,7 +267,7 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
     for s in range(0, ids.shape[0], mb):
         pm, pmask = rollout.prompt_ids[s:s + mb], rollout.prompt_mask[s:s + mb]
         n = pm.shape[0]
-        rec["full_tokens"] += int(pmask.sum()) + n * steps
+        rec["full_tokens"] += n * ids.shape[1]  # what the full path forwards (padded)
         L = shared_prefix_length(pm, pmask) if shared_prefix is not False else 0
         if shared_prefix is False:
             why = "shared_prefix=False"
