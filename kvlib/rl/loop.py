@@ -71,6 +71,9 @@ class GRPOConfig:
     #: learner scoring with the prompts' common token prefix run once per micro-batch
     #: (:func:`kvlib.rl.sampler.learner_logprobs`): None picks it when the prefix has >= 32 tokens, False never
     shared_prefix: bool | None = None
+    #: micro-batch of the no-grad scoring passes (pi_old, pi_ref); None: ``micro_batch``. They keep no
+    #: activations, so with the shared prefix the whole rollout can go in one call.
+    score_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -174,8 +177,9 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         return learner_logprobs(model, r, micro_batch=micro_batch, shared_prefix=cfg.shared_prefix, info=linfo[-1])
 
     with torch.no_grad(), _autocast(policy, cfg):
-        old_logp = None if cfg.reuse_old_logp else score(policy, rollout, cfg.micro_batch)
-        ref_logp = score(ref_model, rollout, cfg.micro_batch) if cfg.beta > 0 else None
+        smb = cfg.score_micro_batch or cfg.micro_batch
+        old_logp = None if cfg.reuse_old_logp else score(policy, rollout, smb)
+        ref_logp = score(ref_model, rollout, smb) if cfg.beta > 0 else None
     n_tok_total = mask.sum()
     if old_logp is None:  # filled micro-batch by micro-batch from the update's own forward (reuse_old_logp)
         old_logp = torch.zeros_like(rollout.sampler_logprobs)

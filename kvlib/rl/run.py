@@ -111,6 +111,7 @@ def grpo_config(args: argparse.Namespace):
 
     return GRPOConfig(group_size=args.group, prompts_per_iteration=args.prompts, max_new_tokens=args.max_new_tokens,
                       lr=args.lr, beta=args.beta, tis_cap=args.tis_cap, micro_batch=args.micro_batch,
+                      score_micro_batch=args.score_micro_batch,
                       learner_autocast=None if args.device == "cpu" else "bfloat16", reuse_old_logp=True,
                       shared_prefix={"auto": None, "on": True, "off": False}[args.shared_prefix])
 
@@ -526,7 +527,8 @@ def train(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------ all
 def _forward_args(args: argparse.Namespace) -> list[str]:
-    keys = ("device", "max_new_tokens", "group", "prompts", "lr", "beta", "tis_cap", "micro_batch", "shots",
+    keys = ("device", "max_new_tokens", "group", "prompts", "lr", "beta", "tis_cap", "micro_batch",
+            "score_micro_batch", "shots",
             "iterations", "train_pool", "heldout", "eval_batch", "shared_prefix", "ckpt_dir", "ckpt_every",
             "ckpt_reserve_s", "segment_iterations")
     out = ["--tiny"] if args.tiny else []
@@ -730,9 +732,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=1e-3)
     ap.add_argument("--tis-cap", type=_none_or(float), default=2.0)
-    ap.add_argument("--micro-batch", type=_none_or(int), default=32,
-                    help="learner micro-batch: with the shared prompt prefix run once a row costs only its suffix "
-                         "(~130 tokens), so 32 rows fit the per-process cap of 9 runs (the estimate is printed)")
+    ap.add_argument("--micro-batch", type=_none_or(int), default=16,
+                    help="learner (update) micro-batch: with the shared prompt prefix run once a row costs only its "
+                         "suffix (~140 tokens); 16 rows keep the estimate (printed) under 70%% of the cap of 9 runs, "
+                         "so no gradient checkpointing (which would force the full path)")
+    ap.add_argument("--score-micro-batch", type=_none_or(int), default=64,
+                    help="micro-batch of the no-grad pi_ref / pi_old scoring (no activations kept)")
     ap.add_argument("--shared-prefix", choices=("auto", "on", "off"), default="auto",
                     help="learner scoring with the prompts' common prefix run once (auto: when >= 32 tokens)")
     ap.add_argument("--ckpt-dir", type=_none_or(str), default=None,
