@@ -24,6 +24,20 @@ of the weights, the task, the GRPOConfig and the bf16 greedy evaluator; only the
 differs: ``kvlib.make_cache(arm, ...)`` decoded by :func:`kvlib.rl.engine.sample_static` on the kernel
 path (CUDA graphs), with the path recorded.
 
+*Runs spanning calls*: with ``--ckpt-dir DIR`` each run checkpoints into ``DIR/<arm>_seed<k>/`` (``state.pt``:
+fp32 weights, AdamW state, the run's generator (which also drives the problem stream), the global torch / CUDA /
+Python RNGs, the run record with its history; written to a temporary file and renamed) every ``--ckpt-every``
+iterations and at its deadline, and ``all`` keeps calibration, timing and the initial evaluation there too.
+``all --resume`` (a later process, e.g. the next device call on the same machine) continues every unfinished run
+found there from its checkpoint, bit-compatibly where the kernels are deterministic (tests/test_rl_resume.py),
+without repeating timing or the initial evaluation; with no checkpoint it fails rather than start fresh runs under
+the same seeds. Each run's JSON lists its ``segments`` (one per process: commit, first iteration, iterations).
+
+The learner scores pi_ref and the update on the shared-prefix path (:func:`kvlib.rl.sampler.learner_logprobs`):
+every prompt carries the same worked examples, so the ~830-token common prefix runs once per micro-batch and
+each row only its ~140-token suffix; the per-iteration ``learner_tokens`` vs ``learner_full_path_tokens`` say
+what that saved.
+
 ``--device cpu --tiny`` runs the same code on a tiny random Llama (2 layers, SmolLM2's tokenizer and
 chat template): a wiring check, no numbers to read.
 """
