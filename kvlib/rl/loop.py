@@ -68,6 +68,12 @@ class GRPOConfig:
     #: same for num_iterations == 1): one learner forward fewer. Bit-equal to a separate no-grad forward only
     #: where the kernels are deterministic, so off by default.
     reuse_old_logp: bool = False
+    #: learner scoring with the prompts' common token prefix run once per micro-batch
+    #: (:func:`kvlib.rl.sampler.learner_logprobs`): None picks it when the prefix has >= 32 tokens, False never
+    shared_prefix: bool | None = None
+    #: micro-batch of the no-grad scoring passes (pi_old, pi_ref); None: ``micro_batch``. They keep no
+    #: activations, so with the shared prefix the whole rollout can go in one call.
+    score_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -164,9 +170,16 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     advantages = grpo.group_advantages(rewards, g, delta=cfg.delta)
     mask = rollout.response_mask
     t_learn = time.perf_counter()
+    linfo: list[dict] = []
+
+    def score(model: Any, r: Rollout, micro_batch: int | None) -> torch.Tensor:
+        linfo.append({})
+        return learner_logprobs(model, r, micro_batch=micro_batch, shared_prefix=cfg.shared_prefix, info=linfo[-1])
+
     with torch.no_grad(), _autocast(policy, cfg):
-        old_logp = None if cfg.reuse_old_logp else learner_logprobs(policy, rollout, micro_batch=cfg.micro_batch)
-        ref_logp = learner_logprobs(ref_model, rollout, micro_batch=cfg.micro_batch) if cfg.beta > 0 else None
+        smb = cfg.score_micro_batch or cfg.micro_batch
+        old_logp = None if cfg.reuse_old_logp else score(policy, rollout, smb)
+        ref_logp = score(ref_model, rollout, smb) if cfg.beta > 0 else None
     n_tok_total = mask.sum()
     if old_logp is None:  # filled micro-batch by micro-batch from the update's own forward (reuse_old_logp)
         old_logp = torch.zeros_like(rollout.sampler_logprobs)
@@ -185,7 +198,7 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
             idx = chunk[s:s + mb]
             sub = _subset(rollout, idx)
             with _autocast(policy, cfg):
-                logp = learner_logprobs(policy, sub)
+                logp = score(policy, sub, None)
             if cfg.reuse_old_logp:
                 old_logp[idx] = logp.detach()
             loss, st = grpo.grpo_loss(logp, old_logp[idx], None if ref_logp is None else ref_logp[idx],
@@ -232,6 +245,15 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         "iteration_seconds": t_end - t_start,
     }
     metrics.update({k: v for k, v in stats_sum.items()})
+    # what the learner forwarded (tokens through the decoder, all scoring passes) vs the full-sequence path
+    paths = [p for x in linfo for p in x["paths"]]
+    metrics["learner_tokens"] = float(sum(x["tokens"] for x in linfo))
+    metrics["learner_full_path_tokens"] = float(sum(x["full_tokens"] for x in linfo))
+    metrics["learner_shared_prefix_fraction"] = sum(p == "shared-prefix" for p in paths) / max(len(paths), 1)
+    metrics["learner_calls"] = float(len(paths))
+    grpo_iteration.last_learner_info = {"paths": sorted(set(paths)),
+                                        "reasons": sorted({r for x in linfo for r in x["reasons"]}),
+                                        "prefix_tokens": sorted({t for x in linfo for t in x["prefix_tokens"]})}
     return metrics
 
 

@@ -24,6 +24,20 @@ of the weights, the task, the GRPOConfig and the bf16 greedy evaluator; only the
 differs: ``kvlib.make_cache(arm, ...)`` decoded by :func:`kvlib.rl.engine.sample_static` on the kernel
 path (CUDA graphs), with the path recorded.
 
+*Runs spanning calls*: with ``--ckpt-dir DIR`` each run checkpoints into ``DIR/<arm>_seed<k>/`` (``state.pt``:
+fp32 weights, AdamW state, the run's generator (which also drives the problem stream), the global torch / CUDA /
+Python RNGs, the run record with its history; written to a temporary file and renamed) every ``--ckpt-every``
+iterations and at its deadline, and ``all`` keeps calibration, timing and the initial evaluation there too.
+``all --resume`` (a later process, e.g. the next device call on the same machine) continues every unfinished run
+found there from its checkpoint, bit-compatibly where the kernels are deterministic (tests/test_rl_resume.py),
+without repeating timing or the initial evaluation; with no checkpoint it fails rather than start fresh runs under
+the same seeds. Each run's JSON lists its ``segments`` (one per process: commit, first iteration, iterations).
+
+The learner scores pi_ref and the update on the shared-prefix path (:func:`kvlib.rl.sampler.learner_logprobs`):
+every prompt carries the same worked examples, so the ~830-token common prefix runs once per micro-batch and
+each row only its ~140-token suffix; the per-iteration ``learner_tokens`` vs ``learner_full_path_tokens`` say
+what that saved.
+
 ``--device cpu --tiny`` runs the same code on a tiny random Llama (2 layers, SmolLM2's tokenizer and
 chat template): a wiring check, no numbers to read.
 """
@@ -111,7 +125,9 @@ def grpo_config(args: argparse.Namespace):
 
     return GRPOConfig(group_size=args.group, prompts_per_iteration=args.prompts, max_new_tokens=args.max_new_tokens,
                       lr=args.lr, beta=args.beta, tis_cap=args.tis_cap, micro_batch=args.micro_batch,
-                      learner_autocast=None if args.device == "cpu" else "bfloat16", reuse_old_logp=True)
+                      score_micro_batch=args.score_micro_batch,
+                      learner_autocast=None if args.device == "cpu" else "bfloat16", reuse_old_logp=True,
+                      shared_prefix={"auto": None, "on": True, "off": False}[args.shared_prefix])
 
 
 def prompt_function(args: argparse.Namespace, difficulty: dict):
@@ -142,7 +158,8 @@ def _device_name(device: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ memory
 def memory_estimate(config: Any, n_params: int, *, rollout_batch: int, prompt_tokens: int, max_new_tokens: int,
-                    micro_batch: int, eval_batch: int, chunk_tokens: int = 2048, grad_ckpt: bool = False) -> dict:
+                    micro_batch: int, eval_batch: int, chunk_tokens: int = 2048, grad_ckpt: bool = False,
+                    shared_prefix_tokens: int = 0) -> dict:
     """Peak CUDA bytes of one training process, from the shapes (an estimate, printed at start and checked
     against ``torch.cuda.max_memory_allocated`` per iteration on the GPU).
 
@@ -154,7 +171,9 @@ def memory_estimate(config: Any, n_params: int, *, rollout_batch: int, prompt_to
     * learner: the activations autograd keeps for one micro-batch at sequence ``prompt + response``
       (per token and layer ~12 hidden + 5 intermediate values in bf16, the residual stream in fp32;
       with ``grad_ckpt`` only each layer's fp32 input, plus one layer recomputed), plus the LM-head
-      chunk (fp32 logits, their softmax and gradient: 3 x ``chunk_tokens`` x vocab x 4 bytes).
+      chunk (fp32 logits, their softmax and gradient: 3 x ``chunk_tokens`` x vocab x 4 bytes). With
+      ``shared_prefix_tokens`` (the learner's shared-prefix path) a micro-batch is one prefix row plus
+      ``micro_batch`` suffix rows, and the expanded prefix KV (bf16) is kept per row and layer.
     """
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     vocab = config.vocab_size
@@ -166,13 +185,18 @@ def memory_estimate(config: Any, n_params: int, *, rollout_batch: int, prompt_to
     kv_row = layers * 2 * kv_heads * head_dim * 2 * max_len
     rollout = max(rollout_batch, eval_batch) * (kv_row + 3 * vocab * 4)
     per_tok_layer = (12 * h + 5 * inter) * 2 + 2 * h * 4
-    act_full = micro_batch * seq * layers * per_tok_layer
-    act = micro_batch * seq * (layers * h * 4 + per_tok_layer) if grad_ckpt else act_full
+    # tokens through the decoder per micro-batch, and the prefix KV expanded to every row
+    pre = min(shared_prefix_tokens, prompt_tokens)
+    toks = micro_batch * seq if not pre else pre + micro_batch * (seq - pre)
+    kv_expand = micro_batch * pre * layers * 2 * kv_heads * head_dim * 2 * 2 if pre else 0  # + the concat copy
+    act_full = toks * layers * per_tok_layer + kv_expand
+    act = (toks * (layers * h * 4 + per_tok_layer) + kv_expand) if grad_ckpt else act_full
     head = 3 * chunk_tokens * vocab * 4
-    learner = act + head + micro_batch * seq * h * 4 * 2  # + the final hidden states and their gradient
+    learner = act + head + toks * h * 4 * 2  # + the final hidden states and their gradient
     total = weights + max(rollout, learner)  # rollout pools are freed before the learner runs
     return {"weights": weights, "rollout": rollout, "learner": learner, "activations_no_ckpt": act_full,
-            "grad_ckpt": grad_ckpt, "total": total, "total_gib": total / 2**30}
+            "grad_ckpt": grad_ckpt, "shared_prefix_tokens": pre, "learner_tokens_per_micro_batch": toks,
+            "total": total, "total_gib": total / 2**30}
 
 
 # ------------------------------------------------------------------------------------------------ calibrate
@@ -284,8 +308,63 @@ def evaluate_greedy(model16: Any, tok: Any, held: list, args: argparse.Namespace
             "response_length_mean": sum(lengths) / max(len(lengths), 1), "seconds": seconds, "n": len(held)}
 
 
+# ------------------------------------------------------------------------------------------------ checkpoints
+CKPT_STATE = "state.pt"
+CKPT_META = "meta.json"
+
+
+def run_dir(ckpt_dir: str | Path, arm: str, seed: int) -> Path:
+    return Path(ckpt_dir) / f"{arm}_seed{seed}"
+
+
+def rng_state(device: str) -> dict:
+    """Every RNG a run draws from: the run's own generator is saved by the caller; these are the globals."""
+    import random
+
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict, device: str) -> None:
+    import random
+
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if device == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(d: Path, *, policy: Any, opt: Any, gen: torch.Generator, rng: dict, rec: dict) -> float:
+    """Write ``d/state.pt`` (weights, optimizer, RNGs, the run record) and ``d/meta.json`` atomically
+    (temporary file + ``os.replace``: a kill mid-write leaves the previous checkpoint); returns seconds."""
+    from kvlib.publish.provenance import _jsonable
+
+    t0 = time.time()
+    d.mkdir(parents=True, exist_ok=True)
+    state = {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(), "rng": rng,
+             "iterations_done": rec["iterations_done"], "record": json.dumps(_jsonable(rec))}
+    tmp = d / (CKPT_STATE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, d / CKPT_STATE)
+    _write(d / CKPT_META, {"arm": rec["arm"], "seed": rec["seed"], "iterations_done": rec["iterations_done"],
+                           "iterations_planned": rec["iterations_planned"], "status": rec["status"],
+                           "segments": len(rec.get("segments", []))})
+    return time.time() - t0
+
+
+def checkpointed_runs(ckpt_dir: str | Path) -> list[dict]:
+    """The runs with a checkpoint in ``ckpt_dir`` (their meta.json), sorted by arm then seed."""
+    out = []
+    for m in sorted(Path(ckpt_dir).glob(f"*/{CKPT_META}")):
+        if (m.parent / CKPT_STATE).is_file():
+            out.append(json.loads(m.read_text()))
+    return sorted(out, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
+
+
 def train(args: argparse.Namespace) -> int:
-    from kvlib.publish.provenance import provenance
+    from kvlib.publish.provenance import git_commit, provenance
     from kvlib.rl.engine import sample_static
     from kvlib.rl.loop import frozen_copy, grpo_iteration, sync_weights
 
@@ -308,9 +387,13 @@ def train(args: argparse.Namespace) -> int:
     # memory: an explicit per-process budget (all runs share one GPU), the estimate from the shapes, and
     # activation checkpointing of the decoder layers when the estimate without it does not fit
     widths = [len(tok(prompt(tok, p), add_special_tokens=False)["input_ids"]) for p in held[:32]]
+    from kvlib.rl.sampler import _encode, shared_prefix_length
+
+    pid, pmask = _encode(tok, [prompt(tok, p) for p in held[:32]], 0, torch.device("cpu"))
+    pre = shared_prefix_length(pid, pmask) if cfg.shared_prefix is not False else 0
     est_kw = dict(rollout_batch=cfg.prompts_per_iteration * cfg.group_size, prompt_tokens=max(widths),
                   max_new_tokens=cfg.max_new_tokens, micro_batch=cfg.micro_batch or cfg.prompts_per_iteration
-                  * cfg.group_size, eval_batch=min(args.eval_batch, args.heldout))
+                  * cfg.group_size, eval_batch=min(args.eval_batch, args.heldout), shared_prefix_tokens=pre)
     n_params = sum(p.numel() for p in policy.parameters())
     est = memory_estimate(policy.config, n_params, **est_kw)
     cap = args.mem_cap_gib
@@ -323,7 +406,8 @@ def train(args: argparse.Namespace) -> int:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
     log(f"{args.arm} seed {args.seed}: memory estimate {est['total_gib']:.2f} GiB (weights "
         f"{est['weights'] / 2**30:.2f}, rollout {est['rollout'] / 2**30:.2f}, learner {est['learner'] / 2**30:.2f}; "
-        f"grad checkpointing {est['grad_ckpt']}), cap {cap} GiB, prompt tokens <= {max(widths)}")
+        f"grad checkpointing {est['grad_ckpt']}), cap {cap} GiB, prompt tokens <= {max(widths)}, shared prefix "
+        f"{pre} tokens, learner micro-batch {cfg.micro_batch} ({est['learner_tokens_per_micro_batch']} tokens)")
     sampler = functools.partial(sample_static, fmt=args.arm)
     gen = torch.Generator().manual_seed(args.seed)
     params = {k: v for k, v in vars(args).items() if k not in ("func",)}
@@ -339,13 +423,50 @@ def train(args: argparse.Namespace) -> int:
         "timing_note": "rollout_seconds here are measured while the other runs share the GPU; the speedup comes "
                        "from timing.json (isolated)",
         "history": {}, "rollout_info": [], "eval": {}, "device": _device_name(args.device),
-        "memory": {"estimate": est, "cap_gib": cap, "prompt_tokens_max": max(widths)}}
+        "memory": {"estimate": est, "cap_gib": cap, "prompt_tokens_max": max(widths)}, "segments": []}
+    ckdir = run_dir(args.ckpt_dir, args.arm, args.seed) if args.ckpt_dir else None
+    if args.resume:
+        # continue the checkpointed run bit-compatibly: weights, optimizer, every RNG, history, record
+        if ckdir is None or not (ckdir / CKPT_STATE).is_file():
+            raise ValueError(f"--resume: no checkpoint {ckdir and ckdir / CKPT_STATE} (refusing to start afresh "
+                             f"under the same seed)")
+        st = torch.load(ckdir / CKPT_STATE, map_location="cpu", weights_only=False)
+        policy.load_state_dict(st["policy"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["generator"])
+        set_rng_state(st["rng"], args.device)
+        old = json.loads(st["record"])
+        if (old["arm"], old["seed"]) != (args.arm, args.seed) or old["config"] != rec["config"]:
+            raise ValueError(f"--resume: {ckdir} holds {old['arm']} seed {old['seed']} with config {old['config']}, "
+                             f"not this run's {args.arm} seed {args.seed} {rec['config']}")
+        for k in ("history", "rollout_info", "eval", "segments", "iterations_done", "reason"):
+            rec[k] = old.get(k, rec[k])
+        rec["segments_provenance"] = old.get("segments_provenance", []) + [old.get("provenance")]
+        rec["iterations_planned"] = args.iterations
+        sync_weights(policy, roll16)  # the rollout copy is the policy cast to bf16, as after every update
+        del st
+        log(f"{args.arm} seed {args.seed}: resumed from {ckdir} at iteration {rec['iterations_done']} "
+            f"(segment {len(rec['segments']) + 1})")
+    start_it = rec["iterations_done"]
+    seg = {"segment": len(rec["segments"]), "commit": git_commit(), "started": started.isoformat(),
+           "device": _device_name(args.device), "first_iteration": start_it, "iterations": 0, "resumed": args.resume}
+    rec["segments"].append(seg)
+    ck_reserve = args.ckpt_reserve_s if ckdir else 0.0
 
     def save() -> None:
         rec["provenance"] = provenance(params, started)
         _write(path, rec)
 
-    if args.initial_eval:  # the parent evaluated the (shared) initial policy once, with the same evaluator
+    def checkpoint(rng: dict | None = None) -> None:
+        nonlocal ck_reserve
+        sec = save_checkpoint(ckdir, policy=policy, opt=opt, gen=gen, rng=rng or rng_state(args.device), rec=rec)
+        ck_reserve = max(ck_reserve, 2 * sec + 2)
+        seg["checkpoint_seconds"] = sec
+        log(f"{args.arm} seed {args.seed}: checkpoint at iteration {rec['iterations_done']} in {sec:.1f} s -> {ckdir}")
+
+    if args.resume:
+        reserve = args.eval_reserve_s
+    elif args.initial_eval:  # the parent evaluated the (shared) initial policy once, with the same evaluator
         rec["eval"]["initial"] = json.loads(Path(args.initial_eval).read_text())
         reserve = args.eval_reserve_s
     else:
@@ -358,9 +479,13 @@ def train(args: argparse.Namespace) -> int:
         f"final-evaluation reserve {reserve:.0f} s")
     save()
     last = 0.0
-    for it in range(args.iterations):
-        if time.time() + 1.3 * last + reserve > deadline:
+    rec["reason"] = None
+    for it in range(start_it, args.iterations):
+        if time.time() + 1.3 * last + reserve + ck_reserve > deadline:
             rec["reason"] = f"time budget: stopped after {it} of {args.iterations} iterations"
+            break
+        if args.segment_iterations is not None and it - start_it >= args.segment_iterations:
+            rec["reason"] = f"--segment-iterations {args.segment_iterations}: stopped after {it} iterations"
             break
         ti = time.time()
         if args.device == "cuda":
@@ -381,19 +506,33 @@ def train(args: argparse.Namespace) -> int:
             h.setdefault(f"rollout_{k}", []).append(info[k])
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
         h.setdefault("max_memory_allocated_gib", []).append(peak)
-        rec["rollout_info"].append({k: info[k] for k in ("decode_paths", "prefill_path", "kernel", "graphed", "steps")})
+        rec["rollout_info"].append({**{k: info[k] for k in ("decode_paths", "prefill_path", "kernel", "graphed",
+                                                             "steps")},
+                                    "learner": grpo_iteration.last_learner_info})
         rec["iterations_done"] = it + 1
+        seg["iterations"] = it + 1 - start_it
         last = time.time() - ti
         log(f"{args.arm} s{args.seed} it {it}: reward {m['reward_mean']:.3f} len {m['response_length_mean']:.0f} "
             f"refKL {m['ref_kl_k3']:.2e} sKL {m['sampler_learner_kl_k3']:.2e} rollout {m['rollout_seconds']:.2f}s "
             f"iter {last:.2f}s peak {peak if peak is None else round(peak, 2)} GiB graphed {info['graphed']} "
-            f"{info['decode_paths']}")
+            f"{info['decode_paths']} learner {m['learner_tokens']:.0f} tokens "
+            f"(full path {m['learner_full_path_tokens']:.0f}) {m['learner_calls']:.0f} calls")
         save()
+        if ckdir and args.ckpt_every and (it + 1 - start_it) % args.ckpt_every == 0 and it + 1 < args.iterations:
+            checkpoint()
     sync_weights(policy, roll16)
-    rec["eval"]["final"] = evaluate_greedy(roll16, tok, held, args, difficulty)
+    rng = rng_state(args.device)  # the state a continuation starts from (the evaluator below draws nothing of it)
     rec["status"] = "complete" if rec["iterations_done"] == args.iterations else "partial"
     rec["partial"] = rec["status"] != "complete"
+    rec["eval"]["final"] = evaluate_greedy(roll16, tok, held, args, difficulty)
+    rec["eval"].setdefault("segment_final", []).append({"segment": seg["segment"], "iterations": rec["iterations_done"],
+                                                        "accuracy": rec["eval"]["final"]["accuracy"]})
     rec["seconds"] = time.time() - t_start
+    seg["seconds"] = rec["seconds"]
+    rec["n_segments"] = len(rec["segments"])
+    rec["resumable"] = bool(ckdir) and rec["status"] != "complete"
+    if ckdir:
+        checkpoint(rng)
     save()
     log(f"{args.arm} seed {args.seed}: {rec['status']} after {rec['iterations_done']} iterations; held-out "
         f"{rec['eval']['initial']['accuracy']:.3f} -> {rec['eval']['final']['accuracy']:.3f}")
@@ -402,14 +541,18 @@ def train(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------ all
 def _forward_args(args: argparse.Namespace) -> list[str]:
-    keys = ("device", "max_new_tokens", "group", "prompts", "lr", "beta", "tis_cap", "micro_batch", "shots",
-            "iterations", "train_pool", "heldout", "eval_batch")
+    keys = ("device", "max_new_tokens", "group", "prompts", "lr", "beta", "tis_cap", "micro_batch",
+            "score_micro_batch", "shots",
+            "iterations", "train_pool", "heldout", "eval_batch", "shared_prefix", "ckpt_dir", "ckpt_every",
+            "ckpt_reserve_s", "segment_iterations")
     out = ["--tiny"] if args.tiny else []
     for k in keys:
         v = getattr(args, k)
         out += [f"--{k.replace('_', '-')}", "none" if v is None else str(v)]
     if args.gguf:
         out += ["--gguf", args.gguf]
+    if args.resume:
+        out.append("--resume")
     return out
 
 
@@ -427,10 +570,24 @@ def run_all(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"--arms: unknown arm(s) {bad}; arms are {ARMS}")
     fails: list[str] = []
+    ck = Path(args.ckpt_dir) if args.ckpt_dir else None
+    if args.resume:
+        found = checkpointed_runs(ck) if ck is not None and ck.is_dir() else []
+        if not found:
+            print(f"FAIL: --resume: no checkpointed run in {ck} (nothing to continue; not starting fresh runs under "
+                  f"the same seeds)")
+            print("SUMMARY: FAIL (1)")
+            return 2
+        log(f"resume: {len(found)} checkpointed runs in {ck}: " + ", ".join(
+            f"{m['arm']} s{m['seed']} ({m['status']}, {m['iterations_done']} it, {m['segments']} segments)"
+            for m in found))
     model, tok = load_policy(args.device, args.tiny)
     model16 = model.to(torch.bfloat16)
     cal_path = results / "calibration.json"
-    if args.calibrate:
+    if args.resume:  # the checkpointed runs' own task
+        cal = json.loads((ck / "calibration.json").read_text())
+        log(f"calibration: the checkpoint's ({ck / 'calibration.json'}): difficulty {cal['difficulty']}")
+    elif args.calibrate:
         cal = calibrate(model16, tok, args)
         cal["provenance"] = provenance({k: v for k, v in vars(args).items() if k != "func"}, started)
         cal["device"] = _device_name(args.device)
@@ -449,13 +606,21 @@ def run_all(args: argparse.Namespace) -> int:
                 f"calibration's {task.DEFAULT_SHOTS} / {c['max_new_tokens']}: its accuracy does not apply")
         log(f"calibration: the committed setting {cal['difficulty']}")
     _write(out / "calibration.json", cal)
-    if (results / "timing.json").is_file() and not args.force:
+    if ck is not None:
+        _write(ck / "calibration.json", cal)
+    if ck is not None and (ck / "timing.json").is_file() and (args.resume or not args.force):
+        tm = json.loads((ck / "timing.json").read_text())
+        _write(out / "timing.json", tm)
+        log(f"timing: measured in an earlier call ({ck / 'timing.json'}), not repeated; copied to {out}")
+    elif (results / "timing.json").is_file() and not args.force:
         log("timing: already in results (use --force to measure again)")
     else:
         tm = timing(model16, tok, cal["difficulty"], args, arms)
         tm["device"] = _device_name(args.device)
         tm["provenance"] = provenance({k: v for k, v in vars(args).items() if k != "func"}, started)
         _write(out / "timing.json", tm)
+        if ck is not None:
+            _write(ck / "timing.json", tm)
         for arm, s in tm["summary"].items():
             log(f"timing {arm}: sum {s['sum_seconds']:.2f} s, {s['ms_per_step']:.3f} ms/step, "
                 f"speedup vs bf16 {s.get('speedup_vs_bf16', float('nan')):.2f}x")
@@ -463,20 +628,43 @@ def run_all(args: argparse.Namespace) -> int:
             if args.device == "cuda" and not all(r["kernel"] and r["graphed"] for r in tm["reps"][arm]):
                 fails.append(f"timing {arm}: not every rollout was graphed on the kernel path ({sorted(paths)})")
     held = problems("heldout", args.heldout, cal["difficulty"], seed=1)
-    e0 = time.time()
-    ev0 = evaluate_greedy(model16, tok, held, args, cal["difficulty"])
-    eval_s = time.time() - e0
+    if ck is not None and (ck / "initial_eval.json").is_file() and (args.resume or not args.force):
+        ev0 = json.loads((ck / "initial_eval.json").read_text())
+        eval_s = ev0["wall_seconds"]
+        if ev0["uids"] != [p.uid for p in held]:
+            raise ValueError(f"{ck / 'initial_eval.json'}: its held-out problems are not this call's")
+        log(f"initial policy: evaluated in an earlier call ({ck / 'initial_eval.json'}), not repeated: held-out "
+            f"accuracy {ev0['accuracy']:.3f} ({eval_s:.1f} s then)")
+    else:
+        e0 = time.time()
+        ev0 = evaluate_greedy(model16, tok, held, args, cal["difficulty"])
+        eval_s = time.time() - e0
+        ev0["wall_seconds"] = eval_s
+        log(f"initial policy, held-out accuracy {ev0['accuracy']:.3f} (greedy bf16 evaluator, {eval_s:.1f} s)")
     _write(out / "initial_eval.json", ev0)
-    log(f"initial policy, held-out accuracy {ev0['accuracy']:.3f} (greedy bf16 evaluator, {eval_s:.1f} s)")
+    if ck is not None:
+        _write(ck / "initial_eval.json", ev0)
     del model, model16
     if args.device == "cuda":
         torch.cuda.empty_cache()
     # runs: per arm, the lowest seeds that have no result yet (later calls add seeds)
     runs = []
-    for arm in arms:
-        have = {int(p.stem.split("_seed")[1]) for p in results.glob(f"{arm}_seed*.json")} if not args.force else set()
-        seeds = [s for s in range(1000) if s not in have][:args.n_seeds]
-        runs += [(arm, s) for s in seeds]
+    if args.resume:  # every checkpointed run not yet complete, whatever --arms / --n-seeds say
+        runs = [(m["arm"], m["seed"]) for m in found if m["status"] != "complete"]
+        done = [(m["arm"], m["seed"]) for m in found if m["status"] == "complete"]
+        if done:
+            log(f"resume: already complete, not continued: {done}")
+    else:
+        for arm in arms:
+            have = ({int(p.stem.split("_seed")[1]) for p in results.glob(f"{arm}_seed*.json")}
+                    if not args.force else set())
+            seeds = [s for s in range(1000) if s not in have][:args.n_seeds]
+            runs += [(arm, s) for s in seeds]
+        clash = [r for r in runs if ck is not None and (run_dir(ck, *r) / CKPT_STATE).is_file()]
+        if clash and not args.force:
+            print(f"FAIL: checkpoints of {clash} already in {ck}: continue them with --resume (or --force to restart)")
+            print("SUMMARY: FAIL (1)")
+            return 2
     cap = args.mem_cap_gib
     if cap is None and args.device == "cuda" and runs:
         # the runs share the GPU: each gets an equal allocator cap, after ~1 GiB per process of CUDA context
@@ -548,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="redo calibration, timing and runs that have results")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--n-seeds", type=int, default=3, help="new seeds per arm in this call")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of `all` from its start")
+    ap.add_argument("--budget-s", type=float, default=555.0, help="wall budget of `all` from its start")
     ap.add_argument("--train-margin-s", type=float, default=15.0, help="runs must be done this long before it")
     ap.add_argument("--exit-grace-s", type=float, default=10.0, help="past the budget, then a run is killed")
     ap.add_argument("--iterations", type=int, default=200, help="upper bound; the budget usually ends runs first")
@@ -558,7 +746,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--beta", type=float, default=1e-3)
     ap.add_argument("--tis-cap", type=_none_or(float), default=2.0)
-    ap.add_argument("--micro-batch", type=_none_or(int), default=4, help="learner micro-batch (9 runs share memory)")
+    ap.add_argument("--micro-batch", type=_none_or(int), default=16,
+                    help="learner (update) micro-batch: with the shared prompt prefix run once a row costs only its "
+                         "suffix (~140 tokens); 16 rows keep the estimate (printed) under 70%% of the cap of 9 runs, "
+                         "so no gradient checkpointing (which would force the full path)")
+    ap.add_argument("--score-micro-batch", type=_none_or(int), default=64,
+                    help="micro-batch of the no-grad pi_ref / pi_old scoring (no activations kept)")
+    ap.add_argument("--shared-prefix", choices=("auto", "on", "off"), default="auto",
+                    help="learner scoring with the prompts' common prefix run once (auto: when >= 32 tokens)")
+    ap.add_argument("--ckpt-dir", type=_none_or(str), default=None,
+                    help="checkpoint runs here (weights, optimizer, RNGs, history)")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every N iterations (and at the end)")
+    ap.add_argument("--ckpt-reserve-s", type=float, default=20.0,
+                    help="train: time kept for the last checkpoint (raised to 2x the measured write)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the runs checkpointed in --ckpt-dir (all: every one found there; none: FAIL)")
+    ap.add_argument("--segment-iterations", type=_none_or(int), default=None,
+                    help="train: stop this process after N iterations (a checkpointed run continues with --resume)")
     ap.add_argument("--shots", type=int, default=10, help="worked examples (kvlib.rl.task.DEFAULT_SHOTS)")
     ap.add_argument("--train-pool", type=int, default=1024)
     ap.add_argument("--heldout", type=int, default=128)

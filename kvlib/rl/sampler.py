@@ -8,8 +8,9 @@ probabilities match the sampling distribution"). The cache is ``cache_factory(ba
 ``DynamicCache`` today, ``kvlib.make_cache(fmt, model.config, batch_size=..., max_len=...)`` once
 the packed decode path lands; this module does not care which.
 
-:func:`learner_logprobs` scores the same tokens under a learner in one teacher-forced forward
-(no cache), with the position ids ``generate`` used for left-padded prompts.
+:func:`learner_logprobs` scores the same tokens under a learner, teacher-forced, with the position ids
+``generate`` used for left-padded prompts: one forward per micro-batch, or, when the prompts share a long
+token prefix, that prefix once and each row's suffix on its expanded KV (same numbers up to rounding).
 """
 
 from __future__ import annotations
@@ -139,15 +140,96 @@ def _token_logprobs(lm_head: Any, hidden: torch.Tensor, tokens: torch.Tensor) ->
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def shared_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """Token-level longest common prefix of the rows' (left-padded) prompts, capped at the shortest prompt
+    minus one so that every row keeps at least one prompt token in its suffix (that token's hidden state
+    predicts the first response token)."""
+    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids and prompt_mask must be equal [B, P] tensors, got {tuple(prompt_ids.shape)} "
+                         f"and {tuple(prompt_mask.shape)}")
+    lens = prompt_mask.sum(dim=1)
+    width = prompt_ids.shape[1]
+    cap = int(lens.min()) - 1
+    if cap <= 0 or prompt_ids.shape[0] == 1:
+        return max(cap, 0)
+    # align every row at its first real token: column j of `aligned` is token j of each prompt
+    idx = (width - lens)[:, None] + torch.arange(cap, device=prompt_ids.device)[None, :]
+    aligned = prompt_ids.gather(1, idx)
+    same = (aligned == aligned[:1]).all(dim=0)
+    return cap if bool(same.all()) else int(same.int().argmin())
+
+
+def _lm_head_logprobs(lm_head: Any, h: torch.Tensor, tok: torch.Tensor, chunk_tokens: int, grad: bool) -> torch.Tensor:
+    per = max(1, chunk_tokens // h.shape[0])  # positions per chunk, over all rows of the micro-batch
+    parts = []
+    for c in range(0, h.shape[1], per):
+        if grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_token_logprobs, lm_head, h[:, c:c + per],
+                                                           tok[:, c:c + per], use_reentrant=False))
+        else:
+            parts.append(_token_logprobs(lm_head, h[:, c:c + per], tok[:, c:c + per]))
+    return torch.cat(parts, dim=1)
+
+
+def _shared_prefix_hidden(model: Any, decoder: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          response_ids: torch.Tensor, L: int) -> tuple[torch.Tensor, int]:
+    """Hidden states predicting each response token, with the common prefix run once (batch 1).
+
+    The prefix's KV (a ``DynamicCache``) is expanded to the rows with the cache's own
+    ``batch_repeat_interleave`` (a differentiable ``repeat_interleave``: gradients from every row flow
+    back into the one prefix forward); each row's suffix (rest of its prompt + its response) is
+    right-padded, attends to prefix + its own suffix, at positions ``L + j`` (the positions generate
+    used: its prompt starts at 0). Returns ``([rows, T, hidden], tokens forwarded)``.
+    """
+    from transformers import DynamicCache
+
+    rows, width = prompt_ids.shape
+    steps = response_ids.shape[1]
+    dev = prompt_ids.device
+    lens = prompt_mask.sum(dim=1)
+    full = torch.cat([prompt_ids, response_ids], dim=1)
+    first = int(width - lens[0])
+    prefix = full[:1, first:first + L]
+    cache = DynamicCache(config=model.config)
+    decoder(input_ids=prefix, position_ids=torch.arange(L, device=dev)[None], past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(rows)
+    start = width - lens + L  # [rows] where each row's suffix begins in `full`
+    sfx_len = lens - L + steps
+    S = int(sfx_len.max())
+    j = torch.arange(S, device=dev)[None, :]
+    idx = (start[:, None] + j).clamp(max=full.shape[1] - 1)
+    suffix = full.gather(1, idx)
+    smask = (j < sfx_len[:, None]).long()
+    attn = torch.cat([torch.ones(rows, L, dtype=smask.dtype, device=dev), smask], dim=1)
+    pos = (L + j).expand(rows, S)
+    hidden = decoder(input_ids=suffix, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                     use_cache=True).last_hidden_state
+    # suffix position (lens - L - 1) + t predicts response token t
+    at = (lens - L - 1)[:, None] + torch.arange(steps, device=dev)[None, :]
+    h = hidden.gather(1, at[:, :, None].expand(rows, steps, hidden.shape[-1]))
+    return h, L + rows * S
+
+
 def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = None,
-                     chunk_tokens: int = 2048) -> torch.Tensor:
+                     chunk_tokens: int = 2048, shared_prefix: bool | None = None, min_prefix: int = 32,
+                     info: dict | None = None) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``rollout``'s response tokens under ``model``, teacher-forced.
 
-    One forward over ``prompt + response`` per micro-batch (all of ``B`` by default), no cache. The
-    attention mask is the prompt's padding mask followed by ones (generate attends to every
-    generated position too) and the position ids are ``cumsum(mask) - 1``, which is what
-    ``generate`` uses for left-padded prompts. Gradients flow when called outside ``no_grad``.
-    Masked positions are 0.
+    Two paths, equal up to rounding (tests/test_rl_prefix.py):
+
+    * *full*: one forward over ``prompt + response`` per micro-batch (all of ``B`` by default), no
+      cache. The attention mask is the prompt's padding mask followed by ones (generate attends to
+      every generated position too) and the position ids are ``cumsum(mask) - 1``, which is what
+      ``generate`` uses for left-padded prompts.
+    * *shared prefix*: when the micro-batch's prompts share a token-level prefix of at least
+      ``min_prefix`` tokens (:func:`shared_prefix_length`; RL prompts repeat the same instructions and
+      worked examples), that prefix runs once at batch 1 and only each row's suffix at batch ``rows``
+      (:func:`_shared_prefix_hidden`). ``shared_prefix=None`` picks it when the prefix is long enough,
+      True/False force it on/off (True with no usable prefix raises). Under gradient checkpointing with
+      gradients on, transformers drops the cache inside checkpointed layers, so the full path is used.
+
+    Gradients flow when called outside ``no_grad``. Masked positions are 0. ``info`` (a dict, if
+    given) receives the path taken per micro-batch, why, the prefix lengths and the tokens forwarded.
 
     Memory: the decoder's hidden states are sliced to the response positions before the LM head, and
     the head + log-softmax run over at most ``chunk_tokens`` (row x position) entries at a time, each
@@ -164,6 +246,10 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
         raise ValueError(f"micro_batch must be an int >= 1, got {micro_batch!r}")
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if shared_prefix not in (None, True, False):
+        raise TypeError(f"shared_prefix must be None, True or False, got {shared_prefix!r}")
+    if not isinstance(min_prefix, int) or min_prefix < 1:
+        raise ValueError(f"min_prefix must be an int >= 1, got {min_prefix!r}")
     decoder = getattr(model, "model", None)
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if decoder is None or lm_head is None:
@@ -175,19 +261,39 @@ def learner_logprobs(model: Any, rollout: Rollout, *, micro_batch: int | None = 
     if scale != 1.0:
         raise ValueError("logits_scaling is not applied by the chunked LM head")
     grad = torch.is_grad_enabled()
+    ckpt = grad and bool(getattr(model, "is_gradient_checkpointing", False)) and model.training
+    rec = {"paths": [], "reasons": [], "prefix_tokens": [], "tokens": 0, "full_tokens": 0}
     rows = []
     for s in range(0, ids.shape[0], mb):
-        hidden = decoder(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
-                         use_cache=False).last_hidden_state
-        h = hidden[:, -(steps + 1):-1]  # position t predicts response token t
+        pm, pmask = rollout.prompt_ids[s:s + mb], rollout.prompt_mask[s:s + mb]
+        n = pm.shape[0]
+        rec["full_tokens"] += n * ids.shape[1]  # what the full path forwards (padded)
+        L = shared_prefix_length(pm, pmask) if shared_prefix is not False else 0
+        if shared_prefix is False:
+            why = "shared_prefix=False"
+        elif ckpt:
+            why = "gradient checkpointing drops the cache: full path"
+        elif L < min_prefix:
+            why = f"common prefix {L} < min_prefix {min_prefix} tokens: full path"
+        else:
+            why = None
+        if why is not None and shared_prefix is True:
+            raise ValueError(f"shared_prefix=True but {why}")
         tok = rollout.response_ids[s:s + mb]
-        per = max(1, chunk_tokens // h.shape[0])  # positions per chunk, over all rows of the micro-batch
-        parts = []
-        for c in range(0, steps, per):
-            if grad:
-                parts.append(torch.utils.checkpoint.checkpoint(_token_logprobs, lm_head, h[:, c:c + per],
-                                                               tok[:, c:c + per], use_reentrant=False))
-            else:
-                parts.append(_token_logprobs(lm_head, h[:, c:c + per], tok[:, c:c + per]))
-        rows.append(torch.cat(parts, dim=1))
+        if why is None:
+            h, used = _shared_prefix_hidden(model, decoder, pm, pmask, tok, L)
+            rec["paths"].append("shared-prefix")
+            rec["prefix_tokens"].append(L)
+        else:
+            hidden = decoder(input_ids=ids[s:s + mb], attention_mask=attn[s:s + mb], position_ids=pos[s:s + mb],
+                             use_cache=False).last_hidden_state
+            h = hidden[:, -(steps + 1):-1]  # position t predicts response token t
+            used = n * ids.shape[1]
+            rec["paths"].append("full")
+            rec["prefix_tokens"].append(0)
+        rec["reasons"].append(why or f"common prefix {L} tokens run once")
+        rec["tokens"] += used
+        rows.append(_lm_head_logprobs(lm_head, h, tok, chunk_tokens, grad))
+    if info is not None:
+        info.update(rec)
     return torch.cat(rows, dim=0).masked_fill(~rollout.response_mask.bool(), 0.0)
