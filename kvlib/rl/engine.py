@@ -25,6 +25,7 @@ kernel (CPU) the step takes the real growing padding mask, as ``generate`` would
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -93,6 +94,10 @@ def sample_static(model: Any, tokenizer: Any, prompts: Sequence[str] | Sequence[
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
 
+    if cuda:
+        # kvlib's caches hold reference cycles (cache -> layer -> cache), so a finished rollout's KV pool is freed
+        # only by the cyclic collector; without this, GRPO iterations pile up one pool each until OOM.
+        gc.collect()
     _sync(device)
     t0 = time.perf_counter()
     cache = kvlib.make_cache(fmt, model.config, batch_size=batch, max_len=max_len, device=device, dtype=model.dtype,
