@@ -85,7 +85,8 @@ def validate(rule: Any, claim: str = "?") -> dict[str, Any]:
             if lo > hi:
                 raise ValueError(f"claim {claim!r}: rule fields 'lo' > 'hi' ({lo} > {hi})")
         else:
-            raise ValueError(f"claim {claim!r}: rule field 'mode' must be 'paper_in_ci', 'ours_in' or 'ci_within', got {mode!r}")
+            raise ValueError(f"claim {claim!r}: rule field 'mode' must be 'paper_in_ci', 'ours_in' or 'ci_within', "
+                             f"got {mode!r}")
     elif kind == "threshold":
         if rule.get("op") not in _OPS:
             raise ValueError(f"claim {claim!r}: rule field 'op' must be one of {tuple(_OPS)}, got {rule.get('op')!r}")
@@ -158,6 +159,8 @@ def decide(rule: Mapping[str, Any], measured: Any, n: int | None = None, *, clai
     kind = rule["kind"]
     if kind == "not_reproducible":
         return "not reproducible here", rule["reason"]
+    if "min_n" in rule and n is not None and not isinstance(n, bool) and isinstance(n, int) and n < rule["min_n"]:
+        return "not reproducible here", f"n = {n} is below the {rule['min_n']} needed to show it"
     if measured is None:
         return "not reproducible here", "not measured in this run"
     if "min_n" in rule:
@@ -205,3 +208,18 @@ def decide(rule: Mapping[str, Any], measured: Any, n: int | None = None, *, clai
     lo, hi = rule["lo"], rule["hi"]
     ok = lo <= m <= hi
     return "reproduced" if ok else "differs", f"{_g(m)} {'in' if ok else 'outside'} [{_g(lo)}, {_g(hi)}]"
+
+
+def judge(claim_id: str, *, ours: str, measured: Any = None, n: int | None = None, note: str = "") -> dict[str, Any]:
+    """One claim record, its verdict decided under the rule of ``data/claims/*.yml``: ``{id, ours, measured, n,
+    note, rule, verdict, why}`` (``why`` = the rule's reason, then ``note``). Report modules return these;
+    :meth:`kvlib.publish.run.Run.claim` records the same."""
+    from kvlib.publish.run import load_claims  # run imports this module
+
+    known = load_claims()
+    if claim_id not in known:
+        raise ValueError(f"claim {claim_id!r} is not in data/claims/*.yml; add the paper's side there first")
+    rule = known[claim_id]["rule"]
+    verdict, reason = decide(rule, measured, n, claim=claim_id)
+    return {"id": claim_id, "ours": ours, "measured": measured, "n": n, "note": note, "rule": describe(rule),
+            "verdict": verdict, "why": reason + (f"; {note}" if note else "")}
