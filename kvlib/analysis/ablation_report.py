@@ -70,7 +70,7 @@ def ablation_claims(dith: dict, byp: dict, mem: dict, budgets: list[int], m: int
     neutral = all(abs(g - 1) < NEUTRAL for g in dith.values())
     claims = [dict(claim_id="witcert-real-ablation-dither",
                    ours="RTN / dither error " + ", ".join(f"{dith[m_]:.3f}x (m={m_})" for m_ in budgets),
-                   verdict="reproduced" if neutral else "differs",
+                   measured=float(max(abs(g - 1) for g in dith.values())),
                    why=f"quality neutral taken as within {NEUTRAL:.0%} of 1" + ("" if neutral else
                    f"; RTN's error is {min(dith.values()):.2f}x to {max(dith.values()):.2f}x the dither's "
                    f"(SmolLM2, S = {S})"))]
@@ -83,7 +83,7 @@ def ablation_claims(dith: dict, byp: dict, mem: dict, budgets: list[int], m: int
         claim_id="witcert-real-ablation-bypass",
         ours=f"dither: {gain_small:.2f}x at m={m_small} (+{mem[m_small]:.1%} memory), {gain_m:.2f}x at m={m} "
              f"(+{mem[m]:.1%}); RTN: {byp[('rtn', m_small)]:.2f}x / {byp[('rtn', m)]:.2f}x",
-        verdict="reproduced" if helps and dominant else "differs",
+        measured=bool(helps and dominant),
         why=("the bypass is the larger knob" if helps and dominant else
              "the bypass does not lower the output error beyond 5 %" if not helps
              else "the dither gain exceeds the bypass gain")

@@ -83,7 +83,7 @@ def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
     speedup = dict(
         claim_id="kv4rl-kv4-kernel-speedup",
         ours=f"attention kernel only: {fixed.kv4_speedup_vs_sdpa.min():.2f}-{best:.2f}x vs SDPA bf16 (fixed shapes)",
-        verdict="reproduced" if 1.44 <= best else "differs",
+        measured=float(best),
         why="kernel-level, not whole decode step; issue goal 3.0x at long context: "
             + (f"S = 16k min {gl['kv4_speedup_16k_min']:.2f}x ("
                + ("met" if gl["kv4_speedup_16k_min"] >= 3.0 else "not met") + "), "
@@ -92,7 +92,7 @@ def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
             + ("met" if gl["kv4_speedup_long_ctx_min"] >= 3.0 else "not met") + ")")
     agg = gl["kv4rl_frac_ragged_aggregate"]
     f16 = fixed[fixed.ctx_max >= 16384].kv4rl_frac_of_kv4
-    why = [] if agg >= 0.94 else ["our protected path costs more than the paper's at these shapes"]
+    why = []
     why.append(f"bytes alone cap KV4-RL/KV4 at {bound(1024):.0%} at S=1k, {bound(4096):.0%} at 4k, "
                f"{bound(16384):.1%} at 16k (INT8 side entries are {bound.b8 / bound.b4:.1f}x an INT4 entry), so the "
                "97% goal is reachable only at long context")
@@ -104,7 +104,7 @@ def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
                       f"{rr16.kv4rl_frac_of_kv4_rerun.max():.1%})"))
     protect = dict(claim_id="kv4rl-protect-speed", ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); "
                    f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
-                   verdict="reproduced" if agg >= 0.94 else "differs", why="; ".join(why))
+                   measured=float(agg), why="; ".join(why))
     return [speedup, protect]
 
 

@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 from kvlib.publish.provenance import PROFILES, provenance, repo_root, save_result
+from kvlib.publish.verdicts import VERDICTS, judge, validate
 
-VERDICTS = ("reproduced", "differs", "not reproducible here")
+__all__ = ["VERDICTS", "Run", "fmt", "load_claims"]
 
 
 def _glue(key: str, value: Any) -> None:
@@ -47,8 +48,20 @@ def load_claims(chapter: str | None = None) -> dict[str, dict[str, Any]]:
             c = dict(c, chapter=doc.get("chapter", f.stem))
             if c["id"] in out:
                 raise ValueError(f"claim id {c['id']!r} appears twice (in {f.name})")
+            if "rule" not in c:
+                raise ValueError(f"claim {c['id']!r} in {f.name} has no field 'rule' (what counts as reproduced)")
+            c["rule"] = validate(c["rule"], c["id"])
             out[c["id"]] = c
     return out
+
+
+def _plain(x: Any) -> Any:
+    """The measurement as JSON can hold it (numpy scalars and tuples unwrapped)."""
+    if hasattr(x, "item") and getattr(x, "ndim", 0) == 0:
+        return x.item()
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    return x
 
 
 class Run:
@@ -92,17 +105,22 @@ class Run:
         self.extra[key] = value
 
     # -- claims -----------------------------------------------------------------------------
-    def claim(self, claim_id: str, *, ours: str, verdict: str, why: str = "") -> None:
-        """Our side of a paper claim listed in ``data/claims/*.yml``."""
-        known = load_claims()
-        if claim_id not in known:
-            raise ValueError(f"claim {claim_id!r} is not in data/claims/*.yml; add the paper's side there first")
-        if verdict not in VERDICTS:
-            raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
-        if verdict != "reproduced" and not why:
-            raise ValueError(f"claim {claim_id!r}: a verdict of {verdict!r} needs a why")
+    def claim(self, claim_id: str, *, ours: str, measured: Any = None, n: int | None = None, why: str = "",
+              **removed: Any) -> None:
+        """Our side of a paper claim listed in ``data/claims/*.yml``.
+
+        The verdict is not ours to choose: :func:`kvlib.publish.verdicts.decide` turns ``measured`` (and the
+        sample size ``n``) into it under the claim's declared ``rule``. ``why`` is a note on the setting, shown
+        after the rule's reason. ``measured=None`` records "not reproducible here" (nothing measured).
+        """
+        if "verdict" in removed:
+            raise TypeError(f"claim {claim_id!r}: verdict= is removed; pass measured= (data/claims' rule decides)")
+        if removed:
+            raise TypeError(f"claim {claim_id!r}: unexpected argument(s) {sorted(removed)}")
+        j = judge(claim_id, ours=ours, measured=measured, n=n, note=why)
         self.claims = [c for c in self.claims if c["id"] != claim_id]
-        self.claims.append({"id": claim_id, "ours": ours, "verdict": verdict, "why": why})
+        self.claims.append({"id": claim_id, "ours": ours, "verdict": j["verdict"], "why": j["why"],
+                            "rule": j["rule"], "measured": _plain(measured), "n": n})
 
     def claims_frame(self):
         import pandas as pd
@@ -117,10 +135,11 @@ class Run:
                     "statement": p["statement"],
                     "paper": f"{p['paper_value']}" + (f" ({p['setting']})" if p.get("setting") else ""),
                     "ours": c["ours"],
+                    "rule": c.get("rule", ""),
                     "verdict": c["verdict"] + (f": {c['why']}" if c["why"] else ""),
                 }
             )
-        return pd.DataFrame(rows, columns=["claim", "statement", "paper", "ours", "verdict"])
+        return pd.DataFrame(rows, columns=["claim", "statement", "paper", "ours", "rule", "verdict"])
 
     def claims_table(self) -> None:
         """Display the paper-vs-ours table, with where these numbers came from."""

@@ -237,66 +237,42 @@ def _slope(v: list[float]) -> float:
     return float(np.polyfit(np.arange(len(v)), np.asarray(v, float), 1)[0])
 
 
-def verdicts(data: dict) -> list[dict[str, str]]:
-    """One ``{id, ours, verdict, why}`` per claim of data/claims/rlvr.yml (rules in each ``why``)."""
+def verdicts(data: dict) -> list[dict[str, Any]]:
+    """One claim record per claim of data/claims/rlvr.yml (see :func:`kvlib.publish.verdicts.judge`): the
+    measurement here, the verdict from the claim's declared rule (min_n = the paired seeds needed)."""
+    from kvlib.publish.verdicts import judge
+
     runs, timing = data["runs"], data["timing"]
     out = []
-    nr = "not reproducible here"
     # 1. rollout speedup: the isolated timing, sum of times
     s = (timing or {}).get("summary", {}).get("kv4rl", {}).get("speedup_vs_bf16")
     if s is None:
-        out.append(dict(id="kv4rl-rlvr-rollout-speedup", ours="no runs yet", verdict=nr,
-                        why="not measured: no isolated timing (timing.json) yet"))
+        out.append(judge("kv4rl-rlvr-rollout-speedup", ours="no runs yet", note="no isolated timing (timing.json) yet"))
     else:
-        ok = s >= PAPER_SPEEDUP / 1.2
-        out.append(dict(id="kv4rl-rlvr-rollout-speedup",
-                        ours=f"{s:.2f}x (135M, {timing['batch']} rows x {timing['steps']} steps, isolated timing)",
-                        verdict="reproduced" if ok else "differs",
-                        why="" if ok else f"rule: >= {PAPER_SPEEDUP / 1.2:.2f}x (the paper's 1.80x less 20%); at 135M "
-                            "and ~1k-token contexts the KV cache is a small share of the bytes a decode step reads "
-                            "(weights and launches dominate), so compressing it cannot pay as at 8B and 5.5k tokens"))
-    # 2. / 3. accuracy
+        out.append(judge("kv4rl-rlvr-rollout-speedup",
+                         ours=f"{s:.2f}x (135M, {timing['batch']} rows x {timing['steps']} steps, isolated timing)",
+                         measured=float(s), note="" if s >= PAPER_SPEEDUP / 1.2 else
+                         "at 135M and ~1k-token contexts the KV cache is a small share of the bytes a decode step "
+                         "reads (weights and launches dominate): compressing it cannot pay as at 8B and 5.5k tokens"))
+    # 2. / 3. accuracy: the CI over seeds of the paired difference, against the rule's margin
     for cid, arm in (("kv4rl-rlvr-accuracy-parity", "kv4rl"), ("kv4rl-rlvr-kv4-below-bf16", "kv4")):
         d = paired_difference(runs, arm) if final_accuracy(runs, arm) and final_accuracy(runs, "bf16") else {}
         if not d.get("seeds"):
-            out.append(dict(id=cid, ours="no runs yet", verdict=nr, why="not measured: no finished runs of both arms"))
+            out.append(judge(cid, ours="no runs yet", note="no finished runs of both arms"))
             continue
         ci = d.get("seed_ci_pp")
         ours = f"{d['mean_pp']:+.1f} pp over {d['seeds']} seed(s)" + (f", 95% CI [{ci[0]:+.1f}, {ci[1]:+.1f}]"
                                                                          if ci else "")
-        if ci is None:
-            out.append(dict(id=cid, ours=ours, verdict=nr, why=f"underpowered: {d['seeds']} paired seed(s), fewer "
-                            f"than {MIN_SEEDS}"))
-            continue
-        half = (ci[1] - ci[0]) / 2
-        if cid.endswith("parity"):
-            if -PARITY_PP <= ci[0] and ci[1] <= PARITY_PP:
-                out.append(dict(id=cid, ours=ours, verdict="reproduced", why=""))
-            elif ci[1] < -PARITY_PP or ci[0] > PARITY_PP:
-                out.append(dict(id=cid, ours=ours, verdict="differs",
-                                why=f"rule: the CI lies outside +-{PARITY_PP} pp"))
-            else:
-                out.append(dict(id=cid, ours=ours, verdict=nr,
-                                why=f"underpowered: the CI (half-width {half:.1f} pp) is wider than the "
-                                    f"+-{PARITY_PP} pp margin; it neither fits inside nor excludes it"))
-        else:
-            if ci[1] < 0:
-                out.append(dict(id=cid, ours=ours, verdict="reproduced", why=""))
-            elif ci[0] > 0 or half <= 2.0:
-                out.append(dict(id=cid, ours=ours, verdict="differs",
-                                why=f"rule: KV4 below BF16 needs the CI below 0; no degradation larger than about "
-                                    f"{max(half, 0.0):.1f} pp (the CI half-width) was detectable at 135M and "
-                                    "~1k-token contexts"))
-            else:
-                out.append(dict(id=cid, ours=ours, verdict=nr,
-                                why=f"underpowered: the CI contains 0 and is {half:.1f} pp wide on each side"))
+        note = f"underpowered: {d['seeds']} paired seed(s)" if ci is None else (
+            f"underpowered: CI half-width {(ci[1] - ci[0]) / 2:.1f} pp" if ci[1] - ci[0] > 2 * PARITY_PP else "")
+        out.append(judge(cid, ours=ours, measured=None if ci is None else (float(ci[0]), float(ci[1])),
+                         n=int(d["seeds"]), note=note))
     # 4. trajectory: KV4 shorter and with higher / rising reference KL than BF16, seed by seed (late quarter)
     common = sorted(set(seeds_of(runs, "kv4")) & set(seeds_of(runs, "bf16")))
     common = [s for s in common if runs[("kv4", s)]["history"].get("reward_mean")
               and runs[("bf16", s)]["history"].get("reward_mean")]
     if not common:
-        out.append(dict(id="kv4rl-rlvr-kv4-trajectory", ours="no runs yet", verdict=nr,
-                        why="not measured: no runs of both kv4 and bf16"))
+        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours="no runs yet", note="no runs of both kv4 and bf16"))
     else:
         shorter = [_late(runs[("kv4", s)], "response_length_mean") < _late(runs[("bf16", s)], "response_length_mean")
                    for s in common]
@@ -304,16 +280,7 @@ def verdicts(data: dict) -> list[dict[str, str]]:
                  and _slope(runs[("kv4", s)]["history"]["ref_kl_k3"]) > 0 for s in common]
         ours = (f"KV4 shorter in {sum(shorter)}/{len(common)} seeds, reference KL higher and rising in "
                 f"{sum(kl_up)}/{len(common)} (last quarter of the iterations)")
-        if len(common) < MIN_SEEDS:
-            out.append(dict(id="kv4rl-rlvr-kv4-trajectory", ours=ours, verdict=nr,
-                            why=f"underpowered: {len(common)} paired seed(s)"))
-        elif all(shorter) and all(kl_up):
-            out.append(dict(id="kv4rl-rlvr-kv4-trajectory", ours=ours, verdict="reproduced", why=""))
-        elif sum(shorter) <= len(common) / 2 or sum(kl_up) <= len(common) / 2:
-            out.append(dict(id="kv4rl-rlvr-kv4-trajectory", ours=ours, verdict="differs",
-                            why="rule: both signs in every seed; at most half the seeds show one of them "
-                                "(short runs: the paper's trends appear over hundreds of iterations)"))
-        else:
-            out.append(dict(id="kv4rl-rlvr-kv4-trajectory", ours=ours, verdict=nr,
-                            why="underpowered: the seeds disagree"))
+        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours=ours, measured=bool(all(shorter) and all(kl_up)),
+                         n=len(common), note=f"underpowered: {len(common)} paired seed(s)"
+                         if len(common) < MIN_SEEDS else ""))
     return out
