@@ -114,7 +114,7 @@ def mismatch_table(runs: dict):
         k1 = [float(np.mean(r["history"]["sampler_learner_kl_k1"])) for r in per_seed]
         tr = [float(np.mean(r["history"].get("tis_truncated", [math.nan]))) for r in per_seed]
         rows.append({"arm": arm, "seeds": len(per_seed), "KL k3 (mean over iterations, seeds)": float(np.mean(k3)),
-                     "KL k3 seed range": f"{min(k3):.2e} - {max(k3):.2e}", "KL k1": float(np.mean(k1)),
+                     "seed range of KL k3": f"{min(k3):.2e} - {max(k3):.2e}", "KL k1": float(np.mean(k1)),
                      "TIS truncated fraction": float(np.mean(tr))})
     return pd.DataFrame(rows)
 
