@@ -169,4 +169,24 @@ def load_result(name: str, profile: str) -> dict[str, Any] | None:
         path = results_dir(profile) / f"{name}.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    doc = json.loads(path.read_text())
+    note_source(path, doc.get("provenance") if isinstance(doc, dict) else None)
+    return doc
+
+
+#: result files this process rendered (path -> (device, commit)): a page's "measured on" line lists them
+SOURCES: dict[str, tuple[str, str]] = {}
+
+
+def note_source(path: Path | str, prov: dict[str, Any] | None) -> None:
+    """Remember that ``path`` (a committed result with provenance ``prov``) was read for this page."""
+    if not prov:
+        return
+    dev = prov.get("device")
+    dev = dev.get("device", "cpu") if isinstance(dev, dict) else str(dev or "unknown")
+    p = Path(path)
+    try:
+        p = p.resolve().relative_to(repo_root())
+    except ValueError:
+        pass
+    SOURCES[str(p)] = (dev, str(prov.get("commit", "unknown")))

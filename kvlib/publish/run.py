@@ -145,14 +145,21 @@ class Run:
         """Display the paper-vs-ours table, with where these numbers came from."""
         from IPython.display import Markdown, display
 
+        from kvlib.publish.provenance import SOURCES
+
         prov = provenance(self.params, self.started)
         dev = prov["device"].get("device", "cpu")
-        display(
-            Markdown(
-                f"*This run:* profile `{self.profile}`, device `{dev}`, commit `{prov['commit'][:12]}`, "
-                f"started {prov['started']}, parameters `{self.params}`."
-            )
-        )
+        text = (f"*This run:* profile `{self.profile}`, device `{dev}`, commit `{prov['commit']}`, "
+                f"started {prov['started']}, parameters `{self.params}`.")
+        if SOURCES:
+            # a page that renders committed measurements says where those were made, not only where it ran
+            by = {}
+            for path, (d, c) in sorted(SOURCES.items()):
+                by.setdefault((d, c), []).append(path)
+            text += " *Measurements rendered:* " + "; ".join(
+                f"{', '.join(f'`{p}`' for p in paths[:3])}{f' (+{len(paths) - 3} more)' if len(paths) > 3 else ''}"
+                f" on {d} at commit `{c}`" for (d, c), paths in by.items()) + "."
+        display(Markdown(text))
         df = self.claims_frame()
         if df.empty:
             display(Markdown("*No paper claim is addressed in this section.*"))

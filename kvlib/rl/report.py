@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlib.publish.provenance import note_source
+
 ARMS = ("bf16", "kv4", "kv4rl")
 COLORS = {"bf16": "tab:blue", "kv4": "tab:red", "kv4rl": "tab:green"}
 MIN_SEEDS = 3  # below this a verdict across seeds is "underpowered"
@@ -31,6 +33,9 @@ def load(folder: str | Path) -> dict[str, Any]:
         arm, seed = f.stem.rsplit("_seed", 1)
         if arm in ARMS:
             runs[(arm, int(seed))] = json.loads(f.read_text())
+            seg = (runs[(arm, int(seed))].get("segments") or [{}])[-1]
+            note_source(f, {"device": seg.get("device") or runs[(arm, int(seed))].get("device", {}).get("device"),
+                            "commit": seg.get("commit") or runs[(arm, int(seed))].get("provenance", {}).get("commit")})
 
     def opt(name: str) -> dict | None:
         p = folder / name
