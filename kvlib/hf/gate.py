@@ -424,10 +424,13 @@ class GatedCache(KVFormatCache):
         if self.level == "block" and kv is None:
             kv = layer.dequantized()  # once per layer and step
         acc = torch.zeros(len(_ROWS), q.shape[0], dtype=torch.float64)  # host: added to the device tallies once
-        for b, h in pairs.tolist():
+        pl = pairs.tolist()
+        # head level: every group of the step in one batched attention (the per-group Python loop dominated)
+        heads = self._repair_heads(layer, pl, q, sm) if self.level == "head" else None
+        for i, (b, h) in enumerate(pl):
             rows = slice(h * g, (h + 1) * g)
-            if self.level == "head":
-                out, ev = self._repair_head(layer, b, h, q[b, rows], sm)
+            if heads is not None:
+                out, ev = heads[i]
             else:
                 out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm, kv)
             o[b, rows] = out.to(o.dtype)
@@ -501,13 +504,31 @@ class GatedCache(KVFormatCache):
         S[_S["bytes_padding"]] += (kb * W - used.sum()) * per_pos
         return out
 
-    def _repair_head(self, layer, b: int, h: int, qg: torch.Tensor, sm: float) -> tuple[torch.Tensor, dict]:
-        n, W = layer.table.lens[b], self._width(layer)
-        k, v, moved = self._shadow_read(layer, b, h, torch.arange(n), qg.device)
-        kp, vp = (torch.cat([x, x.new_zeros(W - n, x.shape[-1])])[None] for x in (k, v))  # to the fixed path's width
-        valid = (torch.arange(W, device=qg.device) < n)[None]
-        out = self._exact_rows(qg[None], kp, vp, valid, sm)[0]  # float32 attention over the shadow
-        return out, dict(tokens=n, bytes=moved, bytes_whole_head=moved, positions=n, blocks=None)
+    def _repair_heads(self, layer, pairs: list[tuple[int, int]], q: torch.Tensor, sm: float
+                      ) -> list[tuple[torch.Tensor, dict]]:
+        """Head-level repairs of the (row, KV head) ``pairs`` of one step, in one batched float32 attention over
+        the shadow (each padded to the fixed path's width, positions past a row's length masked)."""
+        self._flush(layer.layer_idx)
+        g, d, W = self.n_heads // self.n_kv, self.head_dim, self._width(layer)
+        dev = q.device
+        sk, sv = self._sh[layer.layer_idx]
+        pt = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        bi, hi = pt[:, 0], pt[:, 1]
+        ns = [layer.table.lens[b] for b, _ in pairs]
+        valid = torch.arange(W)[None, :] < torch.tensor(ns, dtype=torch.int64)[:, None]  # [P, W]
+        if isinstance(self.store, ObjectStore):
+            at = (bi[:, None], torch.arange(W)[None, :], hi[:, None])
+        else:
+            st = layer.table.slot_table()
+            at = (st[bi.to(st.device), :W].long().cpu(), hi[:, None])
+        # positions past a row's length read entry 0 (never used: _exact_rows zeroes them, as the old zero padding)
+        at = tuple(torch.where(valid, i, 0).to(sk.device) for i in torch.broadcast_tensors(*at))
+        k, v = sk[at].to(dev, torch.float32), sv[at].to(dev, torch.float32)
+        qg = q.view(q.shape[0], self.n_kv, g, d)[bi.to(dev), hi.to(dev)]  # [P, g, d]
+        out = self._exact_rows(qg, k, v, valid.to(dev), sm)
+        per_pos = 2 * d * sk.element_size()
+        return [(out[i], dict(tokens=n, bytes=n * per_pos, bytes_whole_head=n * per_pos, positions=n, blocks=None))
+                for i, n in enumerate(ns)]
 
     def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float,
                        kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
