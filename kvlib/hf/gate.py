@@ -542,24 +542,45 @@ class GatedCache(KVFormatCache):
         exc = sum(block_excess(z[i], u[i], bs) for i in over.nonzero().squeeze(-1).tolist())
         exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)  # non-finite blocks first
         order = torch.argsort(exc, descending=True, stable=True).tolist()
-        k_mix, v_mix = k_hat.clone(), v_hat.clone()
-        tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
-        traj, moved, paged = [float(tv.max())], 0, 0
-        while traj[-1] > self.tau and paged < len(order):  # page block by block, recertify after each
-            j = order[paged]
-            pos = torch.arange(j * bs, min((j + 1) * bs, n))
-            ks, vs, nbytes = self._shadow_read(layer, b, h, pos, dev)
-            moved += nbytes
-            paged += 1
-            k_mix[pos], v_mix[pos] = ks.double(), vs.double()
-            z[:, pos] = sm * q64 @ k_mix[pos].T
-            u[:, pos] = _slack(sm, d, q64.abs(), k_mix[pos].abs())
-            tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
-            traj.append(float(tv.max()))
+        # the shadow's scores and radii (fp32 slack only) at every position, once; the certificate after each number
+        # of paged blocks is then evaluated for a chunk of candidate counts at a time (one batched call instead of a
+        # full recomputation per block), and paging stops at the first count whose certificate is <= tau
+        self._flush(layer.layer_idx)
+        sk, sv = self._sh[layer.layer_idx]
+        allpos = torch.arange(n)
+        if isinstance(self.store, ObjectStore):
+            at = (b, allpos.to(sk.device), h)
+        else:
+            st = layer.table.slot_table()
+            at = (st[b, allpos.to(st.device)].long().to(sk.device), h)
+        ks = sk[at].to(dev, torch.float32).double()
+        vs = sv[at].to(dev, torch.float32).double()
+        z_sh = sm * q64 @ ks.T
+        u_sh = _slack(sm, d, q64.abs(), ks.abs())
+        blk = torch.arange(n, device=dev) // bs  # block of each position
+        rank = torch.empty(len(order), dtype=torch.int64)
+        rank[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        rank_pos = rank.to(dev)[blk]  # [n]: how many blocks precede this position's block in the paging order
+        traj, paged, chunk = [], None, max(1, 16384 // max(1, z.numel()))
+        for c0 in range(0, len(order) + 1, chunk):
+            ks_ = torch.arange(c0, min(c0 + chunk, len(order) + 1), device=dev)  # candidate counts of paged blocks
+            m = (rank_pos[None, :] < ks_[:, None])[:, None, :]  # [c, 1, n]: paged positions
+            tv = certificate_from_scores(torch.where(m, z_sh, z), torch.where(m, u_sh, u)).tv_bound_one
+            tv = tv.nan_to_num(nan=1.0).clamp(max=1.0).amax(-1).tolist()
+            for k, t in zip(ks_.tolist(), tv):
+                traj.append(t)
+                if t <= self.tau or k == len(order):
+                    paged = k
+                    break
+            if paged is not None:
+                break
+        m = rank_pos < paged
+        z = torch.where(m[None, :], z_sh, z)
+        v_mix = torch.where(m[:, None], vs, v_hat)
         out = torch.softmax(z, -1) @ v_mix
-        per_pos = 2 * d * torch.empty((), dtype=self.shadow_dtype).element_size()
+        per_pos = 2 * d * sk.element_size()
         positions = sum(min((j + 1) * bs, n) - j * bs for j in order[:paged])
-        return out, dict(tokens=n, bytes=moved, bytes_whole_head=n * per_pos, positions=positions,
+        return out, dict(tokens=n, bytes=positions * per_pos, bytes_whole_head=n * per_pos, positions=positions,
                          blocks=order[:paged], priority=[float(exc[j]) for j in order], trajectory=traj)
 
     # -- batch operations: the shadow and the per-row tallies follow the pools --------------------------
