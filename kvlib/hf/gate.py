@@ -328,14 +328,16 @@ class GatedCache(KVFormatCache):
         """Certificates ``[B, Hq]`` computed in torch (formats without a kernel certificate)."""
         g = self.n_heads // self.n_kv
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
+        # the scores and radii are kept for this layer-step: a block repair of the same row starts from them
+        self._zu = (layer.layer_idx, self.forward_steps, {})
         for b in range(q.shape[0]):
             k_hat, _ = self._stored(layer, b, kv)
             packed = self._key_heads(layer, b)
             qb = q[b].double().view(self.n_kv, g, self.head_dim)
-            for h in range(self.n_kv):
-                z = sm * qb[h] @ k_hat[h].T
-                u = self._radius(packed[h], k_hat[h].to(q.device), qb[h], sm)
-                out[b, h * g:(h + 1) * g] = certificate_from_scores(z, u).tv_bound_one
+            z = torch.stack([sm * qb[h] @ k_hat[h].T for h in range(self.n_kv)])  # [Hkv, g, n]
+            u = torch.stack([self._radius(packed[h], k_hat[h].to(q.device), qb[h], sm) for h in range(self.n_kv)])
+            self._zu[2][b] = (z, u)
+            out[b] = certificate_from_scores(z, u).tv_bound_one.reshape(self.n_heads)  # all heads in one call
         return out
 
     # -- the gate ---------------------------------------------------------------------------------
@@ -537,8 +539,12 @@ class GatedCache(KVFormatCache):
         k_hat, v_hat = self._stored(layer, b, kv)
         k_hat, v_hat = k_hat[h].to(dev), v_hat[h].to(dev)
         q64 = qg.double()
-        z = sm * q64 @ k_hat.T  # [g, n]
-        u = self._radius(self._key_heads(layer, b)[h], k_hat, q64, sm)
+        zu = self.__dict__.get("_zu")
+        if zu is not None and zu[:2] == (layer.layer_idx, self.forward_steps) and b in zu[2]:
+            z, u = zu[2][b][0][h], zu[2][b][1][h]  # this step's certificate already computed them
+        else:
+            z = sm * q64 @ k_hat.T  # [g, n]
+            u = self._radius(self._key_heads(layer, b)[h], k_hat, q64, sm)
         exc = sum(block_excess(z[i], u[i], bs) for i in over.nonzero().squeeze(-1).tolist())
         exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)  # non-finite blocks first
         order = torch.argsort(exc, descending=True, stable=True).tolist()
