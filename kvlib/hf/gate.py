@@ -331,7 +331,8 @@ class GatedCache(KVFormatCache):
         # the scores and radii are kept for this layer-step: a block repair of the same row starts from them
         self._zu = (layer.layer_idx, self.forward_steps, {})
         for b in range(q.shape[0]):
-            k_hat, _ = self._stored(layer, b, kv)
+            p, n = layer.pad[b], layer.table.lens[b]
+            k_hat = kv[0][b, :, p:p + n].double()  # the keys only (the certificate never reads the values)
             packed = self._key_heads(layer, b)
             qb = q[b].double().view(self.n_kv, g, self.head_dim)
             z = torch.stack([sm * qb[h] @ k_hat[h].T for h in range(self.n_kv)])  # [Hkv, g, n]
