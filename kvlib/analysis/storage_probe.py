@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from kvlib.analysis.fidelity import CacheSpec, ProbeResult, _is_chunkable, build_cache, compare_logits, probe_positions
 from kvlib.core.hadamard import hadamard
@@ -357,6 +357,36 @@ def _filled(spec: CacheSpec, model: Any, context: Sequence[tuple[torch.Tensor, t
     return cache
 
 
+class _AppendLayer(DynamicLayer):
+    """A :class:`DynamicLayer` that writes appended K/V into a buffer of ``capacity`` positions and returns views of
+    its filled part (the values of the growing ``torch.cat`` of ``DynamicLayer``, without re-copying every step)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = int(capacity)
+        self._n = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty((*key_states.shape[:-2], self.capacity, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:-2], self.capacity, value_states.shape[-1]))
+        self.keys, self.values = self._k[..., :0, :], self._v[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, m = self._n, key_states.shape[-2]
+        if n + m > self.capacity:
+            raise ValueError(f"_AppendLayer: {n + m} positions exceed the capacity {self.capacity}")
+        self._k[..., n:n + m, :] = key_states
+        self._v[..., n:n + m, :] = value_states
+        self._n = n + m
+        self.keys, self.values = self._k[..., :n + m, :], self._v[..., :n + m, :]
+        return self.keys, self.values
+
+
 @torch.no_grad()
 def sample_responses(model: Any, prompts: torch.Tensor, context: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      length: int, *, temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -365,9 +395,12 @@ def sample_responses(model: Any, prompts: torch.Tensor, context: Sequence[tuple[
     if not isinstance(length, int) or length < 2:
         raise ValueError(f"length must be an int >= 2, got {length!r}")
     g = torch.Generator().manual_seed(seed)
-    cache = DynamicCache()  # full precision, without the per-stream loop of the fp32 format cache
+    # full precision, without the per-stream loop of the fp32 format cache; the layers append into room for the whole
+    # response (a DynamicCache re-copies every layer's K/V with torch.cat at each step: half the sampling time)
+    cap = context[0][0].shape[-2] + length
+    cache = Cache(layers=[_AppendLayer(cap) for _ in context])
     for i, (k, v) in enumerate(context):
-        cache.update(k.clone(), v.clone(), i)
+        cache.update(k, v, i)  # copied into the layer's buffer
     tok = prompts[:, -1:].to(model.device)
     out = []
     for _ in range(length):

@@ -32,10 +32,20 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     y = work.reshape(-1, d)
     h = 1
+    if torch.is_grad_enabled() and y.requires_grad:  # out= ops do not record autograd: the plain butterfly
+        while h < d:
+            y = y.reshape(-1, d // (2 * h), 2, h)
+            y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+            h *= 2
+        return (y.reshape(x.shape) * (1.0 / math.sqrt(d))).to(x.dtype)
+    nxt = torch.empty_like(y)  # ping-pong buffers: each stage writes its sums and differences in place (no stack)
     while h < d:
         y = y.reshape(-1, d // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2)
+        out = nxt.view(y.shape)
+        torch.add(y[:, :, 0], y[:, :, 1], out=out[:, :, 0])
+        torch.sub(y[:, :, 0], y[:, :, 1], out=out[:, :, 1])
+        nxt = y if y.data_ptr() != work.data_ptr() else torch.empty_like(out)  # never overwrite the input
+        y = out
         h *= 2
     y = y.reshape(x.shape) * (1.0 / math.sqrt(d))
     return y.to(x.dtype)

@@ -117,14 +117,22 @@ class KiviFormat(KVFormat):
         return packed
 
     def read(self, packed: KiviPacked) -> torch.Tensor:
-        c = _unpack2(packed.codes).float()
-        n, d = c.shape
-        g = packed.group
-        if packed.side == 0:
-            q = c.reshape(n // g, g, d) * packed.scale.float().unsqueeze(1) + packed.zero.float().unsqueeze(1)
+        # the quantised part changes only when a residual window is flushed (new codes/scale/zero tensors), yet is
+        # read at every decode step: its dequantisation is kept on the object until then
+        memo = packed.__dict__.get("_quant_read")
+        if memo is not None and memo[0] is packed.codes and memo[1] is packed.scale and memo[2] is packed.zero:
+            q = memo[3]
         else:
-            q = c.reshape(n, d // g, g) * packed.scale.float().unsqueeze(-1) + packed.zero.float().unsqueeze(-1)
-        return torch.cat([q.reshape(n, d), packed.residual.float()])
+            c = _unpack2(packed.codes).float()
+            n, d = c.shape
+            g = packed.group
+            if packed.side == 0:
+                q = c.reshape(n // g, g, d) * packed.scale.float().unsqueeze(1) + packed.zero.float().unsqueeze(1)
+            else:
+                q = c.reshape(n, d // g, g) * packed.scale.float().unsqueeze(-1) + packed.zero.float().unsqueeze(-1)
+            q = q.reshape(n, d)
+            packed.__dict__["_quant_read"] = (packed.codes, packed.scale, packed.zero, q)
+        return torch.cat([q, packed.residual.float()])
 
     def bytes_per_position(self, d: int) -> float:
         """2-bit codes + fp16 scale/zero per group (same for K and V); excludes the bounded fp16 residual."""

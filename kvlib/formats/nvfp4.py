@@ -28,9 +28,10 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """Round float ``v`` to the nearest E2M1 value (ties to even, saturating) -> uint8 codes ``sign<<3 | idx``."""
     a = v.float().abs().clamp(max=E2M1_MAX)
     mids = _MIDS.to(a.device)
-    lo = torch.bucketize(a, mids, right=False)
-    hi = torch.bucketize(a, mids, right=True)
-    idx = torch.where(lo == hi, lo, torch.where(lo % 2 == 0, lo, hi))  # tie: pick the even index
+    lo = torch.bucketize(a, mids, right=False)  # mids[lo - 1] < a <= mids[lo]
+    # a tie (a exactly on the midpoint mids[lo]) goes to the even one of lo, lo + 1 (one search, not two)
+    tie = a == mids[lo.clamp(max=len(mids) - 1)]
+    idx = torch.where(tie & (lo % 2 == 1), lo + 1, lo)
     sign = (v < 0) & (idx > 0)
     return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
 

@@ -328,14 +328,17 @@ class GatedCache(KVFormatCache):
         """Certificates ``[B, Hq]`` computed in torch (formats without a kernel certificate)."""
         g = self.n_heads // self.n_kv
         out = torch.empty(q.shape[0], self.n_heads, dtype=torch.float64, device=q.device)
+        # the scores and radii are kept for this layer-step: a block repair of the same row starts from them
+        self._zu = (layer.layer_idx, self.forward_steps, {})
         for b in range(q.shape[0]):
-            k_hat, _ = self._stored(layer, b, kv)
+            p, n = layer.pad[b], layer.table.lens[b]
+            k_hat = kv[0][b, :, p:p + n].double()  # the keys only (the certificate never reads the values)
             packed = self._key_heads(layer, b)
             qb = q[b].double().view(self.n_kv, g, self.head_dim)
-            for h in range(self.n_kv):
-                z = sm * qb[h] @ k_hat[h].T
-                u = self._radius(packed[h], k_hat[h].to(q.device), qb[h], sm)
-                out[b, h * g:(h + 1) * g] = certificate_from_scores(z, u).tv_bound_one
+            z = torch.stack([sm * qb[h] @ k_hat[h].T for h in range(self.n_kv)])  # [Hkv, g, n]
+            u = torch.stack([self._radius(packed[h], k_hat[h].to(q.device), qb[h], sm) for h in range(self.n_kv)])
+            self._zu[2][b] = (z, u)
+            out[b] = certificate_from_scores(z, u).tv_bound_one.reshape(self.n_heads)  # all heads in one call
         return out
 
     # -- the gate ---------------------------------------------------------------------------------
@@ -424,10 +427,13 @@ class GatedCache(KVFormatCache):
         if self.level == "block" and kv is None:
             kv = layer.dequantized()  # once per layer and step
         acc = torch.zeros(len(_ROWS), q.shape[0], dtype=torch.float64)  # host: added to the device tallies once
-        for b, h in pairs.tolist():
+        pl = pairs.tolist()
+        # head level: every group of the step in one batched attention (the per-group Python loop dominated)
+        heads = self._repair_heads(layer, pl, q, sm) if self.level == "head" else None
+        for i, (b, h) in enumerate(pl):
             rows = slice(h * g, (h + 1) * g)
-            if self.level == "head":
-                out, ev = self._repair_head(layer, b, h, q[b, rows], sm)
+            if heads is not None:
+                out, ev = heads[i]
             else:
                 out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm, kv)
             o[b, rows] = out.to(o.dtype)
@@ -501,13 +507,31 @@ class GatedCache(KVFormatCache):
         S[_S["bytes_padding"]] += (kb * W - used.sum()) * per_pos
         return out
 
-    def _repair_head(self, layer, b: int, h: int, qg: torch.Tensor, sm: float) -> tuple[torch.Tensor, dict]:
-        n, W = layer.table.lens[b], self._width(layer)
-        k, v, moved = self._shadow_read(layer, b, h, torch.arange(n), qg.device)
-        kp, vp = (torch.cat([x, x.new_zeros(W - n, x.shape[-1])])[None] for x in (k, v))  # to the fixed path's width
-        valid = (torch.arange(W, device=qg.device) < n)[None]
-        out = self._exact_rows(qg[None], kp, vp, valid, sm)[0]  # float32 attention over the shadow
-        return out, dict(tokens=n, bytes=moved, bytes_whole_head=moved, positions=n, blocks=None)
+    def _repair_heads(self, layer, pairs: list[tuple[int, int]], q: torch.Tensor, sm: float
+                      ) -> list[tuple[torch.Tensor, dict]]:
+        """Head-level repairs of the (row, KV head) ``pairs`` of one step, in one batched float32 attention over
+        the shadow (each padded to the fixed path's width, positions past a row's length masked)."""
+        self._flush(layer.layer_idx)
+        g, d, W = self.n_heads // self.n_kv, self.head_dim, self._width(layer)
+        dev = q.device
+        sk, sv = self._sh[layer.layer_idx]
+        pt = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+        bi, hi = pt[:, 0], pt[:, 1]
+        ns = [layer.table.lens[b] for b, _ in pairs]
+        valid = torch.arange(W)[None, :] < torch.tensor(ns, dtype=torch.int64)[:, None]  # [P, W]
+        if isinstance(self.store, ObjectStore):
+            at = (bi[:, None], torch.arange(W)[None, :], hi[:, None])
+        else:
+            st = layer.table.slot_table()
+            at = (st[bi.to(st.device), :W].long().cpu(), hi[:, None])
+        # positions past a row's length read entry 0 (never used: _exact_rows zeroes them, as the old zero padding)
+        at = tuple(torch.where(valid, i, 0).to(sk.device) for i in torch.broadcast_tensors(*at))
+        k, v = sk[at].to(dev, torch.float32), sv[at].to(dev, torch.float32)
+        qg = q.view(q.shape[0], self.n_kv, g, d)[bi.to(dev), hi.to(dev)]  # [P, g, d]
+        out = self._exact_rows(qg, k, v, valid.to(dev), sm)
+        per_pos = 2 * d * sk.element_size()
+        return [(out[i], dict(tokens=n, bytes=n * per_pos, bytes_whole_head=n * per_pos, positions=n, blocks=None))
+                for i, n in enumerate(ns)]
 
     def _repair_blocks(self, layer, b: int, h: int, qg: torch.Tensor, over: torch.Tensor, sm: float,
                        kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -516,29 +540,54 @@ class GatedCache(KVFormatCache):
         k_hat, v_hat = self._stored(layer, b, kv)
         k_hat, v_hat = k_hat[h].to(dev), v_hat[h].to(dev)
         q64 = qg.double()
-        z = sm * q64 @ k_hat.T  # [g, n]
-        u = self._radius(self._key_heads(layer, b)[h], k_hat, q64, sm)
+        zu = self.__dict__.get("_zu")
+        if zu is not None and zu[:2] == (layer.layer_idx, self.forward_steps) and b in zu[2]:
+            z, u = zu[2][b][0][h], zu[2][b][1][h]  # this step's certificate already computed them
+        else:
+            z = sm * q64 @ k_hat.T  # [g, n]
+            u = self._radius(self._key_heads(layer, b)[h], k_hat, q64, sm)
         exc = sum(block_excess(z[i], u[i], bs) for i in over.nonzero().squeeze(-1).tolist())
         exc = torch.where(torch.isnan(exc), torch.full_like(exc, math.inf), exc)  # non-finite blocks first
         order = torch.argsort(exc, descending=True, stable=True).tolist()
-        k_mix, v_mix = k_hat.clone(), v_hat.clone()
-        tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
-        traj, moved, paged = [float(tv.max())], 0, 0
-        while traj[-1] > self.tau and paged < len(order):  # page block by block, recertify after each
-            j = order[paged]
-            pos = torch.arange(j * bs, min((j + 1) * bs, n))
-            ks, vs, nbytes = self._shadow_read(layer, b, h, pos, dev)
-            moved += nbytes
-            paged += 1
-            k_mix[pos], v_mix[pos] = ks.double(), vs.double()
-            z[:, pos] = sm * q64 @ k_mix[pos].T
-            u[:, pos] = _slack(sm, d, q64.abs(), k_mix[pos].abs())
-            tv = certificate_from_scores(z, u).tv_bound_one.nan_to_num(nan=1.0).clamp(max=1.0)
-            traj.append(float(tv.max()))
+        # the shadow's scores and radii (fp32 slack only) at every position, once; the certificate after each number
+        # of paged blocks is then evaluated for a chunk of candidate counts at a time (one batched call instead of a
+        # full recomputation per block), and paging stops at the first count whose certificate is <= tau
+        self._flush(layer.layer_idx)
+        sk, sv = self._sh[layer.layer_idx]
+        allpos = torch.arange(n)
+        if isinstance(self.store, ObjectStore):
+            at = (b, allpos.to(sk.device), h)
+        else:
+            st = layer.table.slot_table()
+            at = (st[b, allpos.to(st.device)].long().to(sk.device), h)
+        ks = sk[at].to(dev, torch.float32).double()
+        vs = sv[at].to(dev, torch.float32).double()
+        z_sh = sm * q64 @ ks.T
+        u_sh = _slack(sm, d, q64.abs(), ks.abs())
+        blk = torch.arange(n, device=dev) // bs  # block of each position
+        rank = torch.empty(len(order), dtype=torch.int64)
+        rank[torch.tensor(order, dtype=torch.int64)] = torch.arange(len(order))
+        rank_pos = rank.to(dev)[blk]  # [n]: how many blocks precede this position's block in the paging order
+        traj, paged, chunk = [], None, max(1, 16384 // max(1, z.numel()))
+        for c0 in range(0, len(order) + 1, chunk):
+            ks_ = torch.arange(c0, min(c0 + chunk, len(order) + 1), device=dev)  # candidate counts of paged blocks
+            m = (rank_pos[None, :] < ks_[:, None])[:, None, :]  # [c, 1, n]: paged positions
+            tv = certificate_from_scores(torch.where(m, z_sh, z), torch.where(m, u_sh, u)).tv_bound_one
+            tv = tv.nan_to_num(nan=1.0).clamp(max=1.0).amax(-1).tolist()
+            for k, t in zip(ks_.tolist(), tv):
+                traj.append(t)
+                if t <= self.tau or k == len(order):
+                    paged = k
+                    break
+            if paged is not None:
+                break
+        m = rank_pos < paged
+        z = torch.where(m[None, :], z_sh, z)
+        v_mix = torch.where(m[:, None], vs, v_hat)
         out = torch.softmax(z, -1) @ v_mix
-        per_pos = 2 * d * torch.empty((), dtype=self.shadow_dtype).element_size()
+        per_pos = 2 * d * sk.element_size()
         positions = sum(min((j + 1) * bs, n) - j * bs for j in order[:paged])
-        return out, dict(tokens=n, bytes=moved, bytes_whole_head=n * per_pos, positions=positions,
+        return out, dict(tokens=n, bytes=positions * per_pos, bytes_whole_head=n * per_pos, positions=positions,
                          blocks=order[:paged], priority=[float(exc[j]) for j in order], trajectory=traj)
 
     # -- batch operations: the shadow and the per-row tallies follow the pools --------------------------
