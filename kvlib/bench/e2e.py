@@ -755,9 +755,8 @@ def run_cell(model, cfg, methods: list[str], *, batch: int, ctx: int, prof: Prof
 
 
 def _failed_status(method: str) -> str:
-    """The gated slot is "unavailable" while kvlib's gate cannot drive the kernel cache (it is being rebuilt):
-    the step is run every time, so the slot runs as soon as the gate supports it; other methods' failures are
-    errors."""
+    """A gated slot that fails to fill reads "unavailable" (the gate refused this configuration, e.g. a shape its
+    fixed repair budget cannot take, and said why in the reason); any other method's failure is an error."""
     return "unavailable" if method == "dither-int8-gated" else "error"
 
 

@@ -73,9 +73,14 @@ def speedup_figure(df: pd.DataFrame, show: list[str]):
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    fig, axes = plt.subplots(1, len(show), figsize=(3.3 * len(show), 3.0), squeeze=False)
+    # a grid of at most three panels per row: one row of every method was a strip too wide to read
+    ncols = min(3, len(show))
+    nrows = -(-len(show) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), squeeze=False)
+    for ax in axes.flat[len(show):]:
+        ax.set_visible(False)
     vmax = max(2.0, float(df[df.method.isin(show)].speedup.max()))
-    for ax, m in zip(axes[0], show):
+    for ax, m in zip(axes.flat, show):
         pv = df[df.method == m].pivot(index="batch", columns="ctx", values="speedup")
         sns.heatmap(pv, ax=ax, annot=True, fmt=".2f", cmap="RdYlGn", center=1.0, vmin=0, vmax=vmax, cbar=False,
                     annot_kws={"size": 7})
