@@ -251,7 +251,8 @@ def anatomy_sources(anat: dict[str, Any] | None) -> pd.DataFrame:
         dev = pv.get("device")
         rows.append({"measurement": s["what"], "device": dev.get("device") if isinstance(dev, dict) else dev,
                      "commit": st["commit_full"] or pv.get("commit"), "started": pv.get("started", "?"),
-                     "code committed": "no" if st["ran_uncommitted_code"] else "yes"})
+                     "code committed": "no" if st["ran_uncommitted_code"] else "yes",
+                     "note": pv.get("note", "")})
     return pd.DataFrame(rows)
 
 
