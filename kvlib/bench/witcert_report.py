@@ -1,11 +1,11 @@
 """What the witcert_kernel notebook computes and reads: the interpreter agreement of the INT8 decode kernel
 (w24 and h10 dither layouts) with the float64 reference, the numbers and figures of the ``witcert_decode``
-GPU result, the development probes' numbers under ``dev/results/``, and the paper claims built from them.
+GPU result, the curated H200 records of where the certified step's time goes (``witcert_kernel_anatomy``), and the
+paper claims built from them.
 Functions that read result files return None or NaN where a file is absent, so the notebook runs anywhere."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import pandas as pd
@@ -198,40 +198,62 @@ def sass_values(sass: dict[str, Any] | None) -> dict[str, Any]:
                 sass_w24_per_elem=float(sr["w24_tc_certA"]["per_element"]))
 
 
-ABLATION_KEYS = ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms",
-                 "pf_off_ms", "pf_on_ms", "deq_ms", "deq_max_do", "proto_qk_ms", "proto_copy_ms")
+#: the sources of ``witcert_kernel_anatomy`` (curated H200 records) and the glued values each gives
+ANATOMY_KEYS = {
+    "ablation": ("abl_cert_ms", "abl_no_pv_ms", "abl_no_qk_ms", "abl_nophilox_ms", "abl_floor_ms", "abl_sdpa_ms"),
+    "prefetch": ("pf_off_ms", "pf_on_ms"),
+    "pv_dequant": ("deq_ms", "deq_max_do"),
+    "qk_prototype": ("proto_qk_ms", "proto_copy_ms"),
+    "exp2": ("p7_exp_ms", "p7_exp2_ms"),
+    "variance_dot": ("p8_cost_dot_8_32k", "p8_cost_dot_32_16k", "p8_cost_fma_8_32k", "p8_cost_fma_32_16k",
+                     "p8_cost_dot_2_4k", "p8_dcert", "p8_us_2_4k"),
+    "gqa_layout": tuple(f"p12_{lay}_{g}_{e}" for lay in ("h10", "h8") for g in ("gqa4", "gqa7") for e in ("lo", "hi")),
+    "ncu": ("ncu_dram", "ncu_issue", "ncu_warps", "ncu_eligible", "ncu_regs", "ncu_wait", "ncu_long", "ncu_selected",
+            "ncu_hot2"),
+    "power": ("pp_power_max", "pp_throttle", "pp_clock_h8g", "pp_clock_sdpa", "pp_ratio_cold", "pp_ratio_hot"),
+}
 
 
-def h10_ablation():
-    """The h10 probes at B=8, S=32k (``dev/h10_probe4``-``6``, ``dev/proto_qk``): the glued values
-    (``ABLATION_KEYS``), the step's parts as a Series and SDPA's time; None when a probe file is absent."""
-    abl = load_result("dev/h10_probe4", "gpu")
-    p5 = load_result("dev/h10_probe5", "gpu")
-    p6 = load_result("dev/h10_probe6", "gpu")
-    if not (abl and p5 and p6):
-        return None
+def _sources(anat: dict[str, Any] | None) -> dict[str, Any]:
+    return (anat or {}).get("results", {}).get("sources", {})
+
+
+def anatomy_values(anat: dict[str, Any] | None) -> dict[str, Any]:
+    """Every glued value of the curated ``witcert_kernel_anatomy`` result ``anat`` (``ANATOMY_KEYS``), and
+    ``pp_probe_gap``: how much faster a short timing window reads the certified Gluon step at B=64, S=32k than
+    sustained operation at the power cap. NaN (the throttle: a sentence) where ``anat`` or a source is absent."""
+    src = _sources(anat)
     v: dict[str, Any] = {}
-    a = pd.DataFrame(abl["results"])
-    a = a[(a.B == 8) & (a.S == 32768)].set_index("name")
-    for key, name in (("abl_cert_ms", "certA"), ("abl_no_pv_ms", "no_pv"), ("abl_no_qk_ms", "no_qk"),
-                      ("abl_nophilox_ms", "nophilox"), ("abl_floor_ms", "no_qk_pv_nophilox")):
-        v[key] = float(a.loc[name, "ms"])
-    v["abl_sdpa_ms"] = float(a["sdpa_ms"].iloc[0])
-    t5 = [r for r in p5["results"] if r["kind"] == "timing" and r["B"] == 8 and r["S"] == 32768]
-    v["pf_off_ms"] = next(r["ms"] for r in t5 if list(r["combo"]) == [2, 64, False, 0])
-    v["pf_on_ms"] = next(r["ms"] for r in t5 if list(r["combo"]) == [2, 64, True, 0])
-    t6 = {r["name"]: r for r in p6["results"] if r["kind"] == "timing" and r["B"] == 8 and r["S"] == 32768}
-    v["deq_ms"] = t6["dequant"]["ms"]
-    v["deq_max_do"] = next(r["max_abs_do"] for r in p6["results"]
-                           if r["kind"] == "agreement" and r["name"] == "dequant")
-    pq = load_result("dev/proto_qk", "gpu")
-    pq_rows = {r["name"]: r for r in pq["results"]} if pq else {}
-    v["proto_qk_ms"] = min((r["ms"] for k, r in pq_rows.items() if k.startswith("proto_qk")), default=NAN)
-    v["proto_copy_ms"] = pq_rows["copy_keys"]["ms"] if pq_rows else NAN
-    parts = pd.Series({"whole step": a.loc["certA", "ms"], "without PV": a.loc["no_pv", "ms"],
-                       "without QK": a.loc["no_qk", "ms"], "without Philox": a.loc["nophilox", "ms"],
-                       "without QK, PV, Philox": a.loc["no_qk_pv_nophilox", "ms"]})
-    return v, parts, float(a["sdpa_ms"].iloc[0])
+    for name, keys in ANATOMY_KEYS.items():
+        vals = src.get(name, {}).get("values", {})
+        for k in keys:
+            v[k] = vals.get(k, "(no power record)" if k == "pp_throttle" else NAN)
+    hot = src.get("power", {}).get("values", {}).get("pp_hot_h8g_ms")
+    short = src.get("short_window", {}).get("values", {}).get("short_window_h8g_ms")
+    v["pp_probe_gap"] = 1 - short / hot if hot and short else NAN
+    return v
+
+
+def ablation_parts(anat: dict[str, Any] | None) -> tuple[pd.Series, float] | None:
+    """The h10 step's ablation times (ms) as a Series and SDPA's time, or None without the ablation record."""
+    vals = _sources(anat).get("ablation", {}).get("values")
+    if not vals:
+        return None
+    return pd.Series(vals["parts_ms"], dtype=float), float(vals["abl_sdpa_ms"])
+
+
+def anatomy_sources(anat: dict[str, Any] | None) -> pd.DataFrame:
+    """One row per curated record: what it measured, where and when (its own provenance, as recorded) and whether
+    that provenance says it ran uncommitted code."""
+    rows = []
+    for s in _sources(anat).values():
+        pv, st = s["provenance"], s["recorded_state"]
+        dev = pv.get("device")
+        rows.append({"measurement": s["what"], "device": dev.get("device") if isinstance(dev, dict) else dev,
+                     "commit": st["commit_full"] or pv.get("commit"), "started": pv.get("started", "?"),
+                     "code committed": "no" if st["ran_uncommitted_code"] else "yes",
+                     "note": pv.get("note", "")})
+    return pd.DataFrame(rows)
 
 
 def ablation_figure(parts: pd.Series, sdpa_ms: float):
@@ -246,102 +268,6 @@ def ablation_figure(parts: pd.Series, sdpa_ms: float):
     return fig
 
 
-def h10_cost_probes() -> dict[str, Any]:
-    """The exp / exp2 and dot / FMA certificate costs (``dev/h10_probe7``, ``8``) and the GQA 4 / 7 cost
-    ranges of each layout (``dev/h10_probe12``); NaN where a file is absent."""
-    v: dict[str, Any] = {}
-    p7 = load_result("dev/h10_probe7", "gpu")
-    p8 = load_result("dev/h10_probe8", "gpu")
-    keys8 = {("default", 8, 32768): "p8_cost_dot_8_32k", ("default", 32, 16384): "p8_cost_dot_32_16k",
-             ("fma_var", 8, 32768): "p8_cost_fma_8_32k", ("fma_var", 32, 16384): "p8_cost_fma_32_16k",
-             ("default", 2, 4096): "p8_cost_dot_2_4k"}
-    if p7 and p8:
-        t7 = {r["name"]: r["ms"] for r in p7["results"] if r["kind"] == "timing" and (r["B"], r["S"]) == (8, 32768)}
-        v["p7_exp_ms"] = t7["exp_cert"]
-        v["p7_exp2_ms"] = t7["exp2_cert"]
-        c8 = {(r["name"], r["B"], r["S"]): r["cost"] for r in p8["results"] if r["kind"] == "cert_cost"}
-        for k, g in keys8.items():
-            v[g] = float(c8[k])
-        v["p8_dcert"] = next(r["dcert"] for r in p8["results"] if r["kind"] == "agreement" and r["name"] == "cert")
-        v["p8_us_2_4k"] = 1e3 * next(r["ms"] for r in p8["results"] if r["kind"] == "timing"
-                                     and (r["B"], r["S"], r["name"]) == (2, 4096, "cert"))
-    else:
-        for g in ("p7_exp_ms", "p7_exp2_ms", "p8_dcert", "p8_us_2_4k", *keys8.values()):
-            v[g] = NAN
-    p12 = load_result("dev/h10_probe12", "gpu")
-    for lay in ("h10", "h8"):
-        for gqa, hq in (("gqa4", 32), ("gqa7", 28)):
-            c = [r["cost"] for r in p12["results"] if r["kind"] == "cert_cost" and r["name"] == f"{lay}_dot"
-                 and r["hq"] == hq] if p12 else []
-            v[f"p12_{lay}_{gqa}_lo"] = min(c) if c else NAN
-            v[f"p12_{lay}_{gqa}_hi"] = max(c) if c else NAN
-    return v
-
-
-def gluon_probe_timings(name: str) -> dict[tuple, float]:
-    """``{(B, S, hq, variant): ms}`` of the timing rows of ``dev/<name>`` (empty when absent)."""
-    f = load_result(f"dev/{name}", "gpu")
-    return {} if f is None else {(r["B"], r["S"], r["hq"], r["name"]): r["ms"] for r in f["results"]
-                                 if r["kind"] == "timing" and r["ms"]}
-
-
-# the Gluon kernel's removed variants: (change, probe, variant, the kept kernel it ran beside, shape B, S, hq)
-GLUON_CHANGES = (
-    ("two waves of programs instead of one", 4, "gluon_cert_bn16_ns66", "gluon_cert_bn16_ns33"),
-    ("half a wave", 4, "gluon_cert_bn16_ns16", "gluon_cert_bn16_ns33"),
-    ("32-position tiles (spill)", 4, "gluon_cert_bn32_ns33", "gluon_cert_bn16_ns33"),
-    ("registers capped at 200 (10 programs per SM), best plan", 4, "gluon_cert_bn16_r200_ns82", "gluon_cert_bn16_ns33"),
-    ("registers capped at 168 (12 per SM), best plan", 3, "gluon_cert_ns99_r168", "gluon_cert_ns33_rNone"),
-    ("Philox of the same tile (not one ahead), GQA 4", 5, "gluon_cert_bn16_ns4", "gluon_cert_ahead_ns4",
-     (32, 16384, 32)),
-    ("Philox of the same tile (not one ahead), GQA 7", 5, "gluon_cert_bn16_ns33", "gluon_cert_ahead_ns33"),
-    ("prefetch of the next tile's rows (removed)", 6, "gluon_cert_pf1_l2_ns33", "gluon_cert_base_ns33"),
-    ("prefetch, GQA 4 (removed)", 6, "gluon_cert_pf1_l2_ns4", "gluon_cert_base_ns4", (32, 16384, 32)),
-    ("stream plan: equal pieces across rows (removed)", 7, "gluon_cert_stream", "gluon_cert_grid_ns33"),
-    ("stream plan at B = 64 (removed)", 7, "gluon_cert_stream", "gluon_cert_grid_ns4", (64, 32768, 28)),
-    ("radius before the QK dots, stream + prefetch, GQA 4 (removed)", 8, "gluon_cert_stream_pf1_early",
-     "gluon_cert_stream_pf1", (32, 16384, 32)),
-    ("radius before the QK dots, stream + prefetch, B = 64 (removed)", 8, "gluon_cert_stream_pf1_early",
-     "gluon_cert_stream_pf1", (64, 32768, 28)),
-    ("rescale only on tiles where a maximum moved (removed)", 10, "gluon_cert_skip_ns33", "gluon_cert_always_ns33"),
-    ("registers capped at 224 for 9 programs per SM (removed)", 11, "gluon_cert_cap224_ns37",
-     "gluon_cert_default_ns33"),
-    ("two warps per program, two channel groups each (removed)", 12, "gluon_cert_w2_ns25", "gluon_cert_w1_ns33"),
-    ("two warps per program, B = 64 (removed)", 12, "gluon_cert_w2_ns3", "gluon_cert_w1_ns4", (64, 32768, 28)),
-    ("operands staged in shared memory (cp.async), 12 per SM (removed)", 13, "gluon_cert_smem12_ns50",
-     "gluon_cert_reg_ns33"),
-    ("operands staged in shared memory (cp.async), 8 per SM (removed)", 13, "gluon_cert_smem8_ns33",
-     "gluon_cert_reg_ns33"),
-    ("each tile's scores computed one iteration ahead, beside the previous tile's softmax and PV (removed)", 14,
-     "gluon_cert_qk_ahead_ns33", "gluon_cert_ahead_ns33"),
-    ("scores one iteration ahead, B = 64 (removed)", 14, "gluon_cert_qk_ahead_ns4", "gluon_cert_ahead_ns4",
-     (64, 32768, 28)),
-)
-
-
-def gluon_changes() -> tuple[pd.DataFrame, dict[str, Any]]:
-    """Each removed Gluon variant against the kept kernel (``GLUON_CHANGES``; rows whose timings are absent
-    are left out), and the scores-ahead variant's range over every long shape at the kept plan's split
-    count (``qka_cert_min`` ... ``qka_nocert_max``)."""
-    probes = {n: gluon_probe_timings(f"gluon_probe{n}") for n in sorted({c[1] for c in GLUON_CHANGES})}
-    rows_g = []
-    for what, n, a, b, *shape in GLUON_CHANGES:
-        shape = tuple(shape[0]) if shape else (8, 32768, 28)
-        ta, tb = probes[n].get(shape + (a,)), probes[n].get(shape + (b,))
-        if ta and tb:
-            rows_g.append({"change": what, "shape": f"B={shape[0]}, S={shape[1] // 1024}k, {shape[2]} q heads",
-                           "variant (ms)": ta, "kept (ms)": tb, "variant / kept": ta / tb})
-    v: dict[str, Any] = {}
-    g14 = probes[14]
-    for kind in ("cert", "nocert"):
-        r_ = [t / g14[k[:3] + (f"gluon_{kind}_ahead_" + k[3].rsplit("_", 1)[1],)] for k, t in g14.items()
-              if k[1] >= 16384 and k[3].startswith(f"gluon_{kind}_qk_ahead_")
-              and k[:3] + (f"gluon_{kind}_ahead_" + k[3].rsplit("_", 1)[1],) in g14]
-        v[f"qka_{kind}_min"] = min(r_) if r_ else NAN
-        v[f"qka_{kind}_max"] = max(r_) if r_ else NAN
-    return pd.DataFrame(rows_g), v
-
-
 def grid_h8g_speedups() -> list[float]:
     """SDPA bf16 / certified Gluon h8 at every S >= 16k shape of the ``decode_grid`` GPU result."""
     grid = load_result("decode_grid", "gpu")
@@ -350,26 +276,19 @@ def grid_h8g_speedups() -> list[float]:
             and "int8_h8g_cert" in row["methods"] and "sdpa_bf16" in row["methods"]]
 
 
-NCU_KEYS = ("ncu_dram", "ncu_issue", "ncu_warps", "ncu_eligible", "ncu_regs", "ncu_wait", "ncu_long", "ncu_selected",
-            "ncu_hot2")
 STALL_NAMES = {"selected": "issuing", "wait": "fixed-latency dependency", "dispatch": "dispatch",
                "not_selected": "eligible, not selected", "long_sb": "global load", "math": "math pipe busy"}
 
 
-def ncu_values(ncu: dict[str, Any]) -> tuple[dict[str, Any], pd.DataFrame]:
-    """The Nsight Compute summary of the certified Gluon kernel (``NCU_KEYS``) and the loop's stall shares of
-    both kernels by reason."""
-    nc = ncu["results"]["cert"]
-    st = nc["loop_stall_share"]
-    v = dict(ncu_dram=float(nc["dram_throughput_pct"]), ncu_issue=float(nc["issue_slots_busy_pct"]),
-             ncu_warps=float(nc["active_warps_per_scheduler"]), ncu_eligible=float(nc["eligible_warps_per_scheduler"]),
-             ncu_regs=int(nc["registers"]), ncu_wait=float(st.get("wait", 0.0)), ncu_long=float(st.get("long_sb", 0.0)),
-             ncu_selected=float(st.get("selected", 0.0)),
-             ncu_hot2=float(sum(h["samples_share"] for h in nc["loop_hotspots"][:2])))
+def ncu_stalls(anat: dict[str, Any] | None) -> pd.DataFrame | None:
+    """The Gluon loop's warp stall shares by reason, certified and uncertified (None without the ncu record)."""
+    vals = _sources(anat).get("ncu", {}).get("values")
+    if not vals:
+        return None
     rows_n = [{"reason": STALL_NAMES.get(k, "other"), "kernel": lab, "share": s}
               for lab, key in (("certified", "cert"), ("uncertified", "nocert"))
-              for k, s in ncu["results"][key]["loop_stall_share"].items()]
-    return v, pd.DataFrame(rows_n).groupby(["reason", "kernel"], as_index=False)["share"].sum()
+              for k, s in vals["loop_stall_share"][key].items()]
+    return pd.DataFrame(rows_n).groupby(["reason", "kernel"], as_index=False)["share"].sum()
 
 
 def stall_figure(sdf: pd.DataFrame):
@@ -383,31 +302,6 @@ def stall_figure(sdf: pd.DataFrame):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
-
-
-POWER_KEYS = ("pp_power_max", "pp_clock_h8g", "pp_clock_sdpa", "pp_ratio_cold", "pp_ratio_hot", "pp_probe_gap")
-
-
-def power_values(pp: dict[str, Any]) -> dict[str, Any]:
-    """Power, clocks and the SDPA / h8g ratio cold and hot from ``dev/power_probe`` (its nvidia-smi readings),
-    and how far the probe's hot h8g time sits from ``gluon_probe13``'s."""
-    def _smi(r):
-        clk, _mem, _temp, pw, thr = [x.strip() for x in r["smi"].split(",")]
-        return float(clk.split()[0]), float(pw.split()[0]), int(thr, 16)
-
-    def med(rows, n, i):
-        return statistics.median(_smi(r)[i] if i is not None else r["ms"] for r in rows if r["name"] == n)
-
-    hot = [r for r in pp["results"] if r["phase"] != "cold"]
-    cold = [r for r in pp["results"] if r["phase"] == "cold"]
-    p13 = gluon_probe_timings("gluon_probe13").get((64, 32768, 28, "gluon_cert_reg_ns4"))
-    return dict(pp_power_max=max(_smi(r)[1] for r in hot),
-                pp_throttle="the software power cap" if all(_smi(r)[2] & 0x4 for r in hot)
-                else "no power cap on every reading",
-                pp_clock_h8g=med(hot, "h8g_cert", 0), pp_clock_sdpa=med(hot, "sdpa", 0),
-                pp_ratio_cold=med(cold, "sdpa", None) / med(cold, "h8g_cert", None),
-                pp_ratio_hot=med(hot, "sdpa", None) / med(hot, "h8g_cert", None),
-                pp_probe_gap=1 - p13 / med(hot, "h8g_cert", None) if p13 else NAN)
 
 
 def kernel_claims(v: dict[str, Any], splits: list[int], spread: float, gpu: bool, cg=None, cg_lay=None,
@@ -458,7 +352,7 @@ def kernel_claims(v: dict[str, Any], splits: list[int], spread: float, gpu: bool
                                  and v["h10_graph_cert_cost_median"] <= 0.03 < v["h8_graph_cert_cost_median"] else "")
         + (f"; at GQA 4 (32 query / 8 KV heads) it is the other way round: h8 costs at most "
            f"{v['p12_h8_gqa4_hi']:.1%} at S >= 16k, h10 up to {v['p12_h10_gqa4_hi']:.1%} "
-           "(dev/h10_probe12.json)"
+           "(curated H200 cost records)"
            if v.get("p12_h8_gqa4_hi", float("nan")) <= 0.03 else "")
         + (f"; the Gluon kernel (h8g): median {v['h8g_graph_cert_cost_median']:.1%}, at most "
            f"{v['h8g_graph_cert_cost_long_max']:.1%} at S >= 16k" if "h8g" in graphed else "")
