@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
+from test_rl_loop import EOS, PAD, _noisy, _tiny
 
 from kvlib.rl import grpo
 from kvlib.rl.loop import GRPOConfig, frozen_copy, grpo_iteration
 from kvlib.rl.sampler import Rollout, learner_logprobs
-from test_rl_loop import EOS, PAD, _noisy, _tiny
 
 G = 4
 
