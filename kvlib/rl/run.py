@@ -38,6 +38,11 @@ every prompt carries the same worked examples, so the ~830-token common prefix r
 each row only its ~140-token suffix; the per-iteration ``learner_tokens`` vs ``learner_full_path_tokens`` say
 what that saved.
 
+``--dynamic-sampling --target-groups T --max-sampling-rounds R`` (default off) turns on DAPO's dynamic sampling in
+every run (:class:`kvlib.rl.loop.GRPOConfig`): rounds of ``--prompts`` problems from the run's own stream, only groups
+with mixed rewards trained on; the history records rounds, groups sampled / informative / kept, and rollout seconds
+of all rounds.
+
 ``--device cpu --tiny`` runs the same code on a tiny random Llama (2 layers, SmolLM2's tokenizer and
 chat template): a wiring check, no numbers to read.
 """
