@@ -62,3 +62,40 @@ def test_resume_without_checkpoint_refuses(tmp_path):
     rc = run.main(["all", "--device", "cpu", "--tiny", "--out", str(tmp_path / "o2"), "--ckpt-dir",
                    str(tmp_path / "empty"), "--resume"])
     assert rc == 2
+
+
+def test_dynamic_sampling_run_records_and_resumes_bit_compatibly(tmp_path):
+    """`train --dynamic-sampling`: every iteration records its rounds and counts within the target and the cap,
+    the rollout info counts the rounds, and a resumed run (the later rounds draw from the run's generator too)
+    equals the straight one."""
+    dyn = ["--dynamic-sampling", "--target-groups", "2", "--max-sampling-rounds", "2", "--iterations", "3"]
+    assert run.main(_common(tmp_path, tmp_path / "a", tmp_path / "cka") + dyn) == 0
+    straight = json.loads((tmp_path / "a" / "rlvr" / "kv4rl_seed3.json").read_text())
+    h = straight["history"]
+    assert straight["config"]["dynamic_sampling"] and straight["config"]["target_groups"] == 2
+    assert len(h["dyn_sampling_rounds"]) == 3
+    for rounds, kept, sampled, reached in zip(h["dyn_sampling_rounds"], h["dyn_groups_kept"], h["dyn_groups_sampled"],
+                                              h["dyn_target_reached"], strict=True):
+        assert 1 <= rounds <= 2 and sampled == 2 * rounds and 0 <= kept <= 2
+        assert reached == float(kept == 2) and (reached or rounds == 2)  # short of the target only at the cap
+    assert [x["rounds"] for x in straight["rollout_info"]] == h["dyn_sampling_rounds"]
+    ck = tmp_path / "ckb"
+    assert run.main(_common(tmp_path, tmp_path / "b", ck) + dyn + ["--segment-iterations", "1"]) == 0
+    assert run.main(_common(tmp_path, tmp_path / "c", ck) + dyn + ["--resume"]) == 0
+    resumed = json.loads((tmp_path / "c" / "rlvr" / "kv4rl_seed3.json").read_text())
+    assert _deterministic(resumed["history"]) == _deterministic(h)
+
+
+def test_all_forwards_dynamic_sampling_to_the_runs(monkeypatch):
+    """`all` starts each run with the parent's dynamic-sampling options (and none of them when off)."""
+    seen = []
+    monkeypatch.setattr(run, "run_all", lambda args: seen.append(args) or 0)
+    run.main(["all", "--device", "cpu", "--tiny", "--dynamic-sampling", "--target-groups", "3",
+              "--max-sampling-rounds", "5"])
+    run.main(["all", "--device", "cpu", "--tiny"])
+    on, off = (run._forward_args(a) for a in seen)
+    assert "--dynamic-sampling" in on and on[on.index("--target-groups") + 1] == "3"
+    assert on[on.index("--max-sampling-rounds") + 1] == "5"
+    assert "--dynamic-sampling" not in off and run.grpo_config(seen[1]).dynamic_sampling is False
+    cfg = run.grpo_config(seen[0])
+    assert cfg.dynamic_sampling and cfg.target_groups == 3 and cfg.max_sampling_rounds == 5

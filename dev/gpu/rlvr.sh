@@ -19,6 +19,9 @@
 # Each run's JSON lists its segments (one per call) with the commit of each; set KVLIB_COMMIT (the tree travels
 # without .git).
 # Extra arguments go to kvlib.rl.run (e.g. --force, --lr 5e-6). CPU proof of the script: RLVR_DEVICE=cpu with --tiny.
+# DAPO dynamic sampling (default off): --dynamic-sampling --target-groups T --max-sampling-rounds R (rounds of
+# --prompts prompts; only groups with mixed rewards are trained on); the recommended chain (settings and the
+# arithmetic behind them) is in dev/results/README.md, "DAPO dynamic sampling for the next GRPO run".
 set -uo pipefail
 start=$(date +%s)
 OUT=${OUT:-/tmp/rlvr_out}
@@ -74,6 +77,7 @@ with tarfile.open(f"{out}/rlvr.tar.gz") as t:
                             "segments": [(s.get("commit"), s.get("first_iteration"), s.get("iterations"))
                                          for s in r.get("segments", [])],
                             "reward": h.get("reward_mean"), "peak_gib": h.get("max_memory_allocated_gib"),
+                            "dyn_kept_rounds": list(zip(h.get("dyn_groups_kept", []), h.get("dyn_sampling_rounds", []))),
                             "held_out": [ev.get("initial", {}).get("accuracy"), ev.get("final", {}).get("accuracy")]}
 json.dump(summ, open(f"{out}/rlvr_summary.json", "w"), indent=1)
 print(f"summary of {len(summ)} runs in {out}/rlvr_summary.json")

@@ -74,6 +74,14 @@ class GRPOConfig:
     #: micro-batch of the no-grad scoring passes (pi_old, pi_ref); None: ``micro_batch``. They keep no
     #: activations, so with the shared prefix the whole rollout can go in one call.
     score_micro_batch: int | None = None
+    #: DAPO dynamic sampling (Yu et al. 2025): sample rounds of ``prompts_per_iteration`` prompts x
+    #: ``group_size`` and keep only groups whose rewards are not all equal, until ``target_groups`` (None:
+    #: ``prompts_per_iteration``) are kept or ``max_sampling_rounds`` rounds are spent; the update then uses
+    #: the kept groups only (fewer when the cap is hit, never padded with uninformative ones). Off by default:
+    #: off, the iteration is the plain one (Eq. 3.1: zero-advantage groups stay in the batch).
+    dynamic_sampling: bool = False
+    target_groups: int | None = None
+    max_sampling_rounds: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -90,6 +98,14 @@ class GRPOConfig:
             raise ValueError(f"learner_autocast must be None or 'bfloat16', got {self.learner_autocast!r}")
         if self.reuse_old_logp and self.updates_per_iteration != 1:
             raise ValueError("reuse_old_logp needs updates_per_iteration == 1 (later updates move pi_theta off pi_old)")
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"dynamic_sampling must be a bool, got {self.dynamic_sampling!r}")
+        if self.target_groups is not None and (not isinstance(self.target_groups, int) or self.target_groups < 1):
+            raise ValueError(f"target_groups must be None or an int >= 1, got {self.target_groups!r}")
+        if not isinstance(self.max_sampling_rounds, int) or self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be an int >= 1, got {self.max_sampling_rounds!r}")
+        if self.target_groups is not None and not self.dynamic_sampling:
+            raise ValueError("target_groups applies only with dynamic_sampling=True")
         if self.beta < 0 or self.lr <= 0:
             raise ValueError(f"need beta >= 0 and lr > 0, got beta={self.beta!r}, lr={self.lr!r}")
 
@@ -108,6 +124,106 @@ def _default_prompt(tokenizer: Any, problem: Any) -> str:
 def _subset(r: Rollout, idx: torch.Tensor) -> Rollout:
     return Rollout(prompt_ids=r.prompt_ids[idx], prompt_mask=r.prompt_mask[idx], response_ids=r.response_ids[idx],
                    response_mask=r.response_mask[idx], sampler_logprobs=r.sampler_logprobs[idx], seconds=r.seconds)
+
+
+def _concat(parts: Sequence[Rollout], seconds: float) -> Rollout:
+    """Rows of several rollouts in one batch: prompts left-padded, responses right-padded to the widest
+    (padding is masked, and the learner's position ids come from the masks, so a row scores the same)."""
+    if len(parts) == 1:
+        r = parts[0]
+        return Rollout(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, response_ids=r.response_ids,
+                       response_mask=r.response_mask, sampler_logprobs=r.sampler_logprobs, seconds=seconds,
+                       texts=list(r.texts), info=dict(r.info))
+    pw = max(r.prompt_ids.shape[1] for r in parts)
+    tw = max(r.response_ids.shape[1] for r in parts)
+
+    def left(x: torch.Tensor, w: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (w - x.shape[1], 0))
+
+    def right(x: torch.Tensor, w: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, w - x.shape[1]))
+
+    return Rollout(prompt_ids=torch.cat([left(r.prompt_ids, pw) for r in parts]),
+                   prompt_mask=torch.cat([left(r.prompt_mask, pw) for r in parts]),
+                   response_ids=torch.cat([right(r.response_ids, tw) for r in parts]),
+                   response_mask=torch.cat([right(r.response_mask, tw) for r in parts]),
+                   sampler_logprobs=torch.cat([right(r.sampler_logprobs, tw) for r in parts]), seconds=seconds,
+                   texts=[t for r in parts for t in r.texts], info=dict(parts[0].info))
+
+
+def _merge_info(infos: Sequence[dict]) -> dict:
+    """The engine's info over several rollouts: seconds summed, flags all-of, paths united, each round listed."""
+    if not infos or not infos[0]:
+        return {"rounds": list(infos)}
+    out = dict(infos[-1])
+    for k in ("prefill_seconds", "capture_seconds", "decode_seconds", "steps"):
+        if all(k in x for x in infos):
+            out[k] = sum(x[k] for x in infos)
+    for k in ("kernel", "graphed"):
+        if all(k in x for x in infos):
+            out[k] = all(x[k] for x in infos)
+    if all("decode_paths" in x for x in infos):
+        out["decode_paths"] = sorted({p for x in infos for p in x["decode_paths"]})
+    out["rounds"] = list(infos)
+    return out
+
+
+def _dynamic_sampling(draw: Callable[[Sequence[Any]], tuple[Rollout, torch.Tensor]], problems: Sequence[Any],
+                      more_problems: Callable[[int], Sequence[Any]], cfg: GRPOConfig, eos_id: int | None):
+    """DAPO dynamic sampling (Yu et al. 2025, Section 3.2 and Algorithm 1): sample rounds of
+    ``cfg.prompts_per_iteration`` groups, keep the groups whose rewards are not all equal (in sampling
+    order), stop once ``target`` are kept (later informative groups of that round are dropped, as DAPO trims
+    the batch to its size) or after ``cfg.max_sampling_rounds`` rounds. Every round decodes through the
+    same ``draw`` (the arm's cache); the time of all of them is the iteration's rollout time.
+
+    Returns ``(kept rollout, kept rewards, dyn metrics, all rewards, all lengths, all finished flags)``. With
+    nothing kept, the "kept" batch is the last round (scored for the KL metrics, not trained on:
+    ``dyn_update_skipped`` is 1 and no optimizer step is taken).
+    """
+    g = cfg.group_size
+    target = cfg.target_groups or cfg.prompts_per_iteration
+    kept_parts: list[Rollout] = []
+    kept_rewards: list[torch.Tensor] = []
+    all_rw, all_len, all_fin, infos = [], [], [], []
+    n_kept = n_sampled = n_informative = rounds = 0
+    seconds = 0.0
+    probs = problems
+    last = None
+    while rounds < cfg.max_sampling_rounds and n_kept < target:
+        if rounds:
+            probs = more_problems(cfg.prompts_per_iteration)
+            if len(probs) != cfg.prompts_per_iteration:
+                raise ValueError(f"more_problems({cfg.prompts_per_iteration}) returned {len(probs)} problems")
+        r, rw = draw(probs)
+        rounds += 1
+        seconds += r.seconds
+        infos.append(dict(r.info))
+        all_rw.append(rw)
+        all_len.append(r.lengths.float())
+        all_fin.append((r.response_ids == eos_id).any(dim=1).float())
+        inf = grpo.informative_groups(rw, g)
+        n_sampled += inf.numel()
+        n_informative += int(inf.sum())
+        take = inf.nonzero().flatten()[:target - n_kept].tolist()
+        if take:
+            rows = torch.tensor([i * g + j for i in take for j in range(g)], device=r.response_ids.device)
+            part = _subset(r, rows)
+            part.texts = [r.texts[i] for i in rows.tolist()] if r.texts else []
+            kept_parts.append(part)
+            kept_rewards.append(rw[rows])
+            n_kept += len(take)
+        last = (r, rw)
+    if kept_parts:
+        rollout, rewards = _concat(kept_parts, seconds), torch.cat(kept_rewards)
+    else:
+        rollout, rewards = _concat([last[0]], seconds), last[1]
+    grpo_iteration.last_rollout_info = _merge_info(infos)
+    dyn = {"dyn_sampling_rounds": float(rounds), "dyn_groups_sampled": float(n_sampled),
+           "dyn_groups_informative": float(n_informative), "dyn_groups_kept": float(n_kept),
+           "dyn_target_groups": float(target), "dyn_target_reached": float(n_kept >= target),
+           "dyn_update_skipped": float(n_kept == 0),
+           "dyn_reward_mean_kept": float(rewards.mean()) if n_kept else 0.0}  # 0 (not NaN) when nothing kept
+    return rollout, rewards, dyn, torch.cat(all_rw), torch.cat(all_len), torch.cat(all_fin)
 
 
 def _autocast(model: Any, cfg: GRPOConfig) -> Any:
@@ -133,7 +249,8 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
                    reward_fn: Callable[[Any, Any], float] = _default_reward,
                    prompt_fn: Callable[[Any, Any], Any] = _default_prompt,
                    eos_token_id: int | None = None, pad_token_id: int | None = None,
-                   sampler: Callable[..., Rollout] | None = None) -> dict[str, float]:
+                   sampler: Callable[..., Rollout] | None = None,
+                   more_problems: Callable[[int], Sequence[Any]] | None = None) -> dict[str, float]:
     """One GRPO iteration on ``problems`` (``cfg.prompts_per_iteration`` of them); returns its metrics.
 
     ``prompt_fn(tokenizer, problem)`` gives a prompt (text, or a list of token ids);
@@ -144,29 +261,48 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     ``sampler(model, tokenizer, prompts, max_new_tokens=, generator=, eos_token_id=, pad_token_id=)``
     replaces :func:`~kvlib.rl.sampler.sample` (e.g. :func:`kvlib.rl.engine.sample_static` bound to a
     format); ``cache_factory`` is then unused.
+
+    With ``cfg.dynamic_sampling`` (DAPO), ``problems`` is the first sampling round and ``more_problems(n)``
+    gives the ``n`` problems of each further round (:func:`_dynamic_sampling`); the metrics then add the
+    ``dyn_*`` counts, and ``rollout_seconds`` is the sum over every round, discarded ones included.
     """
     if len(problems) != cfg.prompts_per_iteration:
         raise ValueError(f"problems must hold cfg.prompts_per_iteration={cfg.prompts_per_iteration} items, "
                          f"got {len(problems)}")
     if ref_model is None and cfg.beta > 0:
         raise ValueError("ref_model is required when cfg.beta > 0")
+    if cfg.dynamic_sampling and more_problems is None:
+        raise ValueError("cfg.dynamic_sampling needs more_problems (the problems of later sampling rounds)")
     t_start = time.perf_counter()
     g = cfg.group_size
-    prompts = [prompt_fn(tokenizer, p) for p in problems for _ in range(g)]
     sampler_model = policy if rollout_model is None else rollout_model
-    if sampler is None:
-        rollout = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory,
-                         max_new_tokens=cfg.max_new_tokens, generator=generator, eos_token_id=eos_token_id,
-                         pad_token_id=pad_token_id)
+
+    def draw(probs: Sequence[Any]) -> tuple[Rollout, torch.Tensor]:
+        prompts = [prompt_fn(tokenizer, p) for p in probs for _ in range(g)]
+        if sampler is None:
+            r = sample(sampler_model, tokenizer, prompts, cache_factory=cache_factory,
+                       max_new_tokens=cfg.max_new_tokens, generator=generator, eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id)
+        else:
+            r = sampler(sampler_model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, generator=generator,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        resp: list[Any] = r.texts or [x[m.bool()].tolist() for x, m in
+                                      zip(r.response_ids.cpu(), r.response_mask.cpu(), strict=True)]
+        rw = torch.tensor([reward_fn(x, probs[i // g]) for i, x in enumerate(resp)], dtype=torch.float32,
+                          device=r.response_ids.device)
+        return r, rw
+
+    eos_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    dyn: dict[str, float] = {}
+    if not cfg.dynamic_sampling:
+        rollout, rewards = draw(problems)
+        grpo_iteration.last_rollout_info = dict(rollout.info)
+        all_rewards, all_lengths = rewards, rollout.lengths.float()
+        all_finished = (rollout.response_ids == eos_id).any(dim=1).float()
     else:
-        rollout = sampler(sampler_model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens, generator=generator,
-                          eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    grpo_iteration.last_rollout_info = dict(rollout.info)
-    responses: list[Any] = rollout.texts or [r[m.bool()].tolist() for r, m in
-                                             zip(rollout.response_ids.cpu(), rollout.response_mask.cpu(), strict=True)]
-    device = rollout.response_ids.device
-    rewards = torch.tensor([reward_fn(resp, problems[i // g]) for i, resp in enumerate(responses)],
-                           dtype=torch.float32, device=device)
+        rollout, rewards, dyn, all_rewards, all_lengths, all_finished = _dynamic_sampling(
+            draw, problems, more_problems, cfg, eos_id)
+    train = not dyn or dyn["dyn_groups_kept"] > 0  # dynamic sampling that kept nothing: no update
     advantages = grpo.group_advantages(rewards, g, delta=cfg.delta)
     mask = rollout.response_mask
     t_learn = time.perf_counter()
@@ -185,7 +321,7 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         old_logp = torch.zeros_like(rollout.sampler_logprobs)
 
     batch = rollout.response_ids.shape[0]
-    order = torch.randperm(batch, generator=generator).to(device)
+    order = torch.randperm(batch, generator=generator).to(rollout.response_ids.device)
     chunks = order.chunk(cfg.updates_per_iteration)
     stats_sum: dict[str, float] = {}
     grad_norms = []
@@ -197,7 +333,7 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         for s in range(0, chunk.numel(), mb):
             idx = chunk[s:s + mb]
             sub = _subset(rollout, idx)
-            with _autocast(policy, cfg):
+            with _autocast(policy, cfg), torch.set_grad_enabled(train):
                 logp = score(policy, sub, None)
             if cfg.reuse_old_logp:
                 old_logp[idx] = logp.detach()
@@ -207,13 +343,17 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
                                       tis_cap=cfg.tis_cap, beta=cfg.beta)
             # token_mean over the micro-batch, rescaled so the mini-batch loss is sum / N_tok(mini-batch)
             weight = mask[idx].sum() / sub_tokens
-            (loss * weight).backward()
+            if train:
+                (loss * weight).backward()
             w = float(mask[idx].sum() / n_tok_total)
             for k, v in st.items():
                 if k == "tis_max":
                     tis_max = max(tis_max, v)
                 else:
                     stats_sum[k] = stats_sum.get(k, 0.0) + w * v
+        if not train:
+            grad_norms.append(0.0)
+            continue
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -225,16 +365,15 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
     if policy.device.type == "cuda":
         torch.cuda.synchronize(policy.device)
     t_end = time.perf_counter()
-    lengths = rollout.lengths.float()
-    eos_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
-    finished = (rollout.response_ids == eos_id).any(dim=1).float()
+    # reward, lengths and the informative fraction are over every sampled response (with dynamic sampling the
+    # discarded rounds too): the policy's own rates, comparable with the plain iteration; n_tokens is the update's
     metrics = {
-        "reward_mean": float(rewards.mean()),
-        "response_length_mean": float(lengths.mean()),
-        "response_length_max": float(lengths.max()),
-        "truncated_fraction": float(1.0 - finished.mean()),
+        "reward_mean": float(all_rewards.mean()),
+        "response_length_mean": float(all_lengths.mean()),
+        "response_length_max": float(all_lengths.max()),
+        "truncated_fraction": float(1.0 - all_finished.mean()),
         "n_tokens": float(n_tok_total),
-        "informative_group_fraction": float(grpo.informative_groups(rewards, g).float().mean()),
+        "informative_group_fraction": float(grpo.informative_groups(all_rewards, g).float().mean()),
         "ref_kl_k3": ref_kl,
         "sampler_learner_kl_k1": sampler_learner_k1,
         "sampler_learner_kl_k3": sampler_learner_k3,
@@ -245,6 +384,7 @@ def grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.optim.Op
         "iteration_seconds": t_end - t_start,
     }
     metrics.update({k: v for k, v in stats_sum.items()})
+    metrics.update(dyn)
     # what the learner forwarded (tokens through the decoder, all scoring passes) vs the full-sequence path
     paths = [p for x in linfo for p in x["paths"]]
     metrics["learner_tokens"] = float(sum(x["tokens"] for x in linfo))

@@ -38,6 +38,11 @@ every prompt carries the same worked examples, so the ~830-token common prefix r
 each row only its ~140-token suffix; the per-iteration ``learner_tokens`` vs ``learner_full_path_tokens`` say
 what that saved.
 
+``--dynamic-sampling --target-groups T --max-sampling-rounds R`` (default off) turns on DAPO's dynamic sampling in
+every run (:class:`kvlib.rl.loop.GRPOConfig`): rounds of ``--prompts`` problems from the run's own stream, only groups
+with mixed rewards trained on; the history records rounds, groups sampled / informative / kept, and rollout seconds
+of all rounds.
+
 ``--device cpu --tiny`` runs the same code on a tiny random Llama (2 layers, SmolLM2's tokenizer and
 chat template): a wiring check, no numbers to read.
 """
@@ -127,7 +132,10 @@ def grpo_config(args: argparse.Namespace):
                       lr=args.lr, beta=args.beta, tis_cap=args.tis_cap, micro_batch=args.micro_batch,
                       score_micro_batch=args.score_micro_batch,
                       learner_autocast=None if args.device == "cpu" else "bfloat16", reuse_old_logp=True,
-                      shared_prefix={"auto": None, "on": True, "off": False}[args.shared_prefix])
+                      shared_prefix={"auto": None, "on": True, "off": False}[args.shared_prefix],
+                      dynamic_sampling=args.dynamic_sampling,
+                      target_groups=args.target_groups if args.dynamic_sampling else None,
+                      max_sampling_rounds=args.max_sampling_rounds if args.dynamic_sampling else 4)
 
 
 def prompt_function(args: argparse.Namespace, difficulty: dict):
@@ -363,6 +371,16 @@ def checkpointed_runs(ckpt_dir: str | Path) -> list[dict]:
     return sorted(out, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
 
 
+def _dyn_note(m: dict) -> str:
+    """The log's dynamic-sampling clause (empty when the option is off)."""
+    if "dyn_groups_kept" not in m:
+        return ""
+    cap = "" if m["dyn_target_reached"] else " (CAP HIT: trained on fewer)"
+    skip = " (NO UPDATE: none informative)" if m["dyn_update_skipped"] else ""
+    return (f"; dynamic sampling: {m['dyn_groups_kept']:.0f}/{m['dyn_target_groups']:.0f} informative groups kept of "
+            f"{m['dyn_groups_sampled']:.0f} sampled in {m['dyn_sampling_rounds']:.0f} rounds{cap}{skip}")
+
+
 def train(args: argparse.Namespace) -> int:
     from kvlib.publish.provenance import git_commit, provenance
     from kvlib.rl.engine import sample_static
@@ -436,6 +454,8 @@ def train(args: argparse.Namespace) -> int:
         gen.set_state(st["generator"])
         set_rng_state(st["rng"], args.device)
         old = json.loads(st["record"])
+        # a checkpoint from before a GRPOConfig field existed ran with that field's default
+        old["config"] = {**{k: v for k, v in asdict(type(cfg)()).items() if k not in old["config"]}, **old["config"]}
         if (old["arm"], old["seed"]) != (args.arm, args.seed) or old["config"] != rec["config"]:
             raise ValueError(f"--resume: {ckdir} holds {old['arm']} seed {old['seed']} with config {old['config']}, "
                              f"not this run's {args.arm} seed {args.seed} {rec['config']}")
@@ -490,9 +510,12 @@ def train(args: argparse.Namespace) -> int:
         ti = time.time()
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        pick = torch.randperm(len(train_pool), generator=gen)[:cfg.prompts_per_iteration].tolist()
-        m = grpo_iteration(policy, ref, opt, tok, [train_pool[i] for i in pick], cfg=cfg, cache_factory=None,
-                           generator=gen, rollout_model=roll16, prompt_fn=lambda t, p: prompt(t, p), sampler=sampler)
+        def draw(n: int) -> list:  # the run's problem stream (also the later rounds of dynamic sampling)
+            return [train_pool[i] for i in torch.randperm(len(train_pool), generator=gen)[:n].tolist()]
+
+        m = grpo_iteration(policy, ref, opt, tok, draw(cfg.prompts_per_iteration), cfg=cfg, cache_factory=None,
+                           generator=gen, rollout_model=roll16, prompt_fn=lambda t, p: prompt(t, p), sampler=sampler,
+                           more_problems=draw if cfg.dynamic_sampling else None)
         info = grpo_iteration.last_rollout_info
         if not all(math.isfinite(v) for v in m.values()):
             rec["reason"] = f"non-finite metric at iteration {it}"
@@ -508,7 +531,8 @@ def train(args: argparse.Namespace) -> int:
         h.setdefault("max_memory_allocated_gib", []).append(peak)
         rec["rollout_info"].append({**{k: info[k] for k in ("decode_paths", "prefill_path", "kernel", "graphed",
                                                              "steps")},
-                                    "learner": grpo_iteration.last_learner_info})
+                                    "learner": grpo_iteration.last_learner_info,
+                                    **({"rounds": len(info["rounds"])} if "rounds" in info else {})})
         rec["iterations_done"] = it + 1
         seg["iterations"] = it + 1 - start_it
         last = time.time() - ti
@@ -516,7 +540,7 @@ def train(args: argparse.Namespace) -> int:
             f"refKL {m['ref_kl_k3']:.2e} sKL {m['sampler_learner_kl_k3']:.2e} rollout {m['rollout_seconds']:.2f}s "
             f"iter {last:.2f}s peak {peak if peak is None else round(peak, 2)} GiB graphed {info['graphed']} "
             f"{info['decode_paths']} learner {m['learner_tokens']:.0f} tokens "
-            f"(full path {m['learner_full_path_tokens']:.0f}) {m['learner_calls']:.0f} calls")
+            f"(full path {m['learner_full_path_tokens']:.0f}) {m['learner_calls']:.0f} calls{_dyn_note(m)}")
         save()
         if ckdir and args.ckpt_every and (it + 1 - start_it) % args.ckpt_every == 0 and it + 1 < args.iterations:
             checkpoint()
@@ -542,7 +566,7 @@ def train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ all
 def _forward_args(args: argparse.Namespace) -> list[str]:
     keys = ("device", "max_new_tokens", "group", "prompts", "lr", "beta", "tis_cap", "micro_batch",
-            "score_micro_batch", "shots",
+            "score_micro_batch", "shots", "target_groups", "max_sampling_rounds",
             "iterations", "train_pool", "heldout", "eval_batch", "shared_prefix", "ckpt_dir", "ckpt_every",
             "ckpt_reserve_s", "segment_iterations")
     out = ["--tiny"] if args.tiny else []
@@ -553,6 +577,8 @@ def _forward_args(args: argparse.Namespace) -> list[str]:
         out += ["--gguf", args.gguf]
     if args.resume:
         out.append("--resume")
+    if args.dynamic_sampling:
+        out.append("--dynamic-sampling")
     return out
 
 
@@ -744,6 +770,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--dynamic-sampling", action="store_true",
+                    help="DAPO dynamic sampling: rounds of --prompts prompts, keep only groups with mixed rewards "
+                         "until --target-groups are kept or --max-sampling-rounds are spent (default off)")
+    ap.add_argument("--target-groups", type=_none_or(int), default=None,
+                    help="informative groups per update with --dynamic-sampling (none: --prompts)")
+    ap.add_argument("--max-sampling-rounds", type=int, default=4, help="cap on rounds with --dynamic-sampling")
     ap.add_argument("--beta", type=float, default=1e-3)
     ap.add_argument("--tis-cap", type=_none_or(float), default=2.0)
     ap.add_argument("--micro-batch", type=_none_or(int), default=16,
