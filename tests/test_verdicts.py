@@ -99,9 +99,13 @@ def test_every_claim_has_a_valid_rule_and_decides():
         assert decide(c["rule"], None, claim=cid)[0] in VERDICTS
 
 
-def test_run_claim_decides_and_refuses_verdict(tmp_path):
+def test_run_claim_decides_and_refuses_verdict(tmp_path, monkeypatch):
+    import kvlib.publish.run as run_mod
     from kvlib.publish.run import Run
 
+    # another test may leave a bare IPython shell behind, which cannot switch matplotlib backends; figures are
+    # not under test here
+    monkeypatch.setattr(run_mod, "_inline_figures", lambda: None)
     run = Run("t", profile="ci")
     run.claim("witcert-fallback-block", ours="median 2 blocks", measured=2.0)
     rec = run.claims[-1]
