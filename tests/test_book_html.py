@@ -16,6 +16,9 @@ CLEAN = """<html><body><main>
 <div class="cell_input"><pre>x = np.nan  # code, not a value</pre></div>
 <p>The IEEE value <code>NaN</code> stays <code>NaN</code>.</p>
 <h2>Paper vs this run</h2><img src="fig.png">
+<table><caption>Step time per shape (ms)</caption><thead><tr><th></th><th>ms</th></tr>
+<tr><th>shape</th><th></th></tr></thead><tbody><tr><th>(8, 64)</th><td>1.5</td></tr></tbody></table>
+<table><caption>Verdicts</caption><thead><tr><th>claim</th></tr></thead><tbody><tr><td>3.1</td></tr></tbody></table>
 </main>
 <a class="btn btn-download-source-button" href="page.ipynb">dl</a></body></html>"""
 
@@ -58,6 +61,29 @@ def test_notebook_page_needs_the_paper_heading_and_a_download(tmp_path):
     assert page(tmp_path, no_heading, notebook=False) == []  # a prose page needs neither
     no_dl = CLEAN.replace('href="page.ipynb"', 'href="missing.ipynb"')
     assert any("download" in f for f in page(tmp_path, no_dl))
+
+
+BARE = ("<table><caption>Runs</caption><thead><tr><th></th><th>ms</th></tr></thead>"
+        "<tbody><tr><th>0</th><td>1.5</td></tr><tr><th>1</th><td>2.5</td></tr></tbody></table>")
+
+
+@pytest.mark.parametrize(
+    ("table", "finding"),
+    [
+        # a pandas frame shown as it is: no caption, and its 0..N row numbers
+        ('<table class="dataframe"><thead><tr><th>ms</th></tr></thead><tbody><tr><td>1.5</td></tr></tbody></table>',
+         "no caption"),
+        ("<table><caption> </caption><tbody><tr><td>1.5</td></tr></tbody></table>", "no caption"),
+        (BARE, "bare 0..1 index"),
+        (BARE.replace("<caption>Runs</caption>", ""), "no caption"),
+        (BARE.replace("<th>0</th>", "<th>fp16</th>").replace("<th>1</th>", "<th>int4</th>"),
+         "index without a name"),
+    ],
+)
+def test_a_notebook_table_needs_a_caption_and_no_bare_index(tmp_path, table, finding):
+    found = page(tmp_path, CLEAN.replace("</main>", table + "</main>"))
+    assert any(finding in f for f in found), found
+    assert page(tmp_path, CLEAN.replace("</main>", table + "</main>"), notebook=False) == []
 
 
 def test_missing_build_is_a_finding(tmp_path):

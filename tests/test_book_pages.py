@@ -52,6 +52,7 @@ def test_a_chapter_page_has_its_story_and_a_table_of_its_claims(book):
         mine = [r for r in rows if r["chapter"] == ch.id]
         table = _table_rows(page)
         assert table[0] == ["claim", "paper", "ours", "verdict"]
+        assert f":::{{list-table}} The claims of {ch.title}" in page  # the table's caption
         assert len(table) - 1 == len(mine)
         for r, cells in zip(mine, table[1:]):
             assert r["where"] in cells[0] and cells[3] == f"**{r['verdict word']}**"
@@ -123,3 +124,5 @@ def test_list_table_cells_keep_math_and_escape_list_markers():
     assert "* - $|x| \\le s/2$" in out
     assert "  - \\- 3 points" in out and "  - 1\\. first" in out
     assert out.startswith(":::{list-table}") and out.rstrip().endswith(":::")
+    cap = asm.list_table([["1"]], ["a"], [1], caption="What it shows,\n in units")
+    assert cap.startswith(":::{list-table} What it shows, in units\n")

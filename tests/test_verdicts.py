@@ -113,3 +113,21 @@ def test_run_claim_decides_and_refuses_verdict(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="verdict"):
         run.claim("witcert-fallback-block", ours="x", verdict="reproduced")
     assert "rule" in run.claims_frame().columns
+
+
+def test_claims_table_is_a_captioned_list_table(monkeypatch):
+    # The book parses displayed Markdown as MyST: a list-table with a caption (its <caption>), cells kept inline.
+    import IPython.display
+
+    from kvlib.publish.run import Run
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj.data))
+    run = Run("t", profile="ci")
+    run.claim("witcert-fallback-block", ours="median 2 blocks", measured=2.0)
+    run.claims_table()
+    table = shown[-1]
+    head = table.splitlines()[0]
+    assert head.startswith(":::{list-table} Paper vs this run: 1 claim of this page") and "ci profile" in head
+    assert "* - claim" in table and "  - verdict" in table and table.rstrip().endswith(":::")
+    assert "  - median 2 blocks" in table

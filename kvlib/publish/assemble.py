@@ -173,10 +173,12 @@ def _cell(text: str) -> str:
     return _LIST_MARKER.sub(lambda m: m.group(1)[:-1] + "\\" + m.group(1)[-1] + m.group(2), text, count=1)
 
 
-def list_table(rows: list[list[str]], header: list[str], widths: list[int], cls: str = "claims-table") -> str:
+def list_table(rows: list[list[str]], header: list[str], widths: list[int], cls: str = "claims-table",
+               caption: str = "") -> str:
     """A MyST ``list-table``: cells are parsed as MyST inline text, so ``$...$`` typesets (a pipe table would
-    split a formula's ``|x|`` into cells)."""
-    out = [":::{list-table}", ":header-rows: 1", f":class: {cls}", f":widths: {' '.join(map(str, widths))}", ""]
+    split a formula's ``|x|`` into cells). ``caption`` becomes the table's ``<caption>``."""
+    out = [f":::{{list-table}} {_cell(caption)}".rstrip(),
+           ":header-rows: 1", f":class: {cls}", f":widths: {' '.join(map(str, widths))}", ""]
     for r in [header, *rows]:
         out.append(f"* - {_cell(r[0]) or '&nbsp;'}")
         out += [f"  - {_cell(c) or '&nbsp;'}" for c in r[1:]]
@@ -285,7 +287,9 @@ def chapter_page(ch: Chapter, rows: list[dict[str, Any]], rendered: dict[str, st
         parts.append(f"{_counts_sentence(mine)} The reasons for each verdict and the rule that decides it are in "
                      f"the {{ref}}`claims register <claims-{ch.id}>`.\n")
         body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**"] for r in mine]
-        parts.append(list_table(body, ["claim", "paper", "ours", "verdict"], [34, 22, 32, 12]))
+        parts.append(list_table(body, ["claim", "paper", "ours", "verdict"], [34, 22, 32, 12],
+                                caption=f"The claims of {ch.title}: the paper's figure, ours from the rendered "
+                                        "runs, and the verdict."))
     links = [f"- {{doc}}`/{p.removesuffix('.md')}`" for p in ch.pages]
     links += [f"- {{doc}}`{nb.title} <{nb.name}>`" for nb in ch.notebooks]
     if links:

@@ -2,8 +2,10 @@
 
 Checked on every page of the table of contents (``_build/html``): a ``nan`` shown as a value, a ``Traceback``,
 a ``Warning``, a local path (``/work``, ``/home``, ``/tmp``, ``.venv``), an issue reference (``issue #``), an
-image that does not load; and on each notebook page: a "Paper vs this run" heading and a download link to a
-notebook that exists. Code a page shows as input (hidden or not) is not prose: ``np.nan`` there is no value
+image that does not load; and on each notebook page: a "Paper vs this run" heading, a download link to a
+notebook that exists, a caption on every table (what it shows), and no table that shows a bare 0..N row index
+or an index without a name (a pandas frame displayed as it is).
+Code a page shows as input (hidden or not) is not prose: ``np.nan`` there is no value
 shown, so the value checks read the page without its input cells; local paths are looked for everywhere.
 """
 
@@ -27,6 +29,35 @@ def _main(soup):
 def _snippet(text: str, m: re.Match, width: int = 50) -> str:
     a, b = max(0, m.start() - width), min(len(text), m.end() + width)
     return " ".join(text[a:b].split())
+
+
+def _cells(row) -> list:
+    return row.find_all(["th", "td"], recursive=False)
+
+
+def check_tables(main, rel) -> list[str]:
+    """Findings on the tables a notebook page shows: each needs a caption that says what it shows; a row index is
+    shown only when it means something (not 0, 1, ..., N-1) and then under a name."""
+    out = []
+    for k, table in enumerate(main.find_all("table"), 1):
+        head = [" ".join(_cells(r)[0].get_text(" ").split()) for r in table.select("thead tr") if _cells(r)]
+        body = [r for r in table.find_all("tr") if r.find_parent("thead") is None]
+        first = [" ".join(_cells(r)[0].get_text(" ").split()) for r in body if _cells(r)]
+        label = " | ".join(c.get_text(" ", strip=True) for c in (table.select("thead tr") or body[:1] or [table])[0]
+                           .find_all(["th", "td"])[:4])
+        where = f"{rel}: table {k} ({label[:60]})"
+        cap = table.find("caption")
+        if cap is None or not cap.get_text(strip=True):
+            out.append(f"{where}: no caption")
+        # a row index: the first cell of every body row is a header cell
+        indexed = bool(body) and all(_cells(r) and _cells(r)[0].name == "th" for r in body)
+        if not indexed:
+            continue
+        if first == [str(i) for i in range(len(first))]:
+            out.append(f"{where}: shows a bare 0..{len(first) - 1} index")
+        elif head and not any(head):
+            out.append(f"{where}: shows an index without a name")
+    return out
 
 
 def check_page(path: Path, html_root: Path, notebook: bool) -> list[str]:
@@ -75,6 +106,7 @@ def check_page(path: Path, html_root: Path, notebook: bool) -> list[str]:
         links = [a.get("href", "") for a in soup.select("a.btn-download-source-button")]
         if not any(h.endswith(".ipynb") and (path.parent / h).resolve().is_file() for h in links):
             out.append(f"{rel}: no download link to the page's notebook")
+        out += check_tables(main, rel)
     # one finding per kind and snippet is enough for a reader of the report
     return list(dict.fromkeys(out))
 

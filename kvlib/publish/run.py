@@ -164,7 +164,14 @@ class Run:
         if df.empty:
             display(Markdown("*No paper claim is addressed in this section.*"))
             return
-        display(Markdown(df.to_markdown(index=False)))
+        # A MyST list-table (the book parses displayed Markdown as MyST): it carries a caption, and its cells are
+        # MyST inline text, so a statement's ``$...$`` typesets where a pipe table would split ``|x|`` into cells.
+        from kvlib.publish.assemble import list_table
+
+        caption = (f"Paper vs this run: {len(df)} claim{'s' if len(df) != 1 else ''} of this page, the paper's "
+                   f"figure beside ours from this run ({self.profile} profile, {dev}); the rule decides the verdict.")
+        rows = [[str(v) if v is not None else "n/a" for v in r] for r in df.itertuples(index=False)]
+        display(Markdown(list_table(rows, list(df.columns), [14, 26, 14, 18, 10, 18], caption=caption)))
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, overwrite: bool = False) -> None:
