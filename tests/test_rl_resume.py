@@ -99,3 +99,16 @@ def test_all_forwards_dynamic_sampling_to_the_runs(monkeypatch):
     assert "--dynamic-sampling" not in off and run.grpo_config(seen[1]).dynamic_sampling is False
     cfg = run.grpo_config(seen[0])
     assert cfg.dynamic_sampling and cfg.target_groups == 3 and cfg.max_sampling_rounds == 5
+
+
+def test_run_all_writes_provenance_into_every_file(tmp_path):
+    """`all` (tiny, CPU): the shared files it writes (task setting, rollout timing, initial evaluation) and the
+    run record each say which commit, device and parameters produced them."""
+    rc = run.main(["all", "--device", "cpu", "--tiny", "--out", str(tmp_path / "o"), "--results",
+                   str(tmp_path / "res"), "--arms", "kv4", "--n-seeds", "1", "--iterations", "1", "--prompts", "2",
+                   "--group", "2", "--max-new-tokens", "6", "--micro-batch", "2", "--heldout", "2", "--eval-batch",
+                   "2", "--train-pool", "16", "--shots", "2", "--budget-s", "600"])
+    assert rc == 0
+    for name in ("calibration.json", "timing.json", "initial_eval.json", "kv4_seed0.json"):
+        prov = json.loads((tmp_path / "o" / "rlvr" / name).read_text())["provenance"]
+        assert prov["commit"] and prov["device"]["device"] == "cpu" and prov["params"]["iterations"] == 1, name

@@ -631,6 +631,8 @@ def run_all(args: argparse.Namespace) -> int:
             log(f"WARNING: --shots {args.shots} / --max-new-tokens {args.max_new_tokens} differ from the CPU "
                 f"calibration's {task.DEFAULT_SHOTS} / {c['max_new_tokens']}: its accuracy does not apply")
         log(f"calibration: the committed setting {cal['difficulty']}")
+    if "provenance" not in cal:  # the file this call writes says which call wrote it, also when nothing was measured
+        cal["provenance"] = provenance({k: v for k, v in vars(args).items() if k != "func"}, started)
     _write(out / "calibration.json", cal)
     if ck is not None:
         _write(ck / "calibration.json", cal)
@@ -666,6 +668,7 @@ def run_all(args: argparse.Namespace) -> int:
         ev0 = evaluate_greedy(model16, tok, held, args, cal["difficulty"])
         eval_s = time.time() - e0
         ev0["wall_seconds"] = eval_s
+        ev0["provenance"] = provenance({k: v for k, v in vars(args).items() if k != "func"}, started)
         log(f"initial policy, held-out accuracy {ev0['accuracy']:.3f} (greedy bf16 evaluator, {eval_s:.1f} s)")
     _write(out / "initial_eval.json", ev0)
     if ck is not None:
