@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvlib.rl import report
 
 
@@ -76,4 +78,55 @@ def test_load_and_tables(tmp_path):
     assert len(report.runs_table(got["runs"])) == 2
     acc = report.accuracy_table(got["runs"])
     assert list(acc["arm"]) == ["bf16", "kv4"]
-    assert abs(acc.loc[1, "vs bf16, pp"] - (-9.375)) < 1e-9  # 26/64 - 32/64
+    assert abs(acc.loc[1, "vs bf16 there, pp"] - (-9.375)) < 1e-9  # 26/64 - 32/64 at the matched iteration 8
+
+
+def _segmented(rec, evals):
+    """``rec`` with held-out evaluations at the ends of device calls: [(iteration, accuracy), ...]."""
+    rec = json.loads(json.dumps(rec))
+    rec["eval"]["segment_final"] = [{"segment": i, "iterations": it, "accuracy": a} for i, (it, a) in enumerate(evals)]
+    rec["iterations_done"] = evals[-1][0]
+    rec["eval"]["final"]["accuracy"] = evals[-1][1]
+    for k in ("reward_mean", "response_length_mean", "ref_kl_k3", "rollout_seconds"):
+        rec["history"][k] = (rec["history"][k] * 100)[:evals[-1][0]]
+    return rec
+
+
+def test_heldout_interpolation_known_answer_and_no_extrapolation():
+    r = _segmented(_rec("bf16", 0, 0.1, [1.0] * 8, [1e-3] * 8), [(20, 0.3), (60, 0.7)])
+    r["eval"]["initial"]["accuracy"] = 0.1
+    it, acc = report.heldout_curve(r)
+    assert list(it) == [0, 20, 60] and list(acc) == [0.1, 0.3, 0.7]
+    assert abs(report.heldout_at(r, 40) - 0.5) < 1e-12 and abs(report.heldout_at(r, 10) - 0.2) < 1e-12
+    with pytest.raises(ValueError, match="iteration"):
+        report.heldout_at(r, 61)
+
+
+def test_unequal_runs_are_compared_at_the_matched_iteration():
+    """bf16 ran longer and kept improving; at the iteration every run reached the arms are equal, so the
+    parity claim must not read bf16's extra iterations as a kv4rl deficit."""
+    runs = {}
+    for s in range(3):
+        b = _segmented(_rec("bf16", s, 0.1, [1.0] * 8, [1e-3] * 8), [(20, 0.30 + 0.01 * s), (40, 0.5), (90, 0.9)])
+        q = _segmented(_rec("kv4rl", s, 0.1, [1.0] * 8, [1e-3] * 8), [(20, 0.30 + 0.01 * s), (40, 0.5)])
+        for x in (b, q):
+            x["eval"]["initial"]["accuracy"] = 0.1
+        runs[("bf16", s)], runs[("kv4rl", s)] = b, q
+    assert report.matched_iteration(runs) == 40
+    d = report.paired_difference(runs, "kv4rl", at=40)
+    assert d["diffs_pp"] == [0.0, 0.0, 0.0] and "problem_ci_pp" not in d
+    v = _by_id({"runs": runs, "timing": None, "calibration": None})
+    assert v["kv4rl-rlvr-accuracy-parity"]["verdict"] == "reproduced"
+    assert report.paired_difference(runs, "kv4rl")["mean_pp"] < -30  # the unequal ends would say otherwise
+    cum = report.cumulative_rollout(runs)
+    assert cum["bf16"]["seconds"] == cum["kv4rl"]["seconds"] == 3 * 40.0 and cum["kv4rl"]["speedup_vs_bf16"] == 1.0
+
+
+def test_smooth_and_sampling_table():
+    assert list(report.smooth([0.0, 2.0, 4.0, 6.0], 2)) == [0.0, 1.0, 3.0, 5.0]
+    d = _data({"bf16": [0.5, 0.6], "kv4": [0.4, 0.4]}, [90.0] * 8, [1e-3] * 8)
+    for r in d["runs"].values():
+        r["history"]["informative_group_fraction"] = [0.5] * 8
+    t = report.sampling_table({"static": d["runs"]})
+    assert list(t["arm"]) == ["bf16", "kv4"] and (t["mixed-reward groups"] == 0.5).all()
+    assert "rounds / iteration" not in t.columns

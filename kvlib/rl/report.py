@@ -5,6 +5,12 @@ isolated rollout timing and ``calibration.json`` the task's difficulty. Every ve
 numbers that can come out either way; with no runs it is "not reproducible here" with the reason "not
 measured", and with too few seeds "underpowered" (the publish machinery's verdicts are reproduced /
 differs / not reproducible here; the reason says which).
+
+Runs that share one device call stop at the call's wall-clock budget, so arms with slower iterations finish
+fewer of them. Arms are therefore compared at the **matched iteration** :func:`matched_iteration` (the count
+every run reached): curves over that common range, and held-out accuracy there, read off each run's
+evaluations (the bf16 evaluator scores the policy at the end of every device call, ``eval.segment_final``)
+by linear interpolation in the iteration count (:func:`heldout_at`).
 """
 
 from __future__ import annotations
@@ -84,26 +90,97 @@ def band(runs: dict, arm: str, metric: str) -> tuple[np.ndarray, np.ndarray, np.
             return np.arange(n), np.nanmean(m, 0), np.nanmin(m, 0), np.nanmax(m, 0)
 
 
+def smooth(v, window: int = 5) -> np.ndarray:
+    """Trailing moving average over ``window`` iterations (the first ones average what exists so far)."""
+    v = np.asarray(v, dtype=float)
+    if v.size == 0 or window <= 1:
+        return v
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    idx = np.arange(1, v.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
 def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
         ("reward_mean", "training reward"), ("response_length_mean", "response length (tokens)"),
-        ("ref_kl_k3", "reference KL (k3, per token)"))):
+        ("ref_kl_k3", "reference KL (k3, per token)")), window: int = 5, log_kl: bool = True):
+    """Per-seed curves (thin, ``window``-iteration moving average) and the seeds' mean (thick) over the
+    iterations every seed of the arm reached; a dotted line marks :func:`matched_iteration`."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 3.3))
+    n_match = matched_iteration(runs)
     for ax, (key, label) in zip(np.atleast_1d(axes), metrics, strict=True):
         for arm in ARMS:
-            x, mean, lo, hi = band(runs, arm, key)
-            if not x.size:
+            series = [smooth(r["history"].get(key, []), window) for (a, _), r in sorted(runs.items()) if a == arm]
+            series = [x for x in series if x.size]
+            if not series:
                 continue
-            n = len(seeds_of(runs, arm))
-            ax.plot(x, mean, color=COLORS[arm], label=f"{arm} ({n} seed{'s' if n != 1 else ''})")
-            ax.fill_between(x, lo, hi, color=COLORS[arm], alpha=0.2, linewidth=0)
+            for x in series:
+                ax.plot(np.arange(x.size), x, color=COLORS[arm], alpha=0.35, linewidth=0.8)
+            n = min(x.size for x in series)
+            ax.plot(np.arange(n), np.mean([x[:n] for x in series], 0), color=COLORS[arm], linewidth=2,
+                    label=f"{arm} ({len(series)} seed{'s' if len(series) != 1 else ''})")
+        if n_match:
+            ax.axvline(n_match, color="0.4", linestyle=":", linewidth=1)
+        if log_kl and "kl" in key:
+            ax.set_yscale("log")
         ax.set_xlabel("GRPO iteration")
         ax.set_title(label, fontsize=10)
     if np.atleast_1d(axes)[0].get_legend_handles_labels()[0]:
         np.atleast_1d(axes)[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def heldout_figure(runs: dict):
+    """Held-out accuracy (greedy bf16 evaluator) against the iterations at which it was measured, per run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 3.4))
+    seen = set()
+    for (arm, _seed), r in sorted(runs.items()):
+        it, acc = heldout_curve(r)
+        if it.size:
+            ax.plot(it, 100 * acc, marker="o", markersize=3, color=COLORS[arm], alpha=0.8,
+                    label=None if arm in seen else arm)
+            seen.add(arm)
+    n_match = matched_iteration(runs)
+    if n_match:
+        ax.axvline(n_match, color="0.4", linestyle=":", linewidth=1, label=f"matched iteration {n_match}")
+    ax.set_xlabel("GRPO iteration")
+    ax.set_ylabel("held-out accuracy (%)")
+    if seen:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def sampling_table(groups: dict[str, dict]):
+    """Per set of runs (e.g. static vs dynamic sampling) and arm: iterations, training reward early / late,
+    the fraction of groups with mixed rewards, and held-out accuracy; dynamic-sampling rows add the rounds per
+    iteration and how often the target of kept groups was reached."""
+    import pandas as pd
+
+    rows = []
+    for name, runs in groups.items():
+        for arm in ARMS:
+            rs = [r for (a, _), r in sorted(runs.items()) if a == arm and r["history"].get("reward_mean")]
+            if not rs:
+                continue
+            h = [r["history"] for r in rs]
+            row = {"runs": name, "arm": arm, "seeds": len(rs),
+                   "iterations": f"{min(r['iterations_done'] for r in rs)}-{max(r['iterations_done'] for r in rs)}",
+                   "reward, first 10 it": float(np.mean([np.mean(x["reward_mean"][:10]) for x in h])),
+                   "reward, last 10 it": float(np.mean([np.mean(x["reward_mean"][-10:]) for x in h])),
+                   "mixed-reward groups": float(np.mean([np.mean(x["informative_group_fraction"]) for x in h])),
+                   "held-out final %": 100 * float(np.mean([r["eval"]["final"]["accuracy"] for r in rs
+                                                            if "final" in r["eval"]] or [math.nan]))}
+            if all(x.get("dyn_sampling_rounds") for x in h):
+                row["rounds / iteration"] = float(np.mean([np.mean(x["dyn_sampling_rounds"]) for x in h]))
+                row["target reached"] = float(np.mean([np.mean(x["dyn_target_reached"]) for x in h]))
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def mismatch_table(runs: dict):
@@ -167,17 +244,55 @@ def training_rollout_figure(runs: dict):
 
 
 # ------------------------------------------------------------------------------------------------ accuracy
-def final_accuracy(runs: dict, arm: str) -> dict[int, float]:
+def final_accuracy(runs: dict, arm: str, at: int | None = None) -> dict[int, float]:
+    """Held-out accuracy per seed: at the run's end, or (``at``) at that iteration via :func:`heldout_at`."""
+    if at is not None:
+        return {s: heldout_at(r, at) for (a, s), r in runs.items() if a == arm and heldout_curve(r)[0].size > 1}
     return {s: r["eval"]["final"]["accuracy"] for (a, s), r in runs.items() if a == arm and "final" in r["eval"]}
 
 
-def paired_difference(runs: dict, arm: str, base: str = "bf16", seed: int = 0) -> dict[str, Any]:
-    """``arm - base`` final held-out accuracy (pp), paired by seed: per-seed differences, their mean and a
-    bootstrap CI over seeds (scipy.stats.bootstrap, percentile; None below 3 seeds), and a problem-level
-    paired bootstrap CI (kvlib.stats.paired_bootstrap_ci over the problems, every seed's answers pooled)."""
-    a, b = final_accuracy(runs, arm), final_accuracy(runs, base)
+def heldout_curve(r: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(iterations, accuracy)`` of every held-out evaluation of a run: the initial policy (iteration 0) and
+    the end of each device call (``eval.segment_final``; a run of one call has only its final one)."""
+    ev = r.get("eval", {})
+    pts: dict[int, float] = {}
+    if "initial" in ev:
+        pts[0] = float(ev["initial"]["accuracy"])
+    for seg in ev.get("segment_final") or []:
+        pts[int(seg["iterations"])] = float(seg["accuracy"])
+    if "final" in ev and r.get("iterations_done") is not None:
+        pts[int(r["iterations_done"])] = float(ev["final"]["accuracy"])
+    it = np.asarray(sorted(pts), dtype=float)
+    return it, np.asarray([pts[int(i)] for i in it], dtype=float)
+
+
+def heldout_at(r: dict, iteration: int) -> float:
+    """Held-out accuracy at ``iteration``, linear between the run's evaluations (ValueError past its end: no
+    extrapolation)."""
+    it, acc = heldout_curve(r)
+    if it.size == 0 or iteration > it[-1] or iteration < 0:
+        end = it[-1] if it.size else "-"
+        raise ValueError(f"iteration: {iteration} is outside the run's evaluated range [0, {end}]")
+    return float(np.interp(iteration, it, acc))
+
+
+def matched_iteration(runs: dict) -> int:
+    """The iteration count every run with a history reached (0 with no runs)."""
+    done = [int(r["iterations_done"]) for r in runs.values() if r["history"].get("reward_mean")]
+    return min(done) if done else 0
+
+
+def paired_difference(runs: dict, arm: str, base: str = "bf16", seed: int = 0, at: int | None = None,
+                      ) -> dict[str, Any]:
+    """``arm - base`` held-out accuracy (pp), paired by seed, at the runs' ends or (``at``) at that iteration:
+    per-seed differences, their mean and a bootstrap CI over seeds (scipy.stats.bootstrap, percentile; None
+    below 3 seeds), and, at the runs' ends only, a problem-level paired bootstrap CI (kvlib.stats.
+    paired_bootstrap_ci over the problems, every seed's answers pooled; interpolated accuracies have no
+    per-problem answers)."""
+    a, b = final_accuracy(runs, arm, at), final_accuracy(runs, base, at)
     common = sorted(set(a) & set(b))
-    out: dict[str, Any] = {"arm": arm, "seeds": len(common), "diffs_pp": [100 * (a[s] - b[s]) for s in common]}
+    out: dict[str, Any] = {"arm": arm, "seeds": len(common), "diffs_pp": [100 * (a[s] - b[s]) for s in common],
+                           "at": at}
     if not common:
         return out
     d = np.asarray(out["diffs_pp"])
@@ -189,6 +304,8 @@ def paired_difference(runs: dict, arm: str, base: str = "bf16", seed: int = 0) -
         out["seed_ci_pp"] = (float(ci.low), float(ci.high))
     elif len(common) >= MIN_SEEDS:
         out["seed_ci_pp"] = (float(d.mean()), float(d.mean()))
+    if at is not None:
+        return out
     from kvlib.analysis.stats import paired_bootstrap_ci
 
     xa, xb = [], []
@@ -206,30 +323,57 @@ def paired_difference(runs: dict, arm: str, base: str = "bf16", seed: int = 0) -
 
 
 def accuracy_table(runs: dict):
+    """Per arm: held-out accuracy initially, at :func:`matched_iteration` (interpolated) with the paired
+    difference to bf16 there, and at each run's own end (unequal iterations: not a comparison)."""
     import pandas as pd
 
+    at = matched_iteration(runs)
     rows = []
     for arm in ARMS:
         acc = final_accuracy(runs, arm)
-        init = [r["eval"]["initial"]["accuracy"] for (a, _), r in runs.items() if a == arm and "initial" in r["eval"]]
         if not acc:
             continue
+        rs = [r for (a, _), r in runs.items() if a == arm]
+        init = [r["eval"]["initial"]["accuracy"] for r in rs if "initial" in r["eval"]]
+        m = final_accuracy(runs, arm, at)
         row = {"arm": arm, "seeds": len(acc), "initial %": 100 * float(np.mean(init)) if init else math.nan,
-               "final % (mean over seeds)": 100 * float(np.mean(list(acc.values())))}
+               f"at iteration {at} %": 100 * float(np.mean(list(m.values()))) if m else math.nan}
         if arm != "bf16":
-            d = paired_difference(runs, arm)
-            row["vs bf16, pp"] = d.get("mean_pp", math.nan)
+            d = paired_difference(runs, arm, at=at)
+            row["vs bf16 there, pp"] = d.get("mean_pp", math.nan)
             ci = d.get("seed_ci_pp")
             row["95% CI over seeds"] = f"[{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "n/a (< 3 seeds)"
-            pc = d.get("problem_ci_pp")
-            row["95% CI over problems"] = f"[{pc[0]:+.1f}, {pc[1]:+.1f}]" if pc else "n/a"
+        else:
+            row["vs bf16 there, pp"] = math.nan
+            row["95% CI over seeds"] = "-"
+        row["iterations done"] = f"{min(r['iterations_done'] for r in rs)}-{max(r['iterations_done'] for r in rs)}"
+        row["final % (own end)"] = 100 * float(np.mean(list(acc.values())))
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def cumulative_rollout(runs: dict, upto: int | None = None) -> dict[str, dict[str, float]]:
+    """Per arm, summed over seeds and the first ``upto`` iterations (default :func:`matched_iteration`):
+    rollout seconds, sampling rounds and rollout seconds per round, inside the concurrent training runs."""
+    upto = matched_iteration(runs) if upto is None else upto
+    out = {}
+    for arm in ARMS:
+        rs = [r for (a, _), r in runs.items() if a == arm and r["history"].get("rollout_seconds")]
+        if not rs or not upto:
+            continue
+        sec = sum(float(np.sum(r["history"]["rollout_seconds"][:upto])) for r in rs)
+        rounds = sum(float(np.sum((r["history"].get("dyn_sampling_rounds") or [1] * upto)[:upto])) for r in rs)
+        out[arm] = {"seconds": sec, "rounds": rounds, "seconds_per_round": sec / rounds}
+    for v in out.values():
+        if "bf16" in out:
+            v["speedup_vs_bf16"] = out["bf16"]["seconds"] / v["seconds"]
+            v["per_round_speedup_vs_bf16"] = out["bf16"]["seconds_per_round"] / v["seconds_per_round"]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ verdicts
-def _late(r: dict, key: str, frac: float = 0.25) -> float:
-    v = r["history"].get(key, [])
+def _late(r: dict, key: str, frac: float = 0.25, upto: int | None = None) -> float:
+    v = r["history"].get(key, [])[:upto]
     if not v:
         return math.nan
     k = max(1, int(round(len(v) * frac)))
@@ -260,31 +404,40 @@ def verdicts(data: dict) -> list[dict[str, Any]]:
                          "at 135M and ~1k-token contexts the KV cache is a small share of the bytes a decode step "
                          "reads (weights and launches dominate): compressing it cannot pay as at 8B and 5.5k tokens"))
     # 2. / 3. accuracy: the CI over seeds of the paired difference, against the rule's margin
+    at = matched_iteration(runs)
     for cid, arm in (("kv4rl-rlvr-accuracy-parity", "kv4rl"), ("kv4rl-rlvr-kv4-below-bf16", "kv4")):
-        d = paired_difference(runs, arm) if final_accuracy(runs, arm) and final_accuracy(runs, "bf16") else {}
+        d = (paired_difference(runs, arm, at=at) if at and final_accuracy(runs, arm) and final_accuracy(runs, "bf16")
+             else {})
         if not d.get("seeds"):
             out.append(judge(cid, ours="no runs yet", note="no finished runs of both arms"))
             continue
         ci = d.get("seed_ci_pp")
-        ours = f"{d['mean_pp']:+.1f} pp over {d['seeds']} seed(s)" + (f", 95% CI [{ci[0]:+.1f}, {ci[1]:+.1f}]"
-                                                                         if ci else "")
-        note = f"underpowered: {d['seeds']} paired seed(s)" if ci is None else (
-            f"underpowered: CI half-width {(ci[1] - ci[0]) / 2:.1f} pp" if ci[1] - ci[0] > 2 * PARITY_PP else "")
+        ours = f"{d['mean_pp']:+.1f} pp at iteration {at} over {d['seeds']} seed(s)" + (
+            f", 95% CI [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
+        if ci is None:
+            note = f"underpowered: {d['seeds']} paired seed(s)"
+        elif cid == "kv4rl-rlvr-accuracy-parity" and ci[1] - ci[0] > 2 * PARITY_PP:
+            note = f"underpowered: CI half-width {(ci[1] - ci[0]) / 2:.1f} pp against the +-{PARITY_PP} pp margin"
+        elif cid == "kv4rl-rlvr-kv4-below-bf16" and ci[0] <= 0 <= ci[1]:
+            note = f"underpowered: the CI, half-width {(ci[1] - ci[0]) / 2:.1f} pp, contains 0"
+        else:
+            note = ""
         out.append(judge(cid, ours=ours, measured=None if ci is None else (float(ci[0]), float(ci[1])),
                          n=int(d["seeds"]), note=note))
-    # 4. trajectory: KV4 shorter and with higher / rising reference KL than BF16, seed by seed (late quarter)
+    # 4. trajectory: KV4 shorter and with higher / rising reference KL than BF16, seed by seed (the last quarter
+    # of the iterations every run reached)
     common = sorted(set(seeds_of(runs, "kv4")) & set(seeds_of(runs, "bf16")))
     common = [s for s in common if runs[("kv4", s)]["history"].get("reward_mean")
               and runs[("bf16", s)]["history"].get("reward_mean")]
     if not common:
         out.append(judge("kv4rl-rlvr-kv4-trajectory", ours="no runs yet", note="no runs of both kv4 and bf16"))
     else:
-        shorter = [_late(runs[("kv4", s)], "response_length_mean") < _late(runs[("bf16", s)], "response_length_mean")
-                   for s in common]
-        kl_up = [_late(runs[("kv4", s)], "ref_kl_k3") > _late(runs[("bf16", s)], "ref_kl_k3")
-                 and _slope(runs[("kv4", s)]["history"]["ref_kl_k3"]) > 0 for s in common]
+        shorter = [_late(runs[("kv4", s)], "response_length_mean", upto=at)
+                   < _late(runs[("bf16", s)], "response_length_mean", upto=at) for s in common]
+        kl_up = [_late(runs[("kv4", s)], "ref_kl_k3", upto=at) > _late(runs[("bf16", s)], "ref_kl_k3", upto=at)
+                 and _slope(runs[("kv4", s)]["history"]["ref_kl_k3"][:at]) > 0 for s in common]
         ours = (f"KV4 shorter in {sum(shorter)}/{len(common)} seeds, reference KL higher and rising in "
-                f"{sum(kl_up)}/{len(common)} (last quarter of the iterations)")
+                f"{sum(kl_up)}/{len(common)} (last quarter of the first {at} iterations)")
         out.append(judge("kv4rl-rlvr-kv4-trajectory", ours=ours, measured=bool(all(shorter) and all(kl_up)),
                          n=len(common), note=f"underpowered: {len(common)} paired seed(s)"
                          if len(common) < MIN_SEEDS else ""))
