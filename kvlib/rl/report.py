@@ -104,8 +104,8 @@ def smooth(v, window: int = 5) -> np.ndarray:
 def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
         ("reward_mean", "training reward"), ("response_length_mean", "response length (tokens)"),
         ("ref_kl_k3", "reference KL (k3, per token)")), window: int = 5, log_kl: bool = True):
-    """Per-seed curves (thin, ``window``-iteration moving average) and the seeds' mean (thick) over the
-    iterations every seed of the arm reached; a dotted line marks :func:`matched_iteration`."""
+    """Per-seed curves (thin, ``window``-iteration moving average), the seeds' mean (thick) and range (band) over
+    the iterations every seed of the arm reached; a dotted line marks :func:`matched_iteration`."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 3.3))
@@ -119,7 +119,9 @@ def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
             for x in series:
                 ax.plot(np.arange(x.size), x, color=COLORS[arm], alpha=0.35, linewidth=0.8)
             n = min(x.size for x in series)
-            ax.plot(np.arange(n), np.mean([x[:n] for x in series], 0), color=COLORS[arm], linewidth=2,
+            common = np.asarray([x[:n] for x in series])
+            ax.fill_between(np.arange(n), common.min(0), common.max(0), color=COLORS[arm], alpha=0.15, linewidth=0)
+            ax.plot(np.arange(n), common.mean(0), color=COLORS[arm], linewidth=2,
                     label=f"{arm} ({len(series)} seed{'s' if len(series) != 1 else ''})")
         if n_match:
             ax.axvline(n_match, color="0.4", linestyle=":", linewidth=1)
