@@ -257,15 +257,20 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
 @gluon.jit
 def _producer_cert(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
                    n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-                   RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr):
+                   RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr, NOKP: gl.constexpr):
     """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` (TMA of the K and V boxes, the group scales gathered a
-    tile ahead), plus the ``NOK`` fp16 key-outlier rows of each tile gathered into the stage ``[16, BN]`` (rows
-    ``NOK..15`` stored as 0: the bypass MMA reads 16 rows)."""
+    tile ahead), plus the ``NOK`` fp16 key-outlier rows of each tile gathered into the stage ``[16, BN]`` (``NOKP``:
+    ``NOK`` rounded up to a power of two; rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass
+    MMA reads 16 rows)."""
     nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    if NOK > 0:  # a lane's 16 outlier rows of a position: one contiguous run of 2 NOK bytes
-        OB: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
-        oc = gl.arange(0, 16, layout=gl.SliceLayout(1, OB))
+    if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
+        OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
+        oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
         on = gl.arange(0, BN, layout=gl.SliceLayout(0, OB))
+        if NOKP < 16:  # rows NOKP..15 of every stage stay 0 (written once, before any arrival)
+            OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
+            for st in gl.static_range(RING):
+                o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
     k0, k1, k2, k3, v0, v1, v2, v3 = W._gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
@@ -294,9 +299,15 @@ def _producer_cert(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty,
             n = n0 + on
             m = n < end
             blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-            op = KO + (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * s_ko_h
-            o_bufs.index(s).store(gl.load(op[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :],
-                                          other=0.0))
+            # a contiguous [n_slots, H_kv, NOK] pool (plan checks it): head stride NOK, slot stride H_kv NOK
+            off = (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * NOK
+            if NOKP == NOK:
+                off = gl.multiple_of(off, NOK)
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(gl.load(KO + off[None, :] + oc[:, None],
+                                                                    mask=m[None, :], other=0.0))
+            else:
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(
+                    gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
         gl.thread_barrier()  # every lane's stores before the one arrival
         mbarrier.arrive(ready.index(s), count=1)
         # the next tile's (all masked past the split: no memory traffic)
@@ -498,7 +509,7 @@ def _wspec_cert_stage1(
     KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, F3: gl.constexpr,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr,
     NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
-    NOK: gl.constexpr = 0, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
+    NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -533,7 +544,7 @@ def _wspec_cert_stage1(
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
                           s_ls_h, KW, W_L, QB, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS)),
         (_producer_cert, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
-                          start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK)),
+                          start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -543,7 +554,7 @@ def _constexprs(pl: CertPlan, cfg: WSpecCertConfig, cert: bool, cert_b: bool) ->
     lay = consumer_layouts(cfg.block_n)
     return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n,
                 RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt, CERT=cert,
-                CERT_B=cert and cert_b, NOK=pl.nok)
+                CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length())
 
 
 def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: int, seed: int,
