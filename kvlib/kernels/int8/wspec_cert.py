@@ -83,6 +83,11 @@ class WSpecCertConfig:
     ctas_per_sm: int = 2
     prmt: bool = True
     swizzle: int = 128
+    #: ``"exact"``: ``1024 p s_v`` as fp16 hi + lo, two MMAs per group (the Gluon kernel's PV); ``"fold"``: fp16
+    #: ``1024 p`` once and the value scales folded into the value operand (the RTN wspec kernel's ``vfold``: two fp16
+    #: roundings, each <= 2^-11 relative, so ``|o - o_exact| <= ~2^-10 sum_n p_n |v_n|``); the scores, the softmax
+    #: and the certificate are the same either way
+    pv: str = "exact"
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
@@ -97,6 +102,8 @@ class WSpecCertConfig:
             raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
         if self.swizzle not in (32, 64, 128):  # 0 read back wrong codes on the H200 (wspec.WSpecConfig)
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}")
+        if self.pv not in ("exact", "fold"):
+            raise ValueError(f"pv must be 'exact' or 'fold', got {self.pv!r}")
 
     def wspec(self) -> W.WSpecConfig:
         """The RTN kernel's config of the same ring (its planner and descriptors are reused)."""
@@ -354,7 +361,7 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
                    KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, F3: gl.constexpr, GQA: gl.constexpr,
                    PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
                    CERT: gl.constexpr, CERT_B: gl.constexpr, NOK: gl.constexpr, GEN: gl.constexpr,
-                   N_ROUNDS: gl.constexpr):
+                   N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -464,15 +471,23 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             if CERT_B:
                 b_t = b_t * alpha_f[:, None] + _fold(pb, BN)
         m_i = m_new
-        pp = gl.convert_layout(p * 1024.0, QA)  # the P operand: across the warps (each holds its positions)
-        acc0 = _pv_exact(pp, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), W._v_operand(vb, 0, KB, PRMT), acc0,
-                         alpha)
-        acc1 = _pv_exact(pp, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), W._v_operand(vb, 1, KB, PRMT), acc1,
-                         alpha)
-        acc2 = _pv_exact(pp, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), W._v_operand(vb, 2, KB, PRMT), acc2,
-                         alpha)
-        acc3 = _pv_exact(pp, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), W._v_operand(vb, 3, KB, PRMT), acc3,
-                         alpha)
+        # the P operand crosses the warps (each computed its own positions' scores; each needs all of P)
+        if VFOLD:  # fp16 P once, the value scales folded into the values (wspec's vfold)
+            p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
+            acc0 = W._pv_fold(p16, s_bufs.index(s * 8 + 4), W._v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
+            acc1 = W._pv_fold(p16, s_bufs.index(s * 8 + 5), W._v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
+            acc2 = W._pv_fold(p16, s_bufs.index(s * 8 + 6), W._v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+            acc3 = W._pv_fold(p16, s_bufs.index(s * 8 + 7), W._v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+        else:
+            pp = gl.convert_layout(p * 1024.0, QA)
+            acc0 = _pv_exact(pp, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), W._v_operand(vb, 0, KB, PRMT),
+                             acc0, alpha)
+            acc1 = _pv_exact(pp, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), W._v_operand(vb, 1, KB, PRMT),
+                             acc1, alpha)
+            acc2 = _pv_exact(pp, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), W._v_operand(vb, 2, KB, PRMT),
+                             acc2, alpha)
+            acc3 = _pv_exact(pp, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), W._v_operand(vb, 3, KB, PRMT),
+                             acc3, alpha)
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
 
@@ -510,6 +525,7 @@ def _wspec_cert_stage1(
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr,
     NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
     NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
+    VFOLD: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -542,7 +558,8 @@ def _wspec_cert_stage1(
         (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
                           b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
-                          s_ls_h, KW, W_L, QB, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS)),
+                          s_ls_h, KW, W_L, QB, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
+                          VFOLD)),
         (_producer_cert, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
     ], [1], [PRODUCER_REGS])
@@ -554,7 +571,8 @@ def _constexprs(pl: CertPlan, cfg: WSpecCertConfig, cert: bool, cert_b: bool) ->
     lay = consumer_layouts(cfg.block_n)
     return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n,
                 RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt, CERT=cert,
-                CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length())
+                CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length(),
+                VFOLD=cfg.pv == "fold")
 
 
 def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: int, seed: int,
