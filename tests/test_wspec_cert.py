@@ -301,7 +301,9 @@ def test_kernel_matches_the_reference_and_the_gluon_kernel(shape, m, ns):
         got = getattr(out, f).double().cpu()
         assert torch.isfinite(got).all(), f
         torch.testing.assert_close(got, getattr(ref, f).double().cpu(), **TOL, msg=lambda s, f=f: f"{f} vs ref: {s}")
-        torch.testing.assert_close(got, getattr(old, f).double().cpu(), **TOL, msg=lambda s, f=f: f"{f} vs gluon: {s}")
+        # both kernels are within TOL of the reference (their own tests): within 2 TOL of each other
+        torch.testing.assert_close(got, getattr(old, f).double().cpu(), atol=2 * TOL["atol"], rtol=2 * TOL["rtol"],
+                                   msg=lambda s, f=f: f"{f} vs gluon: {s}")
     again = C.wspec_cert_decode(q, kp, vp, bt, seq, **_kw(bs), num_splits=ns)
     assert torch.equal(out.o, again.o) and torch.equal(out.tv_bound, again.tv_bound)  # run to run
 
