@@ -154,7 +154,9 @@ def consumer_layouts(bn: int, nw: int = 4) -> dict[str, Any]:
       of positions ``g + 8 w + 8 nw r``;
     * ``W`` ``[bn, 8]``: Philox words, lane ``(g, t)`` computing calls ``2 t, 2 t + 1`` of the same positions;
     * ``QB``: a blocked layout for the prologue's query statistics ``[16, 32]``;
-    * ``F3``: the scores' layout as ``[16, bn / 32, 32]``, whose dim-1 slice holds the folded row sums."""
+    * ``Z8``: rows 0-7 of the scores' ``[16, bn]`` MMA layout (the GQA <= 8 heads; the softmax and the certificate
+      run on these only, as the Gluon kernel's);
+    * ``F3``: ``Z8`` as ``[8, bn / 32, 32]``, whose dim-1 slice holds the folded row sums."""
     if bn % (8 * nw) or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two multiple of {8 * nw}, got {bn}")
     wb = [[8 * b, 0] for b in _bits(nw)]  # positions 8, 16 on the warps
@@ -167,11 +169,16 @@ def consumer_layouts(bn: int, nw: int = 4) -> dict[str, Any]:
         KW=lin([[0, 1], [0, 2], [0, 4]] + rb, [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], [bn, 32]),
         W=lin([[0, 1]] + rb, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [bn, 8]),
         QB=gl.BlockedLayout([1, 4], [4, 8], [nw, 1], [1, 0]),
-        # the scores' MMA layout reshaped to [16, bn / 32, 32] (n = 32 r + n'): the row sums are folded over r
+        # rows 0-7 of the scores' MMA layout (the heads; rows 8-15 pad M to 16): a register selection
+        Z8=gl.DistributedLinearLayout(
+            reg_bases=[[0, 1]] + [[0, 8 * nw * b] for b in _bits(bn // (8 * nw))],
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[0, 8 * b] for b in _bits(nw)], block_bases=[], shape=[8, bn]),
+        # Z8 reshaped to [8, bn / 32, 32] (n = 32 r + n'): the row sums are folded over r
         F3=gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [8, 0, 0]] + [[0, b, 0] for b in _bits(bn // (8 * nw))],
+            reg_bases=[[0, 0, 1]] + [[0, b, 0] for b in _bits(bn // (8 * nw))],
             lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[0, 0, 8 * b] for b in _bits(nw)], block_bases=[], shape=[16, bn // (8 * nw), 8 * nw]),
+            warp_bases=[[0, 0, 8 * b] for b in _bits(nw)], block_bases=[], shape=[8, bn // (8 * nw), 8 * nw]),
     )
 
 
@@ -323,8 +330,9 @@ def _producer_cert(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty,
 
 @gluon.jit
 def _qk_group(kb, g: gl.constexpr, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr,
-              MMA: gl.constexpr, PRMT: gl.constexpr):
-    """Group ``g``'s scores ``s_g (q.c + q.(-(4 + b 2^-8)) + (4.5 - 2^-9) sum q_hi)`` ``[16, BN]``: the key codes
+              MMA: gl.constexpr, Z8: gl.constexpr, PRMT: gl.constexpr):
+    """Group ``g``'s scores ``s_g (q.c + q.(-(4 + b 2^-8)) + (4.5 - 2^-9) sum q_hi)`` of the 8 head rows
+    ``[8, BN]`` (layout ``Z8``): the key codes
     read from the stage as 8 contiguous bytes per lane (layout ``KW``), relabelled to the B operand with the permuted
     reduction index (:func:`kvlib.kernels.int8.gluon._to_kb`), then the dither operand from the Philox words ``w``
     (:func:`kvlib.kernels.int8.gluon._bytes_kb`); the operands, the order and the fp32 epilogue of
@@ -332,15 +340,29 @@ def _qk_group(kb, g: gl.constexpr, w, qa, q1, s, BN: gl.constexpr, KB: gl.conste
     codes = G._to_kb(W._i8_to_f16(kb.slice(g * 32, 32, dim=1).load(KW), PRMT), BN, KB)
     acc = mma_v2(qa, codes, gl.zeros([16, BN], gl.float32, layout=MMA))
     acc = mma_v2(qa, G._bytes_kb(w, True, BN, KB, KW), acc)
+    acc = gl.convert_layout(G._rows8(acc, BN), Z8, assert_trivial=True)
     return (acc + XI8_CONST * q1[:, None]) * s[None, :]
 
 
 @gluon.jit
 def _fold(x, BN: gl.constexpr):
-    """``[16, BN]`` scores-layout values summed over positions ``n mod 32`` -> ``[16, 32]``: the MMA layout's
+    """``[8, BN]`` scores (``Z8``) summed over positions ``n mod 32`` -> ``[8, 32]``: the MMA layout's
     position bits 32 and 64 are registers, so the sum is within each thread (no shuffle, no shared memory), and
-    three accumulators of 4 registers replace three of ``BN / 8`` (what kept block_n = 128 from spilling)."""
-    return gl.sum(gl.reshape(x, [16, BN // 32, 32]), 1)
+    three accumulators of 2 registers replace three of ``BN / 16`` (what kept block_n = 128 from spilling)."""
+    return gl.sum(gl.reshape(x, [8, BN // 32, 32]), 1)
+
+
+@gluon.jit
+def _pad16(x8, BN: gl.constexpr):
+    """``[8, BN]`` -> ``[16, BN]`` with rows 8-15 a copy of rows 0-7 (M padding of the PV MMA: those output rows
+    are never stored), a register renaming."""
+    return gl.reshape(gl.permute(gl.join(x8, x8), [2, 0, 1]), [16, BN])
+
+
+@gluon.jit
+def _pad16v(x8, HL: gl.constexpr):
+    """A per-head ``[8]`` vector as the ``[16]`` one of the MMA rows (rows 8-15 a copy), a register renaming."""
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(x8, x8), [1, 0]), [16]), HL, assert_trivial=True)
 
 
 @gluon.jit
@@ -358,14 +380,13 @@ def _pv_exact(pa, vs, vb, acc, alpha):
 def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
                    b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra, byp_rel,
                    byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                   KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, F3: gl.constexpr, GQA: gl.constexpr,
-                   PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
-                   CERT: gl.constexpr, CERT_B: gl.constexpr, NOK: gl.constexpr, GEN: gl.constexpr,
-                   N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr):
+                   KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, F3: gl.constexpr,
+                   GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
+                   PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, NOK: gl.constexpr,
+                   GEN: gl.constexpr, N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    NL: gl.constexpr = gl.SliceLayout(0, MMA)  # positions of the scores
     NA: gl.constexpr = gl.SliceLayout(0, QA)  # positions of the P operand
     HL: gl.constexpr = gl.SliceLayout(1, MMA)  # heads
 
@@ -383,16 +404,22 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
                      other=0.0).to(gl.float32)
         qo_hi = qo.to(gl.float16)
         qo_lo = (qo - qo_hi.to(gl.float32)).to(gl.float16)
+    H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # per head, heads on lanes g
+    NL8: gl.constexpr = gl.SliceLayout(0, Z8)  # per position of the scores
+    q10 = gl.convert_layout(G._rows8v(q10), H8L)
+    q11 = gl.convert_layout(G._rows8v(q11), H8L)
+    q12 = gl.convert_layout(G._rows8v(q12), H8L)
+    q13 = gl.convert_layout(G._rows8v(q13), H8L)
     if CERT:
         radm = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_2_over_delta)) + rad_extra
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
         rat = (G._rat(rr0, q20) + G._rat(rr1, q21)) + (G._rat(rr2, q22) + G._rat(rr3, q23))
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * gl.sqrt(rat) / gl.sqrt(var_c)
-        radm_h = (radm + detm * (1.0 + 2.0**-8)) * LOG2E_C
-        v0 = q20 * var_c
-        v1 = q21 * var_c
-        v2 = q22 * var_c
-        v3 = q23 * var_c
+        radm_h = gl.convert_layout(G._rows8v((radm + detm * (1.0 + 2.0**-8)) * LOG2E_C), H8L)
+        v0 = gl.convert_layout(G._rows8v(q20 * var_c), H8L)
+        v1 = gl.convert_layout(G._rows8v(q21 * var_c), H8L)
+        v2 = gl.convert_layout(G._rows8v(q22 * var_c), H8L)
+        v3 = gl.convert_layout(G._rows8v(q23 * var_c), H8L)
         if NOK > 0:  # |q_o| rounded UP to fp16 (its product with the exact fp16 |k_o| bounds from above), sum |q_o|
             qa_abs = gl.abs(qo)
             qa16 = qa_abs.to(gl.float16)
@@ -403,7 +430,7 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             kocB = gl.load(KOC_row + cB, mask=cB < NOK, other=0)
             qoB = gl.load(Q_row + hB[:, None] * s_qh + kocB[None, :], mask=(hB < GQA)[:, None] & (cB < NOK)[None, :],
                           other=0.0).to(gl.float32)
-            qo_sum = gl.convert_layout(gl.sum(gl.abs(qoB), 1), HL)
+            qo_sum = gl.convert_layout(G._rows8v(gl.convert_layout(gl.sum(gl.abs(qoB), 1), HL)), H8L)
 
     # the dither's Philox counter (slot, call, kv head, layer << 1 | keys) and key (the seed's halves)
     k0 = seed_lo.to(gl.uint32)
@@ -415,19 +442,19 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     sk = G._slot(BT_row, start + nk, end, PAGE)
 
     zs = sm_scale * LOG2E_C
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
     # the row sums are kept per (head, position mod 32): the fold over a thread's own positions is register-local
     FL: gl.constexpr = gl.SliceLayout(1, F3)
-    l_t = gl.zeros([16, 32], gl.float32, layout=FL)
+    l_t = gl.zeros([8, 32], gl.float32, layout=FL)
     if CERT:
-        a_t = gl.zeros([16, 32], gl.float32, layout=FL)
+        a_t = gl.zeros([8, 32], gl.float32, layout=FL)
         if CERT_B:
-            b_t = gl.zeros([16, 32], gl.float32, layout=FL)
+            b_t = gl.zeros([8, 32], gl.float32, layout=FL)
     acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
     acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
     acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
     acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    nl = gl.arange(0, BN, layout=NL)
+    nl = gl.arange(0, BN, layout=NL8)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -438,18 +465,19 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
-        ks0 = s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)
-        ks1 = s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)
-        ks2 = s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)
-        ks3 = s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)
-        z = (_qk_group(kb, 0, w0, qa0, q10, ks0, BN, KB, KW, MMA, PRMT)
-             + _qk_group(kb, 1, w1, qa1, q11, ks1, BN, KB, KW, MMA, PRMT))
-        z += (_qk_group(kb, 2, w2, qa2, q12, ks2, BN, KB, KW, MMA, PRMT)
-              + _qk_group(kb, 3, w3, qa3, q13, ks3, BN, KB, KW, MMA, PRMT))
+        ks0 = s_bufs.index(s * 8 + 0).load(NL8).to(gl.float32)
+        ks1 = s_bufs.index(s * 8 + 1).load(NL8).to(gl.float32)
+        ks2 = s_bufs.index(s * 8 + 2).load(NL8).to(gl.float32)
+        ks3 = s_bufs.index(s * 8 + 3).load(NL8).to(gl.float32)
+        z = (_qk_group(kb, 0, w0, qa0, q10, ks0, BN, KB, KW, MMA, Z8, PRMT)
+             + _qk_group(kb, 1, w1, qa1, q11, ks1, BN, KB, KW, MMA, Z8, PRMT))
+        z += (_qk_group(kb, 2, w2, qa2, q12, ks2, BN, KB, KW, MMA, Z8, PRMT)
+              + _qk_group(kb, 3, w3, qa3, q13, ks3, BN, KB, KW, MMA, Z8, PRMT))
         if NOK > 0:  # the bypass: fp16 outliers [16 rows, BN] as the B operand, the query as hi + lo
             ko = o_bufs.index(s).load(KB)
             zo = mma_v2(qo_hi, ko, gl.zeros([16, BN], gl.float32, layout=MMA))
-            z += mma_v2(qo_lo, ko, zo)
+            zo = mma_v2(qo_lo, ko, zo)
+            z += gl.convert_layout(G._rows8(zo, BN), Z8, assert_trivial=True)
         z = gl.where((n0 + nl < end)[None, :], z * zs, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = G._ex2(z - m_new[:, None])
@@ -459,6 +487,7 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             u = gl.sqrt(var) * radm_h[:, None]
             if NOK > 0:  # fp32 accumulation of exact products: its rounding is inside the (1 + 2^-8)
                 byp = mma_v2(qo_abs16, gl.abs(ko), gl.zeros([16, BN], gl.float32, layout=MMA))
+                byp = gl.convert_layout(G._rows8(byp, BN), Z8, assert_trivial=True)
                 u += zs * (byp * (byp_rel * (1.0 + 2.0**-8)) + qo_sum[:, None] * byp_abs)
             pa = p * G._ex2(u)
             if CERT_B:
@@ -471,15 +500,16 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             if CERT_B:
                 b_t = b_t * alpha_f[:, None] + _fold(pb, BN)
         m_i = m_new
+        alpha = _pad16v(alpha, HL)  # the PV rows (8-15: padding)
         # the P operand crosses the warps (each computed its own positions' scores; each needs all of P)
         if VFOLD:  # fp16 P once, the value scales folded into the values (wspec's vfold)
-            p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
+            p16 = gl.convert_layout(_pad16((p * 1024.0).to(gl.float16), BN), QA)
             acc0 = W._pv_fold(p16, s_bufs.index(s * 8 + 4), W._v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
             acc1 = W._pv_fold(p16, s_bufs.index(s * 8 + 5), W._v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
             acc2 = W._pv_fold(p16, s_bufs.index(s * 8 + 6), W._v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
             acc3 = W._pv_fold(p16, s_bufs.index(s * 8 + 7), W._v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
         else:
-            pp = gl.convert_layout(p * 1024.0, QA)
+            pp = gl.convert_layout(_pad16(p * 1024.0, BN), QA)
             acc0 = _pv_exact(pp, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), W._v_operand(vb, 0, KB, PRMT),
                              acc0, alpha)
             acc1 = _pv_exact(pp, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), W._v_operand(vb, 1, KB, PRMT),
@@ -492,11 +522,11 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         mbarrier.arrive(empty.index(s), count=1)
 
     # the split's state, as the Gluon kernel's epilogue: a NaN sum stays NaN (vacuous certificate), 0 is empty
-    l_i = gl.convert_layout(gl.sum(l_t, 1), HL, assert_trivial=True)
+    l_i = gl.convert_layout(gl.sum(l_t, 1), H8L, assert_trivial=True)
     nonempty = l_i != 0.0
     inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
     lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
-    sc = inv_l * (1.0 / 1024.0)
+    sc = _pad16v(inv_l * (1.0 / 1024.0), HL)
     h = gl.arange(0, 16, layout=HL)
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
     o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c[None, :]
@@ -505,12 +535,14 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     gl.store(o_base + 32, acc1 * sc[:, None], mask=hm)
     gl.store(o_base + 64, acc2 * sc[:, None], mask=hm)
     gl.store(o_base + 96, acc3 * sc[:, None], mask=hm)
-    l_off = b * s_ls_b + (kvh * GQA + h) * s_ls_h + split
-    gl.store(LSE_S + l_off, lse, mask=h < GQA)
+    h8 = gl.arange(0, 8, layout=H8L)
+    l_off = b * s_ls_b + (kvh * GQA + h8) * s_ls_h + split
+    gl.store(LSE_S + l_off, lse, mask=h8 < GQA)
     if CERT:
-        gl.store(A_S + l_off, gl.convert_layout(gl.sum(a_t, 1), HL, assert_trivial=True) * inv_l, mask=h < GQA)
+        gl.store(A_S + l_off, gl.convert_layout(gl.sum(a_t, 1), H8L, assert_trivial=True) * inv_l, mask=h8 < GQA)
         if CERT_B:
-            gl.store(B_S + l_off, gl.convert_layout(gl.sum(b_t, 1), HL, assert_trivial=True) * inv_l, mask=h < GQA)
+            gl.store(B_S + l_off, gl.convert_layout(gl.sum(b_t, 1), H8L, assert_trivial=True) * inv_l,
+                     mask=h8 < GQA)
 
 
 # the split count, the layer, the seed words and the strides that follow the batch are run-time values: one binary
@@ -521,7 +553,7 @@ def _wspec_cert_stage1(
     Q, k_desc, v_desc, KS, VS, BT, SEQ, O_S, LSE_S, A_S, B_S, KO, KOC,
     sm_scale, log_2_over_delta, rad_extra, byp_rel, byp_abs, layer, seed_lo, seed_hi, num_splits,
     s_qb, s_qh, s_ks_n, s_vs_n, s_ko_n, s_ko_h, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-    KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, F3: gl.constexpr,
+    KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, F3: gl.constexpr,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr,
     NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
     NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
@@ -558,7 +590,7 @@ def _wspec_cert_stage1(
         (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
                           b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
-                          s_ls_h, KW, W_L, QB, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
+                          s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
                           VFOLD)),
         (_producer_cert, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
@@ -569,9 +601,9 @@ def _wspec_cert_stage1(
 # host side
 def _constexprs(pl: CertPlan, cfg: WSpecCertConfig, cert: bool, cert_b: bool) -> dict[str, Any]:
     lay = consumer_layouts(cfg.block_n)
-    return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n,
-                RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt, CERT=cert,
-                CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length(),
+    return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], Z8=lay["Z8"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size,
+                BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt,
+                CERT=cert, CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length(),
                 VFOLD=cfg.pv == "fold")
 
 
