@@ -30,8 +30,14 @@ scales, with the next tile's scales loaded while it waits for a free stage; the 
   zeroed ``sum q_hi``) and the fp16 outliers enter by two MMAs with the query's fp16 hi + lo; their rows
   (``2 NOK`` bytes per position: under TMA's 16-byte box rows for m < 8 pairs) are gathered by the producer into the
   stage beside the scales;
-* **softmax** in base 2 with ``ex2.approx`` as the Gluon kernel; **PV exact** as the Gluon kernel: ``1024 p s_v``
-  split into fp16 hi + lo, two MMAs per group, fp32 accumulation;
+* **softmax** in base 2 with ``ex2.approx``, on the 8 head rows of the score fragment only (the Gluon kernel's
+  ``Z8``: GQA <= 8, rows 8-15 pad M to 16; the row sums are folded over each thread's own positions);
+  **PV exact** as the Gluon kernel (``pv="exact"``, the default): ``1024 p s_v`` split into fp16 hi + lo, two MMAs
+  per group, fp32 accumulation; or ``pv="fold"`` (the RTN kernel's ``vfold``): fp16 ``1024 p`` once and the value
+  scales folded into the value operand, ``|o - o_exact| <= ~2^-10 max |v|``. The P operand crosses the warps (each
+  computed its own positions' scores), so each warp scales all of P: the exact PV costs ~1.8x the folded variant's
+  consumer instructions (offline sm_90 SASS at 2026-12-02, per (position, KV head): exact 93 warp instructions,
+  fold 52, fold without the certificate 48; the Gluon kernel 64.5, the RTN wspec kernel 45);
 * **the certificate** (``CERT``): per position the radius ``u = sqrt(sum_g s_g^2 Q2_g sm^2 (1 + 2^-8) / 12)
   (radm + detm (1 + 2^-8)) log2 e`` (+ the outliers' bypass term), ``A += p 2^u``, ``B += p 2^-u``, the same
   expressions in the same order as :func:`kvlib.kernels.int8.gluon._stage1_g8`, so the same rounding analysis and
