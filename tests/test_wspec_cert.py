@@ -397,3 +397,23 @@ def test_pool_side_objects_are_accepted_as_the_gluon_kernel_reads_them():
     a = C.wspec_cert_decode(q, plain, vp, bt, seq, **_kw(bs))
     b = C.wspec_cert_decode(q, kp, vp, bt, seq, **_kw(bs))
     assert torch.equal(a.o, b.o) and torch.equal(a.tv_bound, b.tv_bound)
+
+
+def test_gpu_script_parses_and_its_variants_are_valid_configs():
+    """``dev/gpu/wspec_cert.sh`` runs once on the lead's device budget: its embedded Python must parse, and every timed
+    variant must be a config the kernel accepts (a typo would cost the device call)."""
+    import ast
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "dev" / "gpu" / "wspec_cert.sh").read_text()
+    body = re.search(r"<<'PYEOF'\n(.*?)\nPYEOF", text, re.S).group(1)
+    tree = ast.parse(body)
+    node = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "VARIANTS")
+    variants = eval(compile(ast.Expression(node.value), "VARIANTS", "eval"), {"__builtins__": {}, "dict": dict})
+    assert len(variants) >= 6
+    for cfg, cert, m in variants.values():
+        C.WSpecCertConfig(**cfg)
+        assert isinstance(cert, bool) and m in (0, 4)
+    assert "tests/test_wspec_cert.py" in text and '"$OUT/' in text
