@@ -156,6 +156,18 @@ def test_plan_splits_follow_the_rtn_planner():
     assert C.plan(q, kp, vp, bt, seq, **_kw(16), num_splits=5).num_splits == 5
 
 
+def test_planner_counts_only_the_ctas_the_ring_lets_reside():
+    """128-position tiles over 3 stages with outlier rows (~121 KB) leave one CTA per SM: the planner's wave counts
+    one, not the config's two (a second, partial wave otherwise); without outliers two fit."""
+    big = C.WSpecCertConfig(block_n=128, ring=3)
+    assert big.ctas_fit(0) == 2 and big.ctas_fit(8) == 1 and C.WSpecCertConfig().ctas_fit(8) == 2
+    q, kp, vp, bt, seq, _, _ = _problem([5, 40], 16, hq=8, hkv=2, m=4, dev="cpu")
+    wide = torch.zeros(2, 4096, dtype=torch.int32)
+    assert C.plan(q, kp, vp, wide, seq, **_kw(16), sms=132, config=big).num_splits == 132 // 4
+    q, kp, vp, bt, seq, _, _ = _problem([5, 40], 16, hq=8, hkv=2, dev="cpu")
+    assert C.plan(q, kp, vp, wide, seq, **_kw(16), sms=132, config=big).num_splits == 2 * 132 // 4
+
+
 def test_shared_memory_fits_two_ctas_per_sm():
     """The default ring (64-position tiles, 4 stages) with 16 outlier rows per stage stays under half of the H200's
     228 KB of shared memory per SM, so the planner's two CTAs per SM fit."""

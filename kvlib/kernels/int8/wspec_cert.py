@@ -74,6 +74,8 @@ LN2_C: gl.constexpr = gl.constexpr(0.6931471805599453)
 GROUP = 32
 #: outlier rows per stage: the bypass MMA's reduction depth (16, fp16); rows past the request's ``m`` are zero
 NOK_PAD = 16
+#: shared memory one SM offers its CTAs (H200 / sm_90: 227 KB usable)
+SMEM_PER_SM = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +113,17 @@ class WSpecCertConfig:
         if self.pv not in ("exact", "fold"):
             raise ValueError(f"pv must be 'exact' or 'fold', got {self.pv!r}")
 
-    def wspec(self) -> W.WSpecConfig:
-        """The RTN kernel's config of the same ring (its planner and descriptors are reused)."""
+    def wspec(self, nok: int = 0) -> W.WSpecConfig:
+        """The RTN kernel's config of the same ring (its planner and descriptors are reused), with at most as many
+        CTAs per SM as the ring fits (:meth:`ctas_fit`)."""
         return W.WSpecConfig(block_n=self.block_n, ring=self.ring, producer_regs=self.producer_regs,
-                             maxnreg=self.maxnreg, ctas_per_sm=self.ctas_per_sm, prmt=self.prmt, vfold=False,
-                             swizzle=self.swizzle)
+                             maxnreg=self.maxnreg, ctas_per_sm=min(self.ctas_per_sm, self.ctas_fit(nok)),
+                             prmt=self.prmt, vfold=False, swizzle=self.swizzle)
+
+    def ctas_fit(self, nok: int = 0) -> int:
+        """CTAs whose ring, P exchange (``[16, block_n]`` fp32) and 1 KB of reduction scratch fit the H200's
+        227 KB of shared memory per SM (at least 1): the planner's wave never counts CTAs that cannot be resident."""
+        return max(1, SMEM_PER_SM // (self.smem_bytes(nok) + 16 * self.block_n * 4 + 1024))
 
     def smem_bytes(self, nok: int = 0, d: int = 128) -> int:
         """The ring (K and V codes, 8 scale rows, the outlier rows where ``nok``) and its barriers."""
@@ -259,7 +267,8 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
         raise ValueError(f"layer must be an int in [0, 2^31), got {layer!r}")
     k0, k1 = seed_key(seed)
     delta = check_open_unit("delta", delta)
-    base = W.plan(q, kc, ks, vc, vs, block_table, seq_lens, config=cfg.wspec(), num_splits=num_splits, sms=sms)
+    nok_ = k.outliers.shape[-1] if k.outliers is not None else 0
+    base = W.plan(q, kc, ks, vc, vs, block_table, seq_lens, config=cfg.wspec(nok_), num_splits=num_splits, sms=sms)
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(base.d)
     if not math.isfinite(sm) or sm <= 0:
         raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
