@@ -66,9 +66,8 @@ def runs_table(runs: dict):
                      "reward last 5": float(np.mean(h["reward_mean"][-5:])) if h.get("reward_mean") else math.nan,
                      "held-out initial": r["eval"].get("initial", {}).get("accuracy", math.nan),
                      "held-out final": r["eval"].get("final", {}).get("accuracy", math.nan),
-                     "decode paths": ", ".join(paths),
-                     "graphed": all(x["graphed"] for x in r.get("rollout_info", [])) and bool(r.get("rollout_info")),
-                     "device": r.get("device", "")})
+                     "decode path": ", ".join(p.replace("-triton", "") for p in paths),
+                     "graphed": all(x["graphed"] for x in r.get("rollout_info", [])) and bool(r.get("rollout_info"))})
     return pd.DataFrame(rows)
 
 
@@ -108,7 +107,8 @@ def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
     the iterations every seed of the arm reached; a dotted line marks :func:`matched_iteration`."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 3.3))
+    # stacked, not side by side: the book's text column is ~700 px wide, three panels in a row become unreadable
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7.5, 2.6 * len(metrics)), sharex=True)
     n_match = matched_iteration(runs)
     for ax, (key, label) in zip(np.atleast_1d(axes), metrics, strict=True):
         for arm in ARMS:
@@ -127,8 +127,8 @@ def curves_figure(runs: dict, metrics: tuple[tuple[str, str], ...] = (
             ax.axvline(n_match, color="0.4", linestyle=":", linewidth=1)
         if log_kl and "kl" in key:
             ax.set_yscale("log")
-        ax.set_xlabel("GRPO iteration")
-        ax.set_title(label, fontsize=10)
+        ax.set_ylabel(label, fontsize=9)
+    np.atleast_1d(axes)[-1].set_xlabel("GRPO iteration")
     if np.atleast_1d(axes)[0].get_legend_handles_labels()[0]:
         np.atleast_1d(axes)[0].legend(fontsize=8)
     fig.tight_layout()
@@ -171,15 +171,15 @@ def sampling_table(groups: dict[str, dict]):
             if not rs:
                 continue
             h = [r["history"] for r in rs]
-            row = {"runs": name, "arm": arm, "seeds": len(rs),
+            row = {"runs": name, "arm": arm,
                    "iterations": f"{min(r['iterations_done'] for r in rs)}-{max(r['iterations_done'] for r in rs)}",
                    "reward, first 10 it": float(np.mean([np.mean(x["reward_mean"][:10]) for x in h])),
                    "reward, last 10 it": float(np.mean([np.mean(x["reward_mean"][-10:]) for x in h])),
                    "mixed-reward groups": float(np.mean([np.mean(x["informative_group_fraction"]) for x in h])),
-                   "held-out final %": 100 * float(np.mean([r["eval"]["final"]["accuracy"] for r in rs
-                                                            if "final" in r["eval"]] or [math.nan]))}
+                   "held-out at end %": 100 * float(np.mean([r["eval"]["final"]["accuracy"] for r in rs
+                                                             if "final" in r["eval"]] or [math.nan]))}
             if all(x.get("dyn_sampling_rounds") for x in h):
-                row["rounds / iteration"] = float(np.mean([np.mean(x["dyn_sampling_rounds"]) for x in h]))
+                row["rounds / it"] = float(np.mean([np.mean(x["dyn_sampling_rounds"]) for x in h]))
                 row["target reached"] = float(np.mean([np.mean(x["dyn_target_reached"]) for x in h]))
             rows.append(row)
     return pd.DataFrame(rows)
