@@ -119,10 +119,12 @@ def test_claims_table_is_a_captioned_list_table(monkeypatch):
     # The book parses displayed Markdown as MyST: a list-table with a caption (its <caption>), cells kept inline.
     import IPython.display
 
+    from kvlib.publish import run as run_mod
     from kvlib.publish.run import Run
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj.data))
+    monkeypatch.setattr(run_mod, "_inline_figures", lambda: None)  # a bare IPython shell left by another test
     run = Run("t", profile="ci")
     run.claim("witcert-fallback-block", ours="median 2 blocks", measured=2.0)
     run.claims_table()
