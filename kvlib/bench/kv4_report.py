@@ -156,10 +156,11 @@ def anatomy_values(anat: dict[str, Any] | None) -> dict[str, Any]:
     v["prep_kv4_mma_us"] = val("query_prep", "b32_1k", "kv4_ms", scale=1e3)
     v["prep_mismatch_mma"] = val("query_prep", "code_mismatch_mma_max")
     v["prep_mismatch_ieee"] = val("query_prep", "code_mismatch_ieee_max")
-    for source in ("last_split", "packed", "order", "prot_prefetch"):  # sweeps: the variant against their default
-        key = {"last_split": "last", "packed": "packed", "order": "order", "prot_prefetch": "pref"}[source]
-        v[f"{key}_rl_ms"] = val(source, "it_ms")
-        v["own_rl_ms" if key == "packed" else f"{key}_own_rl_ms"] = val(source, "default_ms")
+    # sweeps: KV4-RL with the variant, and with the sweep's own default (glue keys as the page has them)
+    for source, it, own in (("last_split", "last_rl_ms", "last_own_rl_ms"), ("packed", "packed_rl_ms", "own_rl_ms"),
+                            ("order", "order_rl_ms", "order_own_rl_ms"),
+                            ("prot_prefetch", "pref_rl_ms", "pref_own_rl_ms")):
+        v[it], v[own] = val(source, "it_ms"), val(source, "default_ms")
     sh = src.get("pdl", {}).get("values", {}).get("shapes")
     if sh:
         ratios = [s["pdl_ms"] / s["default_ms"] for s in sh.values()]
