@@ -80,6 +80,20 @@ def test_stories_carry_no_numbers_of_their_own_nor_issue_probe_or_path_names(boo
         assert decimals == [], f"{ch.story}: hand-typed numbers {decimals}"
 
 
+def test_no_page_reads_the_development_records(book):
+    """The book renders data/ and notebook runs only: dev/results/ holds probes' raw records, which reach a page
+    only through a curated file under data/results/ (dev.curate_*). Checked on every registered notebook's source
+    and on the kvlib helpers notebooks call."""
+    chapters, _, _ = book
+    reads_dev = re.compile(r"dev/results|load_result\(\s*f?[\"']dev/")
+    for nb in all_notebooks(chapters):
+        text = (repo_root() / nb.path).read_text()
+        assert not reads_dev.search(text), f"{nb.path}: {reads_dev.search(text).group(0)!r}"
+    for py in (repo_root() / "kvlib").rglob("*.py"):
+        hit = re.search(r"load_result\(\s*f?[\"']dev/", py.read_text())
+        assert hit is None, f"{py.relative_to(repo_root())} reads a development record: {hit.group(0)!r}"
+
+
 def test_register_summary_counts_equal_the_claims_verdicts(book):
     chapters, _, rows = book
     page = asm.claims_page([dict(r) for r in rows], chapters)

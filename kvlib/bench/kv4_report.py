@@ -1,7 +1,7 @@
-"""What the kv4rl_latency notebook derives from the ``kv4`` benchmark's result and the development probes'
-result files: the byte bound of KV4-RL / KV4, the SASS issue-rate model, the claims, the figure and the
-probe numbers its design notes cite. Each function only reads result dicts (no GPU), so the notebook renders
-anywhere."""
+"""What the kv4rl_latency notebook derives from the ``kv4`` benchmark's result and the curated H200 records of
+``kv4_kernel_anatomy`` (``python -m dev.curate_kv4_anatomy``): the byte bound of KV4-RL / KV4, the SASS issue-rate
+model, the claims, the figure and the numbers its design notes cite. Each function only reads result dicts (no
+GPU), so the notebook renders anywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 import pandas as pd
 
 from kvlib.formats.base import get_format
-from kvlib.publish.provenance import load_result
 
 NAN = float("nan")
 # H200 SXM: 132 SMs x 4 schedulers, one warp instruction (32 threads) per clock each, 1.98 GHz boost
@@ -40,15 +39,16 @@ class ByteBound:
         return S * self.b4 / ((S - P) * self.b4 + P * self.b8)
 
 
-def rerun_rows(fixed: pd.DataFrame, source_profile: str) -> tuple[pd.DataFrame | None, str | None]:
-    """The S >= 16k rows of the same benchmark run again (``dev/kv4_rerun``) beside this run's, and that
-    run's commit; (None, None) when the file is absent."""
-    rerun = load_result("dev/kv4_rerun", source_profile)
-    if rerun is None:
+def rerun_rows(fixed: pd.DataFrame, anat: dict[str, Any] | None) -> tuple[pd.DataFrame | None, str | None]:
+    """The S >= 16k rows of the same benchmark run a second time (the ``rerun`` source of the curated
+    ``kv4_kernel_anatomy`` result ``anat``) beside this run's, and that run's recorded commit; (None, None) when
+    it is absent."""
+    src = _sources(anat).get("rerun")
+    if src is None:
         return None, None
-    rr = pd.DataFrame(rerun["results"]["fixed"])
+    rr = pd.DataFrame(src["values"]["fixed"])
     both = fixed.merge(rr, on=["batch", "ctx_max"], suffixes=("", "_rerun"))
-    return both[both.ctx_max >= 16384], rerun["provenance"]["commit"]
+    return both[both.ctx_max >= 16384], src["provenance"]["commit"]
 
 
 def latency_figure(fixed: pd.DataFrame):
@@ -133,99 +133,100 @@ def sass_issue_model(k4: dict[str, Any], fixed: pd.DataFrame, shape: dict[str, A
     return vals, text
 
 
-def _row(name: str, **match):  # the first row of a dev probe's result list that matches (None when absent)
-    res = load_result(f"dev/{name}", "gpu")
-    if res is None:
-        return None
-    return next((x for x in res["results"] if all(x.get(k) == v for k, v in match.items())), None)
+def _sources(anat: dict[str, Any] | None) -> dict[str, Any]:
+    return (anat or {}).get("results", {}).get("sources", {})
 
 
-def _get(x, field, scale=1.0):
-    return x[field] * scale if x else NAN
+def anatomy_values(anat: dict[str, Any] | None) -> dict[str, Any]:
+    """The numbers of the page's design notes, from the curated H200 records ``anat`` (``kv4_kernel_anatomy``,
+    whose values are the records' own fields in ms): times in ms or µs, ratios and differences derived here. NaN
+    where ``anat`` or a source is absent."""
+    src = _sources(anat)
 
+    def val(source, *path, scale=1.0):
+        x = src.get(source, {}).get("values")
+        for p in path:
+            if x is None:
+                return NAN
+            x = x.get(p)
+        return NAN if x is None else x * scale
 
-def probe_values() -> tuple[dict[str, Any], pd.DataFrame | None]:
-    """The numbers of the design notes, from the development probes' result files in ``dev/results/`` (NaN
-    where a file is absent), and the decomposition table of ``kv4rl_decompose_pipe`` (None when absent)."""
     v: dict[str, Any] = {}
-    prep = load_result("dev/kv4_prep_probe_mma", "gpu")
-    row1k = next((x for x in prep["results"]["rows"] if x["batch"] == 32 and x["ctx"] == 1024), None) if prep else None
-    v["prep_kv4_ieee_us"] = _get(row1k, "kv4_ieee_ms", 1e3)
-    v["prep_kv4_mma_us"] = _get(row1k, "kv4_ms", 1e3)
-    v["prep_mismatch_mma"] = max(x["code_mismatch_mma"] for x in prep["results"]["rows"]) if prep else NAN
-    v["prep_mismatch_ieee"] = max(x["code_mismatch_ieee"] for x in prep["results"]["rows"]) if prep else NAN
-
-    def sweep_rl(stem, shape):
-        sweep = load_result(f"dev/{stem}", "gpu")
-        return sweep["results"]["shapes"][shape]["kv4rl"] if sweep else None
-
-    rl = sweep_rl("kv4_sweep_packed2", "b32_s16k")
-    v["packed_rl_ms"], v["own_rl_ms"] = _get(rl and rl["packed_fused"], "ms"), _get(rl and rl["default_fused"], "ms")
-    rl = sweep_rl("kv4_sweep_plans2", "b32_s16k")
-    v["last_rl_ms"], v["last_own_rl_ms"] = _get(rl and rl["last_fused"], "ms"), _get(rl and rl["default_fused"], "ms")
-    for stem, variant, key in (("kv4_sweep_order", "interleave_fused", "order"),
-                               ("kv4_sweep_prot", "prot_prefetch_fused", "pref")):
-        rl = sweep_rl(stem, "b512_s4k")
-        v[f"{key}_rl_ms"] = _get(rl and rl[variant], "ms")
-        v[f"{key}_own_rl_ms"] = _get(rl and rl["default_fused"], "ms")
-    pdl = load_result("dev/kv4_sweep_pdl", "gpu")
-    if pdl:
-        sh = pdl["results"]["shapes"]
-        # the sweep ran with pdl off by default: its "pdl" variant against its "default"
-        ratios = [s["kv4"]["pdl"]["ms"] / s["kv4"]["default"]["ms"] for s in sh.values()]
+    v["prep_kv4_ieee_us"] = val("query_prep", "b32_1k", "kv4_ieee_ms", scale=1e3)
+    v["prep_kv4_mma_us"] = val("query_prep", "b32_1k", "kv4_ms", scale=1e3)
+    v["prep_mismatch_mma"] = val("query_prep", "code_mismatch_mma_max")
+    v["prep_mismatch_ieee"] = val("query_prep", "code_mismatch_ieee_max")
+    # sweeps: KV4-RL with the variant, and with the sweep's own default (glue keys as the page has them)
+    for source, it, own in (("last_split", "last_rl_ms", "last_own_rl_ms"), ("packed", "packed_rl_ms", "own_rl_ms"),
+                            ("order", "order_rl_ms", "order_own_rl_ms"),
+                            ("prot_prefetch", "pref_rl_ms", "pref_own_rl_ms")):
+        v[it], v[own] = val(source, "it_ms"), val(source, "default_ms")
+    sh = src.get("pdl", {}).get("values", {}).get("shapes")
+    if sh:
+        ratios = [s["pdl_ms"] / s["default_ms"] for s in sh.values()]
         v.update(pdl_mean_ratio=sum(ratios) / len(ratios), pdl_n_shapes=len(ratios),
-                 pdl_b32_1k_us=sh["b32_s1k"]["kv4"]["pdl"]["ms"] * 1e3,
-                 nopdl_b32_1k_us=sh["b32_s1k"]["kv4"]["default"]["ms"] * 1e3)
+                 pdl_b32_1k_us=sh["b32_s1k"]["pdl_ms"] * 1e3, nopdl_b32_1k_us=sh["b32_s1k"]["default_ms"] * 1e3)
     else:
         v.update(dict.fromkeys(("pdl_mean_ratio", "pdl_n_shapes", "pdl_b32_1k_us", "nopdl_b32_1k_us"), NAN))
-    # the same probe before the edge blocks were pipelined
-    v["dec_old_structure_us"] = _get(_row("kv4rl_decompose_rows8", batch=32, ctx=16384), "structure_ms", 1e3)
-    dec = load_result("dev/kv4rl_decompose_pipe", "gpu")
-    table = None
-    if dec:
-        dd = pd.DataFrame(dec["results"])
-        b32 = dd[(dd.batch == 32) & (dd.ctx == 16384)].iloc[0]
-        v["dec_structure_us"] = float(b32.structure_ms) * 1e3
-        v["dec_protected_us"] = float(b32.protected_work_ms) * 1e3
-        table = (pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4": dd.kv4_ms * 1e3, "structure": dd.structure_ms * 1e3,
-                               "protected work": dd.protected_work_ms * 1e3, "KV4-RL/KV4": dd.frac})
-                 .round(3).set_index(["B", "S"]))
-    else:
-        v["dec_structure_us"] = v["dec_protected_us"] = NAN
-    edges = load_result("dev/kv4rl_edges_run1", "gpu")
-    erows = {(x["batch"], x["ctx"]): x for x in edges["results"] if "batch" in x} if edges else {}
-    for key, (b_, n_) in (("b32_16k", (32, 16384)), ("b512_4k", (512, 4096)), ("ragged", (320, 16384))):
-        x = erows.get((b_, n_))
-        v[f"edges_{key}_peel_ms"] = _get(x, "kv4rl_ms")
-        v[f"edges_{key}_pipe_ms"] = _get(x, "kv4rl_pipe_edges_ms")
-        v[f"edges_{key}_frac_peel"] = _get(x, "frac")
-        v[f"edges_{key}_frac_pipe"] = _get(x, "frac_pipe_edges")
-        v[f"edges_{key}_kv4_ratio"] = x["kv4_pipe_edges_ms"] / x["kv4_ms"] if x else NAN
-    frow = _row("kv4rl_fold", batch=32, ctx=16384)
-    v["fold_rl_ms"], v["fold_own_rl_ms"] = _get(frow, "kv4rl_fold_ms"), _get(frow, "kv4rl_pipe_edges_ms")
-    srow = _row("kv4rl_side_merge", batch=32, ctx=16384)
-    v["smerge_rl_ms"], v["smerge_own_rl_ms"] = _get(srow, "kv4rl_side_merge2_ms"), _get(srow, "kv4rl_pipe_edges_ms")
-    # the last side-launch run, with the fused-merge pairs
-    sd32, sd8 = _row("kv4rl_side_r64_c100", batch=32, ctx=16384), _row("kv4rl_side_r64_c100", batch=8, ctx=32768)
-    v.update(side_rl_ms=_get(sd32, "kv4rl_side_ms"), side_r64_rl_ms=_get(sd32, "kv4rl_side_r64_sb32_c100_ms"),
-             side_own_rl_ms=_get(sd32, "kv4rl_ms"), fused_kv4_8_32k_ms=_get(sd8, "kv4_fused_ms"),
-             launch_kv4_8_32k_ms=_get(sd8, "kv4_ms"), fused_rl_8_32k_ms=_get(sd8, "kv4rl_fused_ms"),
-             launch_rl_8_32k_ms=_get(sd8, "kv4rl_ms"), fused_rl_32_16k_ms=_get(sd32, "kv4rl_fused_ms"))
-    # the second edges run, with the register-capped variants
-    crow = _row("kv4rl_edges", batch=32, ctx=16384)
-    v["cap_rl_ms"], v["cap_own_rl_ms"] = _get(crow, "kv4rl_pe_cap168_ctas3_ms"), _get(crow, "kv4rl_pipe_edges_ms")
-    for name, keys in (("kv4rl_edge", {"edgeprog_rl_ms": "kv4rl_edge_ms", "edgeprog_own_rl_ms": "kv4rl_ms"}),
-                       ("kv4rl_bias", {"bias_branch_rl_ms": "kv4rl_bias_branch_ms",
-                                       "bias_table_rl_ms": "kv4rl_bias_table_ms", "bias_own_rl_ms": "kv4rl_ms"}),
-                       ("kv4rl_s2", {"s2_rl_ms": "kv4rl_s2_ms", "s2_own_rl_ms": "kv4rl_ms"})):
-        x = _row(name, batch=32, ctx=16384)
-        for key, field in keys.items():
-            v[key] = _get(x, field)
-    st32, st128 = _row("kv4rl_structure", batch=32), _row("kv4rl_structure", batch=128)
-    v["struct_merge_us"] = ((st32["kv4rl_empty_side_ms"] - st32["kv4rl_empty_side_no_merge_ms"]) * 1e3
-                            if st32 else NAN)
-    v["struct_merge128_us"] = ((st128["kv4rl_empty_side_ms"] - st128["kv4rl_empty_side_no_merge_ms"]) * 1e3
-                               if st128 else NAN)
-    v["struct_rest128_us"] = (st128["kv4rl_empty_side_no_merge_ms"] - st128["kv4_ms"]) * 1e3 if st128 else NAN
-    v["edges_max_do"] = max((max(x["kv4_max_do"], x["kv4rl_max_do"]) for x in erows.values()), default=NAN)
-    return v, table
+    v["dec_old_structure_us"] = val("decompose_peeled", "b32_16k", "structure_ms", scale=1e3)
+    b32 = next((r for r in src.get("decompose", {}).get("values", {}).get("rows", [])
+                if r["batch"] == 32 and r["ctx"] == 16384), None)
+    v["dec_structure_us"] = b32["structure_ms"] * 1e3 if b32 else NAN
+    v["dec_protected_us"] = b32["protected_work_ms"] * 1e3 if b32 else NAN
+    for key in ("b32_16k", "b512_4k", "ragged"):
+        v[f"edges_{key}_peel_ms"] = val("pipe_edges", key, "kv4rl_ms")
+        v[f"edges_{key}_pipe_ms"] = val("pipe_edges", key, "kv4rl_pipe_edges_ms")
+        v[f"edges_{key}_frac_peel"] = val("pipe_edges", key, "frac")
+        v[f"edges_{key}_frac_pipe"] = val("pipe_edges", key, "frac_pipe_edges")
+        v[f"edges_{key}_kv4_ratio"] = val("pipe_edges", key, "kv4_pipe_edges_ms") / val("pipe_edges", key, "kv4_ms")
+    v["edges_max_do"] = val("pipe_edges", "max_do")
+    v["fold_rl_ms"], v["fold_own_rl_ms"] = val("fold", "b32_16k", "kv4rl_fold_ms"), val("fold", "b32_16k",
+                                                                                         "kv4rl_pipe_edges_ms")
+    v["smerge_rl_ms"] = val("side_merge", "b32_16k", "kv4rl_side_merge2_ms")
+    v["smerge_own_rl_ms"] = val("side_merge", "b32_16k", "kv4rl_pipe_edges_ms")
+    v.update(side_rl_ms=val("side_launch", "b32_16k", "kv4rl_side_ms"),
+             side_r64_rl_ms=val("side_launch", "b32_16k", "kv4rl_side_r64_sb32_c100_ms"),
+             side_own_rl_ms=val("side_launch", "b32_16k", "kv4rl_ms"),
+             fused_kv4_8_32k_ms=val("side_launch", "b8_32k", "kv4_fused_ms"),
+             launch_kv4_8_32k_ms=val("side_launch", "b8_32k", "kv4_ms"),
+             fused_rl_8_32k_ms=val("side_launch", "b8_32k", "kv4rl_fused_ms"),
+             launch_rl_8_32k_ms=val("side_launch", "b8_32k", "kv4rl_ms"),
+             fused_rl_32_16k_ms=val("side_launch", "b32_16k", "kv4rl_fused_ms"))
+    v["cap_rl_ms"] = val("three_ctas", "b32_16k", "kv4rl_pe_cap168_ctas3_ms")
+    v["cap_own_rl_ms"] = val("three_ctas", "b32_16k", "kv4rl_pipe_edges_ms")
+    v["edgeprog_rl_ms"], v["edgeprog_own_rl_ms"] = (val("edge_program", "b32_16k", "kv4rl_edge_ms"),
+                                                    val("edge_program", "b32_16k", "kv4rl_ms"))
+    v["bias_branch_rl_ms"] = val("edge_bias", "b32_16k", "kv4rl_bias_branch_ms")
+    v["bias_table_rl_ms"] = val("edge_bias", "b32_16k", "kv4rl_bias_table_ms")
+    v["bias_own_rl_ms"] = val("edge_bias", "b32_16k", "kv4rl_ms")
+    v["s2_rl_ms"], v["s2_own_rl_ms"] = val("two_splits", "b32_16k", "kv4rl_s2_ms"), val("two_splits", "b32_16k",
+                                                                                         "kv4rl_ms")
+
+    def st(shape, field):
+        return val("structure", shape, field)
+
+    v["struct_merge_us"] = (st("b32_16k", "kv4rl_empty_side_ms") - st("b32_16k", "kv4rl_empty_side_no_merge_ms")) * 1e3
+    v["struct_merge128_us"] = (st("b128_16k", "kv4rl_empty_side_ms")
+                               - st("b128_16k", "kv4rl_empty_side_no_merge_ms")) * 1e3
+    v["struct_rest128_us"] = (st("b128_16k", "kv4rl_empty_side_no_merge_ms") - st("b128_16k", "kv4_ms")) * 1e3
+    return v
+
+
+def decomposition_table(anat: dict[str, Any] | None) -> pd.DataFrame | None:
+    """KV4-RL's extra time over KV4 per batch and context, split into structure and protected work (µs), with
+    KV4's time and KV4-RL / KV4; None without the curated decomposition."""
+    rows = _sources(anat).get("decompose", {}).get("values", {}).get("rows")
+    if not rows:
+        return None
+    dd = pd.DataFrame(rows)
+    return (pd.DataFrame({"B": dd.batch, "S": dd.ctx, "KV4 (µs)": dd.kv4_ms * 1e3,
+                          "structure (µs)": dd.structure_ms * 1e3, "protected work (µs)": dd.protected_work_ms * 1e3,
+                          "KV4-RL / KV4": dd.frac}).round(3).set_index(["B", "S"]))
+
+
+def anatomy_sources(anat: dict[str, Any] | None) -> pd.DataFrame:
+    """One row per curated record: what it measured, where and when (its own provenance) and whether that
+    provenance says it ran uncommitted code (the kernel chapter's table of the same kind)."""
+    from kvlib.bench.witcert_report import anatomy_sources as _table
+
+    return _table(anat)
