@@ -871,7 +871,7 @@ def bytes_per_token(rows: list[dict]) -> dict[str, float]:
     return {m: v for m, (_, v) in out.items()}
 
 
-REF_LABEL = {REFERENCE: "DynamicCache + SDPA, eager (the issue's reference)",
+REF_LABEL = {REFERENCE: "DynamicCache + SDPA, eager (the reference peer)",
              GRAPH_PEER: "StaticCache + SDPA in a CUDA graph (the like-for-like bf16 peer)"}
 
 
