@@ -396,8 +396,8 @@ def _wspec4_stage1(
 
 
 @triton.jit(do_not_specialize=["C", "SPLIT", "NS"])
-def _side_state(Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLIT, NS, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                INTERP: tl.constexpr):
+def _side_state(Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLIT, NS, HKV: tl.constexpr,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):
     """Grid ``(B, Hkv)``: the existing protected-region body, its state written as state ``SPLIT`` of ``NS``
     (the slot after the INT4 splits of ``OUT [B, Hq, NS, D]``, ``LSE [B, Hq, NS]``)."""
     _protected_region(tl.program_id(0), tl.program_id(1), Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2,
