@@ -217,6 +217,8 @@ OFFLINE = [  # compile_offline keyword sets: GQA 7/1/8/4, pages 16/256/64/8, d 1
     {}, {"gqa": 1}, {"gqa": 8, "block_size": 256}, {"gqa": 4, "d": 64}, {"cfg": {"block_n": 64, "ring": 6}},
     {"cfg": {"block_n": 32, "ring": 8}, "block_size": 8},
     {"cfg": {"block_n": 256, "ring": 2, "maxnreg": 168, "ctas_per_sm": 1}, "block_size": 64},
+    {"cfg": {"block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}},  # 3 CTAs per SM
+    {"cfg": {"block_n": 64, "ring": 4, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}, "gqa": 8},
 ]
 
 
@@ -326,7 +328,9 @@ def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
 
 @gpu
 @pytest.mark.parametrize("cfg", [dict(block_n=64, ring=6), dict(block_n=32, ring=8), dict(block_n=128, ring=2),
-                                 dict(block_n=256, ring=2, maxnreg=168, ctas_per_sm=1), dict(producer_regs=40)])
+                                 dict(block_n=256, ring=2, maxnreg=168, ctas_per_sm=1), dict(producer_regs=40),
+                                 dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3),
+                                 dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3)])
 @pytest.mark.parametrize("rl", [False, True], ids=["kv4", "kv4rl"])
 def test_other_rings_match_the_reference(cfg, rl):
     lens, bs, hq, hkv = SHAPES[0]
@@ -354,13 +358,15 @@ def test_head_dim_64(rl, bs):
 
 @gpu
 def test_split_counts_agree():
-    """The same request split 1, 2, 8 and 32 ways: the merge of the split states is the same to fp32 rounding."""
+    """The same request split 1, 2, 8 and 32 ways (most of the 32 splits of the short row are empty): ``lse`` agrees
+    to fp32 rounding; ``o`` to the fp16 rounding of ``p s_v``, whose reference max moves with the split (the Triton
+    kernel's tolerance)."""
     q, pool, start, end, side = _problem([4000, 700], 16, hq=7, hkv=1, rl=True, seed=2)
     args = _args(prepare_query(q), pool, start, end)
     outs = [W.wspec4_decode(*args, block_size=16, side=side, num_splits=ns) for ns in (1, 2, 8, 32)]
     for o, lse in outs[1:]:
         torch.testing.assert_close(lse, outs[0][1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(o, outs[0][0], atol=1e-5, rtol=1e-5)
+        _close(o, outs[0][0], 2e-3)
 
 
 @gpu

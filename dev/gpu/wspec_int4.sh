@@ -4,7 +4,7 @@
 #     on shuffled pages with NaN garbage outside the regions, ragged rows, GQA 1/4/7/8, pages of 16/32/64/256, split
 #     counts, other rings, d = 64, CUDA-graph replay), over pytest-xdist workers where importable;
 #  2. timing at B=8 and 32, S=16k and 32k, 28/4 heads, d=128 (CUDA graphs, interleaved rounds, medians; the query
-#     preparation inside every decode's graph): the new kernel (three rings, KV4 and KV4-RL) against the Triton
+#     preparation inside every decode's graph): the new kernel (five rings / occupancies for KV4, two for KV4-RL) against the Triton
 #     KV4 / KV4-RL kernels (contiguous kv4_main_decode, the one behind "KV4 3.05x", and the paged kv4_paged_decode
 #     over the same pool) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
 #     largest |o| difference of the new kernel from the Triton paged kernel on the timed pools.
@@ -46,8 +46,12 @@ VARIANTS = {  # name: WSpec4Config fields
     "bn128_r4": dict(),
     "bn64_r6": dict(block_n=64, ring=6),
     "bn128_r3": dict(block_n=128, ring=3),
+    # three CTAs per SM (80 registers per thread over the CTA; a 32-register producer leaves the consumers 128:
+    # no spills offline at 2026-12-02)
+    "bn128_r3_3cta": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3),
+    "bn64_r4_3cta": dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3),
 }
-RL_VARIANTS = ("bn128_r4", "bn64_r6")  # KV4-RL timed with these
+RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta")  # KV4-RL timed with these
 
 
 def elapsed():
