@@ -79,7 +79,7 @@ def _args(qp, pool, start, end):
 @pytest.mark.parametrize("kw, name", [
     ({"block_n": 48}, "block_n"), ({"block_n": 512}, "block_n"), ({"ring": 1}, "ring"), ({"ring": 9}, "ring"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
-    ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"),
+    ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"), ({"pdl": 1}, "pdl"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises((ValueError, TypeError), match=name):
@@ -219,6 +219,7 @@ OFFLINE = [  # compile_offline keyword sets: GQA 7/1/8/4, pages 16/256/64/8, d 1
     {"cfg": {"block_n": 256, "ring": 2, "maxnreg": 168, "ctas_per_sm": 1}, "block_size": 64},
     {"cfg": {"block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}},  # 3 CTAs per SM
     {"cfg": {"block_n": 64, "ring": 4, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}, "gqa": 8},
+    {"cfg": {"pdl": True}},
 ]
 
 
@@ -330,12 +331,13 @@ def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
 @pytest.mark.parametrize("cfg", [dict(block_n=64, ring=6), dict(block_n=32, ring=8), dict(block_n=128, ring=2),
                                  dict(block_n=256, ring=2, maxnreg=168, ctas_per_sm=1), dict(producer_regs=40),
                                  dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3),
-                                 dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3)])
+                                 dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3),
+                                 dict(pdl=True)])
 @pytest.mark.parametrize("rl", [False, True], ids=["kv4", "kv4rl"])
 def test_other_rings_match_the_reference(cfg, rl):
     lens, bs, hq, hkv = SHAPES[0]
     q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=rl, seed=9)
-    qp = prepare_query(q)
+    qp = prepare_query(q, pdl=cfg.get("pdl", False))
     args = _args(qp, pool, start, end)
     o, lse = W.wspec4_decode(*args, block_size=bs, side=side, config=W.WSpec4Config(**cfg))
     o_r, lse_r = W.wspec4_reference(*args, block_size=bs, side=side)

@@ -4,7 +4,7 @@
 #     on shuffled pages with NaN garbage outside the regions, ragged rows, GQA 1/4/7/8, pages of 16/32/64/256, split
 #     counts, other rings, d = 64, CUDA-graph replay), over pytest-xdist workers where importable;
 #  2. timing at B=8 and 32, S=16k and 32k, 28/4 heads, d=128 (CUDA graphs, interleaved rounds, medians; the query
-#     preparation inside every decode's graph): the new kernel (five rings / occupancies for KV4, two for KV4-RL) against the Triton
+#     preparation, with pdl=True as kv4_decode calls it, inside every decode's graph): the new kernel (rings, occupancies, PDL: seven variants for KV4, three for KV4-RL) against the Triton
 #     KV4 / KV4-RL kernels (contiguous kv4_main_decode, the one behind "KV4 3.05x", and the paged kv4_paged_decode
 #     over the same pool) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
 #     largest |o| difference of the new kernel from the Triton paged kernel on the timed pools.
@@ -50,8 +50,11 @@ VARIANTS = {  # name: WSpec4Config fields
     # no spills offline at 2026-12-02)
     "bn128_r3_3cta": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3),
     "bn64_r4_3cta": dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3),
+    # programmatic dependent launch: stage 1 after the query preparation, the merge after stage 1
+    "bn128_r4_pdl": dict(pdl=True),
+    "bn128_r3_3cta_pdl": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, pdl=True),
 }
-RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta")  # KV4-RL timed with these
+RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta", "bn128_r4_pdl")  # KV4-RL timed with these
 
 
 def elapsed():
@@ -131,11 +134,11 @@ def time_shape(B, S):
         side = sides[kind]
 
         def contig(start=start, end=end, side=side):
-            return kv4_main_decode(prepare_query(q), *cargs, start, end, side=side)
+            return kv4_main_decode(prepare_query(q, pdl=True), *cargs, start, end, side=side)
 
         def paged(start=start, end=end, side=side, kind=kind):
-            outs[f"triton_paged_{kind}"] = kv4_paged_decode(prepare_query(q), *pargs, start, end, block_size=BS,
-                                                            side=side)
+            outs[f"triton_paged_{kind}"] = kv4_paged_decode(prepare_query(q, pdl=True), *pargs, start, end,
+                                                            block_size=BS, side=side)
         for name, fn in ((f"triton_{kind}", contig), (f"triton_paged_{kind}", paged)):
             try:
                 graphs[name] = capture(fn)
@@ -147,7 +150,7 @@ def time_shape(B, S):
             name = f"wspec4_{kind}_{v}"
             cfg = W.WSpec4Config(**ckw)
             try:
-                qp0 = prepare_query(q)
+                qp0 = prepare_query(q, pdl=True)
                 pl = W.plan(qp0, *pargs, start, end, block_size=BS, side=side, config=cfg)
                 descs = W.descriptors(pool["k_codes"], pool["v_codes"], pl.box_rows)
                 buf = (torch.empty(B, HQ, pl.states, D, device=DEV), torch.empty(B, HQ, pl.states, device=DEV))
@@ -155,8 +158,8 @@ def time_shape(B, S):
                 def fn(start=start, end=end, side=side, cfg=cfg, descs=descs, buf=buf, name=name):
                     from kvlib.kernels.tl.merge import merge_splits
 
-                    o_s, lse_s = W.wspec4_stage1(prepare_query(q), *pargs, start, end, block_size=BS, side=side,
-                                                 config=cfg, descs=descs, out=buf)
+                    o_s, lse_s = W.wspec4_stage1(prepare_query(q, pdl=True), *pargs, start, end, block_size=BS,
+                                                 side=side, config=cfg, descs=descs, out=buf)
                     m = merge_splits(o_s, lse_s, pdl=True)
                     outs[name] = (m.o, m.lse)
                 graphs[name] = capture(fn)

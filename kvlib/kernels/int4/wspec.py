@@ -86,8 +86,14 @@ class WSpec4Config:
     maxnreg: int = 128
     ctas_per_sm: int = 2
     block_p: int = 32
+    #: programmatic dependent launch (sm_90): stage 1 may launch while the kernel before it finishes (it waits,
+    #: ``griddepcontrol.wait``, before anything else, as the Triton KV4 kernel does) and lets the split merge launch
+    #: at once (which waits for stage 1 to complete before it reads the states)
+    pdl: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"pdl must be a bool, got {type(self.pdl).__name__}")
         for name in ("block_n", "ring", "producer_regs", "maxnreg", "ctas_per_sm", "block_p"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -236,6 +242,12 @@ def _producer4(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS,
 
 
 @gluon.jit
+def _gdc(asm: gl.constexpr):
+    """A grid-dependency-control instruction (:mod:`triton.language.extra.cuda.gdc`'s form: a dummy output)."""
+    gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _nib_lo(x):
     """Low nibbles of uint8 codes (held as int8) as int8: one ``and`` per four codes
     (:func:`kvlib.kernels.int4.tl_helpers._nibbles_i8`)."""
@@ -359,8 +371,11 @@ def _wspec4_stage1(
     Q8, QS, QSUM, k_desc, v_desc, KS, KO, VS, VO, BT, START, END, O_S, LSE_S,
     sm_scale_log2, num_splits, max_len, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-    RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr = False,
 ):
+    if PDL:  # as kvlib.kernels.int4.paged._kv4_paged_kernel: wait for the kernel before, then release the next
+        _gdc("griddepcontrol.wait; // dummy $0")
+        _gdc("griddepcontrol.launch_dependents; // dummy $0")
     HALF: gl.constexpr = D // 2  # code bytes per (position, head)
     QW: gl.constexpr = D // 4  # int16 words of four codes
     b = gl.program_id(0)
@@ -431,7 +446,7 @@ def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int):
 
 def _constexprs(pl: Plan4, cfg: WSpec4Config) -> dict:
     return dict(GQA=pl.gqa, HKV=pl.hkv, D=pl.d, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
-                NW=4, PRODUCER_REGS=cfg.producer_regs)
+                NW=4, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl)
 
 
 def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, *, block_size: int,
@@ -461,7 +476,7 @@ def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_ta
         q8, qp.scale, qp.qsum, kd, vd, k_scale, k_off, v_scale, v_off, block_table, start32, end32, o_s, lse_s,
         sml2, pl.num_splits, pl.max_blocks * pl.block_size, q8.stride(0), q8.stride(1), block_table.stride(0),
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
-        **_constexprs(pl, cfg), num_warps=4, maxnreg=cfg.maxnreg,
+        **_constexprs(pl, cfg), num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
     )
     return o_s, lse_s
 
