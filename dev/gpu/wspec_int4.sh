@@ -4,7 +4,8 @@
 #     on shuffled pages with NaN garbage outside the regions, ragged rows, GQA 1/4/7/8, pages of 16/32/64/256, split
 #     counts, other rings, d = 64, CUDA-graph replay), over pytest-xdist workers where importable;
 #  2. timing at B=8 and 32, S=16k and 32k, 28/4 heads, d=128 (CUDA graphs, interleaved rounds, medians; the query
-#     preparation, with pdl=True as kv4_decode calls it, inside every decode's graph): the new kernel (rings, occupancies, PDL: seven variants for KV4, three for KV4-RL) against the Triton
+#     preparation, with pdl=True as kv4_decode calls it, inside every decode's graph): the new kernel (rings,
+#     occupancies, PDL: seven variants for KV4, three for KV4-RL) against the Triton
 #     KV4 / KV4-RL kernels (contiguous kv4_main_decode, the one behind "KV4 3.05x", and the paged kv4_paged_decode
 #     over the same pool) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
 #     largest |o| difference of the new kernel from the Triton paged kernel on the timed pools.
@@ -108,7 +109,6 @@ def time_graphs(graphs, rounds=15, reps=20):
 
 def time_shape(B, S):
     from dev.kv4_paged_probe import paged_pool
-
     from kvlib.bench.kv4 import RECENT, SINK, random_kv4_batch
     from kvlib.kernels.int4.attention import side_buffer
     from kvlib.kernels.int4.decode import kv4_main_decode, kv4_paged_decode, prepare_query
@@ -241,7 +241,7 @@ def main():
             continue
         x = row["x_sdpa"]
         print(f"{k}: " + "  ".join(f"{n} {x[n]:.2f}x" for n in x))
-        print(f"   new/triton time: " + "  ".join(f"{n} {r:.3f}" for n, r in row["new_over_triton"].items())
+        print("   new/triton time: " + "  ".join(f"{n} {r:.3f}" for n, r in row["new_over_triton"].items())
               + "   KV4-RL/KV4 speed: " + "  ".join(f"{n} {r:.3f}" for n, r in row["rl_over_kv4_speed"].items())
               + (f"  errors: {list(row['errors'])}" if row.get("errors") else ""))
     print(f"wall {time.time() - T0:.1f}s")
