@@ -6,8 +6,8 @@
 #  2. timing at B=8 and 32, S=16k and 32k, 28/4 heads, d=128 (CUDA graphs, interleaved rounds, medians; the query
 #     preparation, with pdl=True as kv4_decode calls it, inside every decode's graph): the new kernel (rings,
 #     occupancies, PDL: seven variants for KV4, three for KV4-RL) against the Triton
-#     KV4 / KV4-RL kernels (contiguous kv4_main_decode, the one behind "KV4 3.05x", and the paged kv4_paged_decode
-#     over the same pool) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
+#     KV4 / KV4-RL kernels (kv4_decode / kv4rl_decode over the contiguous cache, the calls of the kv4 benchmark,
+#     and kv4_paged_decode over the same pool as the new kernel) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
 #     largest |o| difference of the new kernel from the Triton paged kernel on the timed pools.
 # Run from the repo root; < 4 min on the H200; writes $OUT/wspec_int4.json and $OUT/wspec_int4_tests.xml.
 set -u
@@ -110,8 +110,8 @@ def time_graphs(graphs, rounds=15, reps=20):
 def time_shape(B, S):
     from dev.kv4_paged_probe import paged_pool
     from kvlib.bench.kv4 import RECENT, SINK, random_kv4_batch
-    from kvlib.kernels.int4.attention import side_buffer
-    from kvlib.kernels.int4.decode import kv4_main_decode, kv4_paged_decode, prepare_query
+    from kvlib.kernels.int4.attention import kv4_decode, kv4rl_decode, side_buffer
+    from kvlib.kernels.int4.decode import kv4_paged_decode, prepare_query
 
     torch.manual_seed(B + S)
     lengths = torch.full((B,), S, dtype=torch.int32, device=DEV)
@@ -121,7 +121,6 @@ def time_shape(B, S):
     zeros = torch.zeros_like(cache.lengths)
     ranges = {"kv4": (zeros, cache.lengths), "kv4rl": cache.main_range()}
     sides = {"kv4": None, "kv4rl": side_buffer(cache)}
-    cargs = (cache.k_codes, cache.k_scale, cache.k_off, cache.v_codes, cache.v_scale, cache.v_off)
     pargs = tuple(pool[n] for n in ("k_codes", "k_scale", "k_off", "v_codes", "v_scale", "v_off", "block_table"))
     graphs, outs, row = {}, {}, {"splits": {}, "errors": {}}
     kd = torch.randn(B, HKV, S, D, device=DEV, dtype=torch.bfloat16)
@@ -133,8 +132,8 @@ def time_shape(B, S):
         start, end = ranges[kind]
         side = sides[kind]
 
-        def contig(start=start, end=end, side=side):
-            return kv4_main_decode(prepare_query(q, pdl=True), *cargs, start, end, side=side)
+        def contig(kind=kind):  # the kv4 benchmark's own calls (kvlib.bench.kv4): contiguous cache, tuned default
+            return kv4_decode(q, cache) if kind == "kv4" else kv4rl_decode(q, cache)
 
         def paged(start=start, end=end, side=side, kind=kind):
             outs[f"triton_paged_{kind}"] = kv4_paged_decode(prepare_query(q, pdl=True), *pargs, start, end,
@@ -175,12 +174,15 @@ def time_shape(B, S):
     bf_bytes = B * HKV * S * 2 * D * 2
     row["GBps"] = {n: (bf_bytes if n == "sdpa_bf16" else kv4_bytes) / (t * 1e-3) / 1e9 for n, t in med.items()}
     row["x_sdpa"] = {n: med["sdpa_bf16"] / t for n, t in med.items()}
-    row["new_over_triton"] = {}  # time ratios < 1: the new kernel is faster
+    row["new_over_triton"] = {}  # time ratios < 1: the new kernel is faster (vs the contiguous Triton call)
+    row["new_over_triton_paged"] = {}  # the same against the Triton paged kernel over the same pool
     row["rl_over_kv4_speed"] = {}  # KV4-RL's speed as a share of KV4's (the goal: >= 0.97)
     for n in med:
         for kind in ("kv4", "kv4rl"):
             if n.startswith(f"wspec4_{kind}_") and f"triton_{kind}" in med:
                 row["new_over_triton"][n] = med[n] / med[f"triton_{kind}"]
+            if n.startswith(f"wspec4_{kind}_") and f"triton_paged_{kind}" in med:
+                row["new_over_triton_paged"][n] = med[n] / med[f"triton_paged_{kind}"]
     for v in RL_VARIANTS:
         a, b = f"wspec4_kv4_{v}", f"wspec4_kv4rl_{v}"
         if a in med and b in med:
@@ -241,7 +243,8 @@ def main():
             continue
         x = row["x_sdpa"]
         print(f"{k}: " + "  ".join(f"{n} {x[n]:.2f}x" for n in x))
-        print("   new/triton time: " + "  ".join(f"{n} {r:.3f}" for n, r in row["new_over_triton"].items())
+        print("   new/triton time: " + "  ".join(f"{n} {r:.3f}" for n, r in row["new_over_triton"].items()))
+        print("   new/triton paged time: " + "  ".join(f"{n} {r:.3f}" for n, r in row["new_over_triton_paged"].items())
               + "   KV4-RL/KV4 speed: " + "  ".join(f"{n} {r:.3f}" for n, r in row["rl_over_kv4_speed"].items())
               + (f"  errors: {list(row['errors'])}" if row.get("errors") else ""))
     print(f"wall {time.time() - T0:.1f}s")

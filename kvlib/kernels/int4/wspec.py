@@ -21,7 +21,8 @@ Design (:mod:`kvlib.kernels.int8.wspec`'s, one CTA per (request, KV head, split)
   (:func:`kvlib.kernels.int4.paged._paged_step`, bytes mode, fp16 PV), operand for operand:
   QK as two INT8 tensor-core MMAs (even channels x low nibbles, odd channels x high nibbles, int32 accumulate:
   exact), then ``s = float(s_int) (a_q s_k) + c_q m_k`` with ``a_q = s_q sm log2 e``, ``c_q = s_q sum q8 sm log2 e``
-  (the same expression, so the same fp32 rounding per score); the online softmax in base 2 with the sums kept per
+  (the same expression; the offline sm_90 PTX of both kernels computes it as the same ``mul``, ``mul``,
+  ``fma.rn``, after the same ``mma ... s32.s8.s8.s32``, so each score is the Triton kernel's bit for bit); the online softmax in base 2 with the sums kept per
   (head, position) tile; PV as fp16 ``p s_v`` x the V codes as the exact subnormal fp16 ``c 2^-24`` (one ``and``
   per two codes), four nibble planes (channels ``4 i + j``), fp32 accumulate, ``2^24`` and the offsets' sum
   ``sum p m_v`` applied at the end. The TMA of the next ``ring - 1`` tiles runs under this tile's math.
@@ -424,8 +425,8 @@ def _side_state(Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPL
 def smem_layouts(box_rows: int, d: int = 128):
     """The NVMMA shared layouts of one K box (``[box_rows, d / 2]`` bytes) and one V box (``[box_rows, d / 4]``
     int16 words), also the ring's: the swizzle Triton picks for the row width (64 bytes at d = 128: 64-byte
-    swizzling; 32 at d = 64). The V layout swizzles the same bytes as the K layout (the swizzle is defined on
-    16-byte units of a row)."""
+    swizzling; 32 at d = 64; the int8 kernel's unswizzled ring read back wrong codes on the H200, so none is
+    unswizzled)."""
     k = gl.NVMMASharedLayout.get_default_for([box_rows, d // 2], gl.int8)
     v = gl.NVMMASharedLayout.get_default_for([box_rows, d // 4], gl.int16)
     return k, v
