@@ -22,14 +22,16 @@ Design (:mod:`kvlib.kernels.int8.wspec`'s, one CTA per (request, KV head, split)
   QK as two INT8 tensor-core MMAs (even channels x low nibbles, odd channels x high nibbles, int32 accumulate:
   exact), then ``s = float(s_int) (a_q s_k) + c_q m_k`` with ``a_q = s_q sm log2 e``, ``c_q = s_q sum q8 sm log2 e``
   (the same expression; the offline sm_90 PTX of both kernels computes it as the same ``mul``, ``mul``,
-  ``fma.rn``, after the same ``mma ... s32.s8.s8.s32``, so each score is the Triton kernel's bit for bit); the online softmax in base 2 with the sums kept per
-  (head, position) tile; PV as fp16 ``p s_v`` x the V codes as the exact subnormal fp16 ``c 2^-24`` (one ``and``
-  per two codes), four nibble planes (channels ``4 i + j``), fp32 accumulate, ``2^24`` and the offsets' sum
-  ``sum p m_v`` applied at the end. The TMA of the next ``ring - 1`` tiles runs under this tile's math.
+  ``fma.rn`` after the same ``mma ... s32.s8.s8.s32``, so each score should be the Triton kernel's bit for bit: not
+  yet checked on a GPU); the online softmax in base 2 with the sums kept per (head, position) tile; PV as fp16
+  ``p s_v`` x the V codes as the exact subnormal fp16 ``c 2^-24`` (one ``and`` per two codes), four nibble planes
+  (channels ``4 i + j``), fp32 accumulate, ``2^24`` and the offsets' sum ``sum p m_v`` applied at the end. The TMA
+  of the next ``ring - 1`` tiles runs under this tile's math.
 
 Per score the arithmetic is the Triton kernel's; the tiles (``block_n``) and splits differ, so the online softmax
-folds in another order: ``o`` and ``lse`` agree with the Triton kernel and the torch reference to fp32 rounding
-(the tests use the Triton kernel's own tolerances against the reference).
+folds in another order and ``p`` is rounded to fp16 against another running max: ``lse`` agrees with the Triton
+kernel to fp32 rounding, ``o`` to the fp16 rounding of ``p s_v`` (the tests use the Triton kernel's own tolerances
+against the reference).
 
 Tiles are aligned to ``block_n`` in absolute positions and splits take whole tiles (as the Triton kernel's blocks),
 so every TMA box (``min(block_size, block_n)`` rows, ``block_size`` a power of two) lies inside one page. A box
