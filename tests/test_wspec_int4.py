@@ -79,7 +79,7 @@ def _args(qp, pool, start, end):
 @pytest.mark.parametrize("kw, name", [
     ({"block_n": 48}, "block_n"), ({"block_n": 512}, "block_n"), ({"ring": 1}, "ring"), ({"ring": 9}, "ring"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
-    ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"), ({"pdl": 1}, "pdl"),
+    ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"), ({"pdl": 1}, "pdl"), ({"rows8": None}, "rows8"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises((ValueError, TypeError), match=name):
@@ -220,6 +220,9 @@ OFFLINE = [  # compile_offline keyword sets: GQA 7/1/8/4, pages 16/256/64/8, d 1
     {"cfg": {"block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}},  # 3 CTAs per SM
     {"cfg": {"block_n": 64, "ring": 4, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3}, "gqa": 8},
     {"cfg": {"pdl": True}},
+    {"cfg": {"rows8": True}}, {"cfg": {"rows8": True}, "gqa": 1, "d": 64},  # the 8-row softmax (Z8 selection)
+    {"cfg": {"rows8": True, "block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3},
+     "gqa": 8, "block_size": 256},
 ]
 
 
@@ -304,7 +307,8 @@ def _triton(args, bs, side):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("rl", [False, True], ids=["kv4", "kv4rl"])
 @pytest.mark.parametrize("ns", [None, 1, 3, 7])
-def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
+@pytest.mark.parametrize("rows8", [False, True], ids=["rows16", "rows8"])
+def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns, rows8):
     """The Triton paged kernel's tolerances against the reference (lse 1e-4; o 2e-3, 2e-2 with the side region's
     bf16 PV), and within twice those of the Triton kernel itself; an empty row gives ``o = 0``, ``lse = -inf``;
     two runs are bit-identical."""
@@ -312,7 +316,8 @@ def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
     q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=rl, seed=len(lens) + rl)
     qp = prepare_query(q)
     args = _args(qp, pool, start, end)
-    o, lse = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns)
+    cfg = W.WSpec4Config(rows8=rows8)
+    o, lse = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns, config=cfg)
     o_r, lse_r = W.wspec4_reference(*args, block_size=bs, side=side)
     o_t, lse_t = _triton(args, bs, side)
     tol = 2e-2 if rl else 2e-3
@@ -323,7 +328,7 @@ def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
     for r, n in enumerate(lens):
         if n == 0:
             assert torch.isneginf(lse[r]).all() and (o[r] == 0).all()
-    o2, lse2 = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns)
+    o2, lse2 = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns, config=cfg)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
@@ -332,7 +337,9 @@ def test_kernel_matches_the_reference_and_the_triton_kernel(shape, rl, ns):
                                  dict(block_n=256, ring=2, maxnreg=168, ctas_per_sm=1), dict(producer_regs=40),
                                  dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3),
                                  dict(block_n=64, ring=4, maxnreg=80, producer_regs=32, ctas_per_sm=3),
-                                 dict(pdl=True)])
+                                 dict(pdl=True), dict(rows8=True), dict(rows8=True, pdl=True),
+                                 dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, rows8=True),
+                                 dict(block_n=64, ring=6, rows8=True)])
 @pytest.mark.parametrize("rl", [False, True], ids=["kv4", "kv4rl"])
 def test_other_rings_match_the_reference(cfg, rl):
     lens, bs, hq, hkv = SHAPES[0]
@@ -348,11 +355,12 @@ def test_other_rings_match_the_reference(cfg, rl):
 @gpu
 @pytest.mark.parametrize("rl", [False, True], ids=["kv4", "kv4rl"])
 @pytest.mark.parametrize("bs", [8, 16, 128])
-def test_head_dim_64(rl, bs):
+@pytest.mark.parametrize("rows8", [False, True])
+def test_head_dim_64(rl, bs, rows8):
     q, pool, start, end, side = _problem([300, 45, 1], bs, hq=8, hkv=2, d=64, rl=rl, seed=bs)
     qp = prepare_query(q)
     args = _args(qp, pool, start, end)
-    o, lse = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=3)
+    o, lse = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=3, config=W.WSpec4Config(rows8=rows8))
     o_r, lse_r = W.wspec4_reference(*args, block_size=bs, side=side)
     _close(lse, lse_r, 1e-4)
     _close(o, o_r, 2e-2 if rl else 2e-3)

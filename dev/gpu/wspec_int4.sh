@@ -5,7 +5,7 @@
 #     counts, other rings, d = 64, CUDA-graph replay), over pytest-xdist workers where importable;
 #  2. timing at B=8 and 32, S=16k and 32k, 28/4 heads, d=128 (CUDA graphs, interleaved rounds, medians; the query
 #     preparation, with pdl=True as kv4_decode calls it, inside every decode's graph): the new kernel (rings,
-#     occupancies, PDL: seven variants for KV4, three for KV4-RL) against the Triton
+#     occupancies, PDL, the 8-row softmax: ten variants for KV4, five for KV4-RL) against the Triton
 #     KV4 / KV4-RL kernels (kv4_decode / kv4rl_decode over the contiguous cache, the calls of the kv4 benchmark,
 #     and kv4_paged_decode over the same pool as the new kernel) and SDPA bf16; prints x SDPA, new / Triton and KV4-RL / KV4 measured side by side, and the
 #     largest |o| difference of the new kernel from the Triton paged kernel on the timed pools.
@@ -54,8 +54,14 @@ VARIANTS = {  # name: WSpec4Config fields
     # programmatic dependent launch: stage 1 after the query preparation, the merge after stage 1
     "bn128_r4_pdl": dict(pdl=True),
     "bn128_r3_3cta_pdl": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, pdl=True),
+    # the softmax on the 8 head rows only (20% fewer consumer loop instructions offline)
+    "bn128_r4_r8": dict(rows8=True),
+    "bn128_r4_r8_pdl": dict(rows8=True, pdl=True),
+    "bn128_r3_3cta_r8_pdl": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, rows8=True,
+                                 pdl=True),
 }
-RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta", "bn128_r4_pdl")  # KV4-RL timed with these
+RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta", "bn128_r4_pdl", "bn128_r4_r8_pdl",
+               "bn128_r3_3cta_r8_pdl")  # KV4-RL timed with these
 
 
 def elapsed():

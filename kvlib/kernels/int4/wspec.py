@@ -69,6 +69,8 @@ from kvlib.kernels.int4.launch import SideBuffer
 from kvlib.kernels.int4.protected import _protected_region
 from kvlib.kernels.int4.query import QueryInt8
 from kvlib.kernels.int4.tl_helpers import LOG2E
+from kvlib.kernels.int8 import gluon as G8
+from kvlib.kernels.int8 import wspec_cert as WC
 
 LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: 2^24: the V planes enter PV as the subnormal fp16 ``c 2^-24`` (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)
@@ -93,10 +95,15 @@ class WSpec4Config:
     #: ``griddepcontrol.wait``, before anything else, as the Triton KV4 kernel does) and lets the split merge launch
     #: at once (which waits for stage 1 to complete before it reads the states)
     pdl: bool = False
+    #: the softmax on the 8 head rows of the score fragment only (GQA <= 8; rows 8-15 pad the MMA's M to 16), as the
+    #: certified INT8 kernels do (:func:`kvlib.kernels.int8.wspec_cert.consumer_layouts`' ``Z8``): half the
+    #: per-score work of the 16-row tile; the PV operand is the 8 rows duplicated
+    rows8: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.pdl, bool):
-            raise TypeError(f"pdl must be a bool, got {type(self.pdl).__name__}")
+        for name in ("pdl", "rows8"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("block_n", "ring", "producer_regs", "maxnreg", "ctas_per_sm", "block_p"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -367,6 +374,91 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
     gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
 
 
+@gluon.jit
+def _consumer4_r8(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+                  n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                  GQA: gl.constexpr, HQ: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, BN: gl.constexpr,
+                  RING: gl.constexpr, NW: gl.constexpr, Z8: gl.constexpr):
+    """:func:`_consumer4` with the scores, the softmax and its sums on rows 0-7 of the MMA fragment (layout ``Z8``:
+    the C layout less its row-8 register, a register selection checked by ``assert_trivial``); the same arithmetic
+    per score and per term."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+    NL8: gl.constexpr = gl.SliceLayout(0, Z8)  # positions of the 8-row scores
+    H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # the 8 heads
+
+    hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
+    cA = gl.arange(0, HALF, layout=gl.SliceLayout(0, QA8))
+    q_ptr = Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + 2 * cA[None, :]
+    q0 = gl.load(q_ptr, mask=(hA < GQA)[:, None], other=0)
+    q1 = gl.load(q_ptr + 1, mask=(hA < GQA)[:, None], other=0)
+    h8 = gl.arange(0, 8, layout=H8L)
+    qrow8 = b * HQ + kvh * GQA + h8
+    a_q = gl.load(QS + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
+    c_q = gl.load(QSUM + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
+
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
+    l_t = gl.zeros([8, BN], gl.float32, layout=Z8)
+    am_t = gl.zeros([8, BN], gl.float32, layout=Z8)
+    acc0 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL8)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = (t0 + i) * BN
+        mbarrier.wait(ready.index(s), ph)
+        kt = k_bufs.index(s).permute([1, 0]).load(KB8)
+        zero = gl.zeros([16, BN], gl.int32, layout=MMA)
+        s_int = mma_v2(q0, _nib_lo(kt), zero)
+        s_int = mma_v2(q1, _nib_hi(kt), s_int)
+        s8 = gl.convert_layout(G8._rows8(s_int, BN), Z8, assert_trivial=True)
+        ks = s_bufs.index(s * 4 + 0).load(NL8).to(gl.float32)
+        ko = s_bufs.index(s * 4 + 1).load(NL8).to(gl.float32)
+        z = s8.to(gl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+        pos = n0 + nl
+        z = gl.where(((pos >= start) & (pos < end))[None, :], z, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(z, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(z - m_new[:, None])
+        vs = s_bufs.index(s * 4 + 2).load(NL8).to(gl.float32)
+        vo = s_bufs.index(s * 4 + 3).load(NL8).to(gl.float32)
+        p16 = gl.convert_layout(WC._pad16((p * vs[None, :]).to(gl.float16), BN), PA)  # rows 8-15 a copy (unstored)
+        alpha16 = WC._pad16v(alpha, HL)
+        vw = v_bufs.index(s).load(VB)
+        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha16[:, None])
+        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha16[:, None])
+        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha16[:, None])
+        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha16[:, None])
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        l_t = l_t * alpha[:, None] + p
+        am_t = am_t * alpha[:, None] + p * vo[None, :]
+        m_i = m_new
+
+    l_i = gl.sum(l_t, 1)
+    am = gl.sum(am_t, 1)
+    ok = l_i > 0.0
+    inv = WC._pad16v(gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0), HL)
+    am16 = WC._pad16v(am, HL)
+    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
+    h = gl.arange(0, 16, layout=HL)
+    c4 = 4 * gl.arange(0, QW, layout=gl.SliceLayout(0, MMA))
+    o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c4[None, :]
+    hm = (h < GQA)[:, None]
+    gl.store(o_base, (acc0 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 1, (acc1 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 2, (acc2 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 3, (acc3 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h8) * s_ls_h + split, lse, mask=h8 < GQA)
+
+
 # the split count and the strides that follow the batch are run-time values: one binary serves every batch size and
 # split count (Triton would otherwise specialise a stride of 1 or a multiple of 16 into a new binary)
 @gluon.jit(do_not_specialize=["num_splits", "s_bt_b", "s_os_b", "s_os_h", "s_os_s", "s_ls_b", "s_ls_h"])
@@ -375,6 +467,7 @@ def _wspec4_stage1(
     sm_scale_log2, num_splits, max_len, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
     RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr = False,
+    ROWS8: gl.constexpr = False, Z8: gl.constexpr = None,
 ):
     if PDL:  # as kvlib.kernels.int4.paged._kv4_paged_kernel: wait for the kernel before, then release the next
         _gdc("griddepcontrol.wait; // dummy $0")
@@ -404,13 +497,22 @@ def _wspec4_stage1(
         mbarrier.init(ready.index(i), count=2)  # the producer's arrival and the TMA transaction
         mbarrier.init(empty.index(i), count=1)
 
-    gl.warp_specialize([
-        (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
-                      n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                      GQA, GQA * HKV, HALF, QW, BN, RING, NW)),
-        (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start, end,
-                      t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
-    ], [1], [PRODUCER_REGS])
+    if ROWS8:
+        gl.warp_specialize([
+            (_consumer4_r8, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start,
+                             end, t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                             GQA, GQA * HKV, HALF, QW, BN, RING, NW, Z8)),
+            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end,
+                          t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                          GQA, GQA * HKV, HALF, QW, BN, RING, NW)),
+            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+        ], [1], [PRODUCER_REGS])
 
 
 @triton.jit(do_not_specialize=["C", "SPLIT", "NS"])
@@ -449,7 +551,8 @@ def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int):
 
 def _constexprs(pl: Plan4, cfg: WSpec4Config) -> dict:
     return dict(GQA=pl.gqa, HKV=pl.hkv, D=pl.d, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
-                NW=4, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl)
+                NW=4, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, ROWS8=cfg.rows8,
+                Z8=WC.consumer_layouts(cfg.block_n)["Z8"] if cfg.rows8 else None)
 
 
 def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, *, block_size: int,
