@@ -33,6 +33,12 @@ folds in another order and ``p`` is rounded to fp16 against another running max:
 kernel to fp32 rounding, ``o`` to the fp16 rounding of ``p s_v`` (the tests use the Triton kernel's own tolerances
 against the reference).
 
+Options (:class:`WSpec4Config`, timed side by side by ``dev/gpu/wspec_int4.sh``): ``block_n``/``ring``/``maxnreg``/
+``producer_regs``/``ctas_per_sm`` (two CTAs per SM at 128 registers; three at 80 with a 32-register producer, no
+spills offline); ``pdl`` (programmatic dependent launch, as the Triton KV4 kernel); ``rows8`` (the scores, softmax and
+sums on the 8 head rows of the fragment, the certified INT8 kernels' ``Z8`` selection: 646 -> 514 consumer loop
+instructions per warp per 128-position tile, offline sm_90 SASS at 2026-12-02).
+
 Tiles are aligned to ``block_n`` in absolute positions and splits take whole tiles (as the Triton kernel's blocks),
 so every TMA box (``min(block_size, block_n)`` rows, ``block_size`` a power of two) lies inside one page. A box
 wholly outside ``[start, end)`` reads page 0 (its table load is masked; a KV4-RL region starts past the sinks, and
