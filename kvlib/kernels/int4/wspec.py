@@ -1,0 +1,682 @@
+"""Warp-specialised KV4 / KV4-RL paged decode in Gluon (GPU only; not wired into the dispatcher, issue 28).
+
+Contract: the request of :func:`kvlib.kernels.int4.paged.kv4_paged_decode`, the same arguments and the same result.
+A query prepared by :func:`kvlib.kernels.int4.query.prepare_query` (INT8 ``q8 [B, Hq, d]``, per-row ``scale``,
+``qsum``; the Hadamard rotation happens there, not here), ``Hq = GQA * H_kv`` with ``GQA <= 8``, ``d`` 128 or 64;
+the paged INT4 pool ``k_codes, v_codes`` uint8 ``[num_blocks, block_size, H_kv, d / 2]`` (two codes per byte, even
+channel low), fp16 ``k_scale, k_off, v_scale, v_off [num_blocks, block_size, H_kv]`` (whole-head affine), an int32
+``block_table [B, max_blocks]`` and the INT4 region ``[start_b, end_b)`` per request; for KV4-RL a
+:class:`~kvlib.kernels.int4.launch.SideBuffer`. Returns ``(o [B, Hq, d] fp32, lse [B, Hq])``.
+
+Design (:mod:`kvlib.kernels.int8.wspec`'s, one CTA per (request, KV head, split)):
+
+* a **producer partition** (one warp) walks the block table and streams each tile's K and V code boxes by TMA into
+  a ``ring``-deep shared-memory ring under mbarrier pairs (a page of one head is a ``[rows, d / 2]``-byte strided
+  box of the ``[num_blocks * block_size, H_kv * d / 2]`` view: 64-byte rows at d = 128, inside TMA's 16-byte row
+  rule; the V box is read as int16 words, four codes each, as the Triton kernel reads V). The four fp16
+  scale/offset rows (2 bytes per position and head, ``H_kv`` apart: too narrow and too strided for a TMA box) are
+  gathered with plain loads a tile ahead (while the producer waits for a free stage) and stored into the stage;
+  the producer's arrival plus the TMA transaction complete ``ready`` (count 2);
+* the **consumer partition** (the default one, one warpgroup) computes the Triton kernel's arithmetic
+  (:func:`kvlib.kernels.int4.paged._paged_step`, bytes mode, fp16 PV), operand for operand:
+  QK as two INT8 tensor-core MMAs (even channels x low nibbles, odd channels x high nibbles, int32 accumulate:
+  exact), then ``s = float(s_int) (a_q s_k) + c_q m_k`` with ``a_q = s_q sm log2 e``, ``c_q = s_q sum q8 sm log2 e``
+  (the same expression; the offline sm_90 PTX of both kernels computes it as the same ``mul``, ``mul``,
+  ``fma.rn`` after the same ``mma ... s32.s8.s8.s32``, so each score should be the Triton kernel's bit for bit: not
+  yet checked on a GPU); the online softmax in base 2 with the sums kept per (head, position) tile; PV as fp16
+  ``p s_v`` x the V codes as the exact subnormal fp16 ``c 2^-24`` (one ``and`` per two codes), four nibble planes
+  (channels ``4 i + j``), fp32 accumulate, ``2^24`` and the offsets' sum ``sum p m_v`` applied at the end. The TMA
+  of the next ``ring - 1`` tiles runs under this tile's math.
+
+Per score the arithmetic is the Triton kernel's; the tiles (``block_n``) and splits differ, so the online softmax
+folds in another order and ``p`` is rounded to fp16 against another running max: ``lse`` agrees with the Triton
+kernel to fp32 rounding, ``o`` to the fp16 rounding of ``p s_v`` (the tests use the Triton kernel's own tolerances
+against the reference).
+
+Options (:class:`WSpec4Config`, timed side by side by ``dev/gpu/wspec_int4.sh``): ``block_n``/``ring``/``maxnreg``/
+``producer_regs``/``ctas_per_sm`` (two CTAs per SM at 128 registers; three at 80 with a 32-register producer, no
+spills offline); ``pdl`` (programmatic dependent launch, as the Triton KV4 kernel); ``rows8`` (the scores, softmax and
+sums on the 8 head rows of the fragment, the certified INT8 kernels' ``Z8`` selection: 646 -> 514 consumer loop
+instructions per warp per 128-position tile, offline sm_90 SASS at 2026-12-02).
+
+Tiles are aligned to ``block_n`` in absolute positions and splits take whole tiles (as the Triton kernel's blocks),
+so every TMA box (``min(block_size, block_n)`` rows, ``block_size`` a power of two) lies inside one page. A box
+wholly outside ``[start, end)`` reads page 0 (its table load is masked; a KV4-RL region starts past the sinks, and
+table entries outside the region may be -1); positions outside the region get score ``-inf`` and value scale and
+offset 0 (their scale loads are masked), so whatever a fresh page holds (NaN scales) never reaches the output.
+
+**KV4-RL**: the side region (INT8 sinks and recent positions) is the existing protected-region body
+:func:`kvlib.kernels.int4.protected._protected_region`, launched by a two-line Triton wrapper that writes its state
+into the last slot of this kernel's split states, and one :func:`kvlib.kernels.tl.merge.merge_splits` combines them
+all. Reuse rather than a second implementation: the side region is at most ``sink + recent`` slots (144 at the
+chapter's default, under 1% of a 16k row), its arithmetic (INT8 QK, bf16 PV) is already tested against its
+reference, and a Gluon copy would be a second body to keep equal to it. The price is one more launch than the
+Triton KV4-RL (which runs the region as an extra program of its own launch); ``dev/gpu/wspec_int4.sh`` measures it.
+
+:func:`plan` validates every argument (ValueError/TypeError naming it; it calls the paged launcher's own checks)
+and picks the splits without a GPU; :func:`wspec4_reference` validates as :func:`plan` and calls the family's torch
+reference :func:`kvlib.kernels.int4.paged.kv4_paged_decode_ref`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from kvlib.kernels.int4.launch import SideBuffer
+from kvlib.kernels.int4.protected import _protected_region
+from kvlib.kernels.int4.query import QueryInt8
+from kvlib.kernels.int4.tl_helpers import LOG2E
+from kvlib.kernels.int8 import gluon as G8
+from kvlib.kernels.int8 import wspec_cert as WC
+
+LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
+#: 2^24: the V planes enter PV as the subnormal fp16 ``c 2^-24`` (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)
+V_UNSUB_G: gl.constexpr = gl.constexpr(16777216.0)
+#: fewest query rows of the protected region's tile (:data:`kvlib.kernels.int4.config.MIN_ROWS`, as the fused launch)
+_MIN_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class WSpec4Config:
+    """Compile-time shape: ``block_n`` positions per tile, ``ring`` shared-memory stages, the producer warp's
+    registers, the launch's ``maxnreg`` (per thread over the CTA: how many CTAs fit an SM), ``ctas_per_sm`` for the
+    split planner, ``block_p`` side slots per step of the KV4-RL protected region."""
+
+    block_n: int = 128
+    ring: int = 4
+    producer_regs: int = 64
+    maxnreg: int = 128
+    ctas_per_sm: int = 2
+    block_p: int = 32
+    #: programmatic dependent launch (sm_90): stage 1 may launch while the kernel before it finishes (it waits,
+    #: ``griddepcontrol.wait``, before anything else, as the Triton KV4 kernel does) and lets the split merge launch
+    #: at once (which waits for stage 1 to complete before it reads the states)
+    pdl: bool = False
+    #: the softmax on the 8 head rows of the score fragment only (GQA <= 8; rows 8-15 pad the MMA's M to 16), as the
+    #: certified INT8 kernels do (:func:`kvlib.kernels.int8.wspec_cert.consumer_layouts`' ``Z8``): half the
+    #: per-score work of the 16-row tile; the PV operand is the 8 rows duplicated
+    rows8: bool = False
+
+    def __post_init__(self):
+        for name in ("pdl", "rows8"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("block_n", "ring", "producer_regs", "maxnreg", "ctas_per_sm", "block_p"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if self.block_n not in (32, 64, 128, 256):
+            raise ValueError(f"block_n must be 32, 64, 128 or 256 (a TMA box has at most 256 rows), got {self.block_n}")
+        if not 2 <= self.ring <= 8:
+            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
+        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
+            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
+        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
+        if self.ctas_per_sm < 1:
+            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+        if self.block_p not in (16, 32, 64):
+            raise ValueError(f"block_p must be 16, 32 or 64, got {self.block_p}")
+
+    def smem_bytes(self, d: int = 128) -> int:
+        """Shared memory of the ring (K and V codes, four fp16 scale rows, two mbarriers per stage)."""
+        return self.ring * (self.block_n * d + 8 * self.block_n + 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan4:
+    """A validated launch: shapes, the split count (INT4 splits; the side region's state comes after them), the TMA
+    box rows and the states per (request, KV head)."""
+
+    batch: int
+    hq: int
+    hkv: int
+    gqa: int
+    d: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    side_slots: int
+    num_splits: int
+    box_rows: int
+    states: int
+    sm_scale: float
+
+
+def plan(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, *, block_size: int,
+         side: SideBuffer | None = None, config: WSpec4Config | None = None, sm_scale: float | None = None,
+         num_splits: int | None = None, sms: int | None = None) -> Plan4:
+    """Validate a request (ValueError/TypeError naming the argument; the paged launcher's checks, then this kernel's
+    limits) and choose its splits: one wave of at most ``ctas_per_sm`` CTAs per SM over ``sms`` SMs (the device's
+    count when None and on CUDA, else 132), at least 4 tiles per split. Needs no GPU."""
+    from kvlib.kernels.int4.paged import _check_paged
+
+    cfg = config if config is not None else WSpec4Config()
+    if not isinstance(cfg, WSpec4Config):
+        raise TypeError(f"config must be a WSpec4Config, got {type(cfg).__name__}")
+    if not isinstance(qp, QueryInt8):
+        raise TypeError(f"qp must be a QueryInt8 (kvlib.kernels.int4.query.prepare_query), got {type(qp).__name__}")
+    if side is not None and not isinstance(side, SideBuffer):
+        raise TypeError(f"side must be a SideBuffer or None, got {type(side).__name__}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    hkv, maxb, c, d = _check_paged(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end,
+                                   block_size, side)
+    B, hq, _ = qp.q8.shape
+    gqa = hq // hkv
+    if d not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128 (16-byte TMA rows of d / 2 code bytes), got {d}")
+    if gqa > 8:
+        raise ValueError(f"qp: at most 8 query heads per KV head (heads are the MMA's M, padded to 16), got {gqa}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8 (TMA boxes inside one page), got {block_size}")
+    for name, t in (("qp.scale", qp.scale), ("qp.qsum", qp.qsum)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, hq):
+            raise ValueError(f"{name} must be a float32 [B={B}, Hq={hq}] tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    tensors = {"qp.q8": qp.q8, "qp.scale": qp.scale, "qp.qsum": qp.qsum, "k_codes": k_codes, "k_scale": k_scale,
+               "k_off": k_off, "v_codes": v_codes, "v_scale": v_scale, "v_off": v_off, "block_table": block_table,
+               "start": start, "end": end}
+    if side is not None:
+        tensors |= {f"side.{n}": getattr(side, n) for n in SideBuffer._fields}
+    for name in ("qp.scale", "qp.qsum", "k_codes", "k_scale", "k_off", "v_codes", "v_scale", "v_off", "block_table"):
+        if not tensors[name].is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the TMA descriptors and the row gathers assume it)")
+    devs = {str(t.device) for t in tensors.values()}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(devs)}")
+    sm = d**-0.5 if sm_scale is None else sm_scale
+    if isinstance(sm, bool) or not isinstance(sm, (int, float)) or not math.isfinite(sm) or sm <= 0:
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale!r}")
+    max_len = maxb * block_size
+    if num_splits is None:
+        if sms is None:
+            sms = torch.cuda.get_device_properties(qp.q8.device).multi_processor_count if qp.q8.is_cuda else 132
+        # floor: whole waves (B = 32, H_kv = 4 on 132 SMs: 2 splits, 256 CTAs, not 3 and a 45% second wave)
+        num_splits = max(1, min(sms * cfg.ctas_per_sm // max(1, B * hkv), math.ceil(max_len / (4 * cfg.block_n))))
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return Plan4(B, hq, hkv, gqa, d, block_size, k_codes.shape[0], maxb, c, num_splits,
+                 min(block_size, cfg.block_n), num_splits + int(side is not None), float(sm))
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel
+@gluon.jit
+def _gather4(KS, KO, VS, VO, BT_row, n, start, end, kvh, HKV: gl.constexpr, PAGE: gl.constexpr):
+    """The four fp16 scale/offset values (0 outside ``[start, end)``) of positions ``n``: row ``(page * PAGE +
+    slot) * HKV + kvh`` of the ``[num_blocks, PAGE, HKV]`` tensors."""
+    m = (n >= start) & (n < end)
+    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+    idx = (blk.to(gl.int64) * PAGE + n % PAGE) * HKV + kvh
+    return (gl.load(KS + idx, mask=m, other=0.0), gl.load(KO + idx, mask=m, other=0.0),
+            gl.load(VS + idx, mask=m, other=0.0), gl.load(VO + idx, mask=m, other=0.0))
+
+
+@gluon.jit
+def _producer4(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start, end, t0,
+               n_tiles, HKV: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, PAGE: gl.constexpr,
+               BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr):
+    """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` over the INT4 pool. Per tile: wait for its stage to
+    be free, TMA its K byte boxes and V word boxes (one per page piece), store the four scale rows gathered while
+    waiting, arrive on ``ready``; then gather the next tile's."""
+    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    ks, ko, vs, vo = _gather4(KS, KO, VS, VO, BT_row, t0 * BN + nn, start, end, kvh, HKV, PAGE)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
+        mbarrier.wait(empty.index(s), ph ^ 1)
+        mbarrier.expect(ready.index(s), BN * HALF + BN * QW * 2)
+        n0 = (t0 + i) * BN
+        for j in gl.static_range(BN // RBOX):
+            n = n0 + j * RBOX
+            # a box wholly outside the region reads page 0 (its table entry may be -1)
+            blk = gl.load(BT_row + n // PAGE, mask=(n + RBOX > start) & (n < end), other=0)
+            row = blk * PAGE + n % PAGE
+            tma.async_copy_global_to_shared(k_desc, [row, kvh * HALF], ready.index(s),
+                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row, kvh * QW], ready.index(s),
+                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+        s_bufs.index(s * 4 + 0).store(ks)
+        s_bufs.index(s * 4 + 1).store(ko)
+        s_bufs.index(s * 4 + 2).store(vs)
+        s_bufs.index(s * 4 + 3).store(vo)
+        gl.thread_barrier()  # every lane's stores before the one arrival
+        mbarrier.arrive(ready.index(s), count=1)
+        # the next tile's (all masked past the split: no memory traffic)
+        ks, ko, vs, vo = _gather4(KS, KO, VS, VO, BT_row, n0 + BN + nn, start, end, kvh, HKV, PAGE)
+
+
+@gluon.jit
+def _gdc(asm: gl.constexpr):
+    """A grid-dependency-control instruction (:mod:`triton.language.extra.cuda.gdc`'s form: a dummy output)."""
+    gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _nib_lo(x):
+    """Low nibbles of uint8 codes (held as int8) as int8: one ``and`` per four codes
+    (:func:`kvlib.kernels.int4.tl_helpers._nibbles_i8`)."""
+    return gl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [x], dtype=gl.int8, is_pure=True,
+                                     pack=4)
+
+
+@gluon.jit
+def _nib_hi(x):
+    """High nibbles as int8 (:func:`kvlib.kernels.int4.tl_helpers._nibbles_i8` with ``HIGH``)."""
+    return gl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }", "=r,r", [x],
+                                     dtype=gl.int8, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _plane(w, J: gl.constexpr):
+    """Nibble ``J`` (channel ``4 i + J``) of int16 words of four codes as the exact subnormal fp16 ``c 2^-24``: one
+    ``and`` (and a shift for J > 0) per two codes (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)."""
+    if J == 0:
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [w], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+    elif J == 1:
+        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }", "=r,r",
+                                         [w], dtype=gl.float16, is_pure=True, pack=2)
+    elif J == 2:
+        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }", "=r,r",
+                                         [w], dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }", "=r,r",
+                                         [w], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+               n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+               GQA: gl.constexpr, HQ: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, BN: gl.constexpr,
+               RING: gl.constexpr, NW: gl.constexpr):
+    """The consumer warpgroup: per stage, QK (two INT8 MMAs), the online softmax, PV (four fp16 MMAs over the
+    nibble planes), then free the stage; the split's state at the end."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)  # int8 operands
+    KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)  # fp16 operands
+    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)  # positions of the scores
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)  # heads
+
+    # the query: even / odd channels as the two QK A operands (heads as M, zero rows past GQA)
+    hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
+    cA = gl.arange(0, HALF, layout=gl.SliceLayout(0, QA8))
+    q_ptr = Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + 2 * cA[None, :]
+    q0 = gl.load(q_ptr, mask=(hA < GQA)[:, None], other=0)
+    q1 = gl.load(q_ptr + 1, mask=(hA < GQA)[:, None], other=0)
+    h = gl.arange(0, 16, layout=HL)
+    qrow = b * HQ + kvh * GQA + h
+    a_q = gl.load(QS + qrow, mask=h < GQA, other=0.0) * sm_scale_log2
+    c_q = gl.load(QSUM + qrow, mask=h < GQA, other=0.0) * sm_scale_log2
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)  # the softmax sums per (head, position): one reduction at the end
+    am_t = gl.zeros([16, BN], gl.float32, layout=MMA)  # sum p m_v, likewise
+    acc0 = gl.zeros([16, QW], gl.float32, layout=MMA)  # channels 4 i + 0
+    acc1 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = (t0 + i) * BN
+        mbarrier.wait(ready.index(s), ph)
+        # QK: the key bytes [HALF, BN] as the B operand, low and high nibbles (exact int32, as the Triton dots)
+        kt = k_bufs.index(s).permute([1, 0]).load(KB8)
+        zero = gl.zeros([16, BN], gl.int32, layout=MMA)
+        s_int = mma_v2(q0, _nib_lo(kt), zero)
+        s_int = mma_v2(q1, _nib_hi(kt), s_int)
+        ks = s_bufs.index(s * 4 + 0).load(NL).to(gl.float32)
+        ko = s_bufs.index(s * 4 + 1).load(NL).to(gl.float32)
+        z = s_int.to(gl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+        pos = n0 + nl
+        z = gl.where(((pos >= start) & (pos < end))[None, :], z, float("-inf"))
+        # a tile always holds a position of the region, so m_new is finite
+        m_new = gl.maximum(m_i, gl.max(z, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(z - m_new[:, None])
+        vs = s_bufs.index(s * 4 + 2).load(NL).to(gl.float32)
+        vo = s_bufs.index(s * 4 + 3).load(NL).to(gl.float32)
+        p16 = gl.convert_layout((p * vs[None, :]).to(gl.float16), PA)  # fp16(p s_v), the Triton kernel's operand
+        vw = v_bufs.index(s).load(VB)  # [BN, QW] int16 words, channels 4 i .. 4 i + 3
+        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha[:, None])
+        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha[:, None])
+        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha[:, None])
+        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha[:, None])
+        # the stage's reads are done: order them before the next TMA write, then free it
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        l_t = l_t * alpha[:, None] + p
+        am_t = am_t * alpha[:, None] + p * vo[None, :]
+        m_i = m_new
+
+    # the split's state, as the Triton kernel's epilogue: o = (2^24 acc + sum p m_v) / l, 0 for an empty split
+    l_i = gl.sum(l_t, 1)
+    am = gl.sum(am_t, 1)
+    ok = l_i > 0.0
+    inv = gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0)
+    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
+    c4 = 4 * gl.arange(0, QW, layout=gl.SliceLayout(0, MMA))
+    o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c4[None, :]
+    hm = (h < GQA)[:, None]
+    gl.store(o_base, (acc0 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 1, (acc1 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 2, (acc2 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 3, (acc3 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
+
+
+@gluon.jit
+def _consumer4_r8(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+                  n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                  GQA: gl.constexpr, HQ: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, BN: gl.constexpr,
+                  RING: gl.constexpr, NW: gl.constexpr, Z8: gl.constexpr):
+    """:func:`_consumer4` with the scores, the softmax and its sums on rows 0-7 of the MMA fragment (layout ``Z8``:
+    the C layout less its row-8 register, a register selection checked by ``assert_trivial``); the same arithmetic
+    per score and per term."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+    NL8: gl.constexpr = gl.SliceLayout(0, Z8)  # positions of the 8-row scores
+    H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # the 8 heads
+
+    hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
+    cA = gl.arange(0, HALF, layout=gl.SliceLayout(0, QA8))
+    q_ptr = Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + 2 * cA[None, :]
+    q0 = gl.load(q_ptr, mask=(hA < GQA)[:, None], other=0)
+    q1 = gl.load(q_ptr + 1, mask=(hA < GQA)[:, None], other=0)
+    h8 = gl.arange(0, 8, layout=H8L)
+    qrow8 = b * HQ + kvh * GQA + h8
+    a_q = gl.load(QS + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
+    c_q = gl.load(QSUM + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
+
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
+    l_t = gl.zeros([8, BN], gl.float32, layout=Z8)
+    am_t = gl.zeros([8, BN], gl.float32, layout=Z8)
+    acc0 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc1 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc2 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    acc3 = gl.zeros([16, QW], gl.float32, layout=MMA)
+    nl = gl.arange(0, BN, layout=NL8)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        n0 = (t0 + i) * BN
+        mbarrier.wait(ready.index(s), ph)
+        kt = k_bufs.index(s).permute([1, 0]).load(KB8)
+        zero = gl.zeros([16, BN], gl.int32, layout=MMA)
+        s_int = mma_v2(q0, _nib_lo(kt), zero)
+        s_int = mma_v2(q1, _nib_hi(kt), s_int)
+        s8 = gl.convert_layout(G8._rows8(s_int, BN), Z8, assert_trivial=True)
+        ks = s_bufs.index(s * 4 + 0).load(NL8).to(gl.float32)
+        ko = s_bufs.index(s * 4 + 1).load(NL8).to(gl.float32)
+        z = s8.to(gl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
+        pos = n0 + nl
+        z = gl.where(((pos >= start) & (pos < end))[None, :], z, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(z, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(z - m_new[:, None])
+        vs = s_bufs.index(s * 4 + 2).load(NL8).to(gl.float32)
+        vo = s_bufs.index(s * 4 + 3).load(NL8).to(gl.float32)
+        p16 = gl.convert_layout(WC._pad16((p * vs[None, :]).to(gl.float16), BN), PA)  # rows 8-15 a copy (unstored)
+        alpha16 = WC._pad16v(alpha, HL)
+        vw = v_bufs.index(s).load(VB)
+        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha16[:, None])
+        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha16[:, None])
+        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha16[:, None])
+        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha16[:, None])
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        l_t = l_t * alpha[:, None] + p
+        am_t = am_t * alpha[:, None] + p * vo[None, :]
+        m_i = m_new
+
+    l_i = gl.sum(l_t, 1)
+    am = gl.sum(am_t, 1)
+    ok = l_i > 0.0
+    inv = WC._pad16v(gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0), HL)
+    am16 = WC._pad16v(am, HL)
+    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
+    h = gl.arange(0, 16, layout=HL)
+    c4 = 4 * gl.arange(0, QW, layout=gl.SliceLayout(0, MMA))
+    o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c4[None, :]
+    hm = (h < GQA)[:, None]
+    gl.store(o_base, (acc0 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 1, (acc1 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 2, (acc2 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(o_base + 3, (acc3 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h8) * s_ls_h + split, lse, mask=h8 < GQA)
+
+
+# the split count and the strides that follow the batch are run-time values: one binary serves every batch size and
+# split count (Triton would otherwise specialise a stride of 1 or a multiple of 16 into a new binary)
+@gluon.jit(do_not_specialize=["num_splits", "s_bt_b", "s_os_b", "s_os_h", "s_os_s", "s_ls_b", "s_ls_h"])
+def _wspec4_stage1(
+    Q8, QS, QSUM, k_desc, v_desc, KS, KO, VS, VO, BT, START, END, O_S, LSE_S,
+    sm_scale_log2, num_splits, max_len, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    GQA: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+    RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr = False,
+    ROWS8: gl.constexpr = False, Z8: gl.constexpr = None,
+):
+    if PDL:  # as kvlib.kernels.int4.paged._kv4_paged_kernel: wait for the kernel before, then release the next
+        _gdc("griddepcontrol.wait; // dummy $0")
+        _gdc("griddepcontrol.launch_dependents; // dummy $0")
+    HALF: gl.constexpr = D // 2  # code bytes per (position, head)
+    QW: gl.constexpr = D // 4  # int16 words of four codes
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    # the Triton kernel's split plan (kvlib.kernels.int4.paged._paged_region): whole aligned tiles per split
+    start = gl.load(START + b)
+    end = gl.maximum(gl.minimum(gl.load(END + b), max_len), start)  # within the table
+    first = start // BN
+    nblk = gl.where(end > start, gl.cdiv(end, BN) - first, 0)
+    bps = gl.cdiv(nblk, num_splits)
+    t0 = first + split * bps
+    n_tiles = gl.maximum(gl.minimum(t0 + bps, first + nblk) - t0, 0)
+    BT_row = BT + b * s_bt_b
+
+    k_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, HALF], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.int16, [RING, BN, QW], v_desc.layout)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    s_bufs = gl.allocate_shared_memory(gl.float16, [RING * 4, BN], SL)  # row stage * 4 + (s_k, m_k, s_v, m_v)
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(ready.index(i), count=2)  # the producer's arrival and the TMA transaction
+        mbarrier.init(empty.index(i), count=1)
+
+    if ROWS8:
+        gl.warp_specialize([
+            (_consumer4_r8, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start,
+                             end, t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                             GQA, GQA * HKV, HALF, QW, BN, RING, NW, Z8)),
+            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end,
+                          t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                          GQA, GQA * HKV, HALF, QW, BN, RING, NW)),
+            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+        ], [1], [PRODUCER_REGS])
+
+
+@triton.jit(do_not_specialize=["C", "SPLIT", "NS"])
+def _side_state(Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2, C, SPLIT, NS, HKV: tl.constexpr,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, INTERP: tl.constexpr):
+    """Grid ``(B, Hkv)``: the existing protected-region body, its state written as state ``SPLIT`` of ``NS``
+    (the slot after the INT4 splits of ``OUT [B, Hq, NS, D]``, ``LSE [B, Hq, NS]``)."""
+    _protected_region(tl.program_id(0), tl.program_id(1), Q8, QS, K8, K8S, V8, V8S, COUNT, OUT, LSE, sm_scale_log2,
+                      C, SPLIT, NS, HKV, G, GP, D, BLOCK_P, INTERP)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+def smem_layouts(box_rows: int, d: int = 128):
+    """The NVMMA shared layouts of one K box (``[box_rows, d / 2]`` bytes) and one V box (``[box_rows, d / 4]``
+    int16 words), also the ring's: the swizzle Triton picks for the row width (64 bytes at d = 128: 64-byte
+    swizzling; 32 at d = 64; the int8 kernel's unswizzled ring read back wrong codes on the H200, so none is
+    unswizzled)."""
+    k = gl.NVMMASharedLayout.get_default_for([box_rows, d // 2], gl.int8)
+    v = gl.NVMMASharedLayout.get_default_for([box_rows, d // 4], gl.int16)
+    return k, v
+
+
+def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int):
+    """TMA descriptors over the ``[num_blocks * block_size, H_kv * d / 2]`` byte view of the K pages (as int8: the
+    nibbles are bit operations) and the ``[num_blocks * block_size, H_kv * d / 4]`` int16 view of the V pages."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    nb, bs, hkv, half = k_codes.shape
+    kl, vl = smem_layouts(box_rows, 2 * half)
+    kf = k_codes.view(torch.int8).view(nb * bs, hkv * half)
+    vf = v_codes.view(torch.int16).view(nb * bs, hkv * half // 2)
+    return (TensorDescriptor(kf, [nb * bs, hkv * half], [hkv * half, 1], [box_rows, half], kl),
+            TensorDescriptor(vf, [nb * bs, hkv * half // 2], [hkv * half // 2, 1], [box_rows, half // 2], vl))
+
+
+def _constexprs(pl: Plan4, cfg: WSpec4Config) -> dict:
+    return dict(GQA=pl.gqa, HKV=pl.hkv, D=pl.d, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
+                NW=4, PRODUCER_REGS=cfg.producer_regs, PDL=cfg.pdl, ROWS8=cfg.rows8,
+                Z8=WC.consumer_layouts(cfg.block_n)["Z8"] if cfg.rows8 else None)
+
+
+def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, *, block_size: int,
+                  side: SideBuffer | None = None, config: WSpec4Config | None = None, sm_scale: float | None = None,
+                  num_splits: int | None = None, descs=None, out=None):
+    """Launch stage 1 (and with ``side`` the protected region's state after the INT4 splits): per-split
+    ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log; ``NS`` the splits + 1 with ``side``).
+    ``descs``, ``out``: prebuilt TMA descriptors and ``(o_s, lse_s)`` (a CUDA graph captures no host work)."""
+    cfg = config if config is not None else WSpec4Config()
+    pl = plan(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, block_size=block_size,
+              side=side, config=cfg, sm_scale=sm_scale, num_splits=num_splits)
+    if not qp.q8.is_cuda:
+        raise ValueError("qp: the warp-specialised kernel needs a CUDA (Hopper) device")
+    kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows)
+    B, hq, d, ns = pl.batch, pl.hq, pl.d, pl.states
+    if out is None:
+        o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=qp.q8.device)
+        lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=qp.q8.device)
+    else:
+        o_s, lse_s = out
+    q8 = qp.q8.contiguous()
+    start32, end32 = start.to(torch.int32), end.to(torch.int32)
+    sml2 = pl.sm_scale * LOG2E
+    if side is not None:
+        _launch_side(qp, side, o_s, lse_s, pl, cfg, sml2)
+    _wspec4_stage1[(B, pl.hkv, pl.num_splits)](
+        q8, qp.scale, qp.qsum, kd, vd, k_scale, k_off, v_scale, v_off, block_table, start32, end32, o_s, lse_s,
+        sml2, pl.num_splits, pl.max_blocks * pl.block_size, q8.stride(0), q8.stride(1), block_table.stride(0),
+        o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
+        **_constexprs(pl, cfg), num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
+    )
+    return o_s, lse_s
+
+
+def _launch_side(qp, side: SideBuffer, o_s, lse_s, pl: Plan4, cfg: WSpec4Config, sml2: float) -> None:
+    """The protected region's state into slot ``pl.num_splits`` of ``o_s``/``lse_s`` (contiguous: the region body
+    addresses ``(row * NS + slot) * d``)."""
+    if not (o_s.is_contiguous() and lse_s.is_contiguous()):
+        raise ValueError("out: the split states must be contiguous with a side buffer")
+    k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
+    _side_state[(pl.batch, pl.hkv)](
+        qp.q8.contiguous(), qp.scale, k8, k8s, v8, v8s, side.count.to(torch.int32), o_s, lse_s, sml2,
+        pl.side_slots, pl.num_splits, pl.states, HKV=pl.hkv, G=pl.gqa,
+        GP=max(_MIN_ROWS, triton.next_power_of_2(pl.gqa)), D=pl.d, BLOCK_P=cfg.block_p,
+        INTERP=not qp.q8.is_cuda, num_warps=4)
+
+
+def side_state(qp, side: SideBuffer, o_s, lse_s, *, split: int, config: WSpec4Config | None = None,
+               sm_scale: float | None = None) -> None:
+    """Write the protected region's state alone into state ``split`` of ``o_s [B, Hq, NS, d]``, ``lse_s``: what
+    :func:`wspec4_stage1` launches beside the INT4 splits; runs on the CPU under ``TRITON_INTERPRET=1`` (the tests
+    check its indexing against :func:`kvlib.kernels.int4.protected.protected_decode_ref` there)."""
+    from kvlib.kernels.int4.launch import _check_side
+
+    cfg = config if config is not None else WSpec4Config()
+    B, hq, d = qp.q8.shape
+    hkv = side.k8.shape[1]
+    c = _check_side(side, B, hkv, d)
+    ns = o_s.shape[2]
+    if not 0 <= split < ns:
+        raise ValueError(f"split must be in [0, {ns}), got {split}")
+    sm = d**-0.5 if sm_scale is None else float(sm_scale)
+    pl = Plan4(B, hq, hkv, hq // hkv, d, 0, 0, 0, c, split, 0, ns, sm)
+    _launch_side(qp, side, o_s, lse_s, pl, cfg, sm * LOG2E)
+
+
+def wspec4_decode(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, **kw):
+    """Stage 1 and the exact LSE merge (:func:`kvlib.kernels.tl.merge.merge_splits`): ``(o [B, Hq, d] fp32,
+    lse [B, Hq])``, the result of :func:`kvlib.kernels.int4.paged.kv4_paged_decode`."""
+    from kvlib.kernels.tl.merge import merge_splits
+
+    o_s, lse_s = wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, **kw)
+    m = merge_splits(o_s, lse_s, pdl=True)
+    return m.o, m.lse
+
+
+def wspec4_decode_q(q, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, **kw):
+    """:func:`wspec4_decode` of the raw query ``q [B, Hq, d]``: rotated and quantised first by the family's
+    :func:`kvlib.kernels.int4.query.prepare_query` (keys are stored rotated)."""
+    from kvlib.kernels.int4.query import prepare_query
+
+    return wspec4_decode(prepare_query(q), k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end,
+                         **kw)
+
+
+def wspec4_reference(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, *,
+                     block_size: int, side: SideBuffer | None = None, sm_scale: float | None = None):
+    """The torch reference of the same request, validated as the kernel's (:func:`plan`):
+    :func:`kvlib.kernels.int4.paged.kv4_paged_decode_ref` (the paged pool gathered, exact attention of the
+    dequantised query over the dequantised INT4 region, merged with the side buffer's)."""
+    from kvlib.kernels.int4.paged import kv4_paged_decode_ref
+
+    plan(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end, block_size=block_size,
+         side=side, sm_scale=sm_scale, num_splits=1)
+    return kv4_paged_decode_ref(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end,
+                                block_size=block_size, side=side, sm_scale=sm_scale)
+
+
+def compile_offline(config: WSpec4Config | None = None, *, gqa: int = 7, hkv: int = 4, d: int = 128,
+                    block_size: int = 16):
+    """Compile the kernel for sm_90 without a GPU (Triton's own ptxas): the compiled kernel, whose ``asm`` holds
+    the TTGIR/PTX/cubin. Raises the compiler's error where the kernel does not build."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config if config is not None else WSpec4Config()
+    rbox = min(block_size, cfg.block_n)
+    kl, vl = smem_layouts(rbox, d)
+    ptrs = {"Q8": "*i8", "QS": "*fp32", "QSUM": "*fp32", "k_desc": f"tensordesc<i8[{rbox}, {d // 2}],{kl!r}>",
+            "v_desc": f"tensordesc<i16[{rbox}, {d // 4}],{vl!r}>", "KS": "*fp16", "KO": "*fp16", "VS": "*fp16",
+            "VO": "*fp16", "BT": "*i32", "START": "*i32", "END": "*i32", "O_S": "*fp32", "LSE_S": "*fp32"}
+    pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 0, 1, rbox, 1, d**-0.5)
+    const = _constexprs(pl, cfg)
+    params = inspect.signature(_wspec4_stage1.fn).parameters
+    sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_scale_log2" else "i32"))
+           for n in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
+    return triton.compile(GluonASTSource(_wspec4_stage1, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": cfg.maxnreg})
