@@ -23,11 +23,16 @@ NAME = "witcert_kernel_anatomy"
 DEVICE = "curation of H200 records"
 
 
-def _load(stem: str) -> dict[str, Any]:
-    path = repo_root() / "dev" / "results" / f"{stem}.json"
+def load_record(root: Path, stem: str) -> dict[str, Any]:
+    """``dev/results/<stem>.json`` under ``root``; a missing record is an error, never skipped."""
+    path = root / "dev" / "results" / f"{stem}.json"
     if not path.exists():
         raise FileNotFoundError(f"source record {path} is missing")
     return json.loads(path.read_text())
+
+
+def _load(stem: str) -> dict[str, Any]:
+    return load_record(repo_root(), stem)
 
 
 def _rows(doc: dict[str, Any], kind: str | None = None, B: int | None = None, S: int | None = None) -> list[dict]:
@@ -155,25 +160,37 @@ def recorded_state(prov: dict[str, Any]) -> dict[str, Any]:
             "ran_uncommitted_code": dirty or uncommitted}
 
 
-def curate() -> dict[str, Any]:
+def curate_sources(sources: dict[str, tuple[str, str, Any]], name: str, command: str,
+                   load: Any = _load) -> dict[str, Any]:
+    """The curated result ``name``: per key of ``sources`` (``key: (record stem, what, extractor)``) the record's
+    name, its provenance verbatim, what that provenance says of its code, and the extracted values; plus a
+    provenance of the curation itself. Shared by every curation script of ``dev/``."""
     started = _dt.datetime.now(_dt.UTC)
     out = {}
-    for key, (stem, what, fn) in SOURCES.items():
-        doc = _load(stem)
+    for key, (stem, what, fn) in sources.items():
+        doc = load(stem)
         out[key] = {"record": f"dev/results/{stem}.json", "what": what, "provenance": doc["provenance"],
                     "recorded_state": recorded_state(doc["provenance"]), "values": fn(doc)}
-    prov = provenance({"command": "python -m dev.curate_kernel_anatomy", "sources": sorted(
-        f"dev/results/{s}.json" for s, _, _ in SOURCES.values())}, started)
+    prov = provenance({"command": command, "sources": sorted(f"dev/results/{s}.json" for s, _, _ in sources.values())},
+                      started)
     prov["device"] = {"device": DEVICE, "note": "no measurement: values copied from the H200 records named in "
                       "results.sources, each with its own provenance"}
-    return {"name": NAME, "profile": "gpu", "provenance": prov, "results": {"sources": out}}
+    return {"name": name, "profile": "gpu", "provenance": prov, "results": {"sources": out}}
+
+
+def write_curated(doc: dict[str, Any]) -> Path:
+    path = results_dir("gpu") / f"{doc['name']}.json"
+    write_json_atomic(path, doc)  # temp file + os.replace
+    print(f"wrote {path}")
+    return path
+
+
+def curate() -> dict[str, Any]:
+    return curate_sources(SOURCES, NAME, "python -m dev.curate_kernel_anatomy")
 
 
 def main() -> Path:
-    path = results_dir("gpu") / f"{NAME}.json"
-    write_json_atomic(path, curate())  # temp file + os.replace
-    print(f"wrote {path}")
-    return path
+    return write_curated(curate())
 
 
 if __name__ == "__main__":

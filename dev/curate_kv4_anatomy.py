@@ -13,24 +13,18 @@ Run from the repo root: ``python -m dev.curate_kv4_anatomy``.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dev.curate_kernel_anatomy import recorded_state
-from kvlib.publish.provenance import provenance, repo_root, results_dir, write_json_atomic
+from dev.curate_kernel_anatomy import DEVICE, curate_sources, load_record, write_curated  # noqa: F401 (DEVICE: re-exported)
+from kvlib.publish.provenance import repo_root
 
 NAME = "kv4_kernel_anatomy"
-DEVICE = "curation of H200 records"
 
 
 def _load(stem: str) -> dict[str, Any]:
-    path = repo_root() / "dev" / "results" / f"{stem}.json"
-    if not path.exists():
-        raise FileNotFoundError(f"source record {path} is missing")
-    return json.loads(path.read_text())
+    return load_record(repo_root(), stem)
 
 
 def _row(doc: dict[str, Any], **match) -> dict[str, Any]:
@@ -138,24 +132,11 @@ SOURCES: dict[str, tuple[str, str, Callable[[dict], dict[str, Any]]]] = {
 
 
 def curate() -> dict[str, Any]:
-    started = _dt.datetime.now(_dt.UTC)
-    out = {}
-    for key, (stem, what, fn) in SOURCES.items():
-        doc = _load(stem)
-        out[key] = {"record": f"dev/results/{stem}.json", "what": what, "provenance": doc["provenance"],
-                    "recorded_state": recorded_state(doc["provenance"]), "values": fn(doc)}
-    prov = provenance({"command": "python -m dev.curate_kv4_anatomy", "sources": sorted(
-        f"dev/results/{s}.json" for s, _, _ in SOURCES.values())}, started)
-    prov["device"] = {"device": DEVICE, "note": "no measurement: values copied from the H200 records named in "
-                      "results.sources, each with its own provenance"}
-    return {"name": NAME, "profile": "gpu", "provenance": prov, "results": {"sources": out}}
+    return curate_sources(SOURCES, NAME, "python -m dev.curate_kv4_anatomy", load=_load)
 
 
 def main() -> Path:
-    path = results_dir("gpu") / f"{NAME}.json"
-    write_json_atomic(path, curate())  # temp file + os.replace
-    print(f"wrote {path}")
-    return path
+    return write_curated(curate())
 
 
 if __name__ == "__main__":
