@@ -19,31 +19,13 @@ import sys
 import torch
 
 from kvlib.bench.kv4 import RECENT, SINK, random_kv4_batch
+from kvlib.bench.kv4 import paged_kv4_pool as paged_pool  # noqa: F401 (moved into kvlib; the GPU scripts import it here)
 from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.kernels.int4.attention import side_buffer
 from kvlib.kernels.int4.decode import kv4_main_decode, kv4_paged_decode, plan_kv4_paged_decode, prepare_query
 
 B, S, HQ, HKV, D = 32, 16384, 28, 4, 128
 PAGE_SIZES = (16, 256)
-
-
-def paged_pool(cache, block_size: int, seed: int = 0) -> dict:
-    """The contiguous codes and scales of ``cache`` moved into pages ``[num_blocks, block_size, H_kv, ...]`` in a
-    shuffled order (a block manager's free list), with the block table that finds them."""
-    b, hkv, n, _ = cache.k_codes.shape
-    per = n // block_size
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    perm = torch.randperm(b * per, generator=g).to(cache.k_codes.device)
-    pool = {}
-    for name in ("k_codes", "k_scale", "k_off", "v_codes", "v_scale", "v_off"):
-        t = getattr(cache, name)  # [B, Hkv, N, ...]
-        pages = t.reshape(b, hkv, per, block_size, *t.shape[3:]).movedim(1, 3)  # [B, per, bs, Hkv, ...]
-        pages = pages.reshape(b * per, block_size, hkv, *t.shape[3:])
-        out = torch.empty_like(pages)
-        out[perm] = pages
-        pool[name] = out.contiguous()
-    pool["block_table"] = perm.reshape(b, per).to(torch.int32).contiguous()
-    return pool
 
 
 def sass_counts() -> dict:

@@ -283,9 +283,9 @@ def test_smollm2_decodes_through_the_pool(smol) -> None:
 
 
 #: the decode kernels each format's pools take (kernel_path); "torch-reference" is none of them
-_INT8_KERNELS = ("int8-tc", "int8-fma", "int8-h10", "int8-gluon")
+_INT8_KERNELS = ("int8-tc", "int8-fma", "int8-h10", "int8-gluon", "int8-wspec", "int8-wspec_cert")
 KERNEL_PATHS = {"bf16": ("bf16-triton",), "dither-int8": _INT8_KERNELS, "rtn-int8": _INT8_KERNELS,
-                "kv4": ("kv4-triton",), "kv4rl": ("kv4rl-triton",)}
+                "kv4": ("kv4-triton", "kv4-wspec"), "kv4rl": ("kv4rl-triton",)}
 
 
 @torch.no_grad()

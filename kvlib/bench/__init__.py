@@ -23,6 +23,7 @@ TOPICS: dict[str, str] = {
     "sass_count": "kvlib.kernels.sass",
     "witcert_decode": "kvlib.bench.witcert_decode",
     "witcert_write": "kvlib.bench.witcert_write",
+    "wspec_decode": "kvlib.bench.wspec_decode",
 }
 
 

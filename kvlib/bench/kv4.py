@@ -178,6 +178,25 @@ def _ragged_lengths(b: int, mean: float, n_max: int, seed: int, dev: str) -> tor
     return x.to(torch.int32).to(dev)
 
 
+def paged_kv4_pool(cache, block_size: int, seed: int = 0) -> dict:
+    """The contiguous codes and scales of ``cache`` moved into pages ``[num_blocks, block_size, H_kv, ...]`` in a
+    shuffled order (a block manager's free list), with the block table that finds them."""
+    b, hkv, n, _ = cache.k_codes.shape
+    per = n // block_size
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(b * per, generator=g).to(cache.k_codes.device)
+    pool = {}
+    for name in ("k_codes", "k_scale", "k_off", "v_codes", "v_scale", "v_off"):
+        t = getattr(cache, name)  # [B, Hkv, N, ...]
+        pages = t.reshape(b, hkv, per, block_size, *t.shape[3:]).movedim(1, 3)  # [B, per, bs, Hkv, ...]
+        pages = pages.reshape(b * per, block_size, hkv, *t.shape[3:])
+        out = torch.empty_like(pages)
+        out[perm] = pages
+        pool[name] = out.contiguous()
+    pool["block_table"] = perm.reshape(b, per).to(torch.int32).contiguous()
+    return pool
+
+
 def run(profile: str) -> dict:
     if not torch.cuda.is_available():
         if profile == "gpu":

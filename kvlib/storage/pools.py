@@ -296,6 +296,14 @@ class Int8Store(Store):
             probe = torch.empty(1, gqa * self.n_kv, self.d, device=device, dtype=dtype)  # the Gluon kernel: fp16/bf16
             if not gluon_unsupported(probe, self._side(self.k, 0), self._side(self.v, 0), False):
                 impl = "gluon"
+            # the warp-specialised kernels (Hopper, vLLM pages) where they take the pool: faster than the Gluon
+            # kernel at every timed shape (kvlib.kernels.int8.decode.WSPEC_CERT_CONFIGS says where and by how much)
+            from kvlib.kernels.int8.decode import wspec_unsupported
+
+            if not wspec_unsupported(probe, self._side(self.k, 0), self._side(self.v, 0), v_dither=False,
+                                     block_table=torch.empty(1, 1, dtype=torch.int32, device=device),
+                                     block_size=self.block_size):
+                impl = "wspec"
         return impl
 
     def _side(self, pool: PagedPool, layer: int):
@@ -313,9 +321,12 @@ class Int8Store(Store):
             return None
         from kvlib.kernels.int8.decode import decode_int8
 
-        out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
-                          layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl,
-                          cert=self.dithered, fallback_to_reference=False)
+        # the warp-specialised kernels read the pages through the block table (TMA boxes inside one page)
+        addr = (dict(slots=None, block_table=table.block_table, block_size=self.block_size) if impl == "wspec"
+                else dict(slots=table.slot_table()))
+        out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), seq_lens=table.seq_lens, layer=layer,
+                          seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl, cert=self.dithered,
+                          fallback_to_reference=False, **addr)
         ran = getattr(out, "path", None)  # the kernel's own record of what ran, where it keeps one
         label = f"int8-{impl}" if not ran else ran if ran.startswith("int8") else f"int8-{ran}"
         return out.o, label, out.tv_bound_one
@@ -588,7 +599,12 @@ class Int4Store(Store):
         side = self.side_buffer(layer, table.seq_lens) if self.rl else None
         o, _ = paged(qp, kc, ks, ko, vc, vs, vo, table.block_table, start, end, block_size=self.block_size,
                      side=side, sm_scale=sm)
-        return o, "kv4rl-triton" if self.rl else "kv4-triton", None
+        if self.rl:
+            return o, "kv4rl-triton", None
+        from kvlib.kernels.int4.wspec import wspec4_unsupported  # the rule kv4_paged_decode's "auto" applied
+
+        ws = wspec4_unsupported(qp, kc, table.block_table, block_size=self.block_size) is None
+        return o, "kv4-wspec" if ws else "kv4-triton", None
 
 
 class PlainStore(Store):

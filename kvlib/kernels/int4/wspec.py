@@ -1,4 +1,5 @@
-"""Warp-specialised KV4 / KV4-RL paged decode in Gluon (GPU only; not wired into the dispatcher, issue 28).
+"""Warp-specialised KV4 / KV4-RL paged decode in Gluon (GPU only; KV4 requests reach it through
+:func:`kvlib.kernels.int4.paged.kv4_paged_decode`, see :data:`DISPATCH_CONFIG`; issue 28).
 
 Contract: the request of :func:`kvlib.kernels.int4.paged.kv4_paged_decode`, the same arguments and the same result.
 A query prepared by :func:`kvlib.kernels.int4.query.prepare_query` (INT8 ``q8 [B, Hq, d]``, per-row ``scale``,
@@ -130,6 +131,43 @@ class WSpec4Config:
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, four fp16 scale rows, two mbarriers per stage)."""
         return self.ring * (self.block_n * d + 8 * self.block_n + 16)
+
+
+#: what :func:`kvlib.kernels.int4.paged.kv4_paged_decode` (``backend="auto"`` with no Triton config, or
+#: ``"wspec"``) launches: the 8-row softmax, 128-position tiles, a 4-deep ring, no PDL. H200 timings of 2026-12-02
+#: (dev/results/wspec_int4_timing.json: B = 8 and 32, S = 16k and 32k, 28 / 4 heads, pages of 256, CUDA graphs):
+#: KV4 0.91-0.95 of the Triton paged kernel's time at every shape, the fastest of the ten variants at three of
+#: four shapes. KV4-RL is not dispatched here: with its side region it took 1.00-1.18x the Triton paged kernel's
+#: time (the side state is one launch more than the fused Triton kernel), so ``"auto"`` keeps Triton for it.
+DISPATCH_CONFIG = {"rows8": True}
+
+
+def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None) -> str | None:
+    """Why ``"auto"`` does not send this paged request to the warp-specialised kernel (None where it does): KV4
+    only (no side buffer), ``d`` 64 or 128, ``GQA <= 8``, pages of a power of two >= 8 slots, contiguous codes, on
+    a Hopper (sm_90) GPU. The shape rules come first, so they are checked the same way on any device."""
+    if side is not None:
+        return "KV4-RL (a side buffer): the fused Triton paged kernel is faster (DISPATCH_CONFIG)"
+    q8 = getattr(qp, "q8", None)
+    if not isinstance(q8, torch.Tensor) or q8.ndim != 3:
+        return "qp must be a prepared query (kvlib.kernels.int4.query.prepare_query)"
+    if not isinstance(k_codes, torch.Tensor) or k_codes.ndim != 4:
+        return "k_codes must be [num_blocks, block_size, H_kv, d // 2] pages"
+    d, hkv = 2 * k_codes.shape[-1], k_codes.shape[2]
+    if d not in (64, 128):
+        return f"head_dim must be 64 or 128, got {d}"
+    if q8.shape[1] % hkv or q8.shape[1] // hkv > 8:
+        return f"at most 8 query heads per KV head, got {q8.shape[1]} query / {hkv} KV heads"
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 8
+            or block_size & (block_size - 1)):
+        return f"block_size must be a power of two >= 8, got {block_size!r}"
+    if not (k_codes.is_contiguous() and isinstance(block_table, torch.Tensor) and block_table.is_contiguous()):
+        return "k_codes and block_table must be contiguous"
+    if not q8.is_cuda:
+        return "the warp-specialised kernel needs a CUDA tensor"
+    if torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "the warp-specialised kernel needs a Hopper (sm_90) GPU: TMA, mbarrier and warp_specialize"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

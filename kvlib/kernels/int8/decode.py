@@ -8,7 +8,10 @@ weights as the output) and finishes the bounds. Stage-1 kernels, by the key pool
 
 * ``w24``: :mod:`kvlib.kernels.int8.w24`, ``impl="tc"`` (tensor cores) or ``"fma"`` (fp32 dots);
 * ``h10`` / ``h8``: :mod:`kvlib.kernels.int8.h10` (Triton, ``impl="h10"``);
-* ``h8`` on a GPU: :mod:`kvlib.kernels.int8.gluon` (``impl="gluon"``).
+* ``h8`` on a GPU: :mod:`kvlib.kernels.int8.gluon` (``impl="gluon"``);
+* on Hopper over vLLM pages (``block_table``), h8-dithered or RTN keys, ``d = 128``: the warp-specialised kernels
+  :mod:`kvlib.kernels.int8.wspec_cert` and :mod:`kvlib.kernels.int8.wspec` (``impl="wspec"``; ``"auto"`` takes them
+  wherever :func:`wspec_unsupported` says they apply).
 
 Tuning is one :class:`~kvlib.kernels.int8.config.Int8KernelConfig` (``config=``). The result says which
 kernel ran (:attr:`DecodeOut.path`). The storage view and request checks are
@@ -84,6 +87,80 @@ def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto"
     return impl
 
 
+#: the warp-specialised kernels' configurations the dispatcher takes (``impl="auto"``/``"wspec"``), chosen from the
+#: H200 timings of 2026-12-02 (dev/results/wspec_cert_timing.json: B = 8 and 32, S = 16k, 28 / 4 heads, pages of
+#: 16, CUDA graphs): certified, the folded PV with 128-position tiles and a 3-deep ring without outlier channels
+#: (1.00-1.02x SDPA bf16, against 0.86-0.87x for the Gluon kernel), the 64-position default ring with them (its
+#: 128-position ring leaves one CTA per SM: 0.62-0.66x); RTN keys, wspec2's best (``bn128_r3_pf``, 1.23-1.24x)
+WSPEC_CERT_CONFIGS = {"plain": {"pv": "fold", "block_n": 128, "ring": 3, "producer_regs": 40},
+                      "outliers": {"pv": "fold"}}
+WSPEC_RTN_CONFIG = {"block_n": 128, "ring": 3, "prmt": True, "vfold": True, "prefetch": True}
+
+
+def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bool, block_table, block_size,
+                      config: Int8KernelConfig | None = None) -> str | None:
+    """Why the warp-specialised kernels (:mod:`kvlib.kernels.int8.wspec_cert` for h8-dithered keys,
+    :mod:`kvlib.kernels.int8.wspec` for RTN keys) cannot take this request, or None where they can: a Hopper GPU
+    (TMA, mbarrier, ``warp_specialize``), vLLM pages (``block_table``, ``block_size`` a power of two >= 8),
+    ``d = 128``, groups of 32 with fp16 scales, ``GQA <= 8``, RTN values without outliers, at most 16 key outlier
+    channels (dithered keys; none with RTN keys), the default kernel config (a tuned
+    :class:`Int8KernelConfig` asks for the Triton/Gluon kernels it tunes)."""
+    if block_table is None or block_size is None:
+        return "the warp-specialised kernels read vLLM pages: pass block_table and block_size (slots=None)"
+    if config is not None and check_config(config) != DEFAULT_CONFIG:
+        return "config: a tuned Int8KernelConfig is read by the Triton and Gluon kernels only"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q must be fp16 or bf16, got {q.dtype}"
+    d, hkv = q.shape[-1], k.codes.shape[1]
+    if d != 128:
+        return f"head_dim must be 128, got {d}"
+    if q.shape[1] % hkv or q.shape[1] // hkv > 8:
+        return f"at most 8 query heads per KV head, got {q.shape[1]} query / {hkv} KV heads"
+    if k.group != 32 or v.group != 32:
+        return f"groups of 32 channels only, got {k.group} / {v.group}"
+    if k.scales.dtype != torch.float16 or v.scales.dtype != torch.float16:
+        return "fp16 group scales only"
+    if v_dither or v.outliers is not None:
+        return "RTN values without outlier channels only"
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 8
+            or block_size & (block_size - 1)):
+        return f"block_size must be a power of two >= 8, got {block_size!r}"
+    if k.codes.shape[0] % block_size:
+        return f"the pool's {k.codes.shape[0]} slots are not whole pages of {block_size}"
+    if k.dithered:
+        if k.dither_layout != "h8":
+            return f"dithered keys must use the h8 layout, got {k.dither_layout!r}"
+        if k.outliers is not None and (k.outliers.shape[-1] > 16 or k.outliers.dtype != torch.float16):
+            return f"at most 16 fp16 key outlier channels, got {k.outliers.shape[-1]} of {k.outliers.dtype}"
+    elif k.outliers is not None:
+        return "RTN keys without outlier channels only"
+    if not q.is_cuda:  # last, so that the shape rules above are checked (and tested) on any device
+        return "the warp-specialised kernels need a CUDA tensor"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the warp-specialised kernels need a Hopper (sm_90) GPU: TMA, mbarrier and warp_specialize"
+    return None
+
+
+def _stage1_wspec(q, k, v, block_table, seq_lens, *, block_size, layer, seed, sm, delta, cert, cert_b, num_splits):
+    """Stage 1 on the warp-specialised kernels (the configurations above): ``(o_s, lse_s, A_s, B_s, path)``."""
+    if not k.dithered:
+        from kvlib.kernels.int8 import wspec as W
+
+        nb = k.codes.shape[0] // block_size
+        pages = [(s.codes.view(nb, block_size, *s.codes.shape[1:]), s.scales.view(nb, block_size, *s.scales.shape[1:]))
+                 for s in (k, v)]
+        o_s, lse_s = W.wspec_stage1(q, *pages[0], *pages[1], block_table, seq_lens, sm_scale=sm,
+                                    config=W.WSpecConfig(**WSPEC_RTN_CONFIG), num_splits=num_splits)
+        return o_s, lse_s, None, None, "wspec"
+    from kvlib.kernels.int8 import wspec_cert as C
+
+    cfg = C.WSpecCertConfig(**WSPEC_CERT_CONFIGS["outliers" if k.outliers is not None else "plain"])
+    o_s, lse_s, a_s, b_s = C.wspec_cert_stage1(q, k, v, block_table, seq_lens, block_size=block_size, layer=layer,
+                                               seed=seed, sm_scale=sm, delta=delta, cert=cert, cert_b=cert_b,
+                                               config=cfg, num_splits=num_splits)
+    return o_s, lse_s, a_s, b_s, "wspec_cert"
+
+
 def decode_stage1(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
@@ -123,6 +200,14 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     if d4 & (d4 - 1):
         raise ValueError(f"d // 4 must be a power of two for the kernel, got d={d}")
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    if impl in ("auto", "wspec"):
+        why = wspec_unsupported(q, k, v, v_dither=v_dither, block_table=block_table, block_size=block_size,
+                                config=cfg)
+        if impl == "wspec" and why:
+            raise ValueError(f"impl='wspec': {why}")
+        if not why:
+            return _stage1_wspec(q, k, v, block_table, seq_lens, block_size=block_size, layer=layer, seed=seed,
+                                 sm=sm, delta=delta, cert=cert, cert_b=cert_b, num_splits=num_splits)
     path = stage1_path(q, k, v, impl=impl, v_dither=v_dither, cert=cert)
     if path == "gluon":
         from kvlib.kernels.int8.gluon import gluon_num_splits
@@ -193,6 +278,8 @@ def decode_int8(
     if not triton_available(q.device if isinstance(q, torch.Tensor) else torch.device("cpu")):
         if not fallback_to_reference:
             raise RuntimeError("Triton decode needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+        if impl == "wspec":
+            raise ValueError("impl='wspec': the warp-specialised kernels need a CUDA tensor (Hopper)")
         if cfg.generator != DEFAULT_GENERATOR:  # refused on every device, as the w24 kernels refuse it in _stage1
             raise ValueError(f"config.generator={cfg.generator!r}: the torch reference that runs here (no Triton "
                              "backend for this device) regenerates Philox4x32-10 only")

@@ -1,5 +1,5 @@
 """Warp-specialised certified INT8 paged decode (h8 dithered keys, WitCert accumulators, fp16 key-outlier bypass) in
-Gluon (GPU only; not wired into the dispatcher, issue 28).
+Gluon (GPU only; :func:`kvlib.kernels.int8.decode.decode_int8` takes it on Hopper over pages, issue 28).
 
 Contract (split-KV stage 1; stage 2 is :func:`kvlib.kernels.tl.merge.merge_splits`), the certified request of
 :func:`kvlib.kernels.int8.decode.decode_int8` over vLLM pages: one query token per row, ``q [B, Hq, d]`` fp16/bf16,
