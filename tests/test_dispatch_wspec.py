@@ -109,7 +109,7 @@ def test_int4_rules() -> None:
 
 
 def test_explicit_int4_wspec_on_cpu_raises() -> None:
-    from kvlib.kernels.int4.paged import kv4_paged_decode
+    from kvlib.kernels.int4.decode import kv4_paged_decode
 
     qp = _qp()
     z = torch.zeros(2, dtype=torch.int32)
@@ -210,7 +210,7 @@ def test_int8_auto_under_a_cuda_graph() -> None:
 @pytest.mark.parametrize("page", [16, 256])
 def test_int4_auto_takes_the_new_kernel_and_agrees(page) -> None:
     from kvlib.bench.kv4 import paged_kv4_pool, random_kv4_batch
-    from kvlib.kernels.int4.paged import kv4_paged_decode, kv4_paged_decode_ref
+    from kvlib.kernels.int4.decode import kv4_paged_decode, kv4_paged_decode_ref
     from kvlib.kernels.int4.query import prepare_query
 
     lengths = torch.tensor([1024, 300, 17], dtype=torch.int32, device="cuda")

@@ -46,8 +46,11 @@ parameters), :mod:`~kvlib.kernels.int4.query` (query preparation), :mod:`~kvlib.
 :mod:`~kvlib.kernels.int4.protected` (the INT8 side-buffer region), :mod:`~kvlib.kernels.int4.region` (the
 main-region kernel), :mod:`~kvlib.kernels.int4.launch` (the launcher and split planner) and
 :mod:`~kvlib.kernels.int4.paged` (the same decode over a vLLM-style paged pool). This module re-exports their
-public names, so ``from kvlib.kernels.int4.decode import ...`` keeps working.
+public names, so ``from kvlib.kernels.int4.decode import ...`` keeps working, and holds the paged dispatcher
+(:func:`kv4_paged_decode`: the warp-specialised kernel of :mod:`~kvlib.kernels.int4.wspec` or the Triton one).
 """
+
+import torch
 
 from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG, MIN_ROWS, KV4KernelConfig
 from kvlib.kernels.int4.launch import (
@@ -61,7 +64,8 @@ from kvlib.kernels.int4.launch import (
     tma_applies,
     tma_refusal,
 )
-from kvlib.kernels.int4.paged import kv4_paged_decode, kv4_paged_decode_ref, plan_kv4_paged_decode
+from kvlib.kernels.int4.paged import kv4_paged_decode as _kv4_paged_decode_triton
+from kvlib.kernels.int4.paged import kv4_paged_decode_ref, plan_kv4_paged_decode
 from kvlib.kernels.int4.query import QueryInt8, _prep_query_kernel, prepare_query, prepare_query_ref
 from kvlib.kernels.int4.reference import kv4_main_decode_ref, region_attention_ref
 from kvlib.kernels.int4.region import _kv4_decode_kernel
@@ -74,3 +78,30 @@ __all__ = [
     "plan_kv4_decode", "plan_kv4_paged_decode", "prepare_query", "prepare_query_ref", "region_attention_ref",
     "tma_applies", "tma_refusal",
 ]
+
+
+def kv4_paged_decode(qp: QueryInt8, k_codes: torch.Tensor, k_scale: torch.Tensor, k_off: torch.Tensor,
+                     v_codes: torch.Tensor, v_scale: torch.Tensor, v_off: torch.Tensor, block_table: torch.Tensor,
+                     start: torch.Tensor, end: torch.Tensor, *, block_size: int, side: SideBuffer | None = None,
+                     config: KV4KernelConfig | None = None, sm_scale: float | None = None,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """KV4 / KV4-RL decode over a paged pool, the family's dispatcher: ``(o [B, Hq, d] fp32, lse [B, Hq])``.
+
+    ``backend="auto"`` without a Triton ``config`` takes the warp-specialised kernel
+    (:func:`kvlib.kernels.int4.wspec.wspec4_decode` with :data:`~kvlib.kernels.int4.wspec.DISPATCH_CONFIG`) where
+    :func:`~kvlib.kernels.int4.wspec.wspec4_unsupported` says it applies (KV4 on a Hopper GPU), else the Triton paged
+    kernel (:func:`kvlib.kernels.int4.paged.kv4_paged_decode`: its ``backend`` values ``"auto"``, ``"triton"``,
+    ``"torch"``); ``backend="wspec"`` asks for the warp-specialised kernel and raises ValueError where it cannot
+    run. Lives here, not in ``paged``, so that the family imports one way (``wspec`` reads ``paged``'s checks)."""
+    args = (qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end)
+    if backend == "wspec" or (backend == "auto" and config is None):
+        from kvlib.kernels.int4.wspec import DISPATCH_CONFIG, WSpec4Config, wspec4_decode, wspec4_unsupported
+
+        why = wspec4_unsupported(qp, k_codes, block_table, block_size=block_size, side=side)
+        if backend == "wspec" and why:
+            raise ValueError(f"backend='wspec': {why}")
+        if not why:
+            return wspec4_decode(*args, block_size=block_size, side=side, sm_scale=sm_scale,
+                                 config=WSpec4Config(**DISPATCH_CONFIG))
+    return _kv4_paged_decode_triton(*args, block_size=block_size, side=side, config=config, sm_scale=sm_scale,
+                                    backend=backend)

@@ -421,15 +421,6 @@ def kv4_paged_decode(
     :func:`kv4_paged_decode_ref` runs; :func:`plan_kv4_paged_decode` gives the kernel launch as a record.
     """
     args = (qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end)
-    if backend == "wspec" or (backend == "auto" and config is None):
-        from kvlib.kernels.int4.wspec import DISPATCH_CONFIG, WSpec4Config, wspec4_decode, wspec4_unsupported
-
-        why = wspec4_unsupported(qp, k_codes, block_table, block_size=block_size, side=side)
-        if backend == "wspec" and why:
-            raise ValueError(f"backend='wspec': {why}")
-        if not why:
-            return wspec4_decode(*args, block_size=block_size, side=side, sm_scale=sm_scale,
-                                 config=WSpec4Config(**DISPATCH_CONFIG))
     if not use_triton(qp.q8, backend):
         return kv4_paged_decode_ref(*args, block_size=block_size, side=side, sm_scale=sm_scale)
     return plan_kv4_paged_decode(*args, block_size=block_size, side=side, config=config, sm_scale=sm_scale,

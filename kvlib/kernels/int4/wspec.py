@@ -1,5 +1,5 @@
 """Warp-specialised KV4 / KV4-RL paged decode in Gluon (GPU only; KV4 requests reach it through
-:func:`kvlib.kernels.int4.paged.kv4_paged_decode`, see :data:`DISPATCH_CONFIG`; issue 28).
+:func:`kvlib.kernels.int4.decode.kv4_paged_decode`, see :data:`DISPATCH_CONFIG`; issue 28).
 
 Contract: the request of :func:`kvlib.kernels.int4.paged.kv4_paged_decode`, the same arguments and the same result.
 A query prepared by :func:`kvlib.kernels.int4.query.prepare_query` (INT8 ``q8 [B, Hq, d]``, per-row ``scale``,
@@ -133,7 +133,7 @@ class WSpec4Config:
         return self.ring * (self.block_n * d + 8 * self.block_n + 16)
 
 
-#: what :func:`kvlib.kernels.int4.paged.kv4_paged_decode` (``backend="auto"`` with no Triton config, or
+#: what :func:`kvlib.kernels.int4.decode.kv4_paged_decode` (``backend="auto"`` with no Triton config, or
 #: ``"wspec"``) launches: the 8-row softmax, 128-position tiles, a 4-deep ring, no PDL. H200 timings of 2026-12-02
 #: (dev/results/wspec_int4_timing.json: B = 8 and 32, S = 16k and 32k, 28 / 4 heads, pages of 256, CUDA graphs):
 #: KV4 0.91-0.95 of the Triton paged kernel's time at every shape, the fastest of the ten variants at three of
