@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
+from kvlib.certify.bound import radius_multiplier, rounding_gamma
 from kvlib.core.checks import check_open_unit
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
 from kvlib.core.philox import DEFAULT_GENERATOR, seed_key
 from kvlib.kernels.backend import triton_available
 from kvlib.kernels.int8.config import DEFAULT_CONFIG, Int8KernelConfig, check_config
