@@ -140,7 +140,7 @@ def test_compiles_for_sm90_without_spills():
     prog = r"""
 import json, os, re, subprocess, tempfile
 from kvlib.kernels.int8 import wspec as W
-from kvlib.kernels.sass import _tool
+from kvlib.kernels.offline import tool as _tool
 out = []
 wt = W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True, producer_regs=40)
 for kw in ({}, {"gqa": 8, "block_size": 64}, {"config": wt}):

@@ -262,7 +262,7 @@ def test_compiles_for_sm90():
     prog = r"""
 import json, os, re, subprocess, tempfile
 from kvlib.kernels.int8 import wspec_cert as C
-from kvlib.kernels.sass import _tool
+from kvlib.kernels.offline import tool as _tool
 out = []
 fold = C.WSpecCertConfig(pv="fold")
 fold128 = C.WSpecCertConfig(pv="fold", block_n=128, ring=3, producer_regs=40)

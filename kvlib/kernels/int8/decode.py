@@ -50,7 +50,7 @@ __all__ = [
     "decode_stage1", "default_num_splits", "dequant_rows", "make_pool_side", "resolve_impl", "stage1_path",
     "_query_residual_mult",
 ]
-# the kernels keep their old import path (tests, kvlib.kernels.sass, notebooks)
+# the kernels keep their old import path (tests, kvlib.bench.sass_count, notebooks)
 from kvlib.kernels.int8.w24 import _decode_int8_stage1, _decode_int8_stage1_tc  # noqa: E402, F401
 
 
