@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvlib.core.checks import check_tensor
-from kvlib.kernels.int8.write import _rne
+from kvlib.kernels.tl.rounding import rne
 from kvlib.kernels.write import recip32
 
 
@@ -107,7 +107,7 @@ def _int4_put(y, c_ptr, s_ptr, o_ptr, idx, D: tl.constexpr, RECIP: tl.constexpr,
     delta = _f16_round(_sdiv(hi - mf, 15.0, INV15, RECIP), True)
     df = delta.to(tl.float32)
     safe = tl.where(df > 0, df, 1.0)
-    c = tl.minimum(tl.maximum(_rne(tl.math.div_rn(y - mf, safe)), 0.0), 15.0).to(tl.int32)
+    c = tl.minimum(tl.maximum(rne(tl.math.div_rn(y - mf, safe)), 0.0), 15.0).to(tl.int32)
     lo_c, hi_c = tl.split(tl.reshape(c, (D // 2, 2)))  # channel 2i low nibble, 2i + 1 high
     tl.store(c_ptr + idx * (D // 2) + tl.arange(0, D // 2), (lo_c | (hi_c << 4)).to(tl.uint8))
     tl.store(s_ptr + idx, delta)
@@ -127,7 +127,7 @@ def _side_put(x, s8_ptr, ss_ptr, st_ptr, sts_ptr, base, ring, j, keep, ev_ok, D:
     scale = _f16_round(_sdiv(tl.max(tl.abs(x), 0), 127.0, INV127, RECIP), True)
     sf = scale.to(tl.float32)
     safe = tl.where(sf > 0, sf, 1.0)
-    c8 = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x, safe)), -127.0), 127.0).to(tl.int8)
+    c8 = tl.minimum(tl.maximum(rne(tl.math.div_rn(x, safe)), -127.0), 127.0).to(tl.int8)
     tl.store(s8_ptr + (base * C + ring) * D + ch, c8, mask=(ch < D) & keep)
     tl.store(ss_ptr + base * C + ring, scale, mask=keep)
 
