@@ -3,13 +3,13 @@
 One program per (token ``n``, KV head ``h``) reads ``k[n, h], v[n, h]`` (``[d]``, any float dtype), and writes:
 
 * keys: :func:`kvlib.core.hadamard.hadamard` (the same Sylvester butterfly, the same fp32 adds in the same
-  order, then ``* fp32(1/sqrt(d))``), then :func:`kvlib.storage.pools.int4_head_quantize` (one affine group
+  order, then ``* fp32(1/sqrt(d))``), then :func:`kvlib.formats.kv4.int4_quantize_unchecked` (one affine group
   per (token, head): ``m = fp16_down(min)``, ``delta = fp16_up((max - m) / 15)``, codes
   ``clamp(rne((x - m) / delta), 0, 15)`` packed two per byte, channel ``2i`` in the low nibble);
 * values: the same quantisation without the rotation;
 * kv4rl (``side`` given, a decode step: one token per row): the rotated key and the value as per-vector
-  symmetric INT8 (:func:`kvlib.storage.pools.int8_vector_quantize`) into ring slot ``pos`` (sinks) or
-  ``sink + (pos - sink) % recent``, after moving the entry leaving the ring (position ``pos - recent``) to the
+  symmetric INT8 (:func:`kvlib.formats.kv4rl.int8_quantize_unchecked`) into side slot
+  :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry leaving the ring (position ``pos - recent``) to the
   crop stash at ``(pos - recent) % U``: :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
 
 ``tests/test_write_kernels.py`` binds it to the torch path bit for bit (interpreter) and
@@ -99,7 +99,7 @@ def _hadamard(y, D: tl.constexpr, SCALE: tl.constexpr):
 
 @triton.jit
 def _int4_put(y, c_ptr, s_ptr, o_ptr, idx, D: tl.constexpr, RECIP: tl.constexpr, INV15: tl.constexpr):
-    """:func:`kvlib.storage.pools.int4_head_quantize` of ``y [D]`` fp32, stored at row ``idx`` (slot * H + h)."""
+    """:func:`kvlib.formats.kv4.int4_quantize_unchecked` of ``y [D]`` fp32, stored at row ``idx`` (slot * H + h)."""
     lo = tl.min(y, 0)
     hi = tl.max(y, 0)
     m = _f16_round(lo, False)
