@@ -78,7 +78,8 @@ def kv4_count() -> dict[str, Any]:
     """The KV4 main-region kernel at :data:`~kvlib.kernels.int4.decode.DEFAULT_CONFIG` and the kv4 benchmark's
     shape (d = 128, GQA 32:8, a capacity that is a multiple of the block): its pipelined interior loop, per
     thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V)."""
-    from kvlib.kernels.int4.decode import _KMODES, DEFAULT_CONFIG, MIN_ROWS, _kv4_decode_kernel
+    from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG, MIN_ROWS
+    from kvlib.kernels.int4.region import _kv4_decode_kernel
 
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv,
@@ -126,7 +127,9 @@ def pdl_check() -> dict[str, list]:
     """Compile the KV4 path's three kernels for sm_90 with programmatic dependent launch on
     (``KV4KernelConfig.pdl``): per kernel, the PTX's ``griddepcontrol.wait`` and ``launch_dependents``
     counts and whether the launch attribute is set (the preparation only triggers, the merge only waits)."""
-    from kvlib.kernels.int4.decode import _KMODES, DEFAULT_CONFIG, _kv4_decode_kernel, _prep_query_kernel
+    from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG
+    from kvlib.kernels.int4.query import _prep_query_kernel
+    from kvlib.kernels.int4.region import _kv4_decode_kernel
     from kvlib.kernels.tl.merge import _merge_splits_kernel
 
     def one(kernel, constexprs, ptrs, num_warps, num_stages, pdl):

@@ -9,8 +9,9 @@ One program per (token ``n``, KV head ``h``) reads ``k[n, h], v[n, h]`` (``[d]``
 * values: the same quantisation without the rotation;
 * kv4rl (``side`` given, a decode step: one token per row): the rotated key and the value as per-vector
   symmetric INT8 (:func:`kvlib.formats.kv4rl.int8_quantize_unchecked`) into side slot
-  :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry leaving the ring (position ``pos - recent``) to the
-  crop stash at ``(pos - recent) % U``: :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
+  :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry
+  leaving the ring (position ``pos - recent``) to the crop stash at ``(pos - recent) % U``:
+  :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
 
 ``tests/test_write_kernels.py`` binds it to the torch path bit for bit (interpreter) and
 ``dev/gpu/writefuse.sh`` on the GPU.
