@@ -24,10 +24,12 @@ $(STAMP): pyproject.toml constraints.txt
 book: $(STAMP)
 	$(PY) -m kvlib.publish build --profile $(PROFILE) $(if $(FRESH),--fresh)
 
-# Unit tests, then every notebook at the seconds-scale `ci` profile (executed afresh: a test, not a cache hit),
+# Lint and the import layers ([tool.importlinter] in pyproject.toml), unit tests, then every notebook at the
+# seconds-scale `ci` profile (executed afresh: a test, not a cache hit),
 # then the book (warnings are errors), then the built pages read back as a reader meets them.
 test: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 	$(PY) -m kvlib.publish build --profile ci --no-progress --fresh
 	KVLIB_BOOK_HTML=_build/html $(PY) -m pytest -q tests/test_book_html.py
@@ -40,6 +42,7 @@ test-gpu:
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf _build book/_render book/executed/ci data/results/ci

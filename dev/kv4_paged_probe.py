@@ -6,7 +6,7 @@ largest output difference between the two. Page size 256 takes the ``"paged-tile
 ``block_n`` is 256), 16 the ``"paged-rows"`` one (the launch records say so).
 
 ``PYTHONPATH=. python -m dev.kv4_paged_probe [OUT.json]``; ``--sass`` instead compiles the contiguous and paged
-kernels for sm_90 without a GPU (:mod:`kvlib.kernels.sass`'s tooling) and prints their main-loop instruction
+kernels for sm_90 without a GPU (:mod:`kvlib.kernels.offline`) and prints their main-loop instruction
 counts per thread per tile at this shape (d = 128, GQA 7, Hkv 4) and their commonest opcodes.
 """
 
@@ -30,14 +30,12 @@ PAGE_SIZES = (16, 256)
 
 def sass_counts() -> dict:
     """Offline sm_90 loop statistics of the contiguous kernel and both paged paths (default config, bytes mode)."""
-    import os
-    import subprocess
-    import tempfile
 
+    from kvlib.bench.sass_count import KV4_POINTERS
     from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG
     from kvlib.kernels.int4.paged import _kv4_paged_kernel
     from kvlib.kernels.int4.region import _kv4_decode_kernel
-    from kvlib.kernels.sass import KV4_POINTERS, _compile, _tool, loop_stats
+    from kvlib.kernels.offline import compile_sm90, disassemble, loop_stats
 
     cfg, g = DEFAULT_CONFIG, HQ // HKV
     common = dict(HKV=HKV, G=g, GP=max(8, 1 << (g - 1).bit_length()), D=D, BLOCK_N=cfg.block_n,
@@ -49,14 +47,8 @@ def sass_counts() -> dict:
                          KV4_POINTERS | {"BT": "*i32"})
     out = {}
     for name, (kernel, const, ptrs) in kernels.items():
-        cc = _compile(kernel, const, ptrs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(cc.asm["cubin"])
-            sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
-                                  check=True).stdout
-        out[name] = loop_stats(sass)
+        cc = compile_sm90(kernel, const, ptrs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        out[name] = loop_stats(disassemble(cc)[1])
         print(f"{name}: {out[name]['instructions']} loop instructions per thread per {cfg.block_n}-position tile; "
               f"top opcodes {out[name]['top_opcodes']}", flush=True)
     return out

@@ -11,7 +11,8 @@ import pytest
 from kvlib.publish.assemble import write_toc
 from kvlib.publish.provenance import repo_root, save_result
 from kvlib.publish.registry import NotebookEntry, all_notebooks, load_registry
-from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells, validate
+from kvlib.publish.runner import run_notebooks, validate
+from kvlib.publish.sources import executed_path, load_source, stale_cells
 
 TINY = str(Path(__file__).parent / "data" / "tiny.md")
 PROFILES_PRESENT = [(nb, p) for nb in all_notebooks() for p in nb.profiles if executed_path(nb.name, p).exists()]

@@ -11,7 +11,8 @@ from kvlib.publish import cache
 from kvlib.publish.commits import parse_commit, result_problems, show_commit, source_last_change
 from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
-from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells
+from kvlib.publish.runner import run_notebooks
+from kvlib.publish.sources import executed_path, load_source, stale_cells
 
 TINY = Path(__file__).parent / "data" / "tiny.md"
 
@@ -34,7 +35,7 @@ def executed_once(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("cache")
     src = d / "reads.md"
-    src.write_text(TINY.read_text().replace("run.save()", "from kvlib.publish.run import load_claims\n"
+    src.write_text(TINY.read_text().replace("run.save()", "from kvlib.publish.verdicts import load_claims\n"
                                             "n_claims = len(load_claims())\nrun.save()"))
     entry = NotebookEntry(name="reads", path=str(src), chapter="t", title="r", profiles={"ci": {"x": 2}})
     old = {k: os.environ.get(k) for k in ("KVLIB_RESULTS_DIR", "KVLIB_EXECUTED_DIR")}
@@ -122,7 +123,7 @@ def test_a_result_older_than_its_source_is_refused():
 
 def test_a_claim_answered_by_two_notebooks_is_an_error_naming_both(monkeypatch):
     from kvlib.publish import assemble
-    from kvlib.publish.run import load_claims
+    from kvlib.publish.verdicts import load_claims
 
     cid = next(iter(load_claims()))
     fake = {"claims": [{"id": cid, "ours": "x", "verdict": "reproduced", "why": ""}]}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvlib.core import philox as ref
 from kvlib.core.philox import dither
-from kvlib.kernels.int8 import reference as ref
 from kvlib.kernels.int8.decode import decode_reference, make_pool_side
 
 SEED = 2**33 + 12345

@@ -90,7 +90,7 @@ def test_describe():
 
 
 def test_every_claim_has_a_valid_rule_and_decides():
-    from kvlib.publish.run import load_claims
+    from kvlib.publish.verdicts import load_claims
 
     claims = load_claims()
     assert claims

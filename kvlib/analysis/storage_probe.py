@@ -35,7 +35,7 @@ from kvlib.analysis.fidelity import CacheSpec, ProbeResult, _is_chunkable, build
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, formats_where, get_format
 from kvlib.formats.kv4 import check_rotate, rotates
-from kvlib.formats.kv4rl import KV4RLFormat, int8_dequantize, int8_quantize
+from kvlib.formats.kv4rl import KV4RLFormat, int8_dequantize, int8_quantize, is_protected
 
 __all__ = ["StorageCache", "ProtectedCache", "storage_view", "kv4rl_view", "protected_region", "probe_attention",
            "corpus_prompts", "prefill_context", "sample_responses", "batched_probe", "view_formats"]
@@ -53,9 +53,7 @@ REGIONAL_ATTN = "kvlib_probe_regional"
 def protected_region(q_pos: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
     """Bool ``[len(q_pos), n]``: ``M[i, p]`` is True when position ``p`` is protected at the step whose
     stream length is ``q_pos[i] + 1`` (``p < sink`` or ``p >= max(sink, q_pos[i] + 1 - recent)``)."""
-    p = torch.arange(n, device=q_pos.device)
-    start = (q_pos[:, None] + 1 - recent).clamp(min=sink)
-    return (p[None] < sink) | (p[None] >= start)
+    return is_protected(torch.arange(n, device=q_pos.device)[None], q_pos[:, None] + 1, sink, recent)
 
 
 #: within :func:`_shared_encodings`: ``{key: (x, reconstruction)}`` of the shared context's K/V, so that the specs of

@@ -36,6 +36,10 @@ _REGISTRY: dict[str, type[KVFormat]] = {}
 KERNELS = (None, "int8", "int4", "bf16")
 #: the capability attributes every format declares on its class (see :class:`KVFormat`)
 CAPABILITIES = ("variance_proxy", "stateful", "deterministic", "bounded", "kernel")
+#: the residual laws a format may declare as its ``variance_proxy``: the per-channel sub-Gaussian proxy of the
+#: key residual divided by ``s^2`` (subtractive uniform dither 1/12, stochastic rounding 1/4). The certificate
+#: (:func:`kvlib.certify.bound.variance_proxy`) reads it from here.
+PROXY = {"dither": 1.0 / 12.0, "sr": 1.0 / 4.0}
 
 
 class KVFormat(ABC):
@@ -47,7 +51,7 @@ class KVFormat(ABC):
 
     # Capabilities: what the cache, the certificate, the gate and the book need to know about a format,
     # declared here once (no table elsewhere repeats them).
-    #: sub-Gaussian proxy of the key residual (a key of kvlib.certify.bound.PROXY: "dither", "sr"), or None
+    #: sub-Gaussian proxy of the key residual (a key of :data:`PROXY`: "dither", "sr"), or None
     #: when the format's error has no such proxy (then it cannot be certified)
     variance_proxy: ClassVar[str | None] = None
     #: True when an old position's representation can change as tokens are appended (side buffers,
@@ -174,8 +178,6 @@ def register_format(name: str) -> Callable[[type[KVFormat]], type[KVFormat]]:
                             "bounded=True exactly when a deterministic format implements error_bound")
         if cls.kernel not in KERNELS:
             raise TypeError(f"format {name!r}: kernel must be one of {KERNELS}, got {cls.kernel!r}")
-        from kvlib.certify.bound import PROXY
-
         if cls.variance_proxy is not None and cls.variance_proxy not in PROXY:
             raise TypeError(f"format {name!r}: variance_proxy must be None or one of {sorted(PROXY)}, "
                             f"got {cls.variance_proxy!r}")

@@ -142,7 +142,7 @@ class KiviFormat(KVFormat):
     def error_bound(self, packed: KiviPacked, x_hat: torch.Tensor) -> torch.Tensor:
         """Residual window: fp16 rounding. Quantised part: half a 2-bit step of the fp16 input, plus that
         input's own fp16 rounding, plus fp32 slack. Keys (side 0) only: the scales here are per channel."""
-        from kvlib.certify.bound import FP16_REL, FP16_SUB
+        from kvlib.core.fp16 import FP16_REL, FP16_SUB
         from kvlib.formats.rtn_int8 import FP32_REL
 
         if packed.side != 0:

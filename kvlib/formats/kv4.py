@@ -76,16 +76,31 @@ def int4_quantize(x: torch.Tensor, group: int | None = None) -> Int4Tensor:
     xf = x.float().reshape(*x.shape[:-1], d // g, g)
     if not torch.isfinite(xf).all():
         raise ValueError("x must be finite to quantise")
+    c, delta, m = _affine_int4(xf)
+    if not (torch.isfinite(m).all() and torch.isfinite(delta).all()):
+        raise ValueError("x exceeds the fp16 range of the INT4 scale/offset")
+    codes = pack_nibbles(c.reshape(x.shape).to(torch.uint8))
+    return Int4Tensor(codes=codes, scale=delta, offset=m, group=g)
+
+
+def _affine_int4(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One affine INT4 group per last-dim row of fp32 ``xf``: codes (float, in ``[0, 15]``), fp16 scale ``Δ`` and
+    offset ``m`` (rounded down, ``Δ`` up, so every code lands in range)."""
     lo, hi = xf.amin(-1), xf.amax(-1)
     m = fp16_round(lo, "down")
     delta = fp16_round((hi - m.float()) / LEVELS, "up")
-    if not (torch.isfinite(m).all() and torch.isfinite(delta).all()):
-        raise ValueError("x exceeds the fp16 range of the INT4 scale/offset")
     df = delta.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
     c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
-    codes = pack_nibbles(c.reshape(x.shape).to(torch.uint8))
-    return Int4Tensor(codes=codes, scale=delta, offset=m, group=g)
+    return c, delta, m
+
+
+def int4_quantize_unchecked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`int4_quantize` with one group per row of the last dim, the same operations in the same order, minus
+    its finiteness checks (a host sync: a CUDA graph cannot hold one). Packed codes uint8 ``[..., d//2]``, fp16
+    scale and offset ``[...]``: what the kv4 pools store, and what the fused write kernel reproduces bit for bit."""
+    c, delta, m = _affine_int4(x.float())
+    return pack_nibbles(c.to(torch.uint8)), delta, m
 
 
 def int4_dequantize(qt: Int4Tensor) -> torch.Tensor:

@@ -46,54 +46,9 @@ from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, S
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
-    "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
+    "value_format", "value_options", "key_options", "seed", "tau", "delta_req", "steps",
     "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride",
 )
-
-
-def _proxies() -> dict[str, str]:
-    return {n: capabilities(n)["variance_proxy"] for n in available_formats() if capabilities(n)["variance_proxy"]}
-
-
-class _ProxyTable(dict):
-    """``{format: variance proxy}`` derived from the formats' declared capabilities (gate compatibility)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._loaded = False
-
-    def _load(self) -> None:
-        if not self._loaded:
-            self._loaded = True
-            self.update(_proxies())
-
-    def __getitem__(self, k):  # noqa: ANN001
-        self._load()
-        return super().__getitem__(k)
-
-    def __contains__(self, k) -> bool:  # noqa: ANN001
-        self._load()
-        return super().__contains__(k)
-
-    def get(self, k, default=None):  # noqa: ANN001
-        self._load()
-        return super().get(k, default)
-
-    def __iter__(self):
-        self._load()
-        return super().__iter__()
-
-    def keys(self):
-        self._load()
-        return super().keys()
-
-    def items(self):
-        self._load()
-        return super().items()
-
-
-#: key formats whose residual has a sub-Gaussian proxy (from each format class's ``variance_proxy``)
-PROXY_OF_FORMAT = _ProxyTable()
 
 
 def _is_stateful(fmt: KVFormat) -> bool:
@@ -454,7 +409,7 @@ class KVFormatCache(Cache):
         """Tokens ``k, v [N, H, d]`` were stored for ``rows``/``pos`` at ``slots`` (None: an unpaged store)."""
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
-                 telemetry: bool | None = None, tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
+                 tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
                  device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
@@ -498,9 +453,6 @@ class KVFormatCache(Cache):
         self.store_cls = store_class(key_format, value_format, outlier_table=outlier_table)
         self.stateful = _is_stateful(key_format) or _is_stateful(value_format)
         self.proxy = type(key_format).variance_proxy or ""
-        if telemetry and not (self.proxy == "dither" and self.store_cls is Int8Store):
-            raise ValueError(f"telemetry: format {key_format.name!r} has no kernel certificate; certified key "
-                             "formats: dither-int8")
         self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
         self.static_batch, self.max_len, self.block_size = batch_size, max_len, block_size
         self.device = None if device is None else torch.device(device)
@@ -601,19 +553,12 @@ class KVFormatCache(Cache):
                 "mean_finite": s / nf if nf else float("nan"), "max_finite": mx if nf else float("nan"),
                 "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride}
 
-    telemetry_summary = certificate_summary
-
     # -- byte account -----------------------------------------------------------------------------
     def kv_nbytes(self) -> int:
         """Bytes of the pools (format bytes, allocated positions) plus the page tables, from the tensors."""
         if self.store is None:
             return 0
         return self.store.nbytes() + sum(la.table.nbytes() for la in self.layers if la.table is not None)
-
-    packed_nbytes = kv_nbytes
-
-    def observe_query(self, layer_idx: int, query: torch.Tensor) -> None:
-        """Kept for :mod:`kvlib.hf.model`'s observing attention; certificates now come from the kernel."""
 
 
 def _probe_format(fmt: KVFormat, d: int, side: int, outlier_table: Any) -> None:

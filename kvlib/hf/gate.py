@@ -146,9 +146,6 @@ class GatedCache(KVFormatCache):
             raise TypeError(f"shadow_dtype must be a torch.dtype, got {type(shadow_dtype).__name__}")
         if shadow_dtype not in _SHADOW_DTYPES:
             raise ValueError(f"shadow_dtype must be one of {_SHADOW_DTYPES}, got {shadow_dtype}")
-        if options.get("telemetry"):
-            raise ValueError("telemetry: a GatedCache records its own certificates (gate_summary); "
-                             "pass telemetry=False")
         if not (isinstance(tau, (int, float)) and tau >= 0 and not math.isnan(tau)):
             raise ValueError(f"tau must be a non-negative number, got {tau!r}")
         if options.get("stride", 1) != 1:

@@ -75,10 +75,6 @@ def _kvlib_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
 
     for fn in list(_OBSERVERS):
         fn(module, query, key, value)
-    cache = getattr(module, "_kvlib_cache", None)
-    observe = getattr(cache, "observe_query", None)
-    if observe is not None:
-        observe(module.layer_idx, query)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

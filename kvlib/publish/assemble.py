@@ -17,8 +17,9 @@ import nbformat
 from kvlib.publish.commits import COMMITTED_PROFILES, result_problems, show_commit
 from kvlib.publish.provenance import PROFILES, load_result, repo_root, results_dir
 from kvlib.publish.registry import Chapter, NotebookEntry, all_notebooks, load_registry
-from kvlib.publish.run import load_claims
-from kvlib.publish.runner import Outcome, executed_path, source_path
+from kvlib.publish.runner import Outcome
+from kvlib.publish.sources import executed_path, source_path
+from kvlib.publish.verdicts import load_claims
 
 RENDER = Path("book") / "_render"
 

@@ -103,8 +103,8 @@ def _canon(params: dict[str, Any]) -> Any:
 
 
 def source_hashes(nb: nbformat.NotebookNode) -> dict[str, str]:
-    """sha256 of the code cells (as :func:`runner.code_cells` compares them) and of the markdown cells."""
-    from kvlib.publish.runner import code_cells
+    """sha256 of the code cells (as :func:`sources.code_cells` compares them) and of the markdown cells."""
+    from kvlib.publish.sources import code_cells
 
     md = [c.source.rstrip() for c in nb.cells if c.cell_type == "markdown"]
     return {"code": sha256_text(json.dumps(code_cells(nb))), "markdown": sha256_text(json.dumps(md))}
@@ -203,7 +203,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
     from kvlib.publish.commits import parse_commit, result_problems
     from kvlib.publish.provenance import load_result
     from kvlib.publish.registry import all_notebooks
-    from kvlib.publish.runner import _shown, executed_path, load_source, source_path, stale_cells
+    from kvlib.publish.sources import executed_path, load_source, shown, source_path, stale_cells
 
     path = executed_path(entry.name, profile)
     params = entry.params(profile)
@@ -228,7 +228,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
     if res is None:
         return problems + ["no result file"], None
     pv = res.get("provenance", {})
-    rel = _shown(src)
+    rel = shown(src)
     sha = parse_commit(pv.get("commit"))[0]
     problems += result_problems(pv.get("commit"), str(rel))
     if sha is None:
@@ -262,7 +262,7 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
 
 def stamp(entries, profile: str, write: bool = True) -> list[tuple[str, str]]:
     """Stamp every execution of ``entries`` at ``profile`` that :func:`stamp_problems` clears."""
-    from kvlib.publish.runner import executed_path
+    from kvlib.publish.sources import executed_path
 
     out = []
     for e in entries:

@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 from kvlib.publish.provenance import PROFILES, provenance, repo_root, save_result
-from kvlib.publish.verdicts import VERDICTS, judge, validate
+from kvlib.publish.verdicts import VERDICTS, judge, load_claims
 
-__all__ = ["VERDICTS", "Run", "fmt", "load_claims"]
+__all__ = ["VERDICTS", "Run", "fmt"]
 
 
 def _glue(key: str, value: Any) -> None:
@@ -31,28 +31,6 @@ def _inline_figures() -> None:
     ip = get_ipython()
     if ip is not None and hasattr(ip, "run_line_magic"):
         ip.run_line_magic("matplotlib", "inline")
-
-
-def load_claims(chapter: str | None = None) -> dict[str, dict[str, Any]]:
-    """The paper side of every claim: ``data/claims/<chapter>.yml`` merged into ``{id: entry}``."""
-    import yaml
-
-    out: dict[str, dict[str, Any]] = {}
-    folder = repo_root() / "data" / "claims"
-    files = [folder / f"{chapter}.yml"] if chapter else sorted(folder.glob("*.yml"))
-    for f in files:
-        if not f.exists():
-            continue
-        doc = yaml.safe_load(f.read_text()) or {}
-        for c in doc.get("claims", []):
-            c = dict(c, chapter=doc.get("chapter", f.stem))
-            if c["id"] in out:
-                raise ValueError(f"claim id {c['id']!r} appears twice (in {f.name})")
-            if "rule" not in c:
-                raise ValueError(f"claim {c['id']!r} in {f.name} has no field 'rule' (what counts as reproduced)")
-            c["rule"] = validate(c["rule"], c["id"])
-            out[c["id"]] = c
-    return out
 
 
 def _plain(x: Any) -> Any:

@@ -9,7 +9,6 @@ one file a researcher edits. It is converted to a notebook in memory and execute
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 import traceback
@@ -21,6 +20,7 @@ import nbformat
 
 from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
+from kvlib.publish.sources import executed_path, load_source, shown, source_path
 
 #: warning filters of the executing kernel: it has no widget frontend, so ``tqdm.auto`` (imported by transformers)
 #: falls back to text progress bars and says so on stderr, a remark on the execution environment that would
@@ -29,50 +29,12 @@ KERNEL_WARNINGS = "ignore:IProgress not found:Warning"  # (tqdm.TqdmWarning is n
 #: per-notebook wall-clock limit (s) by profile, enforced by papermill's cell timeout
 CELL_TIMEOUT = {"ci": 600, "cpu": 1800, "gpu": 3600}
 
-#: jupytext's name for the sources' format
-SOURCE_FORMAT = "md:myst"
-
-
 @dataclass
 class Outcome:
     name: str
     status: str  # reused | executed | failed | skipped
     seconds: float
     detail: str = ""
-
-
-def executed_path(name: str, profile: str) -> Path:
-    """Where the executed notebook of ``name`` at ``profile`` is kept (``$KVLIB_EXECUTED_DIR`` overrides)."""
-    override = os.environ.get("KVLIB_EXECUTED_DIR")
-    base = Path(override) if override else repo_root() / "book" / "executed"
-    return base / profile / f"{name}.ipynb"
-
-
-def source_path(entry: NotebookEntry) -> Path:
-    """The entry's MyST source, absolute; a missing file or another format is an error."""
-    path = Path(entry.path) if Path(entry.path).is_absolute() else repo_root() / entry.path
-    if path.suffix != ".md":
-        raise ValueError(f"notebook {entry.name!r}: path must be a MyST markdown source (.md), got {entry.path!r}")
-    if not path.exists():
-        raise FileNotFoundError(f"notebook {entry.name!r}: {entry.path} does not exist")
-    return path
-
-
-def load_source(path: str | Path) -> nbformat.NotebookNode:
-    """The notebook a MyST source stands for, with stable cell ids (``<stem>-<index>``), so that two runs
-    of unchanged code give notebooks that differ only in their outputs."""
-    import jupytext
-
-    path = Path(path)
-    nb = jupytext.read(path, fmt=SOURCE_FORMAT)
-    # The executed notebook is not a jupytext pair of the source; without this key Jupyter treats it as plain.
-    nb.metadata.pop("jupytext", None)
-    nb.metadata.setdefault("language_info", {"name": "python"})
-    stem = re.sub(r"[^A-Za-z0-9_-]", "-", path.stem)[:56]
-    for i, cell in enumerate(nb.cells):
-        cell["id"] = f"{stem}-{i:03d}"
-    nbformat.validate(nb)
-    return nb
 
 
 def notebook_parameters(source: str | Path | nbformat.NotebookNode) -> set[str]:
@@ -99,22 +61,6 @@ def validate(entry: NotebookEntry, params: dict[str, Any]) -> nbformat.NotebookN
             f"notebook {entry.name!r} has no parameter(s) {unknown}; it declares {sorted(declared)}"
         )
     return nb
-
-
-def code_cells(nb: nbformat.NotebookNode) -> list[str]:
-    """The code a notebook runs, cell by cell: papermill's injected parameters cell left out, and trailing
-    whitespace at the end of a cell ignored (a MyST source cannot carry it)."""
-    return [c.source.rstrip() for c in nb.cells
-            if c.cell_type == "code" and "injected-parameters" not in c.metadata.get("tags", [])]
-
-
-def stale_cells(source: nbformat.NotebookNode, executed: nbformat.NotebookNode) -> list[str]:
-    """Where ``executed`` did not run ``source``'s current code: one line per differing cell (empty: it did)."""
-    want, ran = code_cells(source), code_cells(executed)
-    out = [f"code cell {i}: source and executed run differ" for i, (a, b) in enumerate(zip(want, ran)) if a != b]
-    if len(want) != len(ran):
-        out.append(f"the source has {len(want)} code cells, the executed run {len(ran)}")
-    return out
 
 
 def gpu_available() -> bool:
@@ -157,14 +103,7 @@ def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any]
     res = load_result(entry.name, profile)
     if res is None:
         return ["no result file"]
-    return result_problems(res.get("provenance", {}).get("commit"), _shown(source_path(entry)))
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.relative_to(repo_root()))
-    except ValueError:
-        return str(path)
+    return result_problems(res.get("provenance", {}).get("commit"), shown(source_path(entry)))
 
 
 def _finish(tmp: Path, entry: NotebookEntry, nb: nbformat.NotebookNode, params: dict[str, Any], profile: str,
@@ -176,10 +115,10 @@ def _finish(tmp: Path, entry: NotebookEntry, nb: nbformat.NotebookNode, params: 
         return False
     executed = nbformat.read(tmp, as_version=4)
     report = cache.strip_record(executed)
-    executed.metadata.get("papermill", {})["input_path"] = _shown(source_path(entry))
+    executed.metadata.get("papermill", {})["input_path"] = shown(source_path(entry))
     if report is not None:
         executed.metadata[cache.KEY] = cache.make_record(
-            nb, params, report, commit=commit, profile=profile, source=_shown(source_path(entry)), wall_s=seconds)
+            nb, params, report, commit=commit, profile=profile, source=shown(source_path(entry)), wall_s=seconds)
     nbformat.write(executed, tmp)
     return report is not None
 

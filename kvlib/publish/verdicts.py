@@ -31,6 +31,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvlib.publish.provenance import repo_root
+
 VERDICTS = ("reproduced", "differs", "not reproducible here")
 KINDS = ("tolerance", "interval", "threshold", "qualitative", "not_reproducible")
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -214,8 +216,6 @@ def judge(claim_id: str, *, ours: str, measured: Any = None, n: int | None = Non
     """One claim record, its verdict decided under the rule of ``data/claims/*.yml``: ``{id, ours, measured, n,
     note, rule, verdict, why}`` (``why`` = the rule's reason, then ``note``). Report modules return these;
     :meth:`kvlib.publish.run.Run.claim` records the same."""
-    from kvlib.publish.run import load_claims  # run imports this module
-
     known = load_claims()
     if claim_id not in known:
         raise ValueError(f"claim {claim_id!r} is not in data/claims/*.yml; add the paper's side there first")
@@ -223,3 +223,25 @@ def judge(claim_id: str, *, ours: str, measured: Any = None, n: int | None = Non
     verdict, reason = decide(rule, measured, n, claim=claim_id)
     return {"id": claim_id, "ours": ours, "measured": measured, "n": n, "note": note, "rule": describe(rule),
             "verdict": verdict, "why": reason + (f"; {note}" if note else "")}
+
+
+def load_claims(chapter: str | None = None) -> dict[str, dict[str, Any]]:
+    """The paper side of every claim: ``data/claims/<chapter>.yml`` merged into ``{id: entry}``."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    folder = repo_root() / "data" / "claims"
+    files = [folder / f"{chapter}.yml"] if chapter else sorted(folder.glob("*.yml"))
+    for f in files:
+        if not f.exists():
+            continue
+        doc = yaml.safe_load(f.read_text()) or {}
+        for c in doc.get("claims", []):
+            c = dict(c, chapter=doc.get("chapter", f.stem))
+            if c["id"] in out:
+                raise ValueError(f"claim id {c['id']!r} appears twice (in {f.name})")
+            if "rule" not in c:
+                raise ValueError(f"claim {c['id']!r} in {f.name} has no field 'rule' (what counts as reproduced)")
+            c["rule"] = validate(c["rule"], c["id"])
+            out[c["id"]] = c
+    return out

@@ -1,6 +1,6 @@
 """Tables, figures and verdicts of the RLVR chapter (notebooks/rlvr/grpo.md) from the per-run JSONs.
 
-A run file is ``data/results/gpu/rlvr/<arm>_seed<k>.json`` (:mod:`kvlib.rl.run`); ``timing.json`` holds the
+A run file is ``data/results/gpu/rlvr/<arm>_seed<k>.json`` (``python -m dev.rlvr_runs``); ``timing.json`` holds the
 isolated rollout timing and ``calibration.json`` the task's difficulty. Every verdict is a rule on these
 numbers that can come out either way; with no runs it is "not reproducible here" with the reason "not
 measured", and with too few seeds "underpowered" (the publish machinery's verdicts are reproduced /

@@ -39,6 +39,15 @@ import torch
 
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat
+from kvlib.formats.kv4 import int4_quantize_unchecked
+from kvlib.formats.kv4rl import (
+    int8_quantize_unchecked,
+    is_protected,
+    main_range,
+    ring_slot,
+    side_count,
+    side_positions,
+)
 from kvlib.storage.paged import PagedPool
 
 
@@ -51,34 +60,6 @@ def _grow_tensor(t: torch.Tensor, n_slots: int) -> torch.Tensor:
     out = t.new_zeros((t.shape[0], n_slots, *t.shape[2:]))
     out[:, : t.shape[1]] = t
     return out
-
-
-def int4_head_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`kvlib.formats.kv4.int4_quantize` with one group per head, the same operations in the same
-    order, minus its finiteness check (a host sync; a CUDA graph cannot hold one). Returns packed codes
-    uint8 ``[..., d//2]``, fp16 scale and offset ``[...]``. The pool tests bind it to the format bit for bit."""
-    from kvlib.formats.kv4 import LEVELS, fp16_round, pack_nibbles
-
-    xf = x.float()
-    lo, hi = xf.amin(-1), xf.amax(-1)
-    m = fp16_round(lo, "down")
-    delta = fp16_round((hi - m.float()) / LEVELS, "up")
-    df = delta.float()
-    safe = torch.where(df > 0, df, torch.ones_like(df))
-    c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
-    return pack_nibbles(c.to(torch.uint8)), delta, m
-
-
-def int8_vector_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvlib.formats.kv4rl.int8_quantize` (per-vector symmetric INT8) without its host-syncing check."""
-    from kvlib.formats.kv4 import fp16_round
-    from kvlib.formats.kv4rl import INT8_MAX
-
-    xf = x.float()
-    scale = fp16_round(xf.abs().amax(-1) / INT8_MAX, "up")
-    sf = scale.float()
-    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 class Store:
@@ -439,7 +420,7 @@ class Int4Store(Store):
         self.write_path = f"{name}-{self._route}"
         xs = (hadamard(k.float()), v.float())  # keys rotated (rotate="k", the kernel's layout)
         for side, x in enumerate(xs):
-            codes, scale, off = int4_head_quantize(x)  # one affine group per (token, head): batched = per stream
+            codes, scale, off = int4_quantize_unchecked(x)  # one affine group per (token, head): batched = per stream
             self.codes[side][layer, slots] = codes
             self.scale[side][layer, slots] = scale
             self.off[side][layer, slots] = off
@@ -450,8 +431,8 @@ class Int4Store(Store):
                     lens_after: torch.Tensor, one_per_row: bool) -> None:
         """kv4rl's side buffer (and crop stash) by the torch path."""
         s, w = self.sink, self.recent
-        keep = (pos < s) | (pos >= lens_after[rows] - w)
-        ring = torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        keep = is_protected(pos, lens_after[rows], s, w)
+        ring = ring_slot(pos, s, w)
         ring = torch.where(keep, ring, torch.zeros_like(ring))  # a position not kept touches no slot (masked below)
         u = self.undo
         if one_per_row:
@@ -460,7 +441,7 @@ class Int4Store(Store):
             ev = pos - w
             ev_ok = (ev >= s) & (w > 0)
             for side, x in enumerate(xs):
-                c8, s8 = int8_vector_quantize(x)
+                c8, s8 = int8_quantize_unchecked(x)
                 old = self.side8[side][layer][rows, :, ring]
                 olds = self.side_scale[side][layer][rows, :, ring]
                 st8, sts = self.stash8[side][layer], self.stash_scale[side][layer]
@@ -474,7 +455,7 @@ class Int4Store(Store):
         # prefill / chunk (host syncs are fine here): stash the last U evictions, then write the ring. Per row only
         # O(1) host work and the old ring entries; the chunk's own entries are stashed in one masked write (a
         # per-row scan of the chunk's tokens cost O(B x tokens) in Python per layer: 17-21 s for a 64-row prefill)
-        c8s = [int8_vector_quantize(x) for x in xs]
+        c8s = [int8_quantize_unchecked(x) for x in xs]
         cnt_t = torch.bincount(rows, minlength=self.batch)
         cnt_h, la_h = cnt_t.tolist(), lens_after.tolist()
         for b in sorted(set(rows.tolist())):
@@ -486,7 +467,7 @@ class Int4Store(Store):
             a0, a1 = max(lo, n0 - w), min(hi, n0)
             olds = torch.arange(a0, max(a0, a1), device=pos.device)  # were in the ring before this write
             if olds.numel():
-                og = s + (olds - s) % w
+                og = ring_slot(olds, s, w)
                 for side in (0, 1):
                     self.stash8[side][layer][b, :, olds % u] = self.side8[side][layer][b, :, og]
                     self.stash_scale[side][layer][b, :, olds % u] = self.side_scale[side][layer][b, :, og]
@@ -524,15 +505,14 @@ class Int4Store(Store):
                 raise NotImplementedError(
                     f"kv4rl: crop of {n - m} tokens reaches past the side buffer's crop stash "
                     f"({self.valid[layer][b]} evicted entries kept; make_cache(..., crop_window=N) keeps more)")
-            ring = s + (back - s) % w
+            ring = ring_slot(back, s, w)
             for side in (0, 1):
                 self.side8[side][layer][b, :, ring] = self.stash8[side][layer][b, :, back % u]
                 self.side_scale[side][layer][b, :, ring] = self.stash_scale[side][layer][b, :, back % u]
             self.valid[layer][b] -= n - m
 
     def side_count(self, lens: torch.Tensor) -> torch.Tensor:
-        n = lens.long()
-        return (n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)).to(torch.int32)
+        return side_count(lens.long(), self.sink, self.recent).to(torch.int32)
 
     def side_buffer(self, layer: int, lens: torch.Tensor):
         from kvlib.kernels.int4.decode import SideBuffer
@@ -544,8 +524,7 @@ class Int4Store(Store):
         n = lens.to(torch.int32)
         if not self.rl:
             return torch.zeros_like(n), n
-        start = n.clamp(max=self.sink)
-        return start, torch.maximum(start, n - self.recent)
+        return main_range(n, self.sink, self.recent)
 
     def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from kvlib.formats.kv4 import unpack_nibbles
@@ -564,8 +543,6 @@ class Int4Store(Store):
         """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected)."""
         k, v = self.gather(layer, st)
         if self.rl:
-            from kvlib.kernels.int4.attention import side_positions
-
             pos = side_positions(lens.to(k.device), self.sink, self.recent)  # [B, C]
             for side, x in enumerate((k, v)):
                 vals = self.side8[side][layer].float() * self.side_scale[side][layer].float().unsqueeze(-1)

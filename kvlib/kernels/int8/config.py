@@ -44,9 +44,10 @@ class Int8KernelConfig:
       the one the pool was written with; read by the h10 and Gluon kernels (the w24 kernels refuse any but the
       default). Philox4x32-10 (the paper's) is the default; :data:`kvlib.core.philox.GENERATOR_OPTIONS` are the
       ones a pool may be written with, the other names are timing probes of the issue-28 study.
-    - Timing-only ablations, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage),
-      ``ablate`` (h10 bit mask: 1 drops the QK path, 2 the PV path, 4 computes slots as
-      ``b * stride + position``, right only for an identity slot table).
+    - Timing only, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage), which the
+      performance grid and the SASS count price the Philox dither with. (The h10 kernel's ``ablate`` switches, which
+      dropped its QK or PV path or computed the slots, located where its time went, ``dev/results/h10_probe4.json``;
+      their code is gone since.)
     """
 
     block_n: int = 64
@@ -65,7 +66,6 @@ class Int8KernelConfig:
     ahead: bool = True
     programs_per_sm: int = 8
     skip_philox: bool = False
-    ablate: int = 0
     generator: str = "philox4x32-10"
 
     def __post_init__(self) -> None:
@@ -85,8 +85,6 @@ class Int8KernelConfig:
         from kvlib.core.philox import check_generator
 
         check_generator(self.generator)
-        if not isinstance(self.ablate, int) or not 0 <= self.ablate < 8:
-            raise ValueError(f"ablate must be an int bit mask in [0, 8), got {self.ablate!r}")
 
     def replace(self, **changes) -> Int8KernelConfig:
         """A copy with ``changes`` (unknown names raise TypeError)."""

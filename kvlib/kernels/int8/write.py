@@ -30,18 +30,9 @@ from kvlib.core.checks import check_tensor
 from kvlib.core.philox import check_layout_d, seed_key
 from kvlib.formats.dither_int8 import check_x, dither_quantize
 from kvlib.kernels.tl.philox import dither_tile, dither_tile_h8, dither_tile_h10
+from kvlib.kernels.tl.rounding import rne
 from kvlib.kernels.write import recip32
 from kvlib.storage.paged import PagedPool
-
-
-@triton.jit
-def _rne(y):
-    """Round half to even for |y| < 2^23, exact (floor, compare, parity)."""
-    f = tl.floor(y)
-    r = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    up = (r > 0.5) | ((r == 0.5) & odd)
-    return f + up.to(tl.float32)
 
 
 @triton.jit
@@ -133,7 +124,7 @@ def _quantize_side(
     if USE_RINT:
         r = libdevice.rint(y)  # one cvt.rni on the GPU
     else:
-        r = _rne(y)  # same rounding spelled with floor (the CPU interpreter has no libdevice)
+        r = rne(y)  # same rounding spelled with floor (the CPU interpreter has no libdevice)
     c = tl.minimum(tl.maximum(r, -127.0), 127.0)
     zero = (s32 == 0.0) | (y != y)
     if NOUT > 0:

@@ -221,8 +221,9 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
          config: WSpecCertConfig | None = None, num_splits: int | None = None, sms: int | None = None) -> CertPlan:
     """Validate a certified request (ValueError/TypeError naming the argument) and choose its splits (the RTN
     kernel's planner: :func:`kvlib.kernels.int8.wspec.plan`). Needs no GPU."""
-    from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
+    from kvlib.certify.bound import radius_multiplier, rounding_gamma
     from kvlib.core.checks import check_open_unit
+    from kvlib.core.fp16 import FP16_REL, FP16_SUB
     from kvlib.core.philox import seed_key
     from kvlib.kernels.int8.request import as_side
 

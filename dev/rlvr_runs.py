@@ -1,4 +1,5 @@
-"""GRPO runs of issue 27 on one GPU call: ``python -m kvlib.rl.run all --out DIR --gguf PATH``.
+"""GRPO runs of issue 27 on one GPU call: ``python -m dev.rlvr_runs all --out DIR --gguf PATH`` (the experiment
+driver; the library keeps the learner, the sampler and the task, :mod:`kvlib.rl`).
 
 Phases of ``all`` (one process; the device call is bounded by ``--budget-s``):
 
@@ -707,7 +708,7 @@ def run_all(args: argparse.Namespace) -> int:
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     for arm, seed in runs:
         logf = open(out / f"{arm}_seed{seed}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "kvlib.rl.run", "train", "--arm", arm, "--seed", str(seed), "--out", args.out,
+        cmd = [sys.executable, "-m", "dev.rlvr_runs", "train", "--arm", arm, "--seed", str(seed), "--out", args.out,
                "--deadline", str(deadline - args.train_margin_s), "--calibration", str(out / "calibration.json"),
                "--initial-eval", str(out / "initial_eval.json"), "--eval-reserve-s", str(reserve),
                "--mem-cap-gib", "none" if cap is None else str(cap), "--grad-ckpt", args.grad_ckpt,

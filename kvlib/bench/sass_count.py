@@ -1,7 +1,7 @@
 """Instruction counts of the INT8 decode kernels' main loops, compiled for the H200 (sm_90) without a GPU.
 
 ``python -m kvlib.bench sass_count --profile cpu`` compiles each kernel with Triton's own toolchain
-(``ptxas``, ``cuobjdump`` ship with Triton), finds the main loop in the SASS (the longest backward
+(:mod:`kvlib.kernels.offline`), finds the main loop in the SASS (the longest backward
 branch) and records per thread per tile: instructions, instructions per stored K/V element, registers,
 spills and an opcode histogram. The shapes are the latency benchmarks' (d = 128, groups of 32, GQA 7,
 bf16 queries) and the launch parameters the kernels' defaults. This is how the chapters know *why* a
@@ -10,100 +10,17 @@ kernel sits below the memory roofline (issue-bound or not), measured from the bi
 
 from __future__ import annotations
 
-import collections
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 from typing import Any
 
-#: pointer arguments of the INT8 decode kernels and their element types
-POINTERS = {"Q": "*fp16", "KC": "*i8", "KS": "*fp16", "KO": "*fp16", "KOC": "*i64", "VC": "*i8", "VS": "*fp16",
-            "VO": "*fp16", "VOC": "*i64", "SLOTS": "*i32", "SEQ": "*i32", "O_S": "*fp32", "LSE_S": "*fp32",
-            "A_S": "*fp32", "B_S": "*fp32"}
-FLOATS = {"sm_scale", "byp_rel", "byp_abs", "log_2_over_delta", "rad_extra", "sm_scale_log2"}
+from kvlib.kernels.offline import DIV16, FLOATS, compile_count, compile_sm90, count_compiled
+
 #: pointer arguments of the KV4 decode kernel (:mod:`kvlib.kernels.int4.decode`)
 KV4_POINTERS = {"Q8": "*i8", "QH": "*i16", "QW": "*i32", "QS": "*fp32", "QSUM": "*fp32", "KC": "*u8", "KW": "*i16",
                 "KS": "*fp16", "KO": "*fp16", "VC": "*u8", "VW": "*i16", "VS": "*fp16", "VO": "*fp16",
                 "START": "*i32", "END": "*i32", "K8": "*i8", "K8S": "*fp16", "V8": "*i8", "V8S": "*fp16",
                 "COUNT": "*i32", "OUT": "*fp32", "LSE": "*fp32", "CNT": "*i32", "OFIN": "*fp32", "LSEFIN": "*fp32"}
-#: integer arguments that are multiples of 16 at the benchmark shapes (Triton specialises them so at launch)
-DIV16 = {"s_qb", "s_qh", "s_kc_n", "s_kc_h", "s_ks_n", "s_vc_n", "s_vc_h", "s_vs_n", "s_sl_b", "s_os_b", "s_os_h",
-         "s_os_s", "s_ls_b", "N"}
 GQA, D, G, NUM_SPLITS = 7, 128, 32, 8
-
-
-def _tool(name: str) -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        raise RuntimeError(f"{name} not found next to Triton ({path}): this count needs Triton's NVIDIA backend")
-    return path
-
-
-def loop_stats(sass: str) -> dict[str, Any]:
-    """The longest backward-branch body of a SASS listing: instruction count and opcode histogram."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
-    loops = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            loops.append((addr - int(m.group(1), 16), int(m.group(1), 16), addr))
-    if not loops:
-        raise ValueError("no loop found in the SASS")
-    _, lo, hi = max(loops)
-    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= hi]
-    ops = collections.Counter(op.split(".")[0] for op in body)
-    return {"instructions": len(body), "top_opcodes": dict(ops.most_common(12))}
-
-
-def _compile(kernel: Any, constexprs: dict[str, Any], pointers: dict[str, str] | None, **options: Any) -> Any:
-    """``kernel`` compiled for sm_90 without a GPU (pointer types from :data:`POINTERS` and ``pointers``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    ptrs = POINTERS | (pointers or {})
-    params = inspect.signature(kernel.fn).parameters
-    # a constexpr left to its default must still be a constant: typed "i32" it would become a runtime
-    # argument, and every branch on it would be compiled in (a different kernel from the one launched)
-    constexprs = {n: p.default for n, p in params.items()
-                  if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty} | constexprs
-    sig = {}
-    for name in params:
-        sig[name] = ("constexpr" if name in constexprs else ptrs.get(name)
-                     or ("fp32" if name in FLOATS else "i32"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}
-    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
-
-
-def compile_count(kernel: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
-                  block_n: int, pointers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Compile ``kernel`` for sm_90 and count its main loop (per thread per ``block_n``-position tile)."""
-    cc = _compile(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
-    return _count(cc, num_warps=num_warps, num_stages=num_stages, block_n=block_n)
-
-
-def _count(cc: Any, *, num_warps: int, num_stages: int, block_n: int) -> dict[str, Any]:
-    """Loop statistics, registers, stack and shared memory of a compiled kernel ``cc``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(cc.asm["cubin"])
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
-    out = loop_stats(sass)
-    per_thread = block_n * D * 2 / (32 * num_warps)  # K and V elements each thread handles per tile
-    out.update(registers=res.get("reg"), stack_bytes=res.get("stack"), shared_bytes=res.get("shared"),
-               block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, per_element=out["instructions"] / per_thread)
-    return out
 
 
 def run(profile: str) -> dict[str, Any]:
@@ -161,7 +78,8 @@ def kv4_count() -> dict[str, Any]:
     """The KV4 main-region kernel at :data:`~kvlib.kernels.int4.decode.DEFAULT_CONFIG` and the kv4 benchmark's
     shape (d = 128, GQA 32:8, a capacity that is a multiple of the block): its pipelined interior loop, per
     thread per ``block_n``-position tile; ``per_element`` is per stored 4-bit code (K and V)."""
-    from kvlib.kernels.int4.decode import _KMODES, DEFAULT_CONFIG, MIN_ROWS, _kv4_decode_kernel
+    from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG, MIN_ROWS
+    from kvlib.kernels.int4.region import _kv4_decode_kernel
 
     cfg = DEFAULT_CONFIG
     const = dict(HKV=8, G=4, GP=cfg.rows or max(MIN_ROWS, 4), D=D, BLOCK_N=cfg.block_n, INT_PV=cfg.int_pv,
@@ -200,7 +118,7 @@ def gluon_count(cert: bool = True, gqa: int = GQA, page: int = 0, **constexprs: 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs or n in DIV16}
     cc = triton.compile(GluonASTSource(G._stage1_g8, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 1})
-    out = _count(cc, num_warps=1, num_stages=1, block_n=block_n)
+    out = count_compiled(cc, num_warps=1, num_stages=1, block_n=block_n)
     out["per_position_head"] = out["instructions"] / block_n  # one warp: warp instructions per (position, KV head)
     return out
 
@@ -209,11 +127,13 @@ def pdl_check() -> dict[str, list]:
     """Compile the KV4 path's three kernels for sm_90 with programmatic dependent launch on
     (``KV4KernelConfig.pdl``): per kernel, the PTX's ``griddepcontrol.wait`` and ``launch_dependents``
     counts and whether the launch attribute is set (the preparation only triggers, the merge only waits)."""
-    from kvlib.kernels.int4.decode import _KMODES, DEFAULT_CONFIG, _kv4_decode_kernel, _prep_query_kernel
+    from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG
+    from kvlib.kernels.int4.query import _prep_query_kernel
+    from kvlib.kernels.int4.region import _kv4_decode_kernel
     from kvlib.kernels.tl.merge import _merge_splits_kernel
 
     def one(kernel, constexprs, ptrs, num_warps, num_stages, pdl):
-        cc = _compile(kernel, constexprs, ptrs, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        cc = compile_sm90(kernel, constexprs, ptrs, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         ptx = cc.asm["ptx"]
         return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
                 bool(cc.metadata.launch_pdl)]
