@@ -284,7 +284,7 @@ def _reason_item(r: dict[str, Any]) -> str:
     if r["why"] and r["verdict word"] not in ("pending",):
         text += f" Reason: {' '.join(r['why'].split())}."
     if r.get("checked because"):
-        text += f" Checked, not reproduced: {r['checked because']}"
+        text += f" Checked, not reproduced: {r['checked because'].rstrip('.')}."
     text += f" Rule committed {r['rule committed']}" + (f", measured {r['measured']}" if r["measured"] else "")
     text += f"; {r['registration']}."
     if r["source"]:

@@ -265,7 +265,7 @@ def claim_cells(entry: dict[str, Any], record: dict[str, Any] | None) -> dict[st
     setting = (record or {}).get("setting") or entry["ours_setting"].replace("{device}", "the run's device")
     ours = f"{record['ours']}; *{setting}*" if record else f"*{setting}*"
     if "context_of" in entry:
-        verdict = f"*context for {entry['context_of']}*"
+        verdict = "*context*"
     elif record is None:
         verdict = "**pending**"
     else:
@@ -285,13 +285,15 @@ def reasons_fold(records: list[dict[str, Any]], known: dict[str, dict[str, Any]]
     for c in records:
         e = known.get(c["id"], {})
         if "context_of" in e:
-            head = f"- **{e['where']}** (context for {e['context_of']}): {e.get('measure', '')}."
+            p = known.get(e["context_of"], {})
+            head = (f"- **{e['where']}**, context for the claim of {p.get('where', e['context_of'])} "
+                    f"(`{e['context_of']}`): {e.get('measure', '')}; no verdict of its own.")
         else:
             why = " ".join(str(c.get("why") or "").split())
             head = (f"- **{e.get('where', c['id'])}**, {label(c['verdict'], c.get('why', ''))}. "
                     f"Rule: {c.get('rule') or 'none recorded'}." + (f" Reason: {why}." if why else ""))
             if "rule" in e and "checked" in e["rule"]:
-                head += f" Checked, not reproduced: {e['rule']['checked']}"
+                head += f" Checked, not reproduced: {e['rule']['checked'].rstrip('.')}."
         h, cc = c.get("rule_sha256"), c.get("claims_commit")
         if h:
             head += f" Judged under rule `{h[:12]}` of `{c.get('claims_file', '')}` (at `{str(cc)[:12]}`" + (

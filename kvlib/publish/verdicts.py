@@ -351,7 +351,7 @@ def decide(rule: Mapping[str, Any], measured: Any, n: int | None = None, *, clai
         unmet = [r for s, r in (_judge_condition(c, given[c["quantity"]], claim) for c in rule["requires"])
                  if s != "pass"]
         if unmet:
-            return "not reproducible here", "too little data to judge: " + "; ".join(unmet)
+            return "not reproducible here", "not judged, a precondition of the rule is unmet: " + "; ".join(unmet)
     if "min_n" in rule and n is not None and not isinstance(n, bool) and isinstance(n, int) and n < rule["min_n"]:
         return "not reproducible here", f"n = {n} is below the {rule['min_n']} needed to show it"
     if measured is None:
@@ -523,7 +523,7 @@ def judge(claim_id: str, *, ours: str, measured: Any = None, n: int | None = Non
     setting = str(entry.get("ours_setting", "")).replace("{device}", device or "this run's device")
     return {"id": claim_id, "ours": ours, "measured": measured, "n": n, "given": dict(given) if given else None,
             "note": note, "rule": rule_text,
-            "verdict": verdict, "why": "; ".join(x for x in (reason, note) if x),
+            "verdict": verdict, "why": "; ".join(x for x in (reason, note if note != reason else "") if x),
             "role": CONTEXT if "context_of" in entry else "primary", "setting": setting,
             "rule_sha256": h, "claims_file": entry["file"], "claims_commit": claims_file_commit(entry["file"]),
             "judged_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
