@@ -178,7 +178,9 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
                 "claim": p["statement"],
                 "statement": p["statement"],
                 "paper's figure": cells["paper (setting)"],
-                "ours": cells["ours (setting)"] if len(answers) < 2 else "; ".join(a["ours"] for a in answers),
+                "ours": ("; ".join(a["ours"] for a in answers) if len(answers) > 1 else
+                         f"{o['ours']}; *measured under an earlier rule, in a setting it did not record*" if refused
+                         else cells["ours (setting)"]),
                 "verdict word": word,
                 "label": label(word, why) if word in VERDICTS else word,
                 "verdict": label(word, why) + (f": {why}" if why else ""),
@@ -194,6 +196,15 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
             }
         )
     return rows
+
+
+_RERUN = re.compile(r"^claim '[^']+' \(([\w/-]+) \[\w+\]\): .*; re-run it$")
+
+
+def notebooks_to_rerun(problems: list[str]) -> list[str]:
+    """The notebooks whose verdicts the build refused (their rule changed, or was not recorded), from the
+    problems :func:`claims_rows` reported."""
+    return sorted({m.group(1) for p in problems if (m := _RERUN.match(p))})
 
 
 VERDICT_ORDER = ("reproduced", "checked", "differs", "not reproducible here", "pending", "re-run", "conflict")
