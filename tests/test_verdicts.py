@@ -238,7 +238,8 @@ def test_every_recorded_verdict_flips_on_the_other_side(claims):
                              given={k: v for k, v in (rec.get("given") or {}).items()})
             assert flipped[0] != rec["verdict"], rec["id"]
             seen += 1
-    assert seen >= 0  # before the first execution under recorded rules there is nothing to flip yet
+    if not seen:
+        pytest.skip("no committed result was judged under the current rules yet (re-execute the notebooks)")
 
 
 def test_judge_records_what_it_was_judged_under(claims):
