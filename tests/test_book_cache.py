@@ -15,6 +15,7 @@ from kvlib.publish.runner import run_notebooks
 from kvlib.publish.sources import executed_path, load_source, stale_cells
 
 TINY = Path(__file__).parent / "data" / "tiny.md"
+JUDGED = "witcert-fallback-block"  # the claim the tiny notebook judges
 
 
 @pytest.fixture
@@ -30,13 +31,15 @@ def sha(path):
 
 @pytest.fixture(scope="module")
 def executed_once(tmp_path_factory):
-    """One execution of a tiny notebook that imports kvlib.publish and reads the claims files."""
+    """One execution of a tiny notebook that imports kvlib.publish, reads the claims files and judges one claim."""
     import os
 
     d = tmp_path_factory.mktemp("cache")
     src = d / "reads.md"
     src.write_text(TINY.read_text().replace("run.save()", "from kvlib.publish.verdicts import load_claims\n"
-                                            "n_claims = len(load_claims())\nrun.save()"))
+                                            "n_claims = len(load_claims())\n"
+                                            "tiny_src = open('tests/data/tiny.md').read()  # a data input\n"
+                                            f"run.claim({JUDGED!r}, ours='2 blocks', measured=2.0)\nrun.save()"))
     entry = NotebookEntry(name="reads", path=str(src), chapter="t", title="r", profiles={"ci": {"x": 2}})
     old = {k: os.environ.get(k) for k in ("KVLIB_RESULTS_DIR", "KVLIB_EXECUTED_DIR")}
     os.environ["KVLIB_RESULTS_DIR"], os.environ["KVLIB_EXECUTED_DIR"] = str(d / "results"), str(d / "executed")
@@ -60,8 +63,13 @@ def test_the_record_is_what_the_kernel_loaded_and_read(executed_once):
     # kvlib is lazy: a notebook that never touches the model loader has not loaded it, and the runner's own
     # record cells add nothing to the set they report
     assert "kvlib.hf.model" not in mods and "kvlib.publish.cache" not in mods and "kvlib.publish.runner" not in mods
-    claims = sorted((repo_root() / "data" / "claims").glob("*.yml"))
-    assert claims and all(rec["inputs"][str(c.relative_to(repo_root()))] == sha(c) for c in claims)
+    # the claims files are inputs only through the rule of the claim judged: its hash, nothing else
+    assert not any(p.startswith("data/claims/") for p in rec["inputs"])
+    assert rec["inputs"]["tests/data/tiny.md"] == sha(TINY)
+    from kvlib.publish.run import load_claims
+    from kvlib.publish.verdicts import rule_hash, rule_of
+
+    assert rec["rules"] == {JUDGED: rule_hash(rule_of(load_claims()[JUDGED]))}
     assert not any(p.startswith("kvlib/") and p.endswith(".py") for p in rec["inputs"])
     assert rec["params"] == {"x": 2, "profile": "ci"}
     # the runner's cells are gone: the saved notebook is the source's code, executed
@@ -94,6 +102,12 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     first_input = sorted(tampered.metadata[cache.KEY]["inputs"])[0]
     tampered.metadata[cache.KEY]["inputs"][first_input] = "0" * 64
     assert cache.why_stale(source, params, tampered) == [f"input changed: {first_input}"]
+    tampered = copy.deepcopy(executed)  # the judged claim's rule changed since the execution
+    tampered.metadata[cache.KEY]["rules"][JUDGED] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == [f"rule changed: {JUDGED}"]
+    tampered = copy.deepcopy(executed)  # a claims file it read changed, in another claim's rule: still current
+    tampered.metadata[cache.KEY]["inputs"]["data/claims/e2e.yml"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == []
     del tampered.metadata[cache.KEY]
     assert "no cache key" in cache.why_stale(source, params, tampered)[0]
     assert cache.why_stale(source, params, None) == ["no committed execution"]

@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         fatal = [p for p in problems if not args.no_strict and (args.profile in COMMITTED_PROFILES or "claim id" in p)]
         for p in problems:
             print(f"{'error' if p in fatal else 'warning'}: {p}", file=sys.stderr)
+        rerun = asm.notebooks_to_rerun(problems)
+        if rerun:
+            print(f"re-run: verdicts judged under a rule that changed or was not recorded come from "
+                  f"{len(rerun)} notebook(s); re-execute them: python -m kvlib.publish run --profile {args.profile} "
+                  f"--only {' '.join(rerun)}", file=sys.stderr)
         if fatal:
             print(f"{len(fatal)} provenance/claim problem(s): the book is not built (--no-strict builds it anyway)",
                   file=sys.stderr)

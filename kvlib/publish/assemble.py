@@ -19,7 +19,8 @@ from kvlib.publish.provenance import PROFILES, load_result, repo_root, results_d
 from kvlib.publish.registry import Chapter, NotebookEntry, all_notebooks, load_registry
 from kvlib.publish.runner import Outcome
 from kvlib.publish.sources import executed_path, source_path
-from kvlib.publish.verdicts import load_claims
+from kvlib.publish.tables import _cell, list_table  # noqa: F401 (list_table: the pages' tables)
+from kvlib.publish.verdicts import VERDICTS, load_claims
 
 RENDER = Path("book") / "_render"
 
@@ -85,25 +86,45 @@ def _md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
 
 
-def _verdict(ours: dict[str, Any] | None) -> str:
-    if ours is None:
-        return "pending: no run addresses it yet"
-    return ours["verdict"] + (f": {ours['why']}" if ours.get("why") else "")
+def _when(iso: str | None) -> str:
+    return str(iso or "")[:10]
+
+
+def _check_registered(rec: dict[str, Any], entry: dict[str, Any]) -> str | None:
+    """Why the build refuses a recorded verdict (None: it stands): the record names no rule hash (measured before
+    results recorded the rule they were judged under), or the claim's rule changed since it was measured."""
+    from kvlib.publish.verdicts import rule_hash, rule_of
+
+    if not rec.get("rule_sha256"):
+        return "its result predates the record of the rule it was judged under"
+    if rec["rule_sha256"] != rule_hash(rule_of(entry)):
+        return "its rule changed since it was measured"
+    return None
 
 
 def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> list[dict[str, Any]]:
     """Join the papers' claims with our results of the rendered profile of each notebook.
 
     A claim id that two rendered notebooks both answer is an error naming both (``problems`` given: appended
-    there, and the register shows the conflict instead of silently keeping one). Each row also carries its
-    chapter, the verdict's first word (``verdict word``), its reason (``why``) and the rule the result's claim
-    record states (``rule``, ``None`` when it states none)."""
+    there, and the register shows the conflict instead of silently keeping one). So is a verdict whose rule
+    changed since its measurement, or whose result does not record its rule: the row reads "re-run".
+
+    Each row carries its chapter, ``verdict word`` (reproduced, checked, differs, not reproducible here,
+    pending, re-run, conflict, or context for a context row), ``label`` (the word as shown, "(underpowered)"
+    added), ``why``, ``rule``, both settings, ``role`` and ``context_of``, ``rule committed`` (date and commit of
+    the current rule, or "uncommitted"), ``measured`` (date), ``registration`` ("pre-registered", or "post hoc"
+    with the reason) and ``source``."""
+    from kvlib.publish.commits import first_measurements, rule_commits
+    from kvlib.publish.run import claim_cells
+    from kvlib.publish.verdicts import CONTEXT, describe, label
+
     known = load_claims()
     ours: dict[str, list[dict[str, Any]]] = {}
     for name, prof in rendered.items():
         res = load_result(name, prof)
         for c in (res or {}).get("claims", []):
-            ours.setdefault(c["id"], []).append(dict(c, notebook=name, profile=prof))
+            ours.setdefault(c["id"], []).append(dict(c, notebook=name, profile=prof,
+                                                     started=(res.get("provenance") or {}).get("started")))
     for cid, answers in ours.items():
         if len(answers) > 1:
             msg = (f"claim id {cid!r} is answered by {len(answers)} notebooks: "
@@ -111,18 +132,44 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
             if problems is None:
                 raise ValueError(msg)
             problems.append(msg)
+    commits, first = rule_commits(), first_measurements()
     rows = []
     for cid, p in known.items():
         answers = ours.get(cid, [])
         o = answers[0] if len(answers) == 1 else None
-        conflict = "conflict: " + "; ".join(f"{a['notebook']} says {_verdict(a)}" for a in answers)
+        context = "context_of" in p
+        refused = _check_registered(o, p) if o is not None else None
         if len(answers) > 1:
-            word, why = "conflict", "; ".join(f"{a['notebook']} says {_verdict(a)}" for a in answers)
+            word = "conflict"
+            why = "; ".join(f"{a['notebook']} says {label(a['verdict'], a.get('why', ''))}" for a in answers)
         elif o is None:
-            word, why = "pending", "no run addresses it yet"
+            word, why = ("pending", "no run addresses it yet"
+                         + (f" (needs {p['rule']['needs']})" if "needs" in p.get("rule", {}) else ""))
+            if p.get("rule", {}).get("kind") == "not_reproducible":
+                word, why = "not reproducible here", p["rule"]["reason"]
+        elif refused:
+            word = "re-run"
+            why = f"{refused}: re-run {o['notebook']} (`python -m kvlib.publish run --profile {o['profile']} " \
+                  f"--only {o['notebook']}`)"
+            msg = f"claim {cid!r} ({o['notebook']} [{o['profile']}]): {refused}; re-run it"
+            if problems is None:
+                raise ValueError(msg)
+            problems.append(msg)
         else:
-            word, why = o["verdict"], o.get("why") or ""
-        rule = o.get("rule") if o else None
+            word, why = (CONTEXT if context else o["verdict"]), o.get("why") or ""
+        intro = commits.get(cid)
+        seen = first.get(cid)
+        measured_at = (o or {}).get("judged_at") or (o or {}).get("started")
+        reasons = []
+        if intro is None:
+            reasons.append("its rule is not committed")
+        elif seen is not None and intro[1] > seen[1]:
+            reasons.append(f"rule committed {_when(intro[1])}, after the claim was first measured ({_when(seen[1])})")
+        if o is not None and "modified" in str(o.get("claims_commit", "")):
+            reasons.append("measured while its claims file had uncommitted changes")
+        if p.get("post_hoc"):
+            reasons.append(p["post_hoc"])
+        cells = claim_cells(p, o)
         rows.append(
             {
                 "id": cid,
@@ -131,109 +178,156 @@ def claims_rows(rendered: dict[str, str], problems: list[str] | None = None) -> 
                 "where": p.get("where", ""),
                 "claim": p["statement"],
                 "statement": p["statement"],
-                "paper's figure": p["paper_value"] + (f" ({p['setting']})" if p.get("setting") else ""),
-                "ours": o["ours"] if o else " / ".join(a["ours"] for a in answers),
-                "verdict": _verdict(o) if len(answers) < 2 else conflict,
+                "paper's figure": cells["paper (setting)"],
+                "ours": ("; ".join(a["ours"] for a in answers) if len(answers) > 1 else
+                         f"{o['ours']}; *measured under an earlier rule, in a setting it did not record*" if refused
+                         else cells["ours (setting)"]),
                 "verdict word": word,
+                "label": label(word, why) if word in VERDICTS else word,
+                "verdict": label(word, why) + (f": {why}" if why else ""),
                 "why": why,
-                "rule": str(rule) if rule not in (None, "") else None,
+                "rule": (describe(p["rule"]) if "rule" in p else f"context for {p['context_of']}"),
+                "role": CONTEXT if context else "primary",
+                "context_of": p.get("context_of"),
+                "checked because": p.get("rule", {}).get("checked"),
+                "rule committed": (f"{_when(intro[1])} ({intro[0][:8]})" if intro else "uncommitted"),
+                "measured": _when(measured_at) if o is not None else "",
+                "registration": ("post hoc: " + "; ".join(reasons)) if reasons else "pre-registered",
                 "source": ", ".join(f"{a['notebook']} [{a['profile']}]" for a in answers),
             }
         )
     return rows
 
 
-VERDICT_ORDER = ("reproduced", "differs", "not reproducible here", "pending", "conflict")
+_RERUN = re.compile(r"^claim '[^']+' \(([\w/-]+) \[\w+\]\): .*; re-run it$")
+
+
+def notebooks_to_rerun(problems: list[str]) -> list[str]:
+    """The notebooks whose verdicts the build refused (their rule changed, or was not recorded), from the
+    problems :func:`claims_rows` reported."""
+    return sorted({m.group(1) for p in problems if (m := _RERUN.match(p))})
+
+
+VERDICT_ORDER = ("reproduced", "checked", "differs", "not reproducible here", "pending", "re-run", "conflict")
 PAPERS = {"witcert": "WitCert", "kv4rl": "KV4-RL"}
 
 
 def rows_in_contents_order(rows: list[dict[str, Any]], chapters: list[Chapter]) -> list[tuple[str, list[dict]]]:
     """Claims grouped by chapter, chapters in the order of the contents (the registry); a claim file naming a
-    chapter the registry does not know comes last, under its own name."""
+    chapter the registry does not know comes last, under its own name. Within a chapter, each primary claim is
+    followed by its context rows."""
     order = [ch.id for ch in chapters]
     groups: dict[str, list[dict[str, Any]]] = {c: [] for c in order}
+    by_id = {r["id"]: r for r in rows}
     for r in rows:
+        if r.get("context_of") in by_id:
+            continue  # placed beneath its primary
         groups.setdefault(r["chapter"], []).append(r)
+        groups[r["chapter"]] += [k for k in rows if k.get("context_of") == r["id"]]
     return [(c, rs) for c, rs in groups.items() if rs]
 
 
 def verdict_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """How many rows carry each verdict (the known verdicts first, in :data:`VERDICT_ORDER`)."""
+    """How many primary claims carry each verdict (the known verdicts first, in :data:`VERDICT_ORDER`); context
+    rows have no verdict of their own and are not counted."""
     counts = {v: 0 for v in VERDICT_ORDER}
     for r in rows:
-        counts[r["verdict word"]] = counts.get(r["verdict word"], 0) + 1
+        if r.get("role", "primary") != "context":
+            counts[r["verdict word"]] = counts.get(r["verdict word"], 0) + 1
     return counts
 
 
-_LIST_MARKER = re.compile(r"^([-*+]|\d+[.)])(\s|$)")
-
-
-def _cell(text: str) -> str:
-    """Inline text for a list-table cell: one line, and nothing a list item would read as a marker of its own."""
-    text = " ".join(str(text).split())
-    return _LIST_MARKER.sub(lambda m: m.group(1)[:-1] + "\\" + m.group(1)[-1] + m.group(2), text, count=1)
-
-
-def list_table(rows: list[list[str]], header: list[str], widths: list[int], cls: str = "claims-table",
-               caption: str = "") -> str:
-    """A MyST ``list-table``: cells are parsed as MyST inline text, so ``$...$`` typesets (a pipe table would
-    split a formula's ``|x|`` into cells). ``caption`` becomes the table's ``<caption>``."""
-    out = [f":::{{list-table}} {_cell(caption)}".rstrip(),
-           ":header-rows: 1", f":class: {cls}", f":widths: {' '.join(map(str, widths))}", ""]
-    for r in [header, *rows]:
-        out.append(f"* - {_cell(r[0]) or '&nbsp;'}")
-        out += [f"  - {_cell(c) or '&nbsp;'}" for c in r[1:]]
-    out.append(":::")
-    return "\n".join(out) + "\n"
 
 
 def _claim_cell(r: dict[str, Any]) -> str:
-    return f"**{r['where']}** ({PAPERS.get(r['paper'], r['paper'])}): {r['statement']}"
+    return ("↳ " if r.get("role") == "context" else "") + \
+        f"**{r['where']}** ({PAPERS.get(r['paper'], r['paper'])}): {r['statement']}"
+
+
+def _verdict_cell(r: dict[str, Any]) -> str:
+    if r.get("role") == "context":
+        return "*context*" + (" (re-run)" if r["verdict word"] == "re-run" else "")
+    return f"**{r['label']}**"
 
 
 def _counts_sentence(rows: list[dict[str, Any]]) -> str:
     counts = verdict_counts(rows)
-    parts = [f"{n} {v}" for v, n in counts.items() if n]
-    return f"{len(rows)} claim{'s' if len(rows) != 1 else ''}: " + ", ".join(parts) + "."
+    n = sum(counts.values())
+    parts = [f"{k} {v}" for v, k in counts.items() if k]
+    ctx = sum(r.get("role") == "context" for r in rows)
+    return (f"{n} claim{'s' if n != 1 else ''}: " + ", ".join(parts) + "."
+            + (f" {ctx} context row{'s' if ctx != 1 else ''} beneath them." if ctx else ""))
+
+
+def _when_cell(r: dict[str, Any]) -> str:
+    if r.get("role") == "context":
+        return "&nbsp;"
+    text = f"rule {r['rule committed'].split(' ')[0]}"
+    if r["measured"]:
+        text += f"; measured {r['measured']}"
+    return text + ("; *post hoc*" if r["registration"].startswith("post hoc") else "; pre-registered")
+
+
+def _reason_item(r: dict[str, Any]) -> str:
+    if r.get("role") == "context":
+        return f"- **{r['where']}** (context for {r['context_of']}): {r['rule'].removeprefix('context for ')}" + (
+            f"; from {_source_text(r['source'])}" if r["source"] else "")
+    text = f"- **{r['where']}**, {r['label']}. Rule: {r['rule']}."
+    if r["why"] and r["verdict word"] not in ("pending",):
+        text += f" Reason: {' '.join(r['why'].split())}."
+    if r.get("checked because"):
+        text += f" Checked, not reproduced: {r['checked because'].rstrip('.')}."
+    text += f" Rule committed {r['rule committed']}" + (f", measured {r['measured']}" if r["measured"] else "")
+    text += f"; {r['registration']}."
+    if r["source"]:
+        text += f" From {_source_text(r['source'])}."
+    return text
 
 
 def claims_page(rows: list[dict[str, Any]], chapters: list[Chapter]) -> str:
-    """The claims register: a count per chapter and verdict, then one compact table per chapter in the order of
-    the contents, each followed by its verdicts' reasons (folded)."""
+    """The claims register: a count per chapter and verdict class, then one table per chapter in the order of the
+    contents (claim; paper, with its setting; ours, with ours; verdict; when the rule was committed and the claim
+    measured), context rows beneath their primary claim, each table followed by its rules and reasons (folded)."""
     titles = {ch.id: ch.title for ch in chapters}
     groups = rows_in_contents_order(rows, chapters)
     total = verdict_counts(rows)
-    cols = [v for v in total if total[v] or v in VERDICT_ORDER[:3]]
+    cols = [v for v in total if total[v] or v in VERDICT_ORDER[:4]]
     summary = []
     for ch, rs in groups:
         counts = verdict_counts(rs)
         summary.append([f"{{ref}}`{titles.get(ch, ch)} <claims-{ch}>`", *(str(counts.get(v, 0)) for v in cols),
-                        str(len(rs))])
-    summary.append(["**all chapters**", *(f"**{total[v]}**" for v in cols), f"**{len(rows)}**"])
+                        str(sum(counts.values()))])
+    n = sum(total.values())
+    summary.append(["**all chapters**", *(f"**{total[v]}**" for v in cols), f"**{n}**"])
+    post = sum(r["registration"].startswith("post hoc") for r in rows if r.get("role") != "context")
     parts = [
         "# Claims register\n",
-        "Every numbered claim of the two papers that a chapter addresses: where the paper makes it, the paper's "
-        "figure, ours, the verdict and the rule that decides it. Generated from `data/claims/*.yml` (the papers' "
-        "side) and the result files of the runs rendered in this book (our side). Chapters follow the contents; "
-        f"under each table, a folded list gives each verdict's reason and the page it comes from. "
-        f"{total['reproduced']} of {len(rows)} claims reproduced.\n",
+        "Every claim of the two papers that a chapter addresses, and the papers' headline results: where the paper "
+        "makes it, the paper's figure in its setting, ours in our setting, the verdict, and when the rule that "
+        "decides it was committed and the claim measured. Generated from `data/claims/*.yml` (the papers' side and "
+        "the rules) and the result files of the runs rendered in this book (our side).\n",
+        "The verdict classes: **reproduced**, an empirical measurement that could have come out otherwise meets a "
+        "rule declared for it; **checked**, an identity, arithmetic or byte account that our code fixes (it checks "
+        "our code and never counts as reproduced; the fold says why each is an identity); **differs**; **not "
+        "reproducible here**, with the reason (*underpowered* where our interval holds both the paper's side and "
+        "the opposite conclusion). A row marked *context* sits beneath the claim it informs (another setting or "
+        "variant of the same paper statement) and has no verdict of its own. A rule is *post hoc* when it was "
+        "committed after the claim was first measured (its first committed result); each run records the hash of "
+        "the rule it was judged under, and the build refuses a verdict whose rule changed since (*re-run*).\n",
+        f"{total['reproduced']} of {n} claims reproduced, {total['checked']} checked; "
+        f"{post} of the {n} rules are post hoc.\n",
         "(claims-summary)=\n## Verdicts per chapter\n",
-        list_table(summary, ["chapter", *cols, "total"], [40, *([12] * len(cols)), 8], cls="claims-summary"),
+        list_table(summary, ["chapter", *cols, "total"], [32, *([10] * len(cols)), 8], cls="claims-summary"),
     ]
     for ch, rs in groups:
         parts.append(f"(claims-{ch})=\n## {titles.get(ch, ch)}\n")
         if ch in titles:
             parts.append(f"{_counts_sentence(rs)} The chapter: {{doc}}`{titles[ch]} <{ch}/index>`.\n")
-        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**", r["rule"] or "—"]
-                for r in rs]
-        parts.append(list_table(body, ["claim", "paper", "ours", "verdict", "rule"], [30, 18, 30, 10, 12]))
-        reasons = "\n".join(
-            f"- **{r['where']}**, {r['verdict word']}"
-            + (f": {' '.join(r['why'].split())}" if r["why"] and r["verdict word"] != "pending" else "")
-            + (f" (from {_source_text(r['source'])})" if r["source"] else "")
-            for r in rs
-        )
-        parts.append(f":::{{admonition}} Why each verdict\n:class: dropdown\n\n{reasons}\n:::\n")
+        body = [[_claim_cell(r), r["paper's figure"], r["ours"], _verdict_cell(r), _when_cell(r)] for r in rs]
+        parts.append(list_table(body, ["claim", "paper (setting)", "ours (setting)", "verdict", "rule / measured"],
+                                [30, 20, 26, 12, 12]))
+        reasons = "\n".join(_reason_item(r) for r in rs)
+        parts.append(f":::{{admonition}} Rules and reasons\n:class: dropdown\n\n{reasons}\n:::\n")
     return "\n".join(parts)
 
 
@@ -287,10 +381,12 @@ def chapter_page(ch: Chapter, rows: list[dict[str, Any]], rendered: dict[str, st
         parts.append("## The chapter's claims\n")
         parts.append(f"{_counts_sentence(mine)} The reasons for each verdict and the rule that decides it are in "
                      f"the {{ref}}`claims register <claims-{ch.id}>`.\n")
-        body = [[_claim_cell(r), r["paper's figure"], r["ours"], f"**{r['verdict word']}**"] for r in mine]
-        parts.append(list_table(body, ["claim", "paper", "ours", "verdict"], [34, 22, 32, 12],
-                                caption=f"The claims of {ch.title}: the paper's figure, ours from the rendered "
-                                        "runs, and the verdict."))
+        mine = next((rs for c, rs in rows_in_contents_order(mine, [ch]) if c == ch.id), mine)
+        body = [[_claim_cell(r), r["paper's figure"], r["ours"], _verdict_cell(r)] for r in mine]
+        parts.append(list_table(body, ["claim", "paper (setting)", "ours (setting)", "verdict"], [34, 24, 28, 14],
+                                caption=f"The claims of {ch.title}: the paper's figure in its setting, ours in ours "
+                                        "(from the rendered runs), and the verdict; context rows beneath their "
+                                        "claim."))
     links = [f"- {{doc}}`/{p.removesuffix('.md')}`" for p in ch.pages]
     links += [f"- {{doc}}`{nb.title} <{nb.name}>`" for nb in ch.notebooks]
     if links:

@@ -3,10 +3,12 @@
 At execution the runner wraps the notebook in two cells of its own (removed from the saved notebook): a
 prologue that installs an audit hook (:func:`sys.addaudithook`) recording which files of the repository the
 kernel opens, and an epilogue that reports every ``kvlib`` module the kernel had loaded (``sys.modules``) with
-the sha256 of its file, and the sha256 of every repository file it read (its data inputs: GPU result files,
-claims, known-answer vectors). Both run inside the kernel, so the record is what that execution really used,
-not a guess from the imports written in the source. The runner stores it, with hashes of the source's code
-and markdown cells and the parameters, as ``metadata.kvlib`` of the executed notebook (:data:`KEY`).
+the sha256 of its file, the sha256 of every repository file it read (its data inputs: GPU result files,
+known-answer vectors), and the hash of the rule of every claim it judged (the claims files themselves are not
+inputs: editing one claim's rule makes stale only the executions that judged that claim). Both run inside the
+kernel, so the record is what that execution really used, not a guess from the imports written in the source.
+The runner stores it, with hashes of the source's code and markdown cells and the parameters, as
+``metadata.kvlib`` of the executed notebook (:data:`KEY`).
 
 :func:`why_stale` compares that record with the files as they are now: an empty answer means a fresh
 execution would run the same code, on the same inputs, with the same parameters, so the build renders the
@@ -79,7 +81,9 @@ def _kvlib_report(seen):
     files = {p for p in seen["read"] - seen["written"] if os.path.isfile(p)}
     files -= {m["file"] for m in modules.values()}
     inputs = {p: sha(p) for p in sorted(files) if not p.endswith(".py") or not p.startswith("kvlib" + os.sep)}
-    display({"__MIME__": {"modules": modules, "inputs": inputs}}, raw=True)
+    # the rules of the claims this execution judged (their hashes), in place of the whole claims files it read
+    rules = dict(getattr(sys.modules.get("kvlib.publish.verdicts"), "JUDGED", None) or {})
+    display({"__MIME__": {"modules": modules, "inputs": inputs, "rules": rules}}, raw=True)
 
 
 _kvlib_report(_kvlib_seen)
@@ -145,11 +149,18 @@ def make_record(source_nb: nbformat.NotebookNode, params: dict[str, Any], report
         **{f"{k}_sha256": v for k, v in source_hashes(source_nb).items()},
         "params": _canon(params),
         "modules": report["modules"],
-        "inputs": report["inputs"],
+        # a claims file is an input only through the rules of the claims judged: editing another claim's rule
+        # must not make this execution stale
+        "inputs": {p: h for p, h in report["inputs"].items() if not _is_claims_file(p)},
+        "rules": dict(report.get("rules") or {}),
         "commit": commit,
         "wall_s": round(wall_s, 3),
         "stamped": stamped,
     }
+
+
+def _is_claims_file(path: str) -> bool:
+    return Path(path).parent.as_posix() == "data/claims" and path.endswith(".yml")
 
 
 def record_of(executed: nbformat.NotebookNode) -> dict[str, Any] | None:
@@ -177,9 +188,15 @@ def why_stale(source_nb: nbformat.NotebookNode, params: dict[str, Any], executed
     mods = [m for m, v in sorted(rec.get("modules", {}).items()) if sha256_file(root / v["file"]) != v["sha256"]]
     if mods:
         out.append(f"kvlib changed: {', '.join(mods[:4])}" + (f" (+{len(mods) - 4} more)" if len(mods) > 4 else ""))
-    ins = [p for p, h in sorted(rec.get("inputs", {}).items()) if sha256_file(root / p) != h]
+    ins = [p for p, h in sorted(rec.get("inputs", {}).items())
+           if not _is_claims_file(p) and sha256_file(root / p) != h]
     if ins:
         out.append(f"input changed: {', '.join(ins[:3])}" + (f" (+{len(ins) - 3} more)" if len(ins) > 3 else ""))
+    from kvlib.publish.verdicts import stale_rules
+
+    rules = stale_rules(rec.get("rules") or {})
+    if rules:
+        out.append(f"rule changed: {', '.join(rules[:3])}" + (f" (+{len(rules) - 3} more)" if len(rules) > 3 else ""))
     return out
 
 
@@ -253,7 +270,8 @@ def stamp_problems(entry, profile: str) -> tuple[list[str], dict[str, Any] | Non
             modules[name] = {"file": f, "sha256": sha256_file(root / f)}
         elif not f.startswith("kvlib/") and f not in outputs:
             inputs[f] = sha256_file(root / f)
-    report = {"modules": modules, "inputs": inputs}
+    report = {"modules": modules, "inputs": inputs,
+              "rules": {c["id"]: c["rule_sha256"] for c in res.get("claims", []) if c.get("rule_sha256")}}
     rec = make_record(source_nb, params, report, commit=pv["commit"], profile=profile, source=rel,
                       wall_s=float(pm.get("duration") or 0.0),
                       stamped={"from_commit": sha, "conservative": True})

@@ -163,9 +163,11 @@ def _check_write_args(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch
             raise ValueError("slots must be distinct within one write (two tokens cannot share a slot)")
 
 
-def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
-    """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot."""
-    _check_write_args(pool, layer, x, slots, validate=True)
+def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor,
+                         validate: bool = True) -> None:
+    """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot. ``validate=False``
+    skips the host-side checks that synchronise (as the Triton path's does: a like-for-like timing)."""
+    _check_write_args(pool, layer, x, slots, validate=validate)
     v = pool.layer(layer)
     slots = slots.to(torch.int64)
     for h in range(pool.n_kv_heads):
@@ -294,7 +296,7 @@ def write_int8(
         if rule == "rtn":
             write_rtn_reference(pool, layer, x, slots)
         else:
-            write_int8_reference(pool, layer, x, slots)
+            write_int8_reference(pool, layer, x, slots, validate=validate)
         return
     _check_write_args(pool, layer, x, slots, validate)
     if not x.is_cuda and not _interpreting():
