@@ -9,6 +9,7 @@ Examples::
     python -m kvlib.publish build --fresh              # execute every notebook, cache or not
     python -m kvlib.publish stamp --profile cpu        # give checkable pre-cache executions a cache key
     python -m kvlib.publish check-html                 # read _build/html for what a reader must not see
+    python -m kvlib.publish stale                      # which committed cpu executions a build would redo, and why
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ch = sub.add_parser("check-html", help="check the built book for what a reader must not see")
     ch.add_argument("--html", default="_build/html")
     sub.add_parser("list", help="list registered notebooks and their profiles")
+    sl = sub.add_parser("stale", help="list the executions a build would run again, with why; exit 1 if any")
+    sl.add_argument("--profile", choices=PROFILES, default="cpu")
+    sl.add_argument("--only", nargs="+", metavar="NOTEBOOK")
     args = ap.parse_args(argv)
 
     from kvlib.publish import assemble as asm
@@ -83,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = stamp(select(args.profile, args.only), args.profile, write=not args.dry_run)
         print(tabulate(rows, headers=["notebook", "stamp"], tablefmt="github"))
         return 0
+    if args.cmd == "stale":
+        from kvlib.publish.runner import stale_report
+
+        rows = stale_report(args.profile, args.only)
+        for name, why in rows:
+            print(f"{name}: {'; '.join(why)}")
+        n = len(rows)
+        print(f"{n} stale execution(s) at profile {args.profile}" + (
+            f": `python -m kvlib.publish run --profile {args.profile} --only {' '.join(r[0] for r in rows)}` "
+            "from a clean tree executes them again" if n else ": a build renders every one as committed"))
+        return 1 if n else 0
     if args.cmd == "check-html":
         from kvlib.publish.htmlcheck import check_book
 

@@ -160,6 +160,19 @@ def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any]
     return result_problems(res.get("provenance", {}).get("commit"), _shown(source_path(entry)))
 
 
+def stale_report(profile: str, only: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(notebook, why) for every selected notebook whose execution at ``profile`` a build would run again."""
+    out = []
+    for e in select(profile, only):
+        params = e.params(profile)
+        if params is None or (e.needs_gpu and profile != "gpu"):
+            continue
+        why = reexecute_reasons(e, profile, params, validate(e, params))
+        if why:
+            out.append((e.name, why))
+    return out
+
+
 def _shown(path: Path) -> str:
     try:
         return str(path.relative_to(repo_root()))
