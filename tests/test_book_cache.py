@@ -1,6 +1,7 @@
 """The execution cache, the strict provenance checks and the rendered page's one parameters view."""
 
 import copy
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -124,6 +125,21 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     del tampered.metadata[cache.KEY]
     assert "no cache key" in cache.why_stale(source, params, tampered)[0]
     assert cache.why_stale(source, params, None) == ["no committed execution"]
+
+
+def test_stale_lists_what_a_build_would_execute_again(executed_once, tmp_path, monkeypatch):
+    from kvlib.publish.runner import stale_report
+
+    entry, src, *_, executed = executed_once
+    monkeypatch.setenv("KVLIB_EXECUTED_DIR", str(tmp_path))
+    path = executed_path(entry.name, "ci")
+    path.parent.mkdir(parents=True)
+    nbformat.write(executed, path)
+    assert stale_report("ci", entries=[entry]) == []
+    changed = dataclasses.replace(entry, profiles={"ci": {"x": 5}})
+    assert stale_report("ci", entries=[changed])[0][1][0].startswith("parameters changed")
+    path.unlink()
+    assert stale_report("ci", entries=[entry]) == [(entry.name, ["no committed execution"])]
 
 
 def test_commits_read_back_in_full_with_their_dirty_state():

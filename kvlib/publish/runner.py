@@ -160,10 +160,12 @@ def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any]
     return result_problems(res.get("provenance", {}).get("commit"), _shown(source_path(entry)))
 
 
-def stale_report(profile: str, only: list[str] | None = None) -> list[tuple[str, list[str]]]:
-    """(notebook, why) for every selected notebook whose execution at ``profile`` a build would run again."""
+def stale_report(profile: str, only: list[str] | None = None, entries: list[NotebookEntry] | None = None,
+                 ) -> list[tuple[str, list[str]]]:
+    """(notebook, why) for every selected notebook whose execution at ``profile`` a build would run again
+    (``entries`` replaces the registry)."""
     out = []
-    for e in select(profile, only):
+    for e in select(profile, only) if entries is None else entries:
         params = e.params(profile)
         if params is None or (e.needs_gpu and profile != "gpu"):
             continue
