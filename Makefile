@@ -25,13 +25,14 @@ book: $(STAMP)
 	$(PY) -m kvlib.publish build --profile $(PROFILE) $(if $(FRESH),--fresh)
 
 # Unit tests, then every notebook at the seconds-scale `ci` profile (executed afresh: a test, not a cache hit),
-# then the book (warnings are errors), then the built pages read back as a reader meets them; last, every committed
+# then the book (warnings are errors), then the built pages read back as a reader meets them (text, and in
+# Chromium at 1400 px and 390 px); last, every committed
 # cpu execution must still be current (else a fresh clone's `make book` would execute it again).
 test: $(STAMP)
 	$(PY) -m ruff check kvlib tests dev
 	$(PY) -m pytest -q tests
 	$(PY) -m kvlib.publish build --profile ci --no-progress --fresh
-	KVLIB_BOOK_HTML=_build/html $(PY) -m pytest -q tests/test_book_html.py
+	KVLIB_BOOK_HTML=_build/html $(PY) -m pytest -q tests/test_book_html.py tests/test_book_browser.py
 	$(PY) -m kvlib.publish stale --profile cpu
 
 # Every kernel test on a CUDA machine (the H200), Triton compiling for the device. No venv, no install:
