@@ -1,7 +1,7 @@
 """Read the built book as a reader meets it and list what must not be there.
 
 Checked on every page of the table of contents (``_build/html``): a ``nan`` shown as a value, a ``Traceback``,
-a ``Warning``, a local path (``/work``, ``/home``, ``/tmp``, ``.venv``), an issue reference (``issue #``), an
+a ``Warning``, a local path (``/work``, ``/home``, ``/tmp``, ``.venv/lib``), an issue reference (``issue #``), an
 image that does not load; and on each notebook page: a "Paper vs this run" heading, a download link to a
 notebook that exists, a caption on every table (what it shows), and no table that shows a bare 0..N row index
 or an index without a name (a pandas frame displayed as it is).
@@ -16,7 +16,9 @@ from pathlib import Path
 
 #: a ``nan`` as a value: ``nan``, ``NaN``, ``+nan%``, ``-nan`` (a word of its own, so "nanoseconds" passes)
 NAN = re.compile(r"(?<![\w.])[+-]?nan(?![\w])", re.IGNORECASE)
-LOCAL_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|\.venv\b)")
+#: a path of the machine that ran the notebook; the repository's own ``.venv/bin/python`` (the rerun line) is not one,
+#: an installed package's file (``.venv/lib/...``) is
+LOCAL_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|\S*\.venv/lib\b)")
 ISSUE = re.compile(r"issue\s*#", re.IGNORECASE)
 WORDS = {"Traceback": re.compile(r"Traceback"), "Warning": re.compile(r"Warning\b")}
 PAPER_HEADING = re.compile(r"paper vs\.? this run", re.IGNORECASE)
