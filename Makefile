@@ -6,6 +6,8 @@ STAMP := $(VENV)/.stamp-install
 PROFILE ?= cpu
 # FRESH=1: execute every notebook (default: only those whose cache key changed; see book/reproduce.md)
 FRESH ?=
+# notebooks executed at a time (longest first, within the memory the recorded peaks allow; see kvlib.publish.runner)
+JOBS ?= 2
 
 .PHONY: book test test-gpu install lint clean
 
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 # Execute at $(PROFILE) (default cpu) the notebooks whose source, parameters, kvlib modules or inputs changed
 # since their committed execution (all of them with FRESH=1), and build the HTML book into _build/html.
 book: $(STAMP)
-	$(PY) -m kvlib.publish build --profile $(PROFILE) $(if $(FRESH),--fresh)
+	$(PY) -m kvlib.publish build --profile $(PROFILE) --jobs $(JOBS) $(if $(FRESH),--fresh)
 
 # Unit tests, then every notebook at the seconds-scale `ci` profile (executed afresh: a test, not a cache hit),
 # then the book (warnings are errors), then the built pages read back as a reader meets them (text, and in

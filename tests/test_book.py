@@ -243,3 +243,25 @@ def test_kernel_drops_only_the_widget_fallback_notice(sandbox, tmp_path, monkeyp
     text = json.dumps(nbformat.read(executed_path("warn", "ci"), 4))
     assert "kept warning" in text and "IProgress" not in text
     assert os.environ["PYTHONWARNINGS"] == "default"
+
+
+def test_two_workers_run_everything_once_in_registry_order_and_record_peak_memory(sandbox, monkeypatch):
+    """jobs=2: each notebook executed once, failures isolated, outcomes in the registry's order; each kernel got
+    cpu_count // 2 threads, and its record holds the kernel's measured peak memory for the next schedule."""
+    from kvlib.publish import cache
+    from kvlib.publish.runner import expected_cost
+
+    monkeypatch.setenv("KVLIB_MEMORY_MB", "1")  # below any kernel's peak: the schedule runs one at a time
+    names = ["a", "b", "c"]
+    before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "KVLIB_PROFILE", "PYTHONWARNINGS")}
+    out = run_notebooks("ci", entries=[entry("a", x=1), entry("b", fail=True), entry("c", x=3)], progress=False,
+                        jobs=2)
+    assert [o.name for o in out] == names
+    assert [o.status for o in out] == ["executed", "failed", "executed"]
+    rec = cache.record_of(nbformat.read(executed_path("c", "ci"), as_version=4))
+    assert rec["peak_rss_mb"] > 10  # a Python kernel is tens of MB at least
+    wall, peak = expected_cost("c", "ci")
+    assert wall > 0 and peak == rec["peak_rss_mb"]
+    assert {k: os.environ.get(k) for k in before} == before  # the runner's settings for its kernels are undone
+    with pytest.raises(ValueError, match="jobs"):
+        run_notebooks("ci", entries=[entry("a")], progress=False, jobs=0)

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-p", "--param", action="append", type=_parse_param, default=[], metavar="KEY=VALUE",
                        help="override a notebook parameter (repeatable; applies to every selected notebook)")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("-j", "--jobs", type=int, default=1,
+                       help="notebooks executed at a time (each kernel gets cpu_count // jobs threads; the schedule "
+                            "starts the longest first and keeps recorded peak memory within budget)")
         if name == "build":
             p.add_argument("--no-run", action="store_true", help="render committed/previous runs without executing")
             p.add_argument("--fresh", action="store_true",
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reuse = args.cmd == "build" and not args.fresh
             outcomes = run_notebooks(args.profile, args.only, dict(args.param), progress=not args.no_progress,
-                                     reuse=reuse)
+                                     reuse=reuse, jobs=args.jobs)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -95,7 +95,9 @@ def _kvlib_report(seen):
     files = {p for p in seen["read"] - seen["written"] if os.path.isfile(p)}
     files -= {m["file"] for m in modules.values()}
     inputs = {p: sha(p) for p in sorted(files) if not p.endswith(".py") or not p.startswith("kvlib" + os.sep)}
-    display({"__MIME__": {"modules": modules, "inputs": inputs}}, raw=True)
+    import resource
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the kernel's peak resident set (Linux: KB)
+    display({"__MIME__": {"modules": modules, "inputs": inputs, "peak_rss_mb": round(peak_mb, 1)}}, raw=True)
 
 
 _kvlib_report(_kvlib_seen)
@@ -164,6 +166,7 @@ def make_record(source_nb: nbformat.NotebookNode, params: dict[str, Any], report
         "inputs": report["inputs"],
         "commit": commit,
         "wall_s": round(wall_s, 3),
+        "peak_rss_mb": report.get("peak_rss_mb"),
         "stamped": stamped,
     }
 
