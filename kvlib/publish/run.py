@@ -78,6 +78,9 @@ class Run:
         self.claims: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
         _inline_figures()
+        from kvlib.publish.figures import apply_style
+
+        apply_style()  # the book's palette, markers, line styles and text sizes
 
     # -- numbers and figures --------------------------------------------------------------
     def glue(self, key: str, value: Any) -> Any:
@@ -92,7 +95,16 @@ class Run:
         return value
 
     def glue_fig(self, key: str, fig: Any) -> None:
-        """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it."""
+        """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it (with its numbered
+        caption). Text too small for the text column is enlarged and a legend over data moves outside its axes
+        (:func:`kvlib.publish.figures.make_readable`); a figure that still would not read (two series that look
+        alike) is refused."""
+        from kvlib.publish.figures import figure_problems, make_readable
+
+        make_readable(fig)
+        problems = figure_problems(fig, f"figure {key!r} of {self.name}")
+        if problems:
+            raise ValueError("; ".join(problems))
         _glue(key, fig)
         self.values.setdefault("_figures", []).append(key)
         # Closed, so the inline backend does not show it a second time at the end of the cell.
