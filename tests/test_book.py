@@ -280,3 +280,20 @@ def test_no_committed_cell_comes_near_the_runner_limit(nb, profile):
     slow = [(i, round(c.metadata.get("papermill", {}).get("duration") or 0)) for i, c in enumerate(executed.cells)
             if (c.metadata.get("papermill", {}).get("duration") or 0) > CELL_TIMEOUT[profile] / 3]
     assert not slow, f"{nb.name}: cells (index, seconds) over {CELL_TIMEOUT[profile] / 3:.0f} s: {slow}"
+
+
+def test_no_cell_ends_in_a_bare_value():
+    """A cell whose last line is ``run.glue(...)`` shows the glued value as a bare output ("32768", "0") under
+    it: a number with no words. Assign it (``_ = run.glue(...)``) or end the cell otherwise."""
+    import ast
+
+    bare = []
+    for nb in all_notebooks():
+        for i, c in enumerate(load_source(repo_root() / nb.path).cells):
+            if c.cell_type != "code" or not c.source.strip() or c.source.rstrip().endswith(";"):
+                continue  # IPython shows nothing after a trailing semicolon
+            last = ast.parse(c.source).body[-1:]
+            if last and isinstance(last[0], ast.Expr) and isinstance(last[0].value, ast.Call) \
+                    and ast.unparse(last[0].value.func) == "run.glue":
+                bare.append(f"{nb.name}: cell {i}: {ast.unparse(last[0])[:60]}")
+    assert not bare, bare

@@ -110,6 +110,11 @@ def gpu_agreement(r: dict[str, Any]):
     return v, agr, lat, cg, cg_lay
 
 
+def _yes(flag: Any) -> str:
+    """A measured yes/no in words (a reader should not meet Python's True/False)."""
+    return "yes" if bool(flag) else "no"
+
+
 def latency_figure(lat: pd.DataFrame, modes: list[str]):
     """Decode-step time against context, one panel per batch size: SDPA bf16, our bf16 split-KV, and INT8 with and
     without certificate A. A line joins the contexts of one kernel at one batch size, never two shapes of
@@ -349,8 +354,10 @@ def kernel_claims(v: dict[str, Any], splits: list[int], spread: float, gpu: bool
     ok_lay = all(c["bit_identical"] and c["finite_cert_every_step"] for c in cg_lay.values())
     claims.append(dict(
         claim_id="witcert-graph-replay", ours=f"{cg['interleaved_replays']} interleaved replays bit-identical: "
-        f"{cg['bit_identical']}; finite certificate at all {cg['steps']} captured steps: {cg['finite_cert_every_step']}"
-        + "".join(f"; {lay} kernel: {c['bit_identical']} / {c['finite_cert_every_step']}" for lay, c in cg_lay.items()),
+        f"{_yes(cg['bit_identical'])}; finite certificate at all {cg['steps']} captured steps: "
+        f"{_yes(cg['finite_cert_every_step'])}"
+        + "".join(f"; {lay} kernel: {_yes(c['bit_identical'])} / {_yes(c['finite_cert_every_step'])}"
+                  for lay, c in cg_lay.items()),
         measured=bool(cg["bit_identical"] and cg["finite_cert_every_step"] and ok_lay)))
     graphed = [m for m in ("h10", "h8", "h8g") if f"{m}_graph_cert_cost_median" in v]  # no host overhead
     claims.append(dict(

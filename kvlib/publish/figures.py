@@ -125,10 +125,17 @@ def make_readable(fig) -> list[str]:
         leg = ax.get_legend()
         if leg is None or not _legend_covers(ax, leg, fig):
             continue
-        leg.set_loc("upper left")
-        leg.set_bbox_to_anchor((1.02, 1.0), transform=ax.transAxes)
-        changed.append(f"legend of axes {fig.axes.index(ax)} moved outside it")
-        _relayout(fig, warnings)
+        rightmost = all(a.bbox.x0 < ax.bbox.x1 - 1 for a in fig.axes if a is not ax and a.get_visible()
+                        and abs(a.bbox.y0 - ax.bbox.y0) < 1) or len(fig.axes) == 1
+        places = [("best", None), *([("upper left", (1.02, 1.0))] if rightmost else []),
+                  ("upper center", (0.5, -0.22))]
+        for loc, anchor in places:
+            leg.set_loc(loc)
+            leg.set_bbox_to_anchor(anchor, transform=ax.transAxes if anchor else None)
+            _relayout(fig, warnings)
+            if not _legend_covers(ax, leg, fig):
+                changed.append(f"legend of axes {fig.axes.index(ax)} moved ({loc})")
+                break
     for _ in range(4):  # enlarging text widens the figure's drawn box a little: converge
         scale = _column_scale(fig)
         small = [t for t in _texts(fig) if t.get_fontsize() * fig.dpi / 72 * scale < MIN_TEXT_PX]
@@ -151,28 +158,40 @@ def _relayout(fig, warnings) -> None:
     fig.canvas.draw()
 
 
-def _legend_covers(ax, leg, fig) -> int:
+def _drawn_points(ax):
+    """Display coordinates of what ``ax`` draws (lines densely sampled along their segments, markers, scatter
+    offsets), only where they fall inside the axes (what lies outside is clipped away)."""
     import numpy as np
-    from matplotlib.path import Path as MplPath
 
-    fig.canvas.draw()
-    box = leg.get_window_extent(fig.canvas.get_renderer())
-    covered = 0
+    pts = []
     for line in ax.get_lines():
         xy = line.get_xydata()
-        if xy is None or not len(xy):
+        if xy is None or not len(xy) or not line.get_visible():
             continue
-        pts = line.get_transform().transform(xy)
-        pts = pts[np.isfinite(pts).all(axis=1)]
-        if line.get_linestyle() not in ("None", "", " ", "none") and len(pts) > 1:
-            covered += int(MplPath(pts).intersects_bbox(box, filled=False))  # a drawn segment crosses it
-        elif line.get_marker() not in ("None", "", " ", "none", None):
-            covered += int(((pts[:, 0] > box.x0) & (pts[:, 0] < box.x1) & (pts[:, 1] > box.y0)
-                            & (pts[:, 1] < box.y1)).sum())
+        p = line.get_transform().transform(np.asarray(xy, dtype=float))
+        p = p[np.isfinite(p).all(axis=1)]
+        if line.get_linestyle() not in ("None", "", " ", "none") and len(p) > 1:
+            seg = np.hypot(*np.diff(p, axis=0).T)
+            n = np.clip((seg / 2).astype(int) + 2, 2, 400)
+            p = np.concatenate([np.linspace(p[i], p[i + 1], n[i]) for i in range(len(p) - 1)])
+        pts.append(p)
     for coll in ax.collections:
         offs = getattr(coll, "get_offsets", lambda: [])()
-        if len(offs):
-            pts = coll.get_offset_transform().transform(offs)
-            covered += int(((pts[:, 0] > box.x0) & (pts[:, 0] < box.x1) & (pts[:, 1] > box.y0)
-                            & (pts[:, 1] < box.y1)).sum())
-    return covered
+        if len(offs) and coll.get_visible():
+            pts.append(coll.get_offset_transform().transform(offs))
+    if not pts:
+        return np.zeros((0, 2))
+    p = np.concatenate(pts)
+    b = ax.bbox
+    return p[(p[:, 0] >= b.x0) & (p[:, 0] <= b.x1) & (p[:, 1] >= b.y0) & (p[:, 1] <= b.y1)]
+
+
+def _legend_covers(ax, leg, fig) -> int:
+    """How many drawn data points of any axes of ``fig`` lie under the legend ``leg`` (of ``ax``)."""
+    fig.canvas.draw()
+    box = leg.get_window_extent(fig.canvas.get_renderer()).padded(-2)
+    n = 0
+    for a in fig.axes:
+        p = _drawn_points(a)
+        n += int(((p[:, 0] > box.x0) & (p[:, 0] < box.x1) & (p[:, 1] > box.y0) & (p[:, 1] < box.y1)).sum())
+    return n

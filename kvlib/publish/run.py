@@ -161,8 +161,13 @@ class Run:
 
         prov = provenance(self.params, self.started)
         dev = prov["device"].get("device", "cpu")
+        def value(v: Any) -> str:  # a nested structure (a list of configurations) is in the parameters cell above
+            nested = isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, dict) for x in v))
+            return f"{len(v)} entries (see the parameters cell)" if nested else str(v)
+
+        shown = ", ".join(f"{k} = {value(v)}" for k, v in self.params.items())
         text = (f"*This run:* profile `{self.profile}`, device `{dev}`, commit `{prov['commit']}`, "
-                f"started {prov['started']}, parameters `{self.params}`.")
+                f"started {prov['started']}; parameters: {shown or 'none'}.")
         if SOURCES:
             # a page that renders committed measurements says where those were made, not only where it ran
             by = {}
@@ -189,12 +194,8 @@ class Run:
     def save(self, overwrite: bool = False) -> None:
         """Write ``data/results/<profile>/<name>.json`` atomically, with provenance."""
         payload = {"values": self.values, "claims": self.claims, "extra": self.extra}
-        path = save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
-        try:
-            shown = path.relative_to(repo_root())
-        except ValueError:
-            shown = path
-        print(f"results: {shown}")
+        # written quietly: the page a reader sees names its result file on "Where the numbers come from"
+        save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
 
 
 def fmt(x: float, digits: int = 3) -> str:

@@ -1,0 +1,60 @@
+"""Tables that read: column headers in words with units, yes/no for booleans, no negative zero.
+
+Notebooks display pandas frames; :func:`in_words` renames a frame's columns from the short names the code uses to
+the words a reader needs (a name missing from :data:`WORDS` and from ``extra`` is kept), and :func:`fixed` is a
+number format that never prints ``-0.00`` for a value that rounds to zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: short column name -> header in words (with its unit)
+WORDS = {
+    "B": "batch", "S": "context (tokens)", "ctx": "context (tokens)", "batch": "batch",
+    "method": "cache", "ms/step": "step (ms)", "tokens/s": "tokens/s",
+    "x DynamicCache": "speed vs DynamicCache (x)", "x StaticCache graph": "speed vs StaticCache graph (x)",
+    "attention ms": "attention (ms)", "rest ms": "rest of the step (ms)", "KV GB": "KV (GB)",
+    "KV / bf16": "KV bytes / bf16 KV bytes", "peak GB": "peak memory (GB)", "graph": "CUDA graph",
+    "decode path": "decode kernel", "write path": "write kernel", "page": "page (positions)",
+    "kl_mean": "mean KL", "kl_low": "KL, 95% CI low", "kl_high": "KL, 95% CI high", "kl_max": "max KL",
+    "top1": "top-1 agreement", "top5": "top-5 agreement", "bits": "bits per element",
+    "seconds": "time (s)", "frac_copy": "fraction of copy bandwidth", "GBps": "bandwidth (GB/s)",
+    "ms": "latency (ms)", "speedup": "speedup (x)", "bytes_per_tok_head_side": "bytes / token / head / side",
+    "bits_per_element": "bits per element", "kappa_bytes": "bytes per position (all layers)",
+}
+
+
+def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[str, str] = ("yes", "no")) -> Any:
+    """A copy of ``df`` with headers in words (:data:`WORDS`, then ``extra``) and booleans as yes/no."""
+    import pandas as pd
+
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+    names = {**WORDS, **(extra or {})}
+    out = df.copy()
+    for c in out.columns:
+        col = out[c]
+        if col.dtype == bool or (col.dtype == object and col.dropna().map(type).eq(bool).all() and col.notna().any()):
+            out[c] = col.map(lambda v: booleans[0] if v is True or v == True else  # noqa: E712 - numpy bools
+                             (booleans[1] if v is False or v == False else v))  # noqa: E712
+    return out.rename(columns={c: names.get(c, c) for c in out.columns})
+
+
+def fixed(digits: int):
+    """A formatter: ``digits`` decimals, a value that rounds to zero printed as 0 (never ``-0.00``), NaN as n/a."""
+    import math
+
+    if not isinstance(digits, int) or digits < 0:
+        raise ValueError(f"digits must be a non-negative int, got {digits!r}")
+
+    def f(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "n/a"
+        try:
+            x = round(float(v), digits) + 0.0  # + 0.0 turns -0.0 into 0.0
+        except (TypeError, ValueError):
+            return str(v)
+        return f"{x:,.{digits}f}"
+
+    return f
