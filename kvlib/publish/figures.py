@@ -90,8 +90,9 @@ def figure_problems(fig, name: str = "figure") -> list[str]:
         looks: dict[tuple, str] = {}
         for line in ax.get_lines():
             label = line.get_label()
-            if not label or label.startswith("_"):
-                continue
+            xy = line.get_xydata()
+            if not label or label.startswith("_") or not line.get_visible() or xy is None or not len(xy):
+                continue  # seaborn's legend section titles are empty lines
             look = (str(line.get_color()), str(line.get_linestyle()), str(line.get_marker()))
             if look in looks and looks[look] != label:
                 out.append(f"{name}: series {looks[look]!r} and {label!r} look the same (colour, line, marker)")
