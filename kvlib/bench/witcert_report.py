@@ -272,7 +272,8 @@ def anatomy_sources(anat: dict[str, Any] | None) -> pd.DataFrame:
         rows.append({"measurement": s["what"], "device": dev.get("device") if isinstance(dev, dict) else dev,
                      "commit": st["commit_full"] or pv.get("commit"), "started": pv.get("started", "?"),
                      "code committed": "no" if st["ran_uncommitted_code"] else "yes",
-                     "note": pv.get("note", "")})
+                     # the record's note in a reader's words (it was written on the GPU machine for ourselves)
+                     "note": pv.get("note", "").replace("same lent machine image", "same machine image")})
     return pd.DataFrame(rows)
 
 

@@ -25,8 +25,10 @@ WORDS = {
 }
 
 
-def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[str, str] = ("yes", "no")) -> Any:
-    """A copy of ``df`` with headers in words (:data:`WORDS`, then ``extra``) and booleans as yes/no."""
+def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[str, str] = ("yes", "no"),
+             rename: bool = True) -> Any:
+    """A copy of ``df`` with headers in words (:data:`WORDS`, then ``extra``; ``rename=False`` keeps them) and
+    booleans as yes/no."""
     import pandas as pd
 
     if not isinstance(df, pd.DataFrame):
@@ -38,7 +40,7 @@ def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[st
         if col.dtype == bool or (col.dtype == object and col.dropna().map(type).eq(bool).all() and col.notna().any()):
             out[c] = col.map(lambda v: booleans[0] if v is True or v == True else  # noqa: E712 - numpy bools
                              (booleans[1] if v is False or v == False else v))  # noqa: E712
-    return out.rename(columns={c: names.get(c, c) for c in out.columns})
+    return out.rename(columns={c: names.get(c, c) for c in out.columns}) if rename else out
 
 
 def fixed(digits: int):
@@ -56,5 +58,19 @@ def fixed(digits: int):
         except (TypeError, ValueError):
             return str(v)
         return f"{x:,.{digits}f}"
+
+    return f
+
+
+def signed_percent(digits: int = 1):
+    """A formatter: a signed percentage with ``digits`` decimals; a value that rounds to zero is +0.0% (never
+    -0.0%), NaN is n/a."""
+    import math
+
+    def f(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "n/a"
+        x = round(float(v) * 100, digits) + 0.0
+        return f"{x:+.{digits}f}%"
 
     return f
