@@ -351,6 +351,9 @@ def _execute(e: NotebookEntry, params: dict[str, Any], nb: nbformat.NotebookNode
             progress_bar=False,
             execution_timeout=CELL_TIMEOUT[profile],
             kernel_name="python3",
+            # the kernel's own log (an unencrypted-TCP notice at every start, a KeyboardInterrupt at shutdown) is
+            # about the runner's local kernel, not the notebook; cell errors still reach the notebook and the table
+            extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
         )
         if not _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0):
             raise RuntimeError("the runner's epilogue cell left no record of the modules the kernel loaded")
