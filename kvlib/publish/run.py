@@ -163,6 +163,8 @@ class Run:
         dev = prov["device"].get("device", "cpu")
         def value(v: Any) -> str:  # a nested structure (a list of configurations) is in the parameters cell above
             nested = isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, dict) for x in v))
+            if isinstance(v, bool):
+                return "yes" if v else "no"
             return f"{len(v)} entries (see the parameters cell)" if nested else str(v)
 
         shown = ", ".join(f"{k} = {value(v)}" for k, v in self.params.items())

@@ -33,13 +33,17 @@ def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[st
 
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+    import numpy as np
+
     names = {**WORDS, **(extra or {})}
     out = df.copy()
     for c in out.columns:
         col = out[c]
-        if col.dtype == bool or (col.dtype == object and col.dropna().map(type).eq(bool).all() and col.notna().any()):
-            out[c] = col.map(lambda v: booleans[0] if v is True or v == True else  # noqa: E712 - numpy bools
-                             (booleans[1] if v is False or v == False else v))  # noqa: E712
+        vals = col.dropna()
+        if col.dtype == bool or (len(vals) and vals.map(lambda v: isinstance(v, (bool, np.bool_))).all()):
+            out[c] = col.map(lambda v: v if not isinstance(v, (bool, np.bool_)) else booleans[0 if v else 1])
+        elif col.dtype == object:
+            out[c] = col.map(lambda v: plain(v) if isinstance(v, str) else v)
     return out.rename(columns={c: names.get(c, c) for c in out.columns}) if rename else out
 
 
@@ -74,3 +78,16 @@ def signed_percent(digits: int = 1):
         return f"{x:+.{digits}f}%"
 
     return f
+
+
+def plain(text: str) -> str:
+    """A message written for developers, in a reader's words: a missing package named as such (HQQ: it has no
+    wheel for this Python), no private attribute names, no note about the wheel folder."""
+    import re
+
+    text = re.sub(r"(?:[\w-]+: )?cannot import (\w+): ModuleNotFoundError: No module named '([\w.]+)'",
+                  lambda m: f"the {m.group(2)} package is not installed"
+                  + (" (it has no wheel for this Python)" if m.group(2) == "hqq" else ""), text)
+    text = re.sub(r"ModuleNotFoundError: No module named '([\w.]+)'", r"the \1 package is not installed", text)
+    text = re.sub(r"\s*\(no wheels? in [^)]*\)", "", text)
+    return re.sub(r"\b[A-Z]\w*\.\w+: ", "", text)  # "Profile.budget_methods: the reason" -> "the reason"
