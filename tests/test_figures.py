@@ -65,3 +65,25 @@ def test_make_readable_enlarges_small_text_and_moves_a_legend_off_the_data():
     changed = figures.make_readable(fig)
     assert any("enlarged" in c for c in changed) and any("legend" in c for c in changed)
     assert figures.figure_problems(fig) == []
+
+
+def test_tables_in_words():
+    """Headers in words with units, booleans as yes/no (numpy's too), developer messages in words, no -0.00."""
+    import pandas as pd
+
+    from kvlib.publish.tables import fixed, in_words, plain, signed_percent
+
+    df = pd.DataFrame({"B": [1, 2], "graph": [np.bool_(True), False], "reason": pd.array(
+        ["hf-hqq-int4: cannot import hqq: ModuleNotFoundError: No module named 'hqq' (no wheels in .whl/)",
+         "not timed (Profile.budget_methods: no room)"], dtype="string")})
+    out = in_words(df)
+    assert list(out.columns) == ["batch", "CUDA graph", "reason"]
+    assert list(out["CUDA graph"]) == ["yes", "no"]
+    assert out["reason"][0] == "the hqq package is not installed (it has no wheel for this Python)"
+    assert out["reason"][1] == "not timed (no room)"
+    assert list(in_words(df, rename=False).columns) == ["B", "graph", "reason"]
+    assert fixed(2)(-0.001) == "0.00" and fixed(1)(1234.56) == "1,234.6" and fixed(2)(float("nan")) == "n/a"
+    assert signed_percent(1)(-0.0004) == "+0.0%" and signed_percent(1)(0.123) == "+12.3%"
+    assert plain("fine text") == "fine text"
+    with pytest.raises(TypeError, match="df"):
+        in_words([1, 2])

@@ -64,7 +64,7 @@ MEASURE = r"""
       continue;
     }
     for (const k of cell.querySelectorAll("*")) {
-      if (!visible(k)) continue;
+      if (!visible(k) || k.closest("mjx-assistive-mml")) continue;  // MathJax's hidden copy for screen readers
       const kr = k.getBoundingClientRect();
       if ((kr.right > r.right + slack || kr.left < r.left - slack) && !ownScrollBoxWithin(k, cell)) {
         const by = Math.round(Math.max(kr.right - r.right, r.left - kr.left));

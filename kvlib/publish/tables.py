@@ -39,11 +39,9 @@ def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[st
     out = df.copy()
     for c in out.columns:
         col = out[c]
-        vals = col.dropna()
-        if col.dtype == bool or (len(vals) and vals.map(lambda v: isinstance(v, (bool, np.bool_))).all()):
-            out[c] = col.map(lambda v: v if not isinstance(v, (bool, np.bool_)) else booleans[0 if v else 1])
-        elif col.dtype == object:
-            out[c] = col.map(lambda v: plain(v) if isinstance(v, str) else v)
+        if col.dtype == bool or not pd.api.types.is_numeric_dtype(col):  # object and string columns alike
+            out[c] = col.map(lambda v: booleans[0 if v else 1] if isinstance(v, (bool, np.bool_))
+                             else plain(v) if isinstance(v, str) else v)
     return out.rename(columns={c: names.get(c, c) for c in out.columns}) if rename else out
 
 
