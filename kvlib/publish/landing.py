@@ -175,14 +175,19 @@ def provenance_rows(chapters, rendered: dict[str, str], outcomes: dict[str, Any]
                 "page": f"{{doc}}`{entry.title} </book/_render/{ch.id}/{entry.name}>`",
                 "profile": prof,
                 "ran on": m["ran on"],
-                "numbers measured on": m["measured on"] + (
-                    f" ({', '.join('`' + Path(f).name + '`' for f in m['gpu files'])})" if m["gpu files"] else ""),
+                "numbers measured on": m["measured on"] + (f" ({_files(m['gpu files'])})" if m["gpu files"] else ""),
                 "execution (s)": f"{wall:,.1f}" if isinstance(wall, (int, float)) else "",
                 "commit": f"`{show_commit(pv.get('commit') or (rec or {}).get('commit'))[:12]}`",
                 "started (UTC)": str(pv.get("started", pm.get("start_time", "")))[:16].replace("T", " "),
                 "this build": built,
             })
     return rows
+
+
+def _files(paths: list[str], shown: int = 3) -> str:
+    """A few result files by name, the rest counted."""
+    names = [f"`{Path(f).name}`" for f in paths]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def gpu_rows() -> list[dict[str, str]]:
