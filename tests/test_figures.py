@@ -45,8 +45,10 @@ def test_small_text_twin_series_and_a_legend_on_the_data_are_refused():
 
 def test_glue_fig_refuses_a_figure_that_would_not_read(tmp_path, monkeypatch):
     from kvlib.publish import Run
+    from kvlib.publish import run as run_module
 
     monkeypatch.setenv("KVLIB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(run_module, "_inline_figures", lambda: None)  # no notebook frontend in a test session
     run = Run("t", profile="ci")
     fig, ax = plt.subplots(figsize=(20, 2))
     ax.plot([0, 1], [0, 1], "k-o", label="a")
