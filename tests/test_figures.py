@@ -89,3 +89,14 @@ def test_tables_in_words():
     assert plain("fine text") == "fine text"
     with pytest.raises(TypeError, match="df"):
         in_words([1, 2])
+
+
+def test_header_words_relabels_headers_and_keeps_formats():
+    import pandas as pd
+
+    from kvlib.publish.tables import header_words, key_words
+
+    html = header_words(pd.DataFrame({"kl_mean": [0.000123], "top1": [0.5]}).style.format({"kl_mean": "{:.2e}"}))
+    html = html.to_html()
+    assert "mean KL" in html and "top-1 agreement" in html and "1.23e-04" in html and "kl_mean" not in html
+    assert key_words("kv4_intpv_max_abs_err_o") == "KV4, INT PV: max |Δ| of the output"

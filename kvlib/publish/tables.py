@@ -22,7 +22,37 @@ WORDS = {
     "seconds": "time (s)", "frac_copy": "fraction of copy bandwidth", "GBps": "bandwidth (GB/s)",
     "ms": "latency (ms)", "speedup": "speedup (x)", "bytes_per_tok_head_side": "bytes / token / head / side",
     "bits_per_element": "bits per element", "kappa_bytes": "bytes per position (all layers)",
+    "ctx_max": "longest context (tokens)", "ctx_mean": "mean context (tokens)", "ctx_p90": "context, 90th percentile",
+    "mean_response": "mean response (tokens)", "max_len": "longest response (tokens)", "median": "median",
+    "sigma": "σ (lognormal)", "byte_ceiling": "byte ceiling (x)", "speedup_over_ceiling": "speedup / byte ceiling",
+    "sdpa_bf16_ms": "SDPA bf16 (ms)", "kv4_ms": "KV4 (ms)", "kv4_intpv_ms": "KV4, INT PV (ms)",
+    "kv4rl_ms": "KV4-RL (ms)", "kv4_speedup_vs_sdpa": "KV4 speedup vs SDPA (x)", "kv4rl_frac_of_kv4": "KV4-RL / KV4",
+    "kv4rl_byte_bound": "KV4-RL byte bound", "kv4_GBps": "KV4 (GB/s)", "sdpa_GBps": "SDPA (GB/s)",
+    "torch_ms": "torch (ms)", "triton_ms": "Triton (ms)", "speedup_vs_torch": "speedup vs torch (x)",
+    "achieved_GBps": "bandwidth (GB/s)", "fraction_of_copy": "fraction of copy bandwidth", "n_tokens": "tokens",
+    "n_out": "outlier channels", "config": "configuration", "group": "group",
 }
+
+
+def header_words(styler: Any, extra: dict[str, str] | None = None) -> Any:
+    """``styler`` with its column headers shown in words (:data:`WORDS`, then ``extra``), the frame's own column
+    names unchanged (so formats keyed by them still apply)."""
+    names = {**WORDS, **(extra or {})}
+    return styler.format_index(lambda c: names.get(c, c) if isinstance(c, str) else c, axis=1)
+
+
+def key_words(key: str) -> str:
+    """A result key such as ``kv4_intpv_max_abs_err_o`` in words: "KV4, INT PV: max |Δ| of the output"."""
+    import re
+
+    m = re.fullmatch(r"(?P<k>.+?)_(?P<stat>max|mean)_abs_err_(?P<what>o|lse)(?P<rest>.*)", key)
+    if not m:
+        return key.replace("_", " ")
+    kernel = {"kv4": "KV4", "kv4rl": "KV4-RL", "kv4_intpv": "KV4, INT PV", "kv4rl_intpv": "KV4-RL, INT PV"}.get(
+        m["k"], m["k"].replace("_", " "))
+    what = "the output" if m["what"] == "o" else "the log-sum-exp"
+    rest = m["rest"].replace("_", " ").strip()
+    return f"{kernel}: {m['stat']} |Δ| of {what}" + (f" ({rest})" if rest else "")
 
 
 def in_words(df: Any, extra: dict[str, str] | None = None, *, booleans: tuple[str, str] = ("yes", "no"),
