@@ -1,6 +1,7 @@
 """The execution cache, the strict provenance checks and the rendered page's one parameters view."""
 
 import copy
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -77,6 +78,28 @@ def test_the_record_is_what_the_kernel_loaded_and_read(executed_once):
     assert stale_cells(load_source(src), executed) == []
 
 
+def test_the_record_keys_each_module_on_the_functions_it_ran(executed_once):
+    """Only the functions the execution entered count: an edit to one it never called leaves it current, an edit
+    to one it called or to module-level code makes it stale, naming what changed."""
+    from kvlib.publish import _watch
+
+    *_, executed = executed_once
+    run = executed.metadata[cache.KEY]["modules"]["kvlib.publish.run"]
+    assert {"Run.__init__", "Run.glue", "Run.save", "load_claims"} <= set(run["functions"])
+    assert "Run.claim" not in run["functions"]  # defined in the same file, never called by the notebook
+    text = (repo_root() / run["file"]).read_text()
+    assert _watch.changed(run, text) == []
+    claim = text.index("    def claim(")
+    body = text.index(":\n", claim) + 2
+    assert _watch.changed(run, text[:body] + "        _unused = 1\n" + text[body:]) == []
+    glue = text.index("    def glue(")
+    body = text.index(":\n", glue) + 2
+    assert _watch.changed(run, text[:body] + "        _unused = 1\n" + text[body:]) == ["Run.glue"]
+    assert _watch.changed(run, text + "\nNEW_CONSTANT = 1\n") == ["module-level code"]
+    assert _watch.changed(run, "# a comment only\n" + text) == []  # positions and comments are not code
+    assert _watch.changed(run, None) == ["the file is gone"]
+
+
 def test_an_unchanged_notebook_is_reused_and_run_always_executes(executed_once):
     _, _, _, second, forced, _ = executed_once
     assert second[0].status == "reused", second[0].detail
@@ -97,7 +120,13 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     assert cache.why_stale(load_source(md), params, executed) == ["markdown changed"]
     tampered = copy.deepcopy(executed)
     tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["sha256"] = "0" * 64
-    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run"]
+    assert cache.why_stale(source, params, tampered) == []  # the file differs, nothing it ran does
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["functions"]["Run.glue"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run (Run.glue)"]
+    tampered = copy.deepcopy(executed)
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["sha256"] = "0" * 64
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["skeleton"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run (module-level code)"]
     tampered = copy.deepcopy(executed)
     first_input = sorted(tampered.metadata[cache.KEY]["inputs"])[0]
     tampered.metadata[cache.KEY]["inputs"][first_input] = "0" * 64
@@ -111,6 +140,21 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     del tampered.metadata[cache.KEY]
     assert "no cache key" in cache.why_stale(source, params, tampered)[0]
     assert cache.why_stale(source, params, None) == ["no committed execution"]
+
+
+def test_stale_lists_what_a_build_would_execute_again(executed_once, tmp_path, monkeypatch):
+    from kvlib.publish.runner import stale_report
+
+    entry, src, *_, executed = executed_once
+    monkeypatch.setenv("KVLIB_EXECUTED_DIR", str(tmp_path))
+    path = executed_path(entry.name, "ci")
+    path.parent.mkdir(parents=True)
+    nbformat.write(executed, path)
+    assert stale_report("ci", entries=[entry]) == []
+    changed = dataclasses.replace(entry, profiles={"ci": {"x": 5}})
+    assert stale_report("ci", entries=[changed])[0][1][0].startswith("parameters changed")
+    path.unlink()
+    assert stale_report("ci", entries=[entry]) == [(entry.name, ["no committed execution"])]
 
 
 def test_commits_read_back_in_full_with_their_dirty_state():

@@ -189,3 +189,25 @@ def test_list_table_cells_keep_math_and_escape_list_markers():
     assert out.startswith(":::{list-table}") and out.rstrip().endswith(":::")
     cap = asm.list_table([["1"]], ["a"], [1], caption="What it shows,\n in units")
     assert cap.startswith(":::{list-table} What it shows, in units\n")
+
+
+def test_the_rerun_line_runs_when_pasted_into_a_fresh_shell():
+    """The page's rerun command names the venv's interpreter, so a shell with nothing activated and no PYTHONPATH
+    runs it from the repository root (with `run` swapped for `stale --only`, which executes nothing)."""
+    import re
+    import subprocess
+
+    from kvlib.publish.assemble import rerun_line
+    from kvlib.publish.provenance import repo_root
+    from kvlib.publish.registry import all_notebooks
+
+    entry = all_notebooks()[0]
+    cmd = re.search(r"`(\.venv/bin/python -m kvlib\.publish run [^`]+)`", rerun_line(entry, "cpu")).group(1)
+    makefile = (repo_root() / "Makefile").read_text()
+    assert "VENV ?= .venv" in makefile and "PY := $(VENV)/bin/python" in makefile  # what `make install` creates
+    if not (repo_root() / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in this checkout (make install creates it; CI has one)")
+    probe = cmd.replace(" run ", " stale ", 1)
+    out = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "bash", "-c", probe], cwd=repo_root(),
+                         capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError" not in out.stderr and out.returncode in (0, 1), out.stderr[-2000:]

@@ -42,11 +42,12 @@ def ablation_figure(errs: pd.DataFrame, budgets: list[int], S: int):
     for i, m_ in enumerate(budgets):
         for qn, ls in (("dither", "-"), ("rtn", "--")):
             r = per_layer.loc[(qn, m_)]
-            ax[1].plot(r.index, r.values, marker=".", ls=ls, color=f"C{i}", label=f"{qn}, m={m_}")
+            ax[1].plot(r.index, r.values, marker="o" if qn == "dither" else "s", ms=3.5, ls=ls, color=f"C{i}",
+                       label=f"{qn}, m={m_}")
     ax[1].set_yscale("log")
     ax[1].set_xlabel("layer")
     ax[1].set_ylabel("mean relative output error")
-    ax[1].legend(fontsize=7, ncol=3)
+    ax[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"SmolLM2-135M, S = {S}, 8-bit K+V, real V")
     fig.tight_layout()
     return fig

@@ -341,10 +341,19 @@ def corpus_prompts(tokenizer: Any, n: int, length: int) -> torch.Tensor:
 @torch.no_grad()
 def prefill_context(model: Any, prompts: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Full-precision prefill of ``prompts[:, :-1]``; per layer ``(keys, values)`` ``[B, Hkv, P-1, d]``.
-    Only the last position's logits are computed (the others are never used)."""
-    cache = DynamicCache()
-    model(prompts[:, :-1].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return [(la.keys, la.values) for la in cache.layers]
+    Only the last position's logits are computed (the others are never used). The model's own K/V of these exact
+    tokens are kept in the on-disk store of model computations (:mod:`kvlib.hf.memo`) and read back, bit for bit,
+    when the same prefill was computed before."""
+    from kvlib.hf.memo import memoized
+
+    def compute() -> dict[str, torch.Tensor]:
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(prompts[:, :-1].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return {f"{i}.{side}": t for i, la in enumerate(cache.layers) for side, t in (("k", la.keys), ("v", la.values))}
+
+    out, _, _ = memoized("prefill_context", model, {"ids": prompts}, (compute,), compute)
+    return [(out[f"{i}.k"].to(model.device), out[f"{i}.v"].to(model.device)) for i in range(len(out) // 2)]
 
 
 def _filled(spec: CacheSpec, model: Any, context: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -111,22 +111,42 @@ def gpu_agreement(r: dict[str, Any]):
     return v, agr, lat, cg, cg_lay
 
 
+def _yes(flag: Any) -> str:
+    """A measured yes/no in words (a reader should not meet Python's True/False)."""
+    return "yes" if bool(flag) else "no"
+
+
 def latency_figure(lat: pd.DataFrame, modes: list[str]):
-    """Decode-step time per shape: SDPA bf16, our bf16 split-KV, and INT8 with and without certificate A."""
+    """Decode-step time against context, one panel per batch size: SDPA bf16, our bf16 split-KV, and INT8 with and
+    without certificate A. A line joins the contexts of one kernel at one batch size, never two shapes of
+    different batch sizes; every kernel has its own colour, marker and line style (the book's cycle)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    x = range(len(lat))
-    labels = [f"B={b}\nS={s // 1024}k" for b, s in zip(lat.B, lat.S)]
-    ax.plot(x, lat["sdpa_bf16"], "k-o", label="torch SDPA bf16")
-    ax.plot(x, lat["ours_bf16"], "-s", label="our bf16 split-KV")
+    from kvlib.publish.figures import style_cycle
+
+    series = [("sdpa_bf16", "torch SDPA bf16"), ("ours_bf16", "our bf16 split-KV")]
     for m in modes:
-        ax.plot(x, lat[f"int8_{m}"], "--^", label=f"INT8 ({m})")
-        ax.plot(x, lat[f"int8_cert_A_{m}"], "-v", label=f"INT8 + cert A ({m})")
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("decode step (ms)")
-    ax.legend(fontsize=7)
+        series += [(f"int8_{m}", f"INT8 ({m})"), (f"int8_cert_A_{m}", f"INT8 + cert A ({m})")]
+    looks = dict(zip([c for c, _ in series], style_cycle()))
+    batches = sorted(lat.B.unique())
+    ncols = min(3, len(batches))
+    nrows = -(-len(batches) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols + 2.4, 2.7 * nrows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(batches):]:
+        ax.set_visible(False)
+    for ax, b in zip(axes.flat, batches):
+        d = lat[lat.B == b].sort_values("S")
+        for col, label in series:
+            ax.plot(d.S, d[col], label=label, **looks[col])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(d.S), [f"{s // 1024}k" for s in d.S])
+        ax.set_yscale("log")
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context S (tokens)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("decode step (ms)")
+    axes[0, ncols - 1].legend(loc="upper left", bbox_to_anchor=(1.04, 1.0))
+    fig.tight_layout()
     return fig
 
 
@@ -253,7 +273,8 @@ def anatomy_sources(anat: dict[str, Any] | None) -> pd.DataFrame:
         rows.append({"measurement": s["what"], "device": dev.get("device") if isinstance(dev, dict) else dev,
                      "commit": st["commit_full"] or pv.get("commit"), "started": pv.get("started", "?"),
                      "code committed": "no" if st["ran_uncommitted_code"] else "yes",
-                     "note": pv.get("note", "")})
+                     # the record's note in a reader's words (it was written on the GPU machine for ourselves)
+                     "note": pv.get("note", "").replace("same lent machine image", "same machine image")})
     return pd.DataFrame(rows)
 
 
@@ -264,7 +285,7 @@ def ablation_figure(parts: pd.Series, sdpa_ms: float):
     ax.barh(parts.index[::-1], parts.values[::-1], color="tab:blue")
     ax.axvline(sdpa_ms, color="k", ls="--", label="SDPA bf16")
     ax.set_xlabel("certified h10 step (ms), B=8, S=32k, ablations")
-    ax.legend(fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     return fig
 
@@ -300,7 +321,7 @@ def stall_figure(sdf: pd.DataFrame):
     sns.barplot(sdf, y="reason", x="share", hue="kernel", order=list(STALL_NAMES.values()) + ["other"], ax=ax)
     ax.set_xlabel("share of the loop's warp stall samples (B=64, S=16k, H200)")
     ax.set_ylabel("")
-    ax.legend(fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     return fig
 

@@ -2,18 +2,22 @@
 
 At execution the runner wraps the notebook in two cells of its own (removed from the saved notebook): a
 prologue that installs an audit hook (:func:`sys.addaudithook`) recording which files of the repository the
-kernel opens, and an epilogue that reports every ``kvlib`` module the kernel had loaded (``sys.modules``) with
-the sha256 of its file, the sha256 of every repository file it read (its data inputs: GPU result files,
-known-answer vectors), and the hash of the rule of every claim it judged (the claims files themselves are not
-inputs: editing one claim's rule makes stale only the executions that judged that claim). Both run inside the
-kernel, so the record is what that execution really used, not a guess from the imports written in the source.
-The runner stores it, with hashes of the source's code and markdown cells and the parameters, as
-``metadata.kvlib`` of the executed notebook (:data:`KEY`).
+kernel opens, and an import hook (:mod:`kvlib.publish._watch`) that records each ``kvlib`` function the first
+time it is entered; and an epilogue that reports every ``kvlib`` module the kernel had loaded (``sys.modules``)
+with the hash of its module-level code and of each function the execution ran, the sha256 of every repository
+file it read (its data inputs: GPU result files, known-answer vectors), and the hash of the rule of every claim it
+judged (the claims files themselves are not inputs: editing one claim's rule makes stale only the executions that
+judged that claim). Both run inside the kernel, so the record is what that execution really ran, not a guess from
+the imports written in the source: a change to a function it never called (another kernel in the same file)
+leaves it current. The runner stores the record, with hashes of the source's code and markdown cells and the
+parameters, as ``metadata.kvlib`` of the executed notebook (:data:`KEY`).
 
 :func:`why_stale` compares that record with the files as they are now: an empty answer means a fresh
 execution would run the same code, on the same inputs, with the same parameters, so the build renders the
 committed one. Not covered (said here so nobody relies on it): package versions, files read by native code
-that bypasses Python's ``open`` (e.g. safetensors' mmap), and files outside the repository (model weights).
+that bypasses Python's ``open`` (e.g. safetensors' mmap), files outside the repository (model weights), and
+kvlib code reached other than by a Python call of one of its functions (a Python child process counts every
+function of every loaded module as run; Triton kernels compiled rather than interpreted likewise).
 """
 
 from __future__ import annotations
@@ -26,23 +30,27 @@ from typing import Any
 
 import nbformat
 
+from kvlib.publish import _watch
 from kvlib.publish.provenance import repo_root
 
 #: the executed notebook's metadata key holding the cache record
 KEY = "kvlib"
-#: version of the record's layout; a record of another version is stale
-FORMAT = 1
+#: version of the record's layout: 2 keys each module on the functions the execution ran (:mod:`._watch`), 1 (still
+#: read) on the whole file of every module loaded; a record of another version is stale
+FORMAT = 2
+READ_FORMATS = (1, 2)
 #: tag of the runner's own cells (prologue, epilogue); they never reach a saved notebook
 RECORD_TAG = "kvlib-record"
 RECORD_MIME = "application/vnd.kvlib.record+json"
 
-# Standard library only, and no kvlib import: the record must not change the module set it reports.
+# Standard library only, and no kvlib import: the record must not change the module set it reports. The prologue
+# runs kvlib/publish/_watch.py's text (not an import) to instrument every later kvlib import.
 PROLOGUE = '''\
 def _kvlib_watch():
     import os, sys
     root = os.getcwd() + os.sep  # the runner starts the kernel in the repository root
     skip = (root + ".git" + os.sep, root + ".venv" + os.sep)
-    seen = {"read": set(), "written": set()}
+    seen = {"read": set(), "written": set(), "subprocess": False}
 
     def hook(event, args):
         if event == "open":
@@ -50,6 +58,13 @@ def _kvlib_watch():
             writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & 0o103)
         elif event == "os.rename":
             path, writing = args[1], True
+        elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn"):
+            # what a Python child process ran is not seen: then every function of a loaded module counts as run
+            argv = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else [args[0]]
+            exe = [os.fspath(a) for a in (args[0], *argv[:1]) if isinstance(a, (str, bytes, os.PathLike))]
+            if any("python" in os.path.basename(str(a)) for a in exe):
+                seen["subprocess"] = True
+            return
         else:
             return
         if isinstance(path, (str, os.PathLike)):
@@ -58,6 +73,10 @@ def _kvlib_watch():
                 seen["written" if writing else "read"].add(path[len(root):])
 
     sys.addaudithook(hook)
+    ns = {"__name__": "_kvlib_watch"}
+    with open(os.path.join(root, "kvlib", "publish", "_watch.py")) as f:
+        exec(compile(f.read(), "_kvlib_watch", "exec"), ns)
+    seen["watch"], seen["ran"] = ns, ns["install"](root)
     return seen
 
 
@@ -66,24 +85,23 @@ _kvlib_seen = _kvlib_watch()
 
 EPILOGUE = '''\
 def _kvlib_report(seen):
-    import hashlib, os, sys
+    import hashlib, os
     from IPython.display import display
 
     def sha(path):
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
-    modules = {}
-    for name in sorted(m for m in sys.modules if m == "kvlib" or m.startswith("kvlib.")):
-        path = getattr(sys.modules[name], "__file__", None)
-        if path:
-            modules[name] = {"file": os.path.relpath(path), "sha256": sha(path)}
+    modules = seen["watch"]["report"](seen["ran"], os.getcwd(), subprocess_python=seen["subprocess"])
     files = {p for p in seen["read"] - seen["written"] if os.path.isfile(p)}
     files -= {m["file"] for m in modules.values()}
     inputs = {p: sha(p) for p in sorted(files) if not p.endswith(".py") or not p.startswith("kvlib" + os.sep)}
     # the rules of the claims this execution judged (their hashes), in place of the whole claims files it read
     rules = dict(getattr(sys.modules.get("kvlib.publish.verdicts"), "JUDGED", None) or {})
-    display({"__MIME__": {"modules": modules, "inputs": inputs, "rules": rules}}, raw=True)
+    import resource
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the kernel's peak resident set (Linux: KB)
+    display({"__MIME__": {"modules": modules, "inputs": inputs, "rules": rules, "peak_rss_mb": round(peak_mb, 1)}},
+            raw=True)
 
 
 _kvlib_report(_kvlib_seen)
@@ -155,6 +173,7 @@ def make_record(source_nb: nbformat.NotebookNode, params: dict[str, Any], report
         "rules": dict(report.get("rules") or {}),
         "commit": commit,
         "wall_s": round(wall_s, 3),
+        "peak_rss_mb": report.get("peak_rss_mb"),
         "stamped": stamped,
     }
 
@@ -165,7 +184,7 @@ def _is_claims_file(path: str) -> bool:
 
 def record_of(executed: nbformat.NotebookNode) -> dict[str, Any] | None:
     rec = executed.metadata.get(KEY)
-    return rec if isinstance(rec, dict) and rec.get("format") == FORMAT else None
+    return rec if isinstance(rec, dict) and rec.get("format") in READ_FORMATS else None
 
 
 def why_stale(source_nb: nbformat.NotebookNode, params: dict[str, Any], executed: nbformat.NotebookNode | None,
@@ -185,7 +204,21 @@ def why_stale(source_nb: nbformat.NotebookNode, params: dict[str, Any], executed
         out.append("markdown changed")
     if rec.get("params") != _canon(params):
         out.append(f"parameters changed ({rec.get('params')} -> {_canon(params)})")
-    mods = [m for m, v in sorted(rec.get("modules", {}).items()) if sha256_file(root / v["file"]) != v["sha256"]]
+    mods = []
+    for m, v in sorted(rec.get("modules", {}).items()):
+        if sha256_file(root / v["file"]) == v["sha256"]:
+            continue
+        if "skeleton" not in v:  # a format-1 record: any change to a loaded module counts
+            mods.append(m)
+            continue
+        try:
+            what = _watch.changed(v, (root / v["file"]).read_text())
+        except FileNotFoundError:
+            what = _watch.changed(v, None)
+        except SyntaxError:
+            what = ["does not parse"]
+        if what:
+            mods.append(f"{m} ({', '.join(what[:3])}{f' +{len(what) - 3} more' if len(what) > 3 else ''})")
     if mods:
         out.append(f"kvlib changed: {', '.join(mods[:4])}" + (f" (+{len(mods) - 4} more)" if len(mods) > 4 else ""))
     ins = [p for p, h in sorted(rec.get("inputs", {}).items())

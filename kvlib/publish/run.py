@@ -58,6 +58,9 @@ class Run:
         self.claims: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
         _inline_figures()
+        from kvlib.publish.figures import apply_style
+
+        apply_style()  # the book's palette, markers, line styles and text sizes
 
     # -- numbers and figures --------------------------------------------------------------
     def glue(self, key: str, value: Any) -> Any:
@@ -72,7 +75,16 @@ class Run:
         return value
 
     def glue_fig(self, key: str, fig: Any) -> None:
-        """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it."""
+        """Glue a matplotlib figure; it is shown where a ``{glue:figure}`` directive places it (with its numbered
+        caption). Text too small for the text column is enlarged and a legend over data moves outside its axes
+        (:func:`kvlib.publish.figures.make_readable`); a figure that still would not read (two series that look
+        alike) is refused."""
+        from kvlib.publish.figures import figure_problems, make_readable
+
+        make_readable(fig)
+        problems = figure_problems(fig, f"figure {key!r} of {self.name}")
+        if problems:
+            raise ValueError("; ".join(problems))
         _glue(key, fig)
         self.values.setdefault("_figures", []).append(key)
         # Closed, so the inline backend does not show it a second time at the end of the cell.
@@ -121,9 +133,16 @@ class Run:
 
         prov = provenance(self.params, self.started)
         dev = prov["device"].get("device", "cpu")
-        here = f"this run ({self.profile} profile, {dev})"
+        def value(v: Any) -> str:  # a nested structure (a list of configurations) is in the parameters cell above
+            nested = isinstance(v, dict) or (isinstance(v, (list, tuple)) and any(isinstance(x, dict) for x in v))
+            if isinstance(v, bool):
+                return "yes" if v else "no"
+            return f"{len(v)} entries (see the parameters cell)" if nested else str(v)
+
+        shown = ", ".join(f"{k} = {value(v)}" for k, v in self.params.items())
         text = (f"*This run:* profile `{self.profile}`, device `{dev}`, commit `{prov['commit']}`, "
-                f"started {prov['started']}, parameters `{self.params}`.")
+                f"started {prov['started']}; parameters: {shown or 'none'}.")
+        here = f"this run ({self.profile} profile, {dev})"
         where = [here]
         if SOURCES:
             # a page that renders committed measurements says where those were made, not only where it ran
@@ -138,7 +157,7 @@ class Run:
         if not self.claims:
             display(Markdown("*No paper claim is addressed in this section.*"))
             return
-        from kvlib.publish.tables import list_table
+        from kvlib.publish.listtable import list_table
 
         known = load_claims()
         records = _ordered(self.claims, known)
@@ -152,12 +171,8 @@ class Run:
     def save(self, overwrite: bool = False) -> None:
         """Write ``data/results/<profile>/<name>.json`` atomically, with provenance."""
         payload = {"values": self.values, "claims": self.claims, "extra": self.extra}
-        path = save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
-        try:
-            shown = path.relative_to(repo_root())
-        except ValueError:
-            shown = path
-        print(f"results: {shown}")
+        # written quietly: the page a reader sees names its result file on "Where the numbers come from"
+        save_result(self.name, self.profile, payload, self.params, self.started, overwrite=overwrite)
 
 
 def fmt(x: float, digits: int = 3) -> str:

@@ -106,6 +106,22 @@ def reexecute_reasons(entry: NotebookEntry, profile: str, params: dict[str, Any]
     return result_problems(res.get("provenance", {}).get("commit"), shown(source_path(entry)))
 
 
+def stale_report(profile: str, only: list[str] | None = None, entries: list[NotebookEntry] | None = None,
+                 ) -> list[tuple[str, list[str]]]:
+    """(notebook, why) for every selected notebook whose execution at ``profile`` a build would run again
+    (``entries`` replaces the registry)."""
+    out = []
+    for e in select(profile, only) if entries is None else entries:
+        params = e.params(profile)
+        if params is None or (e.needs_gpu and profile != "gpu"):
+            continue
+        why = reexecute_reasons(e, profile, params, validate(e, params))
+        if why:
+            out.append((e.name, why))
+    return out
+
+
+
 def _finish(tmp: Path, entry: NotebookEntry, nb: nbformat.NotebookNode, params: dict[str, Any], profile: str,
             commit: str, seconds: float) -> bool:
     """Name the source, drop the runner's record cells and store the cache key; False: the epilogue never ran."""
@@ -123,6 +139,40 @@ def _finish(tmp: Path, entry: NotebookEntry, nb: nbformat.NotebookNode, params: 
     return report is not None
 
 
+#: memory (MB) assumed for an execution whose record holds no measured peak (executed before it was recorded)
+DEFAULT_PEAK_MB = 4096
+
+
+def expected_cost(name: str, profile: str) -> tuple[float, float]:
+    """(wall seconds, peak resident MB) of the previous execution of ``name`` at ``profile``, from its record
+    (unknown: 0 s and :data:`DEFAULT_PEAK_MB`); the schedule starts the longest first and keeps the sum of the
+    running executions' peaks within the memory budget."""
+    from kvlib.publish import cache
+
+    path = executed_path(name, profile)
+    if not path.exists():
+        return 0.0, float(DEFAULT_PEAK_MB)
+    nb = nbformat.read(path, as_version=4)
+    rec = cache.record_of(nb) or {}
+    wall = rec.get("wall_s") or nb.metadata.get("papermill", {}).get("duration") or 0.0
+    return float(wall), float(rec.get("peak_rss_mb") or DEFAULT_PEAK_MB)
+
+
+def memory_budget_mb() -> float:
+    """Memory the parallel schedule may plan with: ``$KVLIB_MEMORY_MB``, else 80% of what the OS reports
+    available now."""
+    env = os.environ.get("KVLIB_MEMORY_MB")
+    if env:
+        return float(env)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return 0.8 * int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 8192.0
+
+
 def run_notebooks(
     profile: str,
     only: list[str] | None = None,
@@ -130,18 +180,24 @@ def run_notebooks(
     progress: bool = True,
     entries: list[NotebookEntry] | None = None,
     reuse: bool = False,
+    jobs: int = 1,
 ) -> list[Outcome]:
     """Run every selected notebook at ``profile``; one failure never stops the others.
 
     ``entries`` replaces the registry (tests use it); ``only`` selects among them by name. With ``reuse``, a
     notebook whose committed execution is still current (:func:`reexecute_reasons`) is not executed again.
+    ``jobs`` > 1 executes that many notebooks at a time (each kernel then gets ``cpu_count // jobs`` threads),
+    longest first, and starts one only while the recorded peaks of those running fit :func:`memory_budget_mb`.
+    Outcomes come back in the registry's order.
     """
-    import papermill as pm
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
     from tqdm.auto import tqdm
 
     from kvlib.publish import cache
-    from kvlib.publish.provenance import git_commit
 
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     entries = select(profile, only) if entries is None else [e for e in entries if not only or e.name in only]
     plan: list[tuple[NotebookEntry, dict[str, Any] | None, nbformat.NotebookNode | None, str]] = []
     # Validate everything first, so a typo fails in a second, not after an hour of runs.
@@ -156,55 +212,101 @@ def run_notebooks(
             continue
         plan.append((e, params, validate(e, params), ""))
 
-    outcomes: list[Outcome] = []
-    env_backup = os.environ.get("KVLIB_PROFILE")
-    warn_backup = os.environ.get("PYTHONWARNINGS")
-    bar = tqdm(plan, desc=f"notebooks [{profile}]", unit="nb", disable=not progress)
-    for e, params, nb, why in bar:
-        bar.set_postfix_str(e.name)
+    done: dict[str, Outcome] = {}
+    todo = []
+    for e, params, nb, why in plan:
         if params is None:
-            outcomes.append(Outcome(e.name, "skipped", 0.0, why))
+            done[e.name] = Outcome(e.name, "skipped", 0.0, why)
             continue
         reasons = reexecute_reasons(e, profile, params, nb) if reuse else ["asked to run"]
         if not reasons:
             rec = cache.record_of(nbformat.read(executed_path(e.name, profile), as_version=4)) or {}
-            outcomes.append(Outcome(e.name, "reused", 0.0, f"unchanged since its execution at {rec.get('commit')}"))
+            done[e.name] = Outcome(e.name, "reused", 0.0, f"unchanged since its execution at {rec.get('commit')}")
             continue
-        out = executed_path(e.name, profile)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".partial.ipynb")
-        commit = git_commit()
-        t0 = time.perf_counter()
-        try:
-            os.environ["KVLIB_PROFILE"] = profile
-            os.environ["PYTHONWARNINGS"] = KERNEL_WARNINGS  # read by the kernel process at its start
-            pm.execute_notebook(
-                cache.instrument(nb),
-                str(tmp),
-                parameters=params,
-                cwd=str(repo_root()),
-                progress_bar=False,
-                execution_timeout=CELL_TIMEOUT[profile],
-                kernel_name="python3",
-            )
-            if not _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0):
-                raise RuntimeError("the runner's epilogue cell left no record of the modules the kernel loaded")
-            os.replace(tmp, out)
-            outcomes.append(Outcome(e.name, "executed", time.perf_counter() - t0, "; ".join(reasons)))
-        except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest still run
-            _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0)
-            detail = str(exc).strip().splitlines()
-            msg = detail[-1] if detail else type(exc).__name__
-            if not isinstance(exc, pm.PapermillExecutionError):
-                msg = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            msg = " ".join(msg.split())  # one line in the summary table
-            outcomes.append(Outcome(e.name, "failed", time.perf_counter() - t0, f"{msg[:300]} (see {tmp.name})"))
-    for key, value in (("KVLIB_PROFILE", env_backup), ("PYTHONWARNINGS", warn_backup)):
-        if value is None:
-            os.environ.pop(key, None)
+        todo.append((e, params, nb, reasons, *expected_cost(e.name, profile)))
+
+    saved = {k: os.environ.get(k) for k in ("KVLIB_PROFILE", "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ["KVLIB_PROFILE"] = profile
+    os.environ["PYTHONWARNINGS"] = KERNEL_WARNINGS  # read by the kernel process at its start
+    if jobs > 1 and saved["OMP_NUM_THREADS"] is None:
+        # kernels inherit this at their start: jobs kernels of cpu_count // jobs threads share the machine
+        threads = str(max(1, (os.cpu_count() or 1) // jobs))
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
+    bar = tqdm(total=len(todo), desc=f"notebooks [{profile}]", unit="nb", disable=not progress or not todo)
+    try:
+        if jobs == 1:
+            for e, params, nb, reasons, _, _ in todo:
+                bar.set_postfix_str(e.name)
+                done[e.name] = _execute(e, params, nb, profile, reasons)
+                bar.update()
         else:
-            os.environ[key] = value
-    return outcomes
+            budget = memory_budget_mb()
+            queue = sorted(todo, key=lambda t: -t[4])  # longest first: the last to finish starts early
+            running: dict[Any, float] = {}
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                while queue or running:
+                    used = sum(running.values())
+                    pick = next((t for t in queue if not running or used + t[5] <= budget), None)
+                    if pick is not None and len(running) < jobs:
+                        queue.remove(pick)
+                        e, params, nb, reasons, _, peak = pick
+                        running[pool.submit(_execute, e, params, nb, profile, reasons)] = peak
+                        continue
+                    finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        running.pop(f)
+                        o = f.result()
+                        done[o.name] = o
+                        bar.set_postfix_str(o.name)
+                        bar.update()
+    finally:
+        bar.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return [done[e.name] for e, *_ in plan]
+
+
+def _execute(e: NotebookEntry, params: dict[str, Any], nb: nbformat.NotebookNode, profile: str,
+             reasons: list[str]) -> Outcome:
+    """Execute one notebook with papermill (its own kernel process); a failure is an outcome, never raised."""
+    import papermill as pm
+
+    from kvlib.publish import cache
+    from kvlib.publish.provenance import git_commit
+
+    out = executed_path(e.name, profile)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial.ipynb")
+    commit = git_commit()
+    t0 = time.perf_counter()
+    try:
+        pm.execute_notebook(
+            cache.instrument(nb),
+            str(tmp),
+            parameters=params,
+            cwd=str(repo_root()),
+            progress_bar=False,
+            execution_timeout=CELL_TIMEOUT[profile],
+            kernel_name="python3",
+            # the kernel's own log (an unencrypted-TCP notice at every start, a KeyboardInterrupt at shutdown) is
+            # about the runner's local kernel, not the notebook; cell errors still reach the notebook and the table
+            extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
+        )
+        if not _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0):
+            raise RuntimeError("the runner's epilogue cell left no record of the modules the kernel loaded")
+        os.replace(tmp, out)
+        return Outcome(e.name, "executed", time.perf_counter() - t0, "; ".join(reasons))
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest still run
+        _finish(tmp, e, nb, params, profile, commit, time.perf_counter() - t0)
+        detail = str(exc).strip().splitlines()
+        msg = detail[-1] if detail else type(exc).__name__
+        if not isinstance(exc, pm.PapermillExecutionError):
+            msg = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        msg = " ".join(msg.split())  # one line in the summary table
+        return Outcome(e.name, "failed", time.perf_counter() - t0, f"{msg[:300]} (see {tmp.name})")
 
 
 def summary_table(outcomes: list[Outcome]) -> str:
