@@ -15,11 +15,11 @@ from typing import Any
 import nbformat
 
 from kvlib.publish.commits import COMMITTED_PROFILES, result_problems, show_commit
+from kvlib.publish.listtable import _cell, list_table  # noqa: F401 (list_table: the pages' tables)
 from kvlib.publish.provenance import PROFILES, load_result, repo_root, results_dir
 from kvlib.publish.registry import Chapter, NotebookEntry, all_notebooks, load_registry
 from kvlib.publish.runner import Outcome
 from kvlib.publish.sources import executed_path, source_path
-from kvlib.publish.listtable import _cell, list_table  # noqa: F401 (list_table: the pages' tables)
 from kvlib.publish.verdicts import VERDICTS, load_claims
 
 RENDER = Path("book") / "_render"

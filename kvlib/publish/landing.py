@@ -38,7 +38,7 @@ def measured_on(name: str, profile: str) -> dict[str, Any]:
     {"ran on": device of the notebook's own execution, "measured on": the devices of the GPU result files it
     read (from its cache record), or its own device when it read none, "gpu files": those files}."""
     from kvlib.publish import cache
-    from kvlib.publish.runner import executed_path
+    from kvlib.publish.sources import executed_path
 
     res = load_result(name, profile) or {}
     own = _device_name(res.get("provenance", {}).get("device"))
@@ -103,7 +103,7 @@ def verdict_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
 def landing_page(intro: str, chapters, rows: list[dict[str, Any]], rendered: dict[str, str]) -> str:
     """The book's first page: its title, what reproduced at a glance, the register's counts, then ``intro`` (the
     static prose of ``book/intro.md`` after its title: where to start, what the book is)."""
-    from kvlib.publish.assemble import list_table
+    from kvlib.publish.listtable import list_table
 
     title, _, rest = intro.strip().partition("\n")
     counts = verdict_counts(rows)
@@ -147,7 +147,7 @@ def provenance_rows(chapters, rendered: dict[str, str], outcomes: dict[str, Any]
     duration (the execution's wall time, papermill's clock), and what this build did with it."""
     from kvlib.publish import cache
     from kvlib.publish.commits import show_commit
-    from kvlib.publish.runner import executed_path
+    from kvlib.publish.sources import executed_path
 
     rows = []
     for ch in chapters:
@@ -206,7 +206,7 @@ def gpu_rows() -> list[dict[str, str]]:
 
 
 def provenance_page(profile: str, checks: str, rows: list[dict[str, str]], gpu: list[dict[str, str]]) -> str:
-    from kvlib.publish.assemble import list_table
+    from kvlib.publish.listtable import list_table
 
     cols = ["page", "profile", "ran on", "numbers measured on", "execution (s)", "commit", "started (UTC)",
             "this build"]

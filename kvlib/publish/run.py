@@ -6,7 +6,7 @@ import datetime as _dt
 import math
 from typing import Any
 
-from kvlib.publish.provenance import PROFILES, provenance, repo_root, save_result
+from kvlib.publish.provenance import PROFILES, provenance, save_result
 from kvlib.publish.verdicts import CLAIM_FIELDS, PAPERS, VERDICTS, judge, load_claims  # noqa: F401 (re-exported)
 
 __all__ = ["VERDICTS", "Run", "fmt", "load_claims"]
