@@ -85,7 +85,7 @@ _kvlib_seen = _kvlib_watch()
 
 EPILOGUE = '''\
 def _kvlib_report(seen):
-    import hashlib, os
+    import hashlib, os, resource, sys
     from IPython.display import display
 
     def sha(path):
@@ -98,7 +98,6 @@ def _kvlib_report(seen):
     inputs = {p: sha(p) for p in sorted(files) if not p.endswith(".py") or not p.startswith("kvlib" + os.sep)}
     # the rules of the claims this execution judged (their hashes), in place of the whole claims files it read
     rules = dict(getattr(sys.modules.get("kvlib.publish.verdicts"), "JUDGED", None) or {})
-    import resource
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the kernel's peak resident set (Linux: KB)
     display({"__MIME__": {"modules": modules, "inputs": inputs, "rules": rules, "peak_rss_mb": round(peak_mb, 1)}},
             raw=True)
