@@ -67,8 +67,7 @@ def test_the_record_is_what_the_kernel_loaded_and_read(executed_once):
     # the claims files are inputs only through the rule of the claim judged: its hash, nothing else
     assert not any(p.startswith("data/claims/") for p in rec["inputs"])
     assert rec["inputs"]["tests/data/tiny.md"] == sha(TINY)
-    from kvlib.publish.verdicts import load_claims
-    from kvlib.publish.verdicts import rule_hash, rule_of
+    from kvlib.publish.verdicts import load_claims, rule_hash, rule_of
 
     assert rec["rules"] == {JUDGED: rule_hash(rule_of(load_claims()[JUDGED]))}
     assert not any(p.startswith("kvlib/") and p.endswith(".py") for p in rec["inputs"])

@@ -143,8 +143,7 @@ def test_register_rows_name_both_settings_and_when_the_rule_was_committed(book):
 
 
 def test_a_verdict_whose_rule_changed_or_was_never_recorded_reads_re_run(monkeypatch):
-    from kvlib.publish.verdicts import load_claims
-    from kvlib.publish.verdicts import rule_hash, rule_of
+    from kvlib.publish.verdicts import load_claims, rule_hash, rule_of
 
     known = load_claims()
     good = {"id": "witcert-fallback-block", "ours": "2", "verdict": "differs", "why": "x", "measured": 2.0,
