@@ -26,7 +26,7 @@ no TMA); with ``H_kv`` even both paths read each as the int32 word of its head p
 them as 16-bit gathers, which stay synchronous loads inside the loop, and took about 2x the contiguous kernel's
 time at B=32, S=16k, Hq=28, Hkv=4, d=128, at block_size 16 and 256 alike, per-row lookups or not: the gathers are
 the likely cause; ``dev/gpu/kern4.sh`` times the paths side by side.) Offline sm_90 loop counts per thread per
-256-position tile at d=128, 8 query rows (``python -m dev.kv4_paged_probe --sass``): contiguous 1,033;
+256-position tile at d=128, 8 query rows (``python -m dev.kv4_paged_vs_contiguous --sass``): contiguous 1,033;
 paged-tiles 1,177 (the head-pair selection, 64 ``prmt``; twice the scale words, 16 more shared-memory reads;
 64-bit bases); paged-rows 1,190 (plus the per-row table values from shared memory and a 64-bit address per row;
 1,214 before the in-page offset was made loop-invariant); the 16-bit-gather version 1,137

@@ -20,8 +20,8 @@ class Int8KernelConfig:
     """Launch parameters and switches of the INT8 stage-1 kernels (each field says which kernel reads it).
 
     - ``block_n``: positions per loop step (Triton kernels; the Gluon kernel's tile is fixed at 16).
-    - ``num_warps`` / ``num_stages``: ``None`` takes the H200 sweeps' best (dev/int8_sweep, dev/h10_probe*):
-      warps 2 for h10 (two warps per 64-position tile), 4 otherwise; stages 3 for tc, 2 otherwise.
+    - ``num_warps`` / ``num_stages``: ``None`` takes the H200 sweeps' best (dev/int8_sweep, dev/h10_launch_sweep,
+      dev/h10_tile_shape): warps 2 for h10 (two warps per 64-position tile), 4 otherwise; stages 3 for tc, 2 otherwise.
     - ``k_precision`` / ``v_precision``, ``join``: the fp32 ``fma`` kernel's dot precisions and its one joined
       ``[BLOCK_N, D]`` tile instead of four word-strided ones.
     - ``var_dot``: the radius's variance from one dot per tile (fma: ``q^2 . s^2``; h10: one 16-deep tf32

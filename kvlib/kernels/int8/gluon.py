@@ -31,7 +31,7 @@ register layout the tensor cores read, and every conversion is checked at compil
 
 Not run under ``TRITON_INTERPRET`` (Gluon has no interpreter): the CPU tests cover the Triton kernel, and the
 GPU agreement check binds this one to it and to the float64 reference
-(:mod:`dev.gluon_probe`, ``tests/test_decode_gluon.py`` on a GPU).
+(:mod:`dev.gluon_vs_triton_h8`, ``tests/test_decode_gluon.py`` on a GPU).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ _BN = gl.constexpr(BLOCK_N)
 # The kernel's register layouts as module constants, not launch arguments: the JIT specialises on every constexpr
 # argument at each launch. With the thirteen layouts as arguments an eager certified step took 0.62 ms at B=2, S=4k
 # against 0.018 ms replayed from a CUDA graph (witcert_decode at c49fe48); that the constants remove this host cost
-# is the expectation, not yet measured (python -m dev.gluon_probe --eager)
+# is the expectation, not yet measured (python -m dev.gluon_vs_triton_h8 --eager)
 _LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8")
 KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layouts(BLOCK_N)[k]) for k in _LAYOUT_NAMES)
 

@@ -1,12 +1,11 @@
-"""Development probe on the GPU: KV4-RL (its protected region one extra program per request and kv head) timed
-from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accuracy check against the torch
-reference. (It first compared that layout with the protected region run by the last INT4 split, since removed:
-dev/results/kv4_prot_last.json.)
-``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
-structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
-the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the
-variants of :data:`FUSE_VARIANTS` (split plans, the merge inside the decode launch: ``KV4KernelConfig`` fields)
-beside the defaults."""
+"""What does KV4-RL cost over KV4, and where does it go? On the GPU: KV4-RL (its protected region one extra program per
+request and kv head) timed from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accuracy check
+against the torch reference. (It first compared that layout with the protected region run by the last INT4 split,
+since removed: dev/results/kv4_prot_last.json.) ``--block-p``: side slots per protected step; ``--decompose``:
+KV4-RL's extra time split into its structure (extra programs, merge launch: timed with an empty side buffer) and its
+protected work; ``--edges``: the main region's unaligned edge blocks peeled or pipelined
+(``KV4KernelConfig.pipe_edges``); ``--fuse``: the variants of :data:`FUSE_VARIANTS` (split plans, the merge inside
+the decode launch: ``KV4KernelConfig`` fields) beside the defaults."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import sys
 
 import torch
 
-from dev.h10_probe import write_probe
+from dev.probe_kit import write_probe
 from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, graphed_ms, random_kv4_batch
 from kvlib.bench.timing import interleaved
 from kvlib.kernels.int4.attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
@@ -253,8 +252,8 @@ def main() -> None:
             rows.append(dict(check=name, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
             print(rows[-1], flush=True)
         out = next((a for a in sys.argv[1:] if not a.startswith("--")), default_out)
-        write_probe(out, "kv4rl_probe", rows, started,
-                    {"command": "python -m dev.kv4rl_probe " + " ".join(sys.argv[1:]),
+        write_probe(out, "kv4rl_overhead", rows, started,
+                    {"command": "python -m dev.kv4rl_overhead " + " ".join(sys.argv[1:]),
                      "config": str(DEFAULT_CONFIG), "shapes": mode_shapes})
         return
     variants = BLOCK_P if "--block-p" in sys.argv else MODES
@@ -267,9 +266,9 @@ def main() -> None:
         rows.append(_shape_row(b, n, variants))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_probe.json")
-    write_probe(out, "kv4rl_probe", rows, started,
-                {"command": "python -m dev.kv4rl_probe " + " ".join(sys.argv[1:]), "shapes": shapes,
+    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_overhead.json")
+    write_probe(out, "kv4rl_overhead", rows, started,
+                {"command": "python -m dev.kv4rl_overhead " + " ".join(sys.argv[1:]), "shapes": shapes,
                  "variants": variants})
 
 
