@@ -45,7 +45,10 @@ class Int8KernelConfig:
       default). Philox4x32-10 (the paper's) is the default; :data:`kvlib.core.philox.GENERATOR_OPTIONS` are the
       ones a pool may be written with, the other names are timing probes of the issue-28 study.
     - Timing only, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage), which the
-      performance grid and the SASS count price the Philox dither with. (The h10 kernel's ``ablate`` switches, which
+      performance grid and the SASS count price the Philox dither with. It stays here rather than in ``dev/``
+      because the book's grid rows ``int8_nophilox`` and ``int8_h10_nophilox`` time it through ``decode_int8``
+      (:mod:`kvlib.bench.decode_grid`, which may not import ``dev/``), while as a compile-time branch it leaves the
+      default kernels' SASS unchanged. (The h10 kernel's ``ablate`` switches, which
       dropped its QK or PV path or computed the slots, located where its time went, ``dev/results/h10_probe4.json``;
       their code is gone since.)
     """
