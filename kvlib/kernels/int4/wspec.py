@@ -19,7 +19,7 @@ Design (:mod:`kvlib.kernels.int8.wspec`'s, one CTA per (request, KV head, split)
   gathered with plain loads a tile ahead (while the producer waits for a free stage) and stored into the stage;
   the producer's arrival plus the TMA transaction complete ``ready`` (count 2);
 * the **consumer partition** (the default one, one warpgroup) computes the Triton kernel's arithmetic
-  (:func:`kvlib.kernels.int4.paged._paged_step`, bytes mode, fp16 PV), operand for operand:
+  (:func:`kvlib.kernels.int4.region._main_step` with ``PAGE``, bytes mode, fp16 PV), operand for operand:
   QK as two INT8 tensor-core MMAs (even channels x low nibbles, odd channels x high nibbles, int32 accumulate:
   exact), then ``s = float(s_int) (a_q s_k) + c_q m_k`` with ``a_q = s_q sm log2 e``, ``c_q = s_q sum q8 sm log2 e``
   (the same expression; the offline sm_90 PTX of both kernels computes it as the same ``mul``, ``mul``,
@@ -521,7 +521,7 @@ def _wspec4_stage1(
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    # the Triton kernel's split plan (kvlib.kernels.int4.paged._paged_region): whole aligned tiles per split
+    # the Triton kernel's split plan (kvlib.kernels.int4.region._main_region): whole aligned tiles per split
     start = gl.load(START + b)
     end = gl.maximum(gl.minimum(gl.load(END + b), max_len), start)  # within the table
     first = start // BN
