@@ -207,8 +207,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_r
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
     TMA transaction). ``PREFETCH``: :func:`_producer_pf`."""
     if PREFETCH:
-        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                     s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING)
+        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                     n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING)
     else:
         if SCALES_SMEM:
             nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -255,17 +255,30 @@ def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                 s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-                 RING: gl.constexpr):
+def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
+                 n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+                 RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1):
     """:func:`_producer` (``SCALES_SMEM``) with the scale gather a tile ahead: tile ``i + 1``'s scales are loaded
     into registers right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free
-    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival."""
+    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival.
+
+    ``NOK > 0`` (:mod:`kvlib.kernels.int8.wspec_cert`, whose producer this is): also the ``NOK`` fp16 key-outlier
+    rows of each tile, gathered from ``KO`` into the stage's ``o_bufs [16, BN]`` (``NOKP``: ``NOK`` rounded up to a
+    power of two; rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows)."""
     nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
+        OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
+        oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
+        on = gl.arange(0, BN, layout=gl.SliceLayout(0, OB))
+        if NOKP < 16:  # rows NOKP..15 of every stage stay 0 (written once, before any arrival)
+            OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
+            for st in gl.static_range(RING):
+                o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
     k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
         mbarrier.wait(empty.index(s), ph ^ 1)
         mbarrier.expect(ready.index(s), 2 * BN * D)
         n0 = start + i * BN
@@ -285,6 +298,19 @@ def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, B
         s_bufs.index(s * 8 + 5).store(v1)
         s_bufs.index(s * 8 + 6).store(v2)
         s_bufs.index(s * 8 + 7).store(v3)
+        if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
+            n = n0 + on
+            m = n < end
+            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+            # a contiguous [n_slots, H_kv, NOK] pool (plan checks it): head stride NOK, slot stride H_kv NOK
+            off = (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * NOK
+            if NOKP == NOK:
+                off = gl.multiple_of(off, NOK)
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(gl.load(KO + off[None, :] + oc[:, None],
+                                                                    mask=m[None, :], other=0.0))
+            else:
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(
+                    gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
         gl.thread_barrier()  # every lane's stores before the one arrival
         mbarrier.arrive(ready.index(s), count=1)
         # the next tile's (all masked past the split: no memory traffic)

@@ -63,7 +63,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from kvlib.kernels.int8 import gluon as G
 from kvlib.kernels.int8 import wspec as W
@@ -284,66 +284,6 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
 
 # ----------------------------------------------------------------------------------------------
 # the kernel
-@gluon.jit
-def _producer_cert(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
-                   n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-                   RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr, NOKP: gl.constexpr):
-    """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` (TMA of the K and V boxes, the group scales gathered a
-    tile ahead), plus the ``NOK`` fp16 key-outlier rows of each tile gathered into the stage ``[16, BN]`` (``NOKP``:
-    ``NOK`` rounded up to a power of two; rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass
-    MMA reads 16 rows)."""
-    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
-        OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
-        oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
-        on = gl.arange(0, BN, layout=gl.SliceLayout(0, OB))
-        if NOKP < 16:  # rows NOKP..15 of every stage stay 0 (written once, before any arrival)
-            OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
-            for st in gl.static_range(RING):
-                o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
-    k0, k1, k2, k3, v0, v1, v2, v3 = W._gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
-        mbarrier.wait(empty.index(s), ph ^ 1)
-        mbarrier.expect(ready.index(s), 2 * BN * D)
-        n0 = start + i * BN
-        for j in gl.static_range(BN // RBOX):
-            n = n0 + j * RBOX
-            blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
-            row = blk * PAGE + n % PAGE
-            tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
-                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
-                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        s_bufs.index(s * 8 + 0).store(k0)
-        s_bufs.index(s * 8 + 1).store(k1)
-        s_bufs.index(s * 8 + 2).store(k2)
-        s_bufs.index(s * 8 + 3).store(k3)
-        s_bufs.index(s * 8 + 4).store(v0)
-        s_bufs.index(s * 8 + 5).store(v1)
-        s_bufs.index(s * 8 + 6).store(v2)
-        s_bufs.index(s * 8 + 7).store(v3)
-        if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
-            n = n0 + on
-            m = n < end
-            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-            # a contiguous [n_slots, H_kv, NOK] pool (plan checks it): head stride NOK, slot stride H_kv NOK
-            off = (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * NOK
-            if NOKP == NOK:
-                off = gl.multiple_of(off, NOK)
-                o_bufs.index(s).slice(0, NOKP, dim=0).store(gl.load(KO + off[None, :] + oc[:, None],
-                                                                    mask=m[None, :], other=0.0))
-            else:
-                o_bufs.index(s).slice(0, NOKP, dim=0).store(
-                    gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
-        gl.thread_barrier()  # every lane's stores before the one arrival
-        mbarrier.arrive(ready.index(s), count=1)
-        # the next tile's (all masked past the split: no memory traffic)
-        k0, k1, k2, k3, v0, v1, v2, v3 = W._gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
-
-
 @gluon.jit
 def _qk_group(kb, g: gl.constexpr, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr,
               MMA: gl.constexpr, Z8: gl.constexpr, PRMT: gl.constexpr):
@@ -608,7 +548,7 @@ def _wspec_cert_stage1(
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
                           s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
                           VFOLD)),
-        (_producer_cert, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+        (W._producer_pf, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
     ], [1], [PRODUCER_REGS])
 
