@@ -264,9 +264,9 @@ def _gather4(KS, KO, VS, VO, BT_row, n, start, end, kvh, HKV: gl.constexpr, PAGE
 def _producer4(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start, end, t0,
                n_tiles, HKV: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, PAGE: gl.constexpr,
                BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr):
-    """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` over the INT4 pool. Per tile: wait for its stage to
-    be free, TMA its K byte boxes and V word boxes (one per page piece), store the four scale rows gathered while
-    waiting, arrive on ``ready``; then gather the next tile's."""
+    """One warp: :func:`kvlib.kernels.int8.wspec._producer` (``PREFETCH``) over the INT4 pool. Per tile: wait for its
+    stage to be free, TMA its K byte boxes and V word boxes (one per page piece), store the four scale rows gathered
+    while waiting, arrive on ``ready``; then gather the next tile's."""
     nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
     ks, ko, vs, vo = _gather4(KS, KO, VS, VO, BT_row, t0 * BN + nn, start, end, kvh, HKV, PAGE)
     for i in range(n_tiles):

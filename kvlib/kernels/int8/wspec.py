@@ -199,73 +199,23 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 # ----------------------------------------------------------------------------------------------
 # the kernel
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-              s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-              RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False):
+def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
+              n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+              RBOX: gl.constexpr, RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False,
+              NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1):
     """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
     ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
-    TMA transaction). ``PREFETCH``: :func:`_producer_pf`."""
-    if PREFETCH:
-        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
-                     n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING)
-    else:
-        if SCALES_SMEM:
-            nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        for i in range(n_tiles):
-            s = i % RING
-            ph = (i // RING) & 1
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), 2 * BN * D)
-            n0 = start + i * BN
-            for j in gl.static_range(BN // RBOX):
-                n = n0 + j * RBOX
-                blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
-                row = blk * PAGE + n % PAGE
-                tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
-                                                k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-                tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
-                                                v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-            if SCALES_SMEM:
-                n = n0 + nn
-                m = n < end
-                blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-                slot = (blk * PAGE + n % PAGE).to(gl.int64)
-                kp = KS + slot * s_ks_n + kvh * 4
-                vp = VS + slot * s_vs_n + kvh * 4
-                for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
-                    s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
-                    s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
-                gl.thread_barrier()  # every lane's stores before the one arrival
-                mbarrier.arrive(ready.index(s), count=1)
+    TMA transaction).
 
-
-@gluon.jit
-def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
-    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``."""
-    m = n < end
-    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-    slot = (blk * PAGE + n % PAGE).to(gl.int64)
-    kp = KS + slot * s_ks_n + kvh * 4
-    vp = VS + slot * s_vs_n + kvh * 4
-    return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
-            gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
-            gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
-
-
-@gluon.jit
-def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
-                 n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-                 RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1):
-    """:func:`_producer` (``SCALES_SMEM``) with the scale gather a tile ahead: tile ``i + 1``'s scales are loaded
-    into registers right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free
-    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival.
-
-    ``NOK > 0`` (:mod:`kvlib.kernels.int8.wspec_cert`, whose producer this is): also the ``NOK`` fp16 key-outlier
-    rows of each tile, gathered from ``KO`` into the stage's ``o_bufs [16, BN]`` (``NOKP``: ``NOK`` rounded up to a
-    power of two; rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows)."""
-    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    ``PREFETCH`` (``SCALES_SMEM``): the scale gather a tile ahead: tile ``i + 1``'s scales are loaded into registers
+    right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free stage instead of
+    sitting between a stage's TMA issue and its ``ready`` arrival. ``NOK > 0`` (with PREFETCH:
+    :mod:`kvlib.kernels.int8.wspec_cert`, whose producer this is): also the ``NOK`` fp16 key-outlier rows of each
+    tile, gathered from ``KO`` into the stage's ``o_bufs [16, BN]`` (``NOKP``: ``NOK`` rounded up to a power of two;
+    rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows)."""
+    if SCALES_SMEM:
+        nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
     if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
         OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
         oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
@@ -274,7 +224,8 @@ def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, K
             OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
             for st in gl.static_range(RING):
                 o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
-    k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+    if PREFETCH:
+        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -290,14 +241,25 @@ def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, K
                                             k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
             tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
                                             v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        s_bufs.index(s * 8 + 0).store(k0)
-        s_bufs.index(s * 8 + 1).store(k1)
-        s_bufs.index(s * 8 + 2).store(k2)
-        s_bufs.index(s * 8 + 3).store(k3)
-        s_bufs.index(s * 8 + 4).store(v0)
-        s_bufs.index(s * 8 + 5).store(v1)
-        s_bufs.index(s * 8 + 6).store(v2)
-        s_bufs.index(s * 8 + 7).store(v3)
+        if PREFETCH:
+            s_bufs.index(s * 8 + 0).store(k0)
+            s_bufs.index(s * 8 + 1).store(k1)
+            s_bufs.index(s * 8 + 2).store(k2)
+            s_bufs.index(s * 8 + 3).store(k3)
+            s_bufs.index(s * 8 + 4).store(v0)
+            s_bufs.index(s * 8 + 5).store(v1)
+            s_bufs.index(s * 8 + 6).store(v2)
+            s_bufs.index(s * 8 + 7).store(v3)
+        elif SCALES_SMEM:
+            n = n0 + nn
+            m = n < end
+            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+            slot = (blk * PAGE + n % PAGE).to(gl.int64)
+            kp = KS + slot * s_ks_n + kvh * 4
+            vp = VS + slot * s_vs_n + kvh * 4
+            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+                s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
+                s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
         if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
             n = n0 + on
             m = n < end
@@ -311,10 +273,24 @@ def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, K
             else:
                 o_bufs.index(s).slice(0, NOKP, dim=0).store(
                     gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
-        gl.thread_barrier()  # every lane's stores before the one arrival
-        mbarrier.arrive(ready.index(s), count=1)
-        # the next tile's (all masked past the split: no memory traffic)
-        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+        if SCALES_SMEM:
+            gl.thread_barrier()  # every lane's stores before the one arrival
+            mbarrier.arrive(ready.index(s), count=1)
+        if PREFETCH:  # the next tile's (all masked past the split: no memory traffic)
+            k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+
+
+@gluon.jit
+def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
+    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``."""
+    m = n < end
+    blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+    slot = (blk * PAGE + n % PAGE).to(gl.int64)
+    kp = KS + slot * s_ks_n + kvh * 4
+    vp = VS + slot * s_vs_n + kvh * 4
+    return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
+            gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
+            gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
 
 
 @gluon.jit
@@ -578,16 +554,16 @@ def _wspec_stage1(
             (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                               n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
                               PRMT, VFOLD)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                          n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                          GQA, PAGE, BN, RING, NW, PRMT)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
         ], [1], [PRODUCER_REGS])
 
 

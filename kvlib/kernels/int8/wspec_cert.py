@@ -548,8 +548,9 @@ def _wspec_cert_stage1(
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
                           s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
                           VFOLD)),
-        (W._producer_pf, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
-                          start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
+        (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                       start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True, NOK,
+                       NOKP)),
     ], [1], [PRODUCER_REGS])
 
 
