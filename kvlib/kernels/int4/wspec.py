@@ -78,6 +78,7 @@ from kvlib.kernels.int4.query import QueryInt8
 from kvlib.kernels.int4.tl_helpers import LOG2E
 from kvlib.kernels.int8 import gluon as G8
 from kvlib.kernels.int8 import wspec_cert as WC
+from kvlib.kernels.int8.wspec import check_ring
 
 LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: 2^24: the V planes enter PV as the subnormal fp16 ``c 2^-24`` (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)
@@ -117,14 +118,7 @@ class WSpec4Config:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if self.block_n not in (32, 64, 128, 256):
             raise ValueError(f"block_n must be 32, 64, 128 or 256 (a TMA box has at most 256 rows), got {self.block_n}")
-        if not 2 <= self.ring <= 8:
-            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+        check_ring(self, max_ring=8)
         if self.block_p not in (16, 32, 64):
             raise ValueError(f"block_p must be 16, 32 or 64, got {self.block_p}")
 

@@ -57,10 +57,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from kvlib.core.checks import check_tensor
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: channels per scale group (the pool's group; the kernel's MMA k-chunk)
 GROUP = 32
+
+
+def check_ring(cfg, max_ring: int) -> None:
+    """The fields the warp-specialised kernels' configs share (ValueError naming the field): ``ring`` stages
+    (2..``max_ring``), the producer warp's registers, the launch's ``maxnreg`` and ``ctas_per_sm``."""
+    if not 2 <= cfg.ring <= max_ring:
+        raise ValueError(f"ring must be 2..{max_ring} stages, got {cfg.ring}")
+    if cfg.producer_regs % 8 or not 24 <= cfg.producer_regs <= 256:
+        raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {cfg.producer_regs}")
+    if cfg.maxnreg % 8 or not 64 <= cfg.maxnreg <= 255:
+        raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {cfg.maxnreg}")
+    if cfg.ctas_per_sm < 1:
+        raise ValueError(f"ctas_per_sm must be >= 1, got {cfg.ctas_per_sm}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +104,9 @@ class WSpecConfig:
     def __post_init__(self):
         if self.block_n not in (32, 64, 128, 256):
             raise ValueError(f"block_n must be 32, 64, 128 or 256, got {self.block_n}")
-        if not 2 <= self.ring <= 8:
-            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
+        check_ring(self, max_ring=8)
         if self.consumer_warps != 4:  # 8 one-warp consumers spilled offline (152 registers each, the most 13 warps get)
             raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}" + (
                 "; 0 is refused: on the H200 the unswizzled ring read back wrong codes (max |o - ref| 3.4, "
@@ -106,8 +116,6 @@ class WSpecConfig:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
         if self.prefetch and not self.scales_smem:
             raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -130,15 +138,6 @@ class Plan:
     box_rows: int
 
 
-def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
-
-
 def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, config: WSpecConfig | None = None,
          num_splits: int | None = None, sms: int | None = None) -> Plan:
     """Validate a request (ValueError/TypeError naming the argument) and choose its splits: at most ``ctas_per_sm``
@@ -147,13 +146,13 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
     cfg = config or WSpecConfig()
     if not isinstance(cfg, WSpecConfig):
         raise TypeError(f"config must be a WSpecConfig, got {type(cfg).__name__}")
-    _check_tensor("q", q, 3, (torch.float16, torch.bfloat16))
+    check_tensor("q", q, ndim=3, dtype=(torch.float16, torch.bfloat16))
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        _check_tensor(name, t, 4, (torch.int8,))
+        check_tensor(name, t, ndim=4, dtype=torch.int8)
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-        _check_tensor(name, t, 4, (torch.float16,))
-    _check_tensor("block_table", block_table, 2, (torch.int32,))
-    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+        check_tensor(name, t, ndim=4, dtype=torch.float16)
+    check_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
     B, hq, d = q.shape
     nb, bs, hkv, dk = k_codes.shape
     if d != 128:

@@ -100,14 +100,7 @@ class WSpecCertConfig:
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
             raise ValueError(f"block_n must be 32, 64 or 128, got {self.block_n}")
-        if not 2 <= self.ring <= 6:
-            raise ValueError(f"ring must be 2..6 stages, got {self.ring}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+        W.check_ring(self, max_ring=6)
         if self.swizzle not in (32, 64, 128):  # 0 read back wrong codes on the H200 (wspec.WSpecConfig)
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}")
         if self.pv not in ("exact", "fold"):
@@ -194,15 +187,6 @@ def consumer_layouts(bn: int, nw: int = 4) -> dict[str, Any]:
             lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[0, 0, 8 * b] for b in _bits(nw)], block_bases=[], shape=[8, bn // (8 * nw), 8 * nw]),
     )
-
-
-def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
 
 
 def _pages(side, bs: int, name: str):
