@@ -356,10 +356,15 @@ def _pv_fold(p16, vs_row, vb, acc, alpha, KB: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
               sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
-              PRMT: gl.constexpr):
+              PRMT: gl.constexpr, SCALES_SMEM: gl.constexpr = False, VFOLD: gl.constexpr = False):
+    """The consumer warpgroup. Without ``SCALES_SMEM`` it gathers the group scales itself, a tile ahead into
+    registers, reads the stage's key and value operands into registers and frees the stage before the softmax. With
+    ``SCALES_SMEM`` the scales ride in the stage (``s_bufs``; ``KS``, ``VS`` unread): every operand is read from
+    shared memory just before its MMA (keys, then per group the values and their scales), and the stage is freed
+    after PV; the ring, not registers, holds the next tiles. ``VFOLD``: :func:`_pv_fold`."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -381,9 +386,10 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
     acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
 
     nl = gl.arange(0, BN, layout=NL)
-    na = gl.arange(0, BN, layout=NA)
-    ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
-    vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
+    if not SCALES_SMEM:
+        na = gl.arange(0, BN, layout=NA)
+        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
+        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -391,104 +397,67 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
-        kb0 = _k_operand(kb, 0, KB, PRMT)
-        kb1 = _k_operand(kb, 1, KB, PRMT)
-        kb2 = _k_operand(kb, 2, KB, PRMT)
-        kb3 = _k_operand(kb, 3, KB, PRMT)
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
-        z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
-        # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
-        vb0 = _v_operand(vb, 0, KB, PRMT)
-        vb1 = _v_operand(vb, 1, KB, PRMT)
-        vb2 = _v_operand(vb, 2, KB, PRMT)
-        vb3 = _v_operand(vb, 3, KB, PRMT)
-        # the stage is in registers: order the shared reads before the next TMA write, then free it
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+        if SCALES_SMEM:
+            zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+            z = (mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero)
+                 * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :])
+        else:
+            kb0 = _k_operand(kb, 0, KB, PRMT)
+            kb1 = _k_operand(kb, 1, KB, PRMT)
+            kb2 = _k_operand(kb, 2, KB, PRMT)
+            kb3 = _k_operand(kb, 3, KB, PRMT)
+            zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+            z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
+            z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
+            # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
+            vb0 = _v_operand(vb, 0, KB, PRMT)
+            vb1 = _v_operand(vb, 1, KB, PRMT)
+            vb2 = _v_operand(vb, 2, KB, PRMT)
+            vb3 = _v_operand(vb, 3, KB, PRMT)
+            # the stage is in registers: order the shared reads before the next TMA write, then free it
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = gl.exp2(z - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_t = l_t * alpha[:, None] + p
         m_i = m_new
-        pa = gl.convert_layout(p * 1024.0, QA)
-        acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
-        acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
-        acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
-        acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
-        # the next tile's scales (all masked past the split: no memory traffic)
-        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
-        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
-
-    _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-              GQA, MMA)
-
-
-@gluon.jit
-def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
-                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                   GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
-                   VFOLD: gl.constexpr):
-    """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
-    before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
-    not registers, holds the next tiles."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    NL: gl.constexpr = gl.SliceLayout(0, MMA)
-    NA: gl.constexpr = gl.SliceLayout(0, QA)
-    HL: gl.constexpr = gl.SliceLayout(1, MMA)
-
-    Q_row = Q + b * s_qb + kvh * GQA * s_qh
-    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
-    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
-    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
-    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
-
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
-    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
-    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    nl = gl.arange(0, BN, layout=NL)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        n0 = start + i * BN
-        mbarrier.wait(ready.index(s), ph)
-        kb = k_bufs.index(s)
-        vb = v_bufs.index(s)
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
-        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(z, 1))
-        p = gl.exp2(z - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_t = l_t * alpha[:, None] + p
-        m_i = m_new
-        if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
-            p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
-            acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
-            acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
-            acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
-            acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+        if SCALES_SMEM:
+            if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
+                p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
+                acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
+                acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
+                acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+                acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+            else:
+                pa = gl.convert_layout(p * 1024.0, QA)
+                acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0,
+                           alpha, MMA)
+                acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1,
+                           alpha, MMA)
+                acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2,
+                           alpha, MMA)
+                acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3,
+                           alpha, MMA)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
         else:
             pa = gl.convert_layout(p * 1024.0, QA)
-            acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0, alpha,
-                       MMA)
-            acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1, alpha,
-                       MMA)
-            acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2, alpha,
-                       MMA)
-            acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3, alpha,
-                       MMA)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+            acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
+            acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
+            acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
+            acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
+            # the next tile's scales (all masked past the split: no memory traffic)
+            ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
+            vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
+
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA, MMA)
 
@@ -550,15 +519,15 @@ def _wspec_stage1(
 
     if SCALES_SMEM:
         gl.warp_specialize([
-            (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
-                              PRMT, VFOLD)),
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
                          n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
+            (_consumer, (k_bufs, v_bufs, 0, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                          n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                          GQA, PAGE, BN, RING, NW, PRMT)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
