@@ -40,6 +40,21 @@ def _nibbles_i8(x, HIGH: tl.constexpr, FAST: tl.constexpr):
     return (x & 15).to(tl.int8)
 
 
+#: nibble ``J`` of each 16-bit half of a register, in place (``_plane_f16``: the subnormal fp16 ``c 2^-24``)
+_PLANE_F16_ASM: tl.constexpr = tl.constexpr((
+    "and.b32 $0, $1, 0x000F000F;",
+    "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }",
+    "{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }",
+    "{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }",
+))
+#: nibble ``J`` of the four int16 words in two registers, gathered into one register of four bytes (``_plane_i8``)
+_PLANE_I8_ASM: tl.constexpr = tl.constexpr((
+    "{ .reg .b32 a, b; and.b32 a, $1, 0x000F000F; and.b32 b, $2, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
+    *(f"{{ .reg .b32 a, b; shr.b32 a, $1, {4 * j}; shr.b32 b, $2, {4 * j}; and.b32 a, a, 0x000F000F; "
+      f"and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }}" for j in (1, 2, 3)),
+))
+
+
 @triton.jit
 def _plane_f16(x, J: tl.constexpr, FAST: tl.constexpr):
     """Nibble J (channel ``4i + J``) of int16 words holding four codes, as the exact subnormal fp16
@@ -48,18 +63,7 @@ def _plane_f16(x, J: tl.constexpr, FAST: tl.constexpr):
     FAST: one ``and`` (plus a shift for J > 0) per two codes. Unlike the magic number ``0x6400 | c``
     (``1024 + c``), this keeps the fp32 accumulator at the output's scale (``V_UNSUB`` after the loop)."""
     if FAST:
-        if J == 0:
-            return tl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [x], dtype=tl.float16,
-                                             is_pure=True, pack=2)
-        elif J == 1:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }",
-                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-        elif J == 2:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }",
-                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }",
-                                             "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(_PLANE_F16_ASM[J], "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
     return ((x >> (4 * J)) & 15).to(tl.float16) * 5.960464477539063e-08  # 2^-24: exact in fp16 (subnormal)
 
 
@@ -68,28 +72,7 @@ def _plane_i8(x, J: tl.constexpr, FAST: tl.constexpr):
     """Nibble J (channel ``4i + J``) of int16 words holding four codes, as int8. FAST: per four words,
     shift and mask two registers and gather the four low bytes with one ``prmt``."""
     if FAST:
-        if J == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 a, b; and.b32 a, $1, 0x000F000F; and.b32 b, $2, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
-                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
-            )  # fmt: skip
-        if J == 1:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 a, b; shr.b32 a, $1, 4; shr.b32 b, $2, 4; and.b32 a, a, 0x000F000F; "
-                "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
-                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
-            )  # fmt: skip
-        if J == 2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 a, b; shr.b32 a, $1, 8; shr.b32 b, $2, 8; and.b32 a, a, 0x000F000F; "
-                "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
-                "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
-            )  # fmt: skip
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; shr.b32 a, $1, 12; shr.b32 b, $2, 12; and.b32 a, a, 0x000F000F; "
-            "and.b32 b, b, 0x000F000F; prmt.b32 $0, a, b, 0x6420; }",
-            "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4,
-        )  # fmt: skip
+        return tl.inline_asm_elementwise(_PLANE_I8_ASM[J], "=r,r,r", [x], dtype=tl.int8, is_pure=True, pack=4)
     return ((x >> (4 * J)) & 15).to(tl.int8)
 
 

@@ -75,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kvlib.kernels.int4.launch import SideBuffer
 from kvlib.kernels.int4.protected import _protected_region
 from kvlib.kernels.int4.query import QueryInt8
-from kvlib.kernels.int4.tl_helpers import LOG2E
+from kvlib.kernels.int4.tl_helpers import _PLANE_F16_ASM, LOG2E
 from kvlib.kernels.int8 import gluon as G8
 from kvlib.kernels.int8 import wspec_cert as WC
 from kvlib.kernels.int8.wspec import check_ring
@@ -313,19 +313,8 @@ def _nib_hi(x):
 @gluon.jit
 def _plane(w, J: gl.constexpr):
     """Nibble ``J`` (channel ``4 i + J``) of int16 words of four codes as the exact subnormal fp16 ``c 2^-24``: one
-    ``and`` (and a shift for J > 0) per two codes (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)."""
-    if J == 0:
-        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [w], dtype=gl.float16,
-                                         is_pure=True, pack=2)
-    elif J == 1:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
-    elif J == 2:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
-    else:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
+    ``and`` (and a shift for J > 0) per two codes (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`, the same PTX)."""
+    return gl.inline_asm_elementwise(_PLANE_F16_ASM[J], "=r,r", [w], dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
