@@ -78,7 +78,7 @@ from kvlib.kernels.int4.query import QueryInt8
 from kvlib.kernels.int4.tl_helpers import _PLANE_F16_ASM, LOG2E
 from kvlib.kernels.int8 import gluon as G8
 from kvlib.kernels.int8 import wspec_cert as WC
-from kvlib.kernels.int8.wspec import check_ring
+from kvlib.kernels.int8.wspec import Plan, check_ring
 
 LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: 2^24: the V planes enter PV as the subnormal fp16 ``c 2^-24`` (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)
@@ -165,21 +165,12 @@ def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None) -> st
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan4:
-    """A validated launch: shapes, the split count (INT4 splits; the side region's state comes after them), the TMA
-    box rows and the states per (request, KV head)."""
+class Plan4(Plan):
+    """A validated launch: the RTN kernel's :class:`~kvlib.kernels.int8.wspec.Plan` (``num_splits``: the INT4
+    splits; the side region's state comes after them) plus the side slots, the states per (request, KV head) and the
+    softmax scale."""
 
-    batch: int
-    hq: int
-    hkv: int
-    gqa: int
-    d: int
-    block_size: int
-    num_blocks: int
-    max_blocks: int
     side_slots: int
-    num_splits: int
-    box_rows: int
     states: int
     sm_scale: float
 
@@ -237,8 +228,8 @@ def plan(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, star
         num_splits = max(1, min(sms * cfg.ctas_per_sm // max(1, B * hkv), math.ceil(max_len / (4 * cfg.block_n))))
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    return Plan4(B, hq, hkv, gqa, d, block_size, k_codes.shape[0], maxb, c, num_splits,
-                 min(block_size, cfg.block_n), num_splits + int(side is not None), float(sm))
+    return Plan4(B, hq, hkv, gqa, d, block_size, k_codes.shape[0], maxb, num_splits, min(block_size, cfg.block_n),
+                 side_slots=c, states=num_splits + int(side is not None), sm_scale=float(sm))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -571,7 +562,7 @@ def side_state(qp, side: SideBuffer, o_s, lse_s, *, split: int, config: WSpec4Co
     if not 0 <= split < ns:
         raise ValueError(f"split must be in [0, {ns}), got {split}")
     sm = d**-0.5 if sm_scale is None else float(sm_scale)
-    pl = Plan4(B, hq, hkv, hq // hkv, d, 0, 0, 0, c, split, 0, ns, sm)
+    pl = Plan4(B, hq, hkv, hq // hkv, d, 0, 0, 0, split, 0, side_slots=c, states=ns, sm_scale=sm)
     _launch_side(qp, side, o_s, lse_s, pl, cfg, sm * LOG2E)
 
 
@@ -622,7 +613,7 @@ def compile_offline(config: WSpec4Config | None = None, *, gqa: int = 7, hkv: in
     ptrs = {"Q8": "*i8", "QS": "*fp32", "QSUM": "*fp32", "k_desc": f"tensordesc<i8[{rbox}, {d // 2}],{kl!r}>",
             "v_desc": f"tensordesc<i16[{rbox}, {d // 4}],{vl!r}>", "KS": "*fp16", "KO": "*fp16", "VS": "*fp16",
             "VO": "*fp16", "BT": "*i32", "START": "*i32", "END": "*i32", "O_S": "*fp32", "LSE_S": "*fp32"}
-    pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 0, 1, rbox, 1, d**-0.5)
+    pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 1, rbox, side_slots=0, states=1, sm_scale=d**-0.5)
     const = _constexprs(pl, cfg)
     params = inspect.signature(_wspec4_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_scale_log2" else "i32"))

@@ -125,19 +125,10 @@ class WSpecCertConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class CertPlan:
-    """A validated launch: shapes, splits, TMA box rows, the outlier count and the certificate's constants."""
+class CertPlan(W.Plan):
+    """A validated launch: the RTN kernel's :class:`~kvlib.kernels.int8.wspec.Plan` (shapes, splits, TMA box rows)
+    plus the outlier count and the certificate's constants."""
 
-    batch: int
-    hq: int
-    hkv: int
-    gqa: int
-    d: int
-    block_size: int
-    num_blocks: int
-    max_blocks: int
-    num_splits: int
-    box_rows: int
     nok: int
     sm_scale: float
     delta: float
