@@ -92,10 +92,10 @@ EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 1638
 
 
 #: KV4-RL variants timed beside the edges pair; the runs of record timed a third CTA per SM (registers capped at
-#: 168; dev/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
-#: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
+#: 168; dev/results/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
+#: INT4 loop with no extra program and no merge at one split (dev/results/kv4rl_fold.json, c42c10d): both lost and were
 #: removed, as was ``side_merge``, the side slots attended by a persistent merge launch meant to overlap the INT4
-#: wave (dev/kv4rl_side_merge.json, 8379906)
+#: wave (dev/results/kv4rl_side_merge.json, 8379906)
 EDGE_EXTRA: dict = {}
 
 
@@ -135,14 +135,15 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
-#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL forced to
-#: two splits (merge launch, fused) and its one split fused. The runs of record also timed, each slower and removed:
-#: ``fuse_merge=True`` for KV4 and KV4-RL (kept as the default at two or more splits; dev/kv4rl_fuse*.json); KV4-RL's
-#: side launch (``side_launch`` with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages`` and ``carveout``
-#: variants; dev/kv4rl_side*.json, code at ee8fef6..fd69296); an edge program (``edge_program``: the main region's
-#: partial blocks in one more program per pair, the splits on KV4's unmasked interior loop; dev/kv4rl_edge.json,
-#: code at 55fcf8e); and the edge mask as a -inf bias folded into the offset multiply-add (``pipe_bias`` 1: from one
-#: branch before the arithmetic, 2: from a table, no branch; dev/kv4rl_bias.json, code at 032f913)
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL forced to two
+#: splits (merge launch, fused) and its one split fused. The runs of record also timed, each slower and removed:
+#: ``fuse_merge=True`` for KV4 and KV4-RL (kept as the default at two or more splits; dev/results/kv4rl_fuse*.json);
+#: KV4-RL's side launch (``side_launch`` with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages`` and
+#: ``carveout`` variants; dev/results/kv4rl_side*.json, code at ee8fef6..fd69296); an edge program (``edge_program``:
+#: the main region's partial blocks in one more program per pair, the splits on KV4's unmasked interior loop;
+#: dev/results/kv4rl_edge.json, code at 55fcf8e); and the edge mask as a -inf bias folded into the offset multiply-add
+#: (``pipe_bias`` 1: from one branch before the arithmetic, 2: from a table, no branch; dev/results/kv4rl_bias.json,
+#: code at 032f913)
 FUSE_VARIANTS = {
     "kv4rl_s2": ("kv4rl", dict(num_splits=2)),
     "kv4rl_s2_fused": ("kv4rl", dict(num_splits=2, fuse_merge=True)),
