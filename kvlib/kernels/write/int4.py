@@ -78,23 +78,9 @@ def _stage(y, D: tl.constexpr, HH: tl.constexpr):
 @triton.jit
 def _hadamard(y, D: tl.constexpr, SCALE: tl.constexpr):
     """:func:`kvlib.core.hadamard.hadamard` of ``y [D]`` fp32 (``2 <= D <= 512``): the stages in its order."""
-    y = _stage(y, D, 1)
-    if D >= 4:
-        y = _stage(y, D, 2)
-    if D >= 8:
-        y = _stage(y, D, 4)
-    if D >= 16:
-        y = _stage(y, D, 8)
-    if D >= 32:
-        y = _stage(y, D, 16)
-    if D >= 64:
-        y = _stage(y, D, 32)
-    if D >= 128:
-        y = _stage(y, D, 64)
-    if D >= 256:
-        y = _stage(y, D, 128)
-    if D >= 512:
-        y = _stage(y, D, 256)
+    for i in tl.static_range(9):  # stages of half-width 1, 2, 4, ..., D / 2
+        if D >= 2 << i:
+            y = _stage(y, D, 1 << i)
     return y * SCALE
 
 

@@ -1,4 +1,4 @@
-"""Development probe on the GPU: the h10 kernel's PV with fewer shared-memory round trips, by tile shape:
+"""Does the h10 kernel's PV get faster with fewer shared-memory round trips? By tile shape, on the GPU:
 ``pv_terms=1`` (one fp16 piece of ``p s`` per group) and ``Int8KernelConfig.pv_dequant`` (values rounded to fp16
 once, one dot per tile), timed from CUDA graphs beside SDPA bf16 at the paper's head shape, each checked on the
 GPU against the default (exact-operand) kernel; the certificate must not move."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import datetime
 import sys
 
-from dev.h10_probe import h10_problem, write_probe
-from dev.h10_probe2 import LAYER, SEED, time_variants
 from dev.int8_calls import as_call
+from dev.probe_kit import h10_problem, time_variants, write_probe
+from kvlib.bench.witcert_decode import LAYER, SEED
 
 #: name -> (config flags (dev.int8_calls.FLAG_FIELDS), decode_int8 keywords)
 VARIANTS = {
@@ -47,8 +47,8 @@ def main() -> None:
             rows.append(dict(kind="agreement", name=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
         print(rows[-1], flush=True)
     rows += time_variants(VARIANTS)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe6.json", "h10_probe6", rows, started,
-                {"command": "python -m dev.h10_probe6", "variants": VARIANTS})
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_pv_roundtrips.json", "h10_pv_roundtrips", rows, started,
+                {"command": "python -m dev.h10_pv_roundtrips", "variants": VARIANTS})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
-"""Development probe on the GPU: KV4-RL (its protected region one extra program per request and kv head) timed
-from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accuracy check against the torch
-reference. (It first compared that layout with the protected region run by the last INT4 split, since removed:
-dev/results/kv4_prot_last.json.)
-``--block-p``: side slots per protected step; ``--decompose``: KV4-RL's extra time split into its
-structure (extra programs, merge launch: timed with an empty side buffer) and its protected work; ``--edges``:
-the main region's unaligned edge blocks peeled or pipelined (``KV4KernelConfig.pipe_edges``); ``--fuse``: the
-variants of :data:`FUSE_VARIANTS` (split plans, the merge inside the decode launch: ``KV4KernelConfig`` fields)
-beside the defaults."""
+"""What does KV4-RL cost over KV4, and where does it go? On the GPU: KV4-RL (its protected region one extra program per
+request and kv head) timed from CUDA graphs beside KV4 at the kv4 benchmark's fixed shapes, with an accuracy check
+against the torch reference. (It first compared that layout with the protected region run by the last INT4 split,
+since removed: dev/results/kv4_prot_last.json.) ``--block-p``: side slots per protected step; ``--decompose``:
+KV4-RL's extra time split into its structure (extra programs, merge launch: timed with an empty side buffer) and its
+protected work; ``--edges``: the main region's unaligned edge blocks peeled or pipelined
+(``KV4KernelConfig.pipe_edges``); ``--fuse``: the variants of :data:`FUSE_VARIANTS` (split plans, the merge inside
+the decode launch: ``KV4KernelConfig`` fields) beside the defaults."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import sys
 
 import torch
 
-from dev.h10_probe import write_probe
+from dev.probe_kit import write_probe
 from kvlib.bench.kv4 import HKV, HQ, RECENT, SINK, D, graphed_ms, random_kv4_batch
 from kvlib.bench.timing import interleaved
 from kvlib.kernels.int4.attention import build_kv4_batch, decode_ref, kv4_decode, kv4rl_decode
@@ -93,10 +92,10 @@ EDGE_SHAPES = ((32, 1024, None), (32, 4096, None), (32, 16384, None), (128, 1638
 
 
 #: KV4-RL variants timed beside the edges pair; the runs of record timed a third CTA per SM (registers capped at
-#: 168; dev/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
-#: INT4 loop with no extra program and no merge at one split (dev/kv4rl_fold.json, c42c10d): both lost and were
+#: 168; dev/results/kv4rl_edges.json) and ``fold_side``, the side slots' state computed by split 0 and carried into its
+#: INT4 loop with no extra program and no merge at one split (dev/results/kv4rl_fold.json, c42c10d): both lost and were
 #: removed, as was ``side_merge``, the side slots attended by a persistent merge launch meant to overlap the INT4
-#: wave (dev/kv4rl_side_merge.json, 8379906)
+#: wave (dev/results/kv4rl_side_merge.json, 8379906)
 EDGE_EXTRA: dict = {}
 
 
@@ -136,14 +135,15 @@ def _edges_row(b: int, n: int, mean: float | None, rounds: int = 3) -> dict:
     return row
 
 
-#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL forced to
-#: two splits (merge launch, fused) and its one split fused. The runs of record also timed, each slower and removed:
-#: ``fuse_merge=True`` for KV4 and KV4-RL (kept as the default at two or more splits; dev/kv4rl_fuse*.json); KV4-RL's
-#: side launch (``side_launch`` with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages`` and ``carveout``
-#: variants; dev/kv4rl_side*.json, code at ee8fef6..fd69296); an edge program (``edge_program``: the main region's
-#: partial blocks in one more program per pair, the splits on KV4's unmasked interior loop; dev/kv4rl_edge.json,
-#: code at 55fcf8e); and the edge mask as a -inf bias folded into the offset multiply-add (``pipe_bias`` 1: from one
-#: branch before the arithmetic, 2: from a table, no branch; dev/kv4rl_bias.json, code at 032f913)
+#: ``--fuse``: KV4 and KV4-RL variants timed beside the defaults (``KV4KernelConfig`` fields): here KV4-RL forced to two
+#: splits (merge launch, fused) and its one split fused. The runs of record also timed, each slower and removed:
+#: ``fuse_merge=True`` for KV4 and KV4-RL (kept as the default at two or more splits; dev/results/kv4rl_fuse*.json);
+#: KV4-RL's side launch (``side_launch`` with ``side_warps``/``side_block``/``side_maxnreg``/``num_stages`` and
+#: ``carveout`` variants; dev/results/kv4rl_side*.json, code at ee8fef6..fd69296); an edge program (``edge_program``:
+#: the main region's partial blocks in one more program per pair, the splits on KV4's unmasked interior loop;
+#: dev/results/kv4rl_edge.json, code at 55fcf8e); and the edge mask as a -inf bias folded into the offset multiply-add
+#: (``pipe_bias`` 1: from one branch before the arithmetic, 2: from a table, no branch; dev/results/kv4rl_bias.json,
+#: code at 032f913)
 FUSE_VARIANTS = {
     "kv4rl_s2": ("kv4rl", dict(num_splits=2)),
     "kv4rl_s2_fused": ("kv4rl", dict(num_splits=2, fuse_merge=True)),
@@ -253,8 +253,8 @@ def main() -> None:
             rows.append(dict(check=name, err_o=float((o - o_r).abs().max()), err_lse=float((lse - lse_r).abs().max())))
             print(rows[-1], flush=True)
         out = next((a for a in sys.argv[1:] if not a.startswith("--")), default_out)
-        write_probe(out, "kv4rl_probe", rows, started,
-                    {"command": "python -m dev.kv4rl_probe " + " ".join(sys.argv[1:]),
+        write_probe(out, "kv4rl_overhead", rows, started,
+                    {"command": "python -m dev.kv4rl_overhead " + " ".join(sys.argv[1:]),
                      "config": str(DEFAULT_CONFIG), "shapes": mode_shapes})
         return
     variants = BLOCK_P if "--block-p" in sys.argv else MODES
@@ -267,9 +267,9 @@ def main() -> None:
         rows.append(_shape_row(b, n, variants))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_probe.json")
-    write_probe(out, "kv4rl_probe", rows, started,
-                {"command": "python -m dev.kv4rl_probe " + " ".join(sys.argv[1:]), "shapes": shapes,
+    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "kv4rl_overhead.json")
+    write_probe(out, "kv4rl_overhead", rows, started,
+                {"command": "python -m dev.kv4rl_overhead " + " ".join(sys.argv[1:]), "shapes": shapes,
                  "variants": variants})
 
 

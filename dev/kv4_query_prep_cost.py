@@ -1,8 +1,7 @@
-"""Development probe on the GPU: what KV4's query preparation (Hadamard rotation + INT8 quantisation, its own
-launch before the decode kernel) costs, timed from CUDA graphs at the kv4 benchmark's shapes: the whole
-decode, the decode kernel alone (query prepared outside the graph), the preparation alone with the fp32
-(``ieee``) rotation dot and with bf16 pieces on tensor cores (``mma``), and how often they give different
-INT8 codes from the float reference."""
+"""What does KV4's query preparation (Hadamard rotation + INT8 quantisation, its own launch before the decode kernel)
+cost? Timed on the GPU from CUDA graphs at the kv4 benchmark's shapes: the whole decode, the decode kernel alone
+(query prepared outside the graph), the preparation alone with the fp32 (``ieee``) rotation dot and with bf16 pieces
+on tensor cores (``mma``), and how often they give different INT8 codes from the float reference."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import sys
 
 import torch
 
-from dev.h10_probe import write_probe
+from dev.probe_kit import write_probe
 from kvlib.bench.kv4 import HQ, D, graphed_ms, random_kv4_batch
 from kvlib.kernels.int4.attention import kv4_decode
 from kvlib.kernels.int4.decode import prepare_query, prepare_query_ref
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
               flush=True)
     args = sys.argv[1:] if argv is None else argv
-    write_probe(args[0] if args else "kv4_prep_probe.json", "kv4_prep_probe", {"rows": rows}, started,
+    write_probe(args[0] if args else "kv4_query_prep_cost.json", "kv4_query_prep_cost", {"rows": rows}, started,
                 {"shapes": SHAPES})
     return 0
 

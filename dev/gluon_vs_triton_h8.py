@@ -1,6 +1,7 @@
-"""Development probe on the GPU: the Gluon h8 decode kernel (:mod:`kvlib.kernels.int8.gluon`) against the
-float64 reference and the Triton h8 kernel (agreement), then timed beside the Triton h8 kernel and SDPA bf16
-under CUDA graphs, three interleaved rounds (``python -m dev.gluon_probe [out.json]``)."""
+"""Does the Gluon h8 kernel agree with the reference and beat the Triton one? On the GPU: the Gluon h8 decode kernel
+(:mod:`kvlib.kernels.int8.gluon`) against the float64 reference and the Triton h8 kernel (agreement), then timed
+beside the Triton h8 kernel and SDPA bf16 under CUDA graphs, three interleaved rounds
+(``python -m dev.gluon_vs_triton_h8 [out.json]``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import sys
 
 import torch
 
-from dev.h10_probe import _problem, h10_problem, write_probe
-from dev.h10_probe2 import _sdpa_graph_ms
 from dev.int8_calls import as_call
+from dev.probe_kit import agreement_problem, h10_problem, sdpa_graph_ms, write_probe
 from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -37,7 +37,7 @@ def agreement(quick: bool = False) -> list[dict]:
 
     rows = []
     for B, S, hq, hkv in ((2, 4096, 28, 4), (3, 1000, 32, 8))[:1 if quick else 2]:
-        q, kp, vp, slots, seq = _problem(B, S, hq, hkv, 128, "h8", 0, torch.bfloat16)
+        q, kp, vp, slots, seq = agreement_problem(B, S, hq, hkv, 128, "h8", 0, torch.bfloat16)
         ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
         tri = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10", cert_b=True,
                           **as_call({}, {"VAR_DOT": False}))
@@ -80,7 +80,7 @@ def timings(rounds: int = 3) -> list[dict]:
     for B, S, hq, hkv in SHAPES:
         qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
         kp = dataclasses.replace(kp, dither_layout="h8")
-        sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
+        sd = sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
         args = (qb, kp, vp, slots, seq)
         tri = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="h10")
         glu = functools.partial(decode_int8, *args, layer=LAYER, seed=SEED, impl="gluon")
@@ -147,8 +147,9 @@ def main() -> None:
     else:
         rows = agreement(quick=True)
         rows += timings()
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "gluon_probe.json", "gluon_probe", rows, started,
-                {"command": "python -m dev.gluon_probe", "shapes": SHAPES})
+    out = sys.argv[1] if len(sys.argv) > 1 else "gluon_vs_triton_h8.json"
+    write_probe(out, "gluon_vs_triton_h8", rows, started,
+                {"command": "python -m dev.gluon_vs_triton_h8", "shapes": SHAPES})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Development probe of the h10 INT8 decode kernel on the GPU (agreement + a launch-parameter sweep).
+"""Does the h10 INT8 decode kernel agree with the float64 reference on the GPU, and which launch parameters are
+best? (Agreement, then a launch-parameter sweep.)
 
-``python -m dev.h10_probe [out.json]``: prints one line per measurement and writes JSON. Kept
+``python -m dev.h10_launch_sweep [out.json]``: prints one line per measurement and writes JSON. Kept
 beside the other diagnosis scripts: it is how the kernel's first GPU numbers were taken; the
 book's numbers come from :mod:`kvlib.bench.witcert_decode`.
 """
@@ -10,32 +11,12 @@ from __future__ import annotations
 import datetime
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from dev.probe_kit import agreement_problem, random_pools, write_probe
 from kvlib.bench.timing import bench_ms
 from kvlib.bench.witcert_decode import LAYER, PAPER, SEED
-from kvlib.publish.provenance import provenance, write_json_atomic
-
-
-def _problem(B, S, hq, hkv, d, layout, n_out=8, qdtype=torch.float32):
-    from kvlib.kernels.int8.decode import make_pool_side
-
-    g = torch.Generator().manual_seed(0)
-    K = torch.randn(B * S, hkv, d, generator=g)
-    K[:, :, :4] *= 8.0
-    V = torch.randn(B * S, hkv, d, generator=g)
-    oc = torch.arange(n_out).expand(hkv, n_out).contiguous() if n_out else None
-    perm = torch.randperm(B * S, generator=g)
-    kp = make_pool_side(K.cuda(), layer=LAYER, seed=SEED, side=0, slot_ids=perm, outlier_channels=oc,
-                        dither_layout=layout)
-    vp = make_pool_side(V.cuda(), layer=LAYER, seed=SEED, side=1, slot_ids=perm, dithered=False)
-    slots = perm.view(B, S).to(torch.int32).cuda()
-    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    seq[0] = S - 37  # a ragged row
-    q = torch.randn(B, hq, d, generator=g).to(qdtype).cuda()
-    return q, kp, vp, slots, seq
 
 
 def agreement() -> list[dict]:
@@ -45,7 +26,7 @@ def agreement() -> list[dict]:
     p = PAPER
     for qdtype in (torch.float32, torch.bfloat16):
         for n_out in (8, 0):
-            q, kp, vp, slots, seq = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], "h10", n_out, qdtype)
+            q, kp, vp, slots, seq = agreement_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], "h10", n_out, qdtype)
             ref = decode_reference(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="h10")
             for ns in (1, 2, 8, 32):
                 r = decode_int8(q, kp, vp, slots, seq, layer=LAYER, seed=SEED, num_splits=ns, impl="h10")
@@ -58,26 +39,6 @@ def agreement() -> list[dict]:
                 rows.append(row)
                 print("agree", row, flush=True)
     return rows
-
-
-def _pools(B, S, hkv, d, layout):
-    from kvlib.kernels.int8.decode import PoolSide
-
-    n = B * S
-    mk = lambda lay: PoolSide(  # noqa: E731
-        torch.randint(-127, 128, (n, hkv, d), dtype=torch.int8, device="cuda"),
-        (torch.rand(n, hkv, d // 32, device="cuda") * 0.02 + 0.005).half(), group=32, dither_layout=lay)
-    return mk(layout), mk("w24")
-
-
-def h10_problem(B: int, S: int, hq: int = 28, hkv: int = 4, d: int = 128) -> tuple:
-    """``(q bf16, k_pool h10, v_pool, slots, seq_lens)`` of a full batch (random codes; timing does not depend
-    on values): the decode arguments the timing probes share."""
-    slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
-    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
-    kp, vp = _pools(B, S, hkv, d, "h10")
-    return qb, kp, vp, slots, seq
 
 
 def _sdpa_ms(q4, B, S, hkv, d, rep_ms):
@@ -98,7 +59,7 @@ def timing(B=32, S=16384, hq=28, hkv=4, d=128, rep_ms=40.0, cfgs=None) -> list[d
     sd = _sdpa_ms(qb.view(B, hq, 1, d), B, S, hkv, d, rep_ms)
     rows.append(dict(B=B, S=S, name="sdpa_bf16", ms=sd))
     print("time", rows[-1], flush=True)
-    kp24, vp = _pools(B, S, hkv, d, "w24")
+    kp24, vp = random_pools(B, S, hkv, d, "w24")
     t = bench_ms(lambda: decode_int8(qb, kp24, vp, slots, seq, layer=LAYER, seed=SEED, cert=True, cert_b=False,
                                      impl="tc", xi_split=False, pv_terms=2), rep_ms=rep_ms).median_ms
     rows.append(dict(B=B, S=S, name="tc_w24_certA_fast", ms=t, vs_sdpa=sd / t))
@@ -128,14 +89,8 @@ def timing(B=32, S=16384, hq=28, hkv=4, d=128, rep_ms=40.0, cfgs=None) -> list[d
     return rows
 
 
-def write_probe(path: str, name: str, results: object, started: datetime.datetime, params: dict) -> None:
-    """The probe's output with the project's provenance envelope (commit, device, packages, params, time)."""
-    write_json_atomic(Path(path), {"name": name, "profile": "gpu", "provenance": provenance(params, started),
-                                   "results": results})
-
-
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else "h10_probe.json"
+    out = sys.argv[1] if len(sys.argv) > 1 else "h10_launch_sweep.json"
     started = datetime.datetime.now(datetime.UTC)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "agreement": agreement()}
@@ -144,7 +99,7 @@ def main() -> None:
     res["timing_paper"] = timing(B=2, S=4096, rep_ms=20.0, cfgs=best)
     res["timing_64_32k"] = timing(B=64, S=32768, rep_ms=40.0, cfgs=best)
     res["seconds"] = time.time() - t0
-    write_probe(out, "h10_probe", res, started, {"command": "python -m dev.h10_probe"})
+    write_probe(out, "h10_launch_sweep", res, started, {"command": "python -m dev.h10_launch_sweep"})
 
 
 if __name__ == "__main__":

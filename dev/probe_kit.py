@@ -1,29 +1,82 @@
-"""Development probe of the h10 kernel's switches on the GPU: per-tile vs per-position softmax/certificate sums
-(``TILE_SUMS``), one wide multiply per Philox product (``WIDE_MUL``) and the variance by a tf32 dot
-(``VAR_DOT``), timed from CUDA graphs beside SDPA bf16."""
+"""The pieces the GPU probes share: the provenance writer, the INT8 decode problems, and the interleaved
+CUDA-graph timing loop with its agreement and certificate-cost rows.
+
+A timing probe of the INT8 kernels is mostly a table of variants, ``name -> (config flags, decode_int8 keywords)``,
+handed to :func:`run_probe` (for example :mod:`dev.h8_layout`); the others take the problems and timers here.
+"""
 
 from __future__ import annotations
 
 import datetime
 import functools
 import sys
+from pathlib import Path
 
 import torch
 
-from dev.h10_probe import h10_problem, write_probe
 from dev.int8_calls import as_call
 from dev.int8_calls import decode as probe_decode
 from kvlib.bench.timing import bench_graphed, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED
+from kvlib.publish.provenance import provenance, write_json_atomic
 
 
-def _time(fn, args, kw) -> float:
+def write_probe(path: str, name: str, results: object, started: datetime.datetime, params: dict) -> None:
+    """The probe's output with the project's provenance envelope (commit, device, packages, params, time)."""
+    write_json_atomic(Path(path), {"name": name, "profile": "gpu", "provenance": provenance(params, started),
+                                   "results": results})
+
+
+def agreement_problem(B, S, hq, hkv, d, layout, n_out=8, qdtype=torch.float32):
+    """``(q, k_pool, v_pool, slots, seq_lens)`` on the GPU from seeded Gaussian K and V (four heavy channels,
+    ``n_out`` key outlier channels, shuffled slots, one ragged row): the inputs of an agreement check against the
+    float64 reference."""
+    from kvlib.kernels.int8.decode import make_pool_side
+
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(B * S, hkv, d, generator=g)
+    K[:, :, :4] *= 8.0
+    V = torch.randn(B * S, hkv, d, generator=g)
+    oc = torch.arange(n_out).expand(hkv, n_out).contiguous() if n_out else None
+    perm = torch.randperm(B * S, generator=g)
+    kp = make_pool_side(K.cuda(), layer=LAYER, seed=SEED, side=0, slot_ids=perm, outlier_channels=oc,
+                        dither_layout=layout)
+    vp = make_pool_side(V.cuda(), layer=LAYER, seed=SEED, side=1, slot_ids=perm, dithered=False)
+    slots = perm.view(B, S).to(torch.int32).cuda()
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    seq[0] = S - 37  # a ragged row
+    q = torch.randn(B, hq, d, generator=g).to(qdtype).cuda()
+    return q, kp, vp, slots, seq
+
+
+def random_pools(B, S, hkv, d, layout):
+    """``(k_pool with dither layout `layout`, v_pool w24)`` of random int8 codes and scales (timing only)."""
+    from kvlib.kernels.int8.decode import PoolSide
+
+    n = B * S
+    mk = lambda lay: PoolSide(  # noqa: E731
+        torch.randint(-127, 128, (n, hkv, d), dtype=torch.int8, device="cuda"),
+        (torch.rand(n, hkv, d // 32, device="cuda") * 0.02 + 0.005).half(), group=32, dither_layout=lay)
+    return mk(layout), mk("w24")
+
+
+def h10_problem(B: int, S: int, hq: int = 28, hkv: int = 4, d: int = 128) -> tuple:
+    """``(q bf16, k_pool h10, v_pool, slots, seq_lens)`` of a full batch (random codes; timing does not depend
+    on values): the decode arguments the timing probes share."""
+    slots = torch.arange(B * S, dtype=torch.int32, device="cuda").view(B, S)
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    qb = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+    kp, vp = random_pools(B, S, hkv, d, "h10")
+    return qb, kp, vp, slots, seq
+
+
+def graphed_ms(fn, args, kw) -> float:
     """Median ms of ``fn(*args, layer=, seed=, **kw)``, replayed from a CUDA graph."""
     # replayed from a CUDA graph: eager timings of sub-0.3 ms steps carry the host's launch overhead
     return bench_graphed(lambda: fn(*args, layer=LAYER, seed=SEED, **kw), warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
-def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
+def sdpa_graph_ms(q4, hkv: int, S: int) -> float:
     """torch SDPA bf16 over contiguous random K/V, replayed from a CUDA graph."""
     k4 = torch.randn(q4.shape[0], hkv, S, q4.shape[-1], device="cuda", dtype=torch.bfloat16)
     v4 = torch.randn_like(k4)
@@ -31,10 +84,10 @@ def _sdpa_graph_ms(q4, hkv: int, S: int) -> float:
     return bench_graphed(lambda: f(q4, k4, v4, enable_gqa=True), warmup_ms=5.0, rep_ms=30.0)["median_ms"]
 
 
-def _time_flagged(flags: dict, args: tuple, call: dict) -> float:
-    """:func:`_time` of the decode step ``args`` with ``call``'s keywords and the variant's ``flags`` in its config
+def _graphed_flagged(flags: dict, args: tuple, call: dict) -> float:
+    """:func:`graphed_ms` of the decode step ``args`` with ``call``'s keywords and the variant's ``flags`` in its config
     (:func:`dev.int8_calls.as_call`; compile and capture included)."""
-    return _time(probe_decode, args, as_call(call, flags))
+    return graphed_ms(probe_decode, args, as_call(call, flags))
 
 
 def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (32, 16384)),
@@ -56,14 +109,14 @@ def time_variants(variants: dict[str, tuple[dict, dict]], shapes=((8, 32768), (3
         hq, hkv = shape[2:4] if len(shape) > 2 else (28, 4)
         names = [n for n, (_, kw) in variants.items() if tuple(shape) in map(tuple, kw.get("shapes", [shape]))]
         qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
-        sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
+        sd = sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
         timers = {}
         for name in names:
             flags, kw = variants[name]
             kpl = dataclasses.replace(kp, dither_layout=kw.get("layout", kp.dither_layout))
             call = dict(impl="h10", cert=True, cert_b=False) | {k: v for k, v in kw.items()
                                                                 if k not in ("layout", "shapes")}
-            timers[name] = functools.partial(_time_flagged, flags, (qb, kpl, vp, slots, seq), call)
+            timers[name] = functools.partial(_graphed_flagged, flags, (qb, kpl, vp, slots, seq), call)
         ms = interleaved(timers, rounds)
         for name in names:
             med, per_round = ms[name]
@@ -106,7 +159,6 @@ def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
     """max |kernel - float64 reference| of o, lse, A and the one-accumulator certificate per certified variant, at
     the paper's shape with bf16 queries and the default split plan (the binaries the timing runs at that shape).
     A variant's ``layout`` keyword (default ``"h10"``) picks the key pool's dither layout."""
-    from dev.h10_probe import _problem
     from kvlib.bench.witcert_decode import PAPER
     from kvlib.kernels.int8.decode import decode_int8, decode_reference
 
@@ -118,7 +170,7 @@ def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
             continue
         layout = kw.get("layout", "h10")
         if layout not in problems:
-            prob = _problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], layout, 8, torch.bfloat16)
+            prob = agreement_problem(p["B"], p["S"], p["hq"], p["hkv"], p["d"], layout, 8, torch.bfloat16)
             problems[layout] = prob, decode_reference(*prob, layer=LAYER, seed=SEED, impl="h10")
         (q, kp, vp, slots, seq), ref = problems[layout]
         call = {k: v for k, v in kw.items() if k not in ("cert", "layout", "shapes")}
@@ -135,38 +187,3 @@ def agreement(variants: dict[str, tuple[dict, dict]]) -> list[dict]:
                          cert_max=float(ref.tv_bound_one.max())))
         print(rows[-1], flush=True)
     return rows
-
-
-def main() -> None:
-    started = datetime.datetime.now(datetime.UTC)
-    rows = []
-    for B, S in ((32, 16384), (8, 32768)):
-        hq, hkv, d = 28, 4, 128
-        qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv, d)
-        sd = _sdpa_graph_ms(qb.view(B, hq, 1, d), hkv, S)
-        for ts, wide, vd in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
-                             (True, True, True)):
-            sw = dict(tile_sums=ts, wide_mul=wide, var_dot=vd)
-            for bn, nw in ((64, 2),):  # (128, 4) was slower at every shape of the earlier probes
-                for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False)),
-                                 ("certAB", dict(cert=True, cert_b=True))):
-                    ms = _time(probe_decode, (qb, kp, vp, slots, seq), dict(block_n=bn, num_warps=nw, **sw, **kw))
-                    rows.append(dict(B=B, S=S, tile_sums=ts, wide_mul=wide, var_dot=vd, block_n=bn, num_warps=nw,
-                                     name=name, ms=ms, vs_sdpa=sd / ms))
-                    print(rows[-1], flush=True)
-        for cap in (168, 128):  # occupancy against spills, at the recorded run's switches
-            sw = dict(tile_sums=True, wide_mul=False, var_dot=False, maxnreg=cap)
-            for name, kw in (("certA", dict(cert=True, cert_b=False)), ("nocert", dict(cert=False))):
-                ms = _time(probe_decode, (qb, kp, vp, slots, seq), dict(block_n=64, num_warps=2, **sw, **kw))
-                rows.append(dict(B=B, S=S, maxnreg=cap, block_n=64, num_warps=2, name=name, ms=ms, vs_sdpa=sd / ms))
-                print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_probe2.json", "h10_probe2", rows, started,
-                {"command": "python -m dev.h10_probe2"})
-
-
-if __name__ == "__main__":
-    from dev.cli import help_if_asked
-
-    help_if_asked(__doc__)
-    main()

@@ -1,10 +1,10 @@
-"""Development probe on the GPU: the h8 dither layout end to end (sixteen 8-bit dithers per Philox call, written by
+"""Is the h8 dither layout worth building? On the GPU, end to end (sixteen 8-bit dithers per Philox call, written by
 the write path, read by the h10 kernel) against h10: agreement with the float64 reference at the paper's shape,
-then CUDA-graph timings with and without the certificate (:mod:`dev.h10_probe2` helpers)."""
+then CUDA-graph timings with and without the certificate (:mod:`dev.probe_kit` helpers)."""
 
 from __future__ import annotations
 
-from dev.h10_probe2 import run_probe
+from dev.probe_kit import run_probe
 
 SHAPES = ((8, 32768), (32, 16384), (64, 32768), (2, 4096))
 VARIANTS = {
@@ -18,7 +18,7 @@ COSTS = {"h10": ("h10_cert", "h10_nocert"), "h8": ("h8_cert", "h8_nocert")}
 
 
 def main() -> None:
-    run_probe("h10_probe10", VARIANTS, SHAPES, costs=COSTS, agree=True)
+    run_probe("h8_layout", VARIANTS, SHAPES, costs=COSTS, agree=True)
 
 
 if __name__ == "__main__":

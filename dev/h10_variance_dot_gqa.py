@@ -1,12 +1,12 @@
-"""Development probe on the GPU: the radius's variance as one exact tf32 dot per tile (``VAR_DOT``, the default)
-against the four-FMA sum, by GQA ratio. At the paper's heads (28 / 4: eight query heads per program) the dot
-halved the certificate's cost (probe 8); at GQA 4 (32 / 8, the decode grid's heads: four per program) the offline
-sm_90 count favours the FMA sum (2465 vs 2486 loop instructions). Timed certified and uncertified, h10 and h8
-layouts, three interleaved rounds under CUDA graphs."""
+"""Does the variance dot still pay at other GQA ratios? On the GPU: the radius's variance as one exact tf32 dot per tile
+(``VAR_DOT``, the default) against the four-FMA sum, by GQA ratio. At the paper's heads (28 / 4: eight query heads
+per program) the dot halved the certificate's cost (:mod:`dev.h10_variance_dot`); at GQA 4 (32 / 8, the decode grid's
+heads: four per program) the offline sm_90 count favours the FMA sum (2465 vs 2486 loop instructions). Timed
+certified and uncertified, h10 and h8 layouts, three interleaved rounds under CUDA graphs."""
 
 from __future__ import annotations
 
-from dev.h10_probe2 import run_probe
+from dev.probe_kit import run_probe
 
 SHAPES = ((8, 32768, 32, 8), (32, 16384, 32, 8), (8, 32768, 28, 4), (32, 16384, 28, 4))
 VARIANTS: dict[str, tuple[dict, dict]] = {}
@@ -20,7 +20,7 @@ for _lay in ("h10", "h8"):
 
 
 def main() -> None:
-    run_probe("h10_probe12", VARIANTS, SHAPES, costs=COSTS, agree=True)
+    run_probe("h10_variance_dot_gqa", VARIANTS, SHAPES, costs=COSTS, agree=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Development probe on the GPU: does sustained load change the certified Gluon step's speed against SDPA bf16?
+"""Does sustained load change the certified Gluon step's speed against SDPA bf16?
 Both steps replayed from CUDA graphs in interleaved rounds (B=64, S=32k, 28/4 heads): cold, then after 60 s of
 continuous replays of each, with the SM clock, temperature, power draw and active throttle reasons read from
-``nvidia-smi`` after every timing (``python -m dev.power_probe [out.json]``)."""
+``nvidia-smi`` after every timing (``python -m dev.gluon_sustained_load [out.json]``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dev.h10_probe import write_probe
+from dev.probe_kit import write_probe
 from kvlib.bench.timing import bench_ms, capture_graph, interleaved
 from kvlib.bench.witcert_decode import LAYER, SEED, random_pools
 
@@ -65,8 +65,9 @@ def main(B: int = 64, S: int = 32768, hq: int = 28, hkv: int = 4, d: int = 128, 
     rounds("after 60 s of h8g")
     load("sdpa")
     rounds("after 60 s of sdpa")
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "power_probe.json", "power_probe", rows, started,
-                {"command": "python -m dev.power_probe", "B": B, "S": S, "hq": hq, "hkv": hkv, "d": d,
+    out = sys.argv[1] if len(sys.argv) > 1 else "gluon_sustained_load.json"
+    write_probe(out, "gluon_sustained_load", rows, started,
+                {"command": "python -m dev.gluon_sustained_load", "B": B, "S": S, "hq": hq, "hkv": hkv, "d": d,
                  "smi_fields": SMI_FIELDS, "load_s": load_s})
 
 

@@ -1,4 +1,5 @@
-"""Design probe on the GPU (not attention): certified-INT8 QK in the non-swapped orientation, as a KV4-style
+"""How fast can keys be scored as certified INT8 with the dither regenerated? A design probe on the GPU (not
+attention): certified-INT8 QK in the non-swapped orientation, as a KV4-style
 kernel would compute it. Per tile of positions and per 32-channel scale group: int32 dots of a two-piece INT8
 query with the key codes (IMMA, codes straight from the loaded tile), one fp16 dot of ``q_hi`` with the h10
 dither ``-m`` generated from Philox in the operand's own layout (offline: no shared-memory round trip), the
@@ -56,7 +57,7 @@ CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (64, 2, 2))
 
 
 def main() -> None:
-    from dev.h10_probe import write_probe
+    from dev.probe_kit import write_probe
     from kvlib.bench.timing import bench_graphed
 
     started = datetime.datetime.now(datetime.UTC)
@@ -83,8 +84,8 @@ def main() -> None:
         ms = bench_graphed(f, warmup_ms=5.0, rep_ms=30.0)["median_ms"]
         rows.append(dict(name=f"proto_qk_{bn}x{nw}w_{ns}st", ms=ms, frac_of_copy_time=cp / ms))
         print(rows[-1], flush=True)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "proto_qk.json", "proto_qk", rows, started,
-                {"command": "python -m dev.proto_qk", "shape": dict(B=B, S=S, HKV=HKV, D=D, RP=RP),
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "qk_int8_prototype.json", "qk_int8_prototype", rows, started,
+                {"command": "python -m dev.qk_int8_prototype", "shape": dict(B=B, S=S, HKV=HKV, D=D, RP=RP),
                  "configs": CONFIGS})
 
 

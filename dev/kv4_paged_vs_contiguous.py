@@ -1,11 +1,11 @@
-"""GPU probe: KV4 / KV4-RL decode over a vLLM-style paged pool (:func:`kvlib.kernels.int4.paged.kv4_paged_decode`)
-timed side by side with the contiguous launch (:func:`kvlib.kernels.int4.launch.kv4_main_decode`) on the same
-codes, under CUDA graphs in interleaved rounds, at the kv4 benchmark's long shape with Qwen2.5-7B's heads
-(B=32, S=16k, Hq=28, Hkv=4, d=128), for several page sizes; prints ``paged / contiguous`` per page size and the
-largest output difference between the two. Page size 256 takes the ``"paged-tiles"`` path (the default
-``block_n`` is 256), 16 the ``"paged-rows"`` one (the launch records say so).
+"""How much does paging cost the KV4 kernel? On the GPU: KV4 / KV4-RL decode over a vLLM-style paged pool
+(:func:`kvlib.kernels.int4.paged.kv4_paged_decode`) timed side by side with the contiguous launch
+(:func:`kvlib.kernels.int4.launch.kv4_main_decode`) on the same codes, under CUDA graphs in interleaved rounds, at
+the kv4 benchmark's long shape with Qwen2.5-7B's heads (B=32, S=16k, Hq=28, Hkv=4, d=128), for several page sizes;
+prints ``paged / contiguous`` per page size and the largest output difference between the two. Page size 256 takes
+the ``"paged-tiles"`` path (the default ``block_n`` is 256), 16 the ``"paged-rows"`` one (the launch records say so).
 
-``PYTHONPATH=. python -m dev.kv4_paged_probe [OUT.json]``; ``--sass`` instead compiles the contiguous and paged
+``PYTHONPATH=. python -m dev.kv4_paged_vs_contiguous [OUT.json]``; ``--sass`` instead compiles the contiguous and paged
 kernels for sm_90 without a GPU (:mod:`kvlib.kernels.offline`) and prints their main-loop instruction
 counts per thread per tile at this shape (d = 128, GQA 7, Hkv 4) and their commonest opcodes.
 """

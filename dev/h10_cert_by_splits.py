@@ -1,11 +1,11 @@
-"""Development probe: why the h10 certificate costs more at 8+ splits (stage 1 vs merge, per split count)."""
+"""Why does the h10 certificate cost more at 8+ splits? Stage 1 against the merge, per split count, on the GPU."""
 
 from __future__ import annotations
 
 import datetime
 import sys
 
-from dev.h10_probe import h10_problem, write_probe
+from dev.probe_kit import h10_problem, write_probe
 from kvlib.bench.timing import bench_ms
 from kvlib.bench.witcert_decode import LAYER, SEED
 
@@ -29,8 +29,8 @@ def main() -> None:
                 mg = bench_ms(lambda parts=parts: merge_splits(*parts), rep_ms=25.0).median_ms
                 rows.append(dict(B=B, S=S, ns=ns, name=name, full=full, stage1=st1, merge=mg))
                 print(rows[-1], flush=True)
-    write_probe(sys.argv[1] if len(sys.argv) > 1 else "diag.json", "h10_diag_splits", rows, started,
-                {"command": "python -m dev.h10_diag_splits"})
+    write_probe(sys.argv[1] if len(sys.argv) > 1 else "h10_cert_by_splits.json", "h10_cert_by_splits", rows, started,
+                {"command": "python -m dev.h10_cert_by_splits"})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Development probe on the GPU: launch shape of the h10 kernel over the h8 layout (its instruction mix differs
+"""Which launch shape suits the h10 kernel over the h8 layout (its instruction mix differs
 from h10's, whose defaults were tuned on h10: 64 positions, 2 warps, 2 stages), certified, under CUDA graphs."""
 
 from __future__ import annotations
 
-from dev.h10_probe2 import run_probe
+from dev.probe_kit import run_probe
 
 SHAPES = ((8, 32768), (32, 16384))
 CONFIGS = {"64x2s2": (64, 2, 2), "64x2s3": (64, 2, 3), "64x4s2": (64, 4, 2), "64x4s3": (64, 4, 3),
@@ -14,7 +14,7 @@ VARIANTS["h10_64x2s2"] = ({}, dict(cert=True))
 
 
 def main() -> None:
-    run_probe("h10_probe11", VARIANTS, SHAPES)
+    run_probe("h8_launch_shape", VARIANTS, SHAPES)
 
 
 if __name__ == "__main__":
