@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_positive_int, check_tensor
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, per_token, register_format
 
@@ -133,7 +133,7 @@ class KV4Format(KVFormat):
     def __init__(self, group: int | None = -1, rotate: str = "k") -> None:
         self.group = self.default_group if group == -1 else group
         if self.group is not None:
-            check_group("group", self.group, self.group)  # positive int; divisibility checked on write
+            check_positive_int("group", self.group)  # divisibility by the head dim is checked on write
         self.rotate = check_rotate(rotate)
 
     def write(self, x: torch.Tensor, side: int = 0, **ctx: Any) -> Int4Tensor:

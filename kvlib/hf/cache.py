@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib.core.checks import check_open_unit, check_positive_int
+from kvlib.core.checks import check_open_unit, check_positive_int, check_real
 from kvlib.core.philox import seed_key
 from kvlib.formats.base import KVFormat, available_formats, capabilities, format_class, get_format
 from kvlib.storage.blocks import BlockAllocator, PageTable
@@ -480,7 +480,7 @@ class KVFormatCache(Cache):
         seed_key(seed)  # TypeError/ValueError naming seed
         self.seed = seed
         self.delta_req = check_open_unit("delta_req", delta_req)
-        self.tau = float(tau)
+        self.tau = check_real("tau", tau, lo=0.0, allow_inf=True)
         self.steps = check_positive_int("steps", steps)
         check_positive_int("block_size", block_size)
         for name, v in (("batch_size", batch_size), ("max_len", max_len)):
@@ -488,11 +488,26 @@ class KVFormatCache(Cache):
                 check_positive_int(name, v)
         if (batch_size is None) != (max_len is None) and max_len is not None:
             raise ValueError("max_len needs batch_size (static pools are allocated for a fixed batch)")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
+        sides = tuple(outlier_sides) if isinstance(outlier_sides, (tuple, list)) else None
+        if sides is None or not sides or not set(sides) <= {0, 1}:
+            raise ValueError(f"outlier_sides must be a non-empty tuple of sides 0 (keys) and 1 (values), got "
+                             f"{outlier_sides!r}")
         if outlier_table is not None:
             outlier_table = torch.as_tensor(outlier_table)
             if outlier_table.ndim != 3 or tuple(outlier_table.shape[:2]) != (self.n_layers, self.n_kv):
                 raise ValueError(f"outlier_table must have shape [layers={self.n_layers}, kv_heads={self.n_kv}, 2m], "
                                  f"got {tuple(outlier_table.shape)}")
+            if outlier_table.is_floating_point() or outlier_table.is_complex() or outlier_table.dtype == torch.bool:
+                raise TypeError(f"outlier_table holds channel indices: it must be an integer tensor, got "
+                                f"{outlier_table.dtype}")
+            if outlier_table.numel() and (int(outlier_table.min()) < 0 or int(outlier_table.max()) >= self.head_dim):
+                raise ValueError(f"outlier_table: channel indices must lie in [0, head_dim={self.head_dim}), got "
+                                 f"[{int(outlier_table.min())}, {int(outlier_table.max())}]")
+            srt = outlier_table.sort(-1).values
+            if outlier_table.shape[-1] > 1 and bool((srt[..., 1:] == srt[..., :-1]).any()):
+                raise ValueError("outlier_table: a (layer, kv head) row repeats a channel")
         self.key_format, self.value_format = key_format, value_format
         self.config = config if hasattr(config, "_attn_implementation") else None
         self.store_cls = store_class(key_format, value_format, outlier_table=outlier_table)
@@ -503,7 +518,7 @@ class KVFormatCache(Cache):
                              "formats: dither-int8")
         self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
         self.static_batch, self.max_len, self.block_size = batch_size, max_len, block_size
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else check_device("device", device)
         self.dtype, self.shuffle_blocks = dtype, shuffle_blocks
         self.store: Store | None = None
         self.allocators: list[BlockAllocator] = []
@@ -529,6 +544,8 @@ class KVFormatCache(Cache):
 
     def _ensure_store(self, key_states: torch.Tensor) -> None:
         if self.store is None:
+            if self.device is not None and key_states.device != self.device:
+                raise ValueError(f"key_states on {key_states.device}, make_cache was given device={self.device}")
             self._build_store(key_states.shape[0], key_states.device)
         elif self.store.device != key_states.device:
             raise ValueError(f"key_states on {key_states.device}, the cache's pools on {self.store.device}")
@@ -616,6 +633,28 @@ class KVFormatCache(Cache):
         """Kept for :mod:`kvlib.hf.model`'s observing attention; certificates now come from the kernel."""
 
 
+def _options_dict(name: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of format options, got {type(value).__name__} {value!r}")
+    return dict(value)
+
+
+def check_device(name: str, device: Any) -> torch.device:
+    """``torch.device(device)`` where tensors can be made (ValueError naming ``name`` otherwise: a "cuda" device on
+    a machine without CUDA, an index past the device count)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TypeError(f"{name}={device!r} is not a torch device ({e})") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"{name}={device!r}: no such device here ({str(e).strip()})") from None
+    return dev
+
+
 def _probe_format(fmt: KVFormat, d: int, side: int, outlier_table: Any) -> None:
     """Write and read two tokens of width ``d`` (CPU) so option errors surface at make_cache."""
     cpu = torch.device("cpu")  # whatever the default device is
@@ -662,8 +701,7 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
             raise ValueError(f"{arg}: unknown format {name!r}; available formats: {', '.join(names)}")
     if config is None or not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
         raise TypeError("config must be a transformers model config (e.g. model.config)")
-    key_opts = dict(options.pop("key_options", None) or {})
-    val_opts = dict(options.pop("value_options", None) or {})
+    key_opts, val_opts = (_options_dict(name, options.pop(name, None)) for name in ("key_options", "value_options"))
     cache_class = options.pop("cache_class", None) or KVFormatCache
     if not callable(cache_class):
         raise TypeError(f"cache_class must be a KVFormatCache subclass or a callable, got {cache_class!r}")
@@ -683,7 +721,7 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
     if device is not None:
-        device = torch.device(device)
+        device = check_device("device", device)
         if device.type == "cuda" and device.index is None:  # "cuda" names the current device: compare as cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
     cache = cache_class(kf, vf, config, batch_size=batch_size, max_len=max_len, block_size=block_size,

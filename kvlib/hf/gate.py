@@ -83,6 +83,7 @@ import torch
 
 from kvlib.certify.bound import certificate_from_scores, score_radius
 from kvlib.certify.fallback import block_excess
+from kvlib.core.checks import check_bool, check_real
 from kvlib.formats.base import format_class, formats_where
 from kvlib.hf.cache import KVFormatCache, make_cache
 from kvlib.storage.pools import FormatStore, Int8Store, ObjectStore
@@ -149,8 +150,8 @@ class GatedCache(KVFormatCache):
         if options.get("telemetry"):
             raise ValueError("telemetry: a GatedCache records its own certificates (gate_summary); "
                              "pass telemetry=False")
-        if not (isinstance(tau, (int, float)) and tau >= 0 and not math.isnan(tau)):
-            raise ValueError(f"tau must be a non-negative number, got {tau!r}")
+        check_real("tau", tau, lo=0.0, allow_inf=True)
+        check_bool("gate", gate)
         if options.get("stride", 1) != 1:
             raise ValueError("stride: the gate needs a certificate at every decode step (stride=1)")
         if options.get("prefill", "float") != "float":
