@@ -3,6 +3,7 @@ at the call that takes it with an error naming the argument."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -68,3 +69,61 @@ def test_device_honoured_without_batch_size():
     cache = kvlib.make_cache("fp32", model.config, device="meta")
     with pytest.raises(ValueError, match="device=meta"):
         model(prompt(1, 4), past_key_values=cache, use_cache=True)
+
+
+# -- item 1: a config that is not the model's own --------------------------------------------------
+
+def _fresh_llama():
+    """A tiny Llama of its own (the config is switched by make_cache: other tests' models stay untouched)."""
+    from hf_helpers import tiny_model as tm
+
+    m = tm.__wrapped__("llama", 32, torch.float32, 0)
+    return m
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "to_dict"])
+@pytest.mark.parametrize("fmt", ["fp32", "rtn-int8"])
+def test_copied_config_switches_the_models_attention(how, fmt):
+    import torch.nn.functional as F
+    from transformers import DynamicCache, LlamaConfig
+
+    model = _fresh_llama()
+    rows = [prompt(1, n, seed=40 + n) for n in (9, 6)]
+    ids = torch.cat([F.pad(r, (9 - r.shape[1], 0), value=0) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (9 - r.shape[1], 0), value=0) for r in rows])
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, past_key_values=kvlib.make_cache(fmt, model.config), **kw)
+    model = _fresh_llama()  # untouched by the first make_cache
+    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
+    cfg = copy.deepcopy(model.config) if how == "deepcopy" else LlamaConfig(**model.config.to_dict())
+    cache = kvlib.make_cache(fmt, cfg)
+    with pytest.warns(UserWarning, match="not the one this model's attention reads"):
+        out = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(out, ref), "a copied config gave other tokens than model.config"
+    if fmt == "fp32":
+        assert torch.equal(out, want)
+    assert model.config._attn_implementation == "kvlib"
+    assert cache.kernel_path(0) in ("torch-reference", "bf16-triton", "int8-torch", "int8-gluon")
+
+
+def test_unconsumed_tag_is_refused():
+    """Where the model attended over the new tokens without kvlib's attention anyway, the next update refuses."""
+    from kvlib.hf import attention
+
+    model = _fresh_llama()
+    cache = kvlib.make_cache("fp32", model.config)
+    real = attention.kvlib_attention
+
+    def bypass(module, query, key, value, mask, **kw):  # an implementation that ignores the tag
+        return attention._delegate(module)(module, query, key, value, mask, **kw)
+
+    attention.kvlib_attention = bypass
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvlib", bypass)
+    try:
+        with pytest.raises(RuntimeError, match="model's own config"):
+            model(prompt(1, 5), past_key_values=cache, use_cache=True)
+    finally:
+        attention.kvlib_attention = real
+        AttentionInterface.register("kvlib", real)

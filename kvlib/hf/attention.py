@@ -75,8 +75,9 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     fn = _delegate(module)
     if tag is None:
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer, phase = tag
-    key._kvlib = None  # consumed
+    layer, phase = tag.layer, tag.phase
+    key._kvlib = None
+    tag.consumed = True  # KVFormatCache checks it at the next update
     sm = scaling if scaling is not None else query.shape[-1] ** -0.5
     if phase == "prefill":
         pad = _left_pad(attention_mask, query.shape[0])

@@ -105,6 +105,30 @@ def kernel_formats() -> list[str]:
     return [n for n in available_formats() if capabilities(n)["kernel"]]
 
 
+class _Tag:
+    """What ``KVFormatLayer.update`` hangs on the new tokens' key tensor for :mod:`kvlib.hf.attention`: the layer,
+    the phase, and whether kvlib's attention consumed it (a model attending with another implementation over the
+    new tokens alone never does)."""
+
+    __slots__ = ("layer", "phase", "consumed")
+
+    def __init__(self, layer: KVFormatLayer, phase: str) -> None:
+        self.layer, self.phase, self.consumed = layer, phase, False
+
+
+def _calling_module_config(depth: int) -> Any:
+    """The ``config`` of the ``nn.Module`` whose method called ``depth`` frames up (a decoder's attention calls
+    ``cache.update``), or None when the caller is not a module (a direct ``update`` call)."""
+    import sys
+
+    try:
+        f = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    mod = f.f_locals.get("self")
+    return getattr(mod, "config", None) if isinstance(mod, torch.nn.Module) else None
+
+
 class KVFormatLayer(CacheLayerMixin):
     """One decoder layer: a page table over its slice of the cache's store (see the module docstring)."""
 
@@ -220,7 +244,10 @@ class KVFormatLayer(CacheLayerMixin):
         c._check_states(key_states, value_states, self.layer_idx)
         from kvlib.hf.attention import is_active
 
-        foreign = c.config is not None and not is_active(c.config)
+        # the config that decides which attention runs next is the calling module's (the model's own), which
+        # may be another object than the one make_cache was given (see KVFormatCache.update)
+        cfg = c._caller_config if c._caller_config is not None else c.config
+        foreign = cfg is not None and not is_active(cfg)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.table.batch:
@@ -240,7 +267,10 @@ class KVFormatLayer(CacheLayerMixin):
             key_states = key_states.to(c.store.dtype).to(key_states.dtype)
             value_states = value_states.to(c.store.dtype).to(value_states.dtype)
         key_states = key_states.detach() if key_states.requires_grad else key_states
-        key_states._kvlib = (self, phase)  # read by kvlib.hf.attention; plain tensors everywhere else
+        tag = _Tag(self, phase)
+        key_states._kvlib = tag  # read (and marked consumed) by kvlib.hf.attention; plain tensors everywhere else
+        if c._caller_config is not None:
+            c._pending = tag
         return key_states, value_states
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None = None) -> None:
@@ -522,6 +552,9 @@ class KVFormatCache(Cache):
         self.dtype, self.shuffle_blocks = dtype, shuffle_blocks
         self.store: Store | None = None
         self.allocators: list[BlockAllocator] = []
+        self._caller_config: Any = None  # the calling attention module's config at the current update
+        self._pending: _Tag | None = None  # the last tag handed to a model's attention (consumed or not)
+        self._adopted: set[int] = set()  # model configs kvlib's attention was switched on by _check_model_config
         super().__init__(layers=[KVFormatLayer(self, i) for i in range(self.n_layers)])
         if batch_size is not None and self.device is not None:
             self._build_store(batch_size, self.device)
@@ -531,7 +564,41 @@ class KVFormatCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_states(key_states, value_states, layer_idx)
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        cfg = _calling_module_config(1)
+        if cfg is not None:
+            self._check_model_config(cfg)
+        self._caller_config = cfg
+        try:
+            return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        finally:
+            self._caller_config = None
+
+    def _check_model_config(self, cfg: Any) -> None:
+        """The model's attention modules read ``cfg``. make_cache switched kvlib's attention on the config it was
+        given; when that is a copy (``copy.deepcopy(model.config)``, ``LlamaConfig(**model.config.to_dict())``, a
+        truncated model's config) the model would attend with its own implementation over the new tokens alone.
+        So kvlib's attention is switched on the model's own config too, with a warning, before the model looks it
+        up; and where the model attended without it anyway (an architecture that looks its attention up before
+        the cache update), the next update refuses to go on."""
+        from kvlib.hf.attention import activate, is_active
+
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.consumed:
+            raise RuntimeError(
+                f"layer {pending.layer.layer_idx} attended with {getattr(cfg, '_attn_implementation', None)!r} "
+                "instead of kvlib's attention over a kvlib cache, so it saw the new tokens only: make_cache was "
+                "given a config the model's attention does not read. Pass the model's own config: "
+                "make_cache(fmt, model.config)")
+        if cfg is self.config or self.config is None or is_active(cfg) or not is_active(self.config):
+            return
+        if id(cfg) not in self._adopted:
+            import warnings
+
+            warnings.warn("make_cache was given a config that is not the one this model's attention reads (a copy?); "
+                          "kvlib's attention was switched on the model's own config. Pass model.config to make_cache.",
+                          UserWarning, stacklevel=4)
+            self._adopted.add(id(cfg))
+        activate(cfg)
 
     # -- construction -----------------------------------------------------------------------------
     def _build_store(self, batch: int, device: torch.device) -> None:
