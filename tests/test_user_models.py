@@ -127,3 +127,23 @@ def test_unconsumed_tag_is_refused():
     finally:
         attention.kvlib_attention = real
         AttentionInterface.register("kvlib", real)
+
+
+# -- item 9: the gate's shadow is in the byte account -------------------------------------------------
+
+@pytest.mark.parametrize("shadow", ["device", "host"])
+def test_kv_nbytes_counts_the_shadow(shadow):
+    model = tiny_model()
+    ids = prompt(2, 20, seed=70)
+    plain = kvlib.make_cache("dither-int8", model.config, block_size=32)
+    gated = make_gated_cache("dither-int8", model.config, shadow=shadow)
+    for c in (plain, gated):
+        model(ids, past_key_values=c, use_cache=True)
+    b = gated.nbytes_breakdown()
+    shadow_bytes = sum(t.numel() * t.element_size() for pair in gated._sh for t in pair if t is not None)
+    # fp16 K and V of every allocated slot of every layer
+    slots = gated.store.n_slots
+    assert b["shadow"] == shadow_bytes == 2 * gated.n_layers * slots * gated.n_kv * gated.head_dim * 2 > 0
+    assert gated.kv_nbytes() == b["pools"] + b["page_tables"] + b["shadow"]
+    assert b["pools"] + b["page_tables"] == plain.kv_nbytes()  # the same pools as the plain cache
+    assert plain.nbytes_breakdown()["shadow"] == 0

@@ -688,11 +688,18 @@ class KVFormatCache(Cache):
     telemetry_summary = certificate_summary
 
     # -- byte account -----------------------------------------------------------------------------
-    def kv_nbytes(self) -> int:
-        """Bytes of the pools (format bytes, allocated positions) plus the page tables, from the tensors."""
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """Bytes the cache keeps for K/V, by part, from the tensors: ``pools`` (format bytes of the allocated
+        positions, per-sequence side buffers), ``page_tables``, ``shadow`` (a gated cache's repair copy; 0 here)."""
         if self.store is None:
-            return 0
-        return self.store.nbytes() + sum(la.table.nbytes() for la in self.layers if la.table is not None)
+            return {"pools": 0, "page_tables": 0, "shadow": 0}
+        return {"pools": self.store.nbytes(),
+                "page_tables": sum(la.table.nbytes() for la in self.layers if la.table is not None), "shadow": 0}
+
+    def kv_nbytes(self) -> int:
+        """Every byte the cache keeps for K/V (the sum of :meth:`nbytes_breakdown`): pools, page tables and, for a
+        gated cache, its shadow."""
+        return sum(self.nbytes_breakdown().values())
 
     packed_nbytes = kv_nbytes
 

@@ -249,6 +249,11 @@ class GatedCache(KVFormatCache):
         for side, x in ((0, k), (1, v)):
             self._sh[layer_idx][side][idx] = x.detach().to(device=dev, dtype=self.shadow_dtype, non_blocking=True)
 
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """The pools' and page tables' bytes (:meth:`KVFormatCache.nbytes_breakdown`) and the shadow's, wherever it
+        lives (``shadow="host"``: pinned host memory); ``kv_nbytes()`` is their sum."""
+        return {**super().nbytes_breakdown(), "shadow": self.shadow_nbytes()}
+
     def shadow_nbytes(self) -> int:
         """Bytes of the shadow as allocated (K and V, every layer), from its tensors."""
         for i in range(self.n_layers):
