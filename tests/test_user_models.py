@@ -147,3 +147,87 @@ def test_kv_nbytes_counts_the_shadow(shadow):
     assert gated.kv_nbytes() == b["pools"] + b["page_tables"] + b["shadow"]
     assert b["pools"] + b["page_tables"] == plain.kv_nbytes()  # the same pools as the plain cache
     assert plain.nbytes_breakdown()["shadow"] == 0
+
+
+# -- item 3: one bad row never aborts the batch --------------------------------------------------------
+
+def _corrupt_key(model, row: int, pos: int, value: float):
+    """A forward hook on layer 0's k_proj that sets row ``row``'s key at prompt position ``pos`` to ``value``
+    (the prefill only)."""
+    def hook(mod, args, out):
+        if out.shape[1] > pos:
+            out = out.clone()
+            out[row, pos, :8] = value
+            return out
+        return None
+
+    return model.model.layers[0].self_attn.k_proj.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 1e7])
+@pytest.mark.parametrize("fmt", ["dither-int8", "rtn-int8", "kv4", "kv4rl", "fp16", "fp32"])
+def test_bad_row_is_isolated_and_flagged(fmt, value):
+    model = tiny_model()
+    ids = prompt(3, 10, seed=80)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    clean_cache = kvlib.make_cache(fmt, model.config)
+    clean = model.generate(ids, past_key_values=clean_cache, **kw)
+    cache = kvlib.make_cache(fmt, model.config)
+    h = _corrupt_key(model, row=1, pos=4, value=value)
+    try:
+        out = model.generate(ids, past_key_values=cache, **kw)
+    finally:
+        h.remove()
+    fits = fmt == "fp32" and math.isfinite(value)  # fp32 stores 1e7 as it is
+    assert torch.equal(out[[0, 2]], clean[[0, 2]]), "a bad row changed the other rows"
+    assert cache.row_flags().tolist() == [False, not fits, False]
+    assert not clean_cache.row_flags().any()
+    s = cache.certificate_summary()
+    assert s["flagged_rows"] == (0 if fits else 1)
+    if fmt == "dither-int8":  # the flagged row's certificates in the layer that lost the vector: vacuous, counted
+        c = cache.certificates()  # [L, Hq, B, steps]
+        # (NaN and inf reach the next layer's keys through row 1's own float prompt attention: flagged there too)
+        assert torch.isinf(c[0, :, 1]).all() and torch.isfinite(c[:, :, [0, 2]]).all()
+        frac = float(torch.isinf(c).double().mean())
+        assert s["overflow_fraction"] == pytest.approx(frac) and frac >= 1 / (3 * c.shape[0])
+
+
+def test_flags_follow_the_rows():
+    model = tiny_model()
+    cache = kvlib.make_cache("rtn-int8", model.config)
+    h = _corrupt_key(model, row=0, pos=2, value=math.nan)
+    try:
+        model(prompt(2, 6, seed=81), past_key_values=cache, use_cache=True)
+    finally:
+        h.remove()
+    assert cache.row_flags().tolist() == [True, False]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.row_flags().tolist() == [False, True]
+    cache.batch_repeat_interleave(2)
+    assert cache.row_flags().tolist() == [False, False, True, True]
+
+
+def test_representable_bounds_follow_the_formats():
+    """Just inside a format's range it stores a vector and reads back finite values; just outside, representable
+    says no (as it does for NaN and inf)."""
+    from kvlib.formats.base import get_format
+
+    for name in ("dither-int8", "rtn-int8", "fp8-e4m3", "kv4", "kv4rl", "kivi2", "fp16", "bf16", "fp32"):
+        f = get_format(name)
+        for side in (0, 1):
+            assert not f.representable(torch.tensor([[math.nan] * 32]), side).any()
+            assert not f.representable(torch.tensor([[math.inf] + [0.0] * 31]), side).any()
+            lim = f.max_abs
+            if math.isinf(lim):
+                assert f.representable(torch.full((1, 32), 1e30), side).all()
+                continue
+            # keys that are Hadamard-rotated spread one spike over the head: lim * sqrt(d) in the spike's channel
+            # reaches lim in every rotated channel
+            spread = 32 ** 0.5 if name.startswith("kv4") and side == 0 else 1.0
+            x = torch.zeros(2, 32, dtype=torch.float64)
+            x[0, 0], x[1, 0] = lim * spread * 0.999, lim * spread * 1.01
+            assert f.representable(x, side).tolist() == [True, False], (name, side)
+            inside = x[:1].float()
+            n = torch.arange(1)
+            back = f.read(f.write(inside, layer=0, kv_head=0, side=side, positions=n, slots=n, seed=0))
+            assert torch.isfinite(back).all(), (name, side)

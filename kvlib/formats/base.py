@@ -65,6 +65,23 @@ class KVFormat(ABC):
     #: positions held by a fixed per-stream side buffer (KV4-RL's sinks + recent window), 0 when none;
     #: its bytes are :meth:`fixed_bytes`
     capacity: int = 0
+    #: the largest element magnitude the format stores faithfully (fp16 scales, offsets or values overflow past
+    #: it); :meth:`representable` checks it
+    max_abs: ClassVar[float] = float("inf")
+
+    def representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """bool ``x.shape[:-1]``: which vectors of ``x [..., d]`` (one token of one head each) the format stores
+        faithfully: finite, and within :attr:`max_abs` of what it quantises (a rotated stream: after rotation).
+        Elementwise, no host sync; the cache isolates the vectors that are not (zeroed and their row flagged)."""
+        a = self._stored_view(x, side).abs().amax(-1)
+        ok = torch.isfinite(a)
+        if self.max_abs != float("inf"):
+            ok = ok & (a <= self.max_abs)
+        return ok
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """What the format quantises of ``x`` (a rotating format overrides: the rotated vector)."""
+        return x
 
     @abstractmethod
     def write(self, x: torch.Tensor, **ctx: Any) -> Any:

@@ -66,6 +66,7 @@ class KiviFormat(KVFormat):
     bounded = True
 
     options: ClassVar[tuple[str, ...]] = ("group", "residual")
+    max_abs: ClassVar[float] = 65504.0  # fp16 residual window, scales and zero points
 
     def __init__(self, group: int = 32, residual: int = 128) -> None:
         check_positive_int("group", group)

@@ -129,6 +129,10 @@ class KV4Format(KVFormat):
 
     options: ClassVar[tuple[str, ...]] = ("group", "rotate")
     default_group: ClassVar[int | None] = None
+    max_abs: ClassVar[float] = 65504.0  # the fp16 offset (the group's minimum) and scale
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
 
     def __init__(self, group: int | None = -1, rotate: str = "k") -> None:
         self.group = self.default_group if group == -1 else group

@@ -92,6 +92,10 @@ class KV4RLFormat(KVFormat):
     kernel = "int4"
 
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "capacity", "protect", "group", "rotate")
+    max_abs: ClassVar[float] = 65504.0  # the KV4 main store's fp16 offset; the INT8 side's scales allow more
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
 
     def __init__(
         self,

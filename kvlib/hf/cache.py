@@ -141,6 +141,7 @@ class KVFormatLayer(CacheLayerMixin):
         self.table: PageTable | None = None
         self.columns = 0  # sequence length as the model sees it (pad columns included)
         self.pad = [0]  # left-pad columns per row (not stored)
+        self.bad: torch.Tensor | None = None  # bool [B]: rows that stored a vector the format cannot hold
         self.path = "none"
         self._certs: list[torch.Tensor] = []
 
@@ -273,10 +274,32 @@ class KVFormatLayer(CacheLayerMixin):
             c._pending = tag
         return key_states, value_states
 
+    def _isolate(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bad row never aborts the batch: a K or V vector the formats cannot store (non-finite, or past their
+        fp16 range: :meth:`KVFormat.representable`) is written as zeros and its row is flagged (``row_flags()``;
+        its certificates are ``+inf``, vacuous, and counted as overflow). Elementwise, no host sync."""
+        c = self.cache
+        bad = ~(c.key_format.representable(k, 0) & c.value_format.representable(v, 1))  # [B, H, s]
+        if rows_keep is not None:
+            bad = bad & rows_keep[:, None, :]
+        rows_bad = bad.flatten(1).any(1)
+        self.bad = rows_bad if self.bad is None or self.bad.shape != rows_bad.shape else self.bad | rows_bad
+        z = bad[..., None]
+        return torch.where(z, torch.zeros((), dtype=k.dtype, device=k.device), k), \
+            torch.where(z, torch.zeros((), dtype=v.dtype, device=v.device), v)
+
+    def vacuous_where_flagged(self, cert: torch.Tensor) -> torch.Tensor:
+        """``cert [B, Hq]`` with ``+inf`` (vacuous) on the rows that stored a vector the format could not hold."""
+        if self.bad is None:
+            return cert
+        return torch.where(self.bad.to(cert.device)[:, None], torch.full_like(cert, math.inf), cert)
+
     def _write(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None = None) -> None:
         """Append ``k, v [B, H, s, d]`` to every row (``rows_keep [B, s]`` bool: tokens to keep)."""
         store, t = self.cache.store, self.table
         b, h, s, d = k.shape
+        k, v = self._isolate(k, v, rows_keep)
         if isinstance(store, ObjectStore):
             keep = [None] * b if rows_keep is None else list(rows_keep)
             store.write_rows(self.layer_idx, k, v, t.lens, keep)
@@ -371,6 +394,7 @@ class KVFormatLayer(CacheLayerMixin):
         ``[B, Hq, max_len]`` at the query's position (device indices: a captured step records every replay);
         growing ones keep a list of steps."""
         t = self.table
+        cert = self.vacuous_where_flagged(cert)
         if not t.static:
             self._certs.append(cert)
             return
@@ -398,6 +422,7 @@ class KVFormatLayer(CacheLayerMixin):
             self.table.reset()
         self.columns = 0
         self.pad = [0] * (self.table.batch if self.table else 1)
+        self.bad = None
         self._certs = []
         if "_cert_buf" in self.__dict__:
             self.__dict__["_cert_buf"].fill_(math.nan)
@@ -456,6 +481,8 @@ class KVFormatLayer(CacheLayerMixin):
             t.select(rows)
         store.select_rows(self.layer_idx, idx.to(self.device))
         self.pad = [self.pad[r] for r in rows]
+        if self.bad is not None:
+            self.bad = self.bad[idx.to(self.bad.device)]
         if self._certs:
             self._certs = [c[idx.to(c.device)] for c in self._certs]
         buf = self.__dict__.get("_cert_buf")
@@ -668,14 +695,32 @@ class KVFormatCache(Cache):
             return torch.empty(self.n_layers, self.n_heads, 0, 0)
         return torch.stack([torch.stack(c[:n], -1) for c in per]).permute(0, 2, 1, 3)
 
+    def row_flags(self) -> torch.Tensor:
+        """bool ``[B]`` (device): the rows that stored a K or V vector their format cannot hold (non-finite, or past
+        its fp16 range) in any layer. Such a vector is stored as zeros, so the row's outputs are not to be trusted;
+        its certificates in the layers that lost a vector are ``+inf`` (the other layers' still bound their own
+        attention). Every other row is untouched. Follows batch operations; a crop keeps a flag."""
+        flags = [la.bad for la in self.layers if la.bad is not None]
+        if not flags:
+            b = self.layers[0].table.batch if self.layers[0].table is not None else 0
+            return torch.zeros(b, dtype=torch.bool)
+        out = flags[0].clone()
+        for f in flags[1:]:
+            if f.shape == out.shape:
+                out |= f.to(out.device)
+        return out
+
     def certificate_summary(self) -> dict[str, Any]:
-        """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates (one sync)."""
+        """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates, and the number of
+        flagged rows (:meth:`row_flags`) (one sync)."""
+        flagged = int(self.row_flags().sum())
         c = self.certificates().double()
         c = c[~torch.isnan(c)]  # static pools: positions without a certified step
         n = c.numel()
         if n == 0:
             return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
-                    "mean_finite": float("nan"), "max_finite": float("nan"), "tau": self.tau}
+                    "mean_finite": float("nan"), "max_finite": float("nan"), "tau": self.tau,
+                    "flagged_rows": flagged}
         fin = torch.isfinite(c)
         cf = torch.where(fin, c, torch.zeros_like(c))
         stats = torch.stack([(fin & (c <= self.tau)).sum().double(), (~fin).sum().double(), cf.sum(),
@@ -683,7 +728,8 @@ class KVFormatCache(Cache):
         cov, ovf, s, mx, nf = stats
         return {"n": n, "coverage": cov / n, "overflow_fraction": ovf / n,
                 "mean_finite": s / nf if nf else float("nan"), "max_finite": mx if nf else float("nan"),
-                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride}
+                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride,
+                "flagged_rows": flagged}
 
     telemetry_summary = certificate_summary
 

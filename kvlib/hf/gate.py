@@ -410,7 +410,7 @@ class GatedCache(KVFormatCache):
         if layer.layer_idx == 0:
             self.forward_steps += 1
             self._stats[_S["steps"]] += 1
-        cert = self._step_certificate(layer, q, sm, kv)  # [B, Hq]
+        cert = layer.vacuous_where_flagged(self._step_certificate(layer, q, sm, kv))  # [B, Hq]
         over = ~(cert <= self.tau)  # NaN and +inf are over
         self._tally(cert, over)
         g = self.n_heads // self.n_kv
