@@ -231,3 +231,80 @@ def test_representable_bounds_follow_the_formats():
             n = torch.arange(1)
             back = f.read(f.write(inside, layer=0, kv_head=0, side=side, positions=n, slots=n, seed=0))
             assert torch.isfinite(back).all(), (name, side)
+
+
+# -- item 2: sliding windows --------------------------------------------------------------------------
+
+def _windowed_mistral(window: int = 6):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                        initializer_range=0.02, tie_word_embeddings=False, pad_token_id=0, sliding_window=window)
+    torch.manual_seed(1020)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt,tol", [("dither-int8", 0.05), ("rtn-int8", 0.05), ("fp32", 1e-4), ("kv4", 0.5)])
+def test_sliding_window_is_honoured(fmt, tol):
+    """Teacher-forced against the model's own windowed attention (a DynamicCache), past the window: within the
+    format's contract tolerance (hf_helpers.LOSSY_TOL; dither-int8 drifted to 0.56 std when the window was
+    ignored)."""
+    from hf_helpers import forced_logits, rel_err
+    from transformers import DynamicCache
+
+    model = _windowed_mistral()
+    ids, fed = prompt(2, 10, seed=90), prompt(2, 10, seed=91)
+    ref = forced_logits(model, DynamicCache(config=model.config), ids, fed)
+    cache = kvlib.make_cache(fmt, model.config)
+    got = forced_logits(model, cache, ids, fed)
+    err = rel_err(got, ref)
+    assert err <= tol, f"{fmt}: {err:.3g} std from the windowed model"
+
+
+def test_sliding_window_certificate_covers_the_window(monkeypatch):
+    """The dither certificate is computed over exactly the positions the window lets through."""
+    from kvlib.storage.pools import Int8Store
+
+    model = _windowed_mistral(window=6)
+    seen = []
+    real = Int8Store.reference_certificates
+
+    def spy(self, layer, q, table, sm, delta):
+        seen.append((table.slot_table().clone(), table.seq_lens.clone()))
+        return real(self, layer, q, table, sm, delta)
+
+    monkeypatch.setattr(Int8Store, "reference_certificates", spy)
+    cache = kvlib.make_cache("dither-int8", model.config)
+    ids = prompt(2, 10, seed=92)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert len(seen) == 2  # one decode step, two layers
+    for layer, (slots, lens) in enumerate(seen):
+        full = cache.layers[layer].table.slot_table()[:, :11]
+        assert lens.tolist() == [6, 6]
+        assert torch.equal(slots[:, :6], full[:, 5:11]), "the certified positions are not the window's"
+    s = cache.certificate_summary()
+    assert s["n"] == 2 * 4 * 2 and 0 < s["max_finite"] < 1
+
+
+def test_gated_cache_refuses_sliding_windows():
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_gated_cache("dither-int8", _windowed_mistral().config)
+
+
+def test_sliding_window_left_padded():
+    import torch.nn.functional as F
+    from hf_helpers import forced_logits, rel_err
+    from transformers import DynamicCache
+
+    model = _windowed_mistral()
+    rows = [prompt(1, n, seed=93 + n) for n in (12, 7)]
+    ids = torch.cat([F.pad(r, (12 - r.shape[1], 0), value=0) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (12 - r.shape[1], 0), value=0) for r in rows])
+    fed = prompt(2, 8, seed=95)
+    ref = forced_logits(model, DynamicCache(config=model.config), ids, fed, mask)
+    for fmt, tol in (("fp32", 1e-4), ("dither-int8", 0.05)):
+        got = forced_logits(model, kvlib.make_cache(fmt, model.config), ids, fed, mask)
+        assert rel_err(got, ref) <= tol, fmt

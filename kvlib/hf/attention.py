@@ -80,13 +80,17 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     tag.consumed = True  # KVFormatCache checks it at the next update
     sm = scaling if scaling is not None else query.shape[-1] ** -0.5
     if phase == "prefill":
-        pad = _left_pad(attention_mask, query.shape[0])
+        # a sliding window also masks leading columns of the last query row: there the pads stay in the pools (the
+        # mask excludes them at every step), since they cannot be told from the window's edge
+        windowed = layer.cache.windowed[layer.layer_idx]
+        pad = [0] * query.shape[0] if windowed else _left_pad(attention_mask, query.shape[0])
         if any(pad):
             layer.rewrite_without_pads(key, value, pad)
         layer.path = "sdpa-prefill"
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[2] == 1 and not kwargs.get("output_attentions", False):
-        o = layer.decode_kernel(query, sm)
+        windowed = layer.cache.windowed[layer.layer_idx]  # a sliding window: only paths that honour the mask
+        o = layer.decode_masked(query, sm, attention_mask) if windowed else layer.decode_kernel(query, sm)
         gate = getattr(layer.cache, "gate_step", None)  # kvlib.hf.gate: repair over-threshold rows in this step
         if gate is not None:
             kv = None

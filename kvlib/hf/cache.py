@@ -116,6 +116,26 @@ class _Tag:
         self.layer, self.phase, self.consumed = layer, phase, False
 
 
+class _SlotView:
+    """A page table's read interface (``slot_table()``, ``seq_lens``) over given slots: a windowed step's."""
+
+    def __init__(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        self._slots, self.seq_lens = slots, seq_lens
+
+    def slot_table(self) -> torch.Tensor:
+        return self._slots
+
+
+def _allowed_columns(mask: Any, b: int, columns: int) -> torch.Tensor | None:
+    """bool ``[B, columns]``: the key columns the last query row of a 4D attention mask lets through (bool: True
+    attends; float: 0 attends); None when there is no mask (every column)."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return None
+    last = mask[:, 0, -1, :columns]
+    ok = last if last.dtype == torch.bool else last == 0
+    return ok.expand(b, -1)
+
+
 def _calling_module_config(depth: int) -> Any:
     """The ``config`` of the ``nn.Module`` whose method called ``depth`` frames up (a decoder's attention calls
     ``cache.update``), or None when the caller is not a module (a direct ``update`` call)."""
@@ -389,6 +409,36 @@ class KVFormatLayer(CacheLayerMixin):
             self._record(cert)
         return o
 
+    def decode_masked(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A one-token step of a sliding-window layer: ``o [B, Hq, d]`` over the positions the model's ``mask``
+        allows, or None (the torch reference path, which attends with the mask). No decode kernel takes a mask, so
+        none runs here; dithered keys take their float64 reference over the allowed positions only, so the
+        certificate bounds the attention the model computes (the window's), not the whole history's."""
+        c = self.cache
+        st = c.store
+        self._calls = self.__dict__.get("_calls", 0) + 1
+        certify = (self._calls - 1) % c.stride == 0
+        if not (isinstance(st, Int8Store) and st.dithered and certify):
+            return None
+        q = query[:, :, 0]
+        t = self.table
+        full, lens = t.slot_table(), t.lens
+        allowed = _allowed_columns(mask, q.shape[0], self.columns)
+        rows = []
+        for b, (p, n) in enumerate(zip(self.pad, lens)):
+            keep = torch.ones(n, dtype=torch.bool) if allowed is None else allowed[b, p:p + n].cpu()
+            rows.append(full[b, :n][keep.to(full.device)])
+        width = max((r.numel() for r in rows), default=0)
+        slots = torch.zeros(len(rows), max(width, 1), dtype=full.dtype, device=full.device)
+        for b, r in enumerate(rows):
+            slots[b, :r.numel()] = r
+        view = _SlotView(slots, torch.tensor([r.numel() for r in rows], dtype=t.seq_lens.dtype,
+                                             device=t.seq_lens.device))
+        o, cert = st.reference_certificates(self.layer_idx, q, view, scaling, c.delta_loc)
+        self.path = "torch-reference-windowed"
+        self._record(cert.to(device=q.device, dtype=torch.float32))
+        return o.to(q.device)
+
     def _record(self, cert: torch.Tensor) -> None:
         """Keep a step's certificates ``[B, Hq]`` on the device. Static pools write them into a buffer
         ``[B, Hq, max_len]`` at the query's position (device indices: a captured step records every replay);
@@ -530,10 +580,16 @@ class KVFormatCache(Cache):
         if self.n_heads % self.n_kv:
             raise ValueError(f"config: num_attention_heads={self.n_heads} is not a multiple of "
                              f"num_key_value_heads={self.n_kv}")
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.n_layers
-        bad = set(layer_types) - {"full_attention"}
+        # sliding-window layers (layer_types, or a sliding_window with none, as Mistral's): the cache keeps every
+        # position and the decode step honours the model's own mask (see KVFormatLayer.decode_masked)
+        window = getattr(text, "sliding_window", None)
+        layer_types = getattr(text, "layer_types", None) or (
+            ["sliding_attention" if window is not None else "full_attention"] * self.n_layers)
+        bad = set(layer_types) - {"full_attention", "sliding_attention"}
         if bad:
-            raise ValueError(f"config: KVFormatCache supports full-attention layers only, found {sorted(bad)}")
+            raise ValueError(f"config: KVFormatCache supports full and sliding-window attention layers, found "
+                             f"{sorted(bad)}")
+        self.windowed = [t == "sliding_attention" for t in layer_types]
         seed_key(seed)  # TypeError/ValueError naming seed
         self.seed = seed
         self.delta_req = check_open_unit("delta_req", delta_req)

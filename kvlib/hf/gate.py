@@ -174,6 +174,9 @@ class GatedCache(KVFormatCache):
                                  "(max_repairs_per_step=None)")
         self.kind = gate_kind(key_format.name)
         super().__init__(key_format, value_format, config, tau=tau, **options)
+        if any(self.windowed):
+            raise ValueError("config: a GatedCache repairs over every position of a head, so it cannot serve "
+                             "sliding-window layers; use make_cache (which honours the window) for this model")
         self.gate_on = bool(gate)
         self.level = level
         self.shadow = shadow
