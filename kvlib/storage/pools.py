@@ -247,6 +247,12 @@ class Int8Store(Store):
             write_int8_kv(self.k, self.v, layer, k, v, slots, rule="witcert" if self.dithered else "rtn")
             return
         if self.dithered:
+            if k.device.type == "cpu":  # the page table's slots: distinct and in range, no re-check needed
+                from kvlib.kernels.int8.write import _write_int8_heads
+
+                _write_int8_heads(self.k, layer, k, slots.to(torch.int64))
+                _write_int8_heads(self.v, layer, v, slots.to(torch.int64))
+                return
             write_int8(self.k, layer, k.contiguous(), slots, backend="torch")
             write_int8(self.v, layer, v.contiguous(), slots, backend="torch")
             return
@@ -332,16 +338,14 @@ class Int8Store(Store):
         return out.o, label, out.tv_bound_one
 
     def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        """CPU: the kernel's float64 torch reference (same radius, same certificate), for dithered keys."""
-        from kvlib.kernels.int8.decode import decode_reference
+        """CPU, dithered keys: the fp32 kernel's arithmetic in torch, every row and head in one batch, with the
+        certificate of its rounding model (``impl="fma"``; :func:`kvlib.kernels.int8.reference.
+        decode_reference_batched` with ``precision="float32"``: the certificate bounds the attention computed)."""
+        from kvlib.kernels.int8.reference import decode_reference_batched
 
-        layout = self.k.dither_layout
-        impl = "auto"
-        if layout != "w24" and (self.group != self.d // 4 or self.group not in (32, 64)):
-            impl = "fma"  # the half-word layouts' reference for shapes the h10 kernel does not take
-        out = decode_reference(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
-                               layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl)
-        return out.o, out.tv_bound_one
+        return decode_reference_batched(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(),
+                                        table.seq_lens, layer=layer, seed=self.seed, sm_scale=sm, delta=delta,
+                                        impl="fma", precision="float32")
 
 
 class Int4Store(Store):
