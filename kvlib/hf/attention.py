@@ -101,8 +101,16 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             return gate(layer, query[:, :, 0], o, sm, kv).to(query.dtype).unsqueeze(1), None
         if o is not None:
             return o.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, d], as the HF implementations return
-    k_all, v_all = layer.dequantized()
+    k_all, v_all, rotated = layer.reference_kv()
     layer.path = "torch-reference"
+    if rotated and not kwargs.get("output_attentions", False):  # (H q) . (H k) = q . k: rotate one query, not L keys
+        from kvlib.core.hadamard import hadamard
+
+        query = hadamard(query)
+    elif rotated:
+        from kvlib.core.hadamard import hadamard
+
+        k_all = hadamard(k_all)
     return fn(module, query, k_all, v_all, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -300,7 +300,15 @@ class KVFormatLayer(CacheLayerMixin):
         fp16 range: :meth:`KVFormat.representable`) is written as zeros and its row is flagged (``row_flags()``;
         its certificates are ``+inf``, vacuous, and counted as overflow). Elementwise, no host sync."""
         c = self.cache
-        bad = ~(c.key_format.representable(k, 0) & c.value_format.representable(v, 1))  # [B, H, s]
+        kf, vf = c.key_format, c.value_format
+        if k.device.type == "cpu" and not self.table.static:
+            # growing pools on the CPU, where a host check is free: the cheap sufficient test first, and nothing to
+            # rewrite when every vector passes (static pools and GPUs: no host read, the elementwise path below)
+            if bool((kf.surely_representable(k, 0) & vf.surely_representable(v, 1)).all()):
+                if self.bad is None or self.bad.shape[0] != k.shape[0]:
+                    self.bad = torch.zeros(k.shape[0], dtype=torch.bool)
+                return k, v
+        bad = ~(kf.representable(k, 0) & vf.representable(v, 1))  # [B, H, s]
         if rows_keep is not None:
             bad = bad & rows_keep[:, None, :]
         rows_bad = bad.flatten(1).any(1)
@@ -364,22 +372,29 @@ class KVFormatLayer(CacheLayerMixin):
         self.pad = list(pad)
 
     # -- reads ----------------------------------------------------------------------------------
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The reference path's K, V (:meth:`dequantized`) and whether the keys are left in the stored rotated basis
+        (INT4 pools: the caller rotates its query with :func:`kvlib.core.hadamard.hadamard` instead of every key)."""
+        rot = isinstance(self.cache.store, Int4Store)
+        return (*self.dequantized(keys_rotated=rot), rot)
+
+    def dequantized(self, keys_rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K, V ``[B, H, columns, d]`` (model dtype) at the model's columns (pads zero): the reference
-        path's transient view of the pool."""
+        path's transient view of the pool. ``keys_rotated``: INT4 pools' keys in their stored basis."""
         store, t = self.cache.store, self.table
         n = max(t.lens) if t.lens else 0
         if isinstance(store, ObjectStore):
             k, v = store.read_rows(self.layer_idx, n)
         elif isinstance(store, Int4Store):
-            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens)
+            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens, rotated=keys_rotated)
         else:
             k, v = store.gather(self.layer_idx, t.slot_table()[:, :n])
         k, v = k.to(self.dtype), v.to(self.dtype)
-        lens = torch.tensor(t.lens, device=k.device)
-        valid = torch.arange(n, device=k.device)[None, :] < lens[:, None]
-        k = k * valid[:, None, :, None]
-        v = v * valid[:, None, :, None]
+        if min(t.lens, default=n) < n:  # rows shorter than the longest: zero what lies past their length
+            lens = torch.tensor(t.lens, device=k.device)
+            valid = torch.arange(n, device=k.device)[None, :] < lens[:, None]
+            k = k * valid[:, None, :, None]
+            v = v * valid[:, None, :, None]
         if any(self.pad) or n != self.columns:
             kk = k.new_zeros(k.shape[0], k.shape[1], self.columns, k.shape[-1])
             vv = torch.zeros_like(kk)
