@@ -149,25 +149,26 @@ def _side_cpu(side: PoolSide) -> PoolSide:
 # batched torch reference: the CPU decode path of the HF cache
 def _dequant_batched(side: PoolSide, sl: torch.Tensor, *, layer: int, seed: int, side_id: int, dithered: bool,
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``[B, H, L, d]`` in ``dtype`` of every KV head at slots ``sl [B, L]``: ``s (c - xi)`` (``s c`` for RTN),
-    outliers substituted. In float64 the values of :func:`dequant_rows` (every operation exact there); in float32
-    the fp32 kernel's dequantisation (one rounding for ``c - xi``, one for the product)."""
+    """``[H, B, L, d]`` (head-major: every (head, row) block contiguous for the matmuls) in ``dtype`` of every KV
+    head at slots ``sl [B, L]``: ``s (c - xi)`` (``s c`` for RTN), outliers substituted. In float64 the values of
+    :func:`dequant_rows` (every operation exact there); in float32 the fp32 kernel's dequantisation (one rounding
+    for ``c - xi``, one for the product)."""
     b, n = sl.shape
     hkv, d = side.codes.shape[1], side.codes.shape[2]
-    heads = torch.arange(hkv)[None, :, None]
-    idx = (sl[:, None, :], heads)  # gathered straight into [B, H, L, ...]: no transposed copy later
-    x = side.codes[idx].to(dtype)
-    if dithered:
-        flat = sl.reshape(-1)
-        xi = torch.stack([cached_dither(flat, d, layer=layer, kv_head=h, seed=seed, side=side_id,
-                                        layout=side.dither_layout).view(b, n, d) for h in range(hkv)], 1)
-        x = x.sub_(xi.to(dtype))
+    flat = sl.reshape(-1)
     ng = side.scales.shape[-1]
-    x = (x.view(b, hkv, n, ng, -1) * side.scales[idx].to(dtype).unsqueeze(-1)).view(b, hkv, n, d)
-    if side.outliers is not None:
-        oc = side.outlier_channels.to(torch.int64)  # [H, m]
-        x.scatter_(-1, oc[None, :, None, :].expand(b, -1, n, -1), side.outliers[idx].to(dtype))
-    return x
+    x = torch.empty(hkv, b * n, d, dtype=dtype)
+    for h in range(hkv):  # whole rows of one head at a time, each step in place
+        xh = x[h]
+        xh.copy_(side.codes[:, h].index_select(0, flat))
+        if dithered:
+            xh.sub_(cached_dither(flat, d, layer=layer, kv_head=h, seed=seed, side=side_id,
+                                  layout=side.dither_layout).to(dtype))
+        xh.view(b * n, ng, -1).mul_(side.scales[:, h].index_select(0, flat).to(dtype).unsqueeze(-1))
+        if side.outliers is not None:
+            oc = side.outlier_channels[h].to(torch.int64)
+            xh[:, oc] = side.outliers[:, h].index_select(0, flat).to(dtype)
+    return x.view(hkv, b, n, d)
 
 
 def _query_residual_mult_batched(q: torch.Tensor, sm: float, group: int, outlier_channels: torch.Tensor | None,
@@ -231,15 +232,15 @@ def decode_reference_batched(
     n = max(int(lens.max()), 1) if lens.numel() else 1
     valid = torch.arange(n)[None, :] < lens[:, None]  # [B, L]
     sl = torch.where(valid, slots[:, :n].to(torch.int64), torch.zeros((), dtype=torch.int64))
-    kh = _dequant_batched(k, sl, layer=layer, seed=seed, side_id=0, dithered=k.dithered, dtype=ft)  # [B, H, L, d]
+    kh = _dequant_batched(k, sl, layer=layer, seed=seed, side_id=0, dithered=k.dithered, dtype=ft)  # [H, B, L, d]
     vh = _dequant_batched(v, sl, layer=layer, seed=seed, side_id=1, dithered=False, dtype=ft)
-    qh = q.to(ft).view(B, hkv, gqa, d)
+    qh = q.to(ft).view(B, hkv, gqa, d).transpose(0, 1)  # [H, B, gqa, d]
     vm = valid[:, None, None, :]  # [B, 1, 1, L]
     # fp32: the dot alone in fp32 (what the fma slack covers), then sm in float64
-    z = sm * (qh @ kh.transpose(-1, -2)).to(torch.float64)  # [B, H, gqa, L]
+    z = sm * (kh @ qh.transpose(-1, -2)).permute(1, 0, 3, 2).to(torch.float64)  # [B, H, gqa, L]
     zm = torch.where(vm, z, torch.full_like(z, -math.inf))
     p = torch.softmax(zm, -1)
-    o = (p.to(ft) @ vh).reshape(B, hq, d)
+    o = (p.to(ft).transpose(0, 1) @ vh).transpose(0, 1).reshape(B, hq, d)
     if not k.dithered:
         return (o, None, zm.reshape(B, hq, n)) if return_scores else (o, None)
     q64 = q.to(torch.float64).view(B, hkv, gqa, d)
