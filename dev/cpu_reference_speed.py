@@ -4,7 +4,7 @@ Batch 4, a 256-token prompt, 32 decoded tokens (the issue's shape; the real-mode
 over prompts of 256-2048 tokens). Each format and DynamicCache are timed interleaved, ``--reps`` rounds, and the
 ratio of medians is printed (the machine is shared: only side-by-side ratios mean anything). The process's CPU
 time is the measure (one thread): other jobs on a shared machine stretch the wall clock, not it.
-``--tree DIR`` imports kvlib from another checkout (the before/after comparison: run it once per tree, interleaved).
+Before/after: run it with ``PYTHONPATH`` pointing at each checkout in turn (the script itself imports kvlib only).
 
     python dev/cpu_reference_speed.py [--formats a,b] [--reps 3] [--profile out.txt]
 """
