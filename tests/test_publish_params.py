@@ -22,7 +22,7 @@ def sandbox(tmp_path, monkeypatch):
 
 
 def run_notebooks(*a, **kw):
-    pytest.importorskip("nbformat", reason="the runner needs the book extra")
+    pytest.importorskip("papermill", reason="the runner needs the book extra")
     from kvlib.publish.runner import run_notebooks as run
 
     return run(*a, **kw)
@@ -51,7 +51,7 @@ def test_run_refuses_a_profile_other_than_the_executed_one(monkeypatch):
 
 
 def test_cli_refuses_profile_parameter(sandbox):
-    pytest.importorskip("nbformat", reason="the runner needs the book extra")
+    pytest.importorskip("papermill", reason="the runner needs the book extra")
     from kvlib.publish.__main__ import main
 
     assert main(["run", "--profile", "ci", "--only", "concentration_theory", "-p", "profile=cpu",
@@ -73,7 +73,7 @@ def test_parameter_types_checked_before_running(sandbox, value, ok):
 def test_registered_parameter_types():
     """Every registered profile's parameters have the type of the notebook's defaults (the check is not too
     strict for the registry itself)."""
-    pytest.importorskip("nbformat", reason="the runner needs the book extra")
+    pytest.importorskip("papermill", reason="the runner needs the book extra")
     from kvlib.publish.registry import all_notebooks
     from kvlib.publish.runner import validate
 
