@@ -272,8 +272,12 @@ def paged_kv_bytes(fmt: str, *, layers: int, batch: int, kv_heads: int, max_len:
 def cache_bytes(cache) -> int:
     """KV bytes measured from the cache's tensors: ``kv_nbytes()`` for kvlib's; for HF's, each layer's K/V
     tensors (``QuantizedCache``: packed codes, scales and zero points plus the bf16 residual)."""
-    if getattr(cache, "_kvlib", False):
-        return int(cache.kv_nbytes())
+    if getattr(cache, "_kvlib", False):  # the pools and tables; a gated cache's shadow is reported beside them
+        parts = getattr(cache, "nbytes_breakdown", None)
+        if parts is None:
+            return int(cache.kv_nbytes())
+        b = parts()
+        return int(b["pools"] + b["page_tables"])
     from kvlib.bench.peers_hf import held_bytes, layer_bytes
 
     total = 0

@@ -69,6 +69,33 @@ class KVFormat(ABC):
     #: positions held by a fixed per-stream side buffer (KV4-RL's sinks + recent window), 0 when none;
     #: its bytes are :meth:`fixed_bytes`
     capacity: int = 0
+    #: True when write() reads nothing of its context but ``side`` (no layer, head, slot or seed: no dither, no
+    #: random rounding) and works per token: a store may then write and read every head of a token as one batch
+    #: of rows (the same bytes as head by head)
+    batch_heads: ClassVar[bool] = False
+    #: the largest element magnitude the format stores faithfully (fp16 scales, offsets or values overflow past
+    #: it); :meth:`representable` checks it
+    max_abs: ClassVar[float] = float("inf")
+
+    def representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """bool ``x.shape[:-1]``: which vectors of ``x [..., d]`` (one token of one head each) the format stores
+        faithfully: finite, and within :attr:`max_abs` of what it quantises (a rotated stream: after rotation).
+        Elementwise, no host sync; the cache isolates the vectors that are not (zeroed and their row flagged)."""
+        y = self._stored_view(x, side)
+        a = y.abs().amax(-1)  # NaN propagates through the max
+        lim = self.max_abs
+        if y.is_floating_point():  # one comparison: finite and within range (NaN compares False)
+            lim = min(lim, torch.finfo(y.dtype).max)
+        return a <= lim
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """A cheaper sufficient test: True only where :meth:`representable` is True (a rotating format bounds the
+        rotation instead of computing it); False says nothing. Default: :meth:`representable` itself."""
+        return self.representable(x, side)
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """What the format quantises of ``x`` (a rotating format overrides: the rotated vector)."""
+        return x
 
     @abstractmethod
     def write(self, x: torch.Tensor, **ctx: Any) -> Any:

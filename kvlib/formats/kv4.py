@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_positive_int, check_tensor
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, per_token, register_format
 
@@ -144,11 +144,22 @@ class KV4Format(KVFormat):
 
     options: ClassVar[tuple[str, ...]] = ("group", "rotate")
     default_group: ClassVar[int | None] = None
+    max_abs: ClassVar[float] = 65504.0  # the fp16 offset (the group's minimum) and scale
+    batch_heads = True
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        if not rotates(self.rotate, side):
+            return self.representable(x, side)
+        # |H x|_inf <= ||x||_1 / sqrt(d) (the entries of H are +-1/sqrt(d)), with room for fp32 rounding: no rotation
+        return x.float().abs().sum(-1) * (x.shape[-1] ** -0.5 * (1 + 2.0**-10)) <= self.max_abs
 
     def __init__(self, group: int | None = -1, rotate: str = "k") -> None:
         self.group = self.default_group if group == -1 else group
         if self.group is not None:
-            check_group("group", self.group, self.group)  # positive int; divisibility checked on write
+            check_positive_int("group", self.group)  # divisibility by the head dim is checked on write
         self.rotate = check_rotate(rotate)
 
     def write(self, x: torch.Tensor, side: int = 0, **ctx: Any) -> Int4Tensor:

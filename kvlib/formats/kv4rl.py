@@ -133,6 +133,16 @@ class KV4RLFormat(KVFormat):
     kernel = "int4"
 
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "capacity", "protect", "group", "rotate")
+    max_abs: ClassVar[float] = 65504.0  # the KV4 main store's fp16 offset; the INT8 side's scales allow more
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        if not rotates(self.rotate, side):
+            return self.representable(x, side)
+        # |H x|_inf <= ||x||_1 / sqrt(d) (the entries of H are +-1/sqrt(d)), with room for fp32 rounding: no rotation
+        return x.float().abs().sum(-1) * (x.shape[-1] ** -0.5 * (1 + 2.0**-10)) <= self.max_abs
 
     def __init__(
         self,

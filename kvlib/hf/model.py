@@ -88,7 +88,8 @@ def _register_attention() -> None:
 
 def _remember_cache(module: Any, args: tuple, kwargs: dict) -> None:
     # forward pre-hook: the attention function cannot see the cache, so park it on the module
-    module._kvlib_cache = kwargs.get("past_key_values")
+    # transformers 5.24 renamed the keyword (past_key_values -> cache)
+    module._kvlib_cache = kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def instrument(model: Any) -> Any:

@@ -66,13 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     sl.add_argument("--only", nargs="+", metavar="NOTEBOOK")
     args = ap.parse_args(argv)
 
-    from kvlib.publish import assemble as asm
     from kvlib.publish.registry import all_notebooks, load_registry
 
-    if args.cmd == "list":
+    if args.cmd == "list":  # the registry alone: works without the book extra
         for nb in all_notebooks():
             print(f"{nb.chapter:22s} {nb.name:36s} profiles={','.join(nb.profiles)}{'  (GPU)' if nb.needs_gpu else ''}")
         return 0
+    try:
+        from kvlib.publish import assemble as asm
+    except ModuleNotFoundError as e:
+        print(f"error: `{args.cmd}` needs the book extra ({e.name} is missing): pip install -e \".[book]\" "
+              "(or make install)", file=sys.stderr)
+        return 2
     if args.cmd == "toc":
         from kvlib.publish.provenance import repo_root
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import os
 from typing import Any
 
 from kvlib.publish.provenance import PROFILES, provenance, save_result
@@ -50,6 +51,12 @@ class Run:
     def __init__(self, name: str, *, profile: str, params: dict[str, Any] | None = None) -> None:
         if profile not in PROFILES:
             raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+        # the runner names the profile it executes at: a notebook parameter cannot reroute a run's results into
+        # another profile's files (a ci-sized run saved as the committed cpu result)
+        ran_at = os.environ.get("KVLIB_PROFILE")
+        if ran_at and ran_at != profile:
+            raise ValueError(f"profile={profile!r}: this notebook is being executed at the {ran_at!r} profile; its "
+                             f"results go to data/results/{ran_at} (run with --profile {profile} instead)")
         self.name = name
         self.profile = profile
         self.params = dict(params or {})

@@ -49,10 +49,53 @@ def notebook_parameters(source: str | Path | nbformat.NotebookNode) -> set[str]:
         return set(pm.inspect_notebook(str(tmp)).keys())
 
 
+def _parameter_defaults(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """``{name: default source text}`` of the notebook's ``parameters`` cell (papermill's own inspection)."""
+    import papermill as pm
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d) / "source.ipynb"
+        nbformat.write(nb, tmp)
+        return {k: v.get("default") for k, v in pm.inspect_notebook(str(tmp)).items()}
+
+
+def _fits(default: Any, value: Any) -> bool:
+    """Whether ``value`` can stand for a parameter whose default is ``default``: numbers are strict (an int takes
+    an int, a float an int or a float, a bool a bool), a str default also takes a list of str, and a list default
+    also takes one element of its first element's type (the notebooks accept a scalar for a one-element list)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, str):
+        return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value))
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple)) or (len(default) > 0 and _fits(default[0], value))
+    return True
+
+
+def _type_problem(name: str, default_src: str | None, value: Any) -> str | None:
+    """Why ``value`` cannot stand for a parameter whose default is the source text ``default_src`` (None: it can;
+    a default of None or one that is not a literal takes anything). See :func:`_fits`."""
+    import ast
+
+    try:
+        default = ast.literal_eval(default_src) if default_src is not None else None
+    except (ValueError, SyntaxError):
+        return None
+    if default is None or _fits(default, value):
+        return None
+    return (f"parameter {name}={value!r} is a {type(value).__name__}; the notebook's default {default_src} is a "
+            f"{type(default).__name__}")
+
+
 def validate(entry: NotebookEntry, params: dict[str, Any]) -> nbformat.NotebookNode:
-    """Unknown parameters are an error before anything runs; returns the converted notebook."""
+    """Unknown or mistyped parameters are an error before anything runs; returns the converted notebook."""
     nb = load_source(source_path(entry))
-    declared = notebook_parameters(nb)
+    defaults = _parameter_defaults(nb)
+    declared = set(defaults)
     if not declared:
         raise ValueError(f"notebook {entry.name!r} has no cell tagged 'parameters'")
     unknown = sorted(set(params) - declared)
@@ -60,6 +103,9 @@ def validate(entry: NotebookEntry, params: dict[str, Any]) -> nbformat.NotebookN
         raise ValueError(
             f"notebook {entry.name!r} has no parameter(s) {unknown}; it declares {sorted(declared)}"
         )
+    bad = [m for k, v in params.items() if (m := _type_problem(k, defaults[k], v))]
+    if bad:
+        raise ValueError(f"notebook {entry.name!r}: " + "; ".join(bad))
     return nb
 
 
@@ -198,6 +244,10 @@ def run_notebooks(
 
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    if "profile" in (overrides or {}):
+        # the profile decides where results are written: it is --profile's, never a parameter's
+        raise ValueError(f"-p profile={overrides['profile']!r}: the profile is not a parameter; use --profile "
+                         "(a parameter cannot reroute a run into another profile's results)")
     entries = select(profile, only) if entries is None else [e for e in entries if not only or e.name in only]
     plan: list[tuple[NotebookEntry, dict[str, Any] | None, nbformat.NotebookNode | None, str]] = []
     # Validate everything first, so a typo fails in a second, not after an hour of runs.

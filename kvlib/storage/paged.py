@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from kvlib.core.checks import check_group, check_positive_int, check_tensor
-from kvlib.core.philox import cached_dither, check_layout_d
+from kvlib.core.philox import check_layout_d
 
 
 def bytes_per_token_head(d: int, group: int = 32, n_out: int = 0) -> int:
@@ -131,6 +131,7 @@ class PagedPool:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Torch reference read: fp32 ``[N, H, d]`` = ``s (c - xi)`` with outliers substituted."""
+        from kvlib.core.dither_tables import cached_dither  # the same dither, kept per stream by slot
         from kvlib.formats.dither_int8 import dequantize_codes
 
         check_tensor("slots", slots, ndim=1, floating=False)

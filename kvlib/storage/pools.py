@@ -228,6 +228,12 @@ class Int8Store(Store):
             write_int8_kv(self.k, self.v, layer, k, v, slots, rule="witcert" if self.dithered else "rtn")
             return
         if self.dithered:
+            if k.device.type == "cpu":  # the page table's slots: distinct and in range, no re-check needed
+                from kvlib.kernels.int8.write import _write_int8_heads
+
+                _write_int8_heads(self.k, layer, k, slots.to(torch.int64))
+                _write_int8_heads(self.v, layer, v, slots.to(torch.int64))
+                return
             write_int8(self.k, layer, k.contiguous(), slots, backend="torch")
             write_int8(self.v, layer, v.contiguous(), slots, backend="torch")
             return
@@ -247,8 +253,8 @@ class Int8Store(Store):
         return out[0], out[1]
 
     def _read_rtn(self, pool: PagedPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        s = pool.scales[layer, slots].float().repeat_interleave(self.group, dim=-1)
-        x = s * pool.codes[layer, slots].float()
+        c = pool.codes[layer, slots].float()  # s * c per group, without expanding the scales
+        x = (c.unflatten(-1, (-1, self.group)) * pool.scales[layer, slots].float().unsqueeze(-1)).flatten(-2)
         if pool.n_out:
             oc = pool.outlier_channels[layer]
             x.scatter_(-1, oc.unsqueeze(0).expand(x.shape[0], -1, -1), pool.outliers[layer, slots].float())
@@ -313,16 +319,26 @@ class Int8Store(Store):
         return out.o, label, out.tv_bound_one
 
     def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        """CPU: the kernel's float64 torch reference (same radius, same certificate), for dithered keys."""
-        from kvlib.kernels.int8.decode import decode_reference
+        """CPU, dithered keys: the fp32 kernel's arithmetic in torch, every row and head in one batch, with the
+        certificate of its rounding model (``impl="fma"``; :func:`kvlib.kernels.int8.reference.
+        decode_reference_batched` with ``precision="float32"``: the certificate bounds the attention computed)."""
+        from kvlib.kernels.int8.reference import decode_reference_batched
 
-        layout = self.k.dither_layout
-        impl = "auto"
-        if layout != "w24" and (self.group != self.d // 4 or self.group not in (32, 64)):
-            impl = "fma"  # the half-word layouts' reference for shapes the h10 kernel does not take
-        out = decode_reference(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
-                               layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl)
-        return out.o, out.tv_bound_one
+        return decode_reference_batched(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(),
+                                        table.seq_lens, layer=layer, seed=self.seed, sm_scale=sm, delta=delta,
+                                        impl="fma", precision="float32")
+
+
+_NIBBLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _nibble_values(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 2]``: the low and high nibble of every byte (as :func:`kvlib.formats.kv4.unpack_nibbles`)."""
+    t = _NIBBLES.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int32)
+        t = _NIBBLES[device] = torch.stack((b & 15, b >> 4), -1).to(device=device, dtype=torch.float32)
+    return t
 
 
 class Int4Store(Store):
@@ -527,20 +543,23 @@ class Int4Store(Store):
         return main_range(n, self.sink, self.recent)
 
     def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvlib.formats.kv4 import unpack_nibbles
-
         b, n = st.shape
-        flat = st.reshape(-1).long()
+        idx = (st.long()[:, None, :], torch.arange(self.n_kv, device=st.device)[None, :, None])  # -> [B, H, n]
+        table = _nibble_values(st.device)
         out = []
         for side in (0, 1):
-            c = unpack_nibbles(self.codes[side][layer, flat]).float()
-            sc, off = self.scale[side][layer, flat].float(), self.off[side][layer, flat].float()
-            x = c * sc.unsqueeze(-1) + off.unsqueeze(-1)
-            out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2).contiguous())
+            packed = self.codes[side][layer][idx]  # [B, H, n, d // 2] uint8
+            # both nibbles of every byte as float32 from a 256-row table (unpack_nibbles(p).float() in one gather)
+            c = table.index_select(0, packed.reshape(-1).to(torch.int32)).view(b, self.n_kv, n, self.d)
+            sc, off = self.scale[side][layer][idx].float(), self.off[side][layer][idx].float()
+            out.append(c * sc.unsqueeze(-1) + off.unsqueeze(-1))
         return out[0], out[1]  # keys still rotated; see gather_rows
 
-    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected)."""
+    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor, rotated: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected);
+        ``rotated``: keys in the stored (Hadamard-rotated) basis, for a caller that rotates its query instead
+        (one vector instead of every position: scores are the same, H being orthonormal)."""
         k, v = self.gather(layer, st)
         if self.rl:
             pos = side_positions(lens.to(k.device), self.sink, self.recent)  # [B, C]
@@ -549,7 +568,7 @@ class Int4Store(Store):
                 ok = pos >= 0
                 bi, ci = ok.nonzero(as_tuple=True)
                 x[bi, :, pos[bi, ci]] = vals[bi, :, ci]
-        return hadamard(k), v
+        return (k if rotated else hadamard(k)), v
 
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         if self.rl:
@@ -648,10 +667,26 @@ class FormatStore(Store):
             ctx["outlier_channels"] = self.outlier_table[layer, h].to(torch.int64)
         return ctx
 
+    def _batched(self, side: int) -> bool:
+        """Every head of a token in one write/read (the format's ``batch_heads``, no per-head outlier channels)."""
+        return type(self.formats[side]).batch_heads and not (self.outlier_table is not None
+                                                            and side in self.outlier_sides)
+
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
         self.write_path = "reference-torch"  # the format's own write per head (no kernel)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
+            if self._batched(side) and self.fields[side] is not None:
+                n = x.shape[0]
+                p = fmt.write(x.reshape(n * self.n_kv, self.d).float(), side=side)
+                for name, t in self.fields[side].items():
+                    f = getattr(p, name)
+                    t[layer, slots] = f.reshape(n, self.n_kv, *f.shape[1:]).to(t.device)
+                meta = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                        if not f.metadata.get("per_token", False)}
+                for h in range(self.n_kv):
+                    self.meta.setdefault((side, layer, h), meta)
+                continue
             for h in range(self.n_kv):
                 p = fmt.write(x[:, h].float(), **self._ctx(layer, h, side, slots, pos))
                 per = {f.name for f in dataclasses.fields(p) if f.metadata.get("per_token", False)}
@@ -672,6 +707,15 @@ class FormatStore(Store):
         out = []
         for side in (0, 1):
             fmt, heads = self.formats[side], []
+            meta = self.meta.get((side, layer, 0))
+            if self._batched(side) and meta is not None:
+                vals = {name: t[layer, flat].reshape(flat.numel() * self.n_kv, *t.shape[3:])
+                        for name, t in self.fields[side].items()}
+                per = {f.name for f in dataclasses.fields(self.cls[side]) if f.metadata.get("per_token", False)}
+                vals.update({name: None for name in per if name not in vals})
+                x = fmt.read(self.cls[side](**vals, **meta)).float()
+                out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2))
+                continue
             for h in range(self.n_kv):
                 meta = self.meta.get((side, layer, h))
                 if meta is None:

@@ -166,10 +166,14 @@ def _check_write_args(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch
 def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor,
                          validate: bool = True) -> None:
     """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot. ``validate=False``
-    skips the host-side checks that synchronise (as the Triton path's does: a like-for-like timing)."""
+    skips the host-side checks that synchronise (as the Triton path's does: a like-for-like timing). CPU slots take
+    :func:`_write_int8_heads` (every head at once, the dither from the slot-indexed tables): the same bytes."""
     _check_write_args(pool, layer, x, slots, validate=validate)
     v = pool.layer(layer)
     slots = slots.to(torch.int64)
+    if slots.device.type == "cpu" and x.device.type == "cpu":
+        _write_int8_heads(pool, layer, x, slots)
+        return
     for h in range(pool.n_kv_heads):
         oc = v.outlier_channels[h] if pool.n_out else None
         qt = dither_quantize(
@@ -181,6 +185,38 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
         v.scales[slots, h] = qt.scales
         if pool.n_out:
             v.outliers[slots, h] = qt.outliers
+
+
+def _write_int8_heads(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """:func:`dither_quantize` of every head of ``x [N, H, d]`` in one pass (CPU): its elementwise arithmetic on
+    ``[N, H, d]`` with the dither of :func:`kvlib.core.dither_tables.cached_dither`, bit for bit
+    ``dither(slots, ...)``; so the stored bytes are the per-head loop's (``tests/test_reference_speedups.py``)."""
+    from kvlib.core.dither_tables import cached_dither
+    from kvlib.formats.dither_int8 import group_scales, quantize_codes
+
+    n, h, d = x.shape
+    v = pool.layer(layer)
+    check_x(x)
+    x32 = x.to(torch.float32)
+    mask = None
+    if pool.n_out:
+        oc = v.outlier_channels.to(torch.int64)  # [H, m]
+        mask = torch.zeros(h, d, dtype=torch.bool).scatter_(-1, oc, True)
+    s16 = group_scales(x32, pool.group, None if pool.include_outliers_in_amax else mask)
+    if not bool(torch.isfinite(s16).all()):
+        raise ValueError("x has values too large for an fp16 scale (amax / 126.5 > 65504)")
+    if pool.dithered:
+        xi = torch.stack([cached_dither(slots, d, layer=layer, kv_head=i, seed=pool.seed, side=pool.side,
+                                        layout=pool.dither_layout) for i in range(h)], 1)
+    else:
+        xi = torch.zeros_like(x32)
+    v.codes[slots] = quantize_codes(x32, s16, xi, pool.group, zero=mask)
+    v.scales[slots] = s16
+    if pool.n_out:
+        outs = torch.gather(x32, -1, oc.unsqueeze(0).expand(n, -1, -1)).to(torch.float16)
+        if not bool(torch.isfinite(outs).all()):
+            raise ValueError("an outlier channel of x overflows fp16")
+        v.outliers[slots] = outs
 
 
 def write_rtn_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
