@@ -35,8 +35,8 @@ def decode_time(model, ids, make, n_new: int, profiler=None) -> float:
 def main() -> None:
     from transformers import DynamicCache
 
+    from kvlib.gate import make_gated_cache
     from kvlib.hf.cache import make_cache
-    from kvlib.hf.gate import make_gated_cache
     from kvlib.hf.model import load_model
 
     ap = argparse.ArgumentParser()

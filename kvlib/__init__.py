@@ -27,11 +27,12 @@ _EXPORTS = {
     "load_model": "kvlib.hf.model",
     "make_cache": "kvlib.hf.cache",
     "kernel_formats": "kvlib.hf.cache",
-    "make_gated_cache": "kvlib.hf.gate",
+    "make_gated_cache": "kvlib.gate",
 }
 _SUBMODULES = {
     # subpackages by concern; see the package map in README.md
-    "core", "formats", "storage", "certify", "kernels", "hf", "analysis", "rollout", "bench", "publish",
+    "core", "formats", "storage", "certify", "kernels", "backends", "hf", "gate", "analysis", "rollout", "bench",
+    "publish",
     # the API page's public module path (kvlib.stats.paired_bootstrap_ci, kvlib.stats.mcnemar)
     "stats",
 }

@@ -264,11 +264,11 @@ def test_kv4rl_fill_stores_what_update_stores(ctx):
     b = e2e.RL_ROW_GROUP + 2  # two row groups, the second partial
     caches = [e2e.make_method_cache("kv4rl", cfg, batch=b, ctx=ctx, device="cpu", dtype=torch.bfloat16) for _ in "ab"]
     assert e2e._rowwise_fill(caches[0])
-    segs = e2e.kv4rl_segments(ctx, 64, caches[0].store.sink, caches[0].store.recent + caches[0].store.undo)
+    segs = e2e.kv4rl_segments(ctx, 64, caches[0].backend.sink, caches[0].backend.recent + caches[0].backend.undo)
     assert segs[0][0] == 0 and segs[-1][1] == ctx and all(x[1] == y[0] for x, y in zip(segs, segs[1:]))
     assert any(not side for *_, side in segs) == (ctx == 400)  # 400 > sink + tail: the codes-only path runs
     e2e.fill(caches[0], cfg, batch=b, ctx=ctx, chunk=64, device="cpu", dtype=torch.bfloat16)
-    assert caches[0].store.rl  # switched back on after the codes-only writes
+    assert caches[0].backend.rl  # switched back on after the codes-only writes
     g = torch.Generator(device="cpu").manual_seed(0)
     shape = (b, cfg.num_key_value_heads, 64, cfg.head_dim)  # past sink 16 + recent 128 + stash 32
     k, v = (torch.randn(shape, generator=g, dtype=torch.bfloat16) for _ in "kv")
@@ -276,7 +276,7 @@ def test_kv4rl_fill_stores_what_update_stores(ctx):
         n = min(64, ctx - start)
         for layer in range(cfg.num_hidden_layers):
             caches[1].update(k[:, :, :n], v[:, :, :n], layer, {"cache_position": torch.arange(start, start + n)})
-    a, b = (c.store for c in caches)
+    a, b = (c.backend for c in caches)
     for name in ("codes", "scale", "off", "side8", "side_scale", "stash8", "stash_scale"):
         xs, ys = getattr(a, name), getattr(b, name)
         for x, y in zip(xs, ys, strict=True):  # per side (and per layer for the side buffer)

@@ -203,7 +203,7 @@ def test_error_bound_holds(name) -> None:
 @pytest.mark.parametrize("name", formats_where(bounded=True))
 def test_the_gate_takes_bounded_formats_from_their_class(name) -> None:
     """The gate certifies a bounded format through the class's own error_bound (no table of its own)."""
-    from kvlib.hf.gate import gate_kind, gateable_formats
+    from kvlib.gate import gate_kind, gateable_formats
 
     assert gate_kind(name) == "deterministic" and name in gateable_formats()
 
@@ -297,7 +297,7 @@ def test_toy_through_make_cache(toy, tiny_model) -> None:
     # hold (every allocated slot, K and V, all layers) + the page tables
     cfg = model.config
     f = get_format(TOY)
-    st = cache2.store
+    st = cache2.backend
     positions = cfg.num_hidden_layers * st.n_slots * cfg.num_key_value_heads
     assert positions >= cfg.num_hidden_layers * cfg.num_key_value_heads * cache2.get_seq_length()
     tables = sum(la.table.nbytes() for la in cache2.layers)  # block tables, lengths (+ per-token slots)

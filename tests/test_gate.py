@@ -1,4 +1,4 @@
-"""The certificate gate (kvlib.hf.gate) on the paged pools: same-step repair from the shadow, exactness,
+"""The certificate gate (kvlib.gate) on the paged pools: same-step repair from the shadow, exactness,
 soundness of the certificate, byte account, levels. Tiny random Llama models on CPU."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvlib.certify.bound import certificate_from_scores
 from kvlib.certify.fallback import block_excess
 from kvlib.formats.base import format_class, formats_where, get_format
+from kvlib.gate import GATE_LEVELS, GatedCache, gate_kind, gateable_formats, make_gated_cache
 from kvlib.hf.cache import make_cache
-from kvlib.hf.gate import GATE_LEVELS, GatedCache, gate_kind, gateable_formats, make_gated_cache
 
 GATED = ("dither-int8", "fp8-e4m3", "kivi2")
 SHORT_KIVI = {"group": 4, "residual": 4}  # a 2-bit body within the 10-token prompt
@@ -53,11 +53,12 @@ def teacher_forced(model, ids: torch.Tensor, cache, steps: int = 3) -> torch.Ten
 
 
 class Recorder:
-    """Wraps gate_step: per call, the layer, query, the output before and after the gate, the new events."""
+    """Wraps the gate (the cache hook's on_step): per call, the layer, query, the output before and after the gate,
+    the new events."""
 
     def __init__(self, cache: GatedCache) -> None:
-        self.cache, self.orig, self.log = cache, cache.gate_step, []
-        cache.gate_step = self.hook
+        self.cache, self.orig, self.log = cache, cache.on_step, []
+        cache.on_step = self.hook
 
     def hook(self, layer, q, o, sm, kv=None):
         n_ev = len(self.cache.events)
@@ -324,8 +325,8 @@ def test_row_summaries_add_up_and_rows_are_independent(model, ids, level) -> Non
 def test_kernel_path_takes_the_kernels_certificate(model, ids) -> None:
     """Under the Triton interpreter the INT8 decode kernel runs; the gate repairs from its certificate."""
     gated = make_gated_cache("dither-int8", model.config, tau=0.0, shadow_dtype=torch.float32)
-    gated._ensure_store(torch.zeros(1, gated.n_kv, 1, D))
-    gated.store.interpret = True
+    gated._ensure_backend(torch.zeros(1, gated.n_kv, 1, D))
+    gated.backend.interpret = True
     got = teacher_forced(model, ids, gated, steps=2)
     assert gated.kernel_path(1).startswith("int8-"), gated.kernel_path(1)
     want = teacher_forced(model, ids, make_cache("fp32", model.config), steps=2)

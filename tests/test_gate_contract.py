@@ -32,8 +32,8 @@ from test_hf_contract import (
     check_padded,
 )
 
+from kvlib.gate import GatedCache, make_gated_cache
 from kvlib.hf.cache import make_cache
-from kvlib.hf.gate import GatedCache, make_gated_cache
 
 torch.set_num_threads(1)
 

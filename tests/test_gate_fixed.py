@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvlib.gate import GatedCache, make_gated_cache
 from kvlib.hf.cache import make_cache
-from kvlib.hf.gate import GatedCache, make_gated_cache
 
 D = 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel test's device: on CPU under TRITON_INTERPRET=1
@@ -103,8 +103,8 @@ def test_tau_zero_fixed_path_equals_the_float_cache(model, ids) -> None:
 
 class Recorder:
     def __init__(self, cache: GatedCache) -> None:
-        self.cache, self.orig, self.orig_cert, self.log = cache, cache.gate_step, cache._step_certificate, []
-        cache.gate_step, cache._step_certificate = self.hook, self.cert
+        self.cache, self.orig, self.orig_cert, self.log = cache, cache.on_step, cache._step_certificate, []
+        cache.on_step, cache._step_certificate = self.hook, self.cert
 
     def cert(self, layer, q, sm, kv=None):
         self.last = self.orig_cert(layer, q, sm, kv)
@@ -178,8 +178,8 @@ def test_fixed_path_on_the_kernel_with_static_pools(ids) -> None:
     model, ids = _model(DK).to(DEV), ids.to(DEV)
     cache = make_gated_cache("dither-int8", model.config, tau=0.0, shadow_dtype=torch.float32, max_repairs_per_step=4,
                              batch_size=2, max_len=16, device=DEV)
-    cache._ensure_store(torch.zeros(2, cache.n_kv, 1, DK, device=DEV))
-    cache.store.interpret = True
+    cache._ensure_backend(torch.zeros(2, cache.n_kv, 1, DK, device=DEV))
+    cache.backend.interpret = True
     got = teacher_forced(model, ids, cache, steps=2)
     assert cache.kernel_path(1).startswith("int8-"), cache.kernel_path(1)
     want = teacher_forced(model, ids, make_cache("fp32", model.config), steps=2)

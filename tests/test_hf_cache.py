@@ -115,11 +115,11 @@ def test_dithered_certificates_are_the_kernel_references_and_sound() -> None:
         cache.update(k, v, layer)
     q = torch.randn(b, 4, 1, d)
     la = cache.layers[1]
-    o = la.decode_kernel(q, d ** -0.5)
+    o = la.decode_step(q, d ** -0.5)
     cert = cache.certificates()
     assert cert.shape == (2, 4, b, 1) or cert.shape[-1] == 0
     c1 = la._certs[-1]  # [B, Hq]
-    st = cache.store
+    st = cache.backend
     # the CPU path computes as the fp32 (fma) kernel does, with that kernel's radius: the float64 reference's
     # certificate and output to fp32 score rounding (tests/test_reference_speedups.py bounds that rounding)
     ref = decode_reference(q[:, :, 0], st.k.layer(1), st.v.layer(1), la.table.slot_table(), la.table.seq_lens,
@@ -305,8 +305,8 @@ def test_kernel_path_through_the_model_matches_the_reference_path(prompt, fmt, t
     dev = "cuda" if cuda else "cpu"
     model = model.to(dev)
     cache = make_cache(fmt, model.config)
-    cache._ensure_store(torch.zeros(1, 2, 1, hd, device=dev))
-    cache.store.interpret = True
+    cache._ensure_backend(torch.zeros(1, 2, 1, hd, device=dev))
+    cache.backend.interpret = True
     out = _generate(model, ids.to(dev), cache, n=2)
     assert cache.kernel_path(1) in KERNEL_PATHS[fmt], cache.kernel_path(1)
     for other in (ref, plain):

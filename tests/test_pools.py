@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kvlib.backends import Int4Backend, Int8Backend, PlainBackend
 from kvlib.formats.base import get_format
 from kvlib.formats.dither_int8 import dither_quantize
 from kvlib.hf.cache import kernel_formats, make_cache
 from kvlib.storage.blocks import BlockAllocator
-from kvlib.storage.pools import Int4Store, Int8Store, PlainStore
 
 D, HKV, L = 32, 2, 2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests' device: on CPU under TRITON_INTERPRET=1
@@ -58,8 +58,8 @@ def test_pages_are_shuffled_and_not_contiguous() -> None:
 def test_dither_int8_pool_bit_exact(layout: str, outliers: bool) -> None:
     table = torch.tensor([[[0, 16], [3, 19]]] * L) if outliers else None
     cache, k, v = _fill("dither-int8", [11, 6], dither_layout=layout, outlier_table=table)
-    st = cache.store
-    assert isinstance(st, Int8Store)
+    st = cache.backend
+    assert isinstance(st, Int8Backend)
     for layer in range(L):
         for b, n in enumerate([11, 6]):
             sl = _slots(cache, layer, b, n)
@@ -83,15 +83,15 @@ def test_rtn_int8_pool_bit_exact() -> None:
     for b, n in enumerate([9, 3]):
         sl = _slots(cache, 1, b, n)
         for h in range(HKV):
-            for pool, x in ((cache.store.k, k), (cache.store.v, v)):
+            for pool, x in ((cache.backend.k, k), (cache.backend.v, v)):
                 p = fmt.write(x[b, h, :n])
                 assert torch.equal(pool.codes[1, sl, h], p.codes) and torch.equal(pool.scales[1, sl, h], p.scales)
 
 
 def test_kv4_pool_bit_exact() -> None:
     cache, k, v = _fill("kv4", [10, 5])
-    st = cache.store
-    assert isinstance(st, Int4Store)
+    st = cache.backend
+    assert isinstance(st, Int4Backend)
     fmt = get_format("kv4")
     for b, n in enumerate([10, 5]):
         sl = _slots(cache, 0, b, n)
@@ -108,7 +108,7 @@ def test_kv4_pool_bit_exact() -> None:
 def test_kv4rl_pool_and_side_buffer_bit_exact() -> None:
     lens = [13, 5]
     cache, k, v = _fill("kv4rl", lens, sink=2, recent=4)
-    st = cache.store
+    st = cache.backend
     fmt = get_format("kv4rl", sink=2, recent=4)
     for b, n in enumerate(lens):
         for h in range(HKV):
@@ -131,7 +131,7 @@ def test_kv4rl_pool_and_side_buffer_bit_exact() -> None:
                                       ("dither-int8", {"outlier_table": torch.tensor([[[0, 16], [3, 19]]] * L)})])
 def test_kv_nbytes_is_formula_times_positions_plus_tables(fmt: str, opts: dict) -> None:
     cache, _, _ = _fill(fmt, [11, 6], **opts)
-    st = cache.store
+    st = cache.backend
     positions = L * st.n_slots * HKV
     tabs = [(la.table.block_table, la.table.seq_lens) + ((la.table.tok, la.table.wpos) if la.table.token_slots else ())
             for la in cache.layers]  # int32 block tables and lengths (+ per-token slots where codes are slot-bound)
@@ -147,8 +147,8 @@ def test_kv_nbytes_is_formula_times_positions_plus_tables(fmt: str, opts: dict) 
 
 def test_static_pools_allocate_once() -> None:
     cache = make_cache("bf16", _cfg(), batch_size=2, max_len=10, block_size=4, device="cpu")
-    st = cache.store
-    assert isinstance(st, PlainStore) and st.num_blocks == 2 * 3
+    st = cache.backend
+    assert isinstance(st, PlainBackend) and st.num_blocks == 2 * 3
     before = cache.kv_nbytes()
     x = torch.randn(2, HKV, 10, D)
     for layer in range(L):
@@ -183,7 +183,7 @@ def test_int8_decode_reference_and_kernel_read_the_shuffled_pool() -> None:
 
     lens = [11, 6]
     cache, _, _ = _fill("dither-int8", lens, device=DEV, d=DK)
-    la, st = cache.layers[1], cache.store
+    la, st = cache.layers[1], cache.backend
     torch.manual_seed(5)
     q = torch.randn(2, 4, DK).to(DEV)
     kk, vv = la.dequantized()
@@ -210,7 +210,7 @@ def test_int4_pages_are_the_paged_kernels_layout() -> None:
     for fmt, opts in (("kv4", {}), ("kv4rl", {"sink": 2, "recent": 4})):
         lens = [13, 7]
         cache, _, _ = _fill(fmt, lens, **opts)
-        st, t = cache.store, cache.layers[1].table
+        st, t = cache.backend, cache.layers[1].table
         torch.manual_seed(6)
         qp = k4.prepare_query_ref(torch.randn(2, 4, D), rotate=True)
         start, end = st.main_range(t.seq_lens)
@@ -237,7 +237,7 @@ def test_kv4rl_crop_restores_the_side_buffer_exactly(prefill: int, steps: int, c
     cache.crop(-crop)
     m = n - crop
     fmt = get_format("kv4rl", sink=2, recent=4)
-    st = cache.store
+    st = cache.backend
     for layer in range(L):
         for b in range(2):
             for h in range(HKV):
@@ -269,7 +269,7 @@ def test_a_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts: dict
         cache.update(x, x, layer)
     one = torch.randn(2, HKV, 1, DK).to(DEV)
     if fmt == "dither-int8":
-        cache.store.write_backend = "triton"  # the CUDA path's write kernel (on CPU under the interpreter)
+        cache.backend.write_backend = "triton"  # the CUDA path's write kernel (on CPU under the interpreter)
 
     def refuse(*a, **k):
         raise AssertionError("host read inside a decode-step write")
@@ -299,7 +299,7 @@ def test_kv4rl_chunked_writes_equal_token_by_token_writes(chunks: tuple[int, ...
     for t in range(n):
         for layer in range(L):
             b.update(k[:, :, t:t + 1], v[:, :, t:t + 1], layer)
-    sa, sb = a.store, b.store
+    sa, sb = a.backend, b.backend
     u = sa.undo
     for layer in range(L):
         for side in (0, 1):

@@ -11,7 +11,7 @@ import torch
 from hf_helpers import prompt, tiny_model
 
 import kvlib
-from kvlib.hf.gate import make_gated_cache
+from kvlib.gate import make_gated_cache
 
 torch.set_num_threads(1)
 
@@ -142,7 +142,7 @@ def test_kv_nbytes_counts_the_shadow(shadow):
     b = gated.nbytes_breakdown()
     shadow_bytes = sum(t.numel() * t.element_size() for pair in gated._sh for t in pair if t is not None)
     # fp16 K and V of every allocated slot of every layer
-    slots = gated.store.n_slots
+    slots = gated.backend.n_slots
     assert b["shadow"] == shadow_bytes == 2 * gated.n_layers * slots * gated.n_kv * gated.head_dim * 2 > 0
     assert gated.kv_nbytes() == b["pools"] + b["page_tables"] + b["shadow"]
     assert b["pools"] + b["page_tables"] == plain.kv_nbytes()  # the same pools as the plain cache
@@ -264,17 +264,17 @@ def test_sliding_window_is_honoured(fmt, tol):
 
 def test_sliding_window_certificate_covers_the_window(monkeypatch):
     """The dither certificate is computed over exactly the positions the window lets through."""
-    from kvlib.storage.pools import Int8Store
+    from kvlib.backends import Int8Backend
 
     model = _windowed_mistral(window=6)
     seen = []
-    real = Int8Store.reference_certificates
+    real = Int8Backend.reference_certificates
 
     def spy(self, layer, q, table, sm, delta):
         seen.append((table.slot_table().clone(), table.seq_lens.clone()))
         return real(self, layer, q, table, sm, delta)
 
-    monkeypatch.setattr(Int8Store, "reference_certificates", spy)
+    monkeypatch.setattr(Int8Backend, "reference_certificates", spy)
     cache = kvlib.make_cache("dither-int8", model.config)
     ids = prompt(2, 10, seed=92)
     with torch.no_grad():

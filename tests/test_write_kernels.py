@@ -66,16 +66,16 @@ def _run(fmt: str, opts: dict, d: int, backend: str, lens: list[int], steps: int
     for layer in range(L):
         la = cache.layers[layer]
         la.lazy_initialization(k, v)
-        cache.store.write_backend = backend
+        cache.backend.write_backend = backend
         la._write(k, v, keep)
         la.columns = s
-        paths.append(cache.store.write_path)
+        paths.append(cache.backend.write_path)
     for _ in range(steps):
         one_k = (torch.randn(b, HKV, 1, d, device=DEV) * 2).to(torch.bfloat16)  # what a bf16 model hands over
         one_v = torch.randn(b, HKV, 1, d, device=DEV).to(torch.bfloat16)
         for layer in range(L):
             cache.update(one_k, one_v, layer)
-        paths.append(cache.store.write_path)
+        paths.append(cache.backend.write_path)
     return cache, paths
 
 
@@ -90,12 +90,12 @@ def test_fused_write_equals_the_torch_write_bit_for_bit(fmt: str, opts: dict, d:
     assert all(p.startswith(f"{fam}-triton") for p in got_paths), got_paths
     assert got_paths[-1] == f"{fam}-triton"  # a decode step: the whole write fused (kv4rl's side buffer too)
     assert any(b2 != b1 + 1 for row in got.layers[0].table.blocks for b1, b2 in zip(row, row[1:]))  # shuffled
-    a, b = _store_tensors(ref.store), _store_tensors(got.store)
+    a, b = _store_tensors(ref.backend), _store_tensors(got.backend)
     assert len(a) == len(b) and len(a) >= 4
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.dtype == y.dtype and torch.equal(x, y), (i, x.dtype, (x != y).sum())
     if fmt == "kv4rl":
-        assert ref.store.valid == got.store.valid
+        assert ref.backend.valid == got.backend.valid
 
 
 def test_kv4_kernel_equals_the_reference_quantizer_on_raw_slots() -> None:
@@ -128,7 +128,7 @@ def test_a_fused_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts
     for layer in range(L):
         cache.update(x, x, layer)
     if fmt != "bf16":
-        cache.store.write_backend = "triton"
+        cache.backend.write_backend = "triton"
     one = torch.randn(2, HKV, 1, d, device=DEV)
 
     def refuse(*a, **k):
@@ -148,7 +148,7 @@ def test_a_fused_decode_step_write_reads_nothing_back_to_the_host(fmt: str, opts
     monkeypatch.undo()
     assert cache.layers[0].table.seq_lens.tolist() == [8, 8]
     if fmt != "bf16":
-        assert cache.store.write_path.endswith("-triton"), cache.store.write_path
+        assert cache.backend.write_path.endswith("-triton"), cache.backend.write_path
 
 
 def test_the_torch_write_path_of_rtn_int8_does_read_the_host() -> None:
@@ -157,7 +157,7 @@ def test_the_torch_write_path_of_rtn_int8_does_read_the_host() -> None:
     cache = make_cache("rtn-int8", _cfg(d), batch_size=2, max_len=16, block_size=4, device=DEV)
     x = torch.randn(2, HKV, 3, d, device=DEV)
     cache.update(x, x, 0)
-    cache.store.write_backend = "torch"
+    cache.backend.write_backend = "torch"
     calls = []
     orig = torch.Tensor.__bool__
 
@@ -179,11 +179,11 @@ def test_write_path_auto_and_explicit_choices() -> None:
     x = torch.randn(1, HKV, 2, d, device=DEV)
     cache.update(x, x, 0)
     # auto: fused on CUDA; on a plain CPU the torch path, and it says so
-    assert cache.store.write_path == ("kv4-triton" if DEV == "cuda" else "kv4-torch")
-    cache.store.interpret = True  # the decode kernels under the interpreter: the fused write too
+    assert cache.backend.write_path == ("kv4-triton" if DEV == "cuda" else "kv4-torch")
+    cache.backend.interpret = True  # the decode kernels under the interpreter: the fused write too
     cache.update(x[:, :, :1], x[:, :, :1], 0)
-    assert cache.store.write_path == "kv4-triton"
-    cache.store.write_backend = "fast"
+    assert cache.backend.write_path == "kv4-triton"
+    cache.backend.write_backend = "fast"
     with pytest.raises(ValueError, match="write_backend"):
         cache.update(x[:, :, :1], x[:, :, :1], 0)
 
@@ -191,14 +191,14 @@ def test_write_path_auto_and_explicit_choices() -> None:
 def test_fused_write_refuses_shapes_it_cannot_take() -> None:
     cache = make_cache("rtn-int8", _cfg(48), block_size=4, group=16, device=DEV)  # d // group = 3: not the kernel's
     x = torch.randn(1, HKV, 2, 48, device=DEV)
-    cache._ensure_store(x)
-    cache.store.write_backend = "triton"
+    cache._ensure_backend(x)
+    cache.backend.write_backend = "triton"
     with pytest.raises(ValueError, match="powers of two"):
         cache.update(x, x, 0)
-    cache.store.write_backend = "auto"
-    cache.store.interpret = True
+    cache.backend.write_backend = "auto"
+    cache.backend.interpret = True
     cache.update(x, x, 1)
-    assert cache.store.write_path.startswith("int8-torch:")  # auto takes the torch path and says why
+    assert cache.backend.write_path.startswith("int8-torch:")  # auto takes the torch path and says why
 
 
 def _pages(ns: int, h: int, d: int):
@@ -269,14 +269,17 @@ def test_write_int8_kv_bad_inputs_name_the_argument() -> None:
 
 @pytest.mark.parametrize("fmt", ["kv4", "dither-int8"])  # block-table slots; token-slot mode (slot-bound pages)
 def test_step_addresses_kernel_equals_the_torch_addressing(fmt: str) -> None:
-    """PageTable.step_addresses: one launch == rows, pos, write_slots, pos + 1 (and the token-slot record)."""
+    """kvlib.backends.step_addresses: one launch == PageTable.step_addresses (rows, pos, write_slots, pos + 1, and the
+    token-slot record)."""
+    from kvlib.backends import step_addresses
+
     lens = [9, 3, 6]
     tabs = []
     for backend in ("torch", "triton"):
         cache, _ = _run(fmt, {}, 64, "torch", lens, steps=0)
         t = cache.layers[0].table
         t.reserve([1] * len(lens))
-        got = t.step_addresses(backend)
+        got = step_addresses(t, backend)
         tabs.append((got, t.tok.clone() if t.token_slots else None, t))
     (a, tok_a, ta), (b, tok_b, tb) = tabs
     assert ta.token_slots == (fmt == "dither-int8")
@@ -287,7 +290,7 @@ def test_step_addresses_kernel_equals_the_torch_addressing(fmt: str) -> None:
     if tok_a is not None:
         assert torch.equal(tok_a, tok_b)
     with pytest.raises(ValueError, match="backend"):
-        ta.step_addresses("fast")
+        step_addresses(ta, "fast")
 
 
 @pytest.mark.parametrize("fmt,want", [("bf16", "plain-torch"), ("sr-int8", "reference-torch"),
@@ -296,4 +299,4 @@ def test_stores_without_a_fused_write_say_so(fmt: str, want: str) -> None:
     cache = make_cache(fmt, _cfg(64), block_size=4, device=DEV)
     x = torch.randn(1, HKV, 3, 64, device=DEV)
     cache.update(x, x, 0)
-    assert cache.store.write_path == want
+    assert cache.backend.write_path == want

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the certificate gate (kvlib.hf.gate) on the kernel path: shadow on device and in pinned host memory,
+# GPU check of the certificate gate (kvlib.gate) on the kernel path: shadow on device and in pinned host memory,
 # head and block levels, and the fixed-shape path (max_repairs_per_step); exactness at tau=0 against the fp32 cache;
 # the no-repair step's cost beside the raw cache.
 # Runs from the repo root in < 4 min; prints PASS/FAIL; writes $OUT/gate.json.
@@ -10,7 +10,7 @@ PYTHONPATH="$PWD" OUT="$OUT" "$PY" - <<'PY'
 import json, os, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from kvlib.hf.cache import make_cache
-from kvlib.hf.gate import make_gated_cache
+from kvlib.gate import make_gated_cache
 
 dev = "cuda"
 torch.manual_seed(0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the capturable gate (kvlib.hf.gate, max_repairs_per_step=k: the fixed-shape repair path).
+# GPU check of the capturable gate (kvlib.gate, max_repairs_per_step=k: the fixed-shape repair path).
 # A small random Qwen2 (bf16, dither-int8 h8 on static pools) decodes through the INT8 kernel; a gated decode step is
 # captured in a CUDA graph and replayed, and each replay's logits and the gate's device counters are compared with an
 # identical cache stepped eagerly (same tokens, same positions): tau=0 with the budget covering every group (all
@@ -13,7 +13,7 @@ PYTHONPATH="$PWD" OUT="$OUT" "$PY" - <<'PY'
 import json, os, time, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from kvlib.hf.cache import make_cache
-from kvlib.hf.gate import make_gated_cache
+from kvlib.gate import make_gated_cache
 
 dev, bf16 = "cuda", torch.bfloat16
 NO_MASK = {"full_attention": None, "sliding_attention": None}  # one query over valid positions: no mask

@@ -48,14 +48,14 @@ def main() -> int:
     with torch.no_grad():
         ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **gen)[:, PROMPT_LEN:]
     # certificates: every certified decode call also runs the kernel's float64 reference on the same pool
-    orig = C.KVFormatLayer.decode_kernel
+    orig = C.KVFormatLayer.decode_step
     diffs: list[tuple[float, float]] = []
 
-    def checked(self, query, scaling):
-        o = orig(self, query, scaling)
+    def checked(self, query, scaling, mask=None):
+        o = orig(self, query, scaling, mask)
         if o is not None and str(self.path).startswith("int8") and self._certs:
-            o_ref, c_ref = self.cache.store.reference_certificates(self.layer_idx, query[:, :, 0], self.table,
-                                                                   scaling, self.cache.delta_loc)
+            o_ref, c_ref = self.cache.backend.reference_certificates(self.layer_idx, query[:, :, 0], self.table,
+                                                                     scaling, self.cache.delta_loc)
             c = self._certs[-1].double().cpu()
             c_ref = c_ref.double().cpu()
             fin = torch.isfinite(c_ref)
@@ -64,7 +64,7 @@ def main() -> int:
                           (o.double().cpu() - o_ref.double().cpu()).abs().max().item()))
         return o
 
-    C.KVFormatLayer.decode_kernel = checked
+    C.KVFormatLayer.decode_step = checked
     for fmt in FORMATS:
         row: dict = {}
         try:
@@ -84,7 +84,7 @@ def main() -> int:
             out["fails"].append(f"{fmt}: {row['error']}")
         out["formats"][fmt] = row
         print(fmt, json.dumps({k: v for k, v in row.items() if k != "certificate_summary"})[:400], flush=True)
-    C.KVFormatLayer.decode_kernel = orig
+    C.KVFormatLayer.decode_step = orig
     bf = out["formats"].get("bf16", {})
     if bf.get("exact_rows") != bf.get("rows"):
         out["fails"].append("bf16 passthrough is not greedy-equal to DynamicCache")

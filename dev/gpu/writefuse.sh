@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24, fused pool writes on the GPU (kvlib.kernels.write, kvlib.kernels.int8.write; routed by
-# kvlib.storage.pools): for dither-int8 (w24, h10, h8 with outlier channels), rtn-int8, kv4, kv4rl:
+# kvlib.backends): for dither-int8 (w24, h10, h8 with outlier channels), rtn-int8, kv4, kv4rl:
 #   1. tests/test_write_kernels.py on CUDA but its bit-exactness sweep, which part 2 repeats at larger shapes
 #      (raw-slot kernel check, no host sync in a decode step under torch.cuda.set_sync_debug_mode("error"),
 #      path reporting, bad inputs);
@@ -106,7 +106,7 @@ def tensors(st) -> list[torch.Tensor]:
 
 
 def diff(a, b) -> int:
-    return sum(int((x != y).sum()) for x, y in zip(tensors(a.store), tensors(b.store)))
+    return sum(int((x != y).sum()) for x, y in zip(tensors(a.backend), tensors(b.backend)))
 
 
 def filled(fmt, opts, d, backend, lens, n_layers, max_len, seed=0):
@@ -120,7 +120,7 @@ def filled(fmt, opts, d, backend, lens, n_layers, max_len, seed=0):
     for layer in range(n_layers):
         la = c.layers[layer]
         la.lazy_initialization(k, v)
-        c.store.write_backend = backend
+        c.backend.write_backend = backend
         la._write(k, v, keep)
         la.columns = s
     return c
@@ -148,12 +148,12 @@ for d in ((64, 128) if "bit" in SECTIONS else ()):
                     ref.layers[layer]._write(k1, v1)
                     got.layers[layer]._write(k1, v1)
             n_bad = diff(ref, got)
-            path = got.store.write_path
-            ok = pre == 0 and n_bad == 0 and path.endswith("-triton") and ref.store.write_path.split("-")[-1] == "torch"
+            path = got.backend.write_path
+            ok = pre == 0 and n_bad == 0 and path.endswith("-triton") and ref.backend.write_path.split("-")[-1] == "torch"
             res["bit_exact"].append(dict(format=label, d=d, prefill_mismatches=pre, mismatches=n_bad, path=path,
-                                         ref_path=ref.store.write_path))
+                                         ref_path=ref.backend.write_path))
             line("PASS" if ok else "FAIL", f"bit-exact {label} d={d}: {n_bad} mismatching elements after prefill + "
-                 f"8 steps ({pre} after prefill), path {path} vs {ref.store.write_path}")
+                 f"8 steps ({pre} after prefill), path {path} vs {ref.backend.write_path}")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             line("FAIL", f"bit-exact {label} d={d}: {type(e).__name__}: {e}")
@@ -252,7 +252,7 @@ for b in ((2,) if SMALL else (8, 64)) if "timing" in SECTIONS else ():
                 c.layers[0].lazy_initialization(x, x)
                 for layer in range(1, NL):
                     c.layers[layer].lazy_initialization(x, x)
-                st, t = c.store, c.layers[0].table
+                st, t = c.backend, c.layers[0].table
                 st.write_backend = backend
                 k1 = (torch.randn(b, HKV, 128, device=DEV) * 2).to(torch.bfloat16)
                 v1 = torch.randn(b, HKV, 128, device=DEV).to(torch.bfloat16)

@@ -86,7 +86,7 @@ DEFAULT_BLOCK = 16
 #: layer; kernel_path says what ran). Empty: rtn-int8 decodes through the INT8 kernels' RTN-key mode ("int8-gluon"
 #: in data/results/gpu/e2e.json); a method whose estimate is short runs again alone after an out-of-memory
 REFERENCE_STEP: tuple[str, ...] = ()
-#: our methods that keep a shadow of every stored K/V beside the pools (kvlib.hf.gate, fp16 on the device)
+#: our methods that keep a shadow of every stored K/V beside the pools (kvlib.gate, fp16 on the device)
 SHADOWED = ("dither-int8-gated",)
 HF_QUANT = {"hf-quanto-int4": ("quanto", 0), "hf-hqq-int4": ("hqq", 1)}  # backend, HF's axis for it
 NOOP_ATTN = "kvlib_e2e_noop"
@@ -256,7 +256,7 @@ def paged_kv_bytes(fmt: str, *, layers: int, batch: int, kv_heads: int, max_len:
     every page slot (``max_len`` rounded up to whole pages), its per-row constants (kv4rl: side buffer and the
     crop stash of ``crop_window`` INT8 entries per side), and the int32 page tables (block table and lengths, plus
     per-token slot tables and write indices where codes are bound to their slot: dithered INT8). The account of
-    :mod:`kvlib.storage.pools` / ``tests/test_pools.py``, written from the formats and the page geometry."""
+    :mod:`kvlib.backends` / ``tests/test_pools.py``, written from the formats and the page geometry."""
     from kvlib.formats.base import get_format
 
     f = get_format(fmt, **(options or {}))
@@ -390,11 +390,11 @@ def fill(cache, config, *, batch: int, ctx: int, chunk: int, device: str, dtype:
 
 def _rowwise_fill(cache) -> bool:
     """kv4rl pools: a multi-token write keeps its side buffer and crop stash with a host loop over the tokens
-    of every row it writes (``Int4Store.write``'s chunk path), O(B^2 S) per layer over a fill (hours at B = 64,
+    of every row it writes (``Int4Backend.write``'s chunk path), O(B^2 S) per layer over a fill (hours at B = 64,
     S = 32k), and O(B S) (95 s at B = 64, S = 32k) when written one row per call; :func:`_fill_kv4rl`."""
-    store = getattr(cache, "store", None)
-    return bool(getattr(cache, "_kvlib", False)) and type(store).__name__ == "Int4Store" and bool(
-        getattr(store, "rl", False))
+    backend = getattr(cache, "backend", None)
+    return bool(getattr(cache, "_kvlib", False)) and getattr(backend, "family", None) == "int4" and bool(
+        getattr(backend, "rl", False))
 
 
 #: rows per call of the kv4rl side-buffer writes (the host loop costs rows x tokens per call)
@@ -416,12 +416,12 @@ def kv4rl_segments(ctx: int, chunk: int, sink: int, tail: int) -> list[tuple[int
 
 def _fill_kv4rl(cache, config, k: torch.Tensor, v: torch.Tensor, *, ctx: int, chunk: int) -> None:
     """The kv4rl fill in O(B (sink + recent + crop window)) host work instead of O(B S): the INT4 codes of every
-    position are written by the store's vectorised path with its side buffer off (``store.rl`` False for that
+    position are written by the backend's vectorised path with its side buffer off (``backend.rl`` False for that
     call), and the side buffer (sinks, ring, crop stash) only where its final content comes from: the first
     ``sink`` and the last ``recent + crop_window`` positions, a few rows per call. What a position in between
     writes to the ring or the stash is overwritten by those last positions, so the pools hold the same bits as a
     chunked ``cache.update`` (tests/test_bench_e2e.py::test_kv4rl_fill_stores_what_update_stores)."""
-    store = cache.store
+    store = cache.backend
     tail = int(store.recent) + int(getattr(store, "undo", 0))
     for lo, hi, side in kv4rl_segments(ctx, chunk, int(store.sink), tail):
         a = lo % chunk
@@ -607,8 +607,8 @@ def _cleanup(device: str) -> None:
 
 def write_path(cache) -> str | None:
     """The one-token write path a kvlib cache reports, if it reports one (``write_path`` attribute or method on
-    the cache or its store; None before the caches expose it)."""
-    for obj in (cache, getattr(cache, "store", None)):
+    the cache or its backend; None before the caches expose it)."""
+    for obj in (cache, getattr(cache, "backend", None)):
         w = getattr(obj, "write_path", None) if obj is not None else None
         if w is None:
             continue

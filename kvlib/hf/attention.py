@@ -89,16 +89,15 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         layer.path = "sdpa-prefill"
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[2] == 1 and not kwargs.get("output_attentions", False):
-        windowed = layer.cache.windowed[layer.layer_idx]  # a sliding window: only paths that honour the mask
-        o = layer.decode_masked(query, sm, attention_mask) if windowed else layer.decode_kernel(query, sm)
-        gate = getattr(layer.cache, "gate_step", None)  # kvlib.hf.gate: repair over-threshold rows in this step
-        if gate is not None:
+        o = layer.decode_step(query, sm, attention_mask)  # the backend's kernel (or certified reference), or None
+        hook = layer.cache.hook  # a cache hook (kvlib.gate: repair over-threshold rows in this step)
+        if hook is not None:
             kv = None
             if o is None:
                 kv = layer.dequantized()
                 layer.path = "torch-reference"
                 o = fn(module, query, *kv, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0][:, 0]
-            return gate(layer, query[:, :, 0], o, sm, kv).to(query.dtype).unsqueeze(1), None
+            return hook.on_step(layer, query[:, :, 0], o, sm, kv).to(query.dtype).unsqueeze(1), None
         if o is not None:
             return o.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, d], as the HF implementations return
     k_all, v_all, rotated = layer.reference_kv()

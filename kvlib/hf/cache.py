@@ -2,7 +2,7 @@
 
 ``make_cache(format, config, ...)`` returns a :class:`KVFormatCache`: one :class:`KVFormatLayer` per
 decoder layer, each with its own page table (:class:`kvlib.storage.blocks.PageTable`) over the layer's
-slice of one :class:`kvlib.storage.pools.Store` (the format family's pools). There is no float copy:
+slice of one :class:`kvlib.backends.Backend` (the format family's pages and kernels). There is no float copy:
 ``update`` writes the new tokens into the pool and hands the *new tokens only* back, tagged, to the
 attention function of :mod:`kvlib.hf.attention`, which ``make_cache`` activates on the config. That
 function attends over the float prompt at prefill (SDPA with the mask) and, at each decode step, calls the
@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvlib.backends import Backend, backend_class
 from kvlib.core.checks import check_open_unit, check_positive_int, check_real
 from kvlib.core.philox import seed_key
 from kvlib.formats.base import KVFormat, available_formats, capabilities, format_class, get_format
 from kvlib.storage.blocks import BlockAllocator, PageTable
-from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, Store, store_class
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
     "value_format", "value_options", "key_options", "seed", "tau", "delta_req", "steps",
-    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride",
+    "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride", "hook",
 )
 
 
@@ -105,7 +105,7 @@ def _calling_module_config(depth: int) -> Any:
 
 
 class KVFormatLayer(CacheLayerMixin):
-    """One decoder layer: a page table over its slice of the cache's store (see the module docstring)."""
+    """One decoder layer: a page table over its slice of the cache's backend (see the module docstring)."""
 
     is_sliding = False
     is_compileable = False
@@ -122,7 +122,7 @@ class KVFormatLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # noqa: D401
-        return not isinstance(self.cache.store, ObjectStore)
+        return self.cache.backend_cls.croppable
 
     @property
     def formats(self) -> tuple[KVFormat, KVFormat]:
@@ -131,30 +131,10 @@ class KVFormatLayer(CacheLayerMixin):
     @property
     def packed(self) -> list[list[list[Any]]]:
         """``[side][row][kv_head]``: the format's packed object of each stream, rebuilt from the pages
-        (INT8 pools and format pages; a view for inspection, not what the kernels read)."""
-        from kvlib.formats.dither_int8 import DitherQTensor
-
-        st, t = self.cache.store, self.table
-        out: list[list[list[Any]]] = [[], []]
-        for b, n in enumerate(t.lens):
-            sl = t.slot_table()[b, :n].long()
-            for side in (0, 1):
-                row = []
-                for h in range(self.cache.n_kv):
-                    if isinstance(st, Int8Store):
-                        pool = (st.k, st.v)[side]
-                        oc = pool.outlier_channels[self.layer_idx, h] if pool.n_out else None
-                        outs = pool.outliers[self.layer_idx, sl, h] if pool.n_out else None
-                        row.append(DitherQTensor(pool.codes[self.layer_idx, sl, h], pool.scales[self.layer_idx, sl, h],
-                                                 sl, outs, oc, self.layer_idx, h, st.seed, side, st.group,
-                                                 pool.dithered, pool.dither_layout))
-                    elif isinstance(st, ObjectStore):
-                        row.append(st.objs[side][self.layer_idx][b][h])
-                    else:
-                        raise NotImplementedError(f"packed views exist for INT8 pools and stateful objects, not for "
-                                                  f"{type(st).__name__}")
-                out[side].append(row)
-        return out
+        (INT8 pools, format pages and stateful objects; a view for inspection, not what the kernels read)."""
+        t = self.table
+        return [[self.cache.backend.packed_heads(self.layer_idx, t.slot_table()[b, :n].long(), b, side)
+                 for b, n in enumerate(t.lens)] for side in (0, 1)]
 
     # kvpress-style presses rewrite layer.keys / layer.values: the packed pool cannot take float edits
     @property
@@ -202,15 +182,15 @@ class KVFormatLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         c = self.cache
-        c._ensure_store(key_states)
+        c._ensure_backend(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         if self.table is None:
             self.table = c._new_table(key_states.shape[0])
         self.pad = [0] * key_states.shape[0]
-        if self.table.static and isinstance(c.store, Int8Store) and c.store.dithered:
+        if self.table.static and c.backend.certifies:
             # allocated here, not inside a (possibly captured) decode step whose replays would re-fill it
             self.__dict__["_cert_buf"] = torch.full((self.table.batch, c.n_heads, self.table.max_len), math.nan,
-                                                    dtype=torch.float32, device=c.store.device)
+                                                    dtype=torch.float32, device=c.backend.device)
         self.is_initialized = True
 
     # -- writes ---------------------------------------------------------------------------------
@@ -238,10 +218,7 @@ class KVFormatLayer(CacheLayerMixin):
             self.path = f"dequantized-for:{getattr(c.config, '_attn_implementation', None)}"
             return self.dequantized()
         phase = "prefill" if prior == 0 and c.prefill == "float" else "step"
-        if isinstance(c.store, PlainStore) and c.store.dtype != key_states.dtype:
-            # what the pool holds (a bf16 pool in an fp32 model): the prompt's attention sees the same values
-            key_states = key_states.to(c.store.dtype).to(key_states.dtype)
-            value_states = value_states.to(c.store.dtype).to(value_states.dtype)
+        key_states, value_states = c.backend.as_attended(key_states, value_states)
         key_states = key_states.detach() if key_states.requires_grad else key_states
         tag = _Tag(self, phase)
         key_states._kvlib = tag  # read (and marked consumed) by kvlib.hf.attention; plain tensors everywhere else
@@ -279,43 +256,13 @@ class KVFormatLayer(CacheLayerMixin):
         return torch.where(self.bad.to(cert.device)[:, None], torch.full_like(cert, math.inf), cert)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None = None) -> None:
-        """Append ``k, v [B, H, s, d]`` to every row (``rows_keep [B, s]`` bool: tokens to keep)."""
-        store, t = self.cache.store, self.table
-        b, h, s, d = k.shape
+        """Append ``k, v [B, H, s, d]`` to every row (``rows_keep [B, s]`` bool: tokens to keep); a cache hook (a
+        gated cache's shadow) sees the tokens stored."""
         k, v = self._isolate(k, v, rows_keep)
-        if isinstance(store, ObjectStore):
-            keep = [None] * b if rows_keep is None else list(rows_keep)
-            store.write_rows(self.layer_idx, k, v, t.lens, keep)
-            if self.cache.watch_writes:  # a gated cache's shadow (kvlib.hf.gate): the same tokens, by position
-                m = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
-                r, c = m.nonzero(as_tuple=True)
-                pos = torch.tensor(t.lens, dtype=torch.int64, device=k.device)[r] + (m.cumsum(1) - 1)[r, c]
-                self.cache._on_write(self.layer_idx, k.permute(0, 2, 1, 3)[r, c], v.permute(0, 2, 1, 3)[r, c], r,
-                                     pos, None)
-            t.lens = [n + (s if m is None else int(m.sum())) for n, m in zip(t.lens, keep)]
-            return
-        if rows_keep is None and s == 1:
-            t.reserve([1] * b)
-            rows, pos, slots, lens_after = t.step_addresses()  # one launch on CUDA
-            store.write(self.layer_idx, k[:, :, 0], v[:, :, 0], slots, rows, pos, lens_after, one_per_row=True)
-            if self.cache.watch_writes:
-                self.cache._on_write(self.layer_idx, k[:, :, 0], v[:, :, 0], rows, pos, slots)
-            t.advance([1] * b)
-            return
-        keep = torch.ones(b, s, dtype=torch.bool, device=k.device) if rows_keep is None else rows_keep
-        counts = keep.sum(1)
-        n_new = counts.tolist()  # prefill / chunk: one host sync is fine here
-        t.reserve(n_new)
-        rows, cols = keep.nonzero(as_tuple=True)
-        base = torch.tensor(t.lens, dtype=torch.int64, device=k.device)
-        offs = (keep.cumsum(1) - 1)[rows, cols]
-        pos = base[rows] + offs
-        slots = t.write_slots(rows, pos, offs)
-        kt, vt = k.permute(0, 2, 1, 3)[rows, cols], v.permute(0, 2, 1, 3)[rows, cols]  # [N, H, d]
-        store.write(self.layer_idx, kt, vt, slots, rows, pos, base + counts)
-        if self.cache.watch_writes:
-            self.cache._on_write(self.layer_idx, kt, vt, rows, pos, slots)
-        t.advance(n_new, counts)
+        hook = self.cache.hook
+        written = self.cache.backend.append(self.layer_idx, self.table, k, v, rows_keep, record=hook is not None)
+        if hook is not None:
+            hook.on_write(self.layer_idx, *written)
 
     def rewrite_without_pads(self, k: torch.Tensor, v: torch.Tensor, pad: list[int]) -> None:
         """Prefill with left padding: forget the row writes and store only each row's real tokens."""
@@ -329,21 +276,16 @@ class KVFormatLayer(CacheLayerMixin):
     # -- reads ----------------------------------------------------------------------------------
     def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The reference path's K, V (:meth:`dequantized`) and whether the keys are left in the stored rotated basis
-        (INT4 pools: the caller rotates its query with :func:`kvlib.core.hadamard.hadamard` instead of every key)."""
-        rot = isinstance(self.cache.store, Int4Store)
+        (INT4 pages: the caller rotates its query with :func:`kvlib.core.hadamard.hadamard` instead of every key)."""
+        rot = self.cache.backend.rotated_keys
         return (*self.dequantized(keys_rotated=rot), rot)
 
     def dequantized(self, keys_rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K, V ``[B, H, columns, d]`` (model dtype) at the model's columns (pads zero): the reference
-        path's transient view of the pool. ``keys_rotated``: INT4 pools' keys in their stored basis."""
-        store, t = self.cache.store, self.table
+        path's transient view of the pool. ``keys_rotated``: INT4 pages' keys in their stored basis."""
+        t = self.table
         n = max(t.lens) if t.lens else 0
-        if isinstance(store, ObjectStore):
-            k, v = store.read_rows(self.layer_idx, n)
-        elif isinstance(store, Int4Store):
-            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens, rotated=keys_rotated)
-        else:
-            k, v = store.gather(self.layer_idx, t.slot_table()[:, :n])
+        k, v = self.cache.backend.read(self.layer_idx, t, n, rotated=keys_rotated)
         k, v = k.to(self.dtype), v.to(self.dtype)
         if min(t.lens, default=n) < n:  # rows shorter than the longest: zero what lies past their length
             lens = torch.tensor(t.lens, device=k.device)
@@ -359,38 +301,31 @@ class KVFormatLayer(CacheLayerMixin):
             k, v = kk, vv
         return k, v
 
-    def decode_kernel(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
-        """``o [B, Hq, d]`` from the decode kernel for a one-token step, or None (reference path)."""
+    def decode_step(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        """``o [B, Hq, d]`` of a one-token step from the backend (its kernel, or its float reference where that
+        certifies the step), or None: the caller attends over :meth:`reference_kv` with the model's attention.
+
+        A sliding-window layer's step honours the model's ``mask``: no decode kernel takes a mask, so none runs
+        there; dithered keys take their float reference over the allowed positions only, so the certificate bounds
+        the attention the model computes (the window's), not the whole history's."""
         c = self.cache
         q = query[:, :, 0]
-        got = c.store.decode(self.layer_idx, q, self.table, scaling, c.delta_loc) if c.store.paged else None
         self._calls = self.__dict__.get("_calls", 0) + 1
         certify = (self._calls - 1) % c.stride == 0  # telemetry stride (CPU reference path)
-        if got is None:
-            if isinstance(c.store, Int8Store) and c.store.dithered and certify:
-                # no kernel for this device or shape: the kernel's float64 reference, certificate included
-                o, cert = c.store.reference_certificates(self.layer_idx, q, self.table, scaling, c.delta_loc)
-                self.path = "torch-reference"
-                self._record(cert.to(device=q.device, dtype=torch.float32))
-                return o.to(q.device)
+        windowed = c.windowed[self.layer_idx]
+        table = self._window(q, mask) if windowed and c.backend.certifies and certify else self.table
+        step = c.backend.decode(self.layer_idx, q, table, scaling, c.delta_loc, certify=certify, masked=windowed)
+        if step.certificate is not None:
+            self._record(step.certificate)
+        if step.o is None:
             return None
-        o, self.path, cert = got
-        if cert is not None:
-            self._record(cert)
-        return o
+        self.path = step.path + ("-windowed" if windowed else "")
+        return step.o
 
-    def decode_masked(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """A one-token step of a sliding-window layer: ``o [B, Hq, d]`` over the positions the model's ``mask``
-        allows, or None (the torch reference path, which attends with the mask). No decode kernel takes a mask, so
-        none runs here; dithered keys take their float64 reference over the allowed positions only, so the
-        certificate bounds the attention the model computes (the window's), not the whole history's."""
-        c = self.cache
-        st = c.store
-        self._calls = self.__dict__.get("_calls", 0) + 1
-        certify = (self._calls - 1) % c.stride == 0
-        if not (isinstance(st, Int8Store) and st.dithered and certify):
-            return None
-        q = query[:, :, 0]
+    def _window(self, q: torch.Tensor, mask: torch.Tensor | None) -> _SlotView:
+        """The slots the model's ``mask`` lets each row's query attend (a sliding window), as a page table's read
+        interface."""
         t = self.table
         full, lens = t.slot_table(), t.lens
         allowed = _allowed_columns(mask, q.shape[0], self.columns)
@@ -402,12 +337,8 @@ class KVFormatLayer(CacheLayerMixin):
         slots = torch.zeros(len(rows), max(width, 1), dtype=full.dtype, device=full.device)
         for b, r in enumerate(rows):
             slots[b, :r.numel()] = r
-        view = _SlotView(slots, torch.tensor([r.numel() for r in rows], dtype=t.seq_lens.dtype,
+        return _SlotView(slots, torch.tensor([r.numel() for r in rows], dtype=t.seq_lens.dtype,
                                              device=t.seq_lens.device))
-        o, cert = st.reference_certificates(self.layer_idx, q, view, scaling, c.delta_loc)
-        self.path = "torch-reference-windowed"
-        self._record(cert.to(device=q.device, dtype=torch.float32))
-        return o.to(q.device)
 
     def _record(self, cert: torch.Tensor) -> None:
         """Keep a step's certificates ``[B, Hq]`` on the device. Static pools write them into a buffer
@@ -455,15 +386,10 @@ class KVFormatLayer(CacheLayerMixin):
         n = abs(tokens_to_remove)
         if n == 0:
             return
-        store = self.cache.store
-        if isinstance(store, ObjectStore):
-            raise NotImplementedError(
-                f"format {self.cache.key_format.name!r} is stateful (a residual window overwritten by the tokens to "
-                "remove): crop cannot restore it")
         self._check_views()
         old = list(self.table.lens)
         new = [max(0, ln - n) for ln in old]
-        store.crop(self.layer_idx, old, new)
+        self.cache.backend.crop(self.layer_idx, old, new)
         self.columns -= n
         self.table.set_lens(new)
 
@@ -473,33 +399,7 @@ class KVFormatLayer(CacheLayerMixin):
         self._check_views()
         idx = idx.to(torch.int64).cpu()
         rows = idx.tolist()
-        store, t = self.cache.store, self.table
-        if t.token_slots:
-            t.select_tokens(rows)  # slot-bound codes never move: repeats share the prefix, write fresh pages
-        elif store.paged and self.columns:
-            # slot-independent codes: copy each selected row's pages (exact), into fresh pages or, for static
-            # pools, over the rows' own pages (gathered first)
-            t.uniform()
-            width, bs = t.block_table.shape[1], t.block_size
-            src = t.block_table[idx.to(t.block_table.device)].long()
-            if t.static:
-                if len(rows) != t.batch:
-                    raise ValueError(f"static pools hold batch_size={t.batch} rows; a selection of {len(rows)} "
-                                     "rows needs make_cache without batch_size/max_len")
-                new_blocks = [list(b) for b in t.blocks]
-            else:
-                new_blocks = [t._take(width) for _ in rows]
-            dst = torch.tensor(new_blocks, dtype=torch.int64).reshape(len(rows), width).to(src.device)
-            ar = torch.arange(bs, device=src.device)
-            store.copy_slots(self.layer_idx, (dst[..., None] * bs + ar).reshape(-1),
-                             (src[..., None] * bs + ar).reshape(-1))
-            if t.static:
-                t.set_lens([t.lens[r] for r in rows])
-            else:
-                t.select(rows, new_blocks)
-        else:
-            t.select(rows)
-        store.select_rows(self.layer_idx, idx.to(self.device))
+        self.cache.backend.select(self.layer_idx, self.table, idx, filled=self.columns > 0)
         self.pad = [self.pad[r] for r in rows]
         if self.bad is not None:
             self.bad = self.bad[idx.to(self.bad.device)]
@@ -520,22 +420,37 @@ class KVFormatLayer(CacheLayerMixin):
         self._select(indices)
 
 
+class CacheHook:
+    """The explicit plug-in point of a :class:`KVFormatCache` (``make_cache(..., hook=...)``): it sees every token
+    stored and every one-token decode step's output, and may replace that output. :class:`kvlib.gate.GatedCache`'s
+    certificate gate is one (its shadow mirrors the writes; its repair rewrites the over-threshold rows)."""
+
+    def on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                 slots: torch.Tensor | None) -> None:
+        """Tokens ``k, v [N, H, d]`` were stored for ``rows``/``pos`` at ``slots`` (None: a store without pages)."""
+
+    def on_step(self, layer: KVFormatLayer, q: torch.Tensor, o: torch.Tensor, sm: float,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """A decode step of ``layer``: ``q [B, Hq, d]``, its attention output ``o [B, Hq, d]`` (the kernel's or the
+        reference's; ``kv`` the layer's :meth:`KVFormatLayer.dequantized` K/V where the reference path built them).
+        Returns the output the model goes on with."""
+        return o
+
+
 class KVFormatCache(Cache):
     """A transformers ``Cache`` storing K and V in kvlib's paged pools; see :func:`make_cache`."""
-
-    #: subclasses that mirror every written token (kvlib.hf.gate's shadow) set this and override _on_write
-    watch_writes = False
-
-    def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                  slots: torch.Tensor | None) -> None:
-        """Tokens ``k, v [N, H, d]`` were stored for ``rows``/``pos`` at ``slots`` (None: an unpaged store)."""
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
                  tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
                  device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
-                 crop_window: int = 32, prefill: str = "float", stride: int = 1) -> None:
+                 crop_window: int = 32, prefill: str = "float", stride: int = 1,
+                 hook: CacheHook | None = None) -> None:
+        if hook is not None and not isinstance(hook, CacheHook):
+            raise TypeError(f"hook must be a kvlib.hf.cache.CacheHook or None, got {type(hook).__name__}")
+        #: the cache hook (:class:`CacheHook`), or None
+        self.hook = hook
         self.stride = check_positive_int("stride", stride)
         self.crop_window = check_positive_int("crop_window", crop_window)
         if prefill not in ("float", "stored"):
@@ -593,21 +508,22 @@ class KVFormatCache(Cache):
                 raise ValueError("outlier_table: a (layer, kv head) row repeats a channel")
         self.key_format, self.value_format = key_format, value_format
         self.config = config if hasattr(config, "_attn_implementation") else None
-        self.store_cls = store_class(key_format, value_format, outlier_table=outlier_table)
+        #: the backend of the format pair (the format class names its family: :func:`kvlib.backends.backend_class`)
+        self.backend_cls = backend_class(key_format, value_format, outlier_table=outlier_table)
         self.stateful = _is_stateful(key_format) or _is_stateful(value_format)
         self.proxy = type(key_format).variance_proxy or ""
         self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
         self.static_batch, self.max_len, self.block_size = batch_size, max_len, block_size
         self.device = None if device is None else check_device("device", device)
         self.dtype, self.shuffle_blocks = dtype, shuffle_blocks
-        self.store: Store | None = None
+        self.backend: Backend | None = None  # allocated at the first update (or here, for static pools)
         self.allocators: list[BlockAllocator] = []
         self._caller_config: Any = None  # the calling attention module's config at the current update
         self._pending: _Tag | None = None  # the last tag handed to a model's attention (consumed or not)
         self._adopted: set[int] = set()  # model configs kvlib's attention was switched on by _check_model_config
         super().__init__(layers=[KVFormatLayer(self, i) for i in range(self.n_layers)])
         if batch_size is not None and self.device is not None:
-            self._build_store(batch_size, self.device)
+            self._build_backend(batch_size, self.device)
             for la in self.layers:  # static pools: the page tables too, once
                 la.table = self._new_table(batch_size)
 
@@ -651,26 +567,26 @@ class KVFormatCache(Cache):
         activate(cfg)
 
     # -- construction -----------------------------------------------------------------------------
-    def _build_store(self, batch: int, device: torch.device) -> None:
+    def _build_backend(self, batch: int, device: torch.device) -> None:
         nb = -(-self.max_len // self.block_size) * batch if self.max_len else 1  # grows exactly as pages are taken
-        self.store = self.store_cls(self.n_layers, self.n_kv, self.head_dim, self.block_size, nb, device,
+        self.backend = self.backend_cls(self.n_layers, self.n_kv, self.head_dim, self.block_size, nb, device,
                                     self.key_format, self.value_format, batch=batch, seed=self.seed,
                                     outlier_table=self.outlier_table, outlier_sides=self.outlier_sides,
                                     crop_window=self.crop_window)
         self.allocators = [BlockAllocator(nb, shuffle=self.shuffle_blocks) for _ in range(self.n_layers)]
 
-    def _ensure_store(self, key_states: torch.Tensor) -> None:
-        if self.store is None:
+    def _ensure_backend(self, key_states: torch.Tensor) -> None:
+        if self.backend is None:
             if self.device is not None and key_states.device != self.device:
                 raise ValueError(f"key_states on {key_states.device}, make_cache was given device={self.device}")
-            self._build_store(key_states.shape[0], key_states.device)
-        elif self.store.device != key_states.device:
-            raise ValueError(f"key_states on {key_states.device}, the cache's pools on {self.store.device}")
+            self._build_backend(key_states.shape[0], key_states.device)
+        elif self.backend.device != key_states.device:
+            raise ValueError(f"key_states on {key_states.device}, the cache's pools on {self.backend.device}")
 
     def _grow(self, min_blocks: int) -> int:
         if self.max_len is not None:
             raise ValueError(f"the static pools (batch_size={self.static_batch}, max_len={self.max_len}) are full")
-        nb = self.store.grow(min_blocks)
+        nb = self.backend.grow(min_blocks)
         for a in self.allocators:
             a.grow(nb)
         return nb
@@ -679,8 +595,8 @@ class KVFormatCache(Cache):
         if self.static_batch is not None and batch != self.static_batch:
             raise ValueError(f"key_states: batch {batch} differs from batch_size={self.static_batch} of make_cache")
         i = sum(1 for la in self.layers if la.table is not None)
-        return PageTable(batch, self.block_size, self.store.device, self.allocators[i], self._grow,
-                         max_len=self.max_len, token_slots=self.store.paged and self.store.slot_bound)
+        return PageTable(batch, self.block_size, self.backend.device, self.allocators[i], self._grow,
+                         max_len=self.max_len, token_slots=self.backend.paged and self.backend.slot_bound)
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         if not 0 <= layer_idx < self.n_layers:
@@ -758,9 +674,9 @@ class KVFormatCache(Cache):
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes the cache keeps for K/V, by part, from the tensors: ``pools`` (format bytes of the allocated
         positions, per-sequence side buffers), ``page_tables``, ``shadow`` (a gated cache's repair copy; 0 here)."""
-        if self.store is None:
+        if self.backend is None:
             return {"pools": 0, "page_tables": 0, "shadow": 0}
-        return {"pools": self.store.nbytes(),
+        return {"pools": self.backend.nbytes(),
                 "page_tables": sum(la.table.nbytes() for la in self.layers if la.table is not None), "shadow": 0}
 
     def kv_nbytes(self) -> int:

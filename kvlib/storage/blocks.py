@@ -155,33 +155,14 @@ class PageTable:
         self.tok[rows, pos] = sl.to(torch.int32)
         return sl
 
-    def step_addresses(self, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_addresses(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step's addressing (one new token per row), without advancing: int64 ``(rows, pos, slots,
         lens_after)`` ``[B]`` with ``rows = arange(B)``, ``pos = seq_lens``, ``slots = write_slots(rows, pos)``
-        (recorded in ``tok`` in token-slot mode) and ``lens_after = pos + 1``. ``backend="auto"``: one Triton
-        launch on CUDA (instead of a dozen small torch ops per layer), the torch ops elsewhere; ``"triton"``
-        (CUDA, or CPU under TRITON_INTERPRET=1) or ``"torch"`` to pick. Reads nothing back to the host."""
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-        dev = self.seq_lens.device
-        if backend == "torch" or (backend == "auto" and dev.type != "cuda"):
-            rows = torch.arange(self.batch, device=dev)
-            pos = self.seq_lens.long()
-            return rows, pos, self.write_slots(rows, pos), pos + 1
-        from kvlib.kernels.backend import triton_available
-
-        if not triton_available(dev):
-            raise RuntimeError("step_addresses(backend='triton') on CPU tensors needs TRITON_INTERPRET=1")
-        from kvlib.kernels.write.addressing import step_addresses_kernel
-
-        out = torch.empty(4, self.batch, dtype=torch.int64, device=dev)
-        if self.batch:
-            bt = self.block_table
-            tok = self.tok if self.token_slots else self.seq_lens  # unused pointer without token slots
-            step_addresses_kernel[(self.batch,)](bt, self.seq_lens, self.wpos, tok, out, self.batch,
-                                                 bt.stride(0), tok.stride(0) if self.token_slots else 0,
-                                                 BS=self.block_size, TOKEN=self.token_slots, num_warps=1)
-        return out[0], out[1], out[2], out[3]
+        (recorded in ``tok`` in token-slot mode) and ``lens_after = pos + 1``. Reads nothing back to the host. This is
+        the torch reference; :func:`kvlib.backends.base.step_addresses` launches one Triton kernel instead on CUDA."""
+        rows = torch.arange(self.batch, device=self.seq_lens.device)
+        pos = self.seq_lens.long()
+        return rows, pos, self.write_slots(rows, pos), pos + 1
 
     def slot_table(self) -> torch.Tensor:
         """int32 ``[B, width * block_size]``: the slot of every position a row may hold (the INT8/bf16

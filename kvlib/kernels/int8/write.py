@@ -255,7 +255,7 @@ def write_int8_kv(
     """:func:`write_int8` of ``k`` into ``kpool`` and ``v`` into ``vpool`` (same slots) in ONE launch (Triton; CUDA,
     or CPU tensors under TRITON_INTERPRET=1): the bytes two :func:`write_int8` calls store. The pools must share
     heads, head dim, group, seed, dither layout and the outlier-in-amax setting (as an
-    :class:`kvlib.storage.pools.Int8Store`'s do); each keeps its own side, dither flag and outliers."""
+    :class:`kvlib.backends.int8.Int8Backend`'s do); each keeps its own side, dither flag and outliers."""
     if rule not in ("witcert", "rtn"):
         raise ValueError(f"rule must be 'witcert' or 'rtn', got {rule!r}")
     for name, pool, x in (("kpool", kpool, k), ("vpool", vpool, v)):

@@ -8,7 +8,7 @@
 * :mod:`kvlib.kernels.write.addressing`: a decode step's rows, positions, slots and lengths after the write from
   the block table and ``seq_lens`` in one launch (:meth:`kvlib.storage.blocks.PageTable.step_addresses`).
 
-Each reproduces the bytes of the torch write path of :mod:`kvlib.storage.pools` bit for bit *on the device it
+Each reproduces the bytes of the torch write path of :mod:`kvlib.backends` bit for bit *on the device it
 runs on*: where the torch reference divides a tensor by a Python scalar, PyTorch's CUDA kernel multiplies by
 the fp32 reciprocal (``a * (1/b)``, ATen's ``div_true_kernel_cuda``) while its CPU kernel divides (IEEE), so
 the kernels take the same choice (``RECIP``: on for CUDA tensors, off under the CPU interpreter). Divisions by

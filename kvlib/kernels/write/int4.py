@@ -11,7 +11,7 @@ One program per (token ``n``, KV head ``h``) reads ``k[n, h], v[n, h]`` (``[d]``
   symmetric INT8 (:func:`kvlib.formats.kv4rl.int8_quantize_unchecked`) into side slot
   :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry
   leaving the ring (position ``pos - recent``) to the crop stash at ``(pos - recent) % U``:
-  :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
+  :meth:`kvlib.backends.int4.Int4Backend.write`'s ``one_per_row`` branch.
 
 ``tests/test_write_kernels.py`` binds it to the torch path bit for bit (interpreter) and
 ``dev/gpu/writefuse.sh`` on the GPU.
@@ -231,7 +231,7 @@ def write_int4(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages, v
     """Write ``k, v [N, H, d]`` (float) at ``slots [N]`` into one layer's kv4 pages in one launch.
 
     ``k_pages``, ``v_pages``: ``(codes uint8 [n_slots, H, d//2], scale fp16 [n_slots, H], offset fp16
-    [n_slots, H])`` (a layer of :class:`kvlib.storage.pools.Int4Store`, slot = block * block_size + offset).
+    [n_slots, H])`` (a layer of :class:`kvlib.backends.int4.Int4Backend`, slot = block * block_size + offset).
     ``side``: kv4rl's side buffer and the step's rows/positions (one token per row; see :class:`SideWrite`).
     Shape and dtype checks never touch the device; ``validate=True`` adds the ones that read it back (slot
     range, distinct slots), for tests and CPU callers. ``d`` must be a power of two >= 2.

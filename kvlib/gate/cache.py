@@ -1,12 +1,13 @@
 """A certificate-gated KV cache on the paged pools: same-step exact repair from an opt-in shadow.
 
-:class:`GatedCache` is a :class:`kvlib.hf.cache.KVFormatCache` plus a *shadow* of every K/V it stores,
+:class:`GatedCache` is a :class:`kvlib.hf.cache.KVFormatCache` that is its own :class:`kvlib.hf.cache.CacheHook`
+(the cache's explicit plug-in point), plus a *shadow* of every K/V it stores,
 in ``shadow_dtype`` (fp16 by default; bf16/fp32 by option), in the pool's own paged layout (indexed by the
 page table's slots; an unpaged stateful store, e.g. kivi2, by row and position), on the device
 (``shadow="device"``) or in pinned host memory (``shadow="host"``, the paper's off-GPU copy).
 
 At each one-token decode step, after the kernel (or the torch reference path) has produced the layer's
-output, :mod:`kvlib.hf.attention` calls :meth:`GatedCache.gate_step`: every (row, query head) whose
+output, :mod:`kvlib.hf.attention` calls the cache's hook, :meth:`GatedCache.on_step`: every (row, query head) whose
 certificate exceeds ``tau`` (or is non-finite) triggers a repair of its GQA group in the same step, merged
 in place of the kernel's output rows, and the bytes read from the shadow are counted. A repair is per
 step: nothing is written back into the pools (they hold the format only), so a head over ``tau`` at a
@@ -85,8 +86,7 @@ from kvlib.certify.bound import certificate_from_scores, score_radius
 from kvlib.certify.fallback import block_excess
 from kvlib.core.checks import check_bool, check_real
 from kvlib.formats.base import format_class, formats_where
-from kvlib.hf.cache import KVFormatCache, make_cache
-from kvlib.storage.pools import FormatStore, Int8Store, ObjectStore
+from kvlib.hf.cache import CacheHook, KVFormatCache, make_cache
 
 __all__ = ["GATE_LEVELS", "SHADOWS", "GatedCache", "gate_kind", "gateable_formats", "make_gated_cache"]
 
@@ -131,10 +131,9 @@ _S = {n: i for i, n in enumerate(_STATS)}
 _R = {n: i for i, n in enumerate(_ROWS)}
 
 
-class GatedCache(KVFormatCache):
-    """KV format cache with a certificate gate and same-step exact repair from a shadow; see the module doc."""
-
-    watch_writes = True
+class GatedCache(KVFormatCache, CacheHook):
+    """KV format cache with a certificate gate and same-step exact repair from a shadow; see the module doc. The
+    cache hooks itself in (``hook=self``): :meth:`on_write` fills the shadow, :meth:`on_step` gates a step."""
 
     def __init__(self, key_format: Any, value_format: Any, config: Any, *, tau: float = 0.2,
                  shadow: str = "device", shadow_dtype: torch.dtype = torch.float16, gate: bool = True,
@@ -170,7 +169,9 @@ class GatedCache(KVFormatCache):
                                  "(shadow='device'); the host shadow runs on the eager path only "
                                  "(max_repairs_per_step=None)")
         self.kind = gate_kind(key_format.name)
-        super().__init__(key_format, value_format, config, tau=tau, **options)
+        if "hook" in options:
+            raise TypeError("hook: a GatedCache is its own cache hook (the gate); it takes no other")
+        super().__init__(key_format, value_format, config, tau=tau, hook=self, **options)
         if any(self.windowed):
             raise ValueError("config: a GatedCache repairs over every position of a head, so it cannot serve "
                              "sliding-window layers; use make_cache (which honours the window) for this model")
@@ -180,7 +181,6 @@ class GatedCache(KVFormatCache):
         self.shadow_dtype = shadow_dtype
         self.max_repairs = max_repairs_per_step
         self._sh: list[list[torch.Tensor | None]] = [[None, None] for _ in range(self.n_layers)]
-        self._kernel_cert = self.kind == "dither" and self.store_cls is Int8Store
         self._n_certs_seen = [0] * self.n_layers
         self._stats: torch.Tensor | None = None  # device float64 [len(_STATS)]
         self._rows: torch.Tensor | None = None  # device float64 [len(_ROWS), B]
@@ -190,7 +190,7 @@ class GatedCache(KVFormatCache):
 
     # -- the shadow -------------------------------------------------------------------------------
     def _shadow_device(self) -> torch.device:
-        return self.store.device if self.shadow == "device" else torch.device("cpu")
+        return self.backend.device if self.shadow == "device" else torch.device("cpu")
 
     def _alloc(self, shape: tuple[int, ...]) -> torch.Tensor:
         pin = self.shadow == "host" and torch.cuda.is_available()  # pinned: async copies to the GPU
@@ -201,7 +201,12 @@ class GatedCache(KVFormatCache):
     #: would otherwise sync at every layer and step
     STAGE_STEPS = 64
 
-    def _on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+    @property
+    def _kernel_cert(self) -> bool:
+        """The decode step certifies itself (dithered INT8 keys on their backend): the gate reads its certificate."""
+        return self.kind == "dither" and self.backend is not None and self.backend.certifies
+
+    def on_write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                   slots: torch.Tensor | None) -> None:
         self._ensure_tallies(self.layers[layer_idx].table.batch, k.device)  # at the prefill: never inside a capture
         if slots is not None and self._stage_writes(k):
@@ -225,7 +230,7 @@ class GatedCache(KVFormatCache):
 
     def _grow_shadow(self, layer_idx: int, need: int) -> None:
         """Make the layer's shadow hold ``need`` slots (paged) or positions per row (unpaged)."""
-        paged = self.store.paged
+        paged = self.backend.paged
         lead = () if paged else (self.layers[layer_idx].table.batch,)
         for side in (0, 1):
             buf = self._sh[layer_idx][side]
@@ -241,7 +246,7 @@ class GatedCache(KVFormatCache):
                       pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
         dev = self._shadow_device()
         if slots is not None:  # paged: the pool's slot index
-            self._grow_shadow(layer_idx, self.store.n_slots)
+            self._grow_shadow(layer_idx, self.backend.n_slots)
             idx = (slots.long().to(dev),)
         else:  # unpaged stateful store: [B, positions]
             self._grow_shadow(layer_idx, int(pos.max()) + 1 if pos.numel() else 0)
@@ -266,19 +271,30 @@ class GatedCache(KVFormatCache):
         bytes moved (measured from the read tensors)."""
         self._flush(layer.layer_idx)
         sk, sv = self._sh[layer.layer_idx]
-        if isinstance(self.store, ObjectStore):
-            idx = (b, pos.to(sk.device), h)
-        else:
-            idx = (layer.table.slot_table()[b, pos.to(layer.table.slot_table().device)].long().to(sk.device), h)
+        idx = (*self._shadow_index(layer, b, pos, sk.device), h)
         k, v = sk[idx], sv[idx]
         moved = k.numel() * k.element_size() + v.numel() * v.element_size()
         return (k.to(device, torch.float32, non_blocking=True), v.to(device, torch.float32, non_blocking=True), moved)
+
+    def _shadow_index(self, layer, rows: Any, cols: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Where positions ``cols [n]`` of row ``rows`` (an int) live in the layer's shadow, the index before the KV
+        head: the pool's slots where the backend has pages (the shadow mirrors them), else (row, position). ``cols``
+        an int ``W``: the first ``W`` positions of each of the rows ``rows [P]``, ``[P, W]``."""
+        if isinstance(cols, int):
+            if self.backend.paged:
+                st = layer.table.slot_table()
+                return (st[rows.to(st.device), :cols].long().to(device),)
+            return (rows.to(device)[:, None], torch.arange(cols, device=device)[None, :])
+        if self.backend.paged:
+            st = layer.table.slot_table()
+            return (st[rows, cols.to(st.device)].long().to(device),)
+        return (rows, cols.to(device))
 
     def _width(self, layer) -> int:
         """Positions a repair attends over, masked past each row's length: the slot table's width (paged; fixed
         for static pools) or the longest row (unpaged). Both repair paths pad to it (same arithmetic)."""
         t = layer.table
-        if isinstance(self.store, ObjectStore):
+        if not self.backend.paged:
             return max(t.lens, default=0)
         return t.tok.shape[1] if t.token_slots else t.block_table.shape[1] * t.block_size
 
@@ -295,19 +311,8 @@ class GatedCache(KVFormatCache):
     # -- stored keys and radii (repair path and torch certificates) -------------------------------
     def _key_heads(self, layer, b: int) -> list[Any]:
         """The packed key object of each KV head of row ``b`` (for radii and error bounds)."""
-        st = self.store
-        if isinstance(st, FormatStore):  # rebuild each head's dataclass from its pages
-            import dataclasses
-
-            sl = layer.table.slot_table()[b, :layer.table.lens[b]].long()
-            per = {f.name for f in dataclasses.fields(st.cls[0]) if f.metadata.get("per_token", False)}
-            out = []
-            for h in range(self.n_kv):
-                vals = {n: t[layer.layer_idx, sl, h] for n, t in st.fields[0].items()}
-                vals.update({n: None for n in per if n not in vals})
-                out.append(st.cls[0](**vals, **st.meta[(0, layer.layer_idx, h)]))
-            return out
-        return layer.packed[0][b]
+        sl = layer.table.slot_table()[b, :layer.table.lens[b]].long()
+        return self.backend.packed_heads(layer.layer_idx, sl, b, 0)
 
     def _radius(self, packed: Any, k_hat: torch.Tensor, qg: torch.Tensor, sm: float) -> torch.Tensor:
         """Score radius ``[g, S]`` (float64) of one head's stored keys for its group's queries ``qg [g, d]``."""
@@ -400,7 +405,7 @@ class GatedCache(KVFormatCache):
             raise RuntimeError("run the prefill (and a decode step) eagerly before capturing a gated step: the "
                                "gate's device counters are allocated then")
 
-    def gate_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
+    def on_step(self, layer, q: torch.Tensor, o: torch.Tensor, sm: float, kv: Any = None) -> torch.Tensor:
         """Called by :mod:`kvlib.hf.attention` after a decode step's attention: ``q [B, Hq, d]``, ``o [B, Hq, d]``
         (the kernel's or reference's output; ``kv`` the layer's ``dequantized()`` K/V when the reference path
         already built them). Returns ``o`` with the over-threshold groups recomputed."""
@@ -479,14 +484,10 @@ class GatedCache(KVFormatCache):
         bi, hi = idx // n_kv, idx % n_kv
         W = self._width(layer)
         sk, sv = self._sh[layer.layer_idx]
-        if isinstance(self.store, ObjectStore):
-            lens = torch.tensor(layer.table.lens, dtype=torch.int64, device=dev)
-            ar = torch.arange(W, device=sk.device)
-            at = (bi.to(sk.device)[:, None], ar[None, :], hi.to(sk.device)[:, None])
-        else:
-            lens = layer.table.seq_lens.long()
-            slots = layer.table.slot_table()[bi, :W].long()
-            at = (slots.to(sk.device), hi.to(sk.device)[:, None])
+        # the rows' lengths: on the device where the backend keeps page tables (no host read), else the host's
+        lens = (layer.table.seq_lens.long() if self.backend.paged
+                else torch.tensor(layer.table.lens, dtype=torch.int64, device=dev))
+        at = (*self._shadow_index(layer, bi, W, sk.device), hi.to(sk.device)[:, None])
         pos_valid = torch.arange(W, device=dev)[None, :] < lens[bi][:, None]
         # loads the fixed shape needs but no repair uses (idle budget slots, positions past a row's length) all read
         # the shadow's first entry instead: one cached line, so memory moves only the repaired rows' positions
@@ -530,11 +531,7 @@ class GatedCache(KVFormatCache):
         bi, hi = pt[:, 0], pt[:, 1]
         ns = [layer.table.lens[b] for b, _ in pairs]
         valid = torch.arange(W)[None, :] < torch.tensor(ns, dtype=torch.int64)[:, None]  # [P, W]
-        if isinstance(self.store, ObjectStore):
-            at = (bi[:, None], torch.arange(W)[None, :], hi[:, None])
-        else:
-            st = layer.table.slot_table()
-            at = (st[bi.to(st.device), :W].long().cpu(), hi[:, None])
+        at = (*self._shadow_index(layer, bi, W, torch.device("cpu")), hi[:, None])
         # positions past a row's length read entry 0 (never used: _exact_rows zeroes them, as the old zero padding)
         at = tuple(torch.where(valid, i, 0).to(sk.device) for i in torch.broadcast_tensors(*at))
         k, v = sk[at].to(dev, torch.float32), sv[at].to(dev, torch.float32)
@@ -566,11 +563,7 @@ class GatedCache(KVFormatCache):
         self._flush(layer.layer_idx)
         sk, sv = self._sh[layer.layer_idx]
         allpos = torch.arange(n)
-        if isinstance(self.store, ObjectStore):
-            at = (b, allpos.to(sk.device), h)
-        else:
-            st = layer.table.slot_table()
-            at = (st[b, allpos.to(st.device)].long().to(sk.device), h)
+        at = (*self._shadow_index(layer, b, allpos, sk.device), h)
         ks = sk[at].to(dev, torch.float32).double()
         vs = sv[at].to(dev, torch.float32).double()
         z_sh = sm * q64 @ ks.T
@@ -610,7 +603,7 @@ class GatedCache(KVFormatCache):
         snaps = []
         for la in self.layers:  # slot-independent pools copy the selected rows' pages: remember where they were
             moves = (rows is not None and la.is_initialized and self._sh[la.layer_idx][0] is not None
-                     and self.store.paged and not la.table.token_slots and la.columns > 0)
+                     and self.backend.paged and not la.table.token_slots and la.columns > 0)
             snaps.append((la.table.slot_table().clone(), list(la.table.lens)) if moves else None)
         op()
         if rows is None:
@@ -619,7 +612,7 @@ class GatedCache(KVFormatCache):
             sh = self._sh[la.layer_idx]
             if sh[0] is None:
                 continue
-            if isinstance(self.store, ObjectStore):  # by row and position: the rows follow
+            if not self.backend.paged:  # by row and position: the rows follow
                 r = rows.to(sh[0].device)
                 self._sh[la.layer_idx] = [sh[0][r], sh[1][r]]
             elif snap is not None:
@@ -629,7 +622,7 @@ class GatedCache(KVFormatCache):
                 keep = torch.arange(w, device=old_st.device)[None, :] < torch.tensor(old_lens, device=old_st.device)[r,
                                                                                                                   None]
                 src, dst = old_st[r][keep].long(), la.table.slot_table()[:, :w][keep].long()
-                self._grow_shadow(la.layer_idx, self.store.n_slots)
+                self._grow_shadow(la.layer_idx, self.backend.n_slots)
                 for buf in self._sh[la.layer_idx]:
                     buf[dst.to(buf.device)] = buf[src.to(buf.device)]  # the gather is a copy: in-place moves are safe
         if self._rows is not None:
