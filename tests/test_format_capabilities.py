@@ -109,6 +109,26 @@ def test_unregister_and_context_manager() -> None:
         get_format("toy-tmp")
 
 
+def test_a_taken_name_is_refused_unless_replaced() -> None:
+    """A name another class holds is refused; ``replace=True`` (a notebook cell run again) takes it over."""
+
+    class A(ToyInt6):
+        pass
+
+    class B(ToyInt6):
+        pass
+
+    with registered_format("toy-re", A):
+        with pytest.raises(ValueError, match="already registered by A"):
+            register_format("toy-re")(B)
+        assert format_class("toy-re") is A
+        register_format("toy-re", replace=True)(B)
+        assert format_class("toy-re") is B
+    assert "toy-re" not in available_formats()
+    with pytest.raises(TypeError, match="replace"):
+        register_format("toy-re", replace="yes")
+
+
 def test_registration_refuses_false_declarations() -> None:
     class Stateful(ToyInt6):  # overrides append without declaring stateful
         def append(self, packed: Any, x: torch.Tensor, **ctx: Any) -> Any:
@@ -293,6 +313,9 @@ def test_toy_through_make_cache(toy, tiny_model) -> None:
     cache2 = kvlib.make_cache(TOY, model.config)
     out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, past_key_values=cache2)
     assert out.shape == (1, ids.shape[1] + 3)
+    # no kernel family declared: the reference backend holds it, and every decode step says it took the reference
+    assert type(cache2.backend).__name__ == "ReferenceBackend" and cache2.kernel_path(0) == "torch-reference"
+    assert "kernel=None" in cache2.backend.supports((1, 4, 32), torch.device("cpu"))
     # the byte account of the cache is the class's: the toy's bytes per position x the positions its pages
     # hold (every allocated slot, K and V, all layers) + the page tables
     cfg = model.config

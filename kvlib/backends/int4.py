@@ -310,7 +310,8 @@ class Int4Backend(Backend):
 
     def decode(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float, *, certify: bool = True,
                masked: bool = False) -> Step:
-        if masked or self.supports(tuple(q.shape), q.device):
+        impl = None if masked else self._kernel(q, lambda: self._choose(q, layer, table.block_table))
+        if impl is None:
             return REFERENCE
         from kvlib.kernels.int4.decode import kv4_paged_decode, prepare_query
 
@@ -319,17 +320,19 @@ class Int4Backend(Backend):
         kc, ks, ko = self.pages(layer, 0)
         vc, vs, vo = self.pages(layer, 1)
         side = self.side_buffer(layer, table.seq_lens) if self.rl else None
-        impl = self._kernel(q, lambda: self._choose(qp, kc, table.block_table))
         o, _ = kv4_paged_decode(qp, kc, ks, ko, vc, vs, vo, table.block_table, start, end, block_size=self.block_size,
                                 side=side, sm_scale=sm, backend=impl)
         return Step(o, f"{'kv4rl' if self.rl else 'kv4'}-{impl}", None)
 
-    def _choose(self, qp: Any, k_codes: torch.Tensor, block_table: torch.Tensor) -> str:
+    def _choose(self, q: torch.Tensor, layer: int, block_table: torch.Tensor) -> str:
         """``"wspec"`` where the warp-specialised kernel takes the pages (KV4 on a Hopper GPU:
-        :func:`kvlib.kernels.int4.wspec.wspec4_unsupported`), else ``"triton"`` (the paged Triton kernel, which
-        also runs KV4-RL's side buffer in the same launch)."""
+        :func:`kvlib.kernels.int4.wspec.wspec4_unsupported`, asked with this step's prepared query), else
+        ``"triton"`` (the paged Triton kernel, which also runs KV4-RL's side buffer in the same launch)."""
         if self.rl:
             return "triton"
+        from kvlib.kernels.int4.decode import prepare_query
         from kvlib.kernels.int4.wspec import wspec4_unsupported
 
-        return "wspec" if wspec4_unsupported(qp, k_codes, block_table, block_size=self.block_size) is None else "triton"
+        why = wspec4_unsupported(prepare_query(q, rotate=True), self.pages(layer, 0)[0], block_table,
+                                 block_size=self.block_size)
+        return "wspec" if why is None else "triton"

@@ -61,7 +61,8 @@ class KVFormat(ABC):
     #: gate can bound |x - read(write(x))| from the stored bytes
     deterministic: ClassVar[bool] = False
     #: the decode-kernel family that reads this format's packed pool ("int8", "int4", "bf16"), or None
-    #: when only the torch reference path reads it
+    #: when only the torch reference path reads it. It names the format's backend (:mod:`kvlib.backends`: the pages
+    #: and kernels of that family, which say which of the format's options they read); nothing else matches names
     kernel: ClassVar[str | None] = None
     #: True when :meth:`error_bound` gives a sound elementwise bound on ``|x - read(write(x))|`` from the
     #: packed data alone (what the gate's worst-case certificate needs); only deterministic formats can
@@ -186,12 +187,17 @@ def per_token(**kw: Any) -> Any:
     return dataclasses.field(metadata={"per_token": True}, **kw)
 
 
-def register_format(name: str) -> Callable[[type[KVFormat]], type[KVFormat]]:
-    """Class decorator adding a format to the registry under ``name``."""
+def register_format(name: str, *, replace: bool = False) -> Callable[[type[KVFormat]], type[KVFormat]]:
+    """Class decorator adding a format to the registry under ``name``. ``replace``: a class already registered
+    under ``name`` gives way (a notebook cell that defines a format, run again); without it, a name taken by another
+    class is refused."""
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {type(replace).__name__}")
 
     def deco(cls: type[KVFormat]) -> type[KVFormat]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"format name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
+            raise ValueError(f"format name {name!r} is already registered by {_REGISTRY[name].__name__} "
+                             "(register_format(name, replace=True) replaces it)")
         cls.name = name
         overrides_append = cls.append is not KVFormat.append
         if overrides_append != cls.stateful:
