@@ -368,7 +368,7 @@ def test_write_path_is_read_when_a_cache_reports_one():
             return f"kernel[{layer}]"
 
     class C:
-        store = A()
+        backend = A()
 
     assert e2e.write_path(A()) == "fused-one-token" and e2e.write_path(B()) == "kernel[0]"
     assert e2e.write_path(C()) == "fused-one-token" and e2e.write_path(object()) is None
