@@ -5,7 +5,7 @@ fp16 outliers). Dithered keys are written by :func:`kvlib.kernels.int8.write.wri
 slot, so dithered pages are bound to their slots); values RTN in the same layout (``dithered=False``, what the
 decode kernel reads). rtn-int8: the same kernel with ``rule="rtn"``, or its format's ``write`` on the torch path.
 
-Decode: :func:`kvlib.kernels.int8.decode.decode_int8` with the kernel chosen here once per device, GQA ratio and
+Decode: :func:`kvlib.kernels.int8.decode.launch_decode` with the kernel chosen here once per device, GQA ratio and
 dtype (:meth:`Int8Backend._choose`), its certificate for dithered keys; without a kernel, dithered keys take the
 float reference :func:`kvlib.kernels.int8.reference.decode_reference_batched`, certificate included.
 """
@@ -188,14 +188,14 @@ class Int8Backend(Backend):
             # no kernel for this device, shape or mask: the kernel's arithmetic in torch, certificate included
             o, cert = self.reference_certificates(layer, q, table, sm, delta)
             return Step(o.to(q.device), "torch-reference", cert.to(device=q.device, dtype=torch.float32))
-        from kvlib.kernels.int8.decode import decode_int8
+        from kvlib.kernels.int8.decode import launch_decode
 
         # the warp-specialised kernels read the pages through the block table (TMA boxes inside one page)
         addr = (dict(slots=None, block_table=table.block_table, block_size=self.block_size) if impl == "wspec"
                 else dict(slots=table.slot_table()))
-        out = decode_int8(q, self.k.layer(layer), self.v.layer(layer), seq_lens=table.seq_lens, layer=layer,
-                          seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl, cert=self.dithered,
-                          fallback_to_reference=False, **addr)
+        out = launch_decode(q, self.k.layer(layer), self.v.layer(layer), seq_lens=table.seq_lens, layer=layer,
+                            seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl, cert=self.dithered,
+                            **addr)
         return Step(out.o, f"int8-{out.path}", out.tv_bound_one)
 
     def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):

@@ -47,7 +47,8 @@ from kvlib.kernels.tl.merge import merge_splits
 
 __all__ = [
     "DEFAULT_CONFIG", "DecodeOut", "Int8KernelConfig", "PoolSide", "as_side", "decode_int8", "decode_reference",
-    "decode_stage1", "default_num_splits", "dequant_rows", "make_pool_side", "resolve_impl", "stage1_path",
+    "decode_stage1", "default_num_splits", "dequant_rows", "launch_decode", "make_pool_side", "resolve_impl",
+    "stage1_path",
 ]
 
 
@@ -284,6 +285,20 @@ def decode_int8(
         return decode_reference(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
                                 delta=delta, v_dither=v_dither, impl=impl, block_table=block_table,
                                 block_size=block_size)
+    return launch_decode(q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
+                         v_dither=v_dither, cert=cert, cert_b=cert_b, impl=impl, num_splits=num_splits, config=config,
+                         block_table=block_table, block_size=block_size)
+
+
+def launch_decode(
+    q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
+    layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
+    cert: bool = True, cert_b: bool = True, impl: str = "auto", num_splits: int | None = None,
+    config: Int8KernelConfig | None = None, block_table: torch.Tensor | None = None, block_size: int | None = None,
+) -> DecodeOut:
+    """The kernels of :func:`decode_int8` without its CPU fallback: stage 1 (``impl`` as asked, checked against the
+    request; ``"auto"`` chooses) and the merge, on CUDA or under the interpreter (RuntimeError elsewhere). A caller
+    that chose ``impl`` itself (:class:`kvlib.backends.int8.Int8Backend`) launches it here."""
     o_s, lse_s, a_s, b_s, path = _stage1(
         q, k_pool, v_pool, slots, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale, delta=delta,
         v_dither=v_dither, cert=cert, cert_b=cert_b, impl=impl, num_splits=num_splits, config=config,
