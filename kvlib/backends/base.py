@@ -114,7 +114,10 @@ class Backend:
     @classmethod
     def takes(cls, key_format: KVFormat, value_format: KVFormat, outlier_table: Any = None) -> str | None:
         """Why this backend cannot hold the (key, value) pair with these options (None: it can). The format class
-        names its backend (``kernel``); this says which of its options the backend's kernels read."""
+        names its backend (``kernel``); this says which of its options the backend's kernels read. A family's pages
+        hold keys and values of one format."""
+        if type(value_format) is not type(key_format):
+            return f"keys and values in one format (got {key_format.name!r} and {value_format.name!r})"
         return None
 
     def __init__(self, n_layers: int, n_kv: int, d: int, block_size: int, num_blocks: int, device: torch.device,

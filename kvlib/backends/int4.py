@@ -50,8 +50,9 @@ class Int4Backend(Backend):
     @classmethod
     def takes(cls, key_format: KVFormat, value_format: KVFormat, outlier_table: Any = None) -> str | None:
         kf = key_format
-        if type(value_format) is not type(kf):
-            return f"keys and values in one INT4 format (got {kf.name!r} and {value_format.name!r})"
+        why = super().takes(kf, value_format, outlier_table)
+        if why:
+            return why
         main = kf.main if isinstance(kf, KV4RLFormat) else kf
         if not isinstance(main, KV4Format) or kf.rotate != "k" or main.group is not None:
             return "one affine group per (token, head) with rotated keys (rotate='k', group=None): the pages' layout"

@@ -26,8 +26,9 @@ class Int8Backend(Backend):
 
     @classmethod
     def takes(cls, key_format: KVFormat, value_format: KVFormat, outlier_table: Any = None) -> str | None:
-        if type(value_format) is not type(key_format):
-            return f"keys and values in one INT8 format (got {key_format.name!r} and {value_format.name!r})"
+        why = super().takes(key_format, value_format, outlier_table)
+        if why:
+            return why
         if not type(key_format).variance_proxy and outlier_table is not None:
             return "RTN pages with outlier channels (the INT8 pages keep outliers for dithered keys)"
         if not type(key_format).variance_proxy and key_format.group != value_format.group:

@@ -11,17 +11,10 @@ from typing import Any
 import torch
 
 from kvlib.backends.base import REFERENCE, Backend, Step, grow_tensor, triton_on
-from kvlib.formats.base import KVFormat
 
 
 class PlainBackend(Backend):
     family = "bf16"
-
-    @classmethod
-    def takes(cls, key_format: KVFormat, value_format: KVFormat, outlier_table: Any = None) -> str | None:
-        if type(value_format) is not type(key_format):
-            return f"keys and values in one dtype (got {key_format.name!r} and {value_format.name!r})"
-        return None
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
