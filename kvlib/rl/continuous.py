@@ -438,13 +438,13 @@ class ContinuousEngine:
             return []
         self._step_admitted = self._step_prefill_tokens = self._step_preempted = 0
         self._admit()
-        ended = self._prefill()
-        if self.n_dec:
-            ended += self._decode()
-        if not self.n_dec and not any(self.rows[i] is not None for i in self.staging_rows) and self.queue:
+        if not self.in_flight:
             head = self.queue[0]
             raise RuntimeError(f"request {head.rid} (context {head.context}) cannot be admitted into an empty pool of "
                                f"{self.plan.pages} pages of {self.plan.block_size} positions")
+        ended = self._prefill()
+        if self.n_dec:
+            ended += self._decode()
         self.n_steps += 1
         return ended
 
