@@ -260,3 +260,18 @@ def async_grpo_iteration(policy: Any, ref_model: Any | None, optimizer: torch.op
     m["stale_token_fraction"] = float((lag > 0).float().mean())
     m["policy_lag_max"] = float(lag.max()) if lag.numel() else 0.0
     return m
+
+
+def collect_frozen(model: Any, plan: Any, new_problem: Callable[[int], Any], prompt_ids: Callable[[Any], list[int]],
+                   *, eos_token_id: int, T: int, G: int, max_new_tokens: int, updates: int, synchronous: bool,
+                   beta: float = 1.0, eta: int = 12, seed: int = 0, **engine_options: Any) -> PartialCollector:
+    """``updates`` collection intervals of a frozen policy on a fresh engine (KV4-RL App. B's trace measurement:
+    "the policy remains frozen, including across simulated update boundaries"; carried prefixes are still taken
+    out and re-prefilled at each boundary). Returns the collector (its engine holds the trace)."""
+    check_positive_int("updates", updates)
+    eng = ContinuousEngine(model, plan, eos_token_id=eos_token_id, seed=seed, **engine_options)
+    col = PartialCollector(eng, new_problem, prompt_ids, T=T, G=G, max_new_tokens=max_new_tokens, beta=beta, eta=eta,
+                           synchronous=synchronous)
+    for _ in range(updates):
+        col.collect()
+    return col

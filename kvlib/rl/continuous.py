@@ -80,6 +80,9 @@ class Request:
     preemptions: int = 0
     #: updates this request crossed unfinished (a carried prefix is re-prefilled under new weights)
     carried: int = 0
+    #: indices of the tokens sampled from a prefill's logits (the first one, and the first after every re-prefill);
+    #: every other token was sampled by a decode call that attended ``len(prompt) + index`` positions
+    prefill_sampled: list[int] = field(default_factory=list)
 
     @property
     def context(self) -> int:
@@ -502,6 +505,7 @@ class ContinuousEngine:
             reqs = [r for _, r in done_rows]
             tok, lp = self._sample(logits[idx], reqs)
             for (row, r), t, p in zip(done_rows, tok, lp, strict=True):
+                r.prefill_sampled.append(len(r.tokens))
                 if self._append(r, t, p):
                     ended.append(r)
                     self.rows[row] = None
