@@ -5,7 +5,8 @@ temperature 1 (no top-k/top-p) from SmolLM2-135M-Instruct (shipped GGUF, dequant
 prompt (:func:`kvlib.rl.longtask.sum_prompt_fn`: ``--shots`` worked examples at the same step count, chat
 template). Prints and writes one JSON record per step count: accuracy (exact match on the last box) with its
 Wilson 95% interval, the 95% interval of a question-clustered bootstrap (samples of one question are not
-independent), mean response tokens, the fraction that ended (EOS), prompt tokens, three example responses.
+independent), the per-step accuracy (:func:`kvlib.rl.longtask.step_accuracy`), mean response tokens, the
+fraction that ended (EOS), prompt tokens, three example responses.
 
 CPU cost: the few-shot prefix shared by every prompt is prefilled once per step count and its ``DynamicCache``
 copied per question (repeated ``--samples`` times), so a question costs only its suffix and the decode.
@@ -46,14 +47,15 @@ def cluster_bootstrap(per_question: list[list[float]], reps: int = 10_000, seed:
 
 
 def calibrate(model, tok, steps: int, *, questions: int, samples: int, max_new_tokens: int, shots: int,
-              max_operand: int, seed: int) -> dict:
+              max_operand: int, seed: int, anchor: bool = True, style: str = "short", kind: str = "repeat",
+              min_operand: int = 2) -> dict:
     from transformers import DynamicCache
 
     from kvlib.rl import longtask
 
-    diff = dict(min_steps=steps, max_steps=steps, max_operand=max_operand)
+    diff = dict(kind=kind, min_steps=steps, max_steps=steps, max_operand=max_operand, min_operand=min_operand)
     probs = longtask.make_sum_problems("heldout", questions, seed=777, **diff)
-    pf = longtask.sum_prompt_fn(shots=shots, **diff)
+    pf = longtask.sum_prompt_fn(shots=shots, anchored=anchor, style=style, **diff)
     ids = [tok(pf(tok, p), add_special_tokens=False)["input_ids"] for p in probs]
     n = 0
     while all(len(x) > n and x[n] == ids[0][n] for x in ids):
@@ -88,13 +90,17 @@ def calibrate(model, tok, steps: int, *, questions: int, samples: int, max_new_t
             txt = tok.decode(o, skip_special_tokens=True)
             r = longtask.sum_reward(txt, p)
             rs.append(r)
-            res.append({"r": r, "len": len(o), "ended": eos in o, "text": txt})
+            good, steps_ = longtask.step_accuracy(txt, p)
+            res.append({"r": r, "len": len(o), "ended": eos in o, "text": txt, "steps_ok": good, "steps": steps_})
         per_q.append(rs)
         print(f"  steps {steps}: question {qi + 1}/{len(probs)} rewards {rs} ({time.time() - t0:.0f} s)",
               file=sys.stderr, flush=True)
     k, m = int(sum(r["r"] for r in res)), len(res)
-    return {"steps": steps, "max_operand": max_operand, "shots": shots, "questions": len(probs), "samples": samples,
-            "n": m, "correct": k, "accuracy": k / m, "wilson95": wilson(k, m),
+    step_rate = sum(r["steps_ok"] for r in res) / sum(r["steps"] for r in res)
+    return {"steps": steps, "min_operand": min_operand, "max_operand": max_operand, "shots": shots, "anchor": anchor,
+            "style": style, "kind": kind,
+            "step_accuracy": step_rate, "step_accuracy_pow_steps": step_rate ** steps, "questions": len(probs),
+            "samples": samples, "n": m, "correct": k, "accuracy": k / m, "wilson95": wilson(k, m),
             "cluster_bootstrap95": cluster_bootstrap(per_q), "max_new_tokens": max_new_tokens,
             "response_tokens_mean": sum(r["len"] for r in res) / m, "ended": sum(r["ended"] for r in res) / m,
             "prompt_tokens_mean": sum(map(len, ids)) / len(ids), "shared_prefix_tokens": n,
@@ -110,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=640)
     ap.add_argument("--shots", type=int, default=2)
     ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--min-operand", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-anchor", action="store_true", help="do not start the assistant turn with 'Start: s.'")
+    ap.add_argument("--kind", default="repeat", help="running-sum kind (kvlib.rl.longtask.KINDS)")
+    ap.add_argument("--style", default="short", help="line format of the solutions (kvlib.rl.longtask.STYLES)")
     ap.add_argument("--out", default="calibrate_long.json")
     args = ap.parse_args(argv)
     from kvlib.hf.model import load_model
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.steps:
         rec = calibrate(model, tok, s, questions=args.questions, samples=args.samples,
                         max_new_tokens=args.max_new_tokens, shots=args.shots, max_operand=args.max_operand,
-                        seed=args.seed)
+                        seed=args.seed, anchor=not args.no_anchor, style=args.style, kind=args.kind,
+                        min_operand=args.min_operand)
         rows.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "examples"}), flush=True)
     out = {"provenance": provenance(vars(args), started), "model": "SmolLM2-135M-Instruct GGUF, fp32, CPU",

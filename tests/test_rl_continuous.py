@@ -257,3 +257,34 @@ def test_graph_replay_equals_eager_steps(fmt):
         assert eng.kernel and eng.graphed is graph and eng.graph_error is None
         out.append([r.tokens for r in reqs])
     assert out[0] == out[1]
+
+
+def test_real_smollm2_short_rollouts(smol):
+    """SmolLM2-135M (fp32) on chat-templated problems: greedy tokens through the engine's bf16 and kv4rl pages equal
+    the static engine's; sampled responses' recorded log-probs agree with the fp32 learner to the bf16 pool's
+    rounding."""
+    from kvlib.rl import task
+    from kvlib.rl.collect import Group, groups_rollout
+    from kvlib.rl.sampler import learner_logprobs
+
+    model, tok = smol
+    probs = task.make_problems("heldout", 3, seed=0, min_steps=1, max_steps=1)
+    prompts = [tok(task.format_prompt(tok, p), add_special_tokens=False)["input_ids"] for p in probs]
+    for fmt, opts in (("bf16", {}), ("kv4rl", {"sink": 4, "recent": 16})):
+        plan = plan_pool(fmt, model.config, budget_bytes=64 * 2**20, slots=2, staging=2, max_context=160,
+                         block_size=16, **opts)
+        eng = ContinuousEngine(model, plan, eos_token_id=tok.eos_token_id, greedy=True, prefill_tokens=256)
+        reqs = _run(eng, [Request(i, p, 8) for i, p in enumerate(prompts)])
+        ref = sample_static(model, tok, prompts, fmt=fmt, max_new_tokens=8, generator=None, greedy=True,
+                            cache_options=dict(block_size=16, **opts))
+        for i, r in enumerate(reqs):
+            n = int(ref.response_mask[i].sum())
+            assert r.tokens == ref.response_ids[i, :n].tolist()
+    eng = ContinuousEngine(model, plan_pool("bf16", model.config, budget_bytes=64 * 2**20, slots=3, staging=3,
+                                            max_context=160), eos_token_id=tok.eos_token_id, seed=3)
+    reqs = _run(eng, [Request(i, p, 8) for i, p in enumerate(prompts)])
+    roll = groups_rollout([Group(0, None, 0, reqs)], pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        lp = learner_logprobs(model, roll)
+    m = roll.response_mask.bool()
+    assert (lp[m] - roll.sampler_logprobs[m]).abs().max() < 0.05  # bf16 K/V against the fp32 learner

@@ -1,25 +1,24 @@
-"""A long-response task: running sums, one line per number, a boxed total (issue 39).
+"""A long-response task: running sums, one line per addition, a boxed total (issue 39).
 
 The chapter's task (:mod:`kvlib.rl.task`) has ~35-token answers after a ~870-token prompt: the KV cache matters
 there only through the prompt. KV4-RL's regime is long responses (1.4k-5.5k tokens) whose own context grows past
-the protected window. Here a problem lists ``steps`` numbers and the response adds them one at a time::
+the protected window. Here the response adds one number per line and boxes the total; the difficulty is the
+number of steps (lines), and each line is ~19 SmolLM2 tokens (digits are single tokens), so 16 steps give a
+~320-token response. Two kinds of problem:
 
-    Add these numbers one at a time, starting from 0: 7, 3, 9, 4. What is the total?
+* ``repeat`` (the calibrated one): ``Start with 7. Add 6 to it 16 times, one line per addition. What is the final
+  number?`` -> ``Step 1: 7 + 6 = 13.`` ... ``The final number is \\boxed{103}.`` Each step is one addition whose
+  operands are the previous line's result and a constant: an arithmetic error anywhere spoils the box, so accuracy
+  falls geometrically with the steps;
+* ``list``: add ``steps`` listed numbers from 0. Each step must also look its number up by position in the prompt;
+  SmolLM2-135M at temperature 1 does not (CPU calibration: ~1% of steps right at 10 steps), so this kind is kept for
+  larger models only.
 
-    Start: 0.
-    Step 1: 0 + 7 = 7.
-    Step 2: 7 + 3 = 10.
-    ...
-    The final number is \\boxed{23}.
-
-Each line is ~19 SmolLM2 tokens (digits are single tokens), so the response grows linearly with the difficulty
-(the number of steps): 16 steps give ~320 tokens. Each step copies the next number from the prompt (an
-induction-style lookup across the whole context) and adds it, so an error anywhere spoils the box: accuracy falls
-geometrically with the steps, and the difficulty can be set where the initial policy scores 10-40%.
-
-The problems reuse the chapter task's machinery (:class:`kvlib.rl.task.Problem` with ``add`` ops from ``start=0``,
-its worked solution, prompt template, disjoint SHA-256 splits and exact-match reward on the last box). The CPU
-calibration behind :data:`LONG_DIFFICULTY` is :data:`LONG_CPU_CALIBRATION` (``dev/rl/calibrate_long.py``).
+The prompt gives ``shots`` worked examples at the same difficulty as earlier chat turns and starts the assistant
+turn with the solution's first line (``Start: s.``, :func:`anchor`): at temperature 1 the 135M model otherwise
+often leaves the line format within its first tokens. The problems reuse the chapter task's machinery
+(:class:`kvlib.rl.task.Problem`, disjoint SHA-256 splits, exact-match reward on the last box). The CPU calibration
+behind :data:`LONG_DIFFICULTY` is :data:`LONG_CPU_CALIBRATION` (``python -m dev.calibrate_long``).
 """
 
 from __future__ import annotations
@@ -31,23 +30,44 @@ from typing import Any
 from kvlib.core.checks import check_positive_int
 from kvlib.rl import task as base
 
-QUESTION = "Add these numbers one at a time, starting from 0: {numbers}. What is the total?"
+QUESTIONS = {
+    "list": "Add these numbers one at a time, starting from 0: {numbers}. What is the total?",
+    "repeat": "Start with {start}. Add {a} to it {n} times, one line per addition. What is the final number?",
+}
+KINDS = tuple(QUESTIONS)
 #: the calibrated setting (see LONG_CPU_CALIBRATION); min_steps == max_steps: the difficulty is the step count
-LONG_DIFFICULTY: dict[str, int] = {"min_steps": 16, "max_steps": 16, "max_operand": 9}
+LONG_DIFFICULTY: dict[str, Any] = {"kind": "repeat", "min_steps": 16, "max_steps": 16, "max_operand": 9}
 #: worked examples in the prompt (at the task's own difficulty): two keep the prompt near 1k tokens at 16 steps
 LONG_SHOTS = 2
-#: filled from dev/rl/calibrate_long.py's output (numbers as it printed them; see the module docstring)
+#: filled from dev/calibrate_long.py's output (numbers as it printed them; see the module docstring)
 LONG_CPU_CALIBRATION: dict[str, Any] = {}
 
 
-def make_sum_problems(split: str, n: int, seed: int = 0, *, min_steps: int = LONG_DIFFICULTY["min_steps"],
-                      max_steps: int = LONG_DIFFICULTY["max_steps"],
-                      max_operand: int = LONG_DIFFICULTY["max_operand"]) -> list[base.Problem]:
+def _draw(rng: random.Random, kind: str, steps: int, min_operand: int,
+          max_operand: int) -> tuple[str, int, tuple[tuple[str, int], ...]]:
+    if kind == "list":
+        nums: list[int] = []
+        while len(nums) < steps:  # never the same number twice in a row: the next one is unambiguous to look up
+            a = rng.randint(min_operand, max_operand)
+            if not nums or a != nums[-1]:
+                nums.append(a)
+        return QUESTIONS[kind].format(numbers=", ".join(map(str, nums))), 0, tuple(("add", a) for a in nums)
+    start, a = rng.randint(0, 10 * max_operand), rng.randint(min_operand, max_operand)
+    return QUESTIONS[kind].format(start=start, a=a, n=steps), start, (("add", a),) * steps
+
+
+def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIFFICULTY["kind"],
+                      min_steps: int = LONG_DIFFICULTY["min_steps"], max_steps: int = LONG_DIFFICULTY["max_steps"],
+                      max_operand: int = LONG_DIFFICULTY["max_operand"],
+                      min_operand: int = LONG_DIFFICULTY.get("min_operand", 2)) -> list[base.Problem]:
     """``n`` running-sum problems of ``split`` (``"train"``/``"heldout"``, disjoint by the SHA-256 of the question),
-    a pure function of the arguments. Operands are drawn from ``1..max_operand``, never the same twice in a row
-    (so the next number is unambiguous to look up after the previous one)."""
+    a pure function of the arguments. ``kind="list"``: add ``steps`` listed numbers in ``min_operand..max_operand``
+    from 0; ``kind="repeat"``: add one number in ``min_operand..max_operand`` ``steps`` times to a start in
+    ``0..10 max_operand`` (operands 2..9: 728 distinct questions per step count, ~1/8 of them held out)."""
     if split not in base.SPLITS:
         raise ValueError(f"split must be one of {base.SPLITS}, got {split!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     check_positive_int("min_steps", min_steps)
@@ -55,7 +75,11 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, min_steps: int = LON
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps!r}, {max_steps!r}")
     if not isinstance(max_operand, int) or max_operand < 2:
         raise ValueError(f"max_operand must be an int >= 2, got {max_operand!r}")
-    rng = random.Random(f"kvlib.rl.longtask:{seed}:{min_steps}:{max_steps}:{max_operand}")
+    if not isinstance(min_operand, int) or not 1 <= min_operand <= max_operand:
+        raise ValueError(f"min_operand must be an int in [1, max_operand], got {min_operand!r}")
+    tag = "" if kind == "list" else f":{kind}"
+    tag += "" if min_operand == 2 else f":{min_operand}"
+    rng = random.Random(f"kvlib.rl.longtask:{seed}:{min_steps}:{max_steps}:{max_operand}{tag}")
     out: list[base.Problem] = []
     seen: set[str] = set()
     tries = 0
@@ -63,30 +87,88 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, min_steps: int = LON
         tries += 1
         if tries > 1000 * (n + 10):
             raise ValueError(f"cannot draw {n} distinct {split} problems at this difficulty")
-        steps = rng.randint(min_steps, max_steps)
-        nums: list[int] = []
-        while len(nums) < steps:
-            a = rng.randint(1, max_operand)
-            if not nums or a != nums[-1]:
-                nums.append(a)
-        q = QUESTION.format(numbers=", ".join(map(str, nums)))
+        q, start, ops = _draw(rng, kind, rng.randint(min_steps, max_steps), min_operand, max_operand)
         if q in seen or base.split_of(q) != split:
             continue
         seen.add(q)
         uid = hashlib.sha256(q.encode()).hexdigest()[:12]
-        out.append(base.Problem(uid=uid, question=q, answer=sum(nums), steps=steps, start=0,
-                                ops=tuple(("add", a) for a in nums)))
+        out.append(base.Problem(uid=uid, question=q, answer=start + sum(a for _, a in ops), steps=len(ops),
+                                start=start, ops=ops))
     return out
 
 
-def sum_prompt_fn(shots: int = LONG_SHOTS, seed: int = 12345, **difficulty: int) -> Any:
+def anchor(problem: base.Problem) -> str:
+    """The first line of the problem's worked solution (``Start: s.``), placed at the start of the assistant turn
+    by ``sum_prompt_fn(anchored=True)``."""
+    return f"Start: {problem.start}.\n"
+
+
+#: line formats of a worked solution: ``short`` writes the sum only, ``verbose`` restates the running total and
+#: the number it takes next before adding (more tokens per step, each one an easy copy)
+STYLES = {
+    "short": "Step {i}: {total} + {a} = {new}.",
+    "verbose": "Step {i}: the total so far is {total} and the next number is {a}, so {total} + {a} = {new}.",
+}
+
+
+def sum_solution(problem: base.Problem, style: str = "short") -> str:
+    """The worked solution of a running-sum problem: its :func:`anchor` line, one line per addition, the boxed
+    total."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {sorted(STYLES)}, got {style!r}")
+    total, lines = problem.start, [anchor(problem).strip()]
+    for i, (op, a) in enumerate(problem.ops, 1):
+        if op != "add":
+            raise ValueError(f"a running-sum problem adds only, got {op!r}")
+        lines.append(STYLES[style].format(i=i, total=total, a=a, new=total + a))
+        total += a
+    if total != problem.answer:
+        raise ValueError(f"recorded numbers sum to {total}, not the answer {problem.answer}")
+    lines.append(f"The final number is \\boxed{{{total}}}.")
+    return "\n".join(lines)
+
+
+def step_accuracy(response: str, problem: base.Problem) -> tuple[int, int]:
+    """``(correct steps, steps)`` of a response: step ``i`` is correct when its line (either style) adds the
+    ``i``-th number to the true running total and writes the right sum (``Step i: total + a = new``). A calibration
+    diagnostic: the final accuracy at ``n`` steps is roughly the per-step rate to the power ``n``."""
+    import re
+
+    nums = [a for _, a in problem.ops]
+    good, total = 0, problem.start
+    for i, a in enumerate(nums, 1):
+        m = re.search(rf"Step {i}:[^\n]*?(-?\d+) \+ (-?\d+) = (-?\d+)", response)
+        if m and (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (total, a, total + a):
+            good += 1
+        total += a
+    return good, len(nums)
+
+
+def sum_prompt_fn(shots: int = LONG_SHOTS, seed: int = 12345, *, anchored: bool = True, style: str = "short",
+                  system: str | None = base.SYSTEM, **difficulty: Any) -> Any:
     """``(tokenizer, problem) -> prompt text``: ``shots`` worked examples at ``difficulty`` (default
-    :data:`LONG_DIFFICULTY`) as earlier chat turns, then the problem (:func:`kvlib.rl.task.format_prompt`)."""
+    :data:`LONG_DIFFICULTY`) as earlier chat turns, then the problem (:func:`kvlib.rl.task.format_prompt`).
+
+    ``anchored``: the assistant turn starts with the solution's first line (:func:`anchor`), as part of the prompt.
+    At temperature 1 a 135M model often leaves the line format in its first tokens (CPU calibration); starting the
+    turn in the format keeps it there. The response (what is sampled, rewarded and trained) follows the anchor."""
     diff = {**LONG_DIFFICULTY, **difficulty}
     examples = make_sum_problems("train", shots, seed=seed, **diff) if shots else []
 
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {sorted(STYLES)}, got {style!r}")
+    turns = [{"role": "system", "content": system}] if system else []
+    for ex in examples:  # the chapter task's chat layout (kvlib.rl.task.format_prompt), this task's solutions
+        turns += [{"role": "user", "content": f"{ex.question} {base.INSTRUCTION}"},
+                  {"role": "assistant", "content": sum_solution(ex, style)}]
+
     def fn(tokenizer: Any, problem: base.Problem | str) -> str:
-        return base.format_prompt(tokenizer, problem, shots=examples)
+        question = problem.question if isinstance(problem, base.Problem) else problem
+        if not isinstance(question, str):
+            raise TypeError(f"problem must be a Problem or str, got {type(problem).__name__}")
+        msgs = turns + [{"role": "user", "content": f"{question} {base.INSTRUCTION}"}]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return text + anchor(problem) if anchored and isinstance(problem, base.Problem) else text
 
     return fn
 
