@@ -288,3 +288,35 @@ def test_real_smollm2_short_rollouts(smol):
         lp = learner_logprobs(model, roll)
     m = roll.response_mask.bool()
     assert (lp[m] - roll.sampler_logprobs[m]).abs().max() < 0.05  # bf16 K/V against the fp32 learner
+
+
+def test_chunked_prefill_reads_each_rows_own_side_buffer():
+    """kv4rl: what a later prefill chunk attends for its row's earlier positions (the pool dequantised, the side
+    buffer's INT8 values where protected) is what the store's own reader gives for that row, for a staging row
+    whose index differs from its batch position."""
+    model = _tiny()
+    eng = _engine(model, "kv4rl", opts={"sink": 2, "recent": 4}, slots=2, staging=3, block_size=8)
+    kv, st, c = eng.kv, eng.kv.store, eng.cache
+    torch.manual_seed(4)
+    n, rows = 13, [3, 4]  # two staging rows, written with different vectors
+    for r in rows:
+        assert kv.ensure(r, n)
+        k, v = torch.randn(n, 2, 32), torch.randn(n, 2, 32)
+        pos = torch.arange(n)
+        slots = kv.block_table[r, pos // 8].long() * 8 + pos % 8
+        la = torch.zeros(kv.plan.rows, dtype=torch.int64)
+        la[r] = n
+        st.write(1, k, v, slots, torch.full((n,), r), pos, la)
+        kv.lens[r] = n
+    bt = kv.block_table[torch.tensor(rows)].long()
+    p = torch.arange(n)
+    c.prior_width, c.prior_slots = n, bt[:, p // 8] * 8 + p % 8
+    c.prior_lens, c.rows_phys = torch.tensor([n, n]), torch.tensor(rows)
+    got_k, got_v = c.prior_kv(1)
+    for i, r in enumerate(rows):
+        kv.move(r, 0)  # the store's reader indexes the side buffer by batch position: read the row as row 0
+        want_k, want_v = st.gather_rows(1, c.prior_slots[i:i + 1], torch.tensor([n]))
+        torch.testing.assert_close(got_k[i:i + 1], want_k.to(got_k.dtype))
+        torch.testing.assert_close(got_v[i:i + 1], want_v.to(got_v.dtype))
+        kv.move(0, r)
+    assert not torch.allclose(got_k[0], got_k[1])
