@@ -268,21 +268,21 @@ def test_real_smollm2_short_rollouts(smol):
     from kvlib.rl.sampler import learner_logprobs
 
     model, tok = smol
-    probs = task.make_problems("heldout", 3, seed=0, min_steps=1, max_steps=1)
+    probs = task.make_problems("heldout", 2, seed=0, min_steps=1, max_steps=1)
     prompts = [tok(task.format_prompt(tok, p), add_special_tokens=False)["input_ids"] for p in probs]
     for fmt, opts in (("bf16", {}), ("kv4rl", {"sink": 4, "recent": 16})):
         plan = plan_pool(fmt, model.config, budget_bytes=64 * 2**20, slots=2, staging=2, max_context=160,
                          block_size=16, **opts)
         eng = ContinuousEngine(model, plan, eos_token_id=tok.eos_token_id, greedy=True, prefill_tokens=256)
-        reqs = _run(eng, [Request(i, p, 8) for i, p in enumerate(prompts)])
-        ref = sample_static(model, tok, prompts, fmt=fmt, max_new_tokens=8, generator=None, greedy=True,
+        reqs = _run(eng, [Request(i, p, 6) for i, p in enumerate(prompts)])
+        ref = sample_static(model, tok, prompts, fmt=fmt, max_new_tokens=6, generator=None, greedy=True,
                             cache_options=dict(block_size=16, **opts))
         for i, r in enumerate(reqs):
             n = int(ref.response_mask[i].sum())
             assert r.tokens == ref.response_ids[i, :n].tolist()
     eng = ContinuousEngine(model, plan_pool("bf16", model.config, budget_bytes=64 * 2**20, slots=3, staging=3,
                                             max_context=160), eos_token_id=tok.eos_token_id, seed=3)
-    reqs = _run(eng, [Request(i, p, 8) for i, p in enumerate(prompts)])
+    reqs = _run(eng, [Request(i, p, 6) for i, p in enumerate(prompts)])
     roll = groups_rollout([Group(0, None, 0, reqs)], pad_token_id=tok.eos_token_id)
     with torch.no_grad():
         lp = learner_logprobs(model, roll)
