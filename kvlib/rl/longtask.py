@@ -103,10 +103,12 @@ def anchor(problem: base.Problem) -> str:
     return f"Start: {problem.start}.\n"
 
 
-#: line formats of a worked solution: ``short`` writes the sum only, ``verbose`` restates the running total and
-#: the number it takes next before adding (more tokens per step, each one an easy copy)
+#: line formats of a worked solution: ``short`` writes the sum only; ``counted`` also the step count (three more
+#: tokens a line, all predictable copies); ``verbose`` restates the running total and the number it takes next before
+#: adding (more tokens per step, but digits: more chances for a temperature-1 slip)
 STYLES = {
     "short": "Step {i}: {total} + {a} = {new}.",
+    "counted": "Step {i} of {n}: {total} + {a} = {new}.",
     "verbose": "Step {i}: the total so far is {total} and the next number is {a}, so {total} + {a} = {new}.",
 }
 
@@ -120,7 +122,7 @@ def sum_solution(problem: base.Problem, style: str = "short") -> str:
     for i, (op, a) in enumerate(problem.ops, 1):
         if op != "add":
             raise ValueError(f"a running-sum problem adds only, got {op!r}")
-        lines.append(STYLES[style].format(i=i, total=total, a=a, new=total + a))
+        lines.append(STYLES[style].format(i=i, n=len(problem.ops), total=total, a=a, new=total + a))
         total += a
     if total != problem.answer:
         raise ValueError(f"recorded numbers sum to {total}, not the answer {problem.answer}")
@@ -137,7 +139,7 @@ def step_accuracy(response: str, problem: base.Problem) -> tuple[int, int]:
     nums = [a for _, a in problem.ops]
     good, total = 0, problem.start
     for i, a in enumerate(nums, 1):
-        m = re.search(rf"Step {i}:[^\n]*?(-?\d+) \+ (-?\d+) = (-?\d+)", response)
+        m = re.search(rf"Step {i}(?: of \d+)?:[^\n]*?(-?\d+) \+ (-?\d+) = (-?\d+)", response)
         if m and (int(m.group(1)), int(m.group(2)), int(m.group(3))) == (total, a, total + a):
             good += 1
         total += a
