@@ -18,8 +18,9 @@ def test_problems_are_deterministic_disjoint_and_correct():
             assert p.start == 0 and 6 <= p.steps <= 9 and all(x != y for x, y in zip(nums, nums[1:]))
             assert all(1 <= x <= 9 for x in nums) and ", ".join(map(str, nums)) in p.question
         else:
-            assert p.steps == longtask.LONG_DIFFICULTY["min_steps"] and len(set(nums)) == 1 and 2 <= nums[0] <= 9
-            assert 0 <= p.start <= 90
+            d = longtask.LONG_DIFFICULTY
+            assert p.steps == d["min_steps"] and len(set(nums)) == 1
+            assert d["min_operand"] <= nums[0] <= d["max_operand"] and 0 <= p.start <= 10 * d["max_operand"]
             assert f"Start with {p.start}. Add {nums[0]} to it {p.steps} times" in p.question
             assert task.split_of(p.question) == ("train" if p in a else "heldout")
         for style in longtask.STYLES:
@@ -41,15 +42,21 @@ def test_problems_are_deterministic_disjoint_and_correct():
         longtask.make_sum_problems("train", 1, min_steps=5, max_steps=4)
 
 
-def test_a_correct_response_is_long_in_smollm2_tokens(smol):
-    """The worked solution at the calibrated difficulty (what a correct response looks like) is >= 300 SmolLM2
-    tokens, and the prompt ends in the anchor line the response continues."""
+def test_the_calibration_record_matches_the_task(smol):
+    """The recorded token counts of a correct response (LONG_CPU_CALIBRATION) are the tokenizer's on the held-out
+    questions, a correct response in the ``counted`` style is 300+ tokens, and the prompt ends in the anchor line
+    the response continues."""
     _, tok = smol
-    probs = longtask.make_sum_problems("heldout", 8, seed=777)
-    lens = []
-    for p in probs:
-        sol = longtask.sum_solution(p)
-        lens.append(len(tok(sol[len(longtask.anchor(p)):] + "<|im_end|>", add_special_tokens=False)["input_ids"]))
-    assert min(lens) >= 300
+    probs = longtask.make_sum_problems("heldout", 16, seed=777)
+    cal = longtask.LONG_CPU_CALIBRATION
+    for style, key in (("short", "correct_response_tokens_mean"), ("counted", "correct_response_tokens_counted_mean")):
+        lens = [len(tok(longtask.sum_solution(p, style)[len(longtask.anchor(p)):] + "<|im_end|>",
+                        add_special_tokens=False)["input_ids"]) for p in probs]
+        assert abs(sum(lens) / len(lens) - cal[key]) < 0.05
+    assert cal["correct_response_tokens_counted_mean"] >= 300
+    assert cal["chosen"] in cal["candidates"] and cal["candidates"][cal["chosen"]]["n"] == cal["n"]
+    assert cal["targets_met"] == {"accuracy 10-40%": 0.1 <= cal["accuracy"] <= 0.4,
+                                  "mean tokens >= 300": cal["response_tokens_mean"] >= 300}
     prompt = longtask.sum_prompt_fn()(tok, probs[0])
     assert prompt.endswith("<|im_start|>assistant\n" + longtask.anchor(probs[0])) and probs[0].question in prompt
+    assert abs(len(tok(prompt, add_special_tokens=False)["input_ids"]) - cal["prompt_tokens_mean"]) < 40
