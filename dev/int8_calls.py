@@ -1,7 +1,7 @@
 """The INT8 probes' variants as decode_int8 calls: tuning names go into one Int8KernelConfig.
 
 A probe's variant is ``(flags, keywords)``; ``flags`` name the kernels' former module switches (``VAR_DOT``,
-``PV_DEQUANT``, ``ABLATE``, ``AHEAD``, ...) as recorded in the probes' result files, ``keywords`` mix request
+``PV_DEQUANT``, ``AHEAD``, ...) as recorded in the probes' result files, ``keywords`` mix request
 arguments (``cert``, ``impl``, ``num_splits``) with tuning (``block_n``, ``num_warps``, ``skip_philox``, ...).
 :func:`as_call` sorts them (:func:`kvlib.kernels.int8.config.config_call`): every tuning name becomes a field
 of the call's ``config``; nothing is set on a kernel module.
@@ -15,7 +15,7 @@ from kvlib.kernels.int8.config import CONFIG_FIELDS, config_call
 
 #: former module flags of kvlib.kernels.int8.h10 / gluon -> Int8KernelConfig fields
 FLAG_FIELDS = {"TILE_SUMS": "tile_sums", "WIDE_MUL": "wide_mul", "VAR_DOT": "var_dot", "MAXNREG": "maxnreg",
-               "ABLATE": "ablate", "PV_DEQUANT": "pv_dequant", "AHEAD": "ahead", "PROGRAMS_PER_SM": "programs_per_sm"}
+               "PV_DEQUANT": "pv_dequant", "AHEAD": "ahead", "PROGRAMS_PER_SM": "programs_per_sm"}
 
 
 def as_call(kw: dict[str, Any], flags: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from dev.h10_probe import write_probe
+from dev.probe_kit import write_probe
 from kvlib.bench.kv4 import HKV, HQ, D
 from kvlib.kernels.int4.attention import build_kv4_batch
 from kvlib.kernels.int4.decode import DEFAULT_CONFIG, kv4_main_decode, kv4_main_decode_ref, prepare_query

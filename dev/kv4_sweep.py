@@ -74,7 +74,7 @@ def tma_variants(tiny: bool = False) -> list[tuple[str, object]]:
 
 def occupancy_variants(tiny: bool = False) -> list[tuple[str, object]]:
     """The default beside register-leaner variants that fit more CTAs per SM. Registers per thread and
-    loop instructions per 4-bit code from the offline sm_90 count (``kvlib.kernels.sass``, d = 128,
+    loop instructions per 4-bit code from the offline sm_90 count (``kvlib.bench.sass_count``, d = 128,
     GQA 4, 4 warps; the default: 255 registers, 2 CTAs, 2.17 per code):
 
     ========================  =========  ============  ============

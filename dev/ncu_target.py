@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from dev.h10_probe import h10_problem
+from dev.probe_kit import h10_problem
 from kvlib.bench.witcert_decode import LAYER, SEED
 
 KINDS = ("gluon", "gluon_nocert", "sdpa", "h10", "wspec_cert", "wspec_rtn", "wspec4", "kv4_paged")

@@ -1,6 +1,6 @@
 """Offline sm_90 compile of the certified Gluon h8 INT8 kernel with each dither generator (issue 28): the decode
 loop's instructions per 16-position tile (one warp), registers, stack and shared memory, and the top opcodes
-(:func:`kvlib.kernels.sass.gluon_count`; no GPU needed). ``python -m dev.philox_sass [OUT.json]`` (default
+(:func:`kvlib.bench.sass_count.gluon_count`; no GPU needed). ``python -m dev.philox_sass [OUT.json]`` (default
 dev/results/philox_sass.json)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ NAMES = ("philox4x32-10", "philox4x32-8", "philox4x32-7", "philox4x32-6", "three
 
 
 def main() -> None:
-    from kvlib.kernels.sass import gluon_count
+    from kvlib.bench.sass_count import gluon_count
     from kvlib.kernels.tl.philox import generator_constexprs
     from kvlib.publish.provenance import provenance, write_json_atomic
 

@@ -116,8 +116,7 @@ def agreement(gens=GENERATORS, impls=("gluon", "h10"), *, B=3, S=300, hq=28, hkv
 
 
 def timings(shapes=SHAPES, rounds: int = 3, gens=GENERATORS) -> list[dict]:
-    from dev.h10_probe import h10_problem
-    from dev.h10_probe2 import _sdpa_graph_ms
+    from dev.probe_kit import h10_problem, sdpa_graph_ms
     from kvlib.bench.timing import bench_graphed, interleaved
     from kvlib.kernels.int8.config import DEFAULT_CONFIG
     from kvlib.kernels.int8.decode import decode_int8
@@ -129,13 +128,13 @@ def timings(shapes=SHAPES, rounds: int = 3, gens=GENERATORS) -> list[dict]:
     for B, S, hq, hkv in shapes:
         qb, kp, vp, slots, seq = h10_problem(B, S, hq, hkv)
         kp = dataclasses.replace(kp, dither_layout="h8")  # random codes: the timing does not depend on the values
-        sd = _sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
+        sd = sdpa_graph_ms(qb.view(B, hq, 1, 128), hkv, S)
         step = functools.partial(decode_int8, qb, kp, vp, slots, seq, layer=LAYER, seed=SEED, impl="gluon",
                                  cert=True, cert_b=False)
         var = {f"gluon_cert_{g}": functools.partial(step, config=DEFAULT_CONFIG.replace(generator=g)) for g in gens}
         var["gluon_cert_skip_philox"] = functools.partial(step, config=DEFAULT_CONFIG.replace(skip_philox=True))
         var["sdpa_bf16_same_round"] = functools.partial(
-            _sdpa_graph_ms, qb.view(B, hq, 1, 128), hkv, S)  # SDPA inside the rotation too (drift check)
+            sdpa_graph_ms, qb.view(B, hq, 1, 128), hkv, S)  # SDPA inside the rotation too (drift check)
         timers = {n: (functools.partial(graph_ms, fn) if not n.startswith("sdpa") else fn) for n, fn in var.items()}
         ms = interleaved(timers, rounds)
         base = ms["gluon_cert_philox4x32-10"][0]
@@ -151,7 +150,7 @@ def timings(shapes=SHAPES, rounds: int = 3, gens=GENERATORS) -> list[dict]:
 
 
 def main() -> None:
-    from dev.h10_probe import write_probe
+    from dev.probe_kit import write_probe
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     quick = "--quick" in sys.argv

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, rounding_gamma
+from kvlib.certify.bound import rounding_gamma
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
 from kvlib.kernels.int8.w24 import _xi
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range

@@ -45,13 +45,13 @@ def deep_operands(ir: str) -> list[dict]:
 
 def main() -> None:
     from dev.vdither_kernel import _tc_vd
-    from kvlib.kernels.sass import _compile
+    from kvlib.kernels.offline import compile_sm90
     from kvlib.publish.provenance import provenance, write_json_atomic
 
     started = datetime.datetime.now(datetime.UTC)
     res = {}
     for name, (kw, warps, stages) in CASES.items():
-        cc = _compile(_tc_vd, BASE | kw, {"Q": "*fp32", "VXI": "*fp32", "DBG": "*fp32"}, num_warps=warps,
+        cc = compile_sm90(_tc_vd, BASE | kw, {"Q": "*fp32", "VXI": "*fp32", "DBG": "*fp32"}, num_warps=warps,
                       num_stages=stages)
         loads = [dict(shape=[int(a), int(b)], opIdx=int(i), kWidth=int(k))
                  for a, b, i, k in PAT.findall(cc.asm["ttgir"])]
@@ -63,7 +63,7 @@ def main() -> None:
 
     for mode in (0, 1):  # the minimal PV kernel of dev.vdither's mini_pv cases
         for d in (64, 128):
-            cc = _compile(_mini_pv, dict(BN=16, D=d, MODE=mode),
+            cc = compile_sm90(_mini_pv, dict(BN=16, D=d, MODE=mode),
                           {"P": "*fp16", "C": "*i8", "X": "*fp32", "S": "*fp32", "OUT": "*fp32"}, num_warps=4,
                           num_stages=1)
             loads = [dict(shape=[int(a), int(b)], opIdx=int(i), kWidth=int(k))

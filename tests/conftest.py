@@ -13,6 +13,12 @@ if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The store of model computations (kvlib.hf.memo): a fresh one per session, so tests never read what an earlier
+# run left in ~/.cache/kvlib (and leave nothing there).
+if "KVLIB_MODEL_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["KVLIB_MODEL_CACHE"] = tempfile.mkdtemp(prefix="kvlib-model-cache-")
 
 
 import pytest  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 import kvlib
 import kvlib.formats.base
-from kvlib.bench import e2e
+from kvlib.bench import e2e, e2e_report
 
 STATUSES = {"ok", "skipped", "unavailable", "error", "oom"}
 
@@ -124,8 +124,8 @@ def test_goals_are_decided_from_the_rows(result):
             assert g["met"] is None and g["why_not_measured"]
         else:
             assert g["met"] == (g["measured"] <= g["target"] if "bytes" in g["goal"] else g["measured"] >= g["target"])
-    assert len(e2e.summary_lines(result)) >= len(e2e.GOALS)
-    assert all("nan" not in line for line in e2e.summary_lines(result))
+    assert len(e2e_report.summary_lines(result)) >= len(e2e.GOALS)
+    assert all("nan" not in line for line in e2e_report.summary_lines(result))
 
 
 # ------------------------------------------------------------------------------------------ plug-in path
@@ -242,16 +242,18 @@ def test_paper_verdicts_from_known_numbers():
                      "speedup_vs_static_graph": 1.3}],
            "budget": {"ctxs": [32768], "throughput_ratio": {"kv4rl@32768": 26.0},
                       "throughput_ratio_vs_static": {"kv4rl@32768": 2.6}, "rows": []}}
-    got = {c["id"]: c for c in e2e.paper_vs_run(res)}
-    assert got["witcert-e2e-bytes"]["verdict"] == "reproduced"  # 136 B
-    assert got["witcert-e2e-capacity"]["verdict"] == "reproduced"  # 256 / 136 = 1.88
+    got = {c["id"]: c for c in e2e_report.paper_vs_run(res)}
+    # the bytes and the rollout ratio are context rows (of the byte account and the RLVR rollout claim): measured,
+    # no verdict of their own
+    assert got["witcert-e2e-bytes"]["verdict"] == "context" and got["witcert-e2e-bytes"]["measured"] == 136.0
+    assert got["witcert-e2e-capacity"]["verdict"] == "checked"  # 256 / 136 = 1.88: a ratio of byte accounts
     assert got["witcert-e2e-throughput"]["verdict"] == "reproduced"  # 0.8 at the shortest S
-    assert got["kv4rl-e2e-rollout"]["verdict"] == "differs" and got["kv4rl-e2e-rollout"]["why"]  # 2.6 vs 1.80
+    assert got["kv4rl-e2e-rollout"]["verdict"] == "context" and got["kv4rl-e2e-rollout"]["measured"] == 2.6
     assert got["kv4rl-e2e-rollout"]["ours"].startswith("2.60x")  # against the graph peer, not DynamicCache's 26x
-    res["budget"]["throughput_ratio_vs_static"]["kv4rl@32768"] = 1.9
-    assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["kv4rl-e2e-rollout"] == "reproduced"
     res["bytes_per_token"]["dither-int8"] = 160.0 * per
-    assert {c["id"]: c["verdict"] for c in e2e.paper_vs_run(res)}["witcert-e2e-bytes"] == "differs"
+    assert {c["id"]: c["verdict"] for c in e2e_report.paper_vs_run(res)}["witcert-e2e-capacity"] == "differs"
+    res["rows"][0]["speedup_vs_static_graph"] = 0.95
+    assert {c["id"]: c["verdict"] for c in e2e_report.paper_vs_run(res)}["witcert-e2e-throughput"] == "differs"
 
 
 @pytest.mark.parametrize("ctx", [150, 400])
@@ -418,5 +420,5 @@ def test_goals_pick_their_reference_and_say_where_time_went():
     assert b["vs_static_graph"] == pytest.approx(3600 / 1400) and b["met_vs_static_graph"] is True
     assert got[("dither-int8", "budget")]["met"] is None and got[("dither-int8", "budget")]["why_not_measured"]
     assert got[("kv4", "hf")]["met"] is None and got[("kv4", "hf")]["why_not_measured"]
-    tab = e2e.goals_table({"goals": list(got.values())})
+    tab = e2e_report.goals_table({"goals": list(got.values())})
     assert not tab.isna().any().any() and "nan" not in tab.to_string()

@@ -11,7 +11,8 @@ import pytest
 from kvlib.publish.assemble import write_toc
 from kvlib.publish.provenance import repo_root, save_result
 from kvlib.publish.registry import NotebookEntry, all_notebooks, load_registry
-from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells, validate
+from kvlib.publish.runner import run_notebooks, validate
+from kvlib.publish.sources import executed_path, load_source, stale_cells
 
 TINY = str(Path(__file__).parent / "data" / "tiny.md")
 PROFILES_PRESENT = [(nb, p) for nb in all_notebooks() for p in nb.profiles if executed_path(nb.name, p).exists()]
@@ -120,13 +121,13 @@ def test_glue_key_twice_is_an_error(sandbox):
         run.glue("x", 2)
 
 
-def test_every_glued_figure_is_shown():
-    """``run.glue_fig`` glues without displaying: a figure reaches the page only through a ``{glue:figure}``
-    directive, a ``display(fig)`` or ``fig`` as the last line of the cell that glues it (a glued figure nobody
-    places is lost)."""
+def test_every_glued_figure_is_shown_once_with_a_numbered_caption():
+    """``run.glue_fig`` glues without displaying: a figure reaches the page through a ``{glue:figure}`` directive of
+    its own notebook, which numbers it and gives it a caption; displaying it as well (``display(fig)`` or ``fig``
+    as a cell's last line) would show it a second time, without one."""
     import re
 
-    lost = []
+    lost, twice = [], []
     for nb in all_notebooks():
         cells = load_source(repo_root() / nb.path).cells
         md = "\n".join(c.source for c in cells if c.cell_type == "markdown")
@@ -134,12 +135,14 @@ def test_every_glued_figure_is_shown():
         for c in cells:
             if c.cell_type != "code":
                 continue
-            last = [ln for ln in c.source.splitlines() if ln.strip()][-1:]
+            last = [ln.strip() for ln in c.source.splitlines() if ln.strip()][-1:]
             for key, var in re.findall(r"glue_fig\(\s*[\"']([\w-]+)[\"']\s*,\s*([\w.]+)", c.source):
-                shown = f"display({var})" in c.source or last == [var]  # a bare last expression is displayed
-                if key not in placed and not shown:
+                if key not in placed:
                     lost.append(f"{nb.name}: {key}")
-    assert not lost, f"glued figures never shown: {lost}"
+                if f"display({var})" in c.source or last == [var]:
+                    twice.append(f"{nb.name}: {key}")
+    assert not lost, f"glued figures without a {{glue:figure}} directive (caption): {lost}"
+    assert not twice, f"glued figures also displayed without a caption: {twice}"
 
 
 def test_converted_sources_have_stable_unique_cell_ids():
@@ -243,3 +246,55 @@ def test_kernel_drops_only_the_widget_fallback_notice(sandbox, tmp_path, monkeyp
     text = json.dumps(nbformat.read(executed_path("warn", "ci"), 4))
     assert "kept warning" in text and "IProgress" not in text
     assert os.environ["PYTHONWARNINGS"] == "default"
+
+
+def test_two_workers_run_everything_once_in_registry_order_and_record_peak_memory(sandbox, monkeypatch):
+    """jobs=2: each notebook executed once, failures isolated, outcomes in the registry's order; each kernel got
+    cpu_count // 2 threads, and its record holds the kernel's measured peak memory for the next schedule."""
+    from kvlib.publish import cache
+    from kvlib.publish.runner import expected_cost
+
+    monkeypatch.setenv("KVLIB_MEMORY_MB", "1")  # below any kernel's peak: the schedule runs one at a time
+    names = ["a", "b", "c"]
+    before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "KVLIB_PROFILE", "PYTHONWARNINGS")}
+    out = run_notebooks("ci", entries=[entry("a", x=1), entry("b", fail=True), entry("c", x=3)], progress=False,
+                        jobs=2)
+    assert [o.name for o in out] == names
+    assert [o.status for o in out] == ["executed", "failed", "executed"]
+    rec = cache.record_of(nbformat.read(executed_path("c", "ci"), as_version=4))
+    assert rec["peak_rss_mb"] > 10  # a Python kernel is tens of MB at least
+    wall, peak = expected_cost("c", "ci")
+    assert wall > 0 and peak == rec["peak_rss_mb"]
+    assert {k: os.environ.get(k) for k in before} == before  # the runner's settings for its kernels are undone
+    with pytest.raises(ValueError, match="jobs"):
+        run_notebooks("ci", entries=[entry("a")], progress=False, jobs=0)
+
+
+@pytest.mark.parametrize(("nb", "profile"), [(nb, p) for nb, p in PROFILES_PRESENT if p == "cpu"],
+                         ids=lambda v: getattr(v, "name", v))
+def test_no_committed_cell_comes_near_the_runner_limit(nb, profile):
+    """Every cell of a committed cpu execution took under a third of the runner's per-cell limit, so the same cell
+    still passes on a machine three times slower (or sharing its cores with a second worker and other load)."""
+    from kvlib.publish.runner import CELL_TIMEOUT
+
+    executed = nbformat.read(executed_path(nb.name, profile), as_version=4)
+    slow = [(i, round(c.metadata.get("papermill", {}).get("duration") or 0)) for i, c in enumerate(executed.cells)
+            if (c.metadata.get("papermill", {}).get("duration") or 0) > CELL_TIMEOUT[profile] / 3]
+    assert not slow, f"{nb.name}: cells (index, seconds) over {CELL_TIMEOUT[profile] / 3:.0f} s: {slow}"
+
+
+def test_no_cell_ends_in_a_bare_value():
+    """A cell whose last line is ``run.glue(...)`` shows the glued value as a bare output ("32768", "0") under
+    it: a number with no words. Assign it (``_ = run.glue(...)``) or end the cell otherwise."""
+    import ast
+
+    bare = []
+    for nb in all_notebooks():
+        for i, c in enumerate(load_source(repo_root() / nb.path).cells):
+            if c.cell_type != "code" or not c.source.strip() or c.source.rstrip().endswith(";"):
+                continue  # IPython shows nothing after a trailing semicolon
+            last = ast.parse(c.source).body[-1:]
+            if last and isinstance(last[0], ast.Expr) and isinstance(last[0].value, ast.Call) \
+                    and ast.unparse(last[0].value.func) == "run.glue":
+                bare.append(f"{nb.name}: cell {i}: {ast.unparse(last[0])[:60]}")
+    assert not bare, bare

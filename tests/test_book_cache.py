@@ -1,6 +1,7 @@
 """The execution cache, the strict provenance checks and the rendered page's one parameters view."""
 
 import copy
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -11,9 +12,11 @@ from kvlib.publish import cache
 from kvlib.publish.commits import parse_commit, result_problems, show_commit, source_last_change
 from kvlib.publish.provenance import repo_root
 from kvlib.publish.registry import NotebookEntry, all_notebooks
-from kvlib.publish.runner import executed_path, load_source, run_notebooks, stale_cells
+from kvlib.publish.runner import run_notebooks
+from kvlib.publish.sources import executed_path, load_source, stale_cells
 
 TINY = Path(__file__).parent / "data" / "tiny.md"
+JUDGED = "witcert-fallback-block"  # the claim the tiny notebook judges
 
 
 @pytest.fixture
@@ -29,13 +32,15 @@ def sha(path):
 
 @pytest.fixture(scope="module")
 def executed_once(tmp_path_factory):
-    """One execution of a tiny notebook that imports kvlib.publish and reads the claims files."""
+    """One execution of a tiny notebook that imports kvlib.publish, reads the claims files and judges one claim."""
     import os
 
     d = tmp_path_factory.mktemp("cache")
     src = d / "reads.md"
-    src.write_text(TINY.read_text().replace("run.save()", "from kvlib.publish.run import load_claims\n"
-                                            "n_claims = len(load_claims())\nrun.save()"))
+    src.write_text(TINY.read_text().replace("run.save()", "from kvlib.publish.verdicts import load_claims\n"
+                                            "n_claims = len(load_claims())\n"
+                                            "tiny_src = open('tests/data/tiny.md').read()  # a data input\n"
+                                            f"run.claim({JUDGED!r}, ours='2 blocks', measured=2.0)\nrun.save()"))
     entry = NotebookEntry(name="reads", path=str(src), chapter="t", title="r", profiles={"ci": {"x": 2}})
     old = {k: os.environ.get(k) for k in ("KVLIB_RESULTS_DIR", "KVLIB_EXECUTED_DIR")}
     os.environ["KVLIB_RESULTS_DIR"], os.environ["KVLIB_EXECUTED_DIR"] = str(d / "results"), str(d / "executed")
@@ -59,13 +64,40 @@ def test_the_record_is_what_the_kernel_loaded_and_read(executed_once):
     # kvlib is lazy: a notebook that never touches the model loader has not loaded it, and the runner's own
     # record cells add nothing to the set they report
     assert "kvlib.hf.model" not in mods and "kvlib.publish.cache" not in mods and "kvlib.publish.runner" not in mods
-    claims = sorted((repo_root() / "data" / "claims").glob("*.yml"))
-    assert claims and all(rec["inputs"][str(c.relative_to(repo_root()))] == sha(c) for c in claims)
+    # the claims files are inputs only through the rule of the claim judged: its hash, nothing else
+    assert not any(p.startswith("data/claims/") for p in rec["inputs"])
+    assert rec["inputs"]["tests/data/tiny.md"] == sha(TINY)
+    from kvlib.publish.verdicts import load_claims, rule_hash, rule_of
+
+    assert rec["rules"] == {JUDGED: rule_hash(rule_of(load_claims()[JUDGED]))}
     assert not any(p.startswith("kvlib/") and p.endswith(".py") for p in rec["inputs"])
     assert rec["params"] == {"x": 2, "profile": "ci"}
     # the runner's cells are gone: the saved notebook is the source's code, executed
     assert not any(cache.RECORD_TAG in c.metadata.get("tags", []) for c in executed.cells)
     assert stale_cells(load_source(src), executed) == []
+
+
+def test_the_record_keys_each_module_on_the_functions_it_ran(executed_once):
+    """Only the functions the execution entered count: an edit to one it never called leaves it current, an edit
+    to one it called or to module-level code makes it stale, naming what changed."""
+    from kvlib.publish import _watch
+
+    *_, executed = executed_once
+    run = executed.metadata[cache.KEY]["modules"]["kvlib.publish.run"]
+    assert {"Run.__init__", "Run.glue", "Run.save", "Run.claim"} <= set(run["functions"])
+    assert "load_claims" in executed.metadata[cache.KEY]["modules"]["kvlib.publish.verdicts"]["functions"]
+    assert "Run.claims_table" not in run["functions"]  # defined in the same file, never called by the notebook
+    text = (repo_root() / run["file"]).read_text()
+    assert _watch.changed(run, text) == []
+    claim = text.index("    def claims_table(")
+    body = text.index(":\n", claim) + 2
+    assert _watch.changed(run, text[:body] + "        _unused = 1\n" + text[body:]) == []
+    glue = text.index("    def glue(")
+    body = text.index(":\n", glue) + 2
+    assert _watch.changed(run, text[:body] + "        _unused = 1\n" + text[body:]) == ["Run.glue"]
+    assert _watch.changed(run, text + "\nNEW_CONSTANT = 1\n") == ["module-level code"]
+    assert _watch.changed(run, "# a comment only\n" + text) == []  # positions and comments are not code
+    assert _watch.changed(run, None) == ["the file is gone"]
 
 
 def test_an_unchanged_notebook_is_reused_and_run_always_executes(executed_once):
@@ -88,14 +120,41 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     assert cache.why_stale(load_source(md), params, executed) == ["markdown changed"]
     tampered = copy.deepcopy(executed)
     tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["sha256"] = "0" * 64
-    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run"]
+    assert cache.why_stale(source, params, tampered) == []  # the file differs, nothing it ran does
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["functions"]["Run.glue"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run (Run.glue)"]
+    tampered = copy.deepcopy(executed)
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["sha256"] = "0" * 64
+    tampered.metadata[cache.KEY]["modules"]["kvlib.publish.run"]["skeleton"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == ["kvlib changed: kvlib.publish.run (module-level code)"]
     tampered = copy.deepcopy(executed)
     first_input = sorted(tampered.metadata[cache.KEY]["inputs"])[0]
     tampered.metadata[cache.KEY]["inputs"][first_input] = "0" * 64
     assert cache.why_stale(source, params, tampered) == [f"input changed: {first_input}"]
+    tampered = copy.deepcopy(executed)  # the judged claim's rule changed since the execution
+    tampered.metadata[cache.KEY]["rules"][JUDGED] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == [f"rule changed: {JUDGED}"]
+    tampered = copy.deepcopy(executed)  # a claims file it read changed, in another claim's rule: still current
+    tampered.metadata[cache.KEY]["inputs"]["data/claims/e2e.yml"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == []
     del tampered.metadata[cache.KEY]
     assert "no cache key" in cache.why_stale(source, params, tampered)[0]
     assert cache.why_stale(source, params, None) == ["no committed execution"]
+
+
+def test_stale_lists_what_a_build_would_execute_again(executed_once, tmp_path, monkeypatch):
+    from kvlib.publish.runner import stale_report
+
+    entry, src, *_, executed = executed_once
+    monkeypatch.setenv("KVLIB_EXECUTED_DIR", str(tmp_path))
+    path = executed_path(entry.name, "ci")
+    path.parent.mkdir(parents=True)
+    nbformat.write(executed, path)
+    assert stale_report("ci", entries=[entry]) == []
+    changed = dataclasses.replace(entry, profiles={"ci": {"x": 5}})
+    assert stale_report("ci", entries=[changed])[0][1][0].startswith("parameters changed")
+    path.unlink()
+    assert stale_report("ci", entries=[entry]) == [(entry.name, ["no committed execution"])]
 
 
 def test_commits_read_back_in_full_with_their_dirty_state():
@@ -122,7 +181,7 @@ def test_a_result_older_than_its_source_is_refused():
 
 def test_a_claim_answered_by_two_notebooks_is_an_error_naming_both(monkeypatch):
     from kvlib.publish import assemble
-    from kvlib.publish.run import load_claims
+    from kvlib.publish.verdicts import load_claims
 
     cid = next(iter(load_claims()))
     fake = {"claims": [{"id": cid, "ours": "x", "verdict": "reproduced", "why": ""}]}

@@ -44,6 +44,7 @@ def test_a_clean_page_passes(tmp_path):
         ("<pre>Traceback (most recent call last)</pre>", "'Traceback'"),
         ("<pre>TqdmWarning: IProgress not found</pre>", "'Warning'"),
         ("<pre>/work/main/.venv/lib/python3.11/site-packages/tqdm/auto.py:21</pre>", "local path"),
+        ("<pre>.venv/lib/python3.11/site-packages/tqdm/auto.py:21</pre>", "local path"),
         ("<p>see /home/me/x.json</p>", "local path"),
         ('<div class="cell_input"><pre>open("/tmp/x")</pre></div>', "local path"),
         ("<p>as issue #4's goal says</p>", "issue reference"),

@@ -50,12 +50,17 @@ def test_a_chapter_page_has_its_story_and_a_table_of_its_claims(book):
         assert first and first in page, f"{ch.id}: the story's opening is not on the page"
         assert "[[" not in page, f"{ch.id}: a placeholder was left unfilled"
         mine = [r for r in rows if r["chapter"] == ch.id]
+        if not mine:
+            continue
         table = _table_rows(page)
-        assert table[0] == ["claim", "paper", "ours", "verdict"]
+        assert table[0] == ["claim", "paper (setting)", "ours (setting)", "verdict"]
         assert f":::{{list-table}} The claims of {ch.title}" in page  # the table's caption
         assert len(table) - 1 == len(mine)
-        for r, cells in zip(mine, table[1:]):
-            assert r["where"] in cells[0] and cells[3] == f"**{r['verdict word']}**"
+        ordered = [r for _, rs in asm.rows_in_contents_order(mine, [ch]) for r in rs]
+        for r, cells in zip(ordered, table[1:]):
+            assert r["where"] in cells[0] and cells[0].startswith("↳ ") == (r["role"] == "context")
+            assert cells[3] == asm._verdict_cell(r)
+            assert cells[3].startswith("*context*" if r["role"] == "context" else f"**{r['label']}**")
 
 
 def test_story_numbers_come_from_the_result_file(monkeypatch):
@@ -100,14 +105,17 @@ def test_register_summary_counts_equal_the_claims_verdicts(book):
     table = _table_rows(page)
     header, body = table[0], table[1:]
     assert header[0] == "chapter" and header[-1] == "total"
+    assert header[1:5] == ["reproduced", "checked", "differs", "not reproducible here"]  # the classes, always
     groups = asm.rows_in_contents_order(rows, chapters)
     assert len(body) == len(groups) + 1
     for (ch, rs), cells in zip(groups, body):
-        counts = Counter(r["verdict word"] for r in rs)
-        assert cells[1:] == [str(counts.get(v, 0)) for v in header[1:-1]] + [str(len(rs))], ch
-        assert sum(counts.get(v, 0) for v in header[1:-1]) == len(rs), f"{ch}: a verdict has no column"
-    total = Counter(r["verdict word"] for r in rows)
-    assert body[-1][1:] == [f"**{total.get(v, 0)}**" for v in header[1:-1]] + [f"**{len(rows)}**"]
+        primary = [r for r in rs if r["role"] != "context"]  # context rows have no verdict of their own
+        counts = Counter(r["verdict word"] for r in primary)
+        assert cells[1:] == [str(counts.get(v, 0)) for v in header[1:-1]] + [str(len(primary))], ch
+        assert sum(counts.get(v, 0) for v in header[1:-1]) == len(primary), f"{ch}: a verdict has no column"
+    primary = [r for r in rows if r["role"] != "context"]
+    total = Counter(r["verdict word"] for r in primary)
+    assert body[-1][1:] == [f"**{total.get(v, 0)}**" for v in header[1:-1]] + [f"**{len(primary)}**"]
 
 
 def test_register_follows_the_contents_order(book):
@@ -119,18 +127,58 @@ def test_register_follows_the_contents_order(book):
     assert sections[1:] == [ch.id for ch in chapters if ch.id in with_claims]
 
 
-def test_register_rule_column_shows_the_rule_or_a_dash(book):
+def test_register_rows_name_both_settings_and_when_the_rule_was_committed(book):
     chapters, _, rows = book
-    rows = [dict(r) for r in rows]
+    page = asm.claims_page([dict(r) for r in rows], chapters)
     ch = rows[0]["chapter"]
-    rows[0]["rule"] = "within 5% of the paper's figure"
-    mine = [r for r in rows if r["chapter"] == ch]
-    page = asm.claims_page(rows, chapters)
     section = page.split(f"(claims-{ch})=", 1)[1]
     table = _table_rows(section)
-    assert table[0] == ["claim", "paper", "ours", "verdict", "rule"]
-    assert table[1][4] == "within 5% of the paper's figure"
-    assert [c[4] for c in table[2:]] == [r["rule"] or "—" for r in mine[1:]]
+    assert table[0] == ["claim", "paper (setting)", "ours (setting)", "verdict", "rule / measured"]
+    for r, cells in zip(asm.rows_in_contents_order(rows, chapters)[0][1], table[1:]):
+        assert cells[1].endswith("*") and cells[2].endswith("*")  # each figure followed by its setting, in italics
+        if r["role"] != "context":
+            assert cells[4].startswith("rule ") and ("post hoc" in cells[4] or "pre-registered" in cells[4])
+    fold = section.split(":::{admonition} Rules and reasons", 1)[1].split("\n:::", 1)[0]
+    assert "Rule committed" in fold
+
+
+def test_a_verdict_whose_rule_changed_or_was_never_recorded_reads_re_run(monkeypatch):
+    from kvlib.publish.verdicts import load_claims, rule_hash, rule_of
+
+    known = load_claims()
+    good = {"id": "witcert-fallback-block", "ours": "2", "verdict": "differs", "why": "x", "measured": 2.0,
+            "rule_sha256": rule_hash(rule_of(known["witcert-fallback-block"])), "claims_commit": "abc",
+            "judged_at": "2026-12-06T00:00:00+00:00"}
+    stale = dict(good, id="witcert-tightness", verdict="reproduced", rule_sha256="0" * 64)
+    old = {"id": "witcert-soundness", "ours": "x", "verdict": "reproduced", "why": ""}  # before rule hashes
+    monkeypatch.setattr(asm, "load_result", lambda name, prof: {"claims": [good, stale, old]})
+    problems: list[str] = []
+    rows = {r["id"]: r for r in asm.claims_rows({"nb": "cpu"}, problems)}
+    assert rows["witcert-fallback-block"]["verdict word"] == "differs"
+    assert rows["witcert-tightness"]["verdict word"] == "re-run" and "rule changed" in rows["witcert-tightness"]["why"]
+    assert rows["witcert-soundness"]["verdict word"] == "re-run"
+    assert len(problems) == 2 and all("re-run it" in p for p in problems)
+    assert any("'witcert-tightness'" in p and "its rule changed since it was measured" in p for p in problems)
+    with pytest.raises(ValueError, match="re-run it"):
+        asm.claims_rows({"nb": "cpu"})
+    # the register still renders, with the refused verdicts counted apart
+    page = asm.claims_page(list(rows.values()), load_registry())
+    assert "re-run" in _table_rows(page)[0]
+
+
+def test_post_hoc_rules_are_labelled(monkeypatch, book):
+    chapters, _, rows = book
+    from kvlib.publish.commits import first_measurements, rule_commits
+
+    commits, first = rule_commits(), first_measurements()
+    for r in rows:
+        if r["role"] == "context":
+            continue
+        intro, seen = commits.get(r["id"]), first.get(r["id"])
+        if intro is None or (seen is not None and intro[1] > seen[1]):
+            assert r["registration"].startswith("post hoc"), r["id"]
+        else:
+            assert r["registration"] == "pre-registered", r["id"]
 
 
 def test_list_table_cells_keep_math_and_escape_list_markers():
@@ -140,3 +188,25 @@ def test_list_table_cells_keep_math_and_escape_list_markers():
     assert out.startswith(":::{list-table}") and out.rstrip().endswith(":::")
     cap = asm.list_table([["1"]], ["a"], [1], caption="What it shows,\n in units")
     assert cap.startswith(":::{list-table} What it shows, in units\n")
+
+
+def test_the_rerun_line_runs_when_pasted_into_a_fresh_shell():
+    """The page's rerun command names the venv's interpreter, so a shell with nothing activated and no PYTHONPATH
+    runs it from the repository root (with `run` swapped for `stale --only`, which executes nothing)."""
+    import re
+    import subprocess
+
+    from kvlib.publish.assemble import rerun_line
+    from kvlib.publish.provenance import repo_root
+    from kvlib.publish.registry import all_notebooks
+
+    entry = all_notebooks()[0]
+    cmd = re.search(r"`(\.venv/bin/python -m kvlib\.publish run [^`]+)`", rerun_line(entry, "cpu")).group(1)
+    makefile = (repo_root() / "Makefile").read_text()
+    assert "VENV ?= .venv" in makefile and "PY := $(VENV)/bin/python" in makefile  # what `make install` creates
+    if not (repo_root() / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in this checkout (make install creates it; CI has one)")
+    probe = cmd.replace(" run ", " stale ", 1)
+    out = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "bash", "-c", probe], cwd=repo_root(),
+                         capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError" not in out.stderr and out.returncode in (0, 1), out.stderr[-2000:]

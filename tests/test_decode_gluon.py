@@ -246,7 +246,7 @@ def test_outlier_and_rtn_key_variants_compile_for_sm90_without_spills():
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("Triton's NVIDIA toolchain is not installed")
-    prog = ("import json; from kvlib.kernels.sass import gluon_count as c; "
+    prog = ("import json; from kvlib.bench.sass_count import gluon_count as c; "
             "print(json.dumps([c(NOK=8), c(NOK=8, page=16, CERT_B=True), c(NOK=16, gqa=8), c(NOK=8, gqa=1),"
             " c(cert=False, K_DITHER=False)]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

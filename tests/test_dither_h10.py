@@ -28,14 +28,8 @@ from kvlib.core.philox import (
 )
 from kvlib.formats.base import get_format
 from kvlib.formats.dither_int8 import DitherQTensor, dither_dequantize, dither_quantize, residual
-from kvlib.kernels.int8.decode import (
-    PoolSide,
-    _query_residual_mult,
-    as_side,
-    decode_reference,
-    make_pool_side,
-    resolve_impl,
-)
+from kvlib.kernels.int8.decode import PoolSide, as_side, decode_reference, make_pool_side, resolve_impl
+from kvlib.kernels.int8.reference import _query_residual_mult
 from kvlib.kernels.tl.philox import dither_tile_h8, dither_tile_h10
 from kvlib.storage.paged import PagedKV, PagedPool
 

@@ -119,5 +119,6 @@ def test_benchmark_wiring():
     assert call_bytes(1, h=1, d=128, group=32, n_out=0, in_bytes=0) == 136
     res = run("ci")
     assert res["rows"] and all(r["torch_ms"] > 0 and r["bytes_per_call"] > 0 for r in res["rows"])
+    assert all(r["torch_novalidate_ms"] > 0 for r in res["rows"])  # the like-for-like reference timing
     with pytest.raises(ValueError):
         run("nope")

@@ -231,7 +231,7 @@ def test_bad_arguments(model) -> None:
         gate_kind("kv4")
     with pytest.raises(ValueError, match="tau"):
         make_gated_cache("dither-int8", cfg, tau=-1.0)
-    with pytest.raises(ValueError, match="telemetry"):
+    with pytest.raises(TypeError, match="telemetry"):
         make_gated_cache("dither-int8", cfg, telemetry=True)
     with pytest.raises(TypeError, match="shadow_dtype"):
         make_gated_cache("dither-int8", cfg, shadow_dtype="fp16")

@@ -182,6 +182,54 @@ def check_beam(kind: Kind) -> None:
         assert_agrees(kind, got, forced_logits(model, kind.ref(model), src, out[:, 10:-1]), "beam sequences")
 
 
+def check_beam_padded(kind: Kind) -> None:
+    """Beam search over a left-padded batch: rows of different pad counts trade places at every reorder, so the
+    pad bookkeeping must follow the beams (a cache that reorders its K/V but not its pad columns attends at the
+    wrong columns, or fails)."""
+    model = model_for(kind)
+    rows = [prompt(1, n, seed=50 + i) for i, n in enumerate((10, 6))]
+    ids = torch.cat([F.pad(r, (10 - r.shape[1], 0), value=PAD) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (10 - r.shape[1], 0), value=0) for r in rows])
+    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, do_sample=False, attention_mask=mask)
+    ref = model.generate(ids, past_key_values=kind.ref(model), **kw)
+    cache = kind.make(model)
+    reorders = count_calls(cache, "reorder_cache", lambda idx, *a, **k: not torch.equal(
+        torch.as_tensor(idx).cpu(), torch.arange(len(idx))))
+    out = model.generate(ids, past_key_values=cache, **kw)
+    assert reorders[0] > 0, "beam search never reordered the cache"
+    assert out.shape == ref.shape == (4, 20)
+    if tokens_equal(kind):
+        assert torch.equal(out, ref), f"{kind}: left-padded beam search differs from DynamicCache"
+    else:
+        src, m = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+        got = forced_logits(model, kind.make(model), src, out[:, 10:-1], m)
+        assert_agrees(kind, got, forced_logits(model, kind.ref(model), src, out[:, 10:-1], m),
+                      "left-padded beam sequences")
+
+
+def check_reorder_padded(kind: Kind) -> None:
+    """``reorder_cache`` across left-padded rows of different pad counts (what a beam search does whenever beams of
+    unequal prompts trade places, e.g. a batch of beams of several requests): the pad bookkeeping must follow the
+    rows. Beam search within one request never swaps rows of different pads, so check_beam_padded cannot see it."""
+    model = model_for(kind)
+    lens = (11, 5, 8)
+    rows = [prompt(1, n, seed=60 + i) for i, n in enumerate(lens)]
+    ids = torch.cat([F.pad(r, (11 - r.shape[1], 0), value=PAD) for r in rows])
+    mask = torch.cat([F.pad(torch.ones_like(r), (11 - r.shape[1], 0), value=0) for r in rows])
+    perm = torch.tensor([2, 0, 1])
+    nxt = prompt(3, 2, seed=63)
+    logits = []
+    for cache in (kind.ref(model), kind.make(model)):
+        step(model, cache, ids, mask)
+        cache.reorder_cache(perm)
+        m, out = mask[perm], []
+        for t in range(2):
+            m = torch.cat([m, m.new_ones(3, 1)], 1)
+            out.append(step(model, cache, nxt[:, t:t + 1], m))
+        logits.append(torch.stack(out, 1))
+    assert_agrees(kind, logits[1], logits[0], "decode after reordering left-padded rows")
+
+
 def check_batch_ops(kind: Kind) -> None:
     """batch_repeat_interleave and batch_select_indices on a filled cache, as transformers' cache tests do."""
     model = model_for(kind)
@@ -345,6 +393,7 @@ def check_edit(kind: Kind, variant: str = "prune") -> None:
 
 CHECKS: dict[str, Callable[..., None]] = {
     "greedy": check_greedy, "padded": check_padded, "sampling": check_sampling, "beam": check_beam,
+    "beam_padded": check_beam_padded, "reorder_padded": check_reorder_padded,
     "batch_ops": check_batch_ops, "crop": check_crop, "continue": check_continue, "deepcopy": check_deepcopy,
     "lengths": check_lengths, "edit": check_edit,
     "edit-rewrite": lambda kind: check_edit(kind, "rewrite"), "edit-inplace": lambda kind: check_edit(kind, "inplace"),
@@ -377,6 +426,16 @@ def test_sampling(kind: Kind | str) -> None:
 @pytest.mark.parametrize("kind", kinds("beam"))
 def test_beam_search(kind: Kind | str) -> None:
     check_beam(as_kind(kind))
+
+
+@pytest.mark.parametrize("kind", kinds("beam_padded"))
+def test_beam_search_left_padded(kind: Kind | str) -> None:
+    check_beam_padded(as_kind(kind))
+
+
+@pytest.mark.parametrize("kind", kinds("reorder_padded"))
+def test_reorder_left_padded_rows(kind: Kind | str) -> None:
+    check_reorder_padded(as_kind(kind))
 
 
 @pytest.mark.parametrize("kind", kinds("batch_ops"))
@@ -429,6 +488,7 @@ def test_static_pool(fmt: str) -> None:
 
 MUTANT_OF = [
     ("greedy", "zero_oldest"), ("padded", "batch_scale"), ("sampling", "zero_oldest"), ("beam", "no_reorder"),
+    ("beam_padded", "no_reorder"), ("reorder_padded", "no_reorder"),
     ("batch_ops", "tile_repeat"), ("batch_ops", "select_first"), ("crop", "no_crop"),
     ("continue", "reset_on_prefill"), ("deepcopy", "shared_copy"), ("lengths", "off_by_one"),
     ("lengths", "mask_size"), ("edit", "undo_edits"), ("edit-rewrite", "undo_edits"), ("edit-inplace", "copy_out"),

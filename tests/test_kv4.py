@@ -102,3 +102,15 @@ def test_bad_inputs():
         get_format("kv4").write(torch.randn(3, 8), side=2)
     with pytest.raises(TypeError):
         int4_dequantize(torch.zeros(3))
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_error_within_half_step_far_from_zero(group):
+    """Values on a large common offset (an fp16 ulp of the offset, 0.5 at 1000, far above the step): the offset
+    rounds down to fp16, so no element falls below it and every error stays within half a step."""
+    g = torch.Generator().manual_seed(11)
+    x = 1000.0 + 0.05 * torch.randn(50, 128, generator=g)
+    qt = int4_quantize(x, group)
+    step = qt.scale.float().repeat_interleave(128 if group is None else group, -1)
+    err = (x - int4_dequantize(qt)).abs()
+    assert (err <= step / 2 + 1e-6 * x.abs().amax()).all(), float((err - step / 2).max())

@@ -1,6 +1,8 @@
 """The one split-KV merge: the Triton kernel (interpreter on CPU) against its torch reference, the fold
 of ``merge_states``, and the known answer (splitting the keys of one softmax changes nothing)."""
 
+import math
+
 import pytest
 import torch
 
@@ -95,3 +97,19 @@ def test_bad_shapes_are_named():
         merge_splits(o_s, lse_s, a_s[..., :2], backend="torch")
     with pytest.raises(ValueError, match="B_s"):
         merge_splits_ref(o_s, lse_s, None, a_s)
+
+
+def test_empty_side_contributes_nothing_whatever_its_output_holds():
+    """merge_states' contract: a side with lse = -inf adds nothing, even when its output is NaN (0/0 of an empty
+    softmax) or inf; a NaN from a non-empty side propagates."""
+    from kvlib.core.merge import merge_states
+
+    o_b, lse_b = torch.randn(3, 8), torch.randn(3)
+    for junk in (math.nan, math.inf):
+        o_a = torch.full((3, 8), junk)
+        lse_a = torch.full((3,), -math.inf)
+        for o, lse in (merge_states(o_a, lse_a, o_b, lse_b), merge_states(o_b, lse_b, o_a, lse_a)):
+            assert torch.equal(lse, lse_b)
+            torch.testing.assert_close(o, o_b, rtol=0, atol=0)
+    o, _ = merge_states(torch.full((3, 8), math.nan), torch.zeros(3), o_b, lse_b)
+    assert torch.isnan(o).all()

@@ -185,7 +185,7 @@ def test_gluon_kernel_compiles_with_each_generator_for_sm90():
     no spills, and the loop's instruction count ordered by the generator's work (none < Philox-6 < -7 < -8 < -10)."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton's NVIDIA toolchain is not installed")
-    prog = ("import json; from kvlib.kernels.sass import gluon_count as c; from kvlib.kernels.tl.philox import "
+    prog = ("import json; from kvlib.bench.sass_count import gluon_count as c; from kvlib.kernels.tl.philox import "
             "generator_constexprs as g; names = ['none', 'philox4x32-6', 'philox4x32-7', 'philox4x32-8', "
             "'philox4x32-10', 'threefry4x32-13']; print(json.dumps({n: c(**g(n)) for n in names}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvlib.core import dither_tables as ref
 from kvlib.core.philox import dither
-from kvlib.kernels.int8 import reference as ref
 from kvlib.kernels.int8.decode import decode_reference, make_pool_side
 
 SEED = 2**33 + 12345
@@ -88,3 +88,95 @@ def test_decode_reference_unchanged_by_tables(monkeypatch, k_out):
         for f in ("o", "lse", "A", "B", "tv_bound", "tv_bound_one"):
             assert torch.equal(getattr(a, f), getattr(b, f)), f
             assert torch.equal(getattr(a2, f), getattr(b, f)), f
+
+
+def _pools(k_out: bool, seed: int = 5, layout: str = "w24"):
+    g = torch.Generator().manual_seed(seed)
+    B, hq, hkv, d, S = 3, 6, 3, 64, 48
+    K, V = torch.randn(B * S, hkv, d, generator=g), torch.randn(B * S, hkv, d, generator=g)
+    K[:, :, 5] *= 30
+    n_slots = B * S + 11
+    ids = torch.randperm(n_slots, generator=g)[:B * S]
+    oc = torch.stack([torch.tensor([4, 5, 36, 37]) + h for h in range(hkv)]) if k_out else None
+    kp = make_pool_side(K, layer=2, seed=SEED, side=0, n_slots=n_slots, slot_ids=ids, outlier_channels=oc,
+                        dither_layout=layout)
+    vp = make_pool_side(V, layer=2, seed=SEED, side=1, n_slots=n_slots, slot_ids=ids, dithered=False,
+                        dither_layout=layout)
+    q = 2 * torch.randn(B, hq, d, generator=g)
+    slots, seq = ids.view(B, S).to(torch.int32), torch.tensor([S, S - 7, 3], dtype=torch.int32)
+    return q, kp, vp, slots, seq
+
+
+@pytest.mark.parametrize("impl", ["fma", "tc"])
+@pytest.mark.parametrize("k_out", [False, True])
+def test_batched_reference_is_the_reference(impl, k_out):
+    """Every row and head in one batch (pads masked) gives decode_reference's output and certificate, to float64
+    summation order."""
+    from kvlib.kernels.int8.reference import decode_reference_batched
+
+    q, kp, vp, slots, seq = _pools(k_out)
+    kw = dict(layer=2, seed=SEED, delta=1e-3, impl=impl)
+    want = decode_reference(q, kp, vp, slots, seq, **kw)
+    o, cert = decode_reference_batched(q, kp, vp, slots, seq, **kw)
+    torch.testing.assert_close(o, want.o, rtol=1e-12, atol=1e-13)
+    # 1 - 1/A^2 with A - 1 small: relative error ~ eps / (A - 1), far below 1e-9 here
+    torch.testing.assert_close(cert, want.tv_bound_one, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["w24", "h10"])
+@pytest.mark.parametrize("k_out", [False, True])
+def test_fp32_reference_stays_inside_the_fma_slack(layout, k_out):
+    """precision="float32" (the CPU cache path) computes the scores as the fp32 kernel does; their distance from
+    the exact (float64) scores is within the rounding part of the fma radius, sqrt(12 d) rounding_slack(d, "fma")
+    varsigma_t, which is what makes its certificate sound for what it computes."""
+    import math
+
+    from kvlib.certify.bound import rounding_slack, variance_proxy
+    from kvlib.kernels.int8.reference import decode_reference_batched
+
+    q, kp, vp, slots, seq = _pools(k_out, seed=6, layout=layout)
+    kw = dict(layer=2, seed=SEED, delta=1e-3, impl="fma", return_scores=True)
+    o64, c64, z64 = decode_reference_batched(q, kp, vp, slots, seq, **kw)
+    o32, c32, z32 = decode_reference_batched(q, kp, vp, slots, seq, precision="float32", **kw)
+    B, hq, d = q.shape
+    hkv, gqa = kp.codes.shape[1], hq // kp.codes.shape[1]
+    slack = math.sqrt(12 * d) * rounding_slack(d, "fma", layout)
+    for b in range(B):
+        n = int(seq[b])
+        for h in range(hkv):
+            sl = slots[b, :n].long()
+            oc = kp.outlier_channels[h] if k_out else None
+            var = variance_proxy(q[b, h * gqa:(h + 1) * gqa], kp.scales[sl, h], sm_scale=d ** -0.5, group=kp.group,
+                                 outlier_channels=oc)
+            gap = (z32[b, h * gqa:(h + 1) * gqa, :n] - z64[b, h * gqa:(h + 1) * gqa, :n]).abs()
+            assert bool((gap <= slack * var.sqrt() + 1e-12).all()), (b, h, float((gap / var.sqrt()).max()))
+            assert torch.isinf(z32[b, :, n:]).all()
+    torch.testing.assert_close(o32.double(), o64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c32, c64, rtol=1e-3, atol=1e-6)  # the same certificate up to fp32 score rounding
+    with pytest.raises(ValueError, match="fma"):
+        decode_reference_batched(q, kp, vp, slots, seq, layer=2, seed=SEED, impl="tc", precision="float32")
+
+
+@pytest.mark.parametrize("n_out", [0, 2])
+def test_batched_cpu_write_stores_dither_quantize_bytes(n_out):
+    """The CPU write of every head at once (slot-indexed dither tables) stores dither_quantize's bytes per head."""
+    from kvlib.formats.dither_int8 import dither_quantize
+    from kvlib.kernels.int8.write import write_int8
+    from kvlib.storage.paged import PagedPool
+
+    pool = PagedPool(side=0, n_out=n_out, dithered=True, n_layers=2, n_slots=96, n_kv_heads=3, d=64, group=32,
+                     seed=SEED, device=torch.device("cpu"), dither_layout="w24", include_outliers_in_amax=False)
+    oc = torch.tensor([[3, 40], [8, 9], [0, 63]])[:, :n_out]
+    if n_out:
+        pool.set_outlier_channels(1, oc)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 3, 64, generator=g) * torch.rand(20, 3, 1, generator=g) * 10
+    slots = torch.randperm(96, generator=g)[:20]
+    write_int8(pool, 1, x, slots, backend="torch")
+    v = pool.layer(1)
+    for h in range(3):
+        qt = dither_quantize(x[:, h], layer=1, kv_head=h, slots=slots, seed=SEED, group=32,
+                             outlier_channels=oc[h] if n_out else None, side=0)
+        assert torch.equal(v.codes[slots, h], qt.codes) and torch.equal(v.scales[slots, h], qt.scales)
+        if n_out:
+            assert torch.equal(v.outliers[slots, h], qt.outliers)

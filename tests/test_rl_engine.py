@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from dev.rlvr_runs import choose_difficulty
 from kvlib.rl.engine import sample_static
-from kvlib.rl.run import choose_difficulty
 from kvlib.rl.sampler import learner_logprobs
 
 EOS, PAD = 2, 0

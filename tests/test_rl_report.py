@@ -18,12 +18,20 @@ def _rec(arm, seed, acc, lengths, refkl, n=64):
             "eval": {"initial": ev, "final": ev}}
 
 
-def _data(accs, kv4_len, kv4_kl, speedup=None):
+def _stretch(v, iters):
+    """A curve of len(v) points as ``iters`` iterations (each point held for iters / len(v) of them)."""
+    k = -(-iters // len(v))
+    return [x for x in v for _ in range(k)][:iters]
+
+
+def _data(accs, kv4_len, kv4_kl, speedup=None, iters=120):
+    """Synthetic runs of ``iters`` iterations (the rules judge only from 100 iterations on)."""
     runs = {}
+    kv4_len, kv4_kl = _stretch(kv4_len, iters), _stretch(kv4_kl, iters)
     for arm, per_seed in accs.items():
         for s, a in enumerate(per_seed):
-            lengths = kv4_len if arm == "kv4" else [100.0] * 8
-            kl = kv4_kl if arm == "kv4" else [1e-3] * 8
+            lengths = kv4_len if arm == "kv4" else [100.0] * iters
+            kl = kv4_kl if arm == "kv4" else [1e-3] * iters
             runs[(arm, s)] = _rec(arm, s, a, lengths, kl)
     summary = {"kv4rl": {"speedup_vs_bf16": speedup}}
     timing = None if speedup is None else {"batch": 64, "steps": 256, "summary": summary}
@@ -66,7 +74,25 @@ def test_two_seeds_are_underpowered():
     d = _data({"bf16": [0.5, 0.52], "kv4": [0.3, 0.3], "kv4rl": [0.5, 0.5]}, [90.0] * 8, [1e-3] * 8)
     v = _by_id(d)
     for cid in ("kv4rl-rlvr-accuracy-parity", "kv4rl-rlvr-kv4-below-bf16", "kv4rl-rlvr-kv4-trajectory"):
-        assert v[cid]["verdict"] == "not reproducible here" and "underpowered" in v[cid]["why"], cid
+        assert v[cid]["verdict"] == "not reproducible here" and "below the 3 needed" in v[cid]["why"], cid
+
+
+def test_short_runs_are_too_little_data_however_large_the_effect():
+    """Runs that stopped at iteration 41 of 200 are not judged, even with a large, consistent KV4 deficit."""
+    short, rising = [100.0, 95, 90, 85, 80, 75, 70, 65], [1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7e-3, 8e-3]
+    d = _data({"bf16": [0.50, 0.52, 0.55], "kv4": [0.30, 0.33, 0.31], "kv4rl": [0.50, 0.52, 0.55]}, short, rising,
+              iters=41)
+    v = _by_id(d)
+    for cid in ("kv4rl-rlvr-accuracy-parity", "kv4rl-rlvr-kv4-below-bf16", "kv4rl-rlvr-kv4-trajectory"):
+        assert v[cid]["verdict"] == "not reproducible here" and "iterations every run reached 41" in v[cid]["why"]
+
+
+def test_kv4_below_bf16_needs_the_contrast_with_kv4rl():
+    """KV4 below BF16 but KV4-RL just as far below: the paper's KV4 vs KV4-RL contrast is missing."""
+    d = _data({"bf16": [0.50, 0.52, 0.55], "kv4": [0.30, 0.33, 0.31], "kv4rl": [0.31, 0.34, 0.30]},
+              [100.0] * 8, [1e-3] * 8)
+    v = _by_id(d)
+    assert v["kv4rl-rlvr-kv4-below-bf16"]["verdict"] != "reproduced"
 
 
 def test_load_and_tables(tmp_path):
@@ -116,7 +142,8 @@ def test_unequal_runs_are_compared_at_the_matched_iteration():
     d = report.paired_difference(runs, "kv4rl", at=40)
     assert d["diffs_pp"] == [0.0, 0.0, 0.0] and "problem_ci_pp" not in d
     v = _by_id({"runs": runs, "timing": None, "calibration": None})
-    assert v["kv4rl-rlvr-accuracy-parity"]["verdict"] == "reproduced"
+    assert v["kv4rl-rlvr-accuracy-parity"]["verdict"] == "not reproducible here"  # 40 iterations: not judged
+    assert "precondition" in v["kv4rl-rlvr-accuracy-parity"]["why"]
     assert report.paired_difference(runs, "kv4rl")["mean_pp"] < -30  # the unequal ends would say otherwise
     cum = report.cumulative_rollout(runs)
     assert cum["bf16"]["seconds"] == cum["kv4rl"]["seconds"] == 3 * 40.0 and cum["kv4rl"]["speedup_vs_bf16"] == 1.0

@@ -1,4 +1,4 @@
-"""Checkpoint and resume of a GRPO run (kvlib.rl.run train, --tiny on the CPU): 4 iterations straight equal
+"""Checkpoint and resume of a GRPO run (dev.rlvr_runs train, --tiny on the CPU): 4 iterations straight equal
 2 + resume 2 (history and weights), and a resume without a checkpoint refuses to start afresh."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kvlib.rl import run
+from dev import rlvr_runs as run
 
 TIMED = ("seconds", "memory")  # wall-clock metrics differ between any two runs
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvlib.kernels.sass import loop_stats
+from kvlib.kernels.offline import loop_stats
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -40,9 +40,9 @@ def test_loop_stats_without_a_loop_raises():
 
 
 def _offline(func: str) -> dict:
-    """``kvlib.kernels.sass.<func>()`` in a fresh process (the test session runs Triton under its CPU
+    """``kvlib.bench.sass_count.<func>()`` in a fresh process (the test session runs Triton under its CPU
     interpreter), skipped where Triton's NVIDIA toolchain is missing."""
-    return _offline_prog(f"import json; from kvlib.kernels.sass import {func}; print(json.dumps({func}()))")
+    return _offline_prog(f"import json; from kvlib.bench.sass_count import {func}; print(json.dumps({func}()))")
 
 
 def _offline_prog(prog: str) -> dict:
@@ -88,6 +88,6 @@ def test_gluon_kernel_compiles_for_sm90_without_shared_memory_or_spills():
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_paged_gluon_kernel_keeps_its_register_only_design():
     """Block-table addressing (pages of 16 slots) in the Gluon kernel: still no shared memory, no spills."""
-    prog = "import json; from kvlib.kernels.sass import gluon_count; print(json.dumps(gluon_count(page=16)))"
+    prog = "import json; from kvlib.bench.sass_count import gluon_count; print(json.dumps(gluon_count(page=16)))"
     out = _offline_prog(prog)
     assert out["shared_bytes"] == 0 and out["stack_bytes"] == 0 and 0 < out["registers"] <= 255

@@ -304,3 +304,23 @@ def test_flag_rates_known_counts() -> None:
         flag_rates([2, 0], [1, 1])
     with pytest.raises(ValueError, match="equal length"):
         flag_rates([1, 0, 1], [1, 1])
+
+
+def test_auroc_known_answers_and_pair_count() -> None:
+    from kvlib.analysis.stats import auroc, auroc_ci
+
+    assert auroc([3, 4, 1, 2], [1, 1, 0, 0]) == 1.0 and auroc([1, 2, 3, 4], [1, 1, 0, 0]) == 0.0
+    assert auroc([1.0] * 6, [1, 1, 1, 0, 0, 0]) == 0.5  # a constant score (e.g. a saturated certificate)
+    assert np.isnan(auroc([1, 2], [1, 1]))
+    rng = np.random.default_rng(0)
+    s, y = rng.normal(size=60).round(1), rng.integers(0, 2, 60)  # rounding makes ties
+    pairs = [(a > b) + 0.5 * (a == b) for a in s[y == 1] for b in s[y == 0]]
+    assert abs(auroc(s, y) - np.mean(pairs)) < 1e-12
+    point, lo, hi = auroc_ci(s, y, n_resamples=500, seed=1)
+    assert lo <= point <= hi and 0 <= lo and hi <= 1
+    assert auroc_ci([1.0] * 6, [1, 1, 1, 0, 0, 0], n_resamples=200) == (0.5, 0.5, 0.5)
+    # stratified: a configuration whose scores are all lower and all right does not make another one's
+    # constant (vacuous) certificate look discriminative
+    scores, wrong, cfg = [1.0] * 6 + [0.3] * 3, [1, 1, 1, 0, 0, 0, 0, 0, 0], ["a"] * 6 + ["b"] * 3
+    assert auroc(scores, wrong) > 0.5 and auroc(scores, wrong, cfg) == 0.5
+    assert auroc_ci(scores, wrong, n_resamples=200, groups=cfg) == (0.5, 0.5, 0.5)

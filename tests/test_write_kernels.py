@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig
 
 from kvlib.core.hadamard import hadamard
+from kvlib.formats.kv4 import int4_quantize_unchecked
 from kvlib.hf.cache import make_cache
 from kvlib.kernels.int8.write import write_int8, write_int8_kv
 from kvlib.kernels.write.int4 import SideWrite, write_int4
 from kvlib.storage.paged import PagedPool
-from kvlib.storage.pools import int4_head_quantize
 
 HKV, HQ, L = 2, 4, 2
 # CUDA where present (the GPU lane, dev/gpu/test-gpu.sh), else the CPU under TRITON_INTERPRET=1 (tests/conftest.py)
@@ -109,7 +109,7 @@ def test_kv4_kernel_equals_the_reference_quantizer_on_raw_slots() -> None:
     pages = [_pages(ns, h, d) for _ in range(2)]
     write_int4(k, v, slots, pages[0], pages[1], validate=True)
     for side, x in enumerate((hadamard(k.float()), v.float())):
-        want = int4_head_quantize(x)
+        want = int4_quantize_unchecked(x)
         for t, w in zip(pages[side], want):
             assert torch.equal(t[slots], w)
     untouched = torch.ones(ns, dtype=torch.bool, device=DEV)

@@ -4,7 +4,6 @@ sm_90 without spills. Agreement of the kernel itself with the reference runs on 
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -105,21 +104,16 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
     ({"block_n": 48}, "block_n"), ({"ring": 1}, "ring"), ({"consumer_warps": 8}, "consumer_warps"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
     ({"swizzle": 16}, "swizzle"), ({"swizzle": 0}, "swizzle"), ({"vfold": True, "scales_smem": False}, "vfold"),
-    ({"block_n": 16}, "block_n"), ({"ring": 9}, "ring"), ({"warp_tiles": True}, "warp_tiles"),
-    ({"warp_tiles": True, "vfold": True, "scales_smem": False}, "vfold"), ({"lazy_rescale": True}, "lazy_rescale"),
-    ({"warp_tiles": True, "vfold": True, "consumer_warps": 8}, "consumer_warps"),
+    ({"block_n": 16}, "block_n"), ({"ring": 9}, "ring"), ({"prefetch": True, "scales_smem": False}, "prefetch"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
         W.WSpecConfig(**kw)
 
 
-def test_warp_tiles_states_and_shared_memory():
-    """Each split of the one-warp-consumer variant writes one state per consumer warp; the ring's bytes are the
-    codes of both sides, the scales and the barriers."""
-    wt = W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True)
-    assert wt.states_per_split == 4 and W.WSpecConfig().states_per_split == 1
-    assert wt.smem_bytes() == 8 * (2 * 32 * 128 + 16 * 32 + 16)
+def test_shared_memory():
+    """The ring's bytes are the codes of both sides, the scales and the barriers."""
+    assert W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True).smem_bytes() == 8 * (2 * 32 * 128 + 16 * 32 + 16)
     assert W.WSpecConfig(block_n=128, ring=3).smem_bytes() == 104496  # two CTAs fit 228 KB; ring 4 (139328) one
 
 
@@ -130,8 +124,8 @@ def test_launch_refuses_cpu_tensors():
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_compiles_for_sm90_without_spills():
-    """The default variant (also GQA 8 over 64-slot pages) and the one-warp-consumer, lazy-rescale one build for
-    sm_90 with Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumers, no
+    """The default variant (also GQA 8 over 64-slot pages) and the dispatcher's (prefetching, prmt, value fold) build
+    for sm_90 with Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumers, no
     local-memory spills."""
     import triton
 
@@ -140,10 +134,10 @@ def test_compiles_for_sm90_without_spills():
     prog = r"""
 import json, os, re, subprocess, tempfile
 from kvlib.kernels.int8 import wspec as W
-from kvlib.kernels.sass import _tool
+from kvlib.kernels.offline import tool as _tool
 out = []
-wt = W.WSpecConfig(block_n=32, ring=8, prmt=True, vfold=True, warp_tiles=True, lazy_rescale=True, producer_regs=40)
-for kw in ({}, {"gqa": 8, "block_size": 64}, {"config": wt}):
+from kvlib.kernels.int8.decode import WSPEC_RTN_CONFIG
+for kw in ({}, {"gqa": 8, "block_size": 64}, {"config": W.WSpecConfig(**WSPEC_RTN_CONFIG)}):
     cc = W.compile_offline(**kw)
     with tempfile.TemporaryDirectory() as t:
         p = os.path.join(t, "k.cubin"); open(p, "wb").write(cc.asm["cubin"])
@@ -162,45 +156,3 @@ print(json.dumps(out))
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert r["stack"] == 0 and r["hmma"] > 0 and r["tma"] > 0
         assert r["shared"] >= W.WSpecConfig().smem_bytes() - 16 * W.WSpecConfig().ring
-
-
-def _online(z, v, bn, lazy, tau=5.0):
-    """A float32 model of one consumer's arithmetic over scores ``z [H, L]`` (base 2) and values ``v [L, d]``: per
-    tile the max, the rescale (always, or only when a head's max grew by more than ``tau``), ``fp16(1024 p)``."""
-    H, L = z.shape
-    m = torch.full((H,), float("-inf"))
-    lsum = torch.zeros(H)
-    acc = torch.zeros(H, v.shape[1])
-    top = 0.0
-    for n0 in range(0, L, bn):
-        zt = z[:, n0:n0 + bn]
-        mt = zt.max(1).values
-        if not lazy or (mt - m).max() > tau:
-            mn = torch.maximum(m, mt)
-            alpha = torch.exp2(m - mn)
-            lsum, acc, m = lsum * alpha, acc * alpha[:, None], mn
-        p = torch.exp2(zt - m[:, None])
-        p16 = (1024.0 * p).half()
-        top = max(top, p16.float().max().item())
-        lsum = lsum + p.sum(1)
-        acc = acc + p16.float() @ v[n0:n0 + bn].half().float()
-    return acc / (1024.0 * lsum[:, None]), (m + torch.log2(lsum)) * math.log(2.0), top
-
-
-def test_lazy_rescale_stays_finite_and_exact_to_fp16_rounding():
-    """The lazy rule keeps every ``1024 p`` a finite fp16 (<= 1024 * 2^5) and gives the eager result to the same fp16
-    rounding of P, on scores that keep rising along the row (many rescales) and on flat ones (few)."""
-    g = torch.Generator().manual_seed(3)
-    L, H, d = 4096, 8, 32
-    v = torch.randn(L, d, generator=g)
-    for z in (torch.randn(H, L, generator=g) * torch.linspace(0.5, 12.0, L), 3 * torch.randn(H, L, generator=g)):
-        ref_o = torch.softmax(z.double() * math.log(2.0), -1) @ v.half().double()
-        ref_lse = torch.logsumexp(z.double() * math.log(2.0), -1)
-        for bn in (32, 128):
-            o_e, lse_e, _ = _online(z, v, bn, lazy=False)
-            o_l, lse_l, top = _online(z, v, bn, lazy=True)
-            assert top <= 1024 * 32 and math.isfinite(top)
-            tol = 1e-3 * max(1.0, ref_o.abs().max().item())
-            for o, lse in ((o_e, lse_e), (o_l, lse_l)):
-                assert (o.double() - ref_o).abs().max().item() <= tol
-                assert (lse.double() - ref_lse).abs().max().item() <= 1e-4

@@ -129,7 +129,8 @@ def test_plan_names_the_bad_argument(mutate, extra, name):
 def test_plan_carries_the_gluon_kernels_certificate_constants():
     """The radius slack, the bypass allowances and the Philox key are the ones :func:`decode_int8` launches the Gluon
     kernel with (its ``rad_extra``: ``radius_multiplier`` with ``impl="h10"`` over the h8 layout)."""
-    from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
+    from kvlib.certify.bound import radius_multiplier, rounding_gamma
+    from kvlib.core.fp16 import FP16_REL, FP16_SUB
     from kvlib.core.philox import seed_key
 
     q, kp, vp, bt, seq, _, _ = _problem([5, 40], 16, hq=8, hkv=2, m=4, dev="cpu")
@@ -261,7 +262,7 @@ def test_compiles_for_sm90():
     prog = r"""
 import json, os, re, subprocess, tempfile
 from kvlib.kernels.int8 import wspec_cert as C
-from kvlib.kernels.sass import _tool
+from kvlib.kernels.offline import tool as _tool
 out = []
 fold = C.WSpecCertConfig(pv="fold")
 fold128 = C.WSpecCertConfig(pv="fold", block_n=128, ring=3, producer_regs=40)

@@ -239,7 +239,7 @@ def test_compiles_for_sm90():
     prog = r"""
 import json, os, re, subprocess, sys, tempfile
 from kvlib.kernels.int4 import wspec as W
-from kvlib.kernels.sass import _tool
+from kvlib.kernels.offline import tool as _tool
 out = []
 for kw in json.loads(sys.argv[1]):
     cfg = W.WSpec4Config(**kw.pop("cfg", {}))

@@ -88,7 +88,7 @@ notes = {(x["method"], n[:180]) for x in rows for n in (x.get("notes") or [])}
 for m, n in sorted(notes):
     print(f"  note {m}: {n}")
 if not partial:
-    from kvlib.bench.e2e import summary_lines
+    from kvlib.bench.e2e_report import summary_lines
 
     print("budget x DynamicCache:", {k: round(v, 3) for k, v in r["budget"]["throughput_ratio"].items()})
     print("budget x StaticCache graph:", {k: round(v, 3) for k, v in r["budget"].get("throughput_ratio_vs_static", {}).items()})

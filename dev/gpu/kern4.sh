@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the INT4 kernel family (kern4):
-# 1. dev.kv4_paged_probe: at B=32, S=16k, Hq=28, Hkv=4, d=128 (CUDA graphs, interleaved rounds), KV4 and KV4-RL:
+# 1. dev.kv4_paged_vs_contiguous: at B=32, S=16k, Hq=28, Hkv=4, d=128 (CUDA graphs, interleaved rounds), KV4 and KV4-RL:
 #    contiguous kv4_main_decode beside kv4_paged_decode at block_size 256 (path "paged-tiles": one page-table entry
 #    per 256-position tile) and 16 (path "paged-rows": one per position); prints each path and paged/contiguous;
 #    JSON in $OUT/kern4_paged_timing.json;
@@ -13,7 +13,7 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 unset TRITON_INTERPRET
 
-timeout 70 "$PY" -m dev.kv4_paged_probe "$OUT/kern4_paged_timing.json" 2>&1 | tee "$OUT/kern4_paged_timing.log"
+timeout 70 "$PY" -m dev.kv4_paged_vs_contiguous "$OUT/kern4_paged_timing.json" 2>&1 | tee "$OUT/kern4_paged_timing.log"
 probe_rc=${PIPESTATUS[0]}
 
 timeout 100 "$PY" -m pytest -q -n 8 -p no:cacheprovider -rs --junitxml="$OUT/kern4_tests.xml" tests/test_kv4_kernels.py \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO with bf16 / kv4 / kv4rl rollouts on one H200 (issue 27): `python -m kvlib.rl.run all`, one device call of
+# GRPO with bf16 / kv4 / kv4rl rollouts on one H200 (issue 27): `python -m dev.rlvr_runs all`, one device call of
 # at most 10 minutes (defaults sized for ~570 s calls). Needs the SmolLM2 GGUF (carry .carry/smol; or the two halves .carry/smolA + .carry/smolB, or a
 # stash of dev/gpu/smollm2.sh in /tmp/kvlib_smol) and .whl/gguf-*.whl (accelerate too when it is there).
 # Phases: the task setting (committed: kvlib.rl.task.DIFFICULTY, calibrated on the CPU; --calibrate redoes it on
@@ -18,7 +18,7 @@
 #   call C: RLVR_CKPT=/tmp/kvlib_rlvr_ckpt RLVR_RESUME=1 bash dev/gpu/rlvr.sh
 # Each run's JSON lists its segments (one per call) with the commit of each; set KVLIB_COMMIT (the tree travels
 # without .git).
-# Extra arguments go to kvlib.rl.run (e.g. --force, --lr 5e-6). CPU proof of the script: RLVR_DEVICE=cpu with --tiny.
+# Extra arguments go to dev.rlvr_runs (e.g. --force, --lr 5e-6). CPU proof of the script: RLVR_DEVICE=cpu with --tiny.
 # DAPO dynamic sampling (default off): --dynamic-sampling --target-groups T --max-sampling-rounds R (rounds of
 # --prompts prompts; only groups with mixed rewards are trained on); the recommended chain (settings and the
 # arithmetic behind them) is in dev/results/README.md, "DAPO dynamic sampling for the next GRPO run".
@@ -57,7 +57,7 @@ if [ -n "${RLVR_CKPT:-}" ]; then
 elif [ "${RLVR_RESUME:-0}" = 1 ]; then
   echo "FAIL: RLVR_RESUME=1 needs RLVR_CKPT=DIR"; exit 2
 fi
-timeout -k 5 $(( ${RLVR_KILL_S:-565} - ($(date +%s) - start) )) $PY -m kvlib.rl.run all --out "$OUT" --gguf "$GGUF" --device "${RLVR_DEVICE:-cuda}" \
+timeout -k 5 $(( ${RLVR_KILL_S:-565} - ($(date +%s) - start) )) $PY -m dev.rlvr_runs all --out "$OUT" --gguf "$GGUF" --device "${RLVR_DEVICE:-cuda}" \
   --budget-s "$budget" --n-seeds "${RLVR_SEEDS:-3}" "${CK[@]}" "$@" 2>&1 | tee "$OUT/rlvr/rlvr.log"
 rc=${PIPESTATUS[0]}
 ls -la "$OUT/rlvr" | tail -n +2

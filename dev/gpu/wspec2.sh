@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit bb9b9f2 (dev/results/wspec2_timing.json). Its warp_tiles and lazy_rescale variants lost and their
+# code is gone from the kernel (verdict in dev/results/README.md): run it from that commit to repeat it.
 # Second GPU sweep of the warp-specialised RTN INT8 decode (kvlib/kernels/int8/wspec.py, issue 28). It attacks what
 # bounds the first run's best variant (block_n 128, ring 2, prmt, folded value scales: 1.21-1.25x SDPA bf16):
 #  - ring depth and tile size (block_n 128 with rings 2/3/4, block_n 256 with ring 2), one CTA per SM vs two

@@ -114,7 +114,7 @@ def time_graphs(graphs, rounds=15, reps=20):
 
 
 def time_shape(B, S):
-    from dev.kv4_paged_probe import paged_pool
+    from dev.kv4_paged_vs_contiguous import paged_pool
     from kvlib.bench.kv4 import RECENT, SINK, random_kv4_batch
     from kvlib.kernels.int4.attention import kv4_decode, kv4rl_decode, side_buffer
     from kvlib.kernels.int4.decode import kv4_paged_decode, prepare_query

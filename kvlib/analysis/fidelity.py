@@ -163,8 +163,8 @@ def teacher_forcing(model: Any, ids: torch.Tensor, prompt_len: int, specs: dict[
         test, cache = forced_logits(model, ids, prompt_len, spec, mode=mode, return_cache=True)
         m = compare_logits(ref, test)
         extra = {}
-        if hasattr(cache, "packed_nbytes"):
-            extra["packed_bytes"] = cache.packed_nbytes()
+        if hasattr(cache, "kv_nbytes"):
+            extra["packed_bytes"] = cache.kv_nbytes()
         out.append(ForcingResult(name, m["kl"], m["top1"], m["top5"], extra))
     return out
 

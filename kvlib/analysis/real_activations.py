@@ -224,12 +224,15 @@ def head_max(certs: pd.DataFrame, *, col: str = "cert") -> pd.DataFrame:
     return mx.sort_values(mx.columns.min(), ascending=False)
 
 
-def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None,
+            keep: Sequence[str] = ("q", "k", "v")) -> dict[int, dict[str, torch.Tensor]]:
     """Post-RoPE q, k, v per layer of one cache-less forward over ``ids`` (``[S]`` or ``[1, S]``).
 
     Runs the decoder stack only: no LM head (at 8k tokens its logits are 0.5 TFLOP and 1.6 GB that
     nobody reads) and no layer after the last one asked for (:func:`kvlib.hf.model.truncated_model`).
-    The captured tensors equal those of :func:`kvlib.hf.model.prefill_activations`.
+    The captured tensors equal those of :func:`kvlib.hf.model.prefill_activations`. ``keep`` names the tensors
+    returned (and kept in the on-disk store of model computations, :mod:`kvlib.hf.memo`: a capture of these ids,
+    layers and tensors made before is read back, bit for bit, instead of recomputed).
     """
     from kvlib.hf.model import capture_qkv, instrument, truncated_model
 
@@ -240,12 +243,29 @@ def capture(model: Any, ids: torch.Tensor, layers: Sequence[int] | None = None) 
         layers = sorted({int(i) for i in layers})
         if not layers or layers[0] < 0 or layers[-1] >= n:
             raise ValueError(f"layers must be a non-empty set of layer indices in [0, {n}), got {layers!r}")
-    instrument(model)
-    if layers is not None and layers[-1] + 1 < n:
-        model = truncated_model(model, layers[-1] + 1)  # later layers cannot change the captured ones
-    with torch.no_grad(), capture_qkv(layers) as acts:
-        model.model(input_ids=ids.to(model.device), use_cache=False)
-    return dict(acts)
+    from kvlib.hf.memo import memoized
+    from kvlib.hf.model import _kvlib_sdpa, observe
+
+    keep = sorted({str(x) for x in keep})
+    if not keep or not set(keep) <= {"q", "k", "v"}:
+        raise ValueError(f"keep must name some of 'q', 'k', 'v', got {keep!r}")
+
+    def compute() -> dict[str, torch.Tensor]:
+        m = instrument(model)
+        if layers is not None and layers[-1] + 1 < n:
+            m = truncated_model(m, layers[-1] + 1)  # later layers cannot change the captured ones
+        with torch.no_grad(), capture_qkv(layers) as acts:
+            m.model(input_ids=ids.to(m.device), use_cache=False)
+        return {f"{i}.{name}": t for i, d in acts.items() for name, t in d.items() if name in keep}
+
+    # the model's own activations of these exact token ids (kept on disk: no kvlib format or kernel enters them)
+    code = (compute, instrument, capture_qkv, observe, _kvlib_sdpa, truncated_model)
+    out, _, _ = memoized("capture_qkv", model, {"ids": ids, "layers": layers, "keep": keep}, code, compute)
+    acts: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in out.items():
+        i, name = key.split(".")
+        acts.setdefault(int(i), {})[name] = t.to(model.device)
+    return dict(sorted(acts.items()))
 
 
 def outlier_table(model: Any, ids: torch.Tensor, m: int) -> torch.Tensor:
@@ -261,7 +281,7 @@ def outlier_tables(model: Any, ids: torch.Tensor, ms: Sequence[int]) -> dict[int
     ms = [int(m) for m in ms]
     if not ms:
         return {}
-    acts = capture(model, ids)
+    acts = capture(model, ids, keep=("k",))
     # [B, Hkv, S, d] -> [B*S, Hkv, d]: the pair energies summed over every calibration token of every row
     keys = [acts[i]["k"].transpose(1, 2).flatten(0, 1) for i in sorted(acts)]
     return {m: torch.stack([select_outlier_pairs(k, m) for k in keys]) for m in ms}

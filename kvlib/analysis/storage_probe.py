@@ -35,7 +35,7 @@ from kvlib.analysis.fidelity import CacheSpec, ProbeResult, _is_chunkable, build
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, formats_where, get_format
 from kvlib.formats.kv4 import check_rotate, rotates
-from kvlib.formats.kv4rl import KV4RLFormat, int8_dequantize, int8_quantize
+from kvlib.formats.kv4rl import KV4RLFormat, int8_dequantize, int8_quantize, is_protected
 
 __all__ = ["StorageCache", "ProtectedCache", "storage_view", "kv4rl_view", "protected_region", "probe_attention",
            "corpus_prompts", "prefill_context", "sample_responses", "batched_probe", "view_formats"]
@@ -53,9 +53,7 @@ REGIONAL_ATTN = "kvlib_probe_regional"
 def protected_region(q_pos: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
     """Bool ``[len(q_pos), n]``: ``M[i, p]`` is True when position ``p`` is protected at the step whose
     stream length is ``q_pos[i] + 1`` (``p < sink`` or ``p >= max(sink, q_pos[i] + 1 - recent)``)."""
-    p = torch.arange(n, device=q_pos.device)
-    start = (q_pos[:, None] + 1 - recent).clamp(min=sink)
-    return (p[None] < sink) | (p[None] >= start)
+    return is_protected(torch.arange(n, device=q_pos.device)[None], q_pos[:, None] + 1, sink, recent)
 
 
 #: within :func:`_shared_encodings`: ``{key: (x, reconstruction)}`` of the shared context's K/V, so that the specs of
@@ -343,10 +341,19 @@ def corpus_prompts(tokenizer: Any, n: int, length: int) -> torch.Tensor:
 @torch.no_grad()
 def prefill_context(model: Any, prompts: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Full-precision prefill of ``prompts[:, :-1]``; per layer ``(keys, values)`` ``[B, Hkv, P-1, d]``.
-    Only the last position's logits are computed (the others are never used)."""
-    cache = DynamicCache()
-    model(prompts[:, :-1].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return [(la.keys, la.values) for la in cache.layers]
+    Only the last position's logits are computed (the others are never used). The model's own K/V of these exact
+    tokens are kept in the on-disk store of model computations (:mod:`kvlib.hf.memo`) and read back, bit for bit,
+    when the same prefill was computed before."""
+    from kvlib.hf.memo import memoized
+
+    def compute() -> dict[str, torch.Tensor]:
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(prompts[:, :-1].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return {f"{i}.{side}": t for i, la in enumerate(cache.layers) for side, t in (("k", la.keys), ("v", la.values))}
+
+    out, _, _ = memoized("prefill_context", model, {"ids": prompts}, (compute,), compute)
+    return [(out[f"{i}.k"].to(model.device), out[f"{i}.v"].to(model.device)) for i in range(len(out) // 2)]
 
 
 def _filled(spec: CacheSpec, model: Any, context: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -12,7 +12,6 @@ import importlib
 from types import ModuleType
 
 #: topic name -> the module whose ``run(profile)`` produces it; the name is the result file's stem.
-#: ``sass_count`` compiles kernels rather than timing them, so it lives beside them in kvlib.kernels.
 TOPICS: dict[str, str] = {
     "decode_grid": "kvlib.bench.decode_grid",
     "e2e": "kvlib.bench.e2e",
@@ -20,7 +19,7 @@ TOPICS: dict[str, str] = {
     "peers": "kvlib.bench.peers",
     "peers_hf": "kvlib.bench.peers_hf",
     "replay": "kvlib.bench.replay",
-    "sass_count": "kvlib.kernels.sass",
+    "sass_count": "kvlib.bench.sass_count",
     "witcert_decode": "kvlib.bench.witcert_decode",
     "witcert_write": "kvlib.bench.witcert_write",
     "wspec_decode": "kvlib.bench.wspec_decode",

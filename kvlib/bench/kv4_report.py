@@ -77,13 +77,16 @@ def latency_figure(fixed: pd.DataFrame):
 
 
 def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
-                   rr16: pd.DataFrame | None) -> list[dict[str, str]]:
-    """The two claims (keyword arguments of ``Run.claim``): KV4's kernel speedup and KV4-RL's share."""
+                   rr16: pd.DataFrame | None, ws: dict | None = None) -> list[dict[str, Any]]:
+    """The claims (keyword arguments of ``Run.claim``). KV4-RL's share of KV4's speed is judged on the default
+    paged path at its worst measured shape (``ws``: the shapes of the ``wspec_decode`` GPU result: KV4 over pages
+    takes the warp-specialised kernel, KV4-RL the Triton one, pages of 256); the unpaged kernels' share and KV4's
+    kernel speedup are context rows."""
     gl, best = goals, fixed.kv4_speedup_vs_sdpa.max()
     speedup = dict(
         claim_id="kv4rl-kv4-kernel-speedup",
         ours=f"attention kernel only: {fixed.kv4_speedup_vs_sdpa.min():.2f}-{best:.2f}x vs SDPA bf16 (fixed shapes)",
-        measured=float(best),
+        measured=(float(fixed.kv4_speedup_vs_sdpa.min()), float(best)),
         why="kernel-level, not whole decode step; the project goal 3.0x at long context: "
             + (f"S = 16k min {gl['kv4_speedup_16k_min']:.2f}x ("
                + ("met" if gl["kv4_speedup_16k_min"] >= 3.0 else "not met") + "), "
@@ -94,18 +97,29 @@ def latency_claims(fixed: pd.DataFrame, goals: dict[str, Any], bound: ByteBound,
     f16 = fixed[fixed.ctx_max >= 16384].kv4rl_frac_of_kv4
     why = []
     why.append(f"bytes alone cap KV4-RL/KV4 at {bound(1024):.0%} at S=1k, {bound(4096):.0%} at 4k, "
-               f"{bound(16384):.1%} at 16k (INT8 side entries are {bound.b8 / bound.b4:.1f}x an INT4 entry), so the "
-               "97% goal is reachable only at long context")
+               f"{bound(16384):.1%} at 16k (INT8 side entries are {bound.b8 / bound.b4:.1f}x an INT4 entry)")
     if len(f16):
-        why.append(f"at S = 16k it reads {f16.min():.1%}-{f16.max():.1%}: the project's 97% goal is "
-                   + ("met" if f16.min() >= 0.97 else "not met")
+        why.append(f"at S = 16k it reads {f16.min():.1%}-{f16.max():.1%}"
                    + ("" if rr16 is None or not len(rr16) else
                       f" (a second run: {rr16.kv4rl_frac_of_kv4_rerun.min():.1%}-"
                       f"{rr16.kv4rl_frac_of_kv4_rerun.max():.1%})"))
-    protect = dict(claim_id="kv4rl-protect-speed", ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); "
-                   f"min over all shapes {gl['kv4rl_frac_min']:.0%}",
-                   measured=float(agg), why="; ".join(why))
-    return [speedup, protect]
+    kernels = dict(claim_id="kv4rl-protect-speed-kernels",
+                   ours=f"{agg:.0%} of KV4 on the ragged suites (sum of times); worst fixed shape "
+                   f"{gl['kv4rl_frac_min']:.0%}", measured={"ragged_aggregate": float(agg),
+                                                            "worst_fixed_shape": float(gl["kv4rl_frac_min"])},
+                   why="; ".join(why))
+    if ws:
+        frac = {k: s_["median_ms"]["wspec4_kv4_p256"] / s_["median_ms"]["triton_paged_kv4rl_p256"]
+                for k, s_ in ws.items()}
+        worst = min(frac, key=frac.get)
+        protect = dict(claim_id="kv4rl-protect-speed",
+                       ours=f"worst {frac[worst]:.0%} (B={ws[worst]['batch']}, S={ws[worst]['seq'] // 1024}k); "
+                       + ", ".join(f"B={ws[k]['batch']} S={ws[k]['seq'] // 1024}k {v:.0%}" for k, v in frac.items()),
+                       measured=float(frac[worst]))
+    else:
+        protect = dict(claim_id="kv4rl-protect-speed", ours="pending: no GPU result of the paged kernels",
+                       measured=None, why="needs `python -m kvlib.bench wspec_decode` on the H200")
+    return [protect, kernels, speedup]
 
 
 SASS_KEYS = ("kv4_sass_per_code", "kv4_sass_regs", "kv4_warps_per_sm", "kv4_issue_ms", "kv4_byte_ms",

@@ -36,15 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlib.core.checks import check_group, check_open_unit, check_positive_int, check_tensor
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
+from kvlib.formats.base import PROXY
 
-#: fp16 round-to-nearest: |k - fp16(k)| <= REL |fp16(k)| + SUB (normal and subnormal range)
-FP16_REL = 2.0**-11 / (1.0 - 2.0**-11)
-FP16_SUB = 2.0**-25
 #: largest finite float32: a kernel's A beyond this has overflowed
 FP32_MAX = float(torch.finfo(torch.float32).max)
-#: per-channel proxy of the residual divided by s^2: uniform dither 1/12, stochastic rounding 1/4. A format
-#: names its key in its ``variance_proxy`` class attribute (checked at registration, kvlib.formats.base)
-PROXY = {"dither": 1.0 / 12.0, "sr": 1.0 / 4.0}
 CODE_MAX = 127.5  # |c - xi| <= 127 + 1/2 for int8 codes clamped to [-127, 127]
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, bounds_from_AB, certificate_from_scores
+from kvlib.certify.bound import bounds_from_AB, certificate_from_scores
 from kvlib.core.checks import check_positive_int, check_tensor
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
 
 FP16_BYTES = 2
 
@@ -59,8 +60,6 @@ def fallback_heads(
     recomputed rows is the fp16 copy's own deterministic certificate.
     ``int8_bytes_per_token_head`` is the K+V byte cost of the INT8 read (272 B at d=128, G=32).
     """
-    from kvlib.kernels.int8.decode import DecodeOut
-
     if out.tv_bound is None:
         raise ValueError("out must carry a certificate (decode with cert=True)")
     check_tensor("q", q, ndim=3, floating=True)
@@ -102,7 +101,8 @@ def fallback_heads(
         tau=float(tau), rows_over=int(over.sum()), rows_total=int(over.numel()), kv_heads_paged=int(paged.sum()),
         kv_heads_total=int(paged.numel()), bytes_moved=moved, bytes_int8_read=read,
         effective_bits=(read + moved) * 8 / max(elems, 1), paged=paged)
-    return DecodeOut(o, lse, A, Bv, two, one, vac), rep
+    # out's own class (DecodeOut), so this module needs nothing from the kernels above it
+    return type(out)(o, lse, A, Bv, two, one, vac), rep
 
 
 @dataclass

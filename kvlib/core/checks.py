@@ -53,6 +53,29 @@ def check_open_unit(name: str, value: float) -> float:
     return v
 
 
+def check_real(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
+               allow_inf: bool = False) -> float:
+    """A real number (not a bool, not a string) in ``[lo, hi]``, finite unless ``allow_inf`` (NaN never); returned
+    as a float."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if math.isnan(v) or (math.isinf(v) and not allow_inf) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ValueError(f"{name} must be a{'' if allow_inf else ' finite'} number in {rng}, got {value!r}")
+    return v
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A bool (``"no"`` is a str, not False)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_positive_int(name: str, value: int, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

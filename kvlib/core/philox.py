@@ -139,17 +139,7 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) ->
     Values must be uint32 held in int64. Returns int64 ``[..., 4]`` of uint32 values; the two
     leading shapes broadcast against each other.
     """
-    check_tensor("counter", counter, dtype=torch.int64)
-    check_tensor("key", key, dtype=torch.int64)
-    if counter.shape[-1:] != (4,):
-        raise ValueError(f"counter must have last dim 4, got shape {tuple(counter.shape)}")
-    if key.shape[-1:] != (2,):
-        raise ValueError(f"key must have last dim 2, got shape {tuple(key.shape)}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
-    for name, t in (("counter", counter), ("key", key)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) > MASK32):
-            raise ValueError(f"{name} must hold uint32 values in [0, 2^32), got range [{int(t.min())}, {int(t.max())}]")
+    _check_blocks(counter, key, 2, rounds, "Philox4x32")
     c0, c1, c2, c3 = counter.unbind(-1)
     k0, k1 = key.unbind(-1)
     for r in range(rounds):
@@ -165,6 +155,21 @@ def _check_u32_tensor(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must hold uint32 values in [0, 2^32), got range [{int(t.min())}, {int(t.max())}]")
 
 
+def _check_blocks(counter: torch.Tensor, key: torch.Tensor, key_words: int, rounds: int, generator: str) -> None:
+    """The arguments every counter-based generator here takes: int64 tensors of uint32 values, ``counter [..., 4]``,
+    ``key [..., key_words]``, ``rounds`` a positive int (ValueError/TypeError naming the argument)."""
+    check_tensor("counter", counter, dtype=torch.int64)
+    check_tensor("key", key, dtype=torch.int64)
+    if counter.shape[-1:] != (4,):
+        raise ValueError(f"counter must have last dim 4, got shape {tuple(counter.shape)}")
+    if key.shape[-1:] != (key_words,):
+        raise ValueError(f"key must have last dim {key_words} ({generator}), got shape {tuple(key.shape)}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    _check_u32_tensor("counter", counter)
+    _check_u32_tensor("key", key)
+
+
 def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
     return ((x << r) | (x >> (32 - r))) & MASK32
 
@@ -174,16 +179,7 @@ def threefry4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 20) -> 
     values; returns int64 ``[..., 4]`` (the two leading shapes broadcast). Add, rotate, xor only (no multiply):
     a key injection after every fourth round (``ks[4] = parity ^ k0 ^ k1 ^ k2 ^ k3``, word 3 also gets the
     injection's index), as in Random123's threefry.h."""
-    check_tensor("counter", counter, dtype=torch.int64)
-    check_tensor("key", key, dtype=torch.int64)
-    if counter.shape[-1:] != (4,):
-        raise ValueError(f"counter must have last dim 4, got shape {tuple(counter.shape)}")
-    if key.shape[-1:] != (4,):
-        raise ValueError(f"key must have last dim 4 (Threefry4x32), got shape {tuple(key.shape)}")
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
-    _check_u32_tensor("counter", counter)
-    _check_u32_tensor("key", key)
+    _check_blocks(counter, key, 4, rounds, "Threefry4x32")
     k = list(key.unbind(-1))
     ks = k + [THREEFRY_PARITY32 ^ k[0] ^ k[1] ^ k[2] ^ k[3]]
     x = [(c + ks[i]) & MASK32 for i, c in enumerate(counter.unbind(-1))]

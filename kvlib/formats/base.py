@@ -36,6 +36,10 @@ _REGISTRY: dict[str, type[KVFormat]] = {}
 KERNELS = (None, "int8", "int4", "bf16")
 #: the capability attributes every format declares on its class (see :class:`KVFormat`)
 CAPABILITIES = ("variance_proxy", "stateful", "deterministic", "bounded", "kernel")
+#: the residual laws a format may declare as its ``variance_proxy``: the per-channel sub-Gaussian proxy of the
+#: key residual divided by ``s^2`` (subtractive uniform dither 1/12, stochastic rounding 1/4). The certificate
+#: (:func:`kvlib.certify.bound.variance_proxy`) reads it from here.
+PROXY = {"dither": 1.0 / 12.0, "sr": 1.0 / 4.0}
 
 
 class KVFormat(ABC):
@@ -47,7 +51,7 @@ class KVFormat(ABC):
 
     # Capabilities: what the cache, the certificate, the gate and the book need to know about a format,
     # declared here once (no table elsewhere repeats them).
-    #: sub-Gaussian proxy of the key residual (a key of kvlib.certify.bound.PROXY: "dither", "sr"), or None
+    #: sub-Gaussian proxy of the key residual (a key of :data:`PROXY`: "dither", "sr"), or None
     #: when the format's error has no such proxy (then it cannot be certified)
     variance_proxy: ClassVar[str | None] = None
     #: True when an old position's representation can change as tokens are appended (side buffers,
@@ -65,6 +69,33 @@ class KVFormat(ABC):
     #: positions held by a fixed per-stream side buffer (KV4-RL's sinks + recent window), 0 when none;
     #: its bytes are :meth:`fixed_bytes`
     capacity: int = 0
+    #: True when write() reads nothing of its context but ``side`` (no layer, head, slot or seed: no dither, no
+    #: random rounding) and works per token: a store may then write and read every head of a token as one batch
+    #: of rows (the same bytes as head by head)
+    batch_heads: ClassVar[bool] = False
+    #: the largest element magnitude the format stores faithfully (fp16 scales, offsets or values overflow past
+    #: it); :meth:`representable` checks it
+    max_abs: ClassVar[float] = float("inf")
+
+    def representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """bool ``x.shape[:-1]``: which vectors of ``x [..., d]`` (one token of one head each) the format stores
+        faithfully: finite, and within :attr:`max_abs` of what it quantises (a rotated stream: after rotation).
+        Elementwise, no host sync; the cache isolates the vectors that are not (zeroed and their row flagged)."""
+        y = self._stored_view(x, side)
+        a = y.abs().amax(-1)  # NaN propagates through the max
+        lim = self.max_abs
+        if y.is_floating_point():  # one comparison: finite and within range (NaN compares False)
+            lim = min(lim, torch.finfo(y.dtype).max)
+        return a <= lim
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """A cheaper sufficient test: True only where :meth:`representable` is True (a rotating format bounds the
+        rotation instead of computing it); False says nothing. Default: :meth:`representable` itself."""
+        return self.representable(x, side)
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """What the format quantises of ``x`` (a rotating format overrides: the rotated vector)."""
+        return x
 
     @abstractmethod
     def write(self, x: torch.Tensor, **ctx: Any) -> Any:
@@ -174,8 +205,6 @@ def register_format(name: str) -> Callable[[type[KVFormat]], type[KVFormat]]:
                             "bounded=True exactly when a deterministic format implements error_bound")
         if cls.kernel not in KERNELS:
             raise TypeError(f"format {name!r}: kernel must be one of {KERNELS}, got {cls.kernel!r}")
-        from kvlib.certify.bound import PROXY
-
         if cls.variance_proxy is not None and cls.variance_proxy not in PROXY:
             raise TypeError(f"format {name!r}: variance_proxy must be None or one of {sorted(PROXY)}, "
                             f"got {cls.variance_proxy!r}")

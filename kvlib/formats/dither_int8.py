@@ -245,6 +245,12 @@ class DitherInt8(KVFormat):
         self.outlier_channels = outlier_channels
         self.include_outliers_in_amax = include_outliers_in_amax
 
+    @property
+    def max_abs(self) -> float:  # type: ignore[override]
+        # fp16 scales amax / 126.5; outlier channels are kept as fp16 values (any channel may be one in a pool's
+        # outlier table, so with outliers the fp16 range binds every channel: conservative)
+        return 65504.0 if self.outlier_channels is not None else 65504.0 * SCALE_DIV
+
     def write(self, x: torch.Tensor, **ctx: Any) -> DitherQTensor:
         S = x.shape[0] if isinstance(x, torch.Tensor) and x.ndim else 0
         slots = ctx.get("slots")

@@ -66,12 +66,15 @@ class KiviFormat(KVFormat):
     bounded = True
 
     options: ClassVar[tuple[str, ...]] = ("group", "residual")
+    max_abs: ClassVar[float] = 65504.0  # fp16 residual window, scales and zero points
 
     def __init__(self, group: int = 32, residual: int = 128) -> None:
         check_positive_int("group", group)
         check_positive_int("residual", residual)
         if residual % group:
-            raise ValueError(f"residual={residual} must be a multiple of group={group}")
+            raise ValueError(f"group={group}, residual={residual}: the residual window is quantised in blocks of "
+                             "group tokens, so residual must be a multiple of group (pick a group dividing it, or pass "
+                             "residual=)")
         self.group, self.residual_len = group, residual
 
     def _quantize_block(self, x: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,7 +145,7 @@ class KiviFormat(KVFormat):
     def error_bound(self, packed: KiviPacked, x_hat: torch.Tensor) -> torch.Tensor:
         """Residual window: fp16 rounding. Quantised part: half a 2-bit step of the fp16 input, plus that
         input's own fp16 rounding, plus fp32 slack. Keys (side 0) only: the scales here are per channel."""
-        from kvlib.certify.bound import FP16_REL, FP16_SUB
+        from kvlib.core.fp16 import FP16_REL, FP16_SUB
         from kvlib.formats.rtn_int8 import FP32_REL
 
         if packed.side != 0:

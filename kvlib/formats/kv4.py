@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlib.core.checks import check_group, check_tensor
+from kvlib.core.checks import check_group, check_positive_int, check_tensor
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat, per_token, register_format
 
@@ -76,16 +76,31 @@ def int4_quantize(x: torch.Tensor, group: int | None = None) -> Int4Tensor:
     xf = x.float().reshape(*x.shape[:-1], d // g, g)
     if not torch.isfinite(xf).all():
         raise ValueError("x must be finite to quantise")
+    c, delta, m = _affine_int4(xf)
+    if not (torch.isfinite(m).all() and torch.isfinite(delta).all()):
+        raise ValueError("x exceeds the fp16 range of the INT4 scale/offset")
+    codes = pack_nibbles(c.reshape(x.shape).to(torch.uint8))
+    return Int4Tensor(codes=codes, scale=delta, offset=m, group=g)
+
+
+def _affine_int4(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One affine INT4 group per last-dim row of fp32 ``xf``: codes (float, in ``[0, 15]``), fp16 scale ``Δ`` and
+    offset ``m`` (rounded down, ``Δ`` up, so every code lands in range)."""
     lo, hi = xf.amin(-1), xf.amax(-1)
     m = fp16_round(lo, "down")
     delta = fp16_round((hi - m.float()) / LEVELS, "up")
-    if not (torch.isfinite(m).all() and torch.isfinite(delta).all()):
-        raise ValueError("x exceeds the fp16 range of the INT4 scale/offset")
     df = delta.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
     c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
-    codes = pack_nibbles(c.reshape(x.shape).to(torch.uint8))
-    return Int4Tensor(codes=codes, scale=delta, offset=m, group=g)
+    return c, delta, m
+
+
+def int4_quantize_unchecked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`int4_quantize` with one group per row of the last dim, the same operations in the same order, minus
+    its finiteness checks (a host sync: a CUDA graph cannot hold one). Packed codes uint8 ``[..., d//2]``, fp16
+    scale and offset ``[...]``: what the kv4 pools store, and what the fused write kernel reproduces bit for bit."""
+    c, delta, m = _affine_int4(x.float())
+    return pack_nibbles(c.to(torch.uint8)), delta, m
 
 
 def int4_dequantize(qt: Int4Tensor) -> torch.Tensor:
@@ -129,11 +144,22 @@ class KV4Format(KVFormat):
 
     options: ClassVar[tuple[str, ...]] = ("group", "rotate")
     default_group: ClassVar[int | None] = None
+    max_abs: ClassVar[float] = 65504.0  # the fp16 offset (the group's minimum) and scale
+    batch_heads = True
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        if not rotates(self.rotate, side):
+            return self.representable(x, side)
+        # |H x|_inf <= ||x||_1 / sqrt(d) (the entries of H are +-1/sqrt(d)), with room for fp32 rounding: no rotation
+        return x.float().abs().sum(-1) * (x.shape[-1] ** -0.5 * (1 + 2.0**-10)) <= self.max_abs
 
     def __init__(self, group: int | None = -1, rotate: str = "k") -> None:
         self.group = self.default_group if group == -1 else group
         if self.group is not None:
-            check_group("group", self.group, self.group)  # positive int; divisibility checked on write
+            check_positive_int("group", self.group)  # divisibility by the head dim is checked on write
         self.rotate = check_rotate(rotate)
 
     def write(self, x: torch.Tensor, side: int = 0, **ctx: Any) -> Int4Tensor:

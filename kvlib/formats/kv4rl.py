@@ -35,15 +35,20 @@ _PROTECT = ("int8", "bf16")
 def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-vector INT8 of the last dim: ``(codes int8, scale fp16)`` with ``|x - s c| <= s/2``."""
     check_tensor("x", x, floating=True)
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    scale = fp16_round(amax / INT8_MAX, "up")
+    codes, scale = int8_quantize_unchecked(x)
     if not torch.isfinite(scale).all():
         raise ValueError("x must be finite and within the fp16 range of the INT8 scale")
+    return codes, scale
+
+
+def int8_quantize_unchecked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int8_quantize` without its checks (a host sync: a CUDA graph cannot hold one); what the kv4rl pools'
+    side buffer stores."""
+    xf = x.float()
+    scale = fp16_round(xf.abs().amax(-1) / INT8_MAX, "up")
     sf = scale.float()
     safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-    codes = torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes, scale
+    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -51,17 +56,53 @@ def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.float().unsqueeze(-1)
 
 
+# The side buffer's semantics, written once: the format, the pools, the kernels' launchers and the analyses call
+# these (Triton kernels take ``sink`` and ``recent`` as parameters and apply the same rules).
+
+def is_protected(p: torch.Tensor, n: torch.Tensor | int, sink: int, recent: int) -> torch.Tensor:
+    """Bool: position ``p`` of a stream of length ``n`` is held by the side buffer (``p < sink`` or
+    ``p >= max(sink, n - recent)``); ``p`` and ``n`` broadcast."""
+    return (p < sink) | (p >= n - recent)
+
+
 def protected_mask(n: int, sink: int, recent: int) -> torch.Tensor:
     """Bool ``[n]``: positions held by the side buffer of a stream of length ``n``."""
-    p = torch.arange(n)
-    return (p < sink) | (p >= max(sink, n - recent))
+    return is_protected(torch.arange(n), n, sink, recent)
 
 
 def ring_slot(p: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """Side-buffer slot of position ``p`` (valid only while ``p`` is protected)."""
+    """Side-buffer slot of position ``p``: ``p`` for a sink, ``sink + (p - sink) % recent`` in the ring (valid only
+    while ``p`` is protected)."""
     if recent == 0:
         return p.clone()
     return torch.where(p < sink, p, sink + (p - sink) % recent)
+
+
+def side_count(n: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Occupied side slots of streams of lengths ``n``: ``min(n, sink) + clamp(n - sink, 0, recent)`` (n's dtype)."""
+    return n.clamp(max=sink) + (n - sink).clamp(min=0).clamp(max=recent)
+
+
+def main_range(n: torch.Tensor, sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)``: the positions ``[start, end)`` of streams of lengths ``n`` read from the main (INT4)
+    region, between the sinks and the recent window (n's dtype)."""
+    start = n.clamp(max=sink)
+    return start, torch.maximum(start, n - recent)
+
+
+def side_positions(lengths: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """int64 ``[B, sink+recent]``: the position held by each side slot after writing ``lengths`` tokens (-1 empty),
+    the inverse of :func:`ring_slot`."""
+    n = lengths.long().unsqueeze(-1)
+    sl = torch.arange(sink + recent, device=lengths.device).unsqueeze(0)
+    sink_pos = torch.where(sl < n, sl, torch.full_like(sl, -1))
+    r = sl - sink
+    # newest p < n with p ≡ sink + r (mod recent) and p >= sink
+    last = n - 1 - sink
+    p = sink + r + recent * torch.div(last - r, max(recent, 1), rounding_mode="floor")
+    ring_ok = (last - r >= 0) & (p >= n - recent)
+    ring_pos = torch.where(ring_ok, p, torch.full_like(p, -1))
+    return torch.where(sl < sink, sink_pos, ring_pos)
 
 
 @dataclass
@@ -92,6 +133,16 @@ class KV4RLFormat(KVFormat):
     kernel = "int4"
 
     options: ClassVar[tuple[str, ...]] = ("sink", "recent", "capacity", "protect", "group", "rotate")
+    max_abs: ClassVar[float] = 65504.0  # the KV4 main store's fp16 offset; the INT8 side's scales allow more
+
+    def _stored_view(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        return hadamard(x.float()) if rotates(self.rotate, side) else x
+
+    def surely_representable(self, x: torch.Tensor, side: int = 0) -> torch.Tensor:
+        if not rotates(self.rotate, side):
+            return self.representable(x, side)
+        # |H x|_inf <= ||x||_1 / sqrt(d) (the entries of H are +-1/sqrt(d)), with room for fp32 rounding: no rotation
+        return x.float().abs().sum(-1) * (x.shape[-1] ** -0.5 * (1 + 2.0**-10)) <= self.max_abs
 
     def __init__(
         self,
@@ -168,7 +219,7 @@ class KV4RLFormat(KVFormat):
         n = start + s_new
         pos = expect.to(x.device)
         # sinks, and only the newest `recent` non-sink positions (older ones would be overwritten anyway)
-        keep = (pos < self.sink) | ((pos >= self.sink) & (pos >= n - self.recent))
+        keep = is_protected(pos, n, self.sink, self.recent)
         pos_k, x_k = pos[keep], xr[keep]
         if pos_k.numel():
             slots = ring_slot(pos_k, self.sink, self.recent)
@@ -203,9 +254,8 @@ class KV4RLFormat(KVFormat):
         return self.main.bytes_per_position(d)
 
     def side_count(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Sinks plus the recent window: ``min(n, sink) + clamp(n - sink, 0, recent)`` per stream length."""
-        n = lengths.long()
-        return n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)
+        """Sinks plus the recent window per stream length (:func:`side_count`)."""
+        return side_count(lengths.long(), self.sink, self.recent)
 
     def fixed_bytes(self, d: int) -> int:
         """Side-buffer bytes per (layer, kv_head, side), independent of the sequence length."""

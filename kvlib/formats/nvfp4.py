@@ -100,6 +100,7 @@ def fp4_dequantize(qt: Fp4Tensor) -> torch.Tensor:
 
 class _Fp4Format(KVFormat):
     deterministic = True
+    batch_heads = True
     options: ClassVar[tuple[str, ...]] = ("rotate",)
 
     def __init__(self, rotate: str = "none") -> None:

@@ -52,6 +52,7 @@ class FP16(_Cast):
     kernel = "bf16"
 
     dtype = torch.float16
+    max_abs = 65504.0
 
 
 @register_format("bf16")
@@ -61,3 +62,4 @@ class BF16(_Cast):
     kernel = "bf16"
 
     dtype = torch.bfloat16
+    max_abs = float(torch.finfo(torch.bfloat16).max)

@@ -68,6 +68,10 @@ class GroupScaledFormat(KVFormat):
     #: the largest code magnitude, mapped to each group's amax
     qmax: ClassVar[float] = 127.0
 
+    @property
+    def max_abs(self) -> float:  # type: ignore[override]
+        return 65504.0 * self.qmax  # the fp16 scale amax / qmax stays finite
+
     def __init__(self, group: int = 32) -> None:
         self.group = group
 
@@ -82,7 +86,8 @@ class GroupScaledFormat(KVFormat):
         return codes.to(torch.float32)
 
     def read(self, packed: Any) -> torch.Tensor:
-        return expand_scales(packed.scales, packed.group) * self.code_values(packed.codes)
+        c = self.code_values(packed.codes)  # the same products as expand_scales(s) * c, without the expansion
+        return (c.unflatten(-1, (-1, packed.group)) * packed.scales.to(torch.float32).unsqueeze(-1)).flatten(-2)
 
     def bytes_per_position(self, d: int) -> float:
         check_group("group", self.group, d)
@@ -112,6 +117,7 @@ class RtnInt8(GroupScaledFormat):
 
     bounded = True
     kernel = "int8"
+    batch_heads = True
 
     def error_bound(self, packed: Int8Packed, x_hat: torch.Tensor) -> torch.Tensor:
         """Half a step: ``|x/s| <= 127.5`` (scales ``amax/127``, bumped), so the clamp error is <= 1/2 too."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlib.core.philox import dither
+from kvlib.core.dither_tables import cached_dither
 from kvlib.formats.base import register_format
 from kvlib.formats.rtn_int8 import GroupScaledFormat, Int8Packed
 
@@ -29,7 +29,8 @@ class SrInt8(GroupScaledFormat):
         slots = ctx.get("slots")
         if slots is None:
             slots = torch.arange(S, dtype=torch.int64)
-        u = dither(slots, d, layer=ctx.get("layer", 0), kv_head=ctx.get("kv_head", 0), seed=ctx.get("seed", 0),
-                   side=ctx.get("side", 0)).to(y.device) + 0.5
+        # the slot-indexed tables on the CPU (bit for bit dither(slots, ...)); dither itself elsewhere
+        u = cached_dither(slots, d, layer=ctx.get("layer", 0), kv_head=ctx.get("kv_head", 0), seed=ctx.get("seed", 0),
+                          side=ctx.get("side", 0)).to(y.device) + 0.5
         c = torch.floor(y + u).clamp(-127, 127)
         return Int8Packed(c.to(torch.int8), s16, self.group)

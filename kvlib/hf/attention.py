@@ -75,17 +75,22 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     fn = _delegate(module)
     if tag is None:
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer, phase = tag
-    key._kvlib = None  # consumed
+    layer, phase = tag.layer, tag.phase
+    key._kvlib = None
+    tag.consumed = True  # KVFormatCache checks it at the next update
     sm = scaling if scaling is not None else query.shape[-1] ** -0.5
     if phase == "prefill":
-        pad = _left_pad(attention_mask, query.shape[0])
+        # a sliding window also masks leading columns of the last query row: there the pads stay in the pools (the
+        # mask excludes them at every step), since they cannot be told from the window's edge
+        windowed = layer.cache.windowed[layer.layer_idx]
+        pad = [0] * query.shape[0] if windowed else _left_pad(attention_mask, query.shape[0])
         if any(pad):
             layer.rewrite_without_pads(key, value, pad)
         layer.path = "sdpa-prefill"
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if query.shape[2] == 1 and not kwargs.get("output_attentions", False):
-        o = layer.decode_kernel(query, sm)
+        windowed = layer.cache.windowed[layer.layer_idx]  # a sliding window: only paths that honour the mask
+        o = layer.decode_masked(query, sm, attention_mask) if windowed else layer.decode_kernel(query, sm)
         gate = getattr(layer.cache, "gate_step", None)  # kvlib.hf.gate: repair over-threshold rows in this step
         if gate is not None:
             kv = None
@@ -96,8 +101,16 @@ def kvlib_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             return gate(layer, query[:, :, 0], o, sm, kv).to(query.dtype).unsqueeze(1), None
         if o is not None:
             return o.to(query.dtype).unsqueeze(1), None  # [B, 1, Hq, d], as the HF implementations return
-    k_all, v_all = layer.dequantized()
+    k_all, v_all, rotated = layer.reference_kv()
     layer.path = "torch-reference"
+    if rotated and not kwargs.get("output_attentions", False):  # (H q) . (H k) = q . k: rotate one query, not L keys
+        from kvlib.core.hadamard import hadamard
+
+        query = hadamard(query)
+    elif rotated:
+        from kvlib.core.hadamard import hadamard
+
+        k_all = hadamard(k_all)
     return fn(module, query, k_all, v_all, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvlib.core.checks import check_open_unit, check_positive_int
+from kvlib.core.checks import check_open_unit, check_positive_int, check_real
 from kvlib.core.philox import seed_key
 from kvlib.formats.base import KVFormat, available_formats, capabilities, format_class, get_format
 from kvlib.storage.blocks import BlockAllocator, PageTable
@@ -46,54 +46,9 @@ from kvlib.storage.pools import Int4Store, Int8Store, ObjectStore, PlainStore, S
 
 #: cache-level options of make_cache; every other keyword goes to the format constructor
 CACHE_OPTIONS = (
-    "value_format", "value_options", "key_options", "seed", "telemetry", "tau", "delta_req", "steps",
+    "value_format", "value_options", "key_options", "seed", "tau", "delta_req", "steps",
     "outlier_table", "outlier_sides", "shuffle_blocks", "crop_window", "prefill", "stride",
 )
-
-
-def _proxies() -> dict[str, str]:
-    return {n: capabilities(n)["variance_proxy"] for n in available_formats() if capabilities(n)["variance_proxy"]}
-
-
-class _ProxyTable(dict):
-    """``{format: variance proxy}`` derived from the formats' declared capabilities (gate compatibility)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._loaded = False
-
-    def _load(self) -> None:
-        if not self._loaded:
-            self._loaded = True
-            self.update(_proxies())
-
-    def __getitem__(self, k):  # noqa: ANN001
-        self._load()
-        return super().__getitem__(k)
-
-    def __contains__(self, k) -> bool:  # noqa: ANN001
-        self._load()
-        return super().__contains__(k)
-
-    def get(self, k, default=None):  # noqa: ANN001
-        self._load()
-        return super().get(k, default)
-
-    def __iter__(self):
-        self._load()
-        return super().__iter__()
-
-    def keys(self):
-        self._load()
-        return super().keys()
-
-    def items(self):
-        self._load()
-        return super().items()
-
-
-#: key formats whose residual has a sub-Gaussian proxy (from each format class's ``variance_proxy``)
-PROXY_OF_FORMAT = _ProxyTable()
 
 
 def _is_stateful(fmt: KVFormat) -> bool:
@@ -103,6 +58,50 @@ def _is_stateful(fmt: KVFormat) -> bool:
 def kernel_formats() -> list[str]:
     """Names of the formats that have decode kernels (their declared ``kernel`` capability)."""
     return [n for n in available_formats() if capabilities(n)["kernel"]]
+
+
+class _Tag:
+    """What ``KVFormatLayer.update`` hangs on the new tokens' key tensor for :mod:`kvlib.hf.attention`: the layer,
+    the phase, and whether kvlib's attention consumed it (a model attending with another implementation over the
+    new tokens alone never does)."""
+
+    __slots__ = ("layer", "phase", "consumed")
+
+    def __init__(self, layer: KVFormatLayer, phase: str) -> None:
+        self.layer, self.phase, self.consumed = layer, phase, False
+
+
+class _SlotView:
+    """A page table's read interface (``slot_table()``, ``seq_lens``) over given slots: a windowed step's."""
+
+    def __init__(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        self._slots, self.seq_lens = slots, seq_lens
+
+    def slot_table(self) -> torch.Tensor:
+        return self._slots
+
+
+def _allowed_columns(mask: Any, b: int, columns: int) -> torch.Tensor | None:
+    """bool ``[B, columns]``: the key columns the last query row of a 4D attention mask lets through (bool: True
+    attends; float: 0 attends); None when there is no mask (every column)."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return None
+    last = mask[:, 0, -1, :columns]
+    ok = last if last.dtype == torch.bool else last == 0
+    return ok.expand(b, -1)
+
+
+def _calling_module_config(depth: int) -> Any:
+    """The ``config`` of the ``nn.Module`` whose method called ``depth`` frames up (a decoder's attention calls
+    ``cache.update``), or None when the caller is not a module (a direct ``update`` call)."""
+    import sys
+
+    try:
+        f = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    mod = f.f_locals.get("self")
+    return getattr(mod, "config", None) if isinstance(mod, torch.nn.Module) else None
 
 
 class KVFormatLayer(CacheLayerMixin):
@@ -117,6 +116,7 @@ class KVFormatLayer(CacheLayerMixin):
         self.table: PageTable | None = None
         self.columns = 0  # sequence length as the model sees it (pad columns included)
         self.pad = [0]  # left-pad columns per row (not stored)
+        self.bad: torch.Tensor | None = None  # bool [B]: rows that stored a vector the format cannot hold
         self.path = "none"
         self._certs: list[torch.Tensor] = []
 
@@ -220,7 +220,10 @@ class KVFormatLayer(CacheLayerMixin):
         c._check_states(key_states, value_states, self.layer_idx)
         from kvlib.hf.attention import is_active
 
-        foreign = c.config is not None and not is_active(c.config)
+        # the config that decides which attention runs next is the calling module's (the model's own), which
+        # may be another object than the one make_cache was given (see KVFormatCache.update)
+        cfg = c._caller_config if c._caller_config is not None else c.config
+        foreign = cfg is not None and not is_active(cfg)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.table.batch:
@@ -240,13 +243,46 @@ class KVFormatLayer(CacheLayerMixin):
             key_states = key_states.to(c.store.dtype).to(key_states.dtype)
             value_states = value_states.to(c.store.dtype).to(value_states.dtype)
         key_states = key_states.detach() if key_states.requires_grad else key_states
-        key_states._kvlib = (self, phase)  # read by kvlib.hf.attention; plain tensors everywhere else
+        tag = _Tag(self, phase)
+        key_states._kvlib = tag  # read (and marked consumed) by kvlib.hf.attention; plain tensors everywhere else
+        if c._caller_config is not None:
+            c._pending = tag
         return key_states, value_states
+
+    def _isolate(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bad row never aborts the batch: a K or V vector the formats cannot store (non-finite, or past their
+        fp16 range: :meth:`KVFormat.representable`) is written as zeros and its row is flagged (``row_flags()``;
+        its certificates are ``+inf``, vacuous, and counted as overflow). Elementwise, no host sync."""
+        c = self.cache
+        kf, vf = c.key_format, c.value_format
+        if k.device.type == "cpu" and not self.table.static:
+            # growing pools on the CPU, where a host check is free: the cheap sufficient test first, and nothing to
+            # rewrite when every vector passes (static pools and GPUs: no host read, the elementwise path below)
+            if bool((kf.surely_representable(k, 0) & vf.surely_representable(v, 1)).all()):
+                if self.bad is None or self.bad.shape[0] != k.shape[0]:
+                    self.bad = torch.zeros(k.shape[0], dtype=torch.bool)
+                return k, v
+        bad = ~(kf.representable(k, 0) & vf.representable(v, 1))  # [B, H, s]
+        if rows_keep is not None:
+            bad = bad & rows_keep[:, None, :]
+        rows_bad = bad.flatten(1).any(1)
+        self.bad = rows_bad if self.bad is None or self.bad.shape != rows_bad.shape else self.bad | rows_bad
+        z = bad[..., None]
+        return torch.where(z, torch.zeros((), dtype=k.dtype, device=k.device), k), \
+            torch.where(z, torch.zeros((), dtype=v.dtype, device=v.device), v)
+
+    def vacuous_where_flagged(self, cert: torch.Tensor) -> torch.Tensor:
+        """``cert [B, Hq]`` with ``+inf`` (vacuous) on the rows that stored a vector the format could not hold."""
+        if self.bad is None:
+            return cert
+        return torch.where(self.bad.to(cert.device)[:, None], torch.full_like(cert, math.inf), cert)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, rows_keep: torch.Tensor | None = None) -> None:
         """Append ``k, v [B, H, s, d]`` to every row (``rows_keep [B, s]`` bool: tokens to keep)."""
         store, t = self.cache.store, self.table
         b, h, s, d = k.shape
+        k, v = self._isolate(k, v, rows_keep)
         if isinstance(store, ObjectStore):
             keep = [None] * b if rows_keep is None else list(rows_keep)
             store.write_rows(self.layer_idx, k, v, t.lens, keep)
@@ -291,22 +327,29 @@ class KVFormatLayer(CacheLayerMixin):
         self.pad = list(pad)
 
     # -- reads ----------------------------------------------------------------------------------
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The reference path's K, V (:meth:`dequantized`) and whether the keys are left in the stored rotated basis
+        (INT4 pools: the caller rotates its query with :func:`kvlib.core.hadamard.hadamard` instead of every key)."""
+        rot = isinstance(self.cache.store, Int4Store)
+        return (*self.dequantized(keys_rotated=rot), rot)
+
+    def dequantized(self, keys_rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K, V ``[B, H, columns, d]`` (model dtype) at the model's columns (pads zero): the reference
-        path's transient view of the pool."""
+        path's transient view of the pool. ``keys_rotated``: INT4 pools' keys in their stored basis."""
         store, t = self.cache.store, self.table
         n = max(t.lens) if t.lens else 0
         if isinstance(store, ObjectStore):
             k, v = store.read_rows(self.layer_idx, n)
         elif isinstance(store, Int4Store):
-            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens)
+            k, v = store.gather_rows(self.layer_idx, t.slot_table()[:, :n], t.seq_lens, rotated=keys_rotated)
         else:
             k, v = store.gather(self.layer_idx, t.slot_table()[:, :n])
         k, v = k.to(self.dtype), v.to(self.dtype)
-        lens = torch.tensor(t.lens, device=k.device)
-        valid = torch.arange(n, device=k.device)[None, :] < lens[:, None]
-        k = k * valid[:, None, :, None]
-        v = v * valid[:, None, :, None]
+        if min(t.lens, default=n) < n:  # rows shorter than the longest: zero what lies past their length
+            lens = torch.tensor(t.lens, device=k.device)
+            valid = torch.arange(n, device=k.device)[None, :] < lens[:, None]
+            k = k * valid[:, None, :, None]
+            v = v * valid[:, None, :, None]
         if any(self.pad) or n != self.columns:
             kk = k.new_zeros(k.shape[0], k.shape[1], self.columns, k.shape[-1])
             vv = torch.zeros_like(kk)
@@ -336,11 +379,42 @@ class KVFormatLayer(CacheLayerMixin):
             self._record(cert)
         return o
 
+    def decode_masked(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A one-token step of a sliding-window layer: ``o [B, Hq, d]`` over the positions the model's ``mask``
+        allows, or None (the torch reference path, which attends with the mask). No decode kernel takes a mask, so
+        none runs here; dithered keys take their float64 reference over the allowed positions only, so the
+        certificate bounds the attention the model computes (the window's), not the whole history's."""
+        c = self.cache
+        st = c.store
+        self._calls = self.__dict__.get("_calls", 0) + 1
+        certify = (self._calls - 1) % c.stride == 0
+        if not (isinstance(st, Int8Store) and st.dithered and certify):
+            return None
+        q = query[:, :, 0]
+        t = self.table
+        full, lens = t.slot_table(), t.lens
+        allowed = _allowed_columns(mask, q.shape[0], self.columns)
+        rows = []
+        for b, (p, n) in enumerate(zip(self.pad, lens)):
+            keep = torch.ones(n, dtype=torch.bool) if allowed is None else allowed[b, p:p + n].cpu()
+            rows.append(full[b, :n][keep.to(full.device)])
+        width = max((r.numel() for r in rows), default=0)
+        slots = torch.zeros(len(rows), max(width, 1), dtype=full.dtype, device=full.device)
+        for b, r in enumerate(rows):
+            slots[b, :r.numel()] = r
+        view = _SlotView(slots, torch.tensor([r.numel() for r in rows], dtype=t.seq_lens.dtype,
+                                             device=t.seq_lens.device))
+        o, cert = st.reference_certificates(self.layer_idx, q, view, scaling, c.delta_loc)
+        self.path = "torch-reference-windowed"
+        self._record(cert.to(device=q.device, dtype=torch.float32))
+        return o.to(q.device)
+
     def _record(self, cert: torch.Tensor) -> None:
         """Keep a step's certificates ``[B, Hq]`` on the device. Static pools write them into a buffer
         ``[B, Hq, max_len]`` at the query's position (device indices: a captured step records every replay);
         growing ones keep a list of steps."""
         t = self.table
+        cert = self.vacuous_where_flagged(cert)
         if not t.static:
             self._certs.append(cert)
             return
@@ -368,6 +442,7 @@ class KVFormatLayer(CacheLayerMixin):
             self.table.reset()
         self.columns = 0
         self.pad = [0] * (self.table.batch if self.table else 1)
+        self.bad = None
         self._certs = []
         if "_cert_buf" in self.__dict__:
             self.__dict__["_cert_buf"].fill_(math.nan)
@@ -426,6 +501,8 @@ class KVFormatLayer(CacheLayerMixin):
             t.select(rows)
         store.select_rows(self.layer_idx, idx.to(self.device))
         self.pad = [self.pad[r] for r in rows]
+        if self.bad is not None:
+            self.bad = self.bad[idx.to(self.bad.device)]
         if self._certs:
             self._certs = [c[idx.to(c.device)] for c in self._certs]
         buf = self.__dict__.get("_cert_buf")
@@ -454,7 +531,7 @@ class KVFormatCache(Cache):
         """Tokens ``k, v [N, H, d]`` were stored for ``rows``/``pos`` at ``slots`` (None: an unpaged store)."""
 
     def __init__(self, key_format: KVFormat, value_format: KVFormat, config: Any, *, seed: int = 0,
-                 telemetry: bool | None = None, tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
+                 tau: float = 0.2, delta_req: float = 1e-2, steps: int = 256,
                  outlier_table: torch.Tensor | None = None, outlier_sides: tuple[int, ...] = (0,),
                  batch_size: int | None = None, max_len: int | None = None, block_size: int = 16,
                  device: Any = None, dtype: torch.dtype | None = None, shuffle_blocks: int | None = None,
@@ -473,14 +550,20 @@ class KVFormatCache(Cache):
         if self.n_heads % self.n_kv:
             raise ValueError(f"config: num_attention_heads={self.n_heads} is not a multiple of "
                              f"num_key_value_heads={self.n_kv}")
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * self.n_layers
-        bad = set(layer_types) - {"full_attention"}
+        # sliding-window layers (layer_types, or a sliding_window with none, as Mistral's): the cache keeps every
+        # position and the decode step honours the model's own mask (see KVFormatLayer.decode_masked)
+        window = getattr(text, "sliding_window", None)
+        layer_types = getattr(text, "layer_types", None) or (
+            ["sliding_attention" if window is not None else "full_attention"] * self.n_layers)
+        bad = set(layer_types) - {"full_attention", "sliding_attention"}
         if bad:
-            raise ValueError(f"config: KVFormatCache supports full-attention layers only, found {sorted(bad)}")
+            raise ValueError(f"config: KVFormatCache supports full and sliding-window attention layers, found "
+                             f"{sorted(bad)}")
+        self.windowed = [t == "sliding_attention" for t in layer_types]
         seed_key(seed)  # TypeError/ValueError naming seed
         self.seed = seed
         self.delta_req = check_open_unit("delta_req", delta_req)
-        self.tau = float(tau)
+        self.tau = check_real("tau", tau, lo=0.0, allow_inf=True)
         self.steps = check_positive_int("steps", steps)
         check_positive_int("block_size", block_size)
         for name, v in (("batch_size", batch_size), ("max_len", max_len)):
@@ -488,25 +571,40 @@ class KVFormatCache(Cache):
                 check_positive_int(name, v)
         if (batch_size is None) != (max_len is None) and max_len is not None:
             raise ValueError("max_len needs batch_size (static pools are allocated for a fixed batch)")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}")
+        sides = tuple(outlier_sides) if isinstance(outlier_sides, (tuple, list)) else None
+        if sides is None or not sides or not set(sides) <= {0, 1}:
+            raise ValueError(f"outlier_sides must be a non-empty tuple of sides 0 (keys) and 1 (values), got "
+                             f"{outlier_sides!r}")
         if outlier_table is not None:
             outlier_table = torch.as_tensor(outlier_table)
             if outlier_table.ndim != 3 or tuple(outlier_table.shape[:2]) != (self.n_layers, self.n_kv):
                 raise ValueError(f"outlier_table must have shape [layers={self.n_layers}, kv_heads={self.n_kv}, 2m], "
                                  f"got {tuple(outlier_table.shape)}")
+            if outlier_table.is_floating_point() or outlier_table.is_complex() or outlier_table.dtype == torch.bool:
+                raise TypeError(f"outlier_table holds channel indices: it must be an integer tensor, got "
+                                f"{outlier_table.dtype}")
+            if outlier_table.numel() and (int(outlier_table.min()) < 0 or int(outlier_table.max()) >= self.head_dim):
+                raise ValueError(f"outlier_table: channel indices must lie in [0, head_dim={self.head_dim}), got "
+                                 f"[{int(outlier_table.min())}, {int(outlier_table.max())}]")
+            srt = outlier_table.sort(-1).values
+            if outlier_table.shape[-1] > 1 and bool((srt[..., 1:] == srt[..., :-1]).any()):
+                raise ValueError("outlier_table: a (layer, kv head) row repeats a channel")
         self.key_format, self.value_format = key_format, value_format
         self.config = config if hasattr(config, "_attn_implementation") else None
         self.store_cls = store_class(key_format, value_format, outlier_table=outlier_table)
         self.stateful = _is_stateful(key_format) or _is_stateful(value_format)
         self.proxy = type(key_format).variance_proxy or ""
-        if telemetry and not (self.proxy == "dither" and self.store_cls is Int8Store):
-            raise ValueError(f"telemetry: format {key_format.name!r} has no kernel certificate; certified key "
-                             "formats: dither-int8")
         self.outlier_table, self.outlier_sides = outlier_table, tuple(outlier_sides)
         self.static_batch, self.max_len, self.block_size = batch_size, max_len, block_size
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else check_device("device", device)
         self.dtype, self.shuffle_blocks = dtype, shuffle_blocks
         self.store: Store | None = None
         self.allocators: list[BlockAllocator] = []
+        self._caller_config: Any = None  # the calling attention module's config at the current update
+        self._pending: _Tag | None = None  # the last tag handed to a model's attention (consumed or not)
+        self._adopted: set[int] = set()  # model configs kvlib's attention was switched on by _check_model_config
         super().__init__(layers=[KVFormatLayer(self, i) for i in range(self.n_layers)])
         if batch_size is not None and self.device is not None:
             self._build_store(batch_size, self.device)
@@ -516,7 +614,41 @@ class KVFormatCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_states(key_states, value_states, layer_idx)
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        cfg = _calling_module_config(1)
+        if cfg is not None:
+            self._check_model_config(cfg)
+        self._caller_config = cfg
+        try:
+            return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        finally:
+            self._caller_config = None
+
+    def _check_model_config(self, cfg: Any) -> None:
+        """The model's attention modules read ``cfg``. make_cache switched kvlib's attention on the config it was
+        given; when that is a copy (``copy.deepcopy(model.config)``, ``LlamaConfig(**model.config.to_dict())``, a
+        truncated model's config) the model would attend with its own implementation over the new tokens alone.
+        So kvlib's attention is switched on the model's own config too, with a warning, before the model looks it
+        up; and where the model attended without it anyway (an architecture that looks its attention up before
+        the cache update), the next update refuses to go on."""
+        from kvlib.hf.attention import activate, is_active
+
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.consumed:
+            raise RuntimeError(
+                f"layer {pending.layer.layer_idx} attended with {getattr(cfg, '_attn_implementation', None)!r} "
+                "instead of kvlib's attention over a kvlib cache, so it saw the new tokens only: make_cache was "
+                "given a config the model's attention does not read. Pass the model's own config: "
+                "make_cache(fmt, model.config)")
+        if cfg is self.config or self.config is None or is_active(cfg) or not is_active(self.config):
+            return
+        if id(cfg) not in self._adopted:
+            import warnings
+
+            warnings.warn("make_cache was given a config that is not the one this model's attention reads (a copy?); "
+                          "kvlib's attention was switched on the model's own config. Pass model.config to make_cache.",
+                          UserWarning, stacklevel=4)
+            self._adopted.add(id(cfg))
+        activate(cfg)
 
     # -- construction -----------------------------------------------------------------------------
     def _build_store(self, batch: int, device: torch.device) -> None:
@@ -529,6 +661,8 @@ class KVFormatCache(Cache):
 
     def _ensure_store(self, key_states: torch.Tensor) -> None:
         if self.store is None:
+            if self.device is not None and key_states.device != self.device:
+                raise ValueError(f"key_states on {key_states.device}, make_cache was given device={self.device}")
             self._build_store(key_states.shape[0], key_states.device)
         elif self.store.device != key_states.device:
             raise ValueError(f"key_states on {key_states.device}, the cache's pools on {self.store.device}")
@@ -584,14 +718,32 @@ class KVFormatCache(Cache):
             return torch.empty(self.n_layers, self.n_heads, 0, 0)
         return torch.stack([torch.stack(c[:n], -1) for c in per]).permute(0, 2, 1, 3)
 
+    def row_flags(self) -> torch.Tensor:
+        """bool ``[B]`` (device): the rows that stored a K or V vector their format cannot hold (non-finite, or past
+        its fp16 range) in any layer. Such a vector is stored as zeros, so the row's outputs are not to be trusted;
+        its certificates in the layers that lost a vector are ``+inf`` (the other layers' still bound their own
+        attention). Every other row is untouched. Follows batch operations; a crop keeps a flag."""
+        flags = [la.bad for la in self.layers if la.bad is not None]
+        if not flags:
+            b = self.layers[0].table.batch if self.layers[0].table is not None else 0
+            return torch.zeros(b, dtype=torch.bool)
+        out = flags[0].clone()
+        for f in flags[1:]:
+            if f.shape == out.shape:
+                out |= f.to(out.device)
+        return out
+
     def certificate_summary(self) -> dict[str, Any]:
-        """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates (one sync)."""
+        """Coverage at ``tau``, overflow fraction, finite mean and max over all certificates, and the number of
+        flagged rows (:meth:`row_flags`) (one sync)."""
+        flagged = int(self.row_flags().sum())
         c = self.certificates().double()
         c = c[~torch.isnan(c)]  # static pools: positions without a certified step
         n = c.numel()
         if n == 0:
             return {"n": 0, "coverage": float("nan"), "overflow_fraction": float("nan"),
-                    "mean_finite": float("nan"), "max_finite": float("nan"), "tau": self.tau}
+                    "mean_finite": float("nan"), "max_finite": float("nan"), "tau": self.tau,
+                    "flagged_rows": flagged}
         fin = torch.isfinite(c)
         cf = torch.where(fin, c, torch.zeros_like(c))
         stats = torch.stack([(fin & (c <= self.tau)).sum().double(), (~fin).sum().double(), cf.sum(),
@@ -599,21 +751,44 @@ class KVFormatCache(Cache):
         cov, ovf, s, mx, nf = stats
         return {"n": n, "coverage": cov / n, "overflow_fraction": ovf / n,
                 "mean_finite": s / nf if nf else float("nan"), "max_finite": mx if nf else float("nan"),
-                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride}
-
-    telemetry_summary = certificate_summary
+                "tau": self.tau, "delta_req": self.delta_req, "delta_loc": self.delta_loc, "stride": self.stride,
+                "flagged_rows": flagged}
 
     # -- byte account -----------------------------------------------------------------------------
-    def kv_nbytes(self) -> int:
-        """Bytes of the pools (format bytes, allocated positions) plus the page tables, from the tensors."""
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """Bytes the cache keeps for K/V, by part, from the tensors: ``pools`` (format bytes of the allocated
+        positions, per-sequence side buffers), ``page_tables``, ``shadow`` (a gated cache's repair copy; 0 here)."""
         if self.store is None:
-            return 0
-        return self.store.nbytes() + sum(la.table.nbytes() for la in self.layers if la.table is not None)
+            return {"pools": 0, "page_tables": 0, "shadow": 0}
+        return {"pools": self.store.nbytes(),
+                "page_tables": sum(la.table.nbytes() for la in self.layers if la.table is not None), "shadow": 0}
 
-    packed_nbytes = kv_nbytes
+    def kv_nbytes(self) -> int:
+        """Every byte the cache keeps for K/V (the sum of :meth:`nbytes_breakdown`): pools, page tables and, for a
+        gated cache, its shadow."""
+        return sum(self.nbytes_breakdown().values())
 
-    def observe_query(self, layer_idx: int, query: torch.Tensor) -> None:
-        """Kept for :mod:`kvlib.hf.model`'s observing attention; certificates now come from the kernel."""
+
+def _options_dict(name: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of format options, got {type(value).__name__} {value!r}")
+    return dict(value)
+
+
+def check_device(name: str, device: Any) -> torch.device:
+    """``torch.device(device)`` where tensors can be made (ValueError naming ``name`` otherwise: a "cuda" device on
+    a machine without CUDA, an index past the device count)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TypeError(f"{name}={device!r} is not a torch device ({e})") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"{name}={device!r}: no such device here ({str(e).strip()})") from None
+    return dev
 
 
 def _probe_format(fmt: KVFormat, d: int, side: int, outlier_table: Any) -> None:
@@ -662,8 +837,7 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
             raise ValueError(f"{arg}: unknown format {name!r}; available formats: {', '.join(names)}")
     if config is None or not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
         raise TypeError("config must be a transformers model config (e.g. model.config)")
-    key_opts = dict(options.pop("key_options", None) or {})
-    val_opts = dict(options.pop("value_options", None) or {})
+    key_opts, val_opts = (_options_dict(name, options.pop(name, None)) for name in ("key_options", "value_options"))
     cache_class = options.pop("cache_class", None) or KVFormatCache
     if not callable(cache_class):
         raise TypeError(f"cache_class must be a KVFormatCache subclass or a callable, got {cache_class!r}")
@@ -683,7 +857,7 @@ def make_cache(format: str, config: Any, *, batch_size: int | None = None, max_l
     kf = get_format(format, **{**shared, **key_opts})
     vf = get_format(vname, **({**shared, **val_opts} if vname == format else val_opts))
     if device is not None:
-        device = torch.device(device)
+        device = check_device("device", device)
         if device.type == "cuda" and device.index is None:  # "cuda" names the current device: compare as cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
     cache = cache_class(kf, vf, config, batch_size=batch_size, max_len=max_len, block_size=block_size,

@@ -83,6 +83,7 @@ import torch
 
 from kvlib.certify.bound import certificate_from_scores, score_radius
 from kvlib.certify.fallback import block_excess
+from kvlib.core.checks import check_bool, check_real
 from kvlib.formats.base import format_class, formats_where
 from kvlib.hf.cache import KVFormatCache, make_cache
 from kvlib.storage.pools import FormatStore, Int8Store, ObjectStore
@@ -146,11 +147,8 @@ class GatedCache(KVFormatCache):
             raise TypeError(f"shadow_dtype must be a torch.dtype, got {type(shadow_dtype).__name__}")
         if shadow_dtype not in _SHADOW_DTYPES:
             raise ValueError(f"shadow_dtype must be one of {_SHADOW_DTYPES}, got {shadow_dtype}")
-        if options.get("telemetry"):
-            raise ValueError("telemetry: a GatedCache records its own certificates (gate_summary); "
-                             "pass telemetry=False")
-        if not (isinstance(tau, (int, float)) and tau >= 0 and not math.isnan(tau)):
-            raise ValueError(f"tau must be a non-negative number, got {tau!r}")
+        check_real("tau", tau, lo=0.0, allow_inf=True)
+        check_bool("gate", gate)
         if options.get("stride", 1) != 1:
             raise ValueError("stride: the gate needs a certificate at every decode step (stride=1)")
         if options.get("prefill", "float") != "float":
@@ -173,6 +171,9 @@ class GatedCache(KVFormatCache):
                                  "(max_repairs_per_step=None)")
         self.kind = gate_kind(key_format.name)
         super().__init__(key_format, value_format, config, tau=tau, **options)
+        if any(self.windowed):
+            raise ValueError("config: a GatedCache repairs over every position of a head, so it cannot serve "
+                             "sliding-window layers; use make_cache (which honours the window) for this model")
         self.gate_on = bool(gate)
         self.level = level
         self.shadow = shadow
@@ -247,6 +248,11 @@ class GatedCache(KVFormatCache):
             idx = (rows.long().to(dev), pos.long().to(dev))
         for side, x in ((0, k), (1, v)):
             self._sh[layer_idx][side][idx] = x.detach().to(device=dev, dtype=self.shadow_dtype, non_blocking=True)
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """The pools' and page tables' bytes (:meth:`KVFormatCache.nbytes_breakdown`) and the shadow's, wherever it
+        lives (``shadow="host"``: pinned host memory); ``kv_nbytes()`` is their sum."""
+        return {**super().nbytes_breakdown(), "shadow": self.shadow_nbytes()}
 
     def shadow_nbytes(self) -> int:
         """Bytes of the shadow as allocated (K and V, every layer), from its tensors."""
@@ -404,7 +410,7 @@ class GatedCache(KVFormatCache):
         if layer.layer_idx == 0:
             self.forward_steps += 1
             self._stats[_S["steps"]] += 1
-        cert = self._step_certificate(layer, q, sm, kv)  # [B, Hq]
+        cert = layer.vacuous_where_flagged(self._step_certificate(layer, q, sm, kv))  # [B, Hq]
         over = ~(cert <= self.tau)  # NaN and +inf are over
         self._tally(cert, over)
         g = self.n_heads // self.n_kv
@@ -428,17 +434,22 @@ class GatedCache(KVFormatCache):
             kv = layer.dequantized()  # once per layer and step
         acc = torch.zeros(len(_ROWS), q.shape[0], dtype=torch.float64)  # host: added to the device tallies once
         pl = pairs.tolist()
-        # head level: every group of the step in one batched attention (the per-group Python loop dominated)
+        # each group's largest certificate, read once for the step (not one small read per repair)
+        cmax = cert.nan_to_num(nan=math.inf).view(cert.shape[0], self.n_kv, g).amax(-1).tolist()
+        # head level: every group of the step in one batched attention (the per-group Python loop dominated),
+        # merged into the output with one indexed write
         heads = self._repair_heads(layer, pl, q, sm) if self.level == "head" else None
+        if heads is not None:
+            og = o.view(o.shape[0], self.n_kv, g, o.shape[-1])
+            og[pairs[:, 0].to(o.device), pairs[:, 1].to(o.device)] = torch.stack([out for out, _ in heads]).to(o.dtype)
         for i, (b, h) in enumerate(pl):
             rows = slice(h * g, (h + 1) * g)
             if heads is not None:
-                out, ev = heads[i]
+                _, ev = heads[i]
             else:
                 out, ev = self._repair_blocks(layer, b, h, q[b, rows], over[b, rows], sm, kv)
-            o[b, rows] = out.to(o.dtype)
-            ev.update(layer=layer.layer_idx, row=b, kv_head=h, step=self.forward_steps,
-                      cert=float(cert[b, rows].nan_to_num(nan=math.inf).max()))
+                o[b, rows] = out.to(o.dtype)
+            ev.update(layer=layer.layer_idx, row=b, kv_head=h, step=self.forward_steps, cert=cmax[b][h])
             self.events.append(ev)
             for name, val in (("repair_events", 1), ("bytes_moved", ev["bytes"]),
                               ("bytes_whole_head", ev["bytes_whole_head"]), ("blocks_paged", len(ev["blocks"] or ())),

@@ -75,10 +75,6 @@ def _kvlib_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
 
     for fn in list(_OBSERVERS):
         fn(module, query, key, value)
-    cache = getattr(module, "_kvlib_cache", None)
-    observe = getattr(cache, "observe_query", None)
-    if observe is not None:
-        observe(module.layer_idx, query)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -92,7 +88,8 @@ def _register_attention() -> None:
 
 def _remember_cache(module: Any, args: tuple, kwargs: dict) -> None:
     # forward pre-hook: the attention function cannot see the cache, so park it on the module
-    module._kvlib_cache = kwargs.get("past_key_values")
+    # transformers 5.24 renamed the keyword (past_key_values -> cache)
+    module._kvlib_cache = kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def instrument(model: Any) -> Any:

@@ -9,6 +9,7 @@ Examples::
     python -m kvlib.publish build --fresh              # execute every notebook, cache or not
     python -m kvlib.publish stamp --profile cpu        # give checkable pre-cache executions a cache key
     python -m kvlib.publish check-html                 # read _build/html for what a reader must not see
+    python -m kvlib.publish stale                      # which committed cpu executions a build would redo, and why
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-p", "--param", action="append", type=_parse_param, default=[], metavar="KEY=VALUE",
                        help="override a notebook parameter (repeatable; applies to every selected notebook)")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("-j", "--jobs", type=int, default=1,
+                       help="notebooks executed at a time (each kernel gets cpu_count // jobs threads; the schedule "
+                            "starts the longest first and keeps recorded peak memory within budget)")
         if name == "build":
             p.add_argument("--no-run", action="store_true", help="render committed/previous runs without executing")
             p.add_argument("--fresh", action="store_true",
@@ -57,15 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     ch = sub.add_parser("check-html", help="check the built book for what a reader must not see")
     ch.add_argument("--html", default="_build/html")
     sub.add_parser("list", help="list registered notebooks and their profiles")
+    sl = sub.add_parser("stale", help="list the executions a build would run again, with why; exit 1 if any")
+    sl.add_argument("--profile", choices=PROFILES, default="cpu")
+    sl.add_argument("--only", nargs="+", metavar="NOTEBOOK")
     args = ap.parse_args(argv)
 
-    from kvlib.publish import assemble as asm
     from kvlib.publish.registry import all_notebooks, load_registry
 
-    if args.cmd == "list":
+    if args.cmd == "list":  # the registry alone: works without the book extra
         for nb in all_notebooks():
             print(f"{nb.chapter:22s} {nb.name:36s} profiles={','.join(nb.profiles)}{'  (GPU)' if nb.needs_gpu else ''}")
         return 0
+    try:
+        from kvlib.publish import assemble as asm
+    except ModuleNotFoundError as e:
+        print(f"error: `{args.cmd}` needs the book extra ({e.name} is missing): pip install -e \".[book]\" "
+              "(or make install)", file=sys.stderr)
+        return 2
     if args.cmd == "toc":
         from kvlib.publish.provenance import repo_root
 
@@ -83,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = stamp(select(args.profile, args.only), args.profile, write=not args.dry_run)
         print(tabulate(rows, headers=["notebook", "stamp"], tablefmt="github"))
         return 0
+    if args.cmd == "stale":
+        from kvlib.publish.runner import stale_report
+
+        rows = stale_report(args.profile, args.only)
+        for name, why in rows:
+            print(f"{name}: {'; '.join(why)}")
+        n = len(rows)
+        print(f"{n} stale execution(s) at profile {args.profile}" + (
+            f": `python -m kvlib.publish run --profile {args.profile} --only {' '.join(r[0] for r in rows)}` "
+            "from a clean tree executes them again" if n else ": a build renders every one as committed"))
+        return 1 if n else 0
     if args.cmd == "check-html":
         from kvlib.publish.htmlcheck import check_book
 
@@ -100,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reuse = args.cmd == "build" and not args.fresh
             outcomes = run_notebooks(args.profile, args.only, dict(args.param), progress=not args.no_progress,
-                                     reuse=reuse)
+                                     reuse=reuse, jobs=args.jobs)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -118,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         fatal = [p for p in problems if not args.no_strict and (args.profile in COMMITTED_PROFILES or "claim id" in p)]
         for p in problems:
             print(f"{'error' if p in fatal else 'warning'}: {p}", file=sys.stderr)
+        rerun = asm.notebooks_to_rerun(problems)
+        if rerun:
+            print(f"re-run: verdicts judged under a rule that changed or was not recorded come from "
+                  f"{len(rerun)} notebook(s); re-execute them: python -m kvlib.publish run --profile {args.profile} "
+                  f"--only {' '.join(rerun)}", file=sys.stderr)
         if fatal:
             print(f"{len(fatal)} provenance/claim problem(s): the book is not built (--no-strict builds it anyway)",
                   file=sys.stderr)

@@ -70,3 +70,102 @@ def result_problems(recorded: Any, source: str | None = None) -> list[str]:
         elif _git("merge-base", "--is-ancestor", last, sha).returncode != 0:
             out.append(f"commit {sha} predates the last change to {source} ({last})")
     return out
+
+
+# -- when each rule was declared, and when each claim was first measured (the register's pre-registration) --------
+
+def _cat(specs: list[str]) -> list[bytes | None]:
+    """Blobs ``<commit>:<path>`` through one ``git cat-file --batch`` (None where a spec names nothing)."""
+    if not specs:
+        return []
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=repo_root(), input="\n".join(specs).encode() + b"\n",
+                         capture_output=True, timeout=120).stdout
+    blobs: list[bytes | None] = []
+    i = 0
+    for _ in specs:
+        nl = out.index(b"\n", i)
+        head = out[i:nl].split()
+        if len(head) < 3 or head[1] == b"missing":
+            blobs.append(None)
+            i = nl + 1
+            continue
+        size = int(head[2])
+        blobs.append(out[nl + 1:nl + 1 + size])
+        i = nl + 1 + size + 1
+    return blobs
+
+
+_RULE_COMMITS: dict[str, tuple[str, str]] | None = None
+
+
+def rule_commits() -> dict[str, tuple[str, str]]:
+    """``{claim id: (commit, commit date)}``: the commit that introduced each claim's current rule (the oldest
+    commit of the unbroken run, back from HEAD, in which the claim's rule hash is the one HEAD has). A claim
+    whose rule in the working tree differs from HEAD's is absent (its rule is not committed)."""
+    global _RULE_COMMITS
+    if _RULE_COMMITS is not None:
+        return _RULE_COMMITS
+    import yaml
+
+    from kvlib.publish.verdicts import rule_hash
+
+    def hashes(texts: list[bytes | None]) -> dict[str, str]:
+        out = {}
+        for t in texts:
+            for c in (yaml.safe_load(t) or {}).get("claims", []) if t else []:
+                if isinstance(c, dict) and "id" in c:
+                    out[c["id"]] = rule_hash(_rule_of(c))
+        return out
+
+    log = _git("log", "--format=%H %cI", "--", "data/claims").stdout.split("\n")
+    commits = [line.split() for line in log if line.strip()]
+    per_commit = []
+    for sha, date in commits:
+        files = [f for f in _git("ls-tree", "--name-only", sha, "data/claims/").stdout.split() if f.endswith(".yml")]
+        per_commit.append((sha, date, hashes(_cat([f"{sha}:{f}" for f in files]))))
+    now = hashes([p.read_bytes() for p in sorted((repo_root() / "data" / "claims").glob("*.yml"))])
+    found = {}
+    for cid, h in now.items():
+        intro = None
+        for sha, date, hs in per_commit:  # newest first
+            if hs.get(cid) != h:
+                break
+            intro = (sha, date)
+        if intro is not None:
+            found[cid] = intro
+    _RULE_COMMITS = found
+    return found
+
+
+def _rule_of(c: dict) -> dict:
+    # as kvlib.publish.verdicts.rule_of, on a raw entry (no validation: old commits hold old rule schemas)
+    if "context_of" in c:
+        return {"context_of": c["context_of"], "measure": c.get("measure", "")}
+    return dict(c.get("rule") or {})
+
+
+_FIRST: dict[str, tuple[str, str]] | None = None
+
+
+def first_measurements() -> dict[str, tuple[str, str]]:
+    """``{claim id: (commit, commit date)}``: the first commit whose result files (``data/results/*/*.json``)
+    carry a record of the claim, i.e. when a number for it was first committed (and so seen)."""
+    global _FIRST
+    if _FIRST is not None:
+        return _FIRST
+    import re
+
+    out: dict[str, tuple[str, str]] = {}
+    text = _git("log", "-p", "--reverse", "--format=@@commit %H %cI", "--", "data/results/*/*.json").stdout
+    rx = re.compile(r'^\+\s*"id": "([^"]+)"')
+    current = ("", "")
+    for line in text.split("\n"):
+        if line.startswith("@@commit "):
+            _, sha, date = line.split()
+            current = (sha, date)
+        else:
+            m = rx.match(line)
+            if m and m.group(1) not in out:
+                out[m.group(1)] = current
+    _FIRST = out
+    return out

@@ -1,12 +1,14 @@
 """Read the built book as a reader meets it and list what must not be there.
 
 Checked on every page of the table of contents (``_build/html``): a ``nan`` shown as a value, a ``Traceback``,
-a ``Warning``, a local path (``/work``, ``/home``, ``/tmp``, ``.venv``), an issue reference (``issue #``), an
-image that does not load; and on each notebook page: a "Paper vs this run" heading, a download link to a
-notebook that exists, a caption on every table (what it shows), and no table that shows a bare 0..N row index
-or an index without a name (a pandas frame displayed as it is).
-Code a page shows as input (hidden or not) is not prose: ``np.nan`` there is no value
-shown, so the value checks read the page without its input cells; local paths are looked for everywhere.
+a ``Warning``, a local path (``/work``, ``/home``, ``/tmp``, ``.venv/lib``), an issue reference (``issue #``), an
+image that does not load, developer residue (:data:`RESIDUE`: "the lent H200", "device call", "Issue 28", a
+Python error name, ``Profile.x``, the runner's "results:" line, ``-0.00``, a printed dict, ``True``/``False``);
+and on each notebook page: a "Paper vs this run" heading, a download link to a notebook that exists, a caption
+on every table (what it shows), and no table that shows a bare 0..N row index or an index without a name (a
+pandas frame displayed as it is). Code a page shows as input (hidden or not) is not prose: ``np.nan`` there is
+no value shown, so the value checks read the page without its input cells; local paths are looked for
+everywhere.
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ from pathlib import Path
 
 #: a ``nan`` as a value: ``nan``, ``NaN``, ``+nan%``, ``-nan`` (a word of its own, so "nanoseconds" passes)
 NAN = re.compile(r"(?<![\w.])[+-]?nan(?![\w])", re.IGNORECASE)
-LOCAL_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|\.venv\b)")
+#: a path of the machine that ran the notebook; the repository's own ``.venv/bin/python`` (the rerun line) is not one,
+#: an installed package's file (``.venv/lib/...``) is
+LOCAL_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/tmp/|\S*\.venv/lib\b)")
 ISSUE = re.compile(r"issue\s*#", re.IGNORECASE)
 WORDS = {"Traceback": re.compile(r"Traceback"), "Warning": re.compile(r"Warning\b")}
 PAPER_HEADING = re.compile(r"paper vs\.? this run", re.IGNORECASE)
+#: what a developer wrote for themselves and a reader should not meet (in prose and in outputs, not in code shown
+#: as code): the machine lending, internal issue numbers, private names, printouts of the runner and of Python
+RESIDUE = {
+    "lent machine": re.compile(r"\blent (H200|GPU|machine)\b"),
+    "device call": re.compile(r"\bdevice calls?\b"),
+    "issue number": re.compile(r"\b[Ii]ssue \d+\b"),
+    "Python error in output": re.compile(r"\b(ModuleNotFoundError|ImportError|AttributeError|KeyError)\b"),
+    "private attribute": re.compile(r"\bProfile\.\w+"),
+    "runner printout": re.compile(r"\bresults: data/results/"),
+    "negative zero": re.compile(r"(?<![\w.])-0(\.0+)?(?![\d.])%?"),
+    "printed dict": re.compile(r"\{'[A-Za-z_][\w-]*': "),
+    "Python boolean": re.compile(r"(?<![\w`'\"=])(True|False)(?![\w`'\"])"),
+}
 
 
 def _main(soup):
@@ -90,6 +107,9 @@ def check_page(path: Path, html_root: Path, notebook: bool) -> list[str]:
             out.append(f"{rel}: {word!r} on the page: ...{_snippet(prose, m)}...")
     for m in ISSUE.finditer(prose):
         out.append(f"{rel}: issue reference: ...{_snippet(prose, m)}...")
+    for what, rx in RESIDUE.items():
+        for m in rx.finditer(values):
+            out.append(f"{rel}: {what}: ...{_snippet(values, m)}...")
     for img in main.find_all("img"):
         src = img.get("src", "")
         if not src or src.startswith(("data:", "http://", "https://")):

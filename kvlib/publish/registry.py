@@ -35,6 +35,10 @@ class Chapter:
     notebooks: list[NotebookEntry] = field(default_factory=list)
     #: the chapter's story, shown on its index page above the claims table (``book/<id>/story.md``)
     story: str | None = None
+    #: the chapter's question in one sentence, and the claim id the landing page shows for it (no numbers here:
+    #: those come from the result files)
+    question: str | None = None
+    headline: str | None = None
 
 
 def load_registry(path: Path | None = None) -> list[Chapter]:
@@ -65,7 +69,7 @@ def load_registry(path: Path | None = None) -> list[Chapter]:
                 )
             )
         chapters.append(Chapter(id=ch["id"], title=ch["title"], pages=list(ch.get("pages", [])), notebooks=nbs,
-                                story=ch.get("story")))
+                                story=ch.get("story"), question=ch.get("question"), headline=ch.get("headline")))
     return chapters
 
 

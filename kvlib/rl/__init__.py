@@ -4,8 +4,8 @@ Issue 27 reproduces KV4-RL's training claims at 135M scale: GRPO with the paper'
 (:mod:`~kvlib.rl.grpo`), rollouts by ``model.generate`` through a ``cache_factory`` (bf16, kv4 or
 kv4rl: :mod:`~kvlib.rl.sampler`), a verifiable arithmetic task made on the fly
 (:mod:`~kvlib.rl.task`), the iteration/run/evaluator (:mod:`~kvlib.rl.loop`), the static-pool rollout
-engine with CUDA-graph decode (:mod:`~kvlib.rl.engine`), the runs of one GPU call (:mod:`~kvlib.rl.run`,
-dev/gpu/rlvr.sh), the chapter's tables and verdicts (:mod:`~kvlib.rl.report`), and a GPU smoke
+engine with CUDA-graph decode (:mod:`~kvlib.rl.engine`), the runs of one GPU call (``dev/rlvr_runs.py``,
+outside the package; dev/gpu/rlvr.sh), the chapter's tables and verdicts (:mod:`~kvlib.rl.report`), and a GPU smoke
 (:mod:`~kvlib.rl.smoke`, run by dev/gpu/rlvr_smoke.sh).
 
 Issue 39 adds the regime the paper measures: a continuous-batching engine over paged pools cut from a byte

@@ -1,6 +1,6 @@
 """Tables, figures and verdicts of the RLVR chapter (notebooks/rlvr/grpo.md) from the per-run JSONs.
 
-A run file is ``data/results/gpu/rlvr/<arm>_seed<k>.json`` (:mod:`kvlib.rl.run`); ``timing.json`` holds the
+A run file is ``data/results/gpu/rlvr/<arm>_seed<k>.json`` (``python -m dev.rlvr_runs``); ``timing.json`` holds the
 isolated rollout timing and ``calibration.json`` the task's difficulty. Every verdict is a rule on these
 numbers that can come out either way; with no runs it is "not reproducible here" with the reason "not
 measured", and with too few seeds "underpowered" (the publish machinery's verdicts are reproduced /
@@ -405,42 +405,60 @@ def verdicts(data: dict) -> list[dict[str, Any]]:
                          measured=float(s), note="" if s >= PAPER_SPEEDUP / 1.2 else
                          "at 135M and ~1k-token contexts the KV cache is a small share of the bytes a decode step "
                          "reads (weights and launches dominate): compressing it cannot pay as at 8B and 5.5k tokens"))
-    # 2. / 3. accuracy: the CI over seeds of the paired difference, against the rule's margin
+    # 2. / 3. accuracy: the CI over seeds of the paired difference at the matched iteration (the last every run
+    # reached), against the rule's margin; the rules require enough iterations before they judge
     at = matched_iteration(runs)
-    for cid, arm in (("kv4rl-rlvr-accuracy-parity", "kv4rl"), ("kv4rl-rlvr-kv4-below-bf16", "kv4")):
-        d = (paired_difference(runs, arm, at=at) if at and final_accuracy(runs, arm) and final_accuracy(runs, "bf16")
-             else {})
-        if not d.get("seeds"):
-            out.append(judge(cid, ours="no runs yet", note="no finished runs of both arms"))
-            continue
+    given = {"matched_iteration": int(at)}
+
+    def diff(arm: str, base: str = "bf16") -> dict:
+        ok = at and final_accuracy(runs, arm, at) and final_accuracy(runs, base, at)
+        return paired_difference(runs, arm, base=base, at=at) if ok else {}
+
+    def ci_text(d: dict) -> str:
         ci = d.get("seed_ci_pp")
-        ours = f"{d['mean_pp']:+.1f} pp at iteration {at} over {d['seeds']} seed(s)" + (
-            f", 95% CI [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
-        if ci is None:
-            note = f"underpowered: {d['seeds']} paired seed(s)"
-        elif cid == "kv4rl-rlvr-accuracy-parity" and ci[1] - ci[0] > 2 * PARITY_PP:
-            note = f"underpowered: CI half-width {(ci[1] - ci[0]) / 2:.1f} pp against the +-{PARITY_PP} pp margin"
-        elif cid == "kv4rl-rlvr-kv4-below-bf16" and ci[0] <= 0 <= ci[1]:
-            note = f"underpowered: the CI, half-width {(ci[1] - ci[0]) / 2:.1f} pp, contains 0"
-        else:
-            note = ""
-        out.append(judge(cid, ours=ours, measured=None if ci is None else (float(ci[0]), float(ci[1])),
-                         n=int(d["seeds"]), note=note))
-    # 4. trajectory: KV4 shorter and with higher / rising reference KL than BF16, seed by seed (the last quarter
-    # of the iterations every run reached)
-    common = sorted(set(seeds_of(runs, "kv4")) & set(seeds_of(runs, "bf16")))
-    common = [s for s in common if runs[("kv4", s)]["history"].get("reward_mean")
-              and runs[("bf16", s)]["history"].get("reward_mean")]
-    if not common:
-        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours="no runs yet", note="no runs of both kv4 and bf16"))
+        return f"{d['mean_pp']:+.1f} pp" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
+
+    def ci_of(d: dict):
+        ci = d.get("seed_ci_pp")
+        return None if ci is None else (float(ci[0]), float(ci[1]))
+
+    d = diff("kv4rl")
+    if not d.get("seeds"):
+        out.append(judge("kv4rl-rlvr-accuracy-parity", ours="no runs yet", note="no finished runs of both arms"))
     else:
-        shorter = [_late(runs[("kv4", s)], "response_length_mean", upto=at)
-                   < _late(runs[("bf16", s)], "response_length_mean", upto=at) for s in common]
-        kl_up = [_late(runs[("kv4", s)], "ref_kl_k3", upto=at) > _late(runs[("bf16", s)], "ref_kl_k3", upto=at)
+        out.append(judge("kv4rl-rlvr-accuracy-parity",
+                         ours=f"KV4-RL - BF16 {ci_text(d)} at iteration {at} over {d['seeds']} seed(s)",
+                         measured=ci_of(d), n=int(d["seeds"]), given=given))
+    a, b = diff("kv4"), diff("kv4", "kv4rl")
+    if not a.get("seeds") or not b.get("seeds"):
+        out.append(judge("kv4rl-rlvr-kv4-below-bf16", ours="no runs yet", note="no finished runs of the three arms"))
+    else:
+        both = ci_of(a) is not None and ci_of(b) is not None
+        out.append(judge("kv4rl-rlvr-kv4-below-bf16",
+                         ours=f"KV4 - BF16 {ci_text(a)}, KV4 - KV4-RL {ci_text(b)} at iteration {at} over "
+                              f"{min(a['seeds'], b['seeds'])} seed(s)",
+                         measured={"kv4_minus_bf16": ci_of(a), "kv4_minus_kv4rl": ci_of(b)} if both else None,
+                         n=int(min(a["seeds"], b["seeds"])), given=given))
+    # 4. trajectory: KV4 shorter and with higher, rising reference KL than BF16, and KV4-RL's length close to
+    # BF16's, seed by seed (the last quarter of the iterations every run reached)
+    common = sorted(set(seeds_of(runs, "kv4")) & set(seeds_of(runs, "bf16")) & set(seeds_of(runs, "kv4rl")))
+    common = [s for s in common if all(runs[(arm, s)]["history"].get("reward_mean") for arm in ARMS)]
+    if not common:
+        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours="no runs yet", note="no runs of all three arms"))
+    else:
+        def late(arm, s, key):
+            return _late(runs[(arm, s)], key, upto=at)
+
+        shorter = [late("kv4", s, "response_length_mean") < late("bf16", s, "response_length_mean") for s in common]
+        kl_up = [late("kv4", s, "ref_kl_k3") > late("bf16", s, "ref_kl_k3")
                  and _slope(runs[("kv4", s)]["history"]["ref_kl_k3"][:at]) > 0 for s in common]
+        gap = max(abs(late("kv4rl", s, "response_length_mean") / late("bf16", s, "response_length_mean") - 1)
+                  for s in common)
         ours = (f"KV4 shorter in {sum(shorter)}/{len(common)} seeds, reference KL higher and rising in "
-                f"{sum(kl_up)}/{len(common)} (last quarter of the first {at} iterations)")
-        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours=ours, measured=bool(all(shorter) and all(kl_up)),
-                         n=len(common), note=f"underpowered: {len(common)} paired seed(s)"
-                         if len(common) < MIN_SEEDS else ""))
+                f"{sum(kl_up)}/{len(common)}; KV4-RL's late length within {gap:.1%} of BF16's "
+                f"(last quarter of the first {at} iterations)")
+        out.append(judge("kv4rl-rlvr-kv4-trajectory", ours=ours,
+                         measured={"kv4_shorter_share": sum(shorter) / len(common),
+                                   "kv4_kl_rising_share": sum(kl_up) / len(common), "kv4rl_length_gap": float(gap)},
+                         n=len(common), given=given))
     return out

@@ -131,8 +131,8 @@ class PagedPool:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Torch reference read: fp32 ``[N, H, d]`` = ``s (c - xi)`` with outliers substituted."""
+        from kvlib.core.dither_tables import cached_dither  # the same dither, kept per stream by slot
         from kvlib.formats.dither_int8 import dequantize_codes
-        from kvlib.kernels.int8.reference import cached_dither  # the same dither, kept per stream by slot
 
         check_tensor("slots", slots, ndim=1, floating=False)
         v = self.layer(layer)

@@ -39,6 +39,15 @@ import torch
 
 from kvlib.core.hadamard import hadamard
 from kvlib.formats.base import KVFormat
+from kvlib.formats.kv4 import int4_quantize_unchecked
+from kvlib.formats.kv4rl import (
+    int8_quantize_unchecked,
+    is_protected,
+    main_range,
+    ring_slot,
+    side_count,
+    side_positions,
+)
 from kvlib.storage.paged import PagedPool
 
 
@@ -51,34 +60,6 @@ def _grow_tensor(t: torch.Tensor, n_slots: int) -> torch.Tensor:
     out = t.new_zeros((t.shape[0], n_slots, *t.shape[2:]))
     out[:, : t.shape[1]] = t
     return out
-
-
-def int4_head_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`kvlib.formats.kv4.int4_quantize` with one group per head, the same operations in the same
-    order, minus its finiteness check (a host sync; a CUDA graph cannot hold one). Returns packed codes
-    uint8 ``[..., d//2]``, fp16 scale and offset ``[...]``. The pool tests bind it to the format bit for bit."""
-    from kvlib.formats.kv4 import LEVELS, fp16_round, pack_nibbles
-
-    xf = x.float()
-    lo, hi = xf.amin(-1), xf.amax(-1)
-    m = fp16_round(lo, "down")
-    delta = fp16_round((hi - m.float()) / LEVELS, "up")
-    df = delta.float()
-    safe = torch.where(df > 0, df, torch.ones_like(df))
-    c = torch.round((xf - m.float().unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
-    return pack_nibbles(c.to(torch.uint8)), delta, m
-
-
-def int8_vector_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvlib.formats.kv4rl.int8_quantize` (per-vector symmetric INT8) without its host-syncing check."""
-    from kvlib.formats.kv4 import fp16_round
-    from kvlib.formats.kv4rl import INT8_MAX
-
-    xf = x.float()
-    scale = fp16_round(xf.abs().amax(-1) / INT8_MAX, "up")
-    sf = scale.float()
-    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-    return torch.round(xf / safe.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 class Store:
@@ -247,6 +228,12 @@ class Int8Store(Store):
             write_int8_kv(self.k, self.v, layer, k, v, slots, rule="witcert" if self.dithered else "rtn")
             return
         if self.dithered:
+            if k.device.type == "cpu":  # the page table's slots: distinct and in range, no re-check needed
+                from kvlib.kernels.int8.write import _write_int8_heads
+
+                _write_int8_heads(self.k, layer, k, slots.to(torch.int64))
+                _write_int8_heads(self.v, layer, v, slots.to(torch.int64))
+                return
             write_int8(self.k, layer, k.contiguous(), slots, backend="torch")
             write_int8(self.v, layer, v.contiguous(), slots, backend="torch")
             return
@@ -266,8 +253,8 @@ class Int8Store(Store):
         return out[0], out[1]
 
     def _read_rtn(self, pool: PagedPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        s = pool.scales[layer, slots].float().repeat_interleave(self.group, dim=-1)
-        x = s * pool.codes[layer, slots].float()
+        c = pool.codes[layer, slots].float()  # s * c per group, without expanding the scales
+        x = (c.unflatten(-1, (-1, self.group)) * pool.scales[layer, slots].float().unsqueeze(-1)).flatten(-2)
         if pool.n_out:
             oc = pool.outlier_channels[layer]
             x.scatter_(-1, oc.unsqueeze(0).expand(x.shape[0], -1, -1), pool.outliers[layer, slots].float())
@@ -332,16 +319,26 @@ class Int8Store(Store):
         return out.o, label, out.tv_bound_one
 
     def reference_certificates(self, layer: int, q: torch.Tensor, table: Any, sm: float, delta: float):
-        """CPU: the kernel's float64 torch reference (same radius, same certificate), for dithered keys."""
-        from kvlib.kernels.int8.decode import decode_reference
+        """CPU, dithered keys: the fp32 kernel's arithmetic in torch, every row and head in one batch, with the
+        certificate of its rounding model (``impl="fma"``; :func:`kvlib.kernels.int8.reference.
+        decode_reference_batched` with ``precision="float32"``: the certificate bounds the attention computed)."""
+        from kvlib.kernels.int8.reference import decode_reference_batched
 
-        layout = self.k.dither_layout
-        impl = "auto"
-        if layout != "w24" and (self.group != self.d // 4 or self.group not in (32, 64)):
-            impl = "fma"  # the half-word layouts' reference for shapes the h10 kernel does not take
-        out = decode_reference(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(), table.seq_lens,
-                               layer=layer, seed=self.seed, sm_scale=sm, delta=delta, v_dither=False, impl=impl)
-        return out.o, out.tv_bound_one
+        return decode_reference_batched(q, self.k.layer(layer), self.v.layer(layer), table.slot_table(),
+                                        table.seq_lens, layer=layer, seed=self.seed, sm_scale=sm, delta=delta,
+                                        impl="fma", precision="float32")
+
+
+_NIBBLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _nibble_values(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 2]``: the low and high nibble of every byte (as :func:`kvlib.formats.kv4.unpack_nibbles`)."""
+    t = _NIBBLES.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int32)
+        t = _NIBBLES[device] = torch.stack((b & 15, b >> 4), -1).to(device=device, dtype=torch.float32)
+    return t
 
 
 class Int4Store(Store):
@@ -439,7 +436,7 @@ class Int4Store(Store):
         self.write_path = f"{name}-{self._route}"
         xs = (hadamard(k.float()), v.float())  # keys rotated (rotate="k", the kernel's layout)
         for side, x in enumerate(xs):
-            codes, scale, off = int4_head_quantize(x)  # one affine group per (token, head): batched = per stream
+            codes, scale, off = int4_quantize_unchecked(x)  # one affine group per (token, head): batched = per stream
             self.codes[side][layer, slots] = codes
             self.scale[side][layer, slots] = scale
             self.off[side][layer, slots] = off
@@ -450,8 +447,8 @@ class Int4Store(Store):
                     lens_after: torch.Tensor, one_per_row: bool) -> None:
         """kv4rl's side buffer (and crop stash) by the torch path."""
         s, w = self.sink, self.recent
-        keep = (pos < s) | (pos >= lens_after[rows] - w)
-        ring = torch.where(pos < s, pos, s + (pos - s) % max(w, 1))
+        keep = is_protected(pos, lens_after[rows], s, w)
+        ring = ring_slot(pos, s, w)
         ring = torch.where(keep, ring, torch.zeros_like(ring))  # a position not kept touches no slot (masked below)
         u = self.undo
         if one_per_row:
@@ -460,7 +457,7 @@ class Int4Store(Store):
             ev = pos - w
             ev_ok = (ev >= s) & (w > 0)
             for side, x in enumerate(xs):
-                c8, s8 = int8_vector_quantize(x)
+                c8, s8 = int8_quantize_unchecked(x)
                 old = self.side8[side][layer][rows, :, ring]
                 olds = self.side_scale[side][layer][rows, :, ring]
                 st8, sts = self.stash8[side][layer], self.stash_scale[side][layer]
@@ -474,7 +471,7 @@ class Int4Store(Store):
         # prefill / chunk (host syncs are fine here): stash the last U evictions, then write the ring. Per row only
         # O(1) host work and the old ring entries; the chunk's own entries are stashed in one masked write (a
         # per-row scan of the chunk's tokens cost O(B x tokens) in Python per layer: 17-21 s for a 64-row prefill)
-        c8s = [int8_vector_quantize(x) for x in xs]
+        c8s = [int8_quantize_unchecked(x) for x in xs]
         cnt_t = torch.bincount(rows, minlength=self.batch)
         cnt_h, la_h = cnt_t.tolist(), lens_after.tolist()
         for b in sorted(set(rows.tolist())):
@@ -486,7 +483,7 @@ class Int4Store(Store):
             a0, a1 = max(lo, n0 - w), min(hi, n0)
             olds = torch.arange(a0, max(a0, a1), device=pos.device)  # were in the ring before this write
             if olds.numel():
-                og = s + (olds - s) % w
+                og = ring_slot(olds, s, w)
                 for side in (0, 1):
                     self.stash8[side][layer][b, :, olds % u] = self.side8[side][layer][b, :, og]
                     self.stash_scale[side][layer][b, :, olds % u] = self.side_scale[side][layer][b, :, og]
@@ -524,15 +521,14 @@ class Int4Store(Store):
                 raise NotImplementedError(
                     f"kv4rl: crop of {n - m} tokens reaches past the side buffer's crop stash "
                     f"({self.valid[layer][b]} evicted entries kept; make_cache(..., crop_window=N) keeps more)")
-            ring = s + (back - s) % w
+            ring = ring_slot(back, s, w)
             for side in (0, 1):
                 self.side8[side][layer][b, :, ring] = self.stash8[side][layer][b, :, back % u]
                 self.side_scale[side][layer][b, :, ring] = self.stash_scale[side][layer][b, :, back % u]
             self.valid[layer][b] -= n - m
 
     def side_count(self, lens: torch.Tensor) -> torch.Tensor:
-        n = lens.long()
-        return (n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)).to(torch.int32)
+        return side_count(lens.long(), self.sink, self.recent).to(torch.int32)
 
     def side_buffer(self, layer: int, lens: torch.Tensor):
         from kvlib.kernels.int4.decode import SideBuffer
@@ -545,35 +541,35 @@ class Int4Store(Store):
         n = lens.to(torch.int32)
         if not self.rl:
             return torch.zeros_like(n), n
-        start = n.clamp(max=self.sink)
-        return start, torch.maximum(start, n - self.recent)
+        return main_range(n, self.sink, self.recent)
 
     def gather(self, layer: int, st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvlib.formats.kv4 import unpack_nibbles
-
         b, n = st.shape
-        flat = st.reshape(-1).long()
+        idx = (st.long()[:, None, :], torch.arange(self.n_kv, device=st.device)[None, :, None])  # -> [B, H, n]
+        table = _nibble_values(st.device)
         out = []
         for side in (0, 1):
-            c = unpack_nibbles(self.codes[side][layer, flat]).float()
-            sc, off = self.scale[side][layer, flat].float(), self.off[side][layer, flat].float()
-            x = c * sc.unsqueeze(-1) + off.unsqueeze(-1)
-            out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2).contiguous())
+            packed = self.codes[side][layer][idx]  # [B, H, n, d // 2] uint8
+            # both nibbles of every byte as float32 from a 256-row table (unpack_nibbles(p).float() in one gather)
+            c = table.index_select(0, packed.reshape(-1).to(torch.int32)).view(b, self.n_kv, n, self.d)
+            sc, off = self.scale[side][layer][idx].float(), self.off[side][layer][idx].float()
+            out.append(c * sc.unsqueeze(-1) + off.unsqueeze(-1))
         return out[0], out[1]  # keys still rotated; see gather_rows
 
-    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected)."""
+    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor, rotated: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected);
+        ``rotated``: keys in the stored (Hadamard-rotated) basis, for a caller that rotates its query instead
+        (one vector instead of every position: scores are the same, H being orthonormal)."""
         k, v = self.gather(layer, st)
         if self.rl:
-            from kvlib.kernels.int4.attention import side_positions
-
             pos = side_positions(lens.to(k.device), self.sink, self.recent)  # [B, C]
             for side, x in enumerate((k, v)):
                 vals = self.side8[side][layer].float() * self.side_scale[side][layer].float().unsqueeze(-1)
                 ok = pos >= 0
                 bi, ci = ok.nonzero(as_tuple=True)
                 x[bi, :, pos[bi, ci]] = vals[bi, :, ci]
-        return hadamard(k), v
+        return (k if rotated else hadamard(k)), v
 
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         if self.rl:
@@ -672,10 +668,26 @@ class FormatStore(Store):
             ctx["outlier_channels"] = self.outlier_table[layer, h].to(torch.int64)
         return ctx
 
+    def _batched(self, side: int) -> bool:
+        """Every head of a token in one write/read (the format's ``batch_heads``, no per-head outlier channels)."""
+        return type(self.formats[side]).batch_heads and not (self.outlier_table is not None
+                                                            and side in self.outlier_sides)
+
     def write(self, layer, k, v, slots, rows, pos, lens_after, one_per_row=False) -> None:
         self.write_path = "reference-torch"  # the format's own write per head (no kernel)
         for side, x in enumerate((k, v)):
             fmt = self.formats[side]
+            if self._batched(side) and self.fields[side] is not None:
+                n = x.shape[0]
+                p = fmt.write(x.reshape(n * self.n_kv, self.d).float(), side=side)
+                for name, t in self.fields[side].items():
+                    f = getattr(p, name)
+                    t[layer, slots] = f.reshape(n, self.n_kv, *f.shape[1:]).to(t.device)
+                meta = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+                        if not f.metadata.get("per_token", False)}
+                for h in range(self.n_kv):
+                    self.meta.setdefault((side, layer, h), meta)
+                continue
             for h in range(self.n_kv):
                 p = fmt.write(x[:, h].float(), **self._ctx(layer, h, side, slots, pos))
                 per = {f.name for f in dataclasses.fields(p) if f.metadata.get("per_token", False)}
@@ -696,6 +708,15 @@ class FormatStore(Store):
         out = []
         for side in (0, 1):
             fmt, heads = self.formats[side], []
+            meta = self.meta.get((side, layer, 0))
+            if self._batched(side) and meta is not None:
+                vals = {name: t[layer, flat].reshape(flat.numel() * self.n_kv, *t.shape[3:])
+                        for name, t in self.fields[side].items()}
+                per = {f.name for f in dataclasses.fields(self.cls[side]) if f.metadata.get("per_token", False)}
+                vals.update({name: None for name in per if name not in vals})
+                x = fmt.read(self.cls[side](**vals, **meta)).float()
+                out.append(x.reshape(b, n, self.n_kv, self.d).transpose(1, 2))
+                continue
             for h in range(self.n_kv):
                 meta = self.meta.get((side, layer, h))
                 if meta is None:

@@ -21,7 +21,7 @@ from kvlib.core.checks import check_tensor
 from kvlib.core.hadamard import hadamard
 from kvlib.core.merge import merge_states
 from kvlib.formats.kv4 import Int4Tensor, int4_dequantize, int4_quantize
-from kvlib.formats.kv4rl import int8_quantize
+from kvlib.formats.kv4rl import int8_quantize, main_range, side_count, side_positions
 from kvlib.kernels.int4.config import DEFAULT_CONFIG, KV4KernelConfig
 from kvlib.kernels.int4.launch import SideBuffer, kv4_main_decode
 from kvlib.kernels.int4.protected import protected_decode
@@ -58,9 +58,8 @@ class KV4Batch:
         """
         n = self.lengths.long()
         if self.protected:
-            start = n.clamp(max=self.sink)
-            end = torch.maximum(start, n - self.recent)
-            count = n.clamp(max=self.sink) + (n - self.sink).clamp(min=0).clamp(max=self.recent)
+            start, end = main_range(n, self.sink, self.recent)
+            count = side_count(n, self.sink, self.recent)
         else:
             start, end, count = torch.zeros_like(n), n, torch.zeros_like(n)
         self._start, self._end, self._count = (t.to(torch.int32) for t in (start, end, count))
@@ -77,20 +76,6 @@ class KV4Batch:
     def side_count(self) -> torch.Tensor:
         """Occupied side slots per request (a prefix of the slots)."""
         return self._count
-
-
-def side_positions(lengths: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """int64 ``[B, sink+recent]``: the position held by each side slot after writing ``lengths`` tokens (-1 empty)."""
-    n = lengths.long().unsqueeze(-1)
-    sl = torch.arange(sink + recent, device=lengths.device).unsqueeze(0)
-    sink_pos = torch.where(sl < n, sl, torch.full_like(sl, -1))
-    r = sl - sink
-    # newest p < n with p ≡ sink + r (mod recent) and p >= sink
-    last = n - 1 - sink
-    p = sink + r + recent * torch.div(last - r, max(recent, 1), rounding_mode="floor")
-    ring_ok = (last - r >= 0) & (p >= n - recent)
-    ring_pos = torch.where(ring_ok, p, torch.full_like(p, -1))
-    return torch.where(sl < sink, sink_pos, ring_pos)
 
 
 def build_kv4_batch(

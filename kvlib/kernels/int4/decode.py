@@ -46,13 +46,13 @@ parameters), :mod:`~kvlib.kernels.int4.query` (query preparation), :mod:`~kvlib.
 :mod:`~kvlib.kernels.int4.protected` (the INT8 side-buffer region), :mod:`~kvlib.kernels.int4.region` (the
 main-region kernel), :mod:`~kvlib.kernels.int4.launch` (the launcher and split planner) and
 :mod:`~kvlib.kernels.int4.paged` (the same decode over a vLLM-style paged pool). This module re-exports their
-public names, so ``from kvlib.kernels.int4.decode import ...`` keeps working, and holds the paged dispatcher
+public names (the family's face: ``from kvlib.kernels.int4.decode import ...``), and holds the paged dispatcher
 (:func:`kv4_paged_decode`: the warp-specialised kernel of :mod:`~kvlib.kernels.int4.wspec` or the Triton one).
 """
 
 import torch
 
-from kvlib.kernels.int4.config import _KMODES, DEFAULT_CONFIG, MIN_ROWS, KV4KernelConfig
+from kvlib.kernels.int4.config import DEFAULT_CONFIG, MIN_ROWS, KV4KernelConfig
 from kvlib.kernels.int4.launch import (
     KV4Launch,
     SideBuffer,
@@ -66,14 +66,13 @@ from kvlib.kernels.int4.launch import (
 )
 from kvlib.kernels.int4.paged import kv4_paged_decode as _kv4_paged_decode_triton
 from kvlib.kernels.int4.paged import kv4_paged_decode_ref, plan_kv4_paged_decode
-from kvlib.kernels.int4.query import QueryInt8, _prep_query_kernel, prepare_query, prepare_query_ref
+from kvlib.kernels.int4.query import QueryInt8, prepare_query, prepare_query_ref
 from kvlib.kernels.int4.reference import kv4_main_decode_ref, region_attention_ref
-from kvlib.kernels.int4.region import _kv4_decode_kernel
 from kvlib.kernels.int4.tl_helpers import LN2, LOG2E
 
 __all__ = [
     "DEFAULT_CONFIG", "KV4KernelConfig", "KV4Launch", "LN2", "LOG2E", "MIN_ROWS", "QueryInt8", "SideBuffer",
-    "_KMODES", "_kv4_decode_kernel", "_prep_query_kernel", "default_num_splits", "fuse_merge_applies",
+    "default_num_splits", "fuse_merge_applies",
     "kv4_main_decode", "kv4_main_decode_ref", "kv4_paged_decode", "kv4_paged_decode_ref", "pipe_edges_applies",
     "plan_kv4_decode", "plan_kv4_paged_decode", "prepare_query", "prepare_query_ref", "region_attention_ref",
     "tma_applies", "tma_refusal",

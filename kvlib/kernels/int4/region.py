@@ -26,7 +26,9 @@ from kvlib.kernels.int4.tl_helpers import (
     _nibbles_i8,
     _plane_f16,
     _plane_i8,
+    _pool_scales,
     _scalar_load,
+    _tile_scales,
     _tma_rows,
     _tma_scales,
 )
@@ -40,6 +42,7 @@ def _main_step(
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr,
     TMA: tl.constexpr = False, bh=0, MASKED: tl.constexpr = 1,
+    PAGE: tl.constexpr = 0, h=0, BTb=0, HKV: tl.constexpr = 1, TILES: tl.constexpr = False,
 ):  # fmt: skip
     """One aligned block of BLOCK_N positions ``[n0, n0 + BLOCK_N)``: QK, online softmax, PV.
 
@@ -53,12 +56,53 @@ def _main_step(
     dequantised per plane in the dot-operand layout, so no 8-bit tile is transposed byte by byte.
     ``TMA`` (bytes mode, fp16 PV): the code tiles and scales arrive through TMA descriptors (row
     ``bh`` of ``[B*Hkv, N, ...]`` views) instead of per-thread addresses.
+
+    ``PAGE > 0`` (bytes mode, fp16 PV; :mod:`kvlib.kernels.int4.paged`): the pool ``KCb, KSb, KOb, VWb, VSb, VOb``
+    (``[num_blocks, PAGE, HKV, ...]``) is read through the block table's row ``BTb`` for kv head ``h``. TILES
+    (``PAGE % BLOCK_N == 0``, ``"paged-tiles"``): the tile lies inside one page, so one table entry gives every row
+    (``row0 + i * HKV``: the contiguous addressing with a row stride of ``HKV`` rows); otherwise (``"paged-rows"``)
+    each row looks up its page. Only the page-table load of the rows path is masked (``MASKED == 1``, an edge
+    block): a position outside ``[start, end)`` reads page 0 (in bounds); in the tiles path an edge tile's page is
+    the one holding its valid positions, whose other slots are in bounds too. Either way such positions get score
+    ``-inf`` and value scales 0 by select, so whatever bits they hold never reach the output.
     """
     half = tl.arange(0, HALF)
+    QV: tl.constexpr = HALF // 2
+    if PAGE:
+        qv = tl.arange(0, QV)
+        PAIR: tl.constexpr = HKV % 2 == 0
     offs = n0 + tl.arange(0, BLOCK_N)
-    inb = offs < N
+    if PAGE == 0:
+        inb = offs < N
     valid = (offs >= start) & (offs < end)
-    if TMA:
+    if PAGE:
+        if TILES:
+            # one table entry; scalar bases (64-bit math once per tile) plus loop-invariant 32-bit row offsets, as
+            # the contiguous kernel addresses its rows (here HKV rows apart)
+            page = _scalar_load(BTb + n0 // PAGE)
+            r0 = (page.to(tl.int64) * PAGE + n0 % PAGE) * HKV + h  # the tile's first (page, slot, kv head) row
+            i = tl.arange(0, BLOCK_N) * HKV
+            ks = _tile_scales(KSb + r0, i, h, PAIR, FAST)
+            ko = _tile_scales(KOb + r0, i, h, PAIR, FAST)
+            vs = _keep(_tile_scales(VSb + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
+            vo = _keep(_tile_scales(VOb + r0, i, h, PAIR, FAST), valid, 0.0, MASKED)
+            kc_ptr = KCb + r0 * HALF + i[:, None] * HALF + half[None, :]
+            vw_ptr = VWb + r0 * QV + i[:, None] * QV + qv[None, :]
+        else:
+            if MASKED == 1:
+                page = tl.load(BTb + offs // PAGE, mask=valid, other=0)
+            else:
+                page = tl.load(BTb + offs // PAGE)
+            # (page, slot, kv head) in the pool: the page's 64-bit base plus a 32-bit in-page offset, which with
+            # BLOCK_N % PAGE == 0 (powers of two) is the same every tile
+            row = page.to(tl.int64) * (PAGE * HKV) + ((tl.arange(0, BLOCK_N) + n0 % PAGE) % PAGE * HKV + h)
+            ks = _pool_scales(KSb, row, h, PAIR, FAST)
+            ko = _pool_scales(KOb, row, h, PAIR, FAST)
+            vs = _keep(_pool_scales(VSb, row, h, PAIR, FAST), valid, 0.0, MASKED)
+            vo = _keep(_pool_scales(VOb, row, h, PAIR, FAST), valid, 0.0, MASKED)
+            kc_ptr = KCb + row[:, None] * HALF + half[None, :]
+            vw_ptr = VWb + row[:, None] * QV + qv[None, :]
+    elif TMA:
         ks = _tma_scales(KSb, bh, n0, BLOCK_N)
         ko = _tma_scales(KOb, bh, n0, BLOCK_N)
         vs = _keep(_tma_scales(VSb, bh, n0, BLOCK_N), valid, 0.0, MASKED)
@@ -78,7 +122,9 @@ def _main_step(
         s_int = tl.dot(q3, _plane_i8(kw, 3, FAST), s_int, out_dtype=tl.int32)
         s = s_int.to(tl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
     else:  # bytes, even/odd channels: q @ codes^T
-        if TMA:
+        if PAGE:
+            kct = tl.trans(tl.load(kc_ptr))
+        elif TMA:
             kct = tl.trans(_tma_rows(KCb, bh, n0, BLOCK_N, HALF))
         else:
             kct = tl.trans(_ld(KCb + offs[:, None] * HALF + half[None, :], inb[:, None], EVEN))
@@ -107,11 +153,13 @@ def _main_step(
     else:
         # int16 words of four codes (channels 4i..4i+3); plane J is channel 4i+J as the subnormal fp16
         # c 2^-24 (exact)
-        QV: tl.constexpr = HALF // 2
-        qv = tl.arange(0, QV)
-        if TMA:
+        if PAGE:
+            vw = tl.load(vw_ptr)
+        elif TMA:
+            qv = tl.arange(0, QV)
             vw = _tma_rows(VWb, bh, n0, BLOCK_N, QV)
         else:
+            qv = tl.arange(0, QV)
             vw = _ld(VWb + offs[:, None] * QV + qv[None, :], inb[:, None], EVEN)
         p16 = pv.to(tl.float16)
         acc0 = tl.dot(p16, _plane_f16(vw, 0, FAST), acc0 * alpha[:, None])
@@ -135,15 +183,19 @@ def _main_region(
     SPLITS, NS, INT_PV: tl.constexpr, KMODE: tl.constexpr,
     TILE_SUMS: tl.constexpr, SCALE32: tl.constexpr, EVEN: tl.constexpr, INTERP: tl.constexpr,
     QPAD: tl.constexpr = True, TMA: tl.constexpr = False, PIPE_EDGES: tl.constexpr = False,
+    BT=0, PAGE: tl.constexpr = 0, TILES: tl.constexpr = False,
 ):  # fmt: skip
     """Split ``sp`` of the INT4 range ``[start_b, end_b)``: whole aligned blocks ``blo..bhi``, state to slot ``sp``.
 
     QPAD: the bytes-mode QK operand has 16 query rows (zeros past the group), folded back after the dot.
+    ``PAGE > 0``: the paged pool of :mod:`kvlib.kernels.int4.paged` (bytes mode, fp16 PV), read through the block
+    table ``BT [B, N]`` (``N`` pages per request; TILES: see :func:`_main_step`).
     """
     HALF: tl.constexpr = D // 2
     HQ: tl.constexpr = HKV * G
     start = _scalar_load(START + b).to(tl.int32)  # (the reduction widens; positions fit 32 bits)
-    end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N), start)  # interior blocks load unmasked
+    # interior blocks load unmasked; a paged range ends within the table
+    end = tl.maximum(tl.minimum(_scalar_load(END + b).to(tl.int32), N * PAGE if PAGE else N), start)
     first = start // BLOCK_N
     nblk = tl.where(end > start, tl.cdiv(end, BLOCK_N) - first, 0)
     bps = tl.cdiv(nblk, SPLITS)
@@ -174,8 +226,13 @@ def _main_region(
     a_q = tl.load(QS + qrow, mask=row_ok, other=0.0) * sm_scale_log2
     c_q = tl.load(QSUM + qrow, mask=row_ok, other=0.0) * sm_scale_log2
 
-    bh = b * HKV + h
-    if TMA:  # descriptors over [B*Hkv, N, ...]: the row index replaces the base pointer
+    if PAGE:  # the pool itself, and this request's row of the block table
+        BTb = BT + b.to(tl.int64) * N
+        bh = 0
+    else:
+        BTb = BT
+        bh = b * HKV + h
+    if PAGE or TMA:  # TMA: descriptors over [B*Hkv, N, ...]: the row index replaces the base pointer
         KCb, KWb, VCb, VWb, KSb, KOb, VSb, VOb = KC, KW, VC, VW, KS, KO, VS, VO
     else:
         kv_row0 = bh.to(tl.int64) * N
@@ -213,7 +270,7 @@ def _main_region(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             head * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, 1,
+            TMA, bh, 1, PAGE, h, BTb, HKV, TILES,
         )  # fmt: skip
     if INTERP:  # the CPU interpreter cannot take tensor loop bounds in range(); a while loop is equivalent
         n0 = i_lo * BLOCK_N
@@ -221,7 +278,7 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                False, TMA, bh, LOOP_MASK,
+                False, TMA, bh, LOOP_MASK, PAGE, h, BTb, HKV, TILES,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -230,13 +287,13 @@ def _main_region(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
                 n0, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, LOOP_EVEN,
-                True, TMA, bh, LOOP_MASK,
+                True, TMA, bh, LOOP_MASK, PAGE, h, BTb, HKV, TILES,
             )  # fmt: skip
     if tail >= 0:
         m_i, l_i, acc0, acc1, acc2, acc3, acc_m = _main_step(
             tail * BLOCK_N, start, end, N, KCb, KWb, KSb, KOb, VCb, VWb, VSb, VOb, q0, q1, q2, q3, a_q, c_q,
             m_i, l_i, acc0, acc1, acc2, acc3, acc_m, HALF, BLOCK_N, INT_PV, KMODE, TILE_SUMS, SCALE32, EVEN, FAST,
-            TMA, bh, 1,
+            TMA, bh, 1, PAGE, h, BTb, HKV, TILES,
         )  # fmt: skip
     if TILE_SUMS:
         l_i = tl.sum(l_i, axis=1)

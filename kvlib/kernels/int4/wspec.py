@@ -19,7 +19,7 @@ Design (:mod:`kvlib.kernels.int8.wspec`'s, one CTA per (request, KV head, split)
   gathered with plain loads a tile ahead (while the producer waits for a free stage) and stored into the stage;
   the producer's arrival plus the TMA transaction complete ``ready`` (count 2);
 * the **consumer partition** (the default one, one warpgroup) computes the Triton kernel's arithmetic
-  (:func:`kvlib.kernels.int4.paged._paged_step`, bytes mode, fp16 PV), operand for operand:
+  (:func:`kvlib.kernels.int4.region._main_step` with ``PAGE``, bytes mode, fp16 PV), operand for operand:
   QK as two INT8 tensor-core MMAs (even channels x low nibbles, odd channels x high nibbles, int32 accumulate:
   exact), then ``s = float(s_int) (a_q s_k) + c_q m_k`` with ``a_q = s_q sm log2 e``, ``c_q = s_q sum q8 sm log2 e``
   (the same expression; the offline sm_90 PTX of both kernels computes it as the same ``mul``, ``mul``,
@@ -75,9 +75,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kvlib.kernels.int4.launch import SideBuffer
 from kvlib.kernels.int4.protected import _protected_region
 from kvlib.kernels.int4.query import QueryInt8
-from kvlib.kernels.int4.tl_helpers import LOG2E
+from kvlib.kernels.int4.tl_helpers import _PLANE_F16_ASM, LOG2E
 from kvlib.kernels.int8 import gluon as G8
 from kvlib.kernels.int8 import wspec_cert as WC
+from kvlib.kernels.int8.wspec import Plan, check_ring
 
 LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: 2^24: the V planes enter PV as the subnormal fp16 ``c 2^-24`` (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)
@@ -117,14 +118,7 @@ class WSpec4Config:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if self.block_n not in (32, 64, 128, 256):
             raise ValueError(f"block_n must be 32, 64, 128 or 256 (a TMA box has at most 256 rows), got {self.block_n}")
-        if not 2 <= self.ring <= 8:
-            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+        check_ring(self, max_ring=8)
         if self.block_p not in (16, 32, 64):
             raise ValueError(f"block_p must be 16, 32 or 64, got {self.block_p}")
 
@@ -171,21 +165,12 @@ def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None) -> st
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan4:
-    """A validated launch: shapes, the split count (INT4 splits; the side region's state comes after them), the TMA
-    box rows and the states per (request, KV head)."""
+class Plan4(Plan):
+    """A validated launch: the RTN kernel's :class:`~kvlib.kernels.int8.wspec.Plan` (``num_splits``: the INT4
+    splits; the side region's state comes after them) plus the side slots, the states per (request, KV head) and the
+    softmax scale."""
 
-    batch: int
-    hq: int
-    hkv: int
-    gqa: int
-    d: int
-    block_size: int
-    num_blocks: int
-    max_blocks: int
     side_slots: int
-    num_splits: int
-    box_rows: int
     states: int
     sm_scale: float
 
@@ -243,8 +228,8 @@ def plan(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, star
         num_splits = max(1, min(sms * cfg.ctas_per_sm // max(1, B * hkv), math.ceil(max_len / (4 * cfg.block_n))))
     elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    return Plan4(B, hq, hkv, gqa, d, block_size, k_codes.shape[0], maxb, c, num_splits,
-                 min(block_size, cfg.block_n), num_splits + int(side is not None), float(sm))
+    return Plan4(B, hq, hkv, gqa, d, block_size, k_codes.shape[0], maxb, num_splits, min(block_size, cfg.block_n),
+                 side_slots=c, states=num_splits + int(side is not None), sm_scale=float(sm))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,9 +249,9 @@ def _gather4(KS, KO, VS, VO, BT_row, n, start, end, kvh, HKV: gl.constexpr, PAGE
 def _producer4(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start, end, t0,
                n_tiles, HKV: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, PAGE: gl.constexpr,
                BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr):
-    """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` over the INT4 pool. Per tile: wait for its stage to
-    be free, TMA its K byte boxes and V word boxes (one per page piece), store the four scale rows gathered while
-    waiting, arrive on ``ready``; then gather the next tile's."""
+    """One warp: :func:`kvlib.kernels.int8.wspec._producer` (``PREFETCH``) over the INT4 pool. Per tile: wait for its
+    stage to be free, TMA its K byte boxes and V word boxes (one per page piece), store the four scale rows gathered
+    while waiting, arrive on ``ready``; then gather the next tile's."""
     nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
     ks, ko, vs, vo = _gather4(KS, KO, VS, VO, BT_row, t0 * BN + nn, start, end, kvh, HKV, PAGE)
     for i in range(n_tiles):
@@ -319,35 +304,32 @@ def _nib_hi(x):
 @gluon.jit
 def _plane(w, J: gl.constexpr):
     """Nibble ``J`` (channel ``4 i + J``) of int16 words of four codes as the exact subnormal fp16 ``c 2^-24``: one
-    ``and`` (and a shift for J > 0) per two codes (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`)."""
-    if J == 0:
-        return gl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [w], dtype=gl.float16,
-                                         is_pure=True, pack=2)
-    elif J == 1:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
-    elif J == 2:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
-    else:
-        return gl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; and.b32 $0, t, 0x000F000F; }", "=r,r",
-                                         [w], dtype=gl.float16, is_pure=True, pack=2)
+    ``and`` (and a shift for J > 0) per two codes (:func:`kvlib.kernels.int4.tl_helpers._plane_f16`, the same PTX)."""
+    return gl.inline_asm_elementwise(_PLANE_F16_ASM[J], "=r,r", [w], dtype=gl.float16, is_pure=True, pack=2)
 
 
 @gluon.jit
 def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
                n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                GQA: gl.constexpr, HQ: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, BN: gl.constexpr,
-               RING: gl.constexpr, NW: gl.constexpr):
+               RING: gl.constexpr, NW: gl.constexpr, R8: gl.constexpr = False, Z8: gl.constexpr = None):
     """The consumer warpgroup: per stage, QK (two INT8 MMAs), the online softmax, PV (four fp16 MMAs over the
-    nibble planes), then free the stage; the split's state at the end."""
+    nibble planes), then free the stage; the split's state at the end.
+
+    ``R8`` (``WSpec4Config.rows8``): the scores, the softmax and its sums on rows 0-7 of the MMA fragment only
+    (layout ``Z8``: the C layout less its row-8 register, a register selection checked by ``assert_trivial``); the
+    PV operand is the 8 rows duplicated; the same arithmetic per score and per term."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)  # int8 operands
     KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)  # fp16 operands
     VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    NL: gl.constexpr = gl.SliceLayout(0, MMA)  # positions of the scores
     HL: gl.constexpr = gl.SliceLayout(1, MMA)  # heads
+    # the softmax's tiles: the MMA layout's 16 rows, or (R8) its rows 0-7
+    RN: gl.constexpr = 8 if R8 else 16
+    SL: gl.constexpr = Z8 if R8 else MMA
+    NL: gl.constexpr = gl.SliceLayout(0, SL)  # positions of the scores
+    RL: gl.constexpr = gl.SliceLayout(1, SL)  # heads of the scores
 
     # the query: even / odd channels as the two QK A operands (heads as M, zero rows past GQA)
     hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
@@ -355,14 +337,14 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
     q_ptr = Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + 2 * cA[None, :]
     q0 = gl.load(q_ptr, mask=(hA < GQA)[:, None], other=0)
     q1 = gl.load(q_ptr + 1, mask=(hA < GQA)[:, None], other=0)
-    h = gl.arange(0, 16, layout=HL)
-    qrow = b * HQ + kvh * GQA + h
-    a_q = gl.load(QS + qrow, mask=h < GQA, other=0.0) * sm_scale_log2
-    c_q = gl.load(QSUM + qrow, mask=h < GQA, other=0.0) * sm_scale_log2
+    hr = gl.arange(0, RN, layout=RL)
+    qrow = b * HQ + kvh * GQA + hr
+    a_q = gl.load(QS + qrow, mask=hr < GQA, other=0.0) * sm_scale_log2
+    c_q = gl.load(QSUM + qrow, mask=hr < GQA, other=0.0) * sm_scale_log2
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
-    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)  # the softmax sums per (head, position): one reduction at the end
-    am_t = gl.zeros([16, BN], gl.float32, layout=MMA)  # sum p m_v, likewise
+    m_i = gl.full([RN], float("-inf"), gl.float32, layout=RL)
+    l_t = gl.zeros([RN, BN], gl.float32, layout=SL)  # the softmax sums per (head, position): one reduction at the end
+    am_t = gl.zeros([RN, BN], gl.float32, layout=SL)  # sum p m_v, likewise
     acc0 = gl.zeros([16, QW], gl.float32, layout=MMA)  # channels 4 i + 0
     acc1 = gl.zeros([16, QW], gl.float32, layout=MMA)
     acc2 = gl.zeros([16, QW], gl.float32, layout=MMA)
@@ -378,6 +360,8 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
         zero = gl.zeros([16, BN], gl.int32, layout=MMA)
         s_int = mma_v2(q0, _nib_lo(kt), zero)
         s_int = mma_v2(q1, _nib_hi(kt), s_int)
+        if R8:
+            s_int = gl.convert_layout(G8._rows8(s_int, BN), Z8, assert_trivial=True)
         ks = s_bufs.index(s * 4 + 0).load(NL).to(gl.float32)
         ko = s_bufs.index(s * 4 + 1).load(NL).to(gl.float32)
         z = s_int.to(gl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
@@ -389,12 +373,18 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
         p = gl.exp2(z - m_new[:, None])
         vs = s_bufs.index(s * 4 + 2).load(NL).to(gl.float32)
         vo = s_bufs.index(s * 4 + 3).load(NL).to(gl.float32)
-        p16 = gl.convert_layout((p * vs[None, :]).to(gl.float16), PA)  # fp16(p s_v), the Triton kernel's operand
+        p16 = (p * vs[None, :]).to(gl.float16)  # fp16(p s_v), the Triton kernel's operand
+        if R8:  # rows 8-15 a copy (never stored)
+            p16 = gl.convert_layout(WC._pad16(p16, BN), PA)
+            alpha16 = WC._pad16v(alpha, HL)
+        else:
+            p16 = gl.convert_layout(p16, PA)
+            alpha16 = alpha
         vw = v_bufs.index(s).load(VB)  # [BN, QW] int16 words, channels 4 i .. 4 i + 3
-        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha[:, None])
-        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha[:, None])
-        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha[:, None])
-        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha[:, None])
+        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha16[:, None])
+        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha16[:, None])
+        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha16[:, None])
+        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha16[:, None])
         # the stage's reads are done: order them before the next TMA write, then free it
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
@@ -407,7 +397,14 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
     am = gl.sum(am_t, 1)
     ok = l_i > 0.0
     inv = gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0)
+    if R8:  # the MMA layout's 16 rows again (rows 8-15 a copy)
+        inv = WC._pad16v(inv, HL)
+        am = WC._pad16v(am, HL)
     lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
+    if R8:
+        h = gl.arange(0, 16, layout=HL)
+    else:
+        h = hr
     c4 = 4 * gl.arange(0, QW, layout=gl.SliceLayout(0, MMA))
     o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c4[None, :]
     hm = (h < GQA)[:, None]
@@ -415,92 +412,7 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
     gl.store(o_base + 1, (acc1 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
     gl.store(o_base + 2, (acc2 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
     gl.store(o_base + 3, (acc3 * V_UNSUB_G + am[:, None]) * inv[:, None], mask=hm)
-    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
-
-
-@gluon.jit
-def _consumer4_r8(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
-                  n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                  GQA: gl.constexpr, HQ: gl.constexpr, HALF: gl.constexpr, QW: gl.constexpr, BN: gl.constexpr,
-                  RING: gl.constexpr, NW: gl.constexpr, Z8: gl.constexpr):
-    """:func:`_consumer4` with the scores, the softmax and its sums on rows 0-7 of the MMA fragment (layout ``Z8``:
-    the C layout less its row-8 register, a register selection checked by ``assert_trivial``); the same arithmetic
-    per score and per term."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
-    KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    HL: gl.constexpr = gl.SliceLayout(1, MMA)
-    NL8: gl.constexpr = gl.SliceLayout(0, Z8)  # positions of the 8-row scores
-    H8L: gl.constexpr = gl.SliceLayout(1, Z8)  # the 8 heads
-
-    hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
-    cA = gl.arange(0, HALF, layout=gl.SliceLayout(0, QA8))
-    q_ptr = Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + 2 * cA[None, :]
-    q0 = gl.load(q_ptr, mask=(hA < GQA)[:, None], other=0)
-    q1 = gl.load(q_ptr + 1, mask=(hA < GQA)[:, None], other=0)
-    h8 = gl.arange(0, 8, layout=H8L)
-    qrow8 = b * HQ + kvh * GQA + h8
-    a_q = gl.load(QS + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
-    c_q = gl.load(QSUM + qrow8, mask=h8 < GQA, other=0.0) * sm_scale_log2
-
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
-    l_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    am_t = gl.zeros([8, BN], gl.float32, layout=Z8)
-    acc0 = gl.zeros([16, QW], gl.float32, layout=MMA)
-    acc1 = gl.zeros([16, QW], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, QW], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, QW], gl.float32, layout=MMA)
-    nl = gl.arange(0, BN, layout=NL8)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        n0 = (t0 + i) * BN
-        mbarrier.wait(ready.index(s), ph)
-        kt = k_bufs.index(s).permute([1, 0]).load(KB8)
-        zero = gl.zeros([16, BN], gl.int32, layout=MMA)
-        s_int = mma_v2(q0, _nib_lo(kt), zero)
-        s_int = mma_v2(q1, _nib_hi(kt), s_int)
-        s8 = gl.convert_layout(G8._rows8(s_int, BN), Z8, assert_trivial=True)
-        ks = s_bufs.index(s * 4 + 0).load(NL8).to(gl.float32)
-        ko = s_bufs.index(s * 4 + 1).load(NL8).to(gl.float32)
-        z = s8.to(gl.float32) * (a_q[:, None] * ks[None, :]) + c_q[:, None] * ko[None, :]
-        pos = n0 + nl
-        z = gl.where(((pos >= start) & (pos < end))[None, :], z, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(z, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(z - m_new[:, None])
-        vs = s_bufs.index(s * 4 + 2).load(NL8).to(gl.float32)
-        vo = s_bufs.index(s * 4 + 3).load(NL8).to(gl.float32)
-        p16 = gl.convert_layout(WC._pad16((p * vs[None, :]).to(gl.float16), BN), PA)  # rows 8-15 a copy (unstored)
-        alpha16 = WC._pad16v(alpha, HL)
-        vw = v_bufs.index(s).load(VB)
-        acc0 = mma_v2(p16, _plane(vw, 0), acc0 * alpha16[:, None])
-        acc1 = mma_v2(p16, _plane(vw, 1), acc1 * alpha16[:, None])
-        acc2 = mma_v2(p16, _plane(vw, 2), acc2 * alpha16[:, None])
-        acc3 = mma_v2(p16, _plane(vw, 3), acc3 * alpha16[:, None])
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
-        l_t = l_t * alpha[:, None] + p
-        am_t = am_t * alpha[:, None] + p * vo[None, :]
-        m_i = m_new
-
-    l_i = gl.sum(l_t, 1)
-    am = gl.sum(am_t, 1)
-    ok = l_i > 0.0
-    inv = WC._pad16v(gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0), HL)
-    am16 = WC._pad16v(am, HL)
-    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
-    h = gl.arange(0, 16, layout=HL)
-    c4 = 4 * gl.arange(0, QW, layout=gl.SliceLayout(0, MMA))
-    o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c4[None, :]
-    hm = (h < GQA)[:, None]
-    gl.store(o_base, (acc0 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
-    gl.store(o_base + 1, (acc1 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
-    gl.store(o_base + 2, (acc2 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
-    gl.store(o_base + 3, (acc3 * V_UNSUB_G + am16[:, None]) * inv[:, None], mask=hm)
-    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h8) * s_ls_h + split, lse, mask=h8 < GQA)
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + hr) * s_ls_h + split, lse, mask=hr < GQA)
 
 
 # the split count and the strides that follow the batch are run-time values: one binary serves every batch size and
@@ -521,7 +433,7 @@ def _wspec4_stage1(
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
-    # the Triton kernel's split plan (kvlib.kernels.int4.paged._paged_region): whole aligned tiles per split
+    # the Triton kernel's split plan (kvlib.kernels.int4.region._main_region): whole aligned tiles per split
     start = gl.load(START + b)
     end = gl.maximum(gl.minimum(gl.load(END + b), max_len), start)  # within the table
     first = start // BN
@@ -541,22 +453,13 @@ def _wspec4_stage1(
         mbarrier.init(ready.index(i), count=2)  # the producer's arrival and the TMA transaction
         mbarrier.init(empty.index(i), count=1)
 
-    if ROWS8:
-        gl.warp_specialize([
-            (_consumer4_r8, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start,
-                             end, t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                             GQA, GQA * HKV, HALF, QW, BN, RING, NW, Z8)),
-            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
-                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
-        ], [1], [PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end,
-                          t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                          GQA, GQA * HKV, HALF, QW, BN, RING, NW)),
-            (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
-                          end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
-        ], [1], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+                      n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                      GQA, GQA * HKV, HALF, QW, BN, RING, NW, ROWS8, Z8)),
+        (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                      end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+    ], [1], [PRODUCER_REGS])
 
 
 @triton.jit(do_not_specialize=["C", "SPLIT", "NS"])
@@ -659,7 +562,7 @@ def side_state(qp, side: SideBuffer, o_s, lse_s, *, split: int, config: WSpec4Co
     if not 0 <= split < ns:
         raise ValueError(f"split must be in [0, {ns}), got {split}")
     sm = d**-0.5 if sm_scale is None else float(sm_scale)
-    pl = Plan4(B, hq, hkv, hq // hkv, d, 0, 0, 0, c, split, 0, ns, sm)
+    pl = Plan4(B, hq, hkv, hq // hkv, d, 0, 0, 0, split, 0, side_slots=c, states=ns, sm_scale=sm)
     _launch_side(qp, side, o_s, lse_s, pl, cfg, sm * LOG2E)
 
 
@@ -710,7 +613,7 @@ def compile_offline(config: WSpec4Config | None = None, *, gqa: int = 7, hkv: in
     ptrs = {"Q8": "*i8", "QS": "*fp32", "QSUM": "*fp32", "k_desc": f"tensordesc<i8[{rbox}, {d // 2}],{kl!r}>",
             "v_desc": f"tensordesc<i16[{rbox}, {d // 4}],{vl!r}>", "KS": "*fp16", "KO": "*fp16", "VS": "*fp16",
             "VO": "*fp16", "BT": "*i32", "START": "*i32", "END": "*i32", "O_S": "*fp32", "LSE_S": "*fp32"}
-    pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 0, 1, rbox, 1, d**-0.5)
+    pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 1, rbox, side_slots=0, states=1, sm_scale=d**-0.5)
     const = _constexprs(pl, cfg)
     params = inspect.signature(_wspec4_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_scale_log2" else "i32"))

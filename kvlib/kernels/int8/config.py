@@ -20,8 +20,8 @@ class Int8KernelConfig:
     """Launch parameters and switches of the INT8 stage-1 kernels (each field says which kernel reads it).
 
     - ``block_n``: positions per loop step (Triton kernels; the Gluon kernel's tile is fixed at 16).
-    - ``num_warps`` / ``num_stages``: ``None`` takes the H200 sweeps' best (dev/int8_sweep, dev/h10_probe*):
-      warps 2 for h10 (two warps per 64-position tile), 4 otherwise; stages 3 for tc, 2 otherwise.
+    - ``num_warps`` / ``num_stages``: ``None`` takes the H200 sweeps' best (dev/int8_sweep, dev/h10_launch_sweep,
+      dev/h10_tile_shape): warps 2 for h10 (two warps per 64-position tile), 4 otherwise; stages 3 for tc, 2 otherwise.
     - ``k_precision`` / ``v_precision``, ``join``: the fp32 ``fma`` kernel's dot precisions and its one joined
       ``[BLOCK_N, D]`` tile instead of four word-strided ones.
     - ``var_dot``: the radius's variance from one dot per tile (fma: ``q^2 . s^2``; h10: one 16-deep tf32
@@ -44,9 +44,13 @@ class Int8KernelConfig:
       the one the pool was written with; read by the h10 and Gluon kernels (the w24 kernels refuse any but the
       default). Philox4x32-10 (the paper's) is the default; :data:`kvlib.core.philox.GENERATOR_OPTIONS` are the
       ones a pool may be written with, the other names are timing probes of the issue-28 study.
-    - Timing-only ablations, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage),
-      ``ablate`` (h10 bit mask: 1 drops the QK path, 2 the PV path, 4 computes slots as
-      ``b * stride + position``, right only for an identity slot table).
+    - Timing only, never a result: ``skip_philox`` (tc, h10, gluon: the key dither replaced by garbage), which the
+      performance grid and the SASS count price the Philox dither with. It stays here rather than in ``dev/``
+      because the book's grid rows ``int8_nophilox`` and ``int8_h10_nophilox`` time it through ``decode_int8``
+      (:mod:`kvlib.bench.decode_grid`, which may not import ``dev/``), while as a compile-time branch it leaves the
+      default kernels' SASS unchanged. (The h10 kernel's ``ablate`` switches, which
+      dropped its QK or PV path or computed the slots, located where its time went, ``dev/results/h10_probe4.json``;
+      their code is gone since.)
     """
 
     block_n: int = 64
@@ -65,7 +69,6 @@ class Int8KernelConfig:
     ahead: bool = True
     programs_per_sm: int = 8
     skip_philox: bool = False
-    ablate: int = 0
     generator: str = "philox4x32-10"
 
     def __post_init__(self) -> None:
@@ -85,8 +88,6 @@ class Int8KernelConfig:
         from kvlib.core.philox import check_generator
 
         check_generator(self.generator)
-        if not isinstance(self.ablate, int) or not 0 <= self.ablate < 8:
-            raise ValueError(f"ablate must be an int bit mask in [0, 8), got {self.ablate!r}")
 
     def replace(self, **changes) -> Int8KernelConfig:
         """A copy with ``changes`` (unknown names raise TypeError)."""

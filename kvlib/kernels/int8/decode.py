@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
+from kvlib.certify.bound import radius_multiplier, rounding_gamma
 from kvlib.core.checks import check_open_unit
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
 from kvlib.core.philox import DEFAULT_GENERATOR, seed_key
 from kvlib.kernels.backend import triton_available
 from kvlib.kernels.int8.config import DEFAULT_CONFIG, Int8KernelConfig, check_config
-from kvlib.kernels.int8.reference import _query_residual_mult, decode_reference, dequant_rows
+from kvlib.kernels.int8.reference import decode_reference, dequant_rows
 from kvlib.kernels.int8.request import (
     DecodeOut,
     PoolSide,
@@ -47,10 +48,7 @@ from kvlib.kernels.tl.merge import merge_splits
 __all__ = [
     "DEFAULT_CONFIG", "DecodeOut", "Int8KernelConfig", "PoolSide", "as_side", "decode_int8", "decode_reference",
     "decode_stage1", "default_num_splits", "dequant_rows", "make_pool_side", "resolve_impl", "stage1_path",
-    "_query_residual_mult",
 ]
-# the kernels keep their old import path (tests, kvlib.kernels.sass, notebooks)
-from kvlib.kernels.int8.w24 import _decode_int8_stage1, _decode_int8_stage1_tc  # noqa: E402, F401
 
 
 def default_num_splits(batch: int, hkv: int, max_len: int, block_n: int, device: torch.device) -> int:

@@ -31,7 +31,7 @@ register layout the tensor cores read, and every conversion is checked at compil
 
 Not run under ``TRITON_INTERPRET`` (Gluon has no interpreter): the CPU tests cover the Triton kernel, and the
 GPU agreement check binds this one to it and to the float64 reference
-(:mod:`dev.gluon_probe`, ``tests/test_decode_gluon.py`` on a GPU).
+(:mod:`dev.gluon_vs_triton_h8`, ``tests/test_decode_gluon.py`` on a GPU).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kvlib.kernels.tl.philox_gluon import counter_words
+from kvlib.kernels.tl.philox_gluon import counter_words, philox4x32
 
 XI8_CONST: gl.constexpr = gl.constexpr(4.5 - 2.0**-9)
 LOG2E_C: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -98,7 +98,7 @@ _BN = gl.constexpr(BLOCK_N)
 # The kernel's register layouts as module constants, not launch arguments: the JIT specialises on every constexpr
 # argument at each launch. With the thirteen layouts as arguments an eager certified step took 0.62 ms at B=2, S=4k
 # against 0.018 ms replayed from a CUDA graph (witcert_decode at c49fe48); that the constants remove this host cost
-# is the expectation, not yet measured (python -m dev.gluon_probe --eager)
+# is the expectation, not yet measured (python -m dev.gluon_vs_triton_h8 --eager)
 _LAYOUT_NAMES = ("KW", "W", "VW", "SC", "MMA", "QA", "KB", "QB", "Z8", "PT", "PB", "VA", "V8")
 KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layouts(BLOCK_N)[k]) for k in _LAYOUT_NAMES)
 
@@ -106,42 +106,16 @@ KW, W, VW, SC, MMA, QA, KB, QB, Z8, PT, PB, VA, V8 = (gl.constexpr(kernel_layout
 # ----------------------------------------------------------------------------------------------
 # device helpers
 @gluon.jit
-def _mulhilo(a, M: gl.constexpr):
-    if M == 0:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-            "=r,=r,r", [a], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-            "=r,=r,r", [a], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _philox(c0, c1, c2, c3, k0, k1):
-    """Random123 philox4x32-10 (the round function of :func:`kvlib.kernels.tl.philox.philox4x32`, WIDE)."""
-    for r in gl.static_range(10):
-        if r > 0:
-            k0 = k0 + 0x9E3779B9
-            k1 = k1 + 0xBB67AE85
-        hi0, lo0 = _mulhilo(c0, 0)
-        hi1, lo1 = _mulhilo(c2, 1)
-        c0 = hi1 ^ c1 ^ k0
-        c2 = hi0 ^ c3 ^ k1
-        c1 = lo1
-        c3 = lo0
-    return c0, c1, c2, c3
-
-
-@gluon.jit
 def _dither_words(slot, cj, c2, c3k, k0, k1, BN: gl.constexpr, W: gl.constexpr, GEN: gl.constexpr = 0,
                   N_ROUNDS: gl.constexpr = 10):
     """The four Philox words of counter ``(slot, call j, kv head, layer << 1)`` for each position and call ``[BN, 8]``
     (word ``i`` is group ``i``'s dither of the call's 16 channels). ``GEN``/``N_ROUNDS``: another generator
-    (:func:`kvlib.kernels.tl.philox.generator_constexprs`; Philox4x32-10 keeps the validated ``_philox``)."""
+    (:func:`kvlib.kernels.tl.philox.generator_constexprs`; Philox4x32-10, each product one ``mul.wide.u32``, is
+    called directly, the validated path)."""
     cs = slot.to(gl.uint32)[:, None] + gl.zeros([BN, 8], gl.uint32, layout=W)
     if GEN == 0 and N_ROUNDS == 10:
-        w0, w1, w2, w3 = _philox(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs), k0, k1)
+        w0, w1, w2, w3 = philox4x32(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs),
+                                    k0, k1, 10)
     else:
         w0, w1, w2, w3 = counter_words(cs, cj + gl.zeros_like(cs), c2 + gl.zeros_like(cs), c3k + gl.zeros_like(cs),
                                        k0, k1, GEN, N_ROUNDS)

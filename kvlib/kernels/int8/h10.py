@@ -242,11 +242,8 @@ def _vT_group(VC, slot, mask_n, kvh, s_vc_n, s_vc_h, vs, ppT, accT, alpha,
 
 
 @triton.jit
-def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, ABLATE: tl.constexpr, PAGE: tl.constexpr = 0):
-    """A tile's slot indices (int64; :func:`kvlib.kernels.tl.paging.load_slots`); ``ABLATE & 4``: the probes'
-    identity table, computed."""
-    if ABLATE & 4:
-        return (b * s_sl_b + offs_n).to(tl.int64)
+def _slots(SLOTS, b, s_sl_b, offs_n, mask_n, PAGE: tl.constexpr = 0):
+    """A tile's slot indices (int64; :func:`kvlib.kernels.tl.paging.load_slots`)."""
     if PAGE > 0:
         return load_slots(SLOTS + b * s_sl_b, offs_n, mask_n, PAGE)
     # the slot table inline, as before paging existed: the validated binaries stay instruction for instruction
@@ -282,7 +279,7 @@ def _decode_int8_stage1_h10(
     NOK: tl.constexpr, NOK_P: tl.constexpr, NOV: tl.constexpr, NOV_P: tl.constexpr,
     CERT: tl.constexpr, CERT_B: tl.constexpr, Q_SPLIT: tl.constexpr, PV_TERMS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FAST: tl.constexpr, TILE_SUMS: tl.constexpr, SKIP_DITHER: tl.constexpr = False,
-    WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+    WIDE_MUL: tl.constexpr = False, VAR_DOT: tl.constexpr = False,
     PV_DEQUANT: tl.constexpr = False, H8: tl.constexpr = False, PAGE: tl.constexpr = 0,
     K_DITHER: tl.constexpr = True, GEN: tl.constexpr = 0, N_ROUNDS: tl.constexpr = 10,
 ):
@@ -367,7 +364,7 @@ def _decode_int8_stage1_h10(
     # h10_probe5.json; the same run found PV with the probabilities as the A operand slower, so it was removed)
     offs_x = start + tl.arange(0, BLOCK_N)
     mask_x = offs_x < end
-    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
+    slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, PAGE)
     ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)  # carried as loaded: [BLOCK_N, 4] fp16
     vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
 
@@ -381,7 +378,7 @@ def _decode_int8_stage1_h10(
         vs0, vs1, vs2, vs3 = _split4(vs_x)
         offs_x = offs_n + BLOCK_N
         mask_x = offs_x < end  # all false on the last tile: nothing is read
-        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, ABLATE, PAGE)
+        slot_x = _slots(SLOTS, b, s_sl_b, offs_x, mask_x, PAGE)
         ks_x = _scales_tile(KS, slot_x, mask_x, kvh, s_ks_n, s_ks_h)
         vs_x = _scales_tile(VS, slot_x, mask_x, kvh, s_vs_n, s_vs_h)
         if SKIP_DITHER or not K_DITHER:  # RTN keys: no dither (else timing only: never a result)
@@ -394,18 +391,14 @@ def _decode_int8_stage1_h10(
             # GEN/N_ROUNDS: the generator (Int8KernelConfig.generator); WIDE: one mul.wide per Philox product
             w0, w1, w2, w3 = counter_words(cs, cj + tl.zeros_like(cs), c2 + tl.zeros_like(cs),
                                            c3k + tl.zeros_like(cs), k0, k1, GEN, N_ROUNDS, WIDE_MUL and FAST)
-        if ABLATE & 1:
-            wx = (w0 ^ w1 ^ w2 ^ w3).to(tl.float32)  # keeps the Philox work alive
-            qk = (s0 + s1 + s2 + s3)[:, None] * (q10 + q11 + q12 + q13 + tl.sum(wx, 1)[:, None] * 1e-30)
-        else:
-            qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST,
-                            SKIP_DITHER, H8, K_DITHER)
-                  + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
-                              SKIP_DITHER, H8, K_DITHER))
-            qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
-                             SKIP_DITHER, H8, K_DITHER)
-                   + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
-                               SKIP_DITHER, H8, K_DITHER))
+        qk = (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w0, s0, qh0, ql0, q10, 0, G, Q_SPLIT, FAST,
+                        SKIP_DITHER, H8, K_DITHER)
+              + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w1, s1, qh1, ql1, q11, 1, G, Q_SPLIT, FAST,
+                          SKIP_DITHER, H8, K_DITHER))
+        qk += (_kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w2, s2, qh2, ql2, q12, 2, G, Q_SPLIT, FAST,
+                         SKIP_DITHER, H8, K_DITHER)
+               + _kT_group(KC, slot, mask_n, kvh, s_kc_n, s_kc_h, w3, s3, qh3, ql3, q13, 3, G, Q_SPLIT, FAST,
+                           SKIP_DITHER, H8, K_DITHER))
         if NOK > 0:
             ko = tl.load(KO + slot[:, None] * s_ko_n + kvh * s_ko_h + offs_ok[None, :],
                          mask=mask_n[:, None] & mask_ok[None, :], other=0.0)
@@ -445,9 +438,7 @@ def _decode_int8_stage1_h10(
                     b_t = b_t * alpha[None, :] + tl.sum(pb, 0)[None, :]
 
         pp = p * 1024.0
-        if ABLATE & 2:
-            acc0 = acc0 * alpha[None, :] + tl.sum(pp * vs0[:, None], 0)[None, :]
-        elif PV_DEQUANT:
+        if PV_DEQUANT:
             vw = tl.load(VC + slot[:, None] * s_vc_n + kvh * s_vc_h + tl.arange(0, D // 4)[None, :],
                          mask=mask_n[:, None], other=0)
             vsc = tl.reshape(tl.broadcast_to(vs_t[:, :, None], (BLOCK_N, 4, G)), (BLOCK_N, D))
@@ -505,7 +496,7 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
     """Launch :func:`_decode_int8_stage1_h10` on validated inputs (called by ``decode_stage1``; ``page > 0``:
     ``slots`` is a block table of pages of ``page`` slots, :mod:`kvlib.kernels.tl.paging`) with the
     :class:`~kvlib.kernels.int8.config.Int8KernelConfig` ``config`` (block_n, warps, stages, pv_terms, tile_sums,
-    wide_mul, var_dot, pv_dequant, maxnreg and the timing-only skip_philox, ablate)."""
+    wide_mul, var_dot, pv_dequant, maxnreg and the timing-only skip_philox)."""
     B, hq, d = q.shape
     n_slots, hkv, _ = k.codes.shape
     gqa = hq // hkv
@@ -534,7 +525,7 @@ def launch_h10(q, k, v, slots, seq_lens, o_s, lse_s, a_s, b_s, *, sm: float, byp
         NOV_P=triton.next_power_of_2(max(nov, 1)),
         CERT=cert, CERT_B=cert and cert_b, Q_SPLIT=q.dtype == torch.float32, PV_TERMS=min(config.pv_terms, 2),
         NUM_SPLITS=ns, FAST=q.device.type == "cuda", TILE_SUMS=config.tile_sums, SKIP_DITHER=config.skip_philox,
-        WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, ABLATE=config.ablate, PV_DEQUANT=config.pv_dequant,
+        WIDE_MUL=config.wide_mul, VAR_DOT=config.var_dot, PV_DEQUANT=config.pv_dequant,
         H8=k.dither_layout == "h8", PAGE=page, K_DITHER=k.dithered, **generator_constexprs(config.generator),
         num_warps=config.warps("h10"),
         num_stages=config.stages("h10"),

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.certify.bound import FP16_REL, FP16_SUB, rounding_gamma
+from kvlib.certify.bound import rounding_gamma
+from kvlib.core.fp16 import FP16_REL, FP16_SUB
 from kvlib.kernels.tl.cert import abs_up_fp16, split_fp16, union_radius
 from kvlib.kernels.tl.merge import split_range
 from kvlib.kernels.tl.paging import load_slots
@@ -563,13 +564,13 @@ def tc_dot_layouts(*, block_n: int, d: int, group: int = 32, gqa: int = 7, nok: 
 
     Why: an mma v2 operand of 16-bit type with ``4 kWidth > K`` (kWidth 8 at ``K = BLOCK_N = 16``) is the layout
     the H200 computed wrong in the removed value-dither path (dev/results/README.md, "value-dither bug")."""
-    from kvlib.kernels.sass import _compile
+    from kvlib.kernels.offline import compile_sm90
 
     cx = dict(GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, D=d, G=group, NOK=nok,
               NOK_P=max(16, triton.next_power_of_2(max(nok, 1))), NOV=nov, NOV_P=triton.next_power_of_2(max(nov, 1)),
               CERT=k_dither, CERT_B=k_dither, Q_SPLIT=True, XI_SPLIT=True, PV_TERMS=3, NUM_SPLITS=2,
               K_DITHER=k_dither, V_DITHER=v_dither)
-    cc = _compile(_decode_int8_stage1_tc, cx, {"Q": "*fp32"}, num_warps=num_warps, num_stages=num_stages)
+    cc = compile_sm90(_decode_int8_stage1_tc, cx, {"Q": "*fp32"}, num_warps=num_warps, num_stages=num_stages)
     ir = cc.asm["ttgir"]
     ver = dict(_MMA.findall(ir))
     out = set()

@@ -30,18 +30,9 @@ from kvlib.core.checks import check_tensor
 from kvlib.core.philox import check_layout_d, seed_key
 from kvlib.formats.dither_int8 import check_x, dither_quantize
 from kvlib.kernels.tl.philox import dither_tile, dither_tile_h8, dither_tile_h10
+from kvlib.kernels.tl.rounding import rne
 from kvlib.kernels.write import recip32
 from kvlib.storage.paged import PagedPool
-
-
-@triton.jit
-def _rne(y):
-    """Round half to even for |y| < 2^23, exact (floor, compare, parity)."""
-    f = tl.floor(y)
-    r = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    up = (r > 0.5) | ((r == 0.5) & odd)
-    return f + up.to(tl.float32)
 
 
 @triton.jit
@@ -133,7 +124,7 @@ def _quantize_side(
     if USE_RINT:
         r = libdevice.rint(y)  # one cvt.rni on the GPU
     else:
-        r = _rne(y)  # same rounding spelled with floor (the CPU interpreter has no libdevice)
+        r = rne(y)  # same rounding spelled with floor (the CPU interpreter has no libdevice)
     c = tl.minimum(tl.maximum(r, -127.0), 127.0)
     zero = (s32 == 0.0) | (y != y)
     if NOUT > 0:
@@ -172,11 +163,17 @@ def _check_write_args(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch
             raise ValueError("slots must be distinct within one write (two tokens cannot share a slot)")
 
 
-def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
-    """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot."""
-    _check_write_args(pool, layer, x, slots, validate=True)
+def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor,
+                         validate: bool = True) -> None:
+    """Torch reference of the write kernel: :func:`dither_quantize` per head, stored by slot. ``validate=False``
+    skips the host-side checks that synchronise (as the Triton path's does: a like-for-like timing). CPU slots take
+    :func:`_write_int8_heads` (every head at once, the dither from the slot-indexed tables): the same bytes."""
+    _check_write_args(pool, layer, x, slots, validate=validate)
     v = pool.layer(layer)
     slots = slots.to(torch.int64)
+    if slots.device.type == "cpu" and x.device.type == "cpu":
+        _write_int8_heads(pool, layer, x, slots)
+        return
     for h in range(pool.n_kv_heads):
         oc = v.outlier_channels[h] if pool.n_out else None
         qt = dither_quantize(
@@ -188,6 +185,38 @@ def write_int8_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: to
         v.scales[slots, h] = qt.scales
         if pool.n_out:
             v.outliers[slots, h] = qt.outliers
+
+
+def _write_int8_heads(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """:func:`dither_quantize` of every head of ``x [N, H, d]`` in one pass (CPU): its elementwise arithmetic on
+    ``[N, H, d]`` with the dither of :func:`kvlib.core.dither_tables.cached_dither`, bit for bit
+    ``dither(slots, ...)``; so the stored bytes are the per-head loop's (``tests/test_reference_speedups.py``)."""
+    from kvlib.core.dither_tables import cached_dither
+    from kvlib.formats.dither_int8 import group_scales, quantize_codes
+
+    n, h, d = x.shape
+    v = pool.layer(layer)
+    check_x(x)
+    x32 = x.to(torch.float32)
+    mask = None
+    if pool.n_out:
+        oc = v.outlier_channels.to(torch.int64)  # [H, m]
+        mask = torch.zeros(h, d, dtype=torch.bool).scatter_(-1, oc, True)
+    s16 = group_scales(x32, pool.group, None if pool.include_outliers_in_amax else mask)
+    if not bool(torch.isfinite(s16).all()):
+        raise ValueError("x has values too large for an fp16 scale (amax / 126.5 > 65504)")
+    if pool.dithered:
+        xi = torch.stack([cached_dither(slots, d, layer=layer, kv_head=i, seed=pool.seed, side=pool.side,
+                                        layout=pool.dither_layout) for i in range(h)], 1)
+    else:
+        xi = torch.zeros_like(x32)
+    v.codes[slots] = quantize_codes(x32, s16, xi, pool.group, zero=mask)
+    v.scales[slots] = s16
+    if pool.n_out:
+        outs = torch.gather(x32, -1, oc.unsqueeze(0).expand(n, -1, -1)).to(torch.float16)
+        if not bool(torch.isfinite(outs).all()):
+            raise ValueError("an outlier channel of x overflows fp16")
+        v.outliers[slots] = outs
 
 
 def write_rtn_reference(pool: PagedPool, layer: int, x: torch.Tensor, slots: torch.Tensor) -> None:
@@ -303,7 +332,7 @@ def write_int8(
         if rule == "rtn":
             write_rtn_reference(pool, layer, x, slots)
         else:
-            write_int8_reference(pool, layer, x, slots)
+            write_int8_reference(pool, layer, x, slots, validate=validate)
         return
     _check_write_args(pool, layer, x, slots, validate)
     if not x.is_cuda and not _interpreting():

@@ -26,19 +26,17 @@ Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
   PV), or the consumer loads them itself a tile ahead into registers and frees the stage as soon as the codes are in
   registers (``scales_smem=False``).
 
-Second-round options (issue 28; ``dev/gpu/wspec2.sh`` times them):
+Second-round options (issue 28; ``dev/gpu/wspec2.sh`` timed them, ``dev/results/wspec2_timing.json``):
 
-* ``warp_tiles``: four one-warp consumer partitions instead of one warpgroup, consumer ``w`` taking tiles
-  ``w, w + 4, ...`` with its own softmax state, written as state ``split * 4 + w`` of the split output (the merge
-  combines them). One warp holds a whole ``[16, block_n]`` score tile, so the max over positions and the P
-  operand of the PV MMA stay in the warp: no shared-memory round trip, no CTA barrier per tile. Triton pads the
-  partitions to warpgroups (an idle 4-warp default partition, 12 warps), so one CTA fits an SM.
-* ``lazy_rescale`` (with ``vfold``): the running state is rescaled only when some head's max grew by more than
-  ``LAZY_TAU = 5`` (base 2); terms stay ``<= 2^5`` relative to the max they are scaled by (``1024 p <= 32768``, a
-  finite fp16) and the final normalisation uses that same max, so the result is exact to the same fp16 rounding.
-* ``prefetch``: the producer loads the next tile's scales while it waits for a free stage.
+* ``prefetch``: the producer loads the next tile's scales while it waits for a free stage (the best variant, block_n
+  128, ring 3: 1.23x SDPA bf16 at B=8 and 1.24x at B=32, S=16k).
 * ``swizzle=0`` is refused: on the H200 the unswizzled ring read back wrong codes (the TMA box and Triton's
   unswizzled NVMMA layout disagree; ``dev/gpu/wspec2.sh`` probes how).
+
+Variants that lost, their code removed (measured at commit bb9b9f2, ``dev/results/README.md``, wspec2_timing):
+four one-warp consumer partitions each taking every fourth tile with its own softmax state (``warp_tiles``: 12 warps
+as Triton pads partitions to warpgroups, one CTA per SM) ran at 0.21-0.27x SDPA; rescaling the running state only
+when a head's max grew by more than ``2^5`` (``lazy_rescale``) gave nothing (1.19-1.21x against 1.23x).
 
 Splits are tile-aligned (``ceil(ceil(len / NS) / block_n) * block_n`` positions), so every TMA box stays inside one
 page; positions past a split's end read page 0 (the block-table load is masked) and are removed by their score
@@ -59,10 +57,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from kvlib.core.checks import check_tensor
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: channels per scale group (the pool's group; the kernel's MMA k-chunk)
 GROUP = 32
+
+
+def check_ring(cfg, max_ring: int) -> None:
+    """The fields the warp-specialised kernels' configs share (ValueError naming the field): ``ring`` stages
+    (2..``max_ring``), the producer warp's registers, the launch's ``maxnreg`` and ``ctas_per_sm``."""
+    if not 2 <= cfg.ring <= max_ring:
+        raise ValueError(f"ring must be 2..{max_ring} stages, got {cfg.ring}")
+    if cfg.producer_regs % 8 or not 24 <= cfg.producer_regs <= 256:
+        raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {cfg.producer_regs}")
+    if cfg.maxnreg % 8 or not 64 <= cfg.maxnreg <= 255:
+        raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {cfg.maxnreg}")
+    if cfg.ctas_per_sm < 1:
+        raise ValueError(f"ctas_per_sm must be >= 1, got {cfg.ctas_per_sm}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,31 +98,15 @@ class WSpecConfig:
     prmt: bool = False
     #: (``scales_smem`` only) fp16 P, value scales folded into the value operand (else into P, per group, fp32)
     vfold: bool = False
-    #: ``consumer_warps`` one-warp consumer partitions, each taking every ``consumer_warps``-th tile with its own
-    #: softmax state (written as its own split: no cross-warp max, P stays in its warp's registers); needs
-    #: ``scales_smem`` and ``vfold``
-    warp_tiles: bool = False
-    #: (``vfold`` only) rescale the running state only when a head's max grows by more than LAZY_TAU in base 2;
-    #: exact: the final normalisation uses the max the terms were scaled by
-    lazy_rescale: bool = False
-    #: (``warp_tiles`` only) registers of each consumer warp after ``setmaxnreg`` (the launch's ``maxnreg`` sets the
-    #: CTA's pool: 12 warps, as Triton pads the partitions to warpgroups)
-    consumer_regs: int = 168
     #: (``scales_smem`` only) the producer gathers the next tile's scales while it waits for a free stage
     prefetch: bool = False
 
     def __post_init__(self):
-        if self.block_n not in (16, 32, 64, 128, 256) or (self.block_n == 16 and not self.warp_tiles):
-            raise ValueError(f"block_n must be 32, 64, 128 or 256 (16 with warp_tiles), got {self.block_n}")
-        if not 2 <= self.ring <= 8:
-            raise ValueError(f"ring must be 2..8 stages, got {self.ring}")
+        if self.block_n not in (32, 64, 128, 256):
+            raise ValueError(f"block_n must be 32, 64, 128 or 256, got {self.block_n}")
+        check_ring(self, max_ring=8)
         if self.consumer_warps != 4:  # 8 one-warp consumers spilled offline (152 registers each, the most 13 warps get)
-            raise ValueError(f"consumer_warps must be 4 (one warpgroup, or four one-warp consumers with warp_tiles), "
-                             f"got {self.consumer_warps}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
+            raise ValueError(f"consumer_warps must be 4 (one warpgroup), got {self.consumer_warps}")
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}" + (
                 "; 0 is refused: on the H200 the unswizzled ring read back wrong codes (max |o - ref| 3.4, "
@@ -117,19 +114,8 @@ class WSpecConfig:
                 "SWIZZLE_NONE TMA box of 128-byte rows writes" if self.swizzle == 0 else ""))
         if self.vfold and not self.scales_smem:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
-        if self.warp_tiles and not (self.scales_smem and self.vfold):
-            raise ValueError("warp_tiles needs scales_smem=True and vfold=True")
         if self.prefetch and not self.scales_smem:
             raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
-        if self.lazy_rescale and not self.vfold:
-            raise ValueError("lazy_rescale needs vfold=True")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
-
-    @property
-    def states_per_split(self) -> int:
-        """Softmax states each split writes (one per consumer warp with ``warp_tiles``)."""
-        return self.consumer_warps if self.warp_tiles else 1
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -152,15 +138,6 @@ class Plan:
     box_rows: int
 
 
-def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
-
-
 def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, config: WSpecConfig | None = None,
          num_splits: int | None = None, sms: int | None = None) -> Plan:
     """Validate a request (ValueError/TypeError naming the argument) and choose its splits: at most ``ctas_per_sm``
@@ -169,13 +146,13 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
     cfg = config or WSpecConfig()
     if not isinstance(cfg, WSpecConfig):
         raise TypeError(f"config must be a WSpecConfig, got {type(cfg).__name__}")
-    _check_tensor("q", q, 3, (torch.float16, torch.bfloat16))
+    check_tensor("q", q, ndim=3, dtype=(torch.float16, torch.bfloat16))
     for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        _check_tensor(name, t, 4, (torch.int8,))
+        check_tensor(name, t, ndim=4, dtype=torch.int8)
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
-        _check_tensor(name, t, 4, (torch.float16,))
-    _check_tensor("block_table", block_table, 2, (torch.int32,))
-    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+        check_tensor(name, t, ndim=4, dtype=torch.float16)
+    check_tensor("block_table", block_table, ndim=2, dtype=torch.int32)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
     B, hq, d = q.shape
     nb, bs, hkv, dk = k_codes.shape
     if d != 128:
@@ -221,46 +198,85 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 # ----------------------------------------------------------------------------------------------
 # the kernel
 @gluon.jit
-def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-              s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-              RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False):
+def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
+              n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+              RBOX: gl.constexpr, RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False,
+              NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1):
     """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
     ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
-    TMA transaction). ``PREFETCH``: :func:`_producer_pf`."""
+    TMA transaction).
+
+    ``PREFETCH`` (``SCALES_SMEM``): the scale gather a tile ahead: tile ``i + 1``'s scales are loaded into registers
+    right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free stage instead of
+    sitting between a stage's TMA issue and its ``ready`` arrival. ``NOK > 0`` (with PREFETCH:
+    :mod:`kvlib.kernels.int8.wspec_cert`, whose producer this is): also the ``NOK`` fp16 key-outlier rows of each
+    tile, gathered from ``KO`` into the stage's ``o_bufs [16, BN]`` (``NOKP``: ``NOK`` rounded up to a power of two;
+    rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows)."""
+    if SCALES_SMEM:
+        nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
+        OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
+        oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
+        on = gl.arange(0, BN, layout=gl.SliceLayout(0, OB))
+        if NOKP < 16:  # rows NOKP..15 of every stage stay 0 (written once, before any arrival)
+            OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
+            for st in gl.static_range(RING):
+                o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
     if PREFETCH:
-        _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                     s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING)
-    else:
+        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+    for i in range(n_tiles):
+        s = i % RING
+        ph = (i // RING) & 1
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
+        mbarrier.wait(empty.index(s), ph ^ 1)
+        mbarrier.expect(ready.index(s), 2 * BN * D)
+        n0 = start + i * BN
+        for j in gl.static_range(BN // RBOX):
+            n = n0 + j * RBOX
+            blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
+            row = blk * PAGE + n % PAGE
+            tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
+                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+            tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
+                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
+        if PREFETCH:
+            s_bufs.index(s * 8 + 0).store(k0)
+            s_bufs.index(s * 8 + 1).store(k1)
+            s_bufs.index(s * 8 + 2).store(k2)
+            s_bufs.index(s * 8 + 3).store(k3)
+            s_bufs.index(s * 8 + 4).store(v0)
+            s_bufs.index(s * 8 + 5).store(v1)
+            s_bufs.index(s * 8 + 6).store(v2)
+            s_bufs.index(s * 8 + 7).store(v3)
+        elif SCALES_SMEM:
+            n = n0 + nn
+            m = n < end
+            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+            slot = (blk * PAGE + n % PAGE).to(gl.int64)
+            kp = KS + slot * s_ks_n + kvh * 4
+            vp = VS + slot * s_vs_n + kvh * 4
+            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+                s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
+                s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
+        if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
+            n = n0 + on
+            m = n < end
+            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
+            # a contiguous [n_slots, H_kv, NOK] pool (plan checks it): head stride NOK, slot stride H_kv NOK
+            off = (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * NOK
+            if NOKP == NOK:
+                off = gl.multiple_of(off, NOK)
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(gl.load(KO + off[None, :] + oc[:, None],
+                                                                    mask=m[None, :], other=0.0))
+            else:
+                o_bufs.index(s).slice(0, NOKP, dim=0).store(
+                    gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
         if SCALES_SMEM:
-            nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        for i in range(n_tiles):
-            s = i % RING
-            ph = (i // RING) & 1
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
-            mbarrier.wait(empty.index(s), ph ^ 1)
-            mbarrier.expect(ready.index(s), 2 * BN * D)
-            n0 = start + i * BN
-            for j in gl.static_range(BN // RBOX):
-                n = n0 + j * RBOX
-                blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
-                row = blk * PAGE + n % PAGE
-                tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
-                                                k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-                tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
-                                                v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-            if SCALES_SMEM:
-                n = n0 + nn
-                m = n < end
-                blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-                slot = (blk * PAGE + n % PAGE).to(gl.int64)
-                kp = KS + slot * s_ks_n + kvh * 4
-                vp = VS + slot * s_vs_n + kvh * 4
-                for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
-                    s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
-                    s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
-                gl.thread_barrier()  # every lane's stores before the one arrival
-                mbarrier.arrive(ready.index(s), count=1)
+            gl.thread_barrier()  # every lane's stores before the one arrival
+            mbarrier.arrive(ready.index(s), count=1)
+        if PREFETCH:  # the next tile's (all masked past the split: no memory traffic)
+            k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
 
 
 @gluon.jit
@@ -274,43 +290,6 @@ def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
     return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
             gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
             gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
-
-
-@gluon.jit
-def _producer_pf(k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                 s_ks_n, s_vs_n, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
-                 RING: gl.constexpr):
-    """:func:`_producer` (``SCALES_SMEM``) with the scale gather a tile ahead: tile ``i + 1``'s scales are loaded
-    into registers right after tile ``i``'s are stored, so their memory latency overlaps the wait for the next free
-    stage instead of sitting between a stage's TMA issue and its ``ready`` arrival."""
-    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        mbarrier.wait(empty.index(s), ph ^ 1)
-        mbarrier.expect(ready.index(s), 2 * BN * D)
-        n0 = start + i * BN
-        for j in gl.static_range(BN // RBOX):
-            n = n0 + j * RBOX
-            blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
-            row = blk * PAGE + n % PAGE
-            tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
-                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
-                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        s_bufs.index(s * 8 + 0).store(k0)
-        s_bufs.index(s * 8 + 1).store(k1)
-        s_bufs.index(s * 8 + 2).store(k2)
-        s_bufs.index(s * 8 + 3).store(k3)
-        s_bufs.index(s * 8 + 4).store(v0)
-        s_bufs.index(s * 8 + 5).store(v1)
-        s_bufs.index(s * 8 + 6).store(v2)
-        s_bufs.index(s * 8 + 7).store(v3)
-        gl.thread_barrier()  # every lane's stores before the one arrival
-        mbarrier.arrive(ready.index(s), count=1)
-        # the next tile's (all masked past the split: no memory traffic)
-        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
 
 
 @gluon.jit
@@ -377,10 +356,15 @@ def _pv_fold(p16, vs_row, vb, acc, alpha, KB: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
+def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
               sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
-              PRMT: gl.constexpr):
+              PRMT: gl.constexpr, SCALES_SMEM: gl.constexpr = False, VFOLD: gl.constexpr = False):
+    """The consumer warpgroup. Without ``SCALES_SMEM`` it gathers the group scales itself, a tile ahead into
+    registers, reads the stage's key and value operands into registers and frees the stage before the softmax. With
+    ``SCALES_SMEM`` the scales ride in the stage (``s_bufs``; ``KS``, ``VS`` unread): every operand is read from
+    shared memory just before its MMA (keys, then per group the values and their scales), and the stage is freed
+    after PV; the ring, not registers, holds the next tiles. ``VFOLD``: :func:`_pv_fold`."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -402,9 +386,10 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
     acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
 
     nl = gl.arange(0, BN, layout=NL)
-    na = gl.arange(0, BN, layout=NA)
-    ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
-    vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
+    if not SCALES_SMEM:
+        na = gl.arange(0, BN, layout=NA)
+        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
+        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -412,207 +397,69 @@ def _consumer(k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kv
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
-        kb0 = _k_operand(kb, 0, KB, PRMT)
-        kb1 = _k_operand(kb, 1, KB, PRMT)
-        kb2 = _k_operand(kb, 2, KB, PRMT)
-        kb3 = _k_operand(kb, 3, KB, PRMT)
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
-        z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
-        # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
-        vb0 = _v_operand(vb, 0, KB, PRMT)
-        vb1 = _v_operand(vb, 1, KB, PRMT)
-        vb2 = _v_operand(vb, 2, KB, PRMT)
-        vb3 = _v_operand(vb, 3, KB, PRMT)
-        # the stage is in registers: order the shared reads before the next TMA write, then free it
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+        if SCALES_SMEM:
+            zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+            z = (mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero)
+                 * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :])
+            z += (mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero)
+                  * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :])
+        else:
+            kb0 = _k_operand(kb, 0, KB, PRMT)
+            kb1 = _k_operand(kb, 1, KB, PRMT)
+            kb2 = _k_operand(kb, 2, KB, PRMT)
+            kb3 = _k_operand(kb, 3, KB, PRMT)
+            zero = gl.zeros([16, BN], gl.float32, layout=MMA)
+            z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
+            z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
+            # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
+            vb0 = _v_operand(vb, 0, KB, PRMT)
+            vb1 = _v_operand(vb, 1, KB, PRMT)
+            vb2 = _v_operand(vb, 2, KB, PRMT)
+            vb3 = _v_operand(vb, 3, KB, PRMT)
+            # the stage is in registers: order the shared reads before the next TMA write, then free it
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
         z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = gl.exp2(z - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_t = l_t * alpha[:, None] + p
         m_i = m_new
-        pa = gl.convert_layout(p * 1024.0, QA)
-        acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
-        acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
-        acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
-        acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
-        # the next tile's scales (all masked past the split: no memory traffic)
-        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
-        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
-
-    _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-              GQA, MMA)
-
-
-@gluon.jit
-def _consumer_smem(k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
-                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                   GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRMT: gl.constexpr,
-                   VFOLD: gl.constexpr, LAZY: gl.constexpr = False):
-    """The consumer with the scales in the stage (``SCALES_SMEM``): every operand is read from shared memory just
-    before its MMA (keys, then per group the values and their scales), and the stage is freed after PV; the ring,
-    not registers, holds the next tiles."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    NL: gl.constexpr = gl.SliceLayout(0, MMA)
-    NA: gl.constexpr = gl.SliceLayout(0, QA)
-    HL: gl.constexpr = gl.SliceLayout(1, MMA)
-
-    Q_row = Q + b * s_qb + kvh * GQA * s_qh
-    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
-    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
-    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
-    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
-
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
-    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
-    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    nl = gl.arange(0, BN, layout=NL)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        n0 = start + i * BN
-        mbarrier.wait(ready.index(s), ph)
-        kb = k_bufs.index(s)
-        vb = v_bufs.index(s)
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
-        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
-        if LAZY:  # (VFOLD) rescale only when a head's max grew by more than 2^LAZY_TAU; alpha = 1 otherwise
-            m_t = gl.max(z, 1)
-            if gl.max(m_t - m_i, 0) > LAZY_TAU:
-                m_new = gl.maximum(m_i, m_t)
-                alpha = gl.exp2(m_i - m_new)
-                l_t = l_t * alpha[:, None]
-                acc0 = acc0 * alpha[:, None]
-                acc1 = acc1 * alpha[:, None]
-                acc2 = acc2 * alpha[:, None]
-                acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-            alpha = gl.full([16], 1.0, gl.float32, layout=HL)  # the accumulators are already rescaled
-            p = gl.exp2(z - m_i[:, None])
-            l_t = l_t + p
-        else:
-            m_new = gl.maximum(m_i, gl.max(z, 1))
-            p = gl.exp2(z - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_t = l_t * alpha[:, None] + p
-            m_i = m_new
-        if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
-            p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
-            acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
-            acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
-            acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
-            acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+        if SCALES_SMEM:
+            if VFOLD:  # fp16 P once, the value scale folded into the values (fp16 products, one rounding each)
+                p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
+                acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
+                acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
+                acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+                acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+            else:
+                pa = gl.convert_layout(p * 1024.0, QA)
+                acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0,
+                           alpha, MMA)
+                acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1,
+                           alpha, MMA)
+                acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2,
+                           alpha, MMA)
+                acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3,
+                           alpha, MMA)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
         else:
             pa = gl.convert_layout(p * 1024.0, QA)
-            acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0, alpha,
-                       MMA)
-            acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1, alpha,
-                       MMA)
-            acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2, alpha,
-                       MMA)
-            acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3, alpha,
-                       MMA)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+            acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
+            acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
+            acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
+            acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
+            # the next tile's scales (all masked past the split: no memory traffic)
+            ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
+            vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
+
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA, MMA)
-
-
-#: lazy rescale threshold (base 2): terms stay <= 2^5 relative to the max they are scaled by, so 1024 p <= 32768
-#: stays a finite fp16 and the fp32 sums cannot overflow
-LAZY_TAU: gl.constexpr = gl.constexpr(5.0)
-
-
-@gluon.jit
-def _idle():
-    pass
-
-
-@gluon.jit
-def _consumer_warp(k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
-                   sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                   W: gl.constexpr, NCW: gl.constexpr, GQA: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                   PRMT: gl.constexpr, LAZY: gl.constexpr):
-    """One consumer warp (``warp_tiles``): tiles ``W, W + NCW, ...`` of the split with its own softmax state, written
-    as state ``split * NCW + W``. One warp holds a whole ``[16, BN]`` score tile, so the max over positions and the
-    P operand of the PV MMA stay inside the warp (no shared-memory exchange, no CTA barrier); the ring's stages are
-    freed one by one by whichever warp read them."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    NL: gl.constexpr = gl.SliceLayout(0, MMA)
-    HL: gl.constexpr = gl.SliceLayout(1, MMA)
-
-    Q_row = Q + b * s_qb + kvh * GQA * s_qh
-    qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
-    qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
-    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
-    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
-
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
-    l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
-    acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    nl = gl.arange(0, BN, layout=NL)
-    for i in range(W, n_tiles, NCW):
-        s = i % RING
-        ph = (i // RING) & 1
-        n0 = start + i * BN
-        mbarrier.wait(ready.index(s), ph)
-        kb = k_bufs.index(s)
-        vb = v_bufs.index(s)
-        zero = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z = mma_v2(qa0, _k_operand(kb, 0, KB, PRMT), zero) * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero) * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero) * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :]
-        z += mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero) * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :]
-        z = gl.where((n0 + nl < end)[None, :], z * sm_log2, float("-inf"))
-        m_t = gl.max(z, 1)
-        if LAZY:
-            # a tile never lies wholly past the split's end, so m_t is finite and the first tile always rescales
-            if gl.max(m_t - m_i, 0) > LAZY_TAU:
-                m_new = gl.maximum(m_i, m_t)
-                alpha = gl.exp2(m_i - m_new)
-                l_t = l_t * alpha[:, None]
-                acc0 = acc0 * alpha[:, None]
-                acc1 = acc1 * alpha[:, None]
-                acc2 = acc2 * alpha[:, None]
-                acc3 = acc3 * alpha[:, None]
-                m_i = m_new
-        else:
-            m_new = gl.maximum(m_i, m_t)
-            alpha = gl.exp2(m_i - m_new)
-            l_t = l_t * alpha[:, None]
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            m_i = m_new
-        p = gl.exp2(z - m_i[:, None])
-        l_t = l_t + p
-        p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)  # within the warp
-        one = gl.full([16], 1.0, gl.float32, layout=HL)
-        acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, one, KB)
-        acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, one, KB)
-        acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, one, KB)
-        acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, one, KB)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
-    _epilogue(O_S, LSE_S, b, kvh, split * NCW + W, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b,
-              s_ls_h, GQA, MMA)
 
 
 @gluon.jit
@@ -643,9 +490,7 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
-    CONSUMER_REGS: gl.constexpr = 128, PREFETCH: gl.constexpr = False,
-    PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, WTILES: gl.constexpr = False,
-    LAZY: gl.constexpr = False,
+    PREFETCH: gl.constexpr = False, PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False,
 ):
     D: gl.constexpr = 128
     b = gl.program_id(0)
@@ -672,43 +517,21 @@ def _wspec_stage1(
         mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    if WTILES:  # the default partition (4 warps: Triton wants a multiple of 4) idles; the consumers are workers
-        W0: gl.constexpr = 0
-        W1: gl.constexpr = 1
-        W2: gl.constexpr = 2
-        W3: gl.constexpr = 3
+    if SCALES_SMEM:
         gl.warp_specialize([
-            (_idle, ()),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W0, NW, GQA, BN,
-                              RING, PRMT, LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W1, NW, GQA, BN,
-                              RING, PRMT, LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W2, NW, GQA, BN,
-                              RING, PRMT, LAZY)),
-            (_consumer_warp, (k_bufs, v_bufs, s_bufs, ready, empty, Q, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, W3, NW, GQA, BN,
-                              RING, PRMT, LAZY)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
-        ], [1, 1, 1, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    elif SCALES_SMEM:
-        gl.warp_specialize([
-            (_consumer_smem, (k_bufs, v_bufs, s_bufs, ready, empty, Q, BT_row, O_S, LSE_S, b, kvh, split, start, end,
-                              n_tiles, sm_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, BN, RING, NW,
-                              PRMT, VFOLD, LAZY)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (k_bufs, v_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
+            (_consumer, (k_bufs, v_bufs, 0, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                          n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                          GQA, PAGE, BN, RING, NW, PRMT)),
-            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, VS, BT_row, kvh, start, end, n_tiles,
-                         s_ks_n, s_vs_n, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -744,7 +567,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
     kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
     B, hq, d = pl.batch, pl.hq, pl.d
-    ns = pl.num_splits * cfg.states_per_split
+    ns = pl.num_splits
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     if lse_s is None:
@@ -759,8 +582,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale, CONSUMER_REGS=cfg.consumer_regs,
-        PREFETCH=cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return o_s, lse_s
 
@@ -831,8 +653,7 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-                 PRMT=cfg.prmt, VFOLD=cfg.vfold, WTILES=cfg.warp_tiles, LAZY=cfg.lazy_rescale,
-                 CONSUMER_REGS=cfg.consumer_regs, PREFETCH=cfg.prefetch)
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}

@@ -63,7 +63,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from kvlib.kernels.int8 import gluon as G
 from kvlib.kernels.int8 import wspec as W
@@ -100,14 +100,7 @@ class WSpecCertConfig:
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
             raise ValueError(f"block_n must be 32, 64 or 128, got {self.block_n}")
-        if not 2 <= self.ring <= 6:
-            raise ValueError(f"ring must be 2..6 stages, got {self.ring}")
-        if self.producer_regs % 8 or not 24 <= self.producer_regs <= 256:
-            raise ValueError(f"producer_regs must be a multiple of 8 in 24..256, got {self.producer_regs}")
-        if self.maxnreg % 8 or not 64 <= self.maxnreg <= 255:
-            raise ValueError(f"maxnreg must be a multiple of 8 in 64..255, got {self.maxnreg}")
-        if self.ctas_per_sm < 1:
-            raise ValueError(f"ctas_per_sm must be >= 1, got {self.ctas_per_sm}")
+        W.check_ring(self, max_ring=6)
         if self.swizzle not in (32, 64, 128):  # 0 read back wrong codes on the H200 (wspec.WSpecConfig)
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}")
         if self.pv not in ("exact", "fold"):
@@ -132,19 +125,10 @@ class WSpecCertConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class CertPlan:
-    """A validated launch: shapes, splits, TMA box rows, the outlier count and the certificate's constants."""
+class CertPlan(W.Plan):
+    """A validated launch: the RTN kernel's :class:`~kvlib.kernels.int8.wspec.Plan` (shapes, splits, TMA box rows)
+    plus the outlier count and the certificate's constants."""
 
-    batch: int
-    hq: int
-    hkv: int
-    gqa: int
-    d: int
-    block_size: int
-    num_blocks: int
-    max_blocks: int
-    num_splits: int
-    box_rows: int
     nok: int
     sm_scale: float
     delta: float
@@ -196,15 +180,6 @@ def consumer_layouts(bn: int, nw: int = 4) -> dict[str, Any]:
     )
 
 
-def _check_tensor(name: str, t, ndim: int, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(x) for x in dtypes]}, got {t.dtype}")
-
-
 def _pages(side, bs: int, name: str):
     """A pool side's codes/scales as ``[num_blocks, block_size, H_kv, ...]`` pages (views, no copy)."""
     n = side.codes.shape[0]
@@ -221,8 +196,9 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
          config: WSpecCertConfig | None = None, num_splits: int | None = None, sms: int | None = None) -> CertPlan:
     """Validate a certified request (ValueError/TypeError naming the argument) and choose its splits (the RTN
     kernel's planner: :func:`kvlib.kernels.int8.wspec.plan`). Needs no GPU."""
-    from kvlib.certify.bound import FP16_REL, FP16_SUB, radius_multiplier, rounding_gamma
+    from kvlib.certify.bound import radius_multiplier, rounding_gamma
     from kvlib.core.checks import check_open_unit
+    from kvlib.core.fp16 import FP16_REL, FP16_SUB
     from kvlib.core.philox import seed_key
     from kvlib.kernels.int8.request import as_side
 
@@ -283,66 +259,6 @@ def plan(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: in
 
 # ----------------------------------------------------------------------------------------------
 # the kernel
-@gluon.jit
-def _producer_cert(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
-                   n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
-                   RBOX: gl.constexpr, RING: gl.constexpr, NOK: gl.constexpr, NOKP: gl.constexpr):
-    """One warp: :func:`kvlib.kernels.int8.wspec._producer_pf` (TMA of the K and V boxes, the group scales gathered a
-    tile ahead), plus the ``NOK`` fp16 key-outlier rows of each tile gathered into the stage ``[16, BN]`` (``NOKP``:
-    ``NOK`` rounded up to a power of two; rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass
-    MMA reads 16 rows)."""
-    nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
-        OB: gl.constexpr = gl.BlockedLayout([NOKP, 1], [1, 32], [1, 1], [0, 1])
-        oc = gl.arange(0, NOKP, layout=gl.SliceLayout(1, OB))
-        on = gl.arange(0, BN, layout=gl.SliceLayout(0, OB))
-        if NOKP < 16:  # rows NOKP..15 of every stage stay 0 (written once, before any arrival)
-            OZ: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 1], [0, 1])
-            for st in gl.static_range(RING):
-                o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
-    k0, k1, k2, k3, v0, v1, v2, v3 = W._gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
-    for i in range(n_tiles):
-        s = i % RING
-        ph = (i // RING) & 1
-        # a fresh mbarrier counts as having completed the phase before phase 0: the first RING waits pass at once
-        mbarrier.wait(empty.index(s), ph ^ 1)
-        mbarrier.expect(ready.index(s), 2 * BN * D)
-        n0 = start + i * BN
-        for j in gl.static_range(BN // RBOX):
-            n = n0 + j * RBOX
-            blk = gl.load(BT_row + n // PAGE, mask=n < end, other=0)
-            row = blk * PAGE + n % PAGE
-            tma.async_copy_global_to_shared(k_desc, [row, kvh * D], ready.index(s),
-                                            k_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-            tma.async_copy_global_to_shared(v_desc, [row, kvh * D], ready.index(s),
-                                            v_bufs.index(s).slice(j * RBOX, RBOX, dim=0))
-        s_bufs.index(s * 8 + 0).store(k0)
-        s_bufs.index(s * 8 + 1).store(k1)
-        s_bufs.index(s * 8 + 2).store(k2)
-        s_bufs.index(s * 8 + 3).store(k3)
-        s_bufs.index(s * 8 + 4).store(v0)
-        s_bufs.index(s * 8 + 5).store(v1)
-        s_bufs.index(s * 8 + 6).store(v2)
-        s_bufs.index(s * 8 + 7).store(v3)
-        if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
-            n = n0 + on
-            m = n < end
-            blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-            # a contiguous [n_slots, H_kv, NOK] pool (plan checks it): head stride NOK, slot stride H_kv NOK
-            off = (blk * PAGE + n % PAGE).to(gl.int64) * s_ko_n + kvh * NOK
-            if NOKP == NOK:
-                off = gl.multiple_of(off, NOK)
-                o_bufs.index(s).slice(0, NOKP, dim=0).store(gl.load(KO + off[None, :] + oc[:, None],
-                                                                    mask=m[None, :], other=0.0))
-            else:
-                o_bufs.index(s).slice(0, NOKP, dim=0).store(
-                    gl.load(KO + off[None, :] + oc[:, None], mask=(oc < NOK)[:, None] & m[None, :], other=0.0))
-        gl.thread_barrier()  # every lane's stores before the one arrival
-        mbarrier.arrive(ready.index(s), count=1)
-        # the next tile's (all masked past the split: no memory traffic)
-        k0, k1, k2, k3, v0, v1, v2, v3 = W._gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
-
-
 @gluon.jit
 def _qk_group(kb, g: gl.constexpr, w, qa, q1, s, BN: gl.constexpr, KB: gl.constexpr, KW: gl.constexpr,
               MMA: gl.constexpr, Z8: gl.constexpr, PRMT: gl.constexpr):
@@ -607,8 +523,9 @@ def _wspec_cert_stage1(
                           byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
                           s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
                           VFOLD)),
-        (_producer_cert, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
-                          start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, NOK, NOKP)),
+        (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                       start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True, NOK,
+                       NOKP)),
     ], [1], [PRODUCER_REGS])
 
 

@@ -35,22 +35,19 @@ def _scalar(v):
     return v + tl.zeros((), tl.int64)
 
 
-@triton.jit
-def _mulhilo_m0(a):
-    """``(hi, lo)`` of ``a * 0xD2511F53`` (uint32) from one ``mul.wide.u32`` (one IMAD.WIDE on sm_90)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
-        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
-    )  # fmt: skip
+#: one ``mul.wide.u32`` per Philox product, by the round's multiplier (0: ``PHILOX_M0``, 1: ``PHILOX_M1``)
+_MULHILO_ASM: tl.constexpr = tl.constexpr((
+    "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+    "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+))
 
 
 @triton.jit
-def _mulhilo_m1(a):
-    """``(hi, lo)`` of ``a * 0xCD9E8D57`` (uint32), as :func:`_mulhilo_m0`."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
-        "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1,
-    )  # fmt: skip
+def _mulhilo(a, M: tl.constexpr):
+    """``(hi, lo)`` of ``a`` times multiplier ``M`` of Philox (uint32) from one ``mul.wide.u32`` (one IMAD.WIDE on
+    sm_90)."""
+    return tl.inline_asm_elementwise(_MULHILO_ASM[M], "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -76,8 +73,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1, N_ROUNDS: tl.constexpr = 10, WIDE: tl.con
             k0 = k0 + w0
             k1 = k1 + w1
         if WIDE:
-            hi0, lo0 = _mulhilo_m0(c0)
-            hi1, lo1 = _mulhilo_m1(c2)
+            hi0, lo0 = _mulhilo(c0, 0)
+            hi1, lo1 = _mulhilo(c2, 1)
             c0 = hi1 ^ c1 ^ k0
             c2 = hi0 ^ c3 ^ k1
             c1 = lo1

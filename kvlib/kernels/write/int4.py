@@ -3,14 +3,15 @@
 One program per (token ``n``, KV head ``h``) reads ``k[n, h], v[n, h]`` (``[d]``, any float dtype), and writes:
 
 * keys: :func:`kvlib.core.hadamard.hadamard` (the same Sylvester butterfly, the same fp32 adds in the same
-  order, then ``* fp32(1/sqrt(d))``), then :func:`kvlib.storage.pools.int4_head_quantize` (one affine group
+  order, then ``* fp32(1/sqrt(d))``), then :func:`kvlib.formats.kv4.int4_quantize_unchecked` (one affine group
   per (token, head): ``m = fp16_down(min)``, ``delta = fp16_up((max - m) / 15)``, codes
   ``clamp(rne((x - m) / delta), 0, 15)`` packed two per byte, channel ``2i`` in the low nibble);
 * values: the same quantisation without the rotation;
 * kv4rl (``side`` given, a decode step: one token per row): the rotated key and the value as per-vector
-  symmetric INT8 (:func:`kvlib.storage.pools.int8_vector_quantize`) into ring slot ``pos`` (sinks) or
-  ``sink + (pos - sink) % recent``, after moving the entry leaving the ring (position ``pos - recent``) to the
-  crop stash at ``(pos - recent) % U``: :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
+  symmetric INT8 (:func:`kvlib.formats.kv4rl.int8_quantize_unchecked`) into side slot
+  :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry
+  leaving the ring (position ``pos - recent``) to the crop stash at ``(pos - recent) % U``:
+  :meth:`kvlib.storage.pools.Int4Store.write`'s ``one_per_row`` branch.
 
 ``tests/test_write_kernels.py`` binds it to the torch path bit for bit (interpreter) and
 ``dev/gpu/writefuse.sh`` on the GPU.
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvlib.core.checks import check_tensor
-from kvlib.kernels.int8.write import _rne
+from kvlib.kernels.tl.rounding import rne
 from kvlib.kernels.write import recip32
 
 
@@ -77,29 +78,15 @@ def _stage(y, D: tl.constexpr, HH: tl.constexpr):
 @triton.jit
 def _hadamard(y, D: tl.constexpr, SCALE: tl.constexpr):
     """:func:`kvlib.core.hadamard.hadamard` of ``y [D]`` fp32 (``2 <= D <= 512``): the stages in its order."""
-    y = _stage(y, D, 1)
-    if D >= 4:
-        y = _stage(y, D, 2)
-    if D >= 8:
-        y = _stage(y, D, 4)
-    if D >= 16:
-        y = _stage(y, D, 8)
-    if D >= 32:
-        y = _stage(y, D, 16)
-    if D >= 64:
-        y = _stage(y, D, 32)
-    if D >= 128:
-        y = _stage(y, D, 64)
-    if D >= 256:
-        y = _stage(y, D, 128)
-    if D >= 512:
-        y = _stage(y, D, 256)
+    for i in tl.static_range(9):  # stages of half-width 1, 2, 4, ..., D / 2
+        if D >= 2 << i:
+            y = _stage(y, D, 1 << i)
     return y * SCALE
 
 
 @triton.jit
 def _int4_put(y, c_ptr, s_ptr, o_ptr, idx, D: tl.constexpr, RECIP: tl.constexpr, INV15: tl.constexpr):
-    """:func:`kvlib.storage.pools.int4_head_quantize` of ``y [D]`` fp32, stored at row ``idx`` (slot * H + h)."""
+    """:func:`kvlib.formats.kv4.int4_quantize_unchecked` of ``y [D]`` fp32, stored at row ``idx`` (slot * H + h)."""
     lo = tl.min(y, 0)
     hi = tl.max(y, 0)
     m = _f16_round(lo, False)
@@ -107,7 +94,7 @@ def _int4_put(y, c_ptr, s_ptr, o_ptr, idx, D: tl.constexpr, RECIP: tl.constexpr,
     delta = _f16_round(_sdiv(hi - mf, 15.0, INV15, RECIP), True)
     df = delta.to(tl.float32)
     safe = tl.where(df > 0, df, 1.0)
-    c = tl.minimum(tl.maximum(_rne(tl.math.div_rn(y - mf, safe)), 0.0), 15.0).to(tl.int32)
+    c = tl.minimum(tl.maximum(rne(tl.math.div_rn(y - mf, safe)), 0.0), 15.0).to(tl.int32)
     lo_c, hi_c = tl.split(tl.reshape(c, (D // 2, 2)))  # channel 2i low nibble, 2i + 1 high
     tl.store(c_ptr + idx * (D // 2) + tl.arange(0, D // 2), (lo_c | (hi_c << 4)).to(tl.uint8))
     tl.store(s_ptr + idx, delta)
@@ -127,7 +114,7 @@ def _side_put(x, s8_ptr, ss_ptr, st_ptr, sts_ptr, base, ring, j, keep, ev_ok, D:
     scale = _f16_round(_sdiv(tl.max(tl.abs(x), 0), 127.0, INV127, RECIP), True)
     sf = scale.to(tl.float32)
     safe = tl.where(sf > 0, sf, 1.0)
-    c8 = tl.minimum(tl.maximum(_rne(tl.math.div_rn(x, safe)), -127.0), 127.0).to(tl.int8)
+    c8 = tl.minimum(tl.maximum(rne(tl.math.div_rn(x, safe)), -127.0), 127.0).to(tl.int8)
     tl.store(s8_ptr + (base * C + ring) * D + ch, c8, mask=(ch < D) & keep)
     tl.store(ss_ptr + base * C + ring, scale, mask=keep)
 
