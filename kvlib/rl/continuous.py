@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvlib.core.checks import check_positive_int
 from kvlib.core.hadamard import hadamard
 from kvlib.core.philox import philox4x32_10, seed_key
+from kvlib.hf.cache import _Tag
 from kvlib.rl.pool import PagedKV, PoolPlan, model_shape
 from kvlib.storage.pools import Int4Store, Int8Store, PlainStore
 
@@ -173,7 +174,7 @@ class _EngineLayer(CacheLayerMixin):
         if c.phase == "decode":
             st.write(i, key_states[:, :, 0], value_states[:, :, 0], c.slots, c.rows, c.pos, c.lens_after,
                      one_per_row=True)
-            key_states._kvlib = (self, "step")  # read by kvlib.hf.attention
+            key_states._kvlib = _Tag(self, "step")  # read by kvlib.hf.attention
             return key_states, value_states
         if c.phase != "prefill":
             raise RuntimeError("the engine cache is used only inside the engine's own forwards")
@@ -187,7 +188,7 @@ class _EngineLayer(CacheLayerMixin):
         if prior is not None:
             k, v = torch.cat([k, prior[0]], dim=2), torch.cat([v, prior[1]], dim=2)
         k = k.detach() if k.requires_grad else k
-        k._kvlib = (self, "prefill")
+        k._kvlib = _Tag(self, "prefill")
         return k, v
 
     # -- reads for kvlib.hf.attention ---------------------------------------------------------------
@@ -210,6 +211,10 @@ class _EngineLayer(CacheLayerMixin):
             c.record_certificates(cert)
         return o
 
+    def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The reference path's K, V (:meth:`dequantized`, keys unrotated) for :mod:`kvlib.hf.attention`."""
+        return (*self.dequantized(), False)
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K, V ``[B, H, n, d]`` of decode rows ``[0, B)`` up to the step's width (the reference path)."""
         c, st = self.cache, self.cache.kv.store
@@ -231,6 +236,7 @@ class _EngineCache(Cache):
         self.engine, self.kv = engine, engine.kv
         self.n_layers = engine.kv.plan.n_layers
         super().__init__(layers=[_EngineLayer(self, i) for i in range(self.n_layers)])
+        self.windowed = [False] * self.n_layers  # kvlib.hf.attention asks; the engine refuses windowed models
         self.phase = "idle"
         self.dtype = engine.dtype
         self.delta_loc = engine.cert_delta_req / (self.n_layers * engine.n_heads * engine.cert_steps)
@@ -302,6 +308,11 @@ class ContinuousEngine:
         if not isinstance(plan, PoolPlan):
             raise TypeError(f"plan must be a PoolPlan (kvlib.rl.pool.plan_pool), got {type(plan).__name__}")
         L, n_kv, d, n_heads = model_shape(model.config)
+        # as kvlib.hf.cache reads it: layer_types, else a sliding_window with none (Mistral's)
+        types = getattr(model.config, "layer_types", None) or (
+            ["sliding_attention"] if getattr(model.config, "sliding_window", None) is not None else [])
+        if "sliding_attention" in types:
+            raise ValueError("model: the engine's decode kernels take no mask, so a sliding-window model is refused")
         if (L, n_kv, d) != (plan.n_layers, plan.n_kv, plan.head_dim):
             want = (plan.n_layers, plan.n_kv, plan.head_dim)
             raise ValueError(f"plan was made for (layers, kv heads, head dim) = {want}, the model has {(L, n_kv, d)}")
