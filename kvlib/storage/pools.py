@@ -533,8 +533,9 @@ class Int4Store(Store):
     def side_buffer(self, layer: int, lens: torch.Tensor):
         from kvlib.kernels.int4.decode import SideBuffer
 
-        return SideBuffer(self.side8[0][layer], self.side_scale[0][layer], self.side8[1][layer],
-                          self.side_scale[1][layer], self.side_count(lens))
+        n = lens.shape[0]  # the first n rows: a bucketed decode step over a larger pool (kvlib.rl.continuous)
+        return SideBuffer(self.side8[0][layer][:n], self.side_scale[0][layer][:n], self.side8[1][layer][:n],
+                          self.side_scale[1][layer][:n], self.side_count(lens))
 
     def main_range(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = lens.to(torch.int32)
