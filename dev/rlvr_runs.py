@@ -65,6 +65,8 @@ from typing import Any
 
 import torch
 
+from kvlib.rl.memory import memory_estimate  # the estimate lives with the engine's memory plan
+
 ARMS = ("bf16", "kv4", "kv4rl")
 #: the pooled temperature-1 accuracy the calibration aims the task at (groups of 8 then mostly mixed)
 TARGET_ACC = 0.35
@@ -163,49 +165,6 @@ def _write(path: Path, obj: dict) -> None:
 
 def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
-
-
-# ------------------------------------------------------------------------------------------------ memory
-def memory_estimate(config: Any, n_params: int, *, rollout_batch: int, prompt_tokens: int, max_new_tokens: int,
-                    micro_batch: int, eval_batch: int, chunk_tokens: int = 2048, grad_ckpt: bool = False,
-                    shared_prefix_tokens: int = 0) -> dict:
-    """Peak CUDA bytes of one training process, from the shapes (an estimate, printed at start and checked
-    against ``torch.cuda.max_memory_allocated`` per iteration on the GPU).
-
-    * weights: fp32 policy + its grads + AdamW's two moments + the fp32 reference + the bf16 rollout copy,
-      22 bytes a parameter;
-    * rollout: the bf16 KV pools (an upper bound for kv4/kv4rl) of ``rollout_batch`` rows at
-      ``prompt + max_new_tokens`` (rounded up to 256-token pages), or of the evaluator's batch if larger,
-      plus three fp32 ``[rows, vocab]`` sampling buffers;
-    * learner: the activations autograd keeps for one micro-batch at sequence ``prompt + response``
-      (per token and layer ~12 hidden + 5 intermediate values in bf16, the residual stream in fp32;
-      with ``grad_ckpt`` only each layer's fp32 input, plus one layer recomputed), plus the LM-head
-      chunk (fp32 logits, their softmax and gradient: 3 x ``chunk_tokens`` x vocab x 4 bytes). With
-      ``shared_prefix_tokens`` (the learner's shared-prefix path) a micro-batch is one prefix row plus
-      ``micro_batch`` suffix rows, and the expanded prefix KV (bf16) is kept per row and layer.
-    """
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    vocab = config.vocab_size
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    seq = prompt_tokens + max_new_tokens
-    max_len = -(-(seq + 1) // 256) * 256
-    weights = 22 * n_params
-    kv_row = layers * 2 * kv_heads * head_dim * 2 * max_len
-    rollout = max(rollout_batch, eval_batch) * (kv_row + 3 * vocab * 4)
-    per_tok_layer = (12 * h + 5 * inter) * 2 + 2 * h * 4
-    # tokens through the decoder per micro-batch, and the prefix KV expanded to every row
-    pre = min(shared_prefix_tokens, prompt_tokens)
-    toks = micro_batch * seq if not pre else pre + micro_batch * (seq - pre)
-    kv_expand = micro_batch * pre * layers * 2 * kv_heads * head_dim * 2 * 2 if pre else 0  # + the concat copy
-    act_full = toks * layers * per_tok_layer + kv_expand
-    act = (toks * (layers * h * 4 + per_tok_layer) + kv_expand) if grad_ckpt else act_full
-    head = 3 * chunk_tokens * vocab * 4
-    learner = act + head + toks * h * 4 * 2  # + the final hidden states and their gradient
-    total = weights + max(rollout, learner)  # rollout pools are freed before the learner runs
-    return {"weights": weights, "rollout": rollout, "learner": learner, "activations_no_ckpt": act_full,
-            "grad_ckpt": grad_ckpt, "shared_prefix_tokens": pre, "learner_tokens_per_micro_batch": toks,
-            "total": total, "total_gib": total / 2**30}
 
 
 # ------------------------------------------------------------------------------------------------ calibrate

@@ -253,6 +253,21 @@ class Backend:
         for t in self._tensors():
             t[layer, dst] = t[layer, src].clone()
 
+    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor | None = None,
+                    rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float K, V ``[B, H, n, d]`` at the slots ``st [B, n]`` of rows of lengths ``lens [B]`` as the decode
+        step sees them (per-sequence state included where a backend keeps one); ``rows [B]``: the rows whose
+        per-sequence state applies (default: ``0..B-1``). Keys in the original basis unless ``rotated``."""
+        return self.gather(layer, st)
+
+    def clear_row(self, row: int) -> None:
+        """Row ``row`` is emptied (its pages are freed by the caller): per-sequence state is reset; none by
+        default."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``src``'s per-sequence state moves to row ``dst`` in place (a captured step keeps reading the same
+        tensors); none by default."""
+
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         """Per-sequence state (side buffers) follows a batch selection; none by default."""
 

@@ -249,8 +249,9 @@ class Int4Backend(Backend):
     def side_buffer(self, layer: int, lens: torch.Tensor):
         from kvlib.kernels.int4.decode import SideBuffer
 
-        return SideBuffer(self.side8[0][layer], self.side_scale[0][layer], self.side8[1][layer],
-                          self.side_scale[1][layer], self.side_count(lens))
+        n = lens.shape[0]  # the first n rows: a bucketed decode step over a larger pool (kvlib.rl.continuous)
+        return SideBuffer(self.side8[0][layer][:n], self.side_scale[0][layer][:n], self.side8[1][layer][:n],
+                          self.side_scale[1][layer][:n], self.side_count(lens))
 
     def main_range(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = lens.to(torch.int32)
@@ -271,20 +272,37 @@ class Int4Backend(Backend):
             out.append(c * sc.unsqueeze(-1) + off.unsqueeze(-1))
         return out[0], out[1]  # keys still rotated; see gather_rows
 
-    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor, rotated: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected);
-        ``rotated``: keys in the stored (Hadamard-rotated) basis, for a caller that rotates its query instead
-        (one vector instead of every position: scores are the same, H being orthonormal)."""
+    def gather_rows(self, layer: int, st: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor | None = None,
+                    rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Effective float K, V ``[B, H, n, d]`` in the original basis (side-buffer values where protected: row
+        ``rows[b]``'s side buffer for the slots ``st[b]``, default ``rows[b] = b``); ``rotated``: keys in the stored
+        (Hadamard-rotated) basis, for a caller that rotates its query instead (one vector instead of every position:
+        scores are the same, H being orthonormal)."""
         k, v = self.gather(layer, st)
         if self.rl:
             pos = side_positions(lens.to(k.device), self.sink, self.recent)  # [B, C]
+            ok = (pos >= 0) & (pos < st.shape[1])
+            bi, ci = ok.nonzero(as_tuple=True)
+            ri = bi if rows is None else rows.to(bi.device)[bi]
             for side, x in enumerate((k, v)):
-                vals = self.side8[side][layer].float() * self.side_scale[side][layer].float().unsqueeze(-1)
-                ok = pos >= 0
-                bi, ci = ok.nonzero(as_tuple=True)
-                x[bi, :, pos[bi, ci]] = vals[bi, :, ci]
+                vals = self.side8[side][layer][ri, :, ci].float() * self.side_scale[side][layer][ri, :, ci].float(
+                    ).unsqueeze(-1)
+                x[bi, :, pos[bi, ci]] = vals
         return (k if rotated else hadamard(k)), v
+
+    def clear_row(self, row: int) -> None:
+        if self.rl:
+            for layer in range(self.n_layers):
+                self.valid[layer][row] = 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        if self.rl:
+            for grp in (self.side8, self.side_scale, self.stash8, self.stash_scale):
+                for side in (0, 1):
+                    for t in grp[side]:
+                        t[dst].copy_(t[src])  # in place: a captured decode step keeps reading these tensors
+            for layer in range(self.n_layers):
+                self.valid[layer][dst], self.valid[layer][src] = self.valid[layer][src], 0
 
     def select_rows(self, layer: int, idx: torch.Tensor) -> None:
         if self.rl:

@@ -466,7 +466,7 @@ class KVFormatCache(Cache):
             raise ValueError(f"config: num_attention_heads={self.n_heads} is not a multiple of "
                              f"num_key_value_heads={self.n_kv}")
         # sliding-window layers (layer_types, or a sliding_window with none, as Mistral's): the cache keeps every
-        # position and the decode step honours the model's own mask (see KVFormatLayer.decode_masked)
+        # position and the decode step honours the model's own mask (see KVFormatLayer.decode_step)
         window = getattr(text, "sliding_window", None)
         layer_types = getattr(text, "layer_types", None) or (
             ["sliding_attention" if window is not None else "full_attention"] * self.n_layers)

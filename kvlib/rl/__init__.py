@@ -6,7 +6,12 @@ kv4rl: :mod:`~kvlib.rl.sampler`), a verifiable arithmetic task made on the fly
 (:mod:`~kvlib.rl.task`), the iteration/run/evaluator (:mod:`~kvlib.rl.loop`), the static-pool rollout
 engine with CUDA-graph decode (:mod:`~kvlib.rl.engine`), the runs of one GPU call (``dev/rlvr_runs.py``,
 outside the package; dev/gpu/rlvr.sh), the chapter's tables and verdicts (:mod:`~kvlib.rl.report`), and a GPU smoke
-(:mod:`~kvlib.rl.smoke`, run by dev/gpu/rlvr_smoke.sh). Defaults and where each comes from:
+(:mod:`~kvlib.rl.smoke`, run by dev/gpu/rlvr_smoke.sh).
+
+Issue 39 adds the regime the paper measures: a continuous-batching engine over paged pools cut from a byte
+budget (:mod:`~kvlib.rl.pool`, :mod:`~kvlib.rl.continuous`), quota-based partial collection and its synchronous
+baseline on it (:mod:`~kvlib.rl.collect`, App. B), a device-memory plan (:mod:`~kvlib.rl.memory`) and a task with
+long responses (:mod:`~kvlib.rl.longtask`). Defaults and where each comes from:
 :data:`kvlib.rl.loop.DEFAULT_SOURCES` (Table A1's values are not in our text of the paper; only
 the dual-clip constant 3.0 is stated in its prose).
 
@@ -36,11 +41,16 @@ would mean overriding a private method (``_generate_single_turn``) and faking ``
 vLLM set-up, i.e. depending on TRL internals that change release to release.
 
 So this package is a compact loop with TRL's loss composition (each piece cited against the lines
-above and tested by hand-computed cases in tests/test_rl_grpo.py). It is synchronous (one rollout,
+above and tested by hand-computed cases in tests/test_rl_grpo.py, and against TRL itself in
+tests/test_rl_trl_peer.py: TRL 1.16's ``GRPOTrainer`` fed one toy batch through ``rollout_func`` computes the
+same advantages, TIS weights, loss and gradient; the recipes differ in the group-std stabiliser, 1e-4 in TRL, and
+in TRL's default ratio-weighted KL, ``use_bias_correction_kl``, both asserted there). It is synchronous (one rollout,
 then ``updates_per_iteration`` steps), which keeps pi_old equal to the sampler's weights: the TIS
 weight then measures only the cache's numerical mismatch.
 """
 
+from kvlib.rl.collect import Group, PartialCollector, async_grpo_iteration, collect_frozen, groups_rollout
+from kvlib.rl.continuous import ContinuousEngine, Request
 from kvlib.rl.engine import sample_static
 from kvlib.rl.grpo import (
     clipped_surrogate,
@@ -52,10 +62,14 @@ from kvlib.rl.grpo import (
     token_mean,
 )
 from kvlib.rl.loop import DEFAULT_SOURCES, GRPOConfig, evaluate, frozen_copy, grpo_iteration, run_grpo, sync_weights
+from kvlib.rl.memory import MemoryPlan, memory_plan
+from kvlib.rl.pool import PagedKV, PoolPlan, plan_pool
 from kvlib.rl.sampler import Rollout, learner_logprobs, sample
 from kvlib.rl.task import Problem, format_prompt, last_boxed, make_problems, parse_answer, reward, split_of
 
 __all__ = [
+    "ContinuousEngine", "Group", "MemoryPlan", "PagedKV", "PartialCollector", "PoolPlan", "Request",
+    "async_grpo_iteration", "collect_frozen", "groups_rollout", "memory_plan", "plan_pool",
     "DEFAULT_SOURCES", "GRPOConfig", "Problem", "Rollout", "clipped_surrogate", "evaluate", "format_prompt",
     "frozen_copy", "group_advantages", "grpo_iteration", "grpo_loss", "informative_groups", "kl_k3",
     "last_boxed", "learner_logprobs", "make_problems", "parse_answer", "reward", "run_grpo", "sample", "sample_static",
