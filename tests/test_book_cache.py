@@ -137,6 +137,9 @@ def test_each_change_is_caught_and_named(executed_once, tmp_path):
     tampered = copy.deepcopy(executed)  # a claims file it read changed, in another claim's rule: still current
     tampered.metadata[cache.KEY]["inputs"]["data/claims/e2e.yml"] = "0" * 64
     assert cache.why_stale(source, params, tampered) == []
+    # the install metadata importlib.metadata reads: `pip install -e` rewrites it when pyproject's dependencies change
+    tampered.metadata[cache.KEY]["inputs"]["kvlib.egg-info/PKG-INFO"] = "0" * 64
+    assert cache.why_stale(source, params, tampered) == []
     del tampered.metadata[cache.KEY]
     assert "no cache key" in cache.why_stale(source, params, tampered)[0]
     assert cache.why_stale(source, params, None) == ["no committed execution"]

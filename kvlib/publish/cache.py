@@ -168,13 +168,20 @@ def make_record(source_nb: nbformat.NotebookNode, params: dict[str, Any], report
         "modules": report["modules"],
         # a claims file is an input only through the rules of the claims judged: editing another claim's rule
         # must not make this execution stale
-        "inputs": {p: h for p, h in report["inputs"].items() if not _is_claims_file(p)},
+        "inputs": {p: h for p, h in report["inputs"].items() if _is_input(p)},
         "rules": dict(report.get("rules") or {}),
         "commit": commit,
         "wall_s": round(wall_s, 3),
         "peak_rss_mb": report.get("peak_rss_mb"),
         "stamped": stamped,
     }
+
+
+def _is_input(path: str) -> bool:
+    """Whether a file an execution read counts towards its cache key. Not the claims files (see make_record), and
+    not the package's install metadata (``kvlib.egg-info``): importlib.metadata reads it, and ``pip install -e``
+    rewrites it whenever pyproject.toml's dependencies change, which changes no notebook's result."""
+    return not _is_claims_file(path) and ".egg-info/" not in path
 
 
 def _is_claims_file(path: str) -> bool:
@@ -221,7 +228,7 @@ def why_stale(source_nb: nbformat.NotebookNode, params: dict[str, Any], executed
     if mods:
         out.append(f"kvlib changed: {', '.join(mods[:4])}" + (f" (+{len(mods) - 4} more)" if len(mods) > 4 else ""))
     ins = [p for p, h in sorted(rec.get("inputs", {}).items())
-           if not _is_claims_file(p) and sha256_file(root / p) != h]
+           if _is_input(p) and sha256_file(root / p) != h]
     if ins:
         out.append(f"input changed: {', '.join(ins[:3])}" + (f" (+{len(ins) - 3} more)" if len(ins) > 3 else ""))
     from kvlib.publish.verdicts import stale_rules
