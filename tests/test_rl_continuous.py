@@ -47,7 +47,7 @@ def _run(eng, reqs):
 
 
 # -- the pool plan ------------------------------------------------------------------------------------
-def test_plan_measures_the_store_and_lower_bits_admit_more():
+def test_plan_measures_the_backend_and_lower_bits_admit_more():
     model = _tiny(64)
     budget = 64 * 2**20
     plans = {f: plan_pool(f, model.config, budget_bytes=budget, slots=256, max_context=1024, block_size=16,

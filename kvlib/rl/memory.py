@@ -5,7 +5,7 @@ protected side-cache storage, then converts the remaining HBM capacity into page
 :func:`memory_plan` does the first part from the shapes, hands the rest to :func:`kvlib.rl.pool.plan_pool` (which
 reserves the format's per-row state and tables and cuts the remainder into pages), and says how many responses of
 a given context fit in flight. Everything is an estimate from shapes except the pool, whose bytes are measured
-from the store's tensors; on the GPU :func:`measured_headroom` compares it with ``torch.cuda.mem_get_info``.
+from the backend's tensors; on the GPU :func:`measured_headroom` compares it with ``torch.cuda.mem_get_info``.
 
 Reserved, colocated (generation and the learner alternate on one device; the pages stay allocated across the
 update, since carried prefixes are re-prefilled anyway):
