@@ -100,10 +100,13 @@ def test_paged_bytes_at_real_shapes_are_the_format_bytes():
 
 
 def test_our_methods_run_or_say_why(result):
+    """A format may be unavailable or skipped with its reason; an error is a bug (the time-split probe once left
+    the cache's tag unconsumed and every kvlib row of the GPU run failed)."""
     for r in result["rows"]:
         if r["method"] in e2e.OUR_FORMAT and r["status"] != "ok":
-            assert r["status"] in {"unavailable", "error", "skipped"}
+            assert r["status"] in {"unavailable", "skipped"}, r
             assert r["method"] in r["reason"] or r["status"] == "skipped", r
+    assert {r["method"] for r in result["rows"] if r["status"] == "ok"} >= set(e2e.OUR_FORMAT) - {"dither-int8-gated"}
 
 
 def test_budget_batches_follow_measured_bytes(result):

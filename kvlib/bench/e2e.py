@@ -214,6 +214,11 @@ def _register_noop_attention() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     def noop(module, query, key, value, attention_mask, **kwargs):
+        # standing in for kvlib's attention on purpose: take the cache's tag as kvlib's attention would, or the
+        # cache's next update reads the step as a model that attended around kvlib (and refuses to go on)
+        tag = getattr(key, "_kvlib", None)
+        if tag is not None:
+            key._kvlib, tag.consumed = None, True
         b, h, q, d = query.shape
         return query.new_zeros(b, q, h, value.shape[-1]), None
 
