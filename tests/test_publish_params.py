@@ -50,6 +50,37 @@ def test_run_refuses_a_profile_other_than_the_executed_one(monkeypatch):
     Run("tiny", profile="ci")  # the executed one is fine
 
 
+def test_glue_outside_a_kernel_leaves_no_shell_behind(monkeypatch):
+    """myst_nb's glue creates a bare InteractiveShell when called outside a kernel; a later Run in the same process
+    (another test) then found it and failed to switch it to the inline backend."""
+    pytest.importorskip("myst_nb")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from kvlib.publish.run import Run
+
+    if InteractiveShell.initialized():
+        pytest.skip("an IPython shell already runs in this process")
+    monkeypatch.delenv("KVLIB_PROFILE", raising=False)
+    Run("a", profile="ci").glue("x", 1)
+    assert not InteractiveShell.initialized()
+
+
+def test_run_starts_beside_a_bare_ipython_shell(monkeypatch):
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from kvlib.publish.run import Run
+
+    monkeypatch.delenv("KVLIB_PROFILE", raising=False)
+    created = not InteractiveShell.initialized()
+    InteractiveShell.instance()  # what IPython's display helpers leave behind outside a kernel
+    try:
+        Run("a", profile="ci")  # no backend switch on a shell that cannot switch
+    finally:
+        if created:
+            InteractiveShell.clear_instance()
+
+
 def test_cli_refuses_profile_parameter(sandbox):
     pytest.importorskip("papermill", reason="the runner needs the book extra")
     from kvlib.publish.__main__ import main

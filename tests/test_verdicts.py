@@ -258,13 +258,9 @@ def test_judge_records_what_it_was_judged_under(claims):
         "gone (no longer in data/claims)", "witcert-fallback-block"]
 
 
-def test_run_claim_decides_and_refuses_verdict(monkeypatch):
-    import kvlib.publish.run as run_mod
+def test_run_claim_decides_and_refuses_verdict():
     from kvlib.publish.run import Run
 
-    # another test may leave a bare IPython shell behind, which cannot switch matplotlib backends; figures are
-    # not under test here
-    monkeypatch.setattr(run_mod, "_inline_figures", lambda: None)
     run = Run("t", profile="ci")
     run.claim("witcert-fallback-block", ours="median 2 blocks", measured=2.0)
     rec = run.claims[-1]
@@ -279,12 +275,10 @@ def test_claims_table_four_columns_both_settings_and_a_fold(monkeypatch):
     # then the rules and reasons in a dropdown.
     import IPython.display
 
-    from kvlib.publish import run as run_mod
     from kvlib.publish.run import Run, load_claims
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj.data))
-    monkeypatch.setattr(run_mod, "_inline_figures", lambda: None)  # a bare IPython shell left by another test
     run = Run("t", profile="ci")
     run.claim("witcert-latency-other-kernels", ours="7.25x", measured=7.25)  # a context row, given first
     run.claim("witcert-latency-vs-fp16", ours="1.20x", measured=1.20)

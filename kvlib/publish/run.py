@@ -14,10 +14,16 @@ __all__ = ["VERDICTS", "Run", "fmt", "load_claims"]
 
 
 def _glue(key: str, value: Any) -> None:
-    # myst_nb is only present where the book is built; elsewhere glue is a no-op beside the record.
+    # myst_nb is only present where the book is built; elsewhere glue is a no-op beside the record. Outside a
+    # running IPython shell there is nothing to glue into, and myst_nb's glue would create a bare InteractiveShell
+    # singleton (IPython's format_display_data), which a later Run in the same process would then try to switch
+    # to the inline backend.
     try:
+        from IPython import get_ipython
         from myst_nb import glue
     except ImportError:
+        return
+    if get_ipython() is None:
         return
     glue(key, value, display=False)
 
@@ -29,8 +35,12 @@ def _inline_figures() -> None:
         from IPython import get_ipython
     except ImportError:
         return
+    from IPython.core.interactiveshell import InteractiveShell
+
     ip = get_ipython()
-    if ip is not None and hasattr(ip, "run_line_magic"):
+    # only a shell with a front end (a kernel, a terminal) can switch backends: a bare InteractiveShell, which
+    # IPython's display helpers create when called outside one, raises NotImplementedError from enable_gui
+    if ip is not None and type(ip).enable_gui is not InteractiveShell.enable_gui:
         ip.run_line_magic("matplotlib", "inline")
 
 
