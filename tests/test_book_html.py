@@ -49,6 +49,7 @@ def test_a_clean_page_passes(tmp_path):
         ('<div class="cell_input"><pre>open("/tmp/x")</pre></div>', "local path"),
         ("<p>as issue #4's goal says</p>", "issue reference"),
         ('<img src="gone.png">', "missing image"),
+        ('<div class="output"><pre>&lt;torch._C.Generator at 0x7f14ccf652d0&gt;</pre></div>', "object repr"),
     ],
 )
 def test_each_defect_is_flagged(tmp_path, insert, finding):

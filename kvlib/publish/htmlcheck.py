@@ -36,6 +36,7 @@ RESIDUE = {
     "negative zero": re.compile(r"(?<![\w.])-0(\.0+)?(?![\d.])%?"),
     "printed dict": re.compile(r"\{'[A-Za-z_][\w-]*': "),
     "Python boolean": re.compile(r"(?<![\w`'\"=])(True|False)(?![\w`'\"])"),
+    "object repr": re.compile(r"<[A-Za-z_][\w.]* (object )?at 0x[0-9a-f]+>"),
 }
 
 
