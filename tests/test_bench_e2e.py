@@ -425,3 +425,11 @@ def test_goals_pick_their_reference_and_say_where_time_went():
     assert got[("kv4", "hf")]["met"] is None and got[("kv4", "hf")]["why_not_measured"]
     tab = e2e_report.goals_table({"goals": list(got.values())})
     assert not tab.isna().any().any() and "nan" not in tab.to_string()
+
+
+def test_a_value_that_rounds_to_zero_never_shows_a_sign():
+    from kvlib.bench.e2e_report import fmt_na
+
+    assert fmt_na(-1e-4, ".2f") == "0.00" and fmt_na(-0.0, ".1f") == "0.0"
+    assert fmt_na(-0.01, ".2f") == "-0.01" and fmt_na(-1e-5, ".2e") == "-1.00e-05"
+    assert fmt_na(float("-inf"), ".2f") == "-inf" and fmt_na(None) == "n/a" and fmt_na(float("nan")) == "n/a"

@@ -11,8 +11,13 @@ from kvlib.bench.e2e import GRAPH_PEER, REFERENCE
 
 
 def fmt_na(v: Any, spec: str = ".3f") -> str:
-    """``v`` formatted, "n/a" for None or NaN (the chapter never prints nan)."""
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    """``v`` formatted, "n/a" for None or NaN (the chapter never prints nan), and never "-0.00" for a value that
+    rounds to zero (a group that gave back a few bytes more than it took)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    s = format(v, spec)
+    return s[1:] if s.startswith("-") and s[1:2].isdigit() and not any(c in "123456789" for c in s.split("e")[0]) \
+        else s
 
 
 def verdict(g: dict) -> str:
