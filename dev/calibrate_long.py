@@ -48,12 +48,13 @@ def cluster_bootstrap(per_question: list[list[float]], reps: int = 10_000, seed:
 
 def calibrate(model, tok, steps: int, *, questions: int, samples: int, max_new_tokens: int, shots: int,
               max_operand: int, seed: int, anchor: bool = True, style: str = "short", kind: str = "repeat",
-              min_operand: int = 2) -> dict:
+              min_operand: int = 2, max_start: int | None = None) -> dict:
     from transformers import DynamicCache
 
     from kvlib.rl import longtask
 
-    diff = dict(kind=kind, min_steps=steps, max_steps=steps, max_operand=max_operand, min_operand=min_operand)
+    diff = dict(kind=kind, min_steps=steps, max_steps=steps, max_operand=max_operand, min_operand=min_operand,
+                max_start=max_start)
     probs = longtask.make_sum_problems("heldout", questions, seed=777, **diff)
     pf = longtask.sum_prompt_fn(shots=shots, anchored=anchor, style=style, **diff)
     ids = [tok(pf(tok, p), add_special_tokens=False)["input_ids"] for p in probs]
@@ -97,7 +98,8 @@ def calibrate(model, tok, steps: int, *, questions: int, samples: int, max_new_t
               file=sys.stderr, flush=True)
     k, m = int(sum(r["r"] for r in res)), len(res)
     step_rate = sum(r["steps_ok"] for r in res) / sum(r["steps"] for r in res)
-    return {"steps": steps, "min_operand": min_operand, "max_operand": max_operand, "shots": shots, "anchor": anchor,
+    return {"steps": steps, "min_operand": min_operand, "max_operand": max_operand, "max_start": max_start,
+            "shots": shots, "anchor": anchor,
             "style": style, "kind": kind,
             "step_accuracy": step_rate, "step_accuracy_pow_steps": step_rate ** steps, "questions": len(probs),
             "samples": samples, "n": m, "correct": k, "accuracy": k / m, "wilson95": wilson(k, m),
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shots", type=int, default=2)
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--min-operand", type=int, default=2)
+    ap.add_argument("--max-start", type=int, default=None, help="starts in 0..MAX_START (default 10 x max operand)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-anchor", action="store_true", help="do not start the assistant turn with 'Start: s.'")
     ap.add_argument("--kind", default="repeat", help="running-sum kind (kvlib.rl.longtask.KINDS)")
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = calibrate(model, tok, s, questions=args.questions, samples=args.samples,
                         max_new_tokens=args.max_new_tokens, shots=args.shots, max_operand=args.max_operand,
                         seed=args.seed, anchor=not args.no_anchor, style=args.style, kind=args.kind,
-                        min_operand=args.min_operand)
+                        min_operand=args.min_operand, max_start=args.max_start)
         rows.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "examples"}), flush=True)
     out = {"provenance": provenance(vars(args), started), "model": "SmolLM2-135M-Instruct GGUF, fp32, CPU",

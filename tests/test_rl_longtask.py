@@ -37,7 +37,23 @@ def test_problems_are_deterministic_disjoint_and_correct():
     with pytest.raises(ValueError, match="split"):
         longtask.make_sum_problems("test", 1)
     with pytest.raises(ValueError, match="max_operand"):
-        longtask.make_sum_problems("train", 1, max_operand=1)
+        longtask.make_sum_problems("train", 1, kind="list", max_operand=1)
+    with pytest.raises(ValueError, match="max_operand"):
+        longtask.make_sum_problems("train", 1, kind="repeat", max_operand=0, min_operand=1)
+    with pytest.raises(ValueError, match="max_start"):
+        longtask.make_sum_problems("train", 1, kind="list", max_start=9)
+    with pytest.raises(ValueError, match="max_start"):
+        longtask.make_sum_problems("train", 1, kind="repeat", max_start=-1)
+    # a running count (add 1) with three-digit starts: every answer is start + steps, starts within the bound, and
+    # the default draws are unchanged by the new argument (max_start=None keeps the old start range and rng tag)
+    cnt = longtask.make_sum_problems("heldout", 40, seed=777, kind="repeat", min_steps=14, max_steps=18,
+                                     min_operand=1, max_operand=1, max_start=999)
+    assert all(p.answer == p.start + p.steps and 0 <= p.start <= 999 and 14 <= p.steps <= 18 for p in cnt)
+    assert len({p.question for p in cnt}) == 40
+    # known answers drawn by the code before max_start existed (HEAD 0b44874): the recorded calibrations stay valid
+    old = longtask.make_sum_problems("train", 2, seed=3, kind="repeat", min_steps=16, max_steps=16, min_operand=1,
+                                     max_operand=5)
+    assert [(p.start, p.ops[0][1], p.answer) for p in old] == [(31, 4, 95), (48, 2, 80)]
     with pytest.raises(ValueError, match="min_steps"):
         longtask.make_sum_problems("train", 1, min_steps=5, max_steps=4)
 

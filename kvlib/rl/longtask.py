@@ -78,8 +78,8 @@ LONG_CPU_CALIBRATION: dict[str, Any] = {
 }
 
 
-def _draw(rng: random.Random, kind: str, steps: int, min_operand: int,
-          max_operand: int) -> tuple[str, int, tuple[tuple[str, int], ...]]:
+def _draw(rng: random.Random, kind: str, steps: int, min_operand: int, max_operand: int,
+          max_start: int | None = None) -> tuple[str, int, tuple[tuple[str, int], ...]]:
     if kind == "list":
         nums: list[int] = []
         while len(nums) < steps:  # never the same number twice in a row: the next one is unambiguous to look up
@@ -87,19 +87,21 @@ def _draw(rng: random.Random, kind: str, steps: int, min_operand: int,
             if not nums or a != nums[-1]:
                 nums.append(a)
         return QUESTIONS[kind].format(numbers=", ".join(map(str, nums))), 0, tuple(("add", a) for a in nums)
-    start, a = rng.randint(0, 10 * max_operand), rng.randint(min_operand, max_operand)
+    start = rng.randint(0, 10 * max_operand if max_start is None else max_start)
+    a = rng.randint(min_operand, max_operand)
     return QUESTIONS[kind].format(start=start, a=a, n=steps), start, (("add", a),) * steps
 
 
 def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIFFICULTY["kind"],
                       min_steps: int = LONG_DIFFICULTY["min_steps"], max_steps: int = LONG_DIFFICULTY["max_steps"],
                       max_operand: int = LONG_DIFFICULTY["max_operand"],
-                      min_operand: int = LONG_DIFFICULTY["min_operand"]) -> list[base.Problem]:
+                      min_operand: int = LONG_DIFFICULTY["min_operand"],
+                      max_start: int | None = LONG_DIFFICULTY.get("max_start")) -> list[base.Problem]:
     """``n`` running-sum problems of ``split`` (``"train"``/``"heldout"``, disjoint by the SHA-256 of the question),
     a pure function of the arguments. ``kind="list"``: add ``steps`` listed numbers in ``min_operand..max_operand``
     from 0; ``kind="repeat"``: add one number in ``min_operand..max_operand`` ``steps`` times to a start in
     ``0..10 max_operand`` (operands 1..5: 255 distinct questions per step count, ~1/8 of them held out; a long
-    run cycles through them)."""
+    run cycles through them), or ``0..max_start`` when given."""
     if split not in base.SPLITS:
         raise ValueError(f"split must be one of {base.SPLITS}, got {split!r}")
     if kind not in KINDS:
@@ -109,12 +111,19 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIF
     check_positive_int("min_steps", min_steps)
     if not isinstance(max_steps, int) or max_steps < min_steps:
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps!r}, {max_steps!r}")
-    if not isinstance(max_operand, int) or max_operand < 2:
-        raise ValueError(f"max_operand must be an int >= 2, got {max_operand!r}")
+    low = 2 if kind == "list" else 1  # a list needs two values (no number twice in a row); repeat may add 1
+    if not isinstance(max_operand, int) or max_operand < low:
+        raise ValueError(f"max_operand must be an int >= {low} for kind {kind!r}, got {max_operand!r}")
     if not isinstance(min_operand, int) or not 1 <= min_operand <= max_operand:
         raise ValueError(f"min_operand must be an int in [1, max_operand], got {min_operand!r}")
     tag = "" if kind == "list" else f":{kind}"
     tag += "" if min_operand == 2 else f":{min_operand}"
+    if max_start is not None:
+        if kind == "list":
+            raise ValueError("max_start applies to kind 'repeat' only (a list sums from 0)")
+        if not isinstance(max_start, int) or max_start < 0:
+            raise ValueError(f"max_start must be an int >= 0, got {max_start!r}")
+        tag += f":start{max_start}"  # absent from the tag by default: earlier settings draw the same problems
     rng = random.Random(f"kvlib.rl.longtask:{seed}:{min_steps}:{max_steps}:{max_operand}{tag}")
     out: list[base.Problem] = []
     seen: set[str] = set()
@@ -123,7 +132,7 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIF
         tries += 1
         if tries > 1000 * (n + 10):
             raise ValueError(f"cannot draw {n} distinct {split} problems at this difficulty")
-        q, start, ops = _draw(rng, kind, rng.randint(min_steps, max_steps), min_operand, max_operand)
+        q, start, ops = _draw(rng, kind, rng.randint(min_steps, max_steps), min_operand, max_operand, max_start)
         if q in seen or base.split_of(q) != split:
             continue
         seen.add(q)
