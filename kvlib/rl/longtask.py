@@ -4,7 +4,7 @@ The chapter's task (:mod:`kvlib.rl.task`) has ~35-token answers after a ~870-tok
 there only through the prompt. KV4-RL's regime is long responses (1.4k-5.5k tokens) whose own context grows past
 the protected window. Here the response adds one number per line and boxes the total; the difficulty is the
 number of steps (lines), and each line is ~17 SmolLM2 tokens (digits are single tokens), so a correct 16-step
-response is ~275 tokens (~340 with the ``counted`` line style). Two kinds of problem:
+response is ~275 tokens (~340 with the ``counted`` line style). Three kinds of problem:
 
 * ``repeat`` (the one chosen): ``Start with 7. Add 4 to it 16 times, one line per addition. What is the final
   number?`` -> ``Step 1: 7 + 4 = 11.`` ... ``The final number is \\boxed{71}.`` Each step is one addition whose
@@ -13,6 +13,8 @@ response is ~275 tokens (~340 with the ``counted`` line style). Two kinds of pro
 * ``list``: add ``steps`` listed numbers from 0. Each step must also look its number up by position in the prompt;
   SmolLM2-135M at temperature 1 does not (CPU calibration: ~1% of steps right at 10 steps), so this kind is kept for
   larger models only.
+* ``count``: number each of ``steps`` listed two-digit items on its own line (``1. 47``) and box how many there are;
+  the answer needs copying, not sums (CPU calibration: most responses end within a few lines at 135M).
 
 The prompt gives ``shots`` worked examples at the same difficulty as earlier chat turns and starts the assistant
 turn with the solution's first line (``Start: s.``, :func:`anchor`): at temperature 1 the 135M model otherwise
@@ -52,7 +54,9 @@ LONG_SHOTS = 2
 #: variant tried reaches both: accuracy stays at 0-8% from 8 to 16 steps, and the only variant averaging 300+ tokens
 #: (``counted`` lines) scored 0 of 32. The misses are temperature-1 slips of a 135M model, one per response or so:
 #: a skipped step number, a sum off by a few (``26 + 2 = 30`` in three samples of one question), a missing box, the
-#: format left early. The rule declared before the last run: the ``counted`` style unless it scores 0 of 32, else
+#: format left early. A second pass tried a running count (add 1 from three-digit starts: 0 of 32, 328 tokens; the
+#: model slips on ``448 + 1`` and counts on from the wrong number) and the ``count`` kind (number 48 listed items and
+#: box how many: 3 of 32, but 75 tokens: most responses end after a line or two). The rule declared before the last run: the ``counted`` style unless it scores 0 of 32, else
 #: the ``short`` one, the only 16-step variant with a correct sample. The GPU issue recalibrates at n in the hundreds.
 LONG_CPU_CALIBRATION: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct Q4_1 GGUF dequantised, fp32, CPU", "temperature": 1.0, "shots": LONG_SHOTS,
@@ -69,6 +73,10 @@ LONG_CPU_CALIBRATION: dict[str, Any] = {
         "repeat, 12 steps, 1-5, counted": {"accuracy": 0.0625, "n": 16, "wilson95": (0.011, 0.283), "tokens": 210.9},
         "repeat, 8 steps, 1-5": {"accuracy": 0.0625, "n": 16, "wilson95": (0.011, 0.283), "tokens": 129.1},
         "repeat, 8 steps, 1-5, counted": {"accuracy": 0.0625, "n": 16, "wilson95": (0.011, 0.283), "tokens": 180.9},
+        # the two candidates of a second pass, each under a rule declared before it ran (dev/results/README.md)
+        "repeat, 16 steps, add 1, starts 0-999, counted": {"accuracy": 0.0, "n": 32, "wilson95": (0.0, 0.107),
+                                                          "tokens": 327.5},
+        "count, 48 items": {"accuracy": 0.094, "n": 32, "wilson95": (0.032, 0.242), "tokens": 75.2},
     },
     "chosen": "repeat, 16 steps, 1-5",
     "accuracy": 0.03125, "n": 32, "wilson95": (0.006, 0.157), "question_cluster_bootstrap95": (0.0, 0.094),
