@@ -56,8 +56,10 @@ LONG_SHOTS = 2
 #: a skipped step number, a sum off by a few (``26 + 2 = 30`` in three samples of one question), a missing box, the
 #: format left early. A second pass tried a running count (add 1 from three-digit starts: 0 of 32, 328 tokens; the
 #: model slips on ``448 + 1`` and counts on from the wrong number) and the ``count`` kind (number 48 listed items and
-#: box how many: 3 of 32, but 75 tokens: most responses end after a line or two). The rule declared before the last run: the ``counted`` style unless it scores 0 of 32, else
-#: the ``short`` one, the only 16-step variant with a correct sample. The GPU issue recalibrates at n in the hundreds.
+#: box how many: 3 of 32, but 75 tokens: most responses end after a line or two). The rule declared before the
+#: first pass's last run: the ``counted`` style unless it scores 0 of 32, else the ``short`` one, the only 16-step
+#: variant with a correct sample; the second pass's rules (declared before each run) kept it. The GPU issue
+#: recalibrates at n in the hundreds.
 LONG_CPU_CALIBRATION: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct Q4_1 GGUF dequantised, fp32, CPU", "temperature": 1.0, "shots": LONG_SHOTS,
     "split": "heldout", "problem_seed": 777, "samples_per_question": 4, "tool": "python -m dev.calibrate_long",
