@@ -76,3 +76,25 @@ def test_the_calibration_record_matches_the_task(smol):
     prompt = longtask.sum_prompt_fn()(tok, probs[0])
     assert prompt.endswith("<|im_start|>assistant\n" + longtask.anchor(probs[0])) and probs[0].question in prompt
     assert abs(len(tok(prompt, add_special_tokens=False)["input_ids"]) - cal["prompt_tokens_mean"]) < 40
+
+
+def test_count_kind_solution_reward_and_step_accuracy() -> None:
+    """The ``count`` kind: the answer is the number of listed items; the worked solution numbers each item on its
+    own line and earns reward 1; a skipped item spoils both the box and the lines after it."""
+    ps = longtask.make_sum_problems("heldout", 6, seed=777, kind="count", min_steps=5, max_steps=9)
+    for p in ps:
+        items = [x for _, x in p.ops]
+        assert p.answer == len(items) == p.steps and all(10 <= x <= 99 for x in items)
+        assert all(a != b for a, b in zip(items, items[1:], strict=False))
+        assert p.question.endswith(", ".join(map(str, items)) + ".")
+        sol = longtask.sum_solution(p)
+        assert sol.startswith(longtask.anchor(p).strip()) and longtask.sum_reward(sol, p) == 1.0
+        assert longtask.step_accuracy(sol, p) == (p.steps, p.steps)
+    p = ps[0]
+    lines = longtask.sum_solution(p).split("\n")
+    skipped = "\n".join(lines[:2] + [f"{i}. {x}" for i, (_, x) in enumerate(p.ops[3:], 3)]
+                        + [f"There are \\boxed{{{p.answer - 1}}} numbers."])
+    assert longtask.sum_reward(skipped, p) == 0.0
+    assert longtask.step_accuracy(skipped, p) == (2, p.steps)
+    with pytest.raises(ValueError, match="max_start"):
+        longtask.make_sum_problems("train", 1, kind="count", max_start=9)

@@ -33,6 +33,8 @@ from kvlib.rl import task as base
 QUESTIONS = {
     "list": "Add these numbers one at a time, starting from 0: {numbers}. What is the total?",
     "repeat": "Start with {start}. Add {a} to it {n} times, one line per addition. What is the final number?",
+    "count": "Write these numbers one per line, each after its position in the list, then say how many there are: "
+             "{numbers}.",
 }
 KINDS = tuple(QUESTIONS)
 #: the setting chosen on the CPU (see LONG_CPU_CALIBRATION: it misses both of issue 39's targets, said there)
@@ -79,6 +81,13 @@ LONG_CPU_CALIBRATION: dict[str, Any] = {
 
 def _draw(rng: random.Random, kind: str, steps: int, min_operand: int, max_operand: int,
           max_start: int | None = None) -> tuple[str, int, tuple[tuple[str, int], ...]]:
+    if kind == "count":  # two-digit items, never the same twice in a row; the answer is how many
+        items: list[int] = []
+        while len(items) < steps:
+            x = rng.randint(10, 99)
+            if not items or x != items[-1]:
+                items.append(x)
+        return QUESTIONS[kind].format(numbers=", ".join(map(str, items))), 0, tuple(("item", x) for x in items)
     if kind == "list":
         nums: list[int] = []
         while len(nums) < steps:  # never the same number twice in a row: the next one is unambiguous to look up
@@ -115,6 +124,8 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIF
         raise ValueError(f"max_operand must be an int >= {low} for kind {kind!r}, got {max_operand!r}")
     if not isinstance(min_operand, int) or not 1 <= min_operand <= max_operand:
         raise ValueError(f"min_operand must be an int in [1, max_operand], got {min_operand!r}")
+    if kind == "count" and max_start is not None:
+        raise ValueError("max_start applies to kind 'repeat' only (a count has no start)")
     tag = "" if kind == "list" else f":{kind}"
     tag += "" if min_operand == 2 else f":{min_operand}"
     if max_start is not None:
@@ -127,14 +138,21 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIF
 
     def draw() -> tuple[str, int, int, int, tuple[tuple[str, int], ...]]:
         q, start, ops = _draw(rng, kind, rng.randint(min_steps, max_steps), min_operand, max_operand, max_start)
-        return q, start + sum(a for _, a in ops), len(ops), start, ops
+        answer = len(ops) if kind == "count" else start + sum(a for _, a in ops)
+        return q, answer, len(ops), start, ops
 
     return base.distinct_problems(split, n, draw)
 
 
+def _is_count(problem: base.Problem) -> bool:
+    return bool(problem.ops) and problem.ops[0][0] == "item"
+
+
 def anchor(problem: base.Problem) -> str:
-    """The first line of the problem's worked solution (``Start: s.``), placed at the start of the assistant turn
-    by ``sum_prompt_fn(anchored=True)``."""
+    """The first line of the problem's worked solution (``Start: s.``; a count's first item, ``1. x``), placed at
+    the start of the assistant turn by ``sum_prompt_fn(anchored=True)``."""
+    if _is_count(problem):
+        return f"1. {problem.ops[0][1]}\n"
     return f"Start: {problem.start}.\n"
 
 
@@ -153,6 +171,11 @@ def sum_solution(problem: base.Problem, style: str = LONG_STYLE) -> str:
     total."""
     if style not in STYLES:
         raise ValueError(f"style must be one of {sorted(STYLES)}, got {style!r}")
+    if _is_count(problem):  # one line per item, ``i. x``, the count boxed (the line style does not apply)
+        lines = [f"{i}. {x}" for i, (_, x) in enumerate(problem.ops, 1)]
+        if len(lines) != problem.answer:
+            raise ValueError(f"{len(lines)} items recorded, not the answer {problem.answer}")
+        return "\n".join(lines + [f"There are \\boxed{{{len(lines)}}} numbers."])
     total, lines = problem.start, [anchor(problem).strip()]
     for i, (op, a) in enumerate(problem.ops, 1):
         if op != "add":
@@ -172,6 +195,9 @@ def step_accuracy(response: str, problem: base.Problem) -> tuple[int, int]:
     import re
 
     nums = [a for _, a in problem.ops]
+    if _is_count(problem):  # item i is right when line i reads ``i. x_i``
+        good = sum(bool(re.search(rf"(?m)^{i}\. {x}$", response)) for i, x in enumerate(nums, 1))
+        return good, len(nums)
     good, total = 0, problem.start
     for i, a in enumerate(nums, 1):
         m = re.search(rf"Step {i}(?: of \d+)?:[^\n]*?(-?\d+) \+ (-?\d+) = (-?\d+)", response)
