@@ -1,4 +1,5 @@
-"""WitCert certificate, torch reference (float64): variance proxy, score radius, A, B, TV bounds.
+"""WitCert certificate, torch reference (float64): score radius, A, B, TV bounds (the variance proxy is the
+format layer's, :func:`kvlib.formats.base.variance_proxy`, re-exported here).
 
 The theorem (``book/witcert_certificate/theorem.md``): with subtractive dither the score error
 ``delta_t = sm_scale * sum_c q_c s_{c,t} eps_{c,t}`` is sub-Gaussian with proxy
@@ -35,9 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.core.checks import check_group, check_open_unit, check_positive_int, check_tensor
+from kvlib.core.checks import check_open_unit, check_positive_int, check_tensor
 from kvlib.core.fp16 import FP16_REL, FP16_SUB
-from kvlib.formats.base import PROXY
+from kvlib.formats.base import outlier_index as _outlier_index
+from kvlib.formats.base import variance_proxy  # noqa: F401  (its public name here is kept)
 
 #: largest finite float32: a kernel's A beyond this has overflowed
 FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -109,54 +111,6 @@ def request_delta(delta_req: float, *, layers: int, heads: int, steps: int) -> f
     for name, v in (("layers", layers), ("heads", heads), ("steps", steps)):
         check_positive_int(name, v)
     return delta_req / (layers * heads * steps)
-
-
-def _outlier_index(outlier_channels: torch.Tensor | None, d: int) -> torch.Tensor | None:
-    if outlier_channels is None:
-        return None
-    check_tensor("outlier_channels", outlier_channels, floating=False)
-    if outlier_channels.numel() and (int(outlier_channels.min()) < 0 or int(outlier_channels.max()) >= d):
-        raise ValueError(f"outlier_channels must lie in [0, {d}), got values outside")
-    return outlier_channels.to(torch.int64)
-
-
-def variance_proxy(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    *,
-    sm_scale: float,
-    group: int = 32,
-    outlier_channels: torch.Tensor | None = None,
-    proxy: str = "dither",
-) -> torch.Tensor:
-    """``varsigma_t^2 = sm_scale^2 * proxy * sum_c q_c^2 s_{c,t}^2`` in float64, shape ``[..., S]``.
-
-    ``q`` ``[..., d]``; ``scales`` ``[S, d // group]`` or ``[..., S, d // group]`` (broadcast
-    against ``q``'s leading dims). Outlier channels (stored in fp16, not dithered) are left out.
-    ``proxy``: ``"dither"`` (uniform residual, 1/12) or ``"sr"`` (stochastic rounding, 1/4).
-    """
-    check_tensor("q", q, floating=True)
-    check_tensor("scales", scales, floating=True)
-    if q.ndim < 1:
-        raise ValueError("q must have at least one dim [..., d]")
-    if scales.ndim < 2:
-        raise ValueError(f"scales must have shape [S, d // group] or [..., S, d // group], got {tuple(scales.shape)}")
-    if proxy not in PROXY:
-        raise ValueError(f"proxy must be one of {sorted(PROXY)}, got {proxy!r}")
-    d = q.shape[-1]
-    check_group("group", group, d)
-    if scales.shape[-1] != d // group:
-        raise ValueError(f"scales must have last dim d // group = {d // group}, got shape {tuple(scales.shape)}")
-    q2 = q.to(torch.float64).square()
-    oc = _outlier_index(outlier_channels, d)
-    if oc is not None and oc.numel():
-        keep = torch.ones(oc.shape[:-1] + (d,), dtype=torch.float64, device=q.device)
-        keep.scatter_(-1, oc, 0.0)
-        q2 = q2 * keep
-    qg = q2.reshape(q2.shape[:-1] + (d // group, group)).sum(-1)  # [..., ng]
-    s2 = scales.to(torch.float64).square()  # [..., S, ng]
-    var = (qg.unsqueeze(-2) * s2).sum(-1)  # [..., S]
-    return (sm_scale**2) * PROXY[proxy] * var
 
 
 #: the tc kernel computes the radius sums (q^2 s^2, |q_o| |k_o|) with tf32 dots of nonnegative terms

@@ -31,15 +31,66 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvlib.core.checks import check_group, check_tensor
+
 _REGISTRY: dict[str, type[KVFormat]] = {}
 #: the decode-kernel families a format may name as its ``kernel`` (None: torch reference path only)
 KERNELS = (None, "int8", "int4", "bf16")
 #: the capability attributes every format declares on its class (see :class:`KVFormat`)
 CAPABILITIES = ("variance_proxy", "stateful", "deterministic", "bounded", "kernel")
 #: the residual laws a format may declare as its ``variance_proxy``: the per-channel sub-Gaussian proxy of the
-#: key residual divided by ``s^2`` (subtractive uniform dither 1/12, stochastic rounding 1/4). The certificate
-#: (:func:`kvlib.certify.bound.variance_proxy`) reads it from here.
+#: key residual divided by ``s^2`` (subtractive uniform dither 1/12, stochastic rounding 1/4). What a law implies
+#: for a score is :func:`variance_proxy`, which the certificate (:mod:`kvlib.certify.bound`) calls.
 PROXY = {"dither": 1.0 / 12.0, "sr": 1.0 / 4.0}
+
+
+def outlier_index(outlier_channels: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    """``outlier_channels`` (channel indices in ``[0, d)``, kept in fp16 and not quantised) as int64, checked."""
+    if outlier_channels is None:
+        return None
+    check_tensor("outlier_channels", outlier_channels, floating=False)
+    if outlier_channels.numel() and (int(outlier_channels.min()) < 0 or int(outlier_channels.max()) >= d):
+        raise ValueError(f"outlier_channels must lie in [0, {d}), got values outside")
+    return outlier_channels.to(torch.int64)
+
+
+def variance_proxy(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    sm_scale: float,
+    group: int = 32,
+    outlier_channels: torch.Tensor | None = None,
+    proxy: str = "dither",
+) -> torch.Tensor:
+    """``varsigma_t^2 = sm_scale^2 * proxy * sum_c q_c^2 s_{c,t}^2`` in float64, shape ``[..., S]``.
+
+    ``q`` ``[..., d]``; ``scales`` ``[S, d // group]`` or ``[..., S, d // group]`` (broadcast
+    against ``q``'s leading dims). Outlier channels (stored in fp16, not dithered) are left out.
+    ``proxy``: ``"dither"`` (uniform residual, 1/12) or ``"sr"`` (stochastic rounding, 1/4).
+    """
+    check_tensor("q", q, floating=True)
+    check_tensor("scales", scales, floating=True)
+    if q.ndim < 1:
+        raise ValueError("q must have at least one dim [..., d]")
+    if scales.ndim < 2:
+        raise ValueError(f"scales must have shape [S, d // group] or [..., S, d // group], got {tuple(scales.shape)}")
+    if proxy not in PROXY:
+        raise ValueError(f"proxy must be one of {sorted(PROXY)}, got {proxy!r}")
+    d = q.shape[-1]
+    check_group("group", group, d)
+    if scales.shape[-1] != d // group:
+        raise ValueError(f"scales must have last dim d // group = {d // group}, got shape {tuple(scales.shape)}")
+    q2 = q.to(torch.float64).square()
+    oc = outlier_index(outlier_channels, d)
+    if oc is not None and oc.numel():
+        keep = torch.ones(oc.shape[:-1] + (d,), dtype=torch.float64, device=q.device)
+        keep.scatter_(-1, oc, 0.0)
+        q2 = q2 * keep
+    qg = q2.reshape(q2.shape[:-1] + (d // group, group)).sum(-1)  # [..., ng]
+    s2 = scales.to(torch.float64).square()  # [..., S, ng]
+    var = (qg.unsqueeze(-2) * s2).sum(-1)  # [..., S]
+    return (sm_scale**2) * PROXY[proxy] * var
 
 
 class KVFormat(ABC):

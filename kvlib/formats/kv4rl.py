@@ -59,9 +59,10 @@ def int8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # The side buffer's semantics, written once: the format, the pools, the kernels' launchers and the analyses call
 # these (Triton kernels take ``sink`` and ``recent`` as parameters and apply the same rules).
 
-def is_protected(p: torch.Tensor, n: torch.Tensor | int, sink: int, recent: int) -> torch.Tensor:
+def is_protected(p, n, sink, recent):
     """Bool: position ``p`` of a stream of length ``n`` is held by the side buffer (``p < sink`` or
-    ``p >= max(sink, n - recent)``); ``p`` and ``n`` broadcast."""
+    ``p >= max(sink, n - recent)``); ``p`` and ``n`` broadcast (ints or tensors). Unannotated and operators
+    only, as :func:`ring_index`: Triton compiles this source too."""
     return (p < sink) | (p >= n - recent)
 
 
@@ -70,12 +71,21 @@ def protected_mask(n: int, sink: int, recent: int) -> torch.Tensor:
     return is_protected(torch.arange(n), n, sink, recent)
 
 
+def ring_index(p, sink, recent):
+    """Ring slot of a protected position ``p >= sink``: ``sink + (p - sink) % recent`` (``recent > 0``).
+
+    Operators only, no torch call: the same source serves ints, torch tensors and Triton tensors (the fused write
+    kernel :mod:`kvlib.kernels.write.int4` jits this function and :func:`is_protected`), so the rule is written
+    once. Python's and Triton's ``%`` agree here because ``p - sink >= 0``."""
+    return sink + (p - sink) % recent
+
+
 def ring_slot(p: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
-    """Side-buffer slot of position ``p``: ``p`` for a sink, ``sink + (p - sink) % recent`` in the ring (valid only
-    while ``p`` is protected)."""
+    """Side-buffer slot of position ``p``: ``p`` for a sink, :func:`ring_index` in the ring (valid only while ``p``
+    is protected)."""
     if recent == 0:
         return p.clone()
-    return torch.where(p < sink, p, sink + (p - sink) % recent)
+    return torch.where(p < sink, p, ring_index(p, sink, recent))
 
 
 def side_count(n: torch.Tensor, sink: int, recent: int) -> torch.Tensor:

@@ -26,7 +26,6 @@ temperature 1 it finds no setting with both 10-40% accuracy and 300-token respon
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any
 
@@ -146,21 +145,13 @@ def make_sum_problems(split: str, n: int, seed: int = 0, *, kind: str = LONG_DIF
             raise ValueError(f"max_start must be an int >= 0, got {max_start!r}")
         tag += f":start{max_start}"  # absent from the tag by default: earlier settings draw the same problems
     rng = random.Random(f"kvlib.rl.longtask:{seed}:{min_steps}:{max_steps}:{max_operand}{tag}")
-    out: list[base.Problem] = []
-    seen: set[str] = set()
-    tries = 0
-    while len(out) < n:
-        tries += 1
-        if tries > 1000 * (n + 10):
-            raise ValueError(f"cannot draw {n} distinct {split} problems at this difficulty")
+
+    def draw() -> tuple[str, int, int, int, tuple[tuple[str, int], ...]]:
         q, start, ops = _draw(rng, kind, rng.randint(min_steps, max_steps), min_operand, max_operand, max_start)
-        if q in seen or base.split_of(q) != split:
-            continue
-        seen.add(q)
-        uid = hashlib.sha256(q.encode()).hexdigest()[:12]
         answer = len(ops) if kind == "count" else start + sum(a for _, a in ops)
-        out.append(base.Problem(uid=uid, question=q, answer=answer, steps=len(ops), start=start, ops=ops))
-    return out
+        return q, answer, len(ops), start, ops
+
+    return base.distinct_problems(split, n, draw)
 
 
 def _is_count(problem: base.Problem) -> bool:

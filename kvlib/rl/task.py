@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,19 @@ def make_problems(split: str, n: int, seed: int = 0, *, min_steps: int = DIFFICU
     allowed = tuple(ops.split(","))
     tag = "" if allowed == ("add", "sub", "mul") else f":{ops}"  # the default keeps its old problem stream
     rng = random.Random(f"kvlib.rl.task:{seed}:{min_steps}:{max_steps}:{max_operand}:{max_abs}{tag}")
+
+    def draw() -> tuple[str, int, int, int, tuple[tuple[str, int], ...]]:
+        steps = rng.randint(min_steps, max_steps)
+        q, ans, start, done = _chain(rng, steps, max_operand, max_abs, allowed)
+        return q, ans, steps, start, done
+
+    return distinct_problems(split, n, draw)
+
+
+def distinct_problems(split: str, n: int, draw: Callable[[], tuple[str, int, int, int, tuple[tuple[str, int], ...]]],
+                      ) -> list[Problem]:
+    """``n`` distinct problems of ``split``, drawn by ``draw() -> (question, answer, steps, start, ops)`` and kept
+    when the question is new and :func:`split_of` puts it in ``split`` (the tasks' shared rejection loop)."""
     out: list[Problem] = []
     seen: set[str] = set()
     tries = 0
@@ -160,13 +173,12 @@ def make_problems(split: str, n: int, seed: int = 0, *, min_steps: int = DIFFICU
         tries += 1
         if tries > 1000 * (n + 10):
             raise ValueError(f"cannot draw {n} distinct {split} problems at this difficulty")
-        steps = rng.randint(min_steps, max_steps)
-        q, ans, start, done = _chain(rng, steps, max_operand, max_abs, allowed)
+        q, ans, steps, start, ops = draw()
         if q in seen or split_of(q) != split:
             continue
         seen.add(q)
         uid = hashlib.sha256(q.encode()).hexdigest()[:12]
-        out.append(Problem(uid=uid, question=q, answer=ans, steps=steps, start=start, ops=done))
+        out.append(Problem(uid=uid, question=q, answer=ans, steps=steps, start=start, ops=ops))
     return out
 
 

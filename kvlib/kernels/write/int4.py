@@ -9,7 +9,8 @@ One program per (token ``n``, KV head ``h``) reads ``k[n, h], v[n, h]`` (``[d]``
 * values: the same quantisation without the rotation;
 * kv4rl (``side`` given, a decode step: one token per row): the rotated key and the value as per-vector
   symmetric INT8 (:func:`kvlib.formats.kv4rl.int8_quantize_unchecked`) into side slot
-  :func:`kvlib.formats.kv4rl.ring_slot` (``SINK``, ``RECENT`` given as parameters), after moving the entry
+  :func:`kvlib.formats.kv4rl.ring_slot` (the format's own :func:`~kvlib.formats.kv4rl.is_protected` and
+  :func:`~kvlib.formats.kv4rl.ring_index`, jitted here: the rule has one source), after moving the entry
   leaving the ring (position ``pos - recent``) to the crop stash at ``(pos - recent) % U``:
   :meth:`kvlib.backends.int4.Int4Backend.write`'s ``one_per_row`` branch.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import numpy as np
 import torch
@@ -28,8 +30,22 @@ import triton
 import triton.language as tl
 
 from kvlib.core.checks import check_tensor
+from kvlib.formats import kv4rl
 from kvlib.kernels.tl.rounding import rne
 from kvlib.kernels.write import recip32
+
+
+def _jit_rule(fn):
+    """``fn`` (a format's operators-only rule) as a Triton function, from its own code object. Its globals gain
+    ``triton.language`` only because the interpreter (``TRITON_INTERPRET=1``) finds the language to patch there."""
+    f = types.FunctionType(fn.__code__, {**fn.__globals__, "tl": tl}, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__doc__, f.__module__, f.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__
+    return triton.jit(f)
+
+
+# kv4rl's side-buffer rules, from the format's file: the kernel compiles the format's source, no restatement
+_is_protected = _jit_rule(kv4rl.is_protected)
+_ring_index = _jit_rule(kv4rl.ring_index)
 
 
 @triton.jit
@@ -142,8 +158,8 @@ def _write_int4_kernel(
         r = tl.load(rows_ptr + n).to(tl.int64)
         p = tl.load(pos_ptr + n).to(tl.int64)
         la = tl.load(lens_ptr + r).to(tl.int64)
-        keep = (p < SINK) | (p >= la - RECENT)
-        ring = tl.where(p < SINK, p, SINK + (p - SINK) % RW)  # RW = max(recent, 1)
+        keep = _is_protected(p, la, SINK, RECENT)
+        ring = tl.where(p < SINK, p, _ring_index(p, SINK, RW))  # RW = max(recent, 1)
         ring = tl.where(keep, ring, 0)  # a position not kept touches no slot (its stores are masked)
         ev = p - RECENT  # the position leaving the ring, in the same ring slot
         ev_ok = (ev >= SINK) & (RECENT > 0)
