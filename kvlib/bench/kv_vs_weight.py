@@ -56,6 +56,8 @@ BF16, BF16C = "bf16", "bf16-compiled"
 WEIGHT_ARMS = ("w8-int8wo", "w4-int4wo", "w8a8-fp8")
 KV_ARMS = ("kv8-rtn", "kv8-dither", "kv4", "kv4rl")
 ARMS = (BF16, BF16C) + WEIGHT_ARMS + KV_ARMS
+#: the order the KV groups run in: the register's KV4 first, then the INT8 peer of the paper's KV8, then the rest
+KV_ORDER = ("kv4", "kv8-rtn", "kv4rl", "kv8-dither")
 #: KV arm -> the method of kvlib.bench.e2e (its make_cache format and options)
 KV_METHOD = {"kv8-rtn": "rtn-int8", "kv8-dither": "dither-int8", "kv4": "kv4", "kv4rl": "kv4rl"}
 #: what each arm quantises, in words (the rows say it)
@@ -224,9 +226,19 @@ def _linear(x, w, b):
     return torch.nn.functional.linear(x, w, b)
 
 
+#: torch.compile mode of the compiled linear layers (env KVLIB_KVW_COMPILE_MODE): "default" (torchao's inductor
+#: settings, set by quantize_: coordinate-descent tuning) or "max-autotune-no-cudagraphs" (Triton mm templates, which
+#: can fuse the INT8 weight's cast into the mm's loads; longer to compile). The step is graphed by us either way.
+COMPILE_MODE = "default"
+
+
+def compile_mode() -> str:
+    return os.environ.get("KVLIB_KVW_COMPILE_MODE") or COMPILE_MODE
+
+
 def compiled_linear() -> Callable:
-    """``F.linear`` through ``torch.compile`` (inductor, static shapes): one compiled graph per weight shape and
-    type, reused by every layer of that shape. The recompile limit is raised to fit the shapes of every arm."""
+    """``F.linear`` through ``torch.compile`` (inductor, :func:`compile_mode`): one compiled graph per weight shape,
+    type and batch, reused by every layer of that shape. The recompile limit is raised to fit every arm's shapes."""
     if "f" not in _COMPILED:
         import torch._dynamo
 
@@ -234,7 +246,7 @@ def compiled_linear() -> Callable:
                      "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
-        _COMPILED["f"] = torch.compile(_linear, dynamic=False)
+        _COMPILED["f"] = torch.compile(_linear, mode=compile_mode())
     return _COMPILED["f"]
 
 
@@ -402,8 +414,8 @@ def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...]
     models.clear()
     _cleanup(device)
 
-    # -- one group per KV arm, bf16 beside it
-    for arm in KV_ARMS:
+    # -- one group per KV arm, bf16 beside it; the claim's KV4 first (a run cut short keeps what matters most)
+    for arm in KV_ORDER:
         if arm not in arms:
             continue
         rows = {BF16: _row(BF16, st, prof, _dev_name(device), kv_bytes=bf_kv, linear_layers="eager"),
@@ -447,10 +459,15 @@ def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...]
 # ------------------------------------------------------------------------------------------------ run
 def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | None = None,
         pick: str | None = None) -> dict:
-    """The benchmark; JSON-able result (see the module docstring). ``time_budget_s`` (env
-    ``KVLIB_KVW_TIME_BUDGET_S``): states not started by then are recorded as skipped; ``pick`` (env
-    ``KVLIB_KVW_PICK``): ``median`` (one state per phase) or ``all`` (every replay state)."""
+    """The benchmark; JSON-able result (see the module docstring). ``arms`` (env ``KVLIB_KVW_ARMS``, comma-separated;
+    must include bf16); ``time_budget_s`` (env ``KVLIB_KVW_TIME_BUDGET_S``): states and groups not started by then
+    are recorded as skipped; ``pick`` (env ``KVLIB_KVW_PICK``): ``median`` (one state per phase) or ``all`` (every
+    replay state). Env ``KVLIB_KVW_COMPILE`` = 0/1 overrides the profile's compiled linear layers, and
+    ``KVLIB_KVW_COMPILE_MODE`` their torch.compile mode; ``KVLIB_KVW_PARTIAL``: a file for the rows after each
+    state."""
     device = profile_device(profile)
+    if os.environ.get("KVLIB_KVW_ARMS") and arms == ARMS:  # `python -m kvlib.bench` passes only the profile
+        arms = tuple(a.strip() for a in os.environ["KVLIB_KVW_ARMS"].split(",") if a.strip())
     profs = _profiles()
     prof = profs[profile]
     unknown = set(arms) - set(ARMS)
@@ -463,7 +480,10 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
     pick = pick or os.environ.get("KVLIB_KVW_PICK") or prof.pick
     if pick not in ("median", "all"):
         raise ValueError(f"pick must be 'median' or 'all', got {pick!r}")
-    prof = Profile(**{**vars(prof), "pick": pick, "arms": tuple(arms)})
+    compiled = prof.compile_linears
+    if os.environ.get("KVLIB_KVW_COMPILE") in ("0", "1"):  # 0: weight arms eager against eager bf16
+        compiled = os.environ["KVLIB_KVW_COMPILE"] == "1"
+    prof = Profile(**{**vars(prof), "pick": pick, "arms": tuple(arms), "compile_linears": compiled})
     t0 = time.perf_counter()
     from kvlib.bench.e2e import _cleanup, build_model
 
@@ -484,6 +504,7 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
             continue
         print(f"   kv_vs_weight {st['phase']} #{st['state']} B={st['batch']} ctx={st['ctx']}", flush=True)
         rows += run_state(model, st, prof, device, tuple(arms), deadline, torchao_why)
+        _save_partial(rows)
     result = {
         "device": _dev_name(device), "profile": profile, "speed_claim": device == "cuda",
         "model": {"class": "Qwen2ForCausalLM", "description": prof.desc, **prof.model},
@@ -497,7 +518,8 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
                                      "w4-int4wo": "Int4WeightOnlyConfig(group_size=128, "
                                                   "int4_packing_format='tile_packed_to_4d')",
                                      "w8a8-fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"},
-                         "compiled": prof.compile_linears},
+                         "compiled": prof.compile_linears,
+                         "compile_mode": compile_mode() if prof.compile_linears else None},
         "timing": (f"per state: a group of bf16, bf16-compiled and the weight arms on one bf16 StaticCache, then "
                    f"one group per KV arm with bf16; {prof.rounds} interleaved rounds of {prof.steps} steps, median; "
                    "CUDA graph of the whole step on CUDA (eager where capture fails: graphed false); each ratio is "
@@ -511,3 +533,15 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
     gc.collect()
     _cleanup(device)
     return result
+
+
+def _save_partial(rows: list[dict]) -> None:
+    """Rows so far to ``$KVLIB_KVW_PARTIAL`` (if set) after each state: a run its caller kills still leaves them."""
+    path = os.environ.get("KVLIB_KVW_PARTIAL")
+    if path:
+        import json
+
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"partial": True, "rows": rows}, fh, default=str)
+        os.replace(tmp, path)
