@@ -99,7 +99,7 @@ def _profiles() -> dict[str, Profile]:
 
     gpu = Profile(QWEN25_7B, MODEL_DESC, GPU_PHASES, n_states=5, pick="median", rounds=5, steps=4, chunk=4096,
                   compile_linears=True, time_budget_s=480.0)
-    ci = Profile(TINY_KVW, TINY_DESC, CI_PHASES, n_states=5, pick="median", rounds=2, steps=2, chunk=16,
+    ci = Profile(TINY_KVW, TINY_DESC, CI_PHASES, n_states=5, pick="median", rounds=2, steps=1, chunk=16,
                  compile_linears=False, time_budget_s=120.0)
     return {"gpu": gpu, "ci": ci, "cpu": ci}
 
