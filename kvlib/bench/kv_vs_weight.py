@@ -134,7 +134,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
+        return sum(tensor_bytes(x) for x in (getattr(t, n) for n in names) if x is not None)
     return t.numel() * t.element_size()
 
 
