@@ -42,6 +42,9 @@ def test_every_arm_has_a_row_with_model_device_and_a_time_or_a_reason(ci_result)
             assert r["step_read_bytes"] == r["weight_bytes_read"] + r["kv_bytes"]
             if r["reference"] is not None:
                 assert r["speedup_vs_bf16"] == pytest.approx(r["reference_step_ms"] / r["step_ms"])
+                ref = next(x for x in rows if (x["phase"], x["state"], x["group"], x["arm"])
+                           == (r["phase"], r["state"], r["group"], r["reference"]))
+                assert r["byte_ratio_vs_bf16"] == pytest.approx(ref["step_read_bytes"] / r["step_read_bytes"])
         else:
             assert r["reason"], r
     if not torch.cuda.is_available():  # the CUDA-only arms say so in their rows

@@ -26,8 +26,9 @@ then one group per KV arm with ``bf16`` again; the arms of a group are timed in 
 (:func:`kvlib.bench.timing.interleaved`), and each arm's ratio is against its reference *of the same group*.
 Per arm: step time (median of rounds), tokens/s (= B / step), weight bytes (all, and read per step = all but the
 embedding table), KV bytes (measured from the cache's tensors), and what a step reads (weights read + every KV byte
-of the B sequences; ``kv_share`` = KV / that). The register's rule for the claim is ``kv4rl-kv-vs-weight-quant``
-in ``data/claims/performance.yml``; :mod:`kvlib.bench.kv_vs_weight_report` forms its quantities.
+of the B sequences; ``kv_share`` = KV / that; ``byte_ratio_vs_bf16`` = the reference's bytes read / the arm's, the
+speedup at the byte limit). The register's rule for the claim is ``kv4rl-kv-vs-weight-quant`` in
+``data/claims/performance.yml``; :mod:`kvlib.bench.kv_vs_weight_report` forms its quantities.
 
 ``python -m kvlib.bench kv_vs_weight --profile gpu`` (the late state's bf16 cache is ~70 GB: an H200);
 ``ci``/``cpu``: a tiny Qwen2 config on the CPU at the replay topic's tiny laws, a wiring check (no speed claim).
@@ -346,7 +347,11 @@ def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...]
             if r.get("kv_bytes") is not None:
                 r["step_read_bytes"] = w["read_per_step"] + r["kv_bytes"]
                 r["kv_share"] = r["kv_bytes"] / r["step_read_bytes"]
+        for arm, r in rows.items():  # once every row has its bytes
             rr = rows.get(ref, {})
+            if arm != ref and r.get("step_read_bytes") and rr.get("step_read_bytes"):
+                # the speedup a step would get if it ran at the byte limit (reads only: no writes, no compute)
+                r["byte_ratio_vs_bf16"] = rr["step_read_bytes"] / r["step_read_bytes"]
             if arm != ref and r.get("status") == "ok" and rr.get("status") == "ok":
                 r["speedup_vs_bf16"] = rr["step_ms"] / r["step_ms"]
                 r["reference_step_ms"] = rr["step_ms"]
