@@ -265,3 +265,13 @@ def test_fp8_w8a8_linear_is_within_its_quantiser_bound():
     bound = ex @ w.abs().T + xd.abs() @ ew.T + ex @ ew.T
     bound = bound + (U_BF16 + k * 2.0 ** -14) * ((xd.abs() + ex) @ (w.abs() + ew).T)
     assert ((y - y_ref).abs() <= bound).all()
+
+
+def test_a_spent_time_budget_leaves_a_skip_row_for_every_arm():
+    res = kvw.run("ci", time_budget_s=1e-9)
+    rows = res["rows"]
+    for st in {(r["phase"], r["state"]) for r in rows}:
+        assert {r["arm"] for r in rows if (r["phase"], r["state"]) == st} == set(kvw.ARMS)
+    assert all(r["status"] == "skipped" and "time budget" in r["reason"] for r in rows)
+    with pytest.raises(ValueError, match="group"):
+        kvw.group_arms("kv2")

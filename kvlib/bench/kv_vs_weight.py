@@ -22,8 +22,9 @@ late 8B checkpoint shapes; its Table A3 is not in the text we hold), one decode 
   ``kv8-rtn`` (rtn-int8), ``kv8-dither`` (dither-int8, certified), ``kv4``, ``kv4rl``.
 
 Side by side: per state, one memory group for ``bf16``, ``bf16-compiled`` and the weight arms (their shared cache),
-then one group per KV arm with ``bf16`` again; the arms of a group are timed in interleaved rounds
-(:func:`kvlib.bench.timing.interleaved`), and each arm's ratio is against its reference *of the same group*.
+and one group per KV arm with ``bf16`` again (in :data:`PASSES`: the weight group and KV4 at every state first);
+the arms of a group are timed in interleaved rounds (:func:`kvlib.bench.timing.interleaved`), and each arm's ratio
+is against its reference *of the same group*.
 Per arm: step time (median of rounds), tokens/s (= B / step), weight bytes (all, and read per step = all but the
 embedding table), KV bytes (measured from the cache's tensors), and what a step reads (weights read + every KV byte
 of the B sequences; ``kv_share`` = KV / that; ``byte_ratio_vs_bf16`` = the reference's bytes read / the arm's, the
@@ -247,7 +248,7 @@ def compiled_linear() -> Callable:
                      "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
-        _COMPILED["f"] = torch.compile(_linear, mode=compile_mode())
+        _COMPILED["f"] = torch.compile(_linear, mode=compile_mode(), dynamic=False)
     return _COMPILED["f"]
 
 
@@ -326,10 +327,26 @@ def _time(steppers: dict[str, Any], rows: dict[str, dict], prof: Profile, device
             rows[arm]["kernel_path"] = str(st.cache.kernel_path(0))
 
 
+#: the run's passes over the states, most important first: the weight group and KV4 (the register's claim) at every
+#: state, then the other KV arms; a pass not started by the deadline leaves skip rows, not a missing claim
+PASSES = (("weights", "kv4"), ("kv8-rtn", "kv4rl", "kv8-dither"))
+
+
+def group_arms(group: str) -> tuple[str, ...]:
+    """The arms timed in ``group`` ("weights" or a KV arm; bf16 is in every group)."""
+    if group == "weights":
+        return (BF16, BF16C) + WEIGHT_ARMS
+    if group in KV_ARMS:
+        return (BF16, group)
+    raise ValueError(f"group must be 'weights' or one of {KV_ARMS}, got {group!r}")
+
+
 def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...], deadline: float,
-              torchao_why: str | None) -> list[dict]:
-    """Every arm at one state: the weight group (bf16, bf16-compiled, weight arms on one bf16 StaticCache), then one
+              torchao_why: str | None, groups: tuple[str, ...] = ("weights",) + KV_ORDER) -> list[dict]:
+    """``groups`` at one state: the weight group (bf16, bf16-compiled, weight arms on one bf16 StaticCache) and one
     group per KV arm with bf16 again. Rows carry ``group`` and ``reference`` (the arm their ratio is against)."""
+    for g in groups:
+        group_arms(g)
     from kvlib.bench.e2e import GRAPH_PEER, HEADROOM, Stepper, _cleanup, cache_bytes, fill, make_method_cache
 
     cfg, dtype = model.config, torch.bfloat16
@@ -374,7 +391,7 @@ def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...]
     steppers: dict[str, Any] = {}
     wb: dict[str, dict] = {}
     models = []
-    for arm in (BF16, BF16C) + WEIGHT_ARMS:
+    for arm in (BF16, BF16C) + WEIGHT_ARMS if "weights" in groups else ():
         if arm not in arms:
             continue
         row = rows[arm] = _row(arm, st, prof, _dev_name(device), kv_bytes=bf_kv)
@@ -421,7 +438,7 @@ def run_state(model, st: dict, prof: Profile, device: str, arms: tuple[str, ...]
 
     # -- one group per KV arm, bf16 beside it; the claim's KV4 first (a run cut short keeps what matters most)
     for arm in KV_ORDER:
-        if arm not in arms:
+        if arm not in arms or arm not in groups:
             continue
         rows = {BF16: _row(BF16, st, prof, _dev_name(device), kv_bytes=bf_kv, linear_layers="eager"),
                 arm: _row(arm, st, prof, _dev_name(device), linear_layers="eager")}
@@ -502,14 +519,16 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
     model = build_model(prof.model, device, torch.bfloat16)
     rows: list[dict] = []
     deadline = t0 + time_budget_s
-    for st in states:
-        if time.perf_counter() > deadline:
-            rows += [_row(a, st, prof, _dev_name(device), status="skipped",
-                          reason=f"skipped: time budget of {time_budget_s:.0f} s spent") for a in arms]
-            continue
-        print(f"   kv_vs_weight {st['phase']} #{st['state']} B={st['batch']} ctx={st['ctx']}", flush=True)
-        rows += run_state(model, st, prof, device, tuple(arms), deadline, torchao_why)
-        _save_partial(rows)
+    for groups in PASSES:
+        for st in states:
+            if time.perf_counter() > deadline:
+                rows += [dict(_row(a, st, prof, _dev_name(device), status="skipped",
+                                   reason=f"skipped: time budget of {time_budget_s:.0f} s spent"), group=g)
+                         for g in groups for a in group_arms(g) if a in arms and (a != BF16 or g == "weights")]
+                continue
+            print(f"   kv_vs_weight {st['phase']} #{st['state']} B={st['batch']} ctx={st['ctx']}: {groups}", flush=True)
+            rows += run_state(model, st, prof, device, tuple(arms), deadline, torchao_why, groups)
+            _save_partial(rows)
     result = {
         "device": _dev_name(device), "profile": profile, "speed_claim": device == "cuda",
         "model": {"class": "Qwen2ForCausalLM", "description": prof.desc, **prof.model},
@@ -525,8 +544,9 @@ def run(profile: str, *, arms: tuple[str, ...] = ARMS, time_budget_s: float | No
                                      "w8a8-fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"},
                          "compiled": prof.compile_linears,
                          "compile_mode": compile_mode() if prof.compile_linears else None},
-        "timing": (f"per state: a group of bf16, bf16-compiled and the weight arms on one bf16 StaticCache, then "
-                   f"one group per KV arm with bf16; {prof.rounds} interleaved rounds of {prof.steps} steps, median; "
+        "timing": (f"per state: a group of bf16, bf16-compiled and the weight arms on one bf16 StaticCache, and "
+                   f"one group per KV arm with bf16, in passes {PASSES} over the states; {prof.rounds} interleaved "
+                   f"rounds of {prof.steps} steps, median; "
                    "CUDA graph of the whole step on CUDA (eager where capture fails: graphed false); each ratio is "
                    "against the reference arm of its own group"),
         "bytes": ("weight_bytes: every parameter as held (quantised: codes + scales + zero points); "
