@@ -75,8 +75,10 @@ NEEDS = {"w8-int8wo": (None, "inductor-fused INT8 dequant + mm (eager: int8->bf1
          "w4-int4wo": ((8, 0), "aten._weight_int4pack_mm (tinygemm)"),
          "w8a8-fp8": ((8, 9), "torch._scaled_mm (FP8 rowwise)")}
 
-TINY_KVW = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                num_key_value_heads=1, head_dim=32, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6,
+#: the ci config: d = 128 as the 7B shapes (the dimension every kvlib kernel takes on the GPU lane), every linear
+#: dimension a multiple of 128 (torchao's INT4 groups) and 16 (FP8 _scaled_mm)
+TINY_KVW = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=128, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-6,
                 rope_theta=1e4, tie_word_embeddings=False)
 
 
