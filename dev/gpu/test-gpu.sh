@@ -24,7 +24,7 @@ TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py te
        tests/test_philox*.py tests/test_fallback.py tests/test_sass_count.py tests/test_bench_wiring.py
        tests/test_format_capabilities.py tests/test_hf_cache.py tests/test_pools.py tests/test_write_kernels.py
        tests/test_gate_fixed.py tests/test_wspec*.py tests/test_dispatch_wspec.py tests/test_reference_speedups.py
-       tests/test_rl_continuous.py)
+       tests/test_rl_continuous.py tests/test_bench_kv_vs_weight.py)
 
 unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # absolute: tests that chdir keep it

@@ -16,6 +16,7 @@ TOPICS: dict[str, str] = {
     "decode_grid": "kvlib.bench.decode_grid",
     "e2e": "kvlib.bench.e2e",
     "kv4": "kvlib.bench.kv4",
+    "kv_vs_weight": "kvlib.bench.kv_vs_weight",
     "peers": "kvlib.bench.peers",
     "peers_hf": "kvlib.bench.peers_hf",
     "replay": "kvlib.bench.replay",
