@@ -80,6 +80,7 @@ def _args(qp, pool, start, end):
     ({"block_n": 48}, "block_n"), ({"block_n": 512}, "block_n"), ({"ring": 1}, "ring"), ({"ring": 9}, "ring"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
     ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"), ({"pdl": 1}, "pdl"), ({"rows8": None}, "rows8"),
+    ({"side_fused": 1}, "side_fused"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises((ValueError, TypeError), match=name):
@@ -164,10 +165,30 @@ def test_smem_fits_two_ctas_per_sm():
     assert 2 * (cfg.smem_bytes() + 16 * 128 * 2 + 1024) < 227 * 1024  # + the P exchange's fp16 scratch
 
 
-def test_launch_refuses_cpu_tensors():
-    q, pool, start, end, _ = _problem([5, 40], 16, hq=8, hkv=2, dev="cpu")
+@pytest.mark.parametrize("fused", [False, True], ids=["kv4", "kv4rl_fused"])
+def test_launch_refuses_cpu_tensors(fused):
+    q, pool, start, end, side = _problem([5, 40], 16, hq=8, hkv=2, rl=fused, dev="cpu")
     with pytest.raises(ValueError, match="CUDA"):
-        W.wspec4_stage1(*_args(prepare_query_ref(q), pool, start, end), block_size=16)
+        W.wspec4_stage1(*_args(prepare_query_ref(q), pool, start, end), block_size=16, side=side,
+                        config=W.WSpec4Config(side_fused=fused))
+
+
+def test_side_fused_plan_keeps_the_split_plan_and_checks_the_side_buffer():
+    """The same-launch side region changes no split: the INT4 splits and the one side state of the two-launch path
+    (the side state is written by the last split's consumer into slot ``num_splits``); a bad side buffer is refused
+    by name before any launch."""
+    q, pool, start, end, side = _problem([5, 40], 16, hq=8, hkv=2, rl=True, dev="cpu")
+    qp = prepare_query_ref(q)
+    big = dict(pool, block_table=torch.zeros(2, 1024, dtype=torch.int32))
+    for ns in (None, 3):
+        two = W.plan(*_args(qp, big, start, end), block_size=16, sms=132, side=side, num_splits=ns)
+        one = W.plan(*_args(qp, big, start, end), block_size=16, sms=132, side=side, num_splits=ns,
+                     config=W.WSpec4Config(side_fused=True))
+        assert one == two and one.states == one.num_splits + 1
+    for bad, name in ((side._replace(k8_scale=side.k8_scale.float()), "k8_scale"),
+                      (side._replace(v8=side.v8[:, :, :, :32]), "k8/v8"), (side._replace(count=side.count[:1]), "count")):
+        with pytest.raises((ValueError, TypeError), match=name):
+            W.plan(*_args(qp, pool, start, end), block_size=16, side=bad, config=W.WSpec4Config(side_fused=True))
 
 
 # ---- CPU: the reference and the side state under the interpreter
@@ -223,6 +244,14 @@ OFFLINE = [  # compile_offline keyword sets: GQA 7/1/8/4, pages 16/256/64/8, d 1
     {"cfg": {"rows8": True}}, {"cfg": {"rows8": True}, "gqa": 1, "d": 64},  # the 8-row softmax (Z8 selection)
     {"cfg": {"rows8": True, "block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3},
      "gqa": 8, "block_size": 256},
+    # KV4-RL with the side region in the same launch (_wspec4rl_stage1): the dispatch candidate, d = 64, three CTAs
+    # per SM at 80 registers, GQA 1 with 64-slot side steps and PDL
+    {"cfg": {"rows8": True, "side_fused": True}, "side": True},
+    {"cfg": {"rows8": True, "side_fused": True, "block_n": 32, "ring": 8}, "gqa": 4, "d": 64, "block_size": 8,
+     "side": True},
+    {"cfg": {"rows8": True, "side_fused": True, "block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32,
+             "ctas_per_sm": 3}, "gqa": 8, "block_size": 256, "side": True},
+    {"cfg": {"side_fused": True, "block_p": 64, "pdl": True}, "gqa": 1, "side": True},
 ]
 
 
@@ -231,7 +260,8 @@ def test_compiles_for_sm90():
     """Each variant builds for sm_90 with Triton's own toolchain (the layouts of every shared-memory load, MMA
     operand and conversion accepted by the compiler), with IMMA (QK) and HMMA (PV) in the consumer, TMA in the
     producer, no spills, and one TMA copy per K and V box (``block_n / min(block_size, block_n)`` of each per tile,
-    unrolled once in the loop)."""
+    unrolled once in the loop); the same-launch KV4-RL variants (``side``) also hold the side region's bf16 PV MMA
+    (``mma ... bf16.bf16.f32``), which the KV4 kernel never has."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -251,7 +281,8 @@ for kw in json.loads(sys.argv[1]):
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK)[:=](\d+)", use)}
     res["spill_ops"] = sass.count("STL") + sass.count("LDL")
     out.append(dict(kw=kw, bn=cfg.block_n, maxnreg=cfg.maxnreg, **res, imma=sass.count("IMMA"),
-                    hmma=sass.count("HMMA"), tma=sass.count("UTMALDG"), ex2=sass.count("MUFU.EX2")))
+                    hmma=sass.count("HMMA"), tma=sass.count("UTMALDG"), ex2=sass.count("MUFU.EX2"),
+                    bf16=cc.asm["ptx"].count("bf16.bf16.f32")))
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -266,6 +297,7 @@ print(json.dumps(out))
         assert rec["reg"] <= rec["maxnreg"], rec
         boxes = rec["bn"] // min(rec["kw"].get("block_size", 16), rec["bn"])
         assert rec["tma"] == 2 * boxes, rec
+        assert (rec["bf16"] > 0) == rec["kw"].get("side", False), rec
 
 
 def test_gpu_script_parses_and_its_variants_are_valid_configs():
