@@ -66,11 +66,37 @@ def count(cfg: dict, kw: dict) -> dict:
             "loops": {k: v for k, v in best.items() if v is not None}}
 
 
+def base_counts(commit: str) -> dict:
+    """The KV4 variants compiled from ``commit``'s kvlib (``git archive``), in a subprocess whose ``kvlib`` is that
+    one: ``{name: record}``."""
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        arch = subprocess.run(["git", "archive", commit, "kvlib"], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=arch, check=True)
+        shutil.copy(__file__, os.path.join(tmp, "sass_tool.py"))
+        out = os.path.join(tmp, "base.json")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": tmp}
+        subprocess.run([sys.executable, "sass_tool.py", "--kv4-only", out], cwd=tmp, env=env, check=True)
+        return json.loads(pathlib.Path(out).read_text())["variants"]
+
+
 def main() -> None:
+    """``[OUT.json] [--kv4-only] [--base COMMIT]``: with ``--base``, the KV4 variants of ``COMMIT`` too, and whether
+    each SASS listing is the same (``kv4_sass_unchanged``)."""
+    import datetime as dt
+    import pathlib
+
     import triton
 
+    started = dt.datetime.now(dt.UTC)
     only_kv4 = "--kv4-only" in sys.argv
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    base = sys.argv[sys.argv.index("--base") + 1] if "--base" in sys.argv else None
+    args = [a for a in sys.argv[1:] if not a.startswith("--") and a != base]
     out = {"target": "sm_90", "triton": triton.__version__, "variants": {}}
     for name, (cfg, kw) in (KV4 | ({} if only_kv4 else RL)).items():
         r = count(cfg, kw)
@@ -79,9 +105,19 @@ def main() -> None:
         print(f"{name}: reg {r.get('reg')} stack {r.get('stack', 0)} spills {r['spill_ops']} "
               f"int4 loop {lp.get('int4', {}).get('instructions')} side loop {lp.get('side', {}).get('instructions')}"
               f" sha {r['sass_sha256'][:12]}", flush=True)
+    if base:
+        old = base_counts(base)
+        out["base"] = {"commit": base, "variants": old}
+        out["kv4_sass_unchanged"] = {n: old[n]["sass_sha256"] == out["variants"][n]["sass_sha256"] for n in KV4}
+        print("KV4 SASS unchanged against", base, out["kv4_sass_unchanged"], flush=True)
     if args:
-        with open(args[0], "w") as f:
-            json.dump(out, f, indent=1)
+        if only_kv4:  # the --base subprocess: no provenance needed, a plain file
+            pathlib.Path(args[0]).write_text(json.dumps(out))
+            return
+        from kvlib.publish.provenance import provenance, write_json_atomic
+
+        out["provenance"] = provenance({"argv": sys.argv[1:]}, started)
+        write_json_atomic(pathlib.Path(args[0]), out)
 
 
 if __name__ == "__main__":
