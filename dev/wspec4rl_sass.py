@@ -66,6 +66,23 @@ def count(cfg: dict, kw: dict) -> dict:
             "loops": {k: v for k, v in best.items() if v is not None}}
 
 
+def triton_side(gqa: int = 7, d: int = 128, block_p: int = 32) -> dict:
+    """The Triton protected-region body's loop (:func:`kvlib.kernels.int4.protected._protected_region` in its
+    standalone kernel, the body the Triton paged KV4-RL kernel runs as its extra program), for comparison with
+    :func:`kvlib.kernels.int4.wspec._side_region4`'s."""
+    from kvlib.kernels.int4.protected import _protected_kernel
+    from kvlib.kernels.offline import compile_sm90
+
+    ptrs = {"Q8": "*i8", "QS": "*fp32", "K8": "*i8", "KS": "*fp16", "V8": "*i8", "VS": "*fp16", "COUNT": "*i32",
+            "OUT": "*fp32", "LSE": "*fp32"}
+    const = dict(HKV=4, G=gqa, GP=max(8, 1 << (gqa - 1).bit_length()), D=d, BLOCK_N=block_p, INTERP=False)
+    cc = compile_sm90(_protected_kernel, const, ptrs, num_warps=4, num_stages=3)
+    usage, sass = disassemble(cc)
+    ls = [lp for lp in loops(sass) if lp["imma"]]
+    return {"const": const, "num_warps": 4, "num_stages": 3, "reg": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "side_loop": max(ls, key=lambda lp: lp["instructions"])}
+
+
 def base_counts(commit: str) -> dict:
     """The KV4 variants compiled from ``commit``'s kvlib (``git archive``), in a subprocess whose ``kvlib`` is that
     one: ``{name: record}``."""
@@ -105,6 +122,11 @@ def main() -> None:
         print(f"{name}: reg {r.get('reg')} stack {r.get('stack', 0)} spills {r['spill_ops']} "
               f"int4 loop {lp.get('int4', {}).get('instructions')} side loop {lp.get('side', {}).get('instructions')}"
               f" sha {r['sass_sha256'][:12]}", flush=True)
+    if not only_kv4:
+        out["triton_side_d128_gqa7"] = triton_side()
+        out["triton_side_d64_gqa4"] = triton_side(4, 64)
+        print("Triton protected-region loop:", out["triton_side_d128_gqa7"]["side_loop"],
+              out["triton_side_d64_gqa4"]["side_loop"], flush=True)
     if base:
         old = base_counts(base)
         out["base"] = {"commit": base, "variants": old}
