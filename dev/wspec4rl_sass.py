@@ -3,12 +3,13 @@ same launch (``WSpec4Config.side_fused``, :func:`kvlib.kernels.int4.wspec._wspec
 
 ``PYTHONPATH=. python -m dev.wspec4rl_sass [OUT.json]``: per variant the registers, stack, spill instructions
 (``STL``/``LDL``), the SHA-256 of the SASS listing, and every loop of the SASS (backward branches) classified by
-what it holds: the producer's (``UTMALDG``), the INT4 consumer's (``IMMA`` without global loads: it reads the ring)
-and the side region's (``IMMA`` with ``LDG``: it reads the INT8 side buffer). Instruction counts are per thread per
-loop trip (a 128-position tile for the INT4 loop, ``block_p`` = 32 side slots for the side loop).
+what it holds: the producer's (``UTMALDG``, no ``IMMA``), the INT4 consumer's (``IMMA`` without global loads: it
+reads the ring) and the side region's (``IMMA`` with ``LDG``: it reads the INT8 side buffer). Instruction counts
+are per thread per loop trip (a 128-position tile for the INT4 loop, ``block_p`` = 32 side slots for the side
+loop).
 
-Run it against the parent commit's kvlib too (``git archive <commit> kvlib | tar -x -C DIR``; ``PYTHONPATH=DIR``):
-the KV4 variants' SASS hashes must be equal (the validated kernel keeps its binary)."""
+``--base COMMIT`` also compiles the KV4 variants from that commit's kvlib (``git archive``, in a subprocess):
+their SASS hashes must be equal (the validated kernel keeps its binary): ``kv4_sass_unchanged``."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def loops(sass: str) -> list[dict]:
             lo = int(m.group(1), 16)
             body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= addr]
             ops = [op.split(".")[0] for op in body]
-            kind = ("producer" if "UTMALDG" in ops else
+            kind = ("producer" if "UTMALDG" in ops and "IMMA" not in ops else
+                    "other" if "UTMALDG" in ops else  # a branch around both partitions' code
                     "side" if "IMMA" in ops and "LDG" in ops else
                     "int4" if "IMMA" in ops else "other")
             out.append({"kind": kind, "instructions": len(body), "imma": ops.count("IMMA"), "hmma": ops.count("HMMA"),
