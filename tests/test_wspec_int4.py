@@ -454,7 +454,10 @@ def _fused_checks(args, bs, side, ns, cfg, *, states=True):
     """The same-launch path against the reference and the Triton paged kernel at the existing KV4-RL tolerances
     (lse 1e-4; o 2e-2 for the side region's bf16 PV; twice those against the Triton kernel), bit-identical on a
     rerun; with ``states``, stage 1's split states against the two-launch path's (``side_fused=False``, same
-    splits): the INT4 states bit for bit (the same consumer function, inlined), the side state to the fp32
+    splits): the INT4 states of the same consumer function, inlined in both kernels (offline, their loops hold the
+    same FFMA/FMUL/FADD/MUFU/MMA counts, dev/results/wspec4rl_sass.json), ``lse`` bit for bit and ``o`` within
+    1e-5 (a different FMA contraction of the epilogue's ``(2^24 acc + sum p m_v) / l``, terms below 10, moves it
+    by a few fp32 ulps of those terms); the side state to the fp32
     summation order of ``l`` (the Triton and Gluon row sums add a step's ``block_p`` terms in different trees; the
     ``bf16(p)``, ``bf16(v)`` operands and the MMAs are the same: |d l| / l <= C 2^-24 <= 1e-5 for C <= 146 slots,
     so lse within 2e-5 and o, of magnitude below 5, within 1e-4)."""
@@ -473,7 +476,8 @@ def _fused_checks(args, bs, side, ns, cfg, *, states=True):
         two = dataclasses.replace(cfg, side_fused=False)
         t_o, t_l = W.wspec4_stage1(*args, block_size=bs, side=side, num_splits=pl.num_splits, config=two)
         k = pl.num_splits
-        assert torch.equal(f_l[:, :, :k], t_l[:, :, :k]) and torch.equal(f_o[:, :, :k], t_o[:, :, :k])
+        assert torch.equal(f_l[:, :, :k], t_l[:, :, :k])
+        _close(f_o[:, :, :k], t_o[:, :, :k], 1e-5)
         _close(f_l[:, :, k], t_l[:, :, k], 2e-5)
         _close(f_o[:, :, k], t_o[:, :, k], 1e-4)
     return o, lse
