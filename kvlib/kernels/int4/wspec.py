@@ -448,18 +448,35 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
 
 
 @gluon.jit
+def _side_loads(K8, K8S, V8, V8S, slot0, n0, cnt, kc, kn, nl, vn, vc, D: gl.constexpr):
+    """Side slots ``[n0, n0 + BP)`` (masked at ``cnt``: none read past it): the key codes ``[D, BP]`` straight into
+    the QK B operand (four consecutive channels of one slot per 32-bit load), their scales along the scores'
+    positions, the value codes ``[BP, D]`` in 16-byte row pieces and their scales."""
+    k = gl.load(K8 + (slot0 + n0 + kn)[None, :] * D + kc[:, None], mask=(n0 + kn < cnt)[None, :], other=0)
+    nm = n0 + nl < cnt
+    ks = gl.load(K8S + slot0 + n0 + nl, mask=nm, other=0.0)
+    vm = n0 + vn < cnt
+    v8 = gl.load(V8 + (slot0 + n0 + vn)[:, None] * D + vc[None, :], mask=vm[:, None], other=0)
+    vs = gl.load(V8S + slot0 + n0 + vn, mask=vm, other=0.0)
+    return k, ks, v8, vs
+
+
+@gluon.jit
 def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, sm_scale_log2, s_qb, s_qh,
                   s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                   D: gl.constexpr, BP: gl.constexpr, NW: gl.constexpr):
     """The KV4-RL side slots ``0..count_b-1`` of (request ``b``, KV head ``kvh``) in the consumer warpgroup, state
     to slot ``slot``: :func:`kvlib.kernels.int4.protected._protected_region` operand for operand (16 query rows,
     zeros past ``GQA``; per ``BP`` slots ``s = float(q8 . k8) (a_q s_k)``, masked at the count, the online softmax
-    in base 2 with per-row sums, ``acc = bf16(p) x bf16(float(v8) s_v) + alpha acc`` in fp32; ``o = acc / l``)."""
+    in base 2 with per-row sums, ``acc = bf16(p) x bf16(float(v8) s_v) + alpha acc`` in fp32; ``o = acc / l``). The
+    next step's codes and scales are loaded before this step's math (registers, no shared-memory ring)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)  # int8 operands
     KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)  # bf16 operands
     VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # the value rows in 16-byte pieces (D / 16 threads per row), dequantised there, then moved to the operand
+    VL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [NW, 1], [1, 0])
     HL: gl.constexpr = gl.SliceLayout(1, MMA)
     NL: gl.constexpr = gl.SliceLayout(0, MMA)
     cnt = gl.minimum(gl.load(COUNT + b), C)
@@ -469,32 +486,28 @@ def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, 
     hr = gl.arange(0, 16, layout=HL)
     a_q = gl.load(QS + b * HQ + kvh * GQA + hr, mask=hr < GQA, other=0.0) * sm_scale_log2
     slot0 = (b * HKV + kvh).to(gl.int64) * C
-    # the key tile [D, BP] straight into the B operand (four consecutive channels of one slot per register: one
-    # 32-bit load), the value tile [BP, D] into its B operand, its scales along the operand's rows
     kc = gl.arange(0, D, layout=gl.SliceLayout(1, KB8))
     kn = gl.arange(0, BP, layout=gl.SliceLayout(0, KB8))
-    vn = gl.arange(0, BP, layout=gl.SliceLayout(1, VB))
-    vc = gl.arange(0, D, layout=gl.SliceLayout(0, VB))
+    vn = gl.arange(0, BP, layout=gl.SliceLayout(1, VL))
+    vc = gl.arange(0, D, layout=gl.SliceLayout(0, VL))
     nl = gl.arange(0, BP, layout=NL)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
     l_i = gl.zeros([16], gl.float32, layout=HL)
     acc = gl.zeros([16, D], gl.float32, layout=MMA)
+    k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, 0, cnt, kc, kn, nl, vn, vc, D)
     for n0 in range(0, cnt, BP):
-        k = gl.load(K8 + (slot0 + n0 + kn)[None, :] * D + kc[:, None], mask=(n0 + kn < cnt)[None, :], other=0)
-        nm = n0 + nl < cnt
-        ks = gl.load(K8S + slot0 + n0 + nl, mask=nm, other=0.0).to(gl.float32)
-        s = mma_v2(q, k, gl.zeros([16, BP], gl.int32, layout=MMA)).to(gl.float32) * (a_q[:, None] * ks[None, :])
-        s = gl.where(nm[None, :], s, float("-inf"))
+        k_n, ks_n, v8_n, vs_n = _side_loads(K8, K8S, V8, V8S, slot0, n0 + BP, cnt, kc, kn, nl, vn, vc, D)
+        s = mma_v2(q, k, gl.zeros([16, BP], gl.int32, layout=MMA)).to(gl.float32) * (
+            a_q[:, None] * ks.to(gl.float32)[None, :])
+        s = gl.where((n0 + nl < cnt)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
-        vm = n0 + vn < cnt
-        v8 = gl.load(V8 + (slot0 + n0 + vn)[:, None] * D + vc[None, :], mask=vm[:, None], other=0)
-        vs = gl.load(V8S + slot0 + n0 + vn, mask=vm, other=0.0).to(gl.float32)
-        v = (v8.to(gl.float32) * vs[:, None]).to(gl.bfloat16)
+        v = gl.convert_layout((v8.to(gl.float32) * vs.to(gl.float32)[:, None]).to(gl.bfloat16), VB)
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), PA), v, acc * alpha[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
+        k, ks, v8, vs = k_n, ks_n, v8_n, vs_n
     ok = l_i > 0.0
     inv = gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0)
     cols = gl.arange(0, D, layout=NL)
