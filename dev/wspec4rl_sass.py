@@ -31,6 +31,13 @@ RL = {name.replace("kv4_", "kv4rl_fused_"): (cfg | {"side_fused": True}, kw | {"
       for name, (cfg, kw) in KV4.items()} | {
     "kv4rl_fused_rows8_d128_gqa1_p16": ({"rows8": True, "side_fused": True}, {"gqa": 1, "side": True}),
     "kv4rl_fused_rows8_bp16_d128_gqa7_p16": ({"rows8": True, "side_fused": True, "block_p": 16}, {"side": True}),
+    # 64-slot side steps: no prefetch at d = 128 (it would spill), prefetch at d = 64
+    "kv4rl_fused_rows8_bp64_d128_gqa7_p16": ({"rows8": True, "side_fused": True, "block_p": 64}, {"side": True}),
+    "kv4rl_fused_rows8_bp64_d64_gqa4_p16": ({"rows8": True, "side_fused": True, "block_p": 64},
+                                           {"side": True, "gqa": 4, "d": 64}),
+    # three CTAs per SM at 80 registers
+    "kv4rl_fused_rows8_3cta_d128_gqa7_p16": ({"rows8": True, "side_fused": True, "ring": 3, "maxnreg": 80,
+                                              "producer_regs": 32, "ctas_per_sm": 3}, {"side": True}),
 }
 
 

@@ -468,8 +468,9 @@ def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, 
     """The KV4-RL side slots ``0..count_b-1`` of (request ``b``, KV head ``kvh``) in the consumer warpgroup, state
     to slot ``slot``: :func:`kvlib.kernels.int4.protected._protected_region` operand for operand (16 query rows,
     zeros past ``GQA``; per ``BP`` slots ``s = float(q8 . k8) (a_q s_k)``, masked at the count, the online softmax
-    in base 2 with per-row sums, ``acc = bf16(p) x bf16(float(v8) s_v) + alpha acc`` in fp32; ``o = acc / l``). The
-    next step's codes and scales are loaded before this step's math (registers, no shared-memory ring)."""
+    in base 2 with per-row sums, ``acc = bf16(p) x bf16(float(v8) s_v) + alpha acc`` in fp32; ``o = acc / l``).
+    Where ``BP * D <= 4096`` (``block_p`` 32 at d = 128, 64 at d = 64) the next step's codes and scales are loaded
+    before this step's math (registers, no shared-memory ring); larger steps would spill at 128 registers."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)  # int8 operands
     KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
@@ -494,9 +495,14 @@ def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
     l_i = gl.zeros([16], gl.float32, layout=HL)
     acc = gl.zeros([16, D], gl.float32, layout=MMA)
-    k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, 0, cnt, kc, kn, nl, vn, vc, D)
+    PF: gl.constexpr = BP * D <= 4096
+    if PF:
+        k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, 0, cnt, kc, kn, nl, vn, vc, D)
     for n0 in range(0, cnt, BP):
-        k_n, ks_n, v8_n, vs_n = _side_loads(K8, K8S, V8, V8S, slot0, n0 + BP, cnt, kc, kn, nl, vn, vc, D)
+        if PF:
+            k_n, ks_n, v8_n, vs_n = _side_loads(K8, K8S, V8, V8S, slot0, n0 + BP, cnt, kc, kn, nl, vn, vc, D)
+        else:
+            k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, n0, cnt, kc, kn, nl, vn, vc, D)
         s = mma_v2(q, k, gl.zeros([16, BP], gl.int32, layout=MMA)).to(gl.float32) * (
             a_q[:, None] * ks.to(gl.float32)[None, :])
         s = gl.where((n0 + nl < cnt)[None, :], s, float("-inf"))
@@ -507,7 +513,8 @@ def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, 
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), PA), v, acc * alpha[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        k, ks, v8, vs = k_n, ks_n, v8_n, vs_n
+        if PF:
+            k, ks, v8, vs = k_n, ks_n, v8_n, vs_n
     ok = l_i > 0.0
     inv = gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0)
     cols = gl.arange(0, D, layout=NL)
