@@ -58,7 +58,8 @@ def loops(sass: str) -> list[dict]:
                     "int4" if "IMMA" in ops else "other")
             out.append({"kind": kind, "instructions": len(body), "imma": ops.count("IMMA"), "hmma": ops.count("HMMA"),
                         "ldg": ops.count("LDG"), "lds": ops.count("LDS") + ops.count("LDSM"),
-                        "mufu": ops.count("MUFU")})
+                        "mufu": ops.count("MUFU"),
+                        "fp": {op: ops.count(op) for op in ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP")}})
     return out
 
 
@@ -141,6 +142,13 @@ def main() -> None:
         out["base"] = {"commit": base, "variants": old}
         out["kv4_sass_unchanged"] = {n: old[n]["sass_sha256"] == out["variants"][n]["sass_sha256"] for n in KV4}
         print("KV4 SASS unchanged against", base, out["kv4_sass_unchanged"], flush=True)
+    # the INT4 loop of each same-launch variant against its KV4 kernel's: the same floating-point instructions
+    # (the tests expect the INT4 states of both paths to agree to the epilogue's rounding)
+    out["int4_loop_same_fp_ops"] = {
+        n: out["variants"][n]["loops"]["int4"]["fp"] == out["variants"][k]["loops"]["int4"]["fp"]
+        for n in out["variants"] if n.startswith("kv4rl_fused_")
+        and (k := n.replace("kv4rl_fused_", "kv4_")) in out["variants"]}
+    print("INT4 loop FP instructions equal to the KV4 kernel's:", out["int4_loop_same_fp_ops"], flush=True)
     if args:
         if only_kv4:  # the --base subprocess: no provenance needed, a plain file
             pathlib.Path(args[0]).write_text(json.dumps(out))
