@@ -60,16 +60,18 @@ VARIANTS = {  # name: WSpec4Config fields
     "bn128_r4_r8_pdl": dict(rows8=True, pdl=True),
     "bn128_r3_3cta_r8_pdl": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, rows8=True,
                                  pdl=True),
-    # KV4-RL only (issue 40): the side region in the same launch, by the last split's consumer (a KV4 request runs
+    # KV4-RL only (issue 40): the side region in the same launch, by split 0's consumer (a KV4 request runs
     # the variant without "_fused", the same kernel); KV4-RL / KV4 is taken against that one
     "bn128_r4_r8_fused": dict(rows8=True, side_fused=True),
     "bn128_r4_r8_pdl_fused": dict(rows8=True, pdl=True, side_fused=True),
+    # the same without the rebalance (side_cost 0: stage 1's split plan, the last split runs the side region)
+    "bn128_r4_r8_pdl_fused_c0": dict(rows8=True, pdl=True, side_fused=True, side_cost=0),
     "bn128_r3_3cta_r8_pdl_fused": dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3,
                                        rows8=True, pdl=True, side_fused=True),
 }
 RL_VARIANTS = ("bn128_r4", "bn128_r3_3cta", "bn128_r4_pdl", "bn128_r4_r8_pdl",
                "bn128_r3_3cta_r8_pdl", "bn128_r4_r8_fused", "bn128_r4_r8_pdl_fused",
-               "bn128_r3_3cta_r8_pdl_fused")  # KV4-RL timed with these
+               "bn128_r3_3cta_r8_pdl_fused", "bn128_r4_r8_pdl_fused_c0")  # KV4-RL timed with these
 
 
 def elapsed():
@@ -198,7 +200,7 @@ def time_shape(B, S):
             if n.startswith(f"wspec4_{kind}_") and f"triton_paged_{kind}" in med:
                 row["new_over_triton_paged"][n] = med[n] / med[f"triton_paged_{kind}"]
     for v in RL_VARIANTS:
-        a, b = f"wspec4_kv4_{v.removesuffix('_fused')}", f"wspec4_kv4rl_{v}"
+        a, b = f"wspec4_kv4_{v.split('_fused')[0]}", f"wspec4_kv4rl_{v}"
         if a in med and b in med:
             row["rl_over_kv4_speed"][v] = med[a] / med[b]
     if "triton_kv4" in med and "triton_kv4rl" in med:

@@ -55,9 +55,12 @@ reference, and a Gluon copy would be a second body to keep equal to it. The pric
 Triton KV4-RL (which runs the region as an extra program of its own launch); ``dev/gpu/wspec_int4.sh`` measures it.
 
 ``WSpec4Config(side_fused=True)`` (issue 40, opt-in: :data:`DISPATCH_CONFIG_RL`) puts the side region in the same
-launch: :func:`_wspec4rl_stage1` is stage 1 with the side buffer's pointers, and the last INT4 split's consumer
-(the split with the fewest tiles) runs :func:`_side_region4` before its own tiles, while the producer fills the
-ring; its state goes to the slot after the INT4 splits, merged by the same LSE merge. :func:`_side_region4` is
+launch: :func:`_wspec4rl_stage1` is stage 1 with the side buffer's pointers; split 0's consumer runs
+:func:`_side_region4` before its own tiles, while the producer fills the ring, and gives up
+``ceil(C side_cost / block_n)`` INT4 tiles for it (:func:`split_tiles`; ``side_cost`` 8/3 INT4 positions per side
+slot, from the offline loop counts; with ``side_cost = 0`` the split plan is stage 1's and the last split, which
+``cdiv`` leaves the fewest tiles, runs it). The side state goes to the slot after the INT4 splits, merged by the
+same LSE merge. :func:`_side_region4` is
 the protected region's arithmetic operand for operand (16 query rows; INT8 QK by ``mma.sync ... s8.s8.s32``,
 ``s = float(s_int) (a_q s_k)``, masked past the count; base-2 online softmax with per-row sums per ``block_p``
 slots; PV as ``bf16(p)`` x ``bf16(float(v8) s_v)`` in fp32 by ``mma.sync ... bf16.bf16.f32``; ``o = acc / l``), so
@@ -118,11 +121,16 @@ class WSpec4Config:
     #: certified INT8 kernels do (:func:`kvlib.kernels.int8.wspec_cert.consumer_layouts`' ``Z8``): half the
     #: per-score work of the 16-row tile; the PV operand is the 8 rows duplicated
     rows8: bool = False
-    #: KV4-RL: the side region in the same launch (:func:`_wspec4rl_stage1`: the last INT4 split's consumer runs
-    #: the INT8 side slots before its tiles, the Triton protected region's arithmetic, and writes the side state);
+    #: KV4-RL: the side region in the same launch (:func:`_wspec4rl_stage1`: one split's consumer runs the INT8
+    #: side slots before its tiles, the Triton protected region's arithmetic, and writes the side state);
     #: False: the side state is a second (Triton) launch before stage 1 (:func:`side_state`). No effect without a
     #: side buffer. Not dispatched until a GPU run of tests/test_wspec_int4.py validates it (DISPATCH_CONFIG_RL)
     side_fused: bool = False
+    #: with ``side_fused``: INT4 positions' worth of work per side slot, so that the split that runs the side
+    #: region (split 0) takes ``side_tiles`` fewer INT4 tiles (:func:`side_tiles`, :func:`split_tiles`). 8/3 from
+    #: the offline sm_90 loops at d = 128 (dev/results/wspec4rl_sass.json: 461 instructions per 32 side slots, 690
+    #: per 128-position INT4 tile, 2.67 per slot); 0: the plain split plan, the last split runs the side region
+    side_cost: float = 8 / 3
 
     def __post_init__(self):
         for name in ("pdl", "rows8", "side_fused"):
@@ -135,6 +143,9 @@ class WSpec4Config:
         if self.block_n not in (32, 64, 128, 256):
             raise ValueError(f"block_n must be 32, 64, 128 or 256 (a TMA box has at most 256 rows), got {self.block_n}")
         check_ring(self, max_ring=8)
+        if (isinstance(self.side_cost, bool) or not isinstance(self.side_cost, (int, float))
+                or not math.isfinite(self.side_cost) or not 0 <= self.side_cost <= 64):
+            raise ValueError(f"side_cost must be a number in [0, 64], got {self.side_cost!r}")
         if self.block_p not in (16, 32, 64):
             raise ValueError(f"block_p must be 16, 32 or 64, got {self.block_p}")
 
@@ -528,14 +539,15 @@ def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, 
 @gluon.jit
 def _consumer4rl(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
                  n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                 K8, K8S, V8, V8S, COUNT, C, num_splits,
+                 K8, K8S, V8, V8S, COUNT, C, num_splits, side_split,
                  GQA: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, HALF: gl.constexpr,
                  QW: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, BP: gl.constexpr,
                  R8: gl.constexpr = False, Z8: gl.constexpr = None):
-    """:func:`_consumer4` of a KV4-RL launch: the last INT4 split (the fewest tiles: ``cdiv`` gives the remainder to
-    the last) first runs the side region (:func:`_side_region4`, state ``num_splits``) while the producer fills the
-    ring, then its INT4 tiles, unchanged."""
-    if split == num_splits - 1:
+    """:func:`_consumer4` of a KV4-RL launch: split ``side_split`` (0, which :func:`split_tiles` gives fewer tiles;
+    or with no rebalance the last, which ``cdiv`` gives the remainder) first runs the side region
+    (:func:`_side_region4`, state ``num_splits``) while the producer fills the ring, then its INT4 tiles,
+    unchanged."""
+    if split == side_split:
         _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, num_splits, C, sm_scale_log2, s_qb, s_qh,
                       s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, HQ, HKV, D, BP, NW)
     _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
@@ -590,10 +602,12 @@ def _wspec4_stage1(
     ], [1], [PRODUCER_REGS])
 
 
-@gluon.jit(do_not_specialize=["num_splits", "C", "s_bt_b", "s_os_b", "s_os_h", "s_os_s", "s_ls_b", "s_ls_h"])
+@gluon.jit(do_not_specialize=["num_splits", "C", "side_w", "side_split", "s_bt_b", "s_os_b", "s_os_h", "s_os_s",
+                              "s_ls_b", "s_ls_h"])
 def _wspec4rl_stage1(
     Q8, QS, QSUM, k_desc, v_desc, KS, KO, VS, VO, BT, START, END, O_S, LSE_S, K8, K8S, V8, V8S, COUNT,
-    sm_scale_log2, num_splits, max_len, C, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+    sm_scale_log2, num_splits, max_len, C, side_w, side_split, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b,
+    s_ls_h,
     GQA: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
     RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr = False,
     ROWS8: gl.constexpr = False, Z8: gl.constexpr = None, BP: gl.constexpr = 32,
@@ -601,8 +615,8 @@ def _wspec4rl_stage1(
     """:func:`_wspec4_stage1` with the KV4-RL side region in the same launch (``WSpec4Config.side_fused``): the
     INT8 side buffer ``K8, V8 [B, H_kv, C, d]``, ``K8S, V8S [B, H_kv, C]``, ``COUNT [B]`` is read by the last
     split's consumer (:func:`_consumer4rl`), its state is ``num_splits`` of the ``num_splits + 1``. The grid, the
-    split plan, the ring and the producer are stage 1's. A separate kernel so that stage 1's binary stays as it
-    was validated."""
+    ring and the producer are stage 1's; the split plan is :func:`split_tiles`' (stage 1's with ``side_w = 0``). A
+    separate kernel so that stage 1's binary stays as it was validated."""
     if PDL:
         _gdc("griddepcontrol.wait; // dummy $0")
         _gdc("griddepcontrol.launch_dependents; // dummy $0")
@@ -615,9 +629,11 @@ def _wspec4rl_stage1(
     end = gl.maximum(gl.minimum(gl.load(END + b), max_len), start)
     first = start // BN
     nblk = gl.where(end > start, gl.cdiv(end, BN) - first, 0)
-    bps = gl.cdiv(nblk, num_splits)
-    t0 = first + split * bps
-    n_tiles = gl.maximum(gl.minimum(t0 + bps, first + nblk) - t0, 0)
+    # split_tiles: the side region counts as side_w tiles at the head of split 0
+    bps = gl.cdiv(nblk + side_w, num_splits)
+    lo = gl.maximum(split * bps - side_w, 0)
+    t0 = first + lo
+    n_tiles = gl.maximum(gl.minimum((split + 1) * bps - side_w, nblk) - lo, 0)
     BT_row = BT + b * s_bt_b
 
     k_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, HALF], k_desc.layout)
@@ -633,7 +649,7 @@ def _wspec4rl_stage1(
     gl.warp_specialize([
         (_consumer4rl, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end,
                         t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                        K8, K8S, V8, V8S, COUNT, C, num_splits,
+                        K8, K8S, V8, V8S, COUNT, C, num_splits, side_split,
                         GQA, GQA * HKV, HKV, D, HALF, QW, BN, RING, NW, BP, ROWS8, Z8)),
         (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
                       end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
@@ -703,12 +719,13 @@ def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_ta
     sml2 = pl.sm_scale * LOG2E
     if side is not None and cfg.side_fused:
         k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
+        w = side_tiles(cfg, pl.side_slots)
         _wspec4rl_stage1[(B, pl.hkv, pl.num_splits)](
             q8, qp.scale, qp.qsum, kd, vd, k_scale, k_off, v_scale, v_off, block_table, start32, end32, o_s, lse_s,
             k8, k8s, v8, v8s, side.count.to(torch.int32), sml2, pl.num_splits, pl.max_blocks * pl.block_size,
-            pl.side_slots, q8.stride(0), q8.stride(1), block_table.stride(0), o_s.stride(0), o_s.stride(1),
-            o_s.stride(2), lse_s.stride(0), lse_s.stride(1), **_constexprs(pl, cfg), BP=cfg.block_p, num_warps=4,
-            maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
+            pl.side_slots, w, 0 if w else pl.num_splits - 1, q8.stride(0), q8.stride(1), block_table.stride(0),
+            o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1), **_constexprs(pl, cfg),
+            BP=cfg.block_p, num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
         )
         return o_s, lse_s
     if side is not None:
@@ -720,6 +737,26 @@ def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_ta
         **_constexprs(pl, cfg), num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
     )
     return o_s, lse_s
+
+
+def side_tiles(config: WSpec4Config, side_slots: int) -> int:
+    """INT4 tiles the side-owning split gives up: ``ceil(side_slots * side_cost / block_n)``, 0 with
+    ``side_cost = 0``."""
+    if not isinstance(side_slots, int) or isinstance(side_slots, bool) or side_slots < 0:
+        raise ValueError(f"side_slots must be a non-negative int, got {side_slots!r}")
+    return math.ceil(side_slots * config.side_cost / config.block_n)
+
+
+def split_tiles(nblk: int, num_splits: int, side_w: int) -> list[tuple[int, int]]:
+    """The same-launch kernel's split plan (its in-kernel arithmetic, mirrored for the host and the tests): the
+    ``(first tile, tiles)`` of each split over ``nblk`` tiles, the side region counted as ``side_w`` tiles at the
+    head of split 0; ``side_w = 0`` is stage 1's plan (``cdiv(nblk, num_splits)`` tiles per split)."""
+    bps = -(-(nblk + side_w) // num_splits)
+    out = []
+    for split in range(num_splits):
+        lo = max(split * bps - side_w, 0)
+        out.append((lo, max(min((split + 1) * bps - side_w, nblk) - lo, 0)))
+    return out
 
 
 def _launch_side(qp, side: SideBuffer, o_s, lse_s, pl: Plan4, cfg: WSpec4Config, sml2: float) -> None:
