@@ -70,7 +70,8 @@ def count(cfg: dict, kw: dict) -> dict:
     ls = loops(sass)
     best = {k: max((lp for lp in ls if lp["kind"] == k), key=lambda lp: lp["instructions"], default=None)
             for k in ("int4", "side", "producer")}
-    return {"config": cfg, "compile": kw, **res, "spill_ops": sass.count("STL") + sass.count("LDL"),
+    return {"config": cfg, "compile": kw, **res, "smem_bytes": cc.metadata.shared,
+            "spill_ops": sass.count("STL") + sass.count("LDL"),
             "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(), "total_instructions": len(
                 re.findall(r"^\s*/\*[0-9a-f]{4,}\*/", sass, re.M)),
             "loops": {k: v for k, v in best.items() if v is not None}}
