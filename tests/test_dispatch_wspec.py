@@ -108,6 +108,37 @@ def test_int4_rules() -> None:
     assert "contiguous" in wspec4_unsupported(qp, kc.transpose(0, 1), bt, block_size=16)
 
 
+def test_kv4rl_dispatch_is_opt_in(monkeypatch) -> None:
+    """KV4-RL stays on the Triton paged kernel (the backend's ``_choose`` and the family dispatcher) until
+    :data:`kvlib.kernels.int4.wspec.DISPATCH_CONFIG_RL` opts in to the same-launch kernel (issue 40); once it does,
+    the KV4-RL request is judged by the same shape and device rules as KV4. The device rule is replaced here so the
+    decision is taken as on a Hopper GPU."""
+    from types import SimpleNamespace
+
+    from kvlib.backends.int4 import Int4Backend
+    from kvlib.kernels.int4 import wspec as W
+
+    qp = _qp()
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.uint8)
+    bt = torch.zeros(2, 2, dtype=torch.int32)
+    assert W.DISPATCH_CONFIG_RL is None
+    for kw in ({"side": object()}, {"rl": True}):
+        assert "DISPATCH_CONFIG_RL" in wspec4_unsupported(qp, kc, bt, block_size=16, **kw)
+    q = torch.randn(2, 8, 128)
+
+    def choose(rl):
+        fake = SimpleNamespace(rl=rl, block_size=16, pages=lambda layer, side: (kc, None, None))
+        return Int4Backend._choose(fake, q, 0, bt)
+
+    assert choose(True) == "triton" and choose(False) == "triton"  # the CPU: no Hopper
+    monkeypatch.setattr(W, "_device_reason", lambda q8: None)
+    assert choose(True) == "triton" and choose(False) == "wspec"
+    monkeypatch.setattr(W, "DISPATCH_CONFIG_RL", {"rows8": True, "side_fused": True})
+    assert choose(True) == "wspec" and choose(False) == "wspec"
+    assert wspec4_unsupported(qp, kc, bt, block_size=16, side=object()) is None
+    assert "block_size" in wspec4_unsupported(qp, kc, bt, block_size=24, side=object())  # the shape rules still apply
+
+
 def test_explicit_int4_wspec_on_cpu_raises() -> None:
     from kvlib.kernels.int4.decode import kv4_paged_decode
 

@@ -10,6 +10,7 @@ rings, d = 64), run-to-run and CUDA-graph bit-identity."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -80,6 +81,8 @@ def _args(qp, pool, start, end):
     ({"block_n": 48}, "block_n"), ({"block_n": 512}, "block_n"), ({"ring": 1}, "ring"), ({"ring": 9}, "ring"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
     ({"block_p": 8}, "block_p"), ({"ring": 2.0}, "ring"), ({"pdl": 1}, "pdl"), ({"rows8": None}, "rows8"),
+    ({"side_fused": 1}, "side_fused"), ({"side_cost": -1.0}, "side_cost"), ({"side_cost": True}, "side_cost"),
+    ({"side_cost": float("nan")}, "side_cost"), ({"side_cost": "1"}, "side_cost"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises((ValueError, TypeError), match=name):
@@ -164,10 +167,58 @@ def test_smem_fits_two_ctas_per_sm():
     assert 2 * (cfg.smem_bytes() + 16 * 128 * 2 + 1024) < 227 * 1024  # + the P exchange's fp16 scratch
 
 
-def test_launch_refuses_cpu_tensors():
-    q, pool, start, end, _ = _problem([5, 40], 16, hq=8, hkv=2, dev="cpu")
+@pytest.mark.parametrize("fused", [False, True], ids=["kv4", "kv4rl_fused"])
+def test_launch_refuses_cpu_tensors(fused):
+    q, pool, start, end, side = _problem([5, 40], 16, hq=8, hkv=2, rl=fused, dev="cpu")
     with pytest.raises(ValueError, match="CUDA"):
-        W.wspec4_stage1(*_args(prepare_query_ref(q), pool, start, end), block_size=16)
+        W.wspec4_stage1(*_args(prepare_query_ref(q), pool, start, end), block_size=16, side=side,
+                        config=W.WSpec4Config(side_fused=fused))
+
+
+def test_side_fused_plan_keeps_the_split_plan_and_checks_the_side_buffer():
+    """The same-launch side region changes no split: the INT4 splits and the one side state of the two-launch path
+    (the side state is written by one split's consumer into slot ``num_splits``); a bad side buffer is refused
+    by name before any launch."""
+    q, pool, start, end, side = _problem([5, 40], 16, hq=8, hkv=2, rl=True, dev="cpu")
+    qp = prepare_query_ref(q)
+    big = dict(pool, block_table=torch.zeros(2, 1024, dtype=torch.int32))
+    for ns in (None, 3):
+        two = W.plan(*_args(qp, big, start, end), block_size=16, sms=132, side=side, num_splits=ns)
+        one = W.plan(*_args(qp, big, start, end), block_size=16, sms=132, side=side, num_splits=ns,
+                     config=W.WSpec4Config(side_fused=True))
+        assert one == two and one.states == one.num_splits + 1
+    for bad, name in ((side._replace(k8_scale=side.k8_scale.float()), "k8_scale"),
+                      (side._replace(v8=side.v8[:, :, :, :32]), "k8/v8"),
+                      (side._replace(count=side.count[:1]), "count")):
+        with pytest.raises((ValueError, TypeError), match=name):
+            W.plan(*_args(qp, pool, start, end), block_size=16, side=bad, config=W.WSpec4Config(side_fused=True))
+
+
+def test_same_launch_split_plan_partitions_the_tiles():
+    """:func:`split_tiles` (the same-launch kernel's in-kernel split arithmetic, mirrored): the splits cover the
+    region's tiles exactly once, in order; none takes more than ``cdiv(nblk + side_w, splits)``; split 0 (which runs
+    the side region) takes ``side_w`` fewer where it can; ``side_w = 0`` is stage 1's plan. :func:`side_tiles` is
+    ``ceil(slots * side_cost / block_n)``."""
+    for nblk in (0, 1, 2, 5, 17, 128, 131):
+        for ns in (1, 2, 3, 8, 32):
+            for w in (0, 1, 3, 40):
+                plan_ = W.split_tiles(nblk, ns, w)
+                bps = -(-(nblk + w) // ns)
+                assert len(plan_) == ns
+                covered = [t for lo, n in plan_ for t in range(lo, lo + n)]
+                assert covered == list(range(nblk)), (nblk, ns, w, plan_)
+                assert all(n <= bps for _, n in plan_)
+                assert plan_[0][1] == max(0, min(bps - w, nblk))
+                if w == 0:  # stage 1's: split s from tile s * cdiv(nblk, ns) (an empty split's start is unused)
+                    b0 = -(-nblk // ns)
+                    want = [(s_ * b0, max(0, min(b0, nblk - s_ * b0))) for s_ in range(ns)]
+                    assert [(lo if n else None, n) for lo, n in plan_] == [(lo if n else None, n) for lo, n in want]
+    cfg = W.WSpec4Config(side_fused=True)
+    assert W.side_tiles(cfg, 144) == 3 and W.side_tiles(cfg, 0) == 0  # ceil(144 * 8/3 / 128)
+    assert W.side_tiles(W.WSpec4Config(side_fused=True, side_cost=0), 144) == 0
+    assert W.side_tiles(W.WSpec4Config(side_fused=True, block_n=32), 20) == 2
+    with pytest.raises(ValueError, match="side_slots"):
+        W.side_tiles(cfg, -1)
 
 
 # ---- CPU: the reference and the side state under the interpreter
@@ -223,6 +274,14 @@ OFFLINE = [  # compile_offline keyword sets: GQA 7/1/8/4, pages 16/256/64/8, d 1
     {"cfg": {"rows8": True}}, {"cfg": {"rows8": True}, "gqa": 1, "d": 64},  # the 8-row softmax (Z8 selection)
     {"cfg": {"rows8": True, "block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32, "ctas_per_sm": 3},
      "gqa": 8, "block_size": 256},
+    # KV4-RL with the side region in the same launch (_wspec4rl_stage1): the dispatch candidate, d = 64, three CTAs
+    # per SM at 80 registers, GQA 1 with 64-slot side steps and PDL
+    {"cfg": {"rows8": True, "side_fused": True}, "side": True},
+    {"cfg": {"rows8": True, "side_fused": True, "block_n": 32, "ring": 8}, "gqa": 4, "d": 64, "block_size": 8,
+     "side": True},
+    {"cfg": {"rows8": True, "side_fused": True, "block_n": 128, "ring": 3, "maxnreg": 80, "producer_regs": 32,
+             "ctas_per_sm": 3}, "gqa": 8, "block_size": 256, "side": True},
+    {"cfg": {"side_fused": True, "block_p": 64, "pdl": True}, "gqa": 1, "side": True},
 ]
 
 
@@ -231,7 +290,8 @@ def test_compiles_for_sm90():
     """Each variant builds for sm_90 with Triton's own toolchain (the layouts of every shared-memory load, MMA
     operand and conversion accepted by the compiler), with IMMA (QK) and HMMA (PV) in the consumer, TMA in the
     producer, no spills, and one TMA copy per K and V box (``block_n / min(block_size, block_n)`` of each per tile,
-    unrolled once in the loop)."""
+    unrolled once in the loop); the same-launch KV4-RL variants (``side``) also hold the side region's bf16 PV MMA
+    (``mma ... bf16.bf16.f32``), which the KV4 kernel never has."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -251,7 +311,8 @@ for kw in json.loads(sys.argv[1]):
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK)[:=](\d+)", use)}
     res["spill_ops"] = sass.count("STL") + sass.count("LDL")
     out.append(dict(kw=kw, bn=cfg.block_n, maxnreg=cfg.maxnreg, **res, imma=sass.count("IMMA"),
-                    hmma=sass.count("HMMA"), tma=sass.count("UTMALDG"), ex2=sass.count("MUFU.EX2")))
+                    hmma=sass.count("HMMA"), tma=sass.count("UTMALDG"), ex2=sass.count("MUFU.EX2"),
+                    bf16=cc.asm["ptx"].count("bf16.bf16.f32")))
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -266,6 +327,7 @@ print(json.dumps(out))
         assert rec["reg"] <= rec["maxnreg"], rec
         boxes = rec["bn"] // min(rec["kw"].get("block_size", 16), rec["bn"])
         assert rec["tma"] == 2 * boxes, rec
+        assert (rec["bf16"] > 0) == rec["kw"].get("side", False), rec
 
 
 def test_gpu_script_parses_and_its_variants_are_valid_configs():
@@ -405,3 +467,157 @@ def test_graph_replay_is_bit_identical(rl):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(og, o) and torch.equal(lg, lse)
+
+
+# ---- GPU: KV4-RL with the side region in the same launch (WSpec4Config.side_fused; issue 40). Opt-in
+# (DISPATCH_CONFIG_RL is None) until these pass on a Hopper GPU: `pytest tests/test_wspec_int4.py -k side_fused`.
+FUSED = W.WSpec4Config(rows8=True, side_fused=True)  # the dispatch candidate
+SIDES = [  # (sink, recent): the chapter's side of 20; 2 slots; a region past a page (20 > 16); past a 128-tile
+    # (130); a 128-slot side (four block_p steps); short rows are all side (an empty INT4 region)
+    (4, 16), (1, 1), (20, 8), (130, 16), (4, 124),
+]
+
+
+def _fused_checks(args, bs, side, ns, cfg, *, states=True):
+    """The same-launch path against the reference and the Triton paged kernel at the existing KV4-RL tolerances
+    (lse 1e-4; o 2e-2 for the side region's bf16 PV; twice those against the Triton kernel), bit-identical on a
+    rerun. With ``states``, stage 1's split states against the two-launch path's (``side_fused=False``, same
+    split count):
+
+    * the side state (slot ``num_splits``), to the fp32 summation order of ``l`` (the Triton and Gluon row sums
+      add a step's ``block_p`` terms in different trees; the ``bf16(p)``, ``bf16(v)`` operands and the MMAs are
+      the same: |d l| / l <= C 2^-24 <= 1e-5 for C <= 146 slots, so lse within 2e-5 and o, below 5, within 1e-4);
+    * where the split plan is stage 1's (``side_cost = 0``; otherwise split 0 gives tiles to the side region) the
+      INT4 states of the same consumer function, inlined in both kernels (offline, their loops hold the same
+      FFMA/FMUL/FADD/MUFU/MMA counts: dev/results/wspec4rl_sass.json): ``lse`` bit for bit, ``o`` within 1e-5 (a
+      different FMA contraction of the epilogue's ``(2^24 acc + sum p m_v) / l``, terms below 10, moves it by a
+      few fp32 ulps of those terms)."""
+    o, lse = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns, config=cfg)
+    o_r, lse_r = W.wspec4_reference(*args, block_size=bs, side=side)
+    o_t, lse_t = _triton(args, bs, side)
+    _close(lse, lse_r, 1e-4)
+    _close(o, o_r, 2e-2)
+    _close(lse, lse_t, 2e-4)
+    _close(o, o_t, 4e-2)
+    o2, lse2 = W.wspec4_decode(*args, block_size=bs, side=side, num_splits=ns, config=cfg)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    if states:
+        pl = W.plan(*args, block_size=bs, side=side, num_splits=ns, config=cfg)
+        f_o, f_l = W.wspec4_stage1(*args, block_size=bs, side=side, num_splits=pl.num_splits, config=cfg)
+        two = dataclasses.replace(cfg, side_fused=False)
+        t_o, t_l = W.wspec4_stage1(*args, block_size=bs, side=side, num_splits=pl.num_splits, config=two)
+        k = pl.num_splits
+        if W.side_tiles(cfg, pl.side_slots) == 0:
+            assert torch.equal(f_l[:, :, :k], t_l[:, :, :k])
+            _close(f_o[:, :, :k], t_o[:, :, :k], 1e-5)
+        _close(f_l[:, :, k], t_l[:, :, k], 2e-5)
+        _close(f_o[:, :, k], t_o[:, :, k], 1e-4)
+    return o, lse
+
+
+# the 16-row softmax with stage 1's split plan (side_cost 0: the INT4 states are compared with the two-launch
+# path's), the dispatch candidate (8 rows, split 0 gives up tiles to the side region)
+PLANS = [dict(rows8=False, side_cost=0), dict(rows8=True)]
+PLAN_IDS = ["rows16_plain", "rows8_rebalanced"]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("ns", [None, 1, 3, 7])
+@pytest.mark.parametrize("ckw", PLANS, ids=PLAN_IDS)
+def test_side_fused_matches_the_reference_the_triton_kernel_and_the_two_launches(shape, ns, ckw):
+    lens, bs, hq, hkv = shape
+    q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=True, seed=len(lens) + 1)
+    o, lse = _fused_checks(_args(prepare_query(q), pool, start, end), bs, side, ns,
+                           W.WSpec4Config(side_fused=True, **ckw))
+    for r, n in enumerate(lens):
+        if n == 0:
+            assert torch.isneginf(lse[r]).all() and (o[r] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("sink, recent", SIDES)
+@pytest.mark.parametrize("bs", [16, 256])
+@pytest.mark.parametrize("ckw", PLANS, ids=PLAN_IDS)
+def test_side_fused_side_sizes_and_regions_past_the_sinks(sink, recent, bs, ckw):
+    q, pool, start, end, side = _problem([1, 77, 300, 1000, 0], bs, hq=28, hkv=4, rl=True, seed=sink + recent,
+                                         sink=sink, recent=recent)
+    _fused_checks(_args(prepare_query(q), pool, start, end), bs, side, None, W.WSpec4Config(side_fused=True, **ckw))
+
+
+@gpu
+@pytest.mark.parametrize("bs", [8, 16, 128])
+@pytest.mark.parametrize("ckw", PLANS, ids=PLAN_IDS)
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_side_fused_head_dim_64(bs, ckw, gqa):
+    q, pool, start, end, side = _problem([300, 45, 1], bs, hq=2 * gqa, hkv=2, d=64, rl=True, seed=bs + gqa)
+    _fused_checks(_args(prepare_query(q), pool, start, end), bs, side, 3, W.WSpec4Config(side_fused=True, **ckw))
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [dict(block_n=64, ring=6), dict(block_n=32, ring=8), dict(block_n=128, ring=2),
+                                 dict(block_n=256, ring=2, maxnreg=168, ctas_per_sm=1), dict(producer_regs=40),
+                                 dict(block_n=128, ring=3, maxnreg=80, producer_regs=32, ctas_per_sm=3, rows8=True),
+                                 dict(pdl=True, rows8=True), dict(block_p=16), dict(block_p=64, rows8=True),
+                                 dict(rows8=True, side_cost=16.0), dict(rows8=True, side_cost=0)])
+def test_side_fused_other_configs(cfg):
+    lens, bs, hq, hkv = SHAPES[0]
+    q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=True, seed=9, sink=4, recent=124)
+    qp = prepare_query(q, pdl=cfg.get("pdl", False))
+    _fused_checks(_args(qp, pool, start, end), bs, side, None, W.WSpec4Config(side_fused=True, **cfg))
+
+
+@gpu
+def test_side_fused_split_counts_agree():
+    """As :func:`test_split_counts_agree`: the INT4 tiles move between splits, split 0 giving up three to the side
+    region (1, 2, 8, 32 splits, most of the 32 empty for the short row), the merged result does not."""
+    q, pool, start, end, side = _problem([4000, 700], 16, hq=7, hkv=1, rl=True, seed=2)
+    args = _args(prepare_query(q), pool, start, end)
+    outs = [W.wspec4_decode(*args, block_size=16, side=side, num_splits=ns, config=FUSED) for ns in (1, 2, 8, 32)]
+    for o, lse in outs[1:]:
+        torch.testing.assert_close(lse, outs[0][1], atol=1e-5, rtol=1e-5)
+        _close(o, outs[0][0], 2e-3)
+
+
+@gpu
+def test_side_fused_graph_replay_is_bit_identical():
+    from kvlib.bench.timing import capture_graph
+    from kvlib.kernels.tl.merge import merge_splits
+
+    lens, bs, hq, hkv = SHAPES[0]
+    q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=True, seed=4)
+    args = _args(prepare_query(q), pool, start, end)
+    pl = W.plan(*args, block_size=bs, side=side, config=FUSED)
+    descs = W.descriptors(pool["k_codes"], pool["v_codes"], pl.box_rows)
+    out = (torch.empty(pl.batch, pl.hq, pl.states, pl.d, device=DEV), torch.empty(pl.batch, pl.hq, pl.states,
+                                                                                  device=DEV))
+
+    def run():
+        o_s, lse_s = W.wspec4_stage1(*args, block_size=bs, side=side, descs=descs, out=out, config=FUSED)
+        m = merge_splits(o_s, lse_s, pdl=True)
+        return m.o, m.lse
+
+    o, lse = run()
+    graph, (og, lg) = capture_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, o) and torch.equal(lg, lse)
+
+
+@gpu
+def test_side_fused_dispatch_is_opt_in(monkeypatch):
+    """``"auto"`` sends KV4-RL to the Triton paged kernel while :data:`DISPATCH_CONFIG_RL` is None (bit for bit its
+    result), and to the same-launch kernel once it opts in (bit for bit :func:`wspec4_decode`'s result)."""
+    from kvlib.kernels.int4.decode import kv4_paged_decode
+
+    lens, bs, hq, hkv = SHAPES[0]
+    q, pool, start, end, side = _problem(lens, bs, hq=hq, hkv=hkv, rl=True, seed=6)
+    args = _args(prepare_query(q), pool, start, end)
+    o_t, lse_t = _triton(args, bs, side)
+    assert W.DISPATCH_CONFIG_RL is None
+    o, lse = kv4_paged_decode(*args, block_size=bs, side=side)
+    assert torch.equal(o, o_t) and torch.equal(lse, lse_t)
+    monkeypatch.setattr(W, "DISPATCH_CONFIG_RL", {"rows8": True, "side_fused": True})
+    o, lse = kv4_paged_decode(*args, block_size=bs, side=side)
+    o_w, lse_w = W.wspec4_decode(*args, block_size=bs, side=side, config=FUSED)
+    assert torch.equal(o, o_w) and torch.equal(lse, lse_w)

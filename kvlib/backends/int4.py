@@ -344,14 +344,13 @@ class Int4Backend(Backend):
         return Step(o, f"{'kv4rl' if self.rl else 'kv4'}-{impl}", None)
 
     def _choose(self, q: torch.Tensor, layer: int, block_table: torch.Tensor) -> str:
-        """``"wspec"`` where the warp-specialised kernel takes the pages (KV4 on a Hopper GPU:
+        """``"wspec"`` where the warp-specialised kernel takes the pages (KV4 on a Hopper GPU, and KV4-RL only where
+        :data:`kvlib.kernels.int4.wspec.DISPATCH_CONFIG_RL` opts in:
         :func:`kvlib.kernels.int4.wspec.wspec4_unsupported`, asked with this step's prepared query), else
         ``"triton"`` (the paged Triton kernel, which also runs KV4-RL's side buffer in the same launch)."""
-        if self.rl:
-            return "triton"
         from kvlib.kernels.int4.decode import prepare_query
         from kvlib.kernels.int4.wspec import wspec4_unsupported
 
         why = wspec4_unsupported(prepare_query(q, rotate=True), self.pages(layer, 0)[0], block_table,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, rl=self.rl)
         return "wspec" if why is None else "triton"

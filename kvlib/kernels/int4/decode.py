@@ -94,13 +94,14 @@ def kv4_paged_decode(qp: QueryInt8, k_codes: torch.Tensor, k_scale: torch.Tensor
     run. Lives here, not in ``paged``, so that the family imports one way (``wspec`` reads ``paged``'s checks)."""
     args = (qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_table, start, end)
     if backend == "wspec" or (backend == "auto" and config is None):
-        from kvlib.kernels.int4.wspec import DISPATCH_CONFIG, WSpec4Config, wspec4_decode, wspec4_unsupported
+        from kvlib.kernels.int4 import wspec as W
 
-        why = wspec4_unsupported(qp, k_codes, block_table, block_size=block_size, side=side)
+        why = W.wspec4_unsupported(qp, k_codes, block_table, block_size=block_size, side=side)
         if backend == "wspec" and why:
             raise ValueError(f"backend='wspec': {why}")
-        if not why:
-            return wspec4_decode(*args, block_size=block_size, side=side, sm_scale=sm_scale,
-                                 config=WSpec4Config(**DISPATCH_CONFIG))
+        if not why:  # KV4-RL reaches here only where DISPATCH_CONFIG_RL opts in (read now, not at import)
+            cfg = W.DISPATCH_CONFIG if side is None else W.DISPATCH_CONFIG_RL
+            return W.wspec4_decode(*args, block_size=block_size, side=side, sm_scale=sm_scale,
+                                   config=W.WSpec4Config(**cfg))
     return _kv4_paged_decode_triton(*args, block_size=block_size, side=side, config=config, sm_scale=sm_scale,
                                     backend=backend)

@@ -54,6 +54,20 @@ chapter's default, under 1% of a 16k row), its arithmetic (INT8 QK, bf16 PV) is 
 reference, and a Gluon copy would be a second body to keep equal to it. The price is one more launch than the
 Triton KV4-RL (which runs the region as an extra program of its own launch); ``dev/gpu/wspec_int4.sh`` measures it.
 
+``WSpec4Config(side_fused=True)`` (issue 40, opt-in: :data:`DISPATCH_CONFIG_RL`) puts the side region in the same
+launch: :func:`_wspec4rl_stage1` is stage 1 with the side buffer's pointers; split 0's consumer runs
+:func:`_side_region4` before its own tiles, while the producer fills the ring, and gives up
+``ceil(C side_cost / block_n)`` INT4 tiles for it (:func:`split_tiles`; ``side_cost`` 8/3 INT4 positions per side
+slot, from the offline loop counts; with ``side_cost = 0`` the split plan is stage 1's and the last split, which
+``cdiv`` leaves the fewest tiles, runs it). The side state goes to the slot after the INT4 splits, merged by the
+same LSE merge. :func:`_side_region4` is
+the protected region's arithmetic operand for operand (16 query rows; INT8 QK by ``mma.sync ... s8.s8.s32``,
+``s = float(s_int) (a_q s_k)``, masked past the count; base-2 online softmax with per-row sums per ``block_p``
+slots; PV as ``bf16(p)`` x ``bf16(float(v8) s_v)`` in fp32 by ``mma.sync ... bf16.bf16.f32``; ``o = acc / l``), so
+the side state agrees with the Triton one to fp32 summation order and the merged result keeps the KV4-RL
+tolerances. Stage 1 itself is a separate kernel, so its binary stays as validated (the offline SASS hashes of the
+KV4 variants are unchanged: ``dev/wspec4rl_sass.py``). Not yet run on a GPU.
+
 :func:`plan` validates every argument (ValueError/TypeError naming it; it calls the paged launcher's own checks)
 and picks the splits without a GPU; :func:`wspec4_reference` validates as :func:`plan` and calls the family's torch
 reference :func:`kvlib.kernels.int4.paged.kv4_paged_decode_ref`.
@@ -107,9 +121,19 @@ class WSpec4Config:
     #: certified INT8 kernels do (:func:`kvlib.kernels.int8.wspec_cert.consumer_layouts`' ``Z8``): half the
     #: per-score work of the 16-row tile; the PV operand is the 8 rows duplicated
     rows8: bool = False
+    #: KV4-RL: the side region in the same launch (:func:`_wspec4rl_stage1`: one split's consumer runs the INT8
+    #: side slots before its tiles, the Triton protected region's arithmetic, and writes the side state);
+    #: False: the side state is a second (Triton) launch before stage 1 (:func:`side_state`). No effect without a
+    #: side buffer. Not dispatched until a GPU run of tests/test_wspec_int4.py validates it (DISPATCH_CONFIG_RL)
+    side_fused: bool = False
+    #: with ``side_fused``: INT4 positions' worth of work per side slot, so that the split that runs the side
+    #: region (split 0) takes ``side_tiles`` fewer INT4 tiles (:func:`side_tiles`, :func:`split_tiles`). 8/3 from
+    #: the offline sm_90 loops at d = 128 (dev/results/wspec4rl_sass.json: 461 instructions per 32 side slots, 690
+    #: per 128-position INT4 tile, 2.67 per slot); 0: the plain split plan, the last split runs the side region
+    side_cost: float = 8 / 3
 
     def __post_init__(self):
-        for name in ("pdl", "rows8"):
+        for name in ("pdl", "rows8", "side_fused"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("block_n", "ring", "producer_regs", "maxnreg", "ctas_per_sm", "block_p"):
@@ -119,6 +143,9 @@ class WSpec4Config:
         if self.block_n not in (32, 64, 128, 256):
             raise ValueError(f"block_n must be 32, 64, 128 or 256 (a TMA box has at most 256 rows), got {self.block_n}")
         check_ring(self, max_ring=8)
+        if (isinstance(self.side_cost, bool) or not isinstance(self.side_cost, (int, float))
+                or not math.isfinite(self.side_cost) or not 0 <= self.side_cost <= 64):
+            raise ValueError(f"side_cost must be a number in [0, 64], got {self.side_cost!r}")
         if self.block_p not in (16, 32, 64):
             raise ValueError(f"block_p must be 16, 32 or 64, got {self.block_p}")
 
@@ -135,13 +162,33 @@ class WSpec4Config:
 #: time (the side state is one launch more than the fused Triton kernel), so ``"auto"`` keeps Triton for it.
 DISPATCH_CONFIG = {"rows8": True}
 
+#: what ``"auto"`` would launch for KV4-RL (a side buffer); None: KV4-RL stays on the Triton paged kernel. The
+#: candidate is ``{"rows8": True, "side_fused": True}`` (the side region in the same launch, issue 40): it compiles
+#: for sm_90 without spills (dev/results/wspec4rl_sass.json) but has not run on a GPU, so it is opt-in until
+#: ``tests/test_wspec_int4.py -k side_fused`` passes on one and ``dev/gpu/wspec_int4.sh`` times it against the
+#: Triton paged kernel. The backend (:meth:`kvlib.backends.int4.Int4Backend._choose`) and
+#: :func:`kvlib.kernels.int4.decode.kv4_paged_decode` read it at call time.
+DISPATCH_CONFIG_RL: dict | None = None
 
-def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None) -> str | None:
-    """Why ``"auto"`` does not send this paged request to the warp-specialised kernel (None where it does): KV4
-    only (no side buffer), ``d`` 64 or 128, ``GQA <= 8``, pages of a power of two >= 8 slots, contiguous codes, on
-    a Hopper (sm_90) GPU. The shape rules come first, so they are checked the same way on any device."""
-    if side is not None:
-        return "KV4-RL (a side buffer): the fused Triton paged kernel is faster (DISPATCH_CONFIG)"
+
+def _device_reason(q8: torch.Tensor) -> str | None:
+    """Why ``q8``'s device cannot run the warp-specialised kernel (None on a Hopper GPU)."""
+    if not q8.is_cuda:
+        return "the warp-specialised kernel needs a CUDA tensor"
+    if torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "the warp-specialised kernel needs a Hopper (sm_90) GPU: TMA, mbarrier and warp_specialize"
+    return None
+
+
+def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None, rl: bool = False) -> str | None:
+    """Why ``"auto"`` does not send this paged request to the warp-specialised kernel (None where it does): KV4, or
+    KV4-RL (a ``side`` buffer, or ``rl``: the backend asks before it has one) only where
+    :data:`DISPATCH_CONFIG_RL` opts in; ``d`` 64 or 128, ``GQA <= 8``, pages of a power of two >= 8 slots,
+    contiguous codes, on a Hopper (sm_90) GPU. The shape rules come first, so they are checked the same way on any
+    device."""
+    if (side is not None or rl) and DISPATCH_CONFIG_RL is None:
+        return ("KV4-RL (a side buffer): the side region in the same launch awaits its GPU validation, the fused "
+                "Triton paged kernel runs it (DISPATCH_CONFIG_RL is None)")
     q8 = getattr(qp, "q8", None)
     if not isinstance(q8, torch.Tensor) or q8.ndim != 3:
         return "qp must be a prepared query (kvlib.kernels.int4.query.prepare_query)"
@@ -157,11 +204,7 @@ def wspec4_unsupported(qp, k_codes, block_table, *, block_size, side=None) -> st
         return f"block_size must be a power of two >= 8, got {block_size!r}"
     if not (k_codes.is_contiguous() and isinstance(block_table, torch.Tensor) and block_table.is_contiguous()):
         return "k_codes and block_table must be contiguous"
-    if not q8.is_cuda:
-        return "the warp-specialised kernel needs a CUDA tensor"
-    if torch.cuda.get_device_capability(q8.device)[0] != 9:
-        return "the warp-specialised kernel needs a Hopper (sm_90) GPU: TMA, mbarrier and warp_specialize"
-    return None
+    return _device_reason(q8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +458,103 @@ def _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b
     gl.store(LSE_S + b * s_ls_b + (kvh * GQA + hr) * s_ls_h + split, lse, mask=hr < GQA)
 
 
+@gluon.jit
+def _side_loads(K8, K8S, V8, V8S, slot0, n0, cnt, kc, kn, nl, vn, vc, D: gl.constexpr):
+    """Side slots ``[n0, n0 + BP)`` (masked at ``cnt``: none read past it): the key codes ``[D, BP]`` straight into
+    the QK B operand (four consecutive channels of one slot per 32-bit load), their scales along the scores'
+    positions, the value codes ``[BP, D]`` in 16-byte row pieces and their scales."""
+    k = gl.load(K8 + (slot0 + n0 + kn)[None, :] * D + kc[:, None], mask=(n0 + kn < cnt)[None, :], other=0)
+    nm = n0 + nl < cnt
+    ks = gl.load(K8S + slot0 + n0 + nl, mask=nm, other=0.0)
+    vm = n0 + vn < cnt
+    v8 = gl.load(V8 + (slot0 + n0 + vn)[:, None] * D + vc[None, :], mask=vm[:, None], other=0)
+    vs = gl.load(V8S + slot0 + n0 + vn, mask=vm, other=0.0)
+    return k, ks, v8, vs
+
+
+@gluon.jit
+def _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, slot, C, sm_scale_log2, s_qb, s_qh,
+                  s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                  D: gl.constexpr, BP: gl.constexpr, NW: gl.constexpr):
+    """The KV4-RL side slots ``0..count_b-1`` of (request ``b``, KV head ``kvh``) in the consumer warpgroup, state
+    to slot ``slot``: :func:`kvlib.kernels.int4.protected._protected_region` operand for operand (16 query rows,
+    zeros past ``GQA``; per ``BP`` slots ``s = float(q8 . k8) (a_q s_k)``, masked at the count, the online softmax
+    in base 2 with per-row sums, ``acc = bf16(p) x bf16(float(v8) s_v) + alpha acc`` in fp32; ``o = acc / l``).
+    Where ``BP * D <= 4096`` (``block_p`` 32 at d = 128, 64 at d = 64) the next step's codes and scales are loaded
+    before this step's math (registers, no shared-memory ring); larger steps would spill at 128 registers."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+    QA8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)  # int8 operands
+    KB8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)  # bf16 operands
+    VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # the value rows in 16-byte pieces (D / 16 threads per row), dequantised there, then moved to the operand
+    VL: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [NW, 1], [1, 0])
+    HL: gl.constexpr = gl.SliceLayout(1, MMA)
+    NL: gl.constexpr = gl.SliceLayout(0, MMA)
+    cnt = gl.minimum(gl.load(COUNT + b), C)
+    hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA8))
+    cA = gl.arange(0, D, layout=gl.SliceLayout(0, QA8))
+    q = gl.load(Q8 + b * s_qb + (kvh * GQA + hA)[:, None] * s_qh + cA[None, :], mask=(hA < GQA)[:, None], other=0)
+    hr = gl.arange(0, 16, layout=HL)
+    a_q = gl.load(QS + b * HQ + kvh * GQA + hr, mask=hr < GQA, other=0.0) * sm_scale_log2
+    slot0 = (b * HKV + kvh).to(gl.int64) * C
+    kc = gl.arange(0, D, layout=gl.SliceLayout(1, KB8))
+    kn = gl.arange(0, BP, layout=gl.SliceLayout(0, KB8))
+    vn = gl.arange(0, BP, layout=gl.SliceLayout(1, VL))
+    vc = gl.arange(0, D, layout=gl.SliceLayout(0, VL))
+    nl = gl.arange(0, BP, layout=NL)
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
+    l_i = gl.zeros([16], gl.float32, layout=HL)
+    acc = gl.zeros([16, D], gl.float32, layout=MMA)
+    PF: gl.constexpr = BP * D <= 4096
+    if PF:
+        k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, 0, cnt, kc, kn, nl, vn, vc, D)
+    for n0 in range(0, cnt, BP):
+        if PF:
+            k_n, ks_n, v8_n, vs_n = _side_loads(K8, K8S, V8, V8S, slot0, n0 + BP, cnt, kc, kn, nl, vn, vc, D)
+        else:
+            k, ks, v8, vs = _side_loads(K8, K8S, V8, V8S, slot0, n0, cnt, kc, kn, nl, vn, vc, D)
+        s = mma_v2(q, k, gl.zeros([16, BP], gl.int32, layout=MMA)).to(gl.float32) * (
+            a_q[:, None] * ks.to(gl.float32)[None, :])
+        s = gl.where((n0 + nl < cnt)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        v = gl.convert_layout((v8.to(gl.float32) * vs.to(gl.float32)[:, None]).to(gl.bfloat16), VB)
+        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), PA), v, acc * alpha[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        if PF:
+            k, ks, v8, vs = k_n, ks_n, v8_n, vs_n
+    ok = l_i > 0.0
+    inv = gl.where(ok, 1.0 / gl.where(ok, l_i, 1.0), 0.0)
+    cols = gl.arange(0, D, layout=NL)
+    hm = (hr < GQA)[:, None]
+    gl.store(O_S + b * s_os_b + (kvh * GQA + hr)[:, None] * s_os_h + slot * s_os_s + cols[None, :],
+             acc * inv[:, None], mask=hm)
+    lse = gl.where(ok, (m_i + gl.log2(gl.where(ok, l_i, 1.0))) * LN2_G, float("-inf"))
+    gl.store(LSE_S + b * s_ls_b + (kvh * GQA + hr) * s_ls_h + slot, lse, mask=hr < GQA)
+
+
+@gluon.jit
+def _consumer4rl(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+                 n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                 K8, K8S, V8, V8S, COUNT, C, num_splits, side_split,
+                 GQA: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, HALF: gl.constexpr,
+                 QW: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, BP: gl.constexpr,
+                 R8: gl.constexpr = False, Z8: gl.constexpr = None):
+    """:func:`_consumer4` of a KV4-RL launch: split ``side_split`` (0, which :func:`split_tiles` gives fewer tiles;
+    or with no rebalance the last, which ``cdiv`` gives the remainder) first runs the side region
+    (:func:`_side_region4`, state ``num_splits``) while the producer fills the ring, then its INT4 tiles,
+    unchanged."""
+    if split == side_split:
+        _side_region4(Q8, QS, K8, K8S, V8, V8S, COUNT, O_S, LSE_S, b, kvh, num_splits, C, sm_scale_log2, s_qb, s_qh,
+                      s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, HQ, HKV, D, BP, NW)
+    _consumer4(k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
+               n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+               GQA, HQ, HALF, QW, BN, RING, NW, R8, Z8)
+
+
 # the split count and the strides that follow the batch are run-time values: one binary serves every batch size and
 # split count (Triton would otherwise specialise a stride of 1 or a multiple of 16 into a new binary)
 @gluon.jit(do_not_specialize=["num_splits", "s_bt_b", "s_os_b", "s_os_h", "s_os_s", "s_ls_b", "s_ls_h"])
@@ -457,6 +597,60 @@ def _wspec4_stage1(
         (_consumer4, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end, t0,
                       n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
                       GQA, GQA * HKV, HALF, QW, BN, RING, NW, ROWS8, Z8)),
+        (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
+                      end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
+    ], [1], [PRODUCER_REGS])
+
+
+@gluon.jit(do_not_specialize=["num_splits", "C", "side_w", "side_split", "s_bt_b", "s_os_b", "s_os_h", "s_os_s",
+                              "s_ls_b", "s_ls_h"])
+def _wspec4rl_stage1(
+    Q8, QS, QSUM, k_desc, v_desc, KS, KO, VS, VO, BT, START, END, O_S, LSE_S, K8, K8S, V8, V8S, COUNT,
+    sm_scale_log2, num_splits, max_len, C, side_w, side_split, s_qb, s_qh, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b,
+    s_ls_h,
+    GQA: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
+    RBOX: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PDL: gl.constexpr = False,
+    ROWS8: gl.constexpr = False, Z8: gl.constexpr = None, BP: gl.constexpr = 32,
+):
+    """:func:`_wspec4_stage1` with the KV4-RL side region in the same launch (``WSpec4Config.side_fused``): the
+    INT8 side buffer ``K8, V8 [B, H_kv, C, d]``, ``K8S, V8S [B, H_kv, C]``, ``COUNT [B]`` is read by the last
+    split's consumer (:func:`_consumer4rl`), its state is ``num_splits`` of the ``num_splits + 1``. The grid, the
+    ring and the producer are stage 1's; the split plan is :func:`split_tiles`' (stage 1's with ``side_w = 0``). A
+    separate kernel so that stage 1's binary stays as it was validated."""
+    if PDL:
+        _gdc("griddepcontrol.wait; // dummy $0")
+        _gdc("griddepcontrol.launch_dependents; // dummy $0")
+    HALF: gl.constexpr = D // 2
+    QW: gl.constexpr = D // 4
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    start = gl.load(START + b)
+    end = gl.maximum(gl.minimum(gl.load(END + b), max_len), start)
+    first = start // BN
+    nblk = gl.where(end > start, gl.cdiv(end, BN) - first, 0)
+    # split_tiles: the side region counts as side_w tiles at the head of split 0
+    bps = gl.cdiv(nblk + side_w, num_splits)
+    lo = gl.maximum(split * bps - side_w, 0)
+    t0 = first + lo
+    n_tiles = gl.maximum(gl.minimum((split + 1) * bps - side_w, nblk) - lo, 0)
+    BT_row = BT + b * s_bt_b
+
+    k_bufs = gl.allocate_shared_memory(gl.int8, [RING, BN, HALF], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.int16, [RING, BN, QW], v_desc.layout)
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    s_bufs = gl.allocate_shared_memory(gl.float16, [RING * 4, BN], SL)
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(ready.index(i), count=2)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer4rl, (k_bufs, v_bufs, s_bufs, ready, empty, Q8, QS, QSUM, O_S, LSE_S, b, kvh, split, start, end,
+                        t0, n_tiles, sm_scale_log2, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
+                        K8, K8S, V8, V8S, COUNT, C, num_splits, side_split,
+                        GQA, GQA * HKV, HKV, D, HALF, QW, BN, RING, NW, BP, ROWS8, Z8)),
         (_producer4, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, ready, empty, KS, KO, VS, VO, BT_row, kvh, start,
                       end, t0, n_tiles, HKV, HALF, QW, PAGE, BN, RBOX, RING)),
     ], [1], [PRODUCER_REGS])
@@ -523,6 +717,17 @@ def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_ta
     q8 = qp.q8.contiguous()
     start32, end32 = start.to(torch.int32), end.to(torch.int32)
     sml2 = pl.sm_scale * LOG2E
+    if side is not None and cfg.side_fused:
+        k8, k8s, v8, v8s = (t.contiguous() for t in side[:4])
+        w = side_tiles(cfg, pl.side_slots)
+        _wspec4rl_stage1[(B, pl.hkv, pl.num_splits)](
+            q8, qp.scale, qp.qsum, kd, vd, k_scale, k_off, v_scale, v_off, block_table, start32, end32, o_s, lse_s,
+            k8, k8s, v8, v8s, side.count.to(torch.int32), sml2, pl.num_splits, pl.max_blocks * pl.block_size,
+            pl.side_slots, w, 0 if w else pl.num_splits - 1, q8.stride(0), q8.stride(1), block_table.stride(0),
+            o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1), **_constexprs(pl, cfg),
+            BP=cfg.block_p, num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
+        )
+        return o_s, lse_s
     if side is not None:
         _launch_side(qp, side, o_s, lse_s, pl, cfg, sml2)
     _wspec4_stage1[(B, pl.hkv, pl.num_splits)](
@@ -532,6 +737,26 @@ def wspec4_stage1(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block_ta
         **_constexprs(pl, cfg), num_warps=4, maxnreg=cfg.maxnreg, **({"launch_pdl": True} if cfg.pdl else {}),
     )
     return o_s, lse_s
+
+
+def side_tiles(config: WSpec4Config, side_slots: int) -> int:
+    """INT4 tiles the side-owning split gives up: ``ceil(side_slots * side_cost / block_n)``, 0 with
+    ``side_cost = 0``."""
+    if not isinstance(side_slots, int) or isinstance(side_slots, bool) or side_slots < 0:
+        raise ValueError(f"side_slots must be a non-negative int, got {side_slots!r}")
+    return math.ceil(side_slots * config.side_cost / config.block_n)
+
+
+def split_tiles(nblk: int, num_splits: int, side_w: int) -> list[tuple[int, int]]:
+    """The same-launch kernel's split plan (its in-kernel arithmetic, mirrored for the host and the tests): the
+    ``(first tile, tiles)`` of each split over ``nblk`` tiles, the side region counted as ``side_w`` tiles at the
+    head of split 0; ``side_w = 0`` is stage 1's plan (``cdiv(nblk, num_splits)`` tiles per split)."""
+    bps = -(-(nblk + side_w) // num_splits)
+    out = []
+    for split in range(num_splits):
+        lo = max(split * bps - side_w, 0)
+        out.append((lo, max(min((split + 1) * bps - side_w, nblk) - lo, 0)))
+    return out
 
 
 def _launch_side(qp, side: SideBuffer, o_s, lse_s, pl: Plan4, cfg: WSpec4Config, sml2: float) -> None:
@@ -599,9 +824,10 @@ def wspec4_reference(qp, k_codes, k_scale, k_off, v_codes, v_scale, v_off, block
 
 
 def compile_offline(config: WSpec4Config | None = None, *, gqa: int = 7, hkv: int = 4, d: int = 128,
-                    block_size: int = 16):
+                    block_size: int = 16, side: bool = False):
     """Compile the kernel for sm_90 without a GPU (Triton's own ptxas): the compiled kernel, whose ``asm`` holds
-    the TTGIR/PTX/cubin. Raises the compiler's error where the kernel does not build."""
+    the TTGIR/PTX/cubin. Raises the compiler's error where the kernel does not build. ``side``: the KV4-RL kernel
+    with the side region in the same launch (:func:`_wspec4rl_stage1`, ``config.side_fused``'s)."""
     import inspect
 
     from triton.backends.compiler import GPUTarget
@@ -612,12 +838,16 @@ def compile_offline(config: WSpec4Config | None = None, *, gqa: int = 7, hkv: in
     kl, vl = smem_layouts(rbox, d)
     ptrs = {"Q8": "*i8", "QS": "*fp32", "QSUM": "*fp32", "k_desc": f"tensordesc<i8[{rbox}, {d // 2}],{kl!r}>",
             "v_desc": f"tensordesc<i16[{rbox}, {d // 4}],{vl!r}>", "KS": "*fp16", "KO": "*fp16", "VS": "*fp16",
-            "VO": "*fp16", "BT": "*i32", "START": "*i32", "END": "*i32", "O_S": "*fp32", "LSE_S": "*fp32"}
+            "VO": "*fp16", "BT": "*i32", "START": "*i32", "END": "*i32", "O_S": "*fp32", "LSE_S": "*fp32",
+            "K8": "*i8", "K8S": "*fp16", "V8": "*i8", "V8S": "*fp16", "COUNT": "*i32"}
     pl = Plan4(1, gqa * hkv, hkv, gqa, d, block_size, 1, 1, 1, rbox, side_slots=0, states=1, sm_scale=d**-0.5)
     const = _constexprs(pl, cfg)
-    params = inspect.signature(_wspec4_stage1.fn).parameters
+    kernel = _wspec4rl_stage1 if side else _wspec4_stage1
+    if side:
+        const["BP"] = cfg.block_p
+    params = inspect.signature(kernel.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_scale_log2" else "i32"))
            for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
-    return triton.compile(GluonASTSource(_wspec4_stage1, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": cfg.maxnreg})
