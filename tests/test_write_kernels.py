@@ -300,3 +300,25 @@ def test_stores_without_a_fused_write_say_so(fmt: str, want: str) -> None:
     x = torch.randn(1, HKV, 3, 64, device=DEV)
     cache.update(x, x, 0)
     assert cache.backend.write_path == want
+
+
+def test_the_side_buffer_rules_have_one_source() -> None:
+    """The fused write kernel compiles the format's own functions (issue 38: no restatement of the ring rule), and
+    those functions give the same answers on ints and tensors as the torch helpers built on them."""
+    from kvlib.formats import kv4rl
+    from kvlib.kernels.write import int4 as w
+
+    assert w._ring_index.fn.__code__ is kv4rl.ring_index.__code__
+    assert w._is_protected.fn.__code__ is kv4rl.is_protected.__code__
+    sink, recent, n = 4, 6, 23
+    p = torch.arange(n)
+    slots = kv4rl.ring_slot(p, sink, recent)
+    for i in range(n):
+        assert bool(kv4rl.is_protected(i, n, sink, recent)) == bool(kv4rl.protected_mask(n, sink, recent)[i])
+        want = i if i < sink else sink + (i - sink) % recent  # the rule as the paper's App. states it
+        assert int(slots[i]) == want
+        if i >= sink:
+            assert kv4rl.ring_index(i, sink, recent) == want
+    # the protected positions of a stream occupy distinct slots (no two live entries share one)
+    live = slots[kv4rl.protected_mask(n, sink, recent)]
+    assert live.unique().numel() == live.numel() == sink + recent
