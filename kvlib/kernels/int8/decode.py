@@ -94,16 +94,24 @@ def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto"
 WSPEC_CERT_CONFIGS = {"plain": {"pv": "fold", "block_n": 128, "ring": 3, "producer_regs": 40},
                       "outliers": {"pv": "fold"}}
 WSPEC_RTN_CONFIG = {"block_n": 128, "ring": 3, "prmt": True, "vfold": True, "prefetch": True}
+#: head dims ``impl="auto"`` (and so the INT8 backend) sends to the warp-specialised kernels. The kernels also take
+#: d = 64 (SmolLM2, issue 40: offline sm_90 builds without spills, dev/results/wspec_d64_offline.json) but have not
+#: run at d = 64 on a GPU: until ``make test-gpu`` passes their d = 64 tests (tests/test_wspec.py,
+#: tests/test_wspec_cert.py), only ``impl="wspec"`` takes it; then add 64 here
+WSPEC_AUTO_HEAD_DIMS = (128,)
 
 
 def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bool, block_table, block_size,
-                      config: Int8KernelConfig | None = None) -> str | None:
+                      config: Int8KernelConfig | None = None, auto: bool = True) -> str | None:
     """Why the warp-specialised kernels (:mod:`kvlib.kernels.int8.wspec_cert` for h8-dithered keys,
     :mod:`kvlib.kernels.int8.wspec` for RTN keys) cannot take this request, or None where they can: a Hopper GPU
     (TMA, mbarrier, ``warp_specialize``), vLLM pages (``block_table``, ``block_size`` a power of two >= 8),
-    ``d = 128``, groups of 32 with fp16 scales, ``GQA <= 8``, RTN values without outliers, at most 16 key outlier
-    channels (dithered keys; none with RTN keys), the default kernel config (a tuned
+    ``d`` 64 or 128 (``auto``: only the head dims of :data:`WSPEC_AUTO_HEAD_DIMS`; ``auto=False`` is an explicit
+    ``impl="wspec"``), groups of 32 with fp16 scales, ``GQA <= 8``, RTN values without outliers, at most 16 key
+    outlier channels (dithered keys; none with RTN keys), the default kernel config (a tuned
     :class:`Int8KernelConfig` asks for the Triton/Gluon kernels it tunes)."""
+    from kvlib.kernels.int8.wspec import HEAD_DIMS
+
     if block_table is None or block_size is None:
         return "the warp-specialised kernels read vLLM pages: pass block_table and block_size (slots=None)"
     if config is not None and check_config(config) != DEFAULT_CONFIG:
@@ -111,8 +119,11 @@ def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bo
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"q must be fp16 or bf16, got {q.dtype}"
     d, hkv = q.shape[-1], k.codes.shape[1]
-    if d != 128:
-        return f"head_dim must be 128, got {d}"
+    if d not in HEAD_DIMS:
+        return f"head_dim must be 64 or 128, got {d}"
+    if auto and d not in WSPEC_AUTO_HEAD_DIMS:
+        return (f"head_dim {d}: the warp-specialised kernels take it only when asked (impl='wspec') until it has "
+                f"run on a GPU (WSPEC_AUTO_HEAD_DIMS = {WSPEC_AUTO_HEAD_DIMS})")
     if q.shape[1] % hkv or q.shape[1] // hkv > 8:
         return f"at most 8 query heads per KV head, got {q.shape[1]} query / {hkv} KV heads"
     if k.group != 32 or v.group != 32:
@@ -201,7 +212,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if impl in ("auto", "wspec"):
         why = wspec_unsupported(q, k, v, v_dither=v_dither, block_table=block_table, block_size=block_size,
-                                config=cfg)
+                                config=cfg, auto=impl == "auto")
         if impl == "wspec" and why:
             raise ValueError(f"impl='wspec': {why}")
         if not why:

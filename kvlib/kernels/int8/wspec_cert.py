@@ -623,13 +623,14 @@ def wspec_cert_reference(q, k_pool, v_pool, block_table, seq_lens, *, block_size
                          sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False):
     """The float64 torch reference of the same request, validated as the kernel's (:func:`plan`):
     :func:`kvlib.kernels.int8.reference.decode_reference` with the h10/h8 rounding slack the kernel's radius
-    carries (``impl="h10"``, as the Gluon kernel's tests). A :class:`~kvlib.kernels.int8.request.DecodeOut`."""
+    carries (``kernel_rounding="h10"``: ``impl="h10"``'s, as the Gluon kernel's tests, also at d = 64, a shape the
+    Triton h10 kernel does not read). A :class:`~kvlib.kernels.int8.request.DecodeOut`."""
     from kvlib.kernels.int8.reference import decode_reference
 
     plan(q, k_pool, v_pool, block_table, seq_lens, block_size=block_size, layer=layer, seed=seed, sm_scale=sm_scale,
          delta=delta, v_dither=v_dither, num_splits=1)
     return decode_reference(q, k_pool, v_pool, None, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
-                            delta=delta, impl="h10", block_table=block_table, block_size=block_size)
+                            delta=delta, kernel_rounding="h10", block_table=block_table, block_size=block_size)
 
 
 def compile_offline(config: WSpecCertConfig | None = None, *, gqa: int = 7, block_size: int = 16, nok: int = 0,
