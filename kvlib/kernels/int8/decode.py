@@ -101,6 +101,21 @@ WSPEC_RTN_CONFIG = {"block_n": 128, "ring": 3, "prmt": True, "vfold": True, "pre
 WSPEC_AUTO_HEAD_DIMS = (128,)
 
 
+def wspec_pages_unsupported(d: int, group: int, dithered: bool, dither_layout: str) -> str | None:
+    """The pool-shape rules of :func:`wspec_unsupported` that ``"auto"`` applies before it sees a request (None where
+    the warp-specialised kernels may take such pages): ``d`` in :data:`WSPEC_AUTO_HEAD_DIMS`, groups of 32, RTN or
+    h8-dithered keys. A backend asks this where the Triton kernels refuse its pages (h8 keys at d = 64 in groups of
+    32: the h10 kernel needs ``group == d / 4``), so that the warp-specialised kernels, not the torch reference,
+    take them once d = 64 is enabled."""
+    if d not in WSPEC_AUTO_HEAD_DIMS:
+        return f"head_dim {d}: not in WSPEC_AUTO_HEAD_DIMS = {WSPEC_AUTO_HEAD_DIMS}"
+    if group != 32:
+        return f"groups of 32 channels only, got {group}"
+    if dithered and dither_layout != "h8":
+        return f"dithered keys must use the h8 layout, got {dither_layout!r}"
+    return None
+
+
 def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bool, block_table, block_size,
                       config: Int8KernelConfig | None = None, auto: bool = True) -> str | None:
     """Why the warp-specialised kernels (:mod:`kvlib.kernels.int8.wspec_cert` for h8-dithered keys,
