@@ -1,12 +1,14 @@
 """Offline sm_90 compile of the INT8 warp-specialised kernels at d = 64 and d = 128 (issue 40, no GPU needed).
 
-``python -m dev.wspec_d64_offline OUT.json`` compiles each variant with Triton's own toolchain
-(:func:`kvlib.kernels.int8.wspec.compile_offline`, :func:`kvlib.kernels.int8.wspec_cert.compile_offline`) and
+``python -m dev.wspec_d64_offline OUT.json [--d128-only] [--base BASE.json]`` compiles each variant with Triton's
+own toolchain (:func:`kvlib.kernels.int8.wspec.compile_offline`,
+:func:`kvlib.kernels.int8.wspec_cert.compile_offline`) and
 records per variant: registers, stack, spill instructions (``STL``/``LDL``), the main loop's instructions per
 thread per tile (:func:`kvlib.kernels.offline.loop_stats`, the longest backward branch: the consumer's tile loop),
 HMMA / TMA / ex2 counts, shared memory, and a SHA-256 of the SASS with the kernel's name removed (the d = 128
 hashes show whether a change left the validated binaries as they were). Records the commit, the tree's
-cleanliness, Triton's version and the time.
+cleanliness, Triton's version and the time; with ``--base`` whether each d = 128 variant's SASS hash equals the
+base run's (another commit's).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def variants(d64: bool = True):
         yield f"cert_nocert_d{d}", lambda kw=kw: C.compile_offline(plain, cert=False, **kw)
 
 
-def main(path: str, d64: bool = True) -> None:
+def main(path: str, d64: bool = True, base: str | None = None) -> None:
     import triton
 
     os.environ.pop("TRITON_INTERPRET", None)
@@ -73,7 +75,7 @@ def main(path: str, d64: bool = True) -> None:
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
     out = {"commit": commit, "tree_clean": not dirty, "triton": triton.__version__, "target": "sm_90",
-           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "variants": {}}
+           "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "variants": {}}
     for name, build in variants(d64):
         try:
             out["variants"][name] = _sass_stats(build())
@@ -82,6 +84,12 @@ def main(path: str, d64: bool = True) -> None:
         r = out["variants"][name]
         print(name, {k: r.get(k) for k in ("registers", "stack_bytes", "spill_ops", "loop_instructions", "error")},
               flush=True)
+    if base:  # the d = 128 binaries against a run at another commit (the validated kernels' SASS, unchanged?)
+        with open(base) as f:
+            ref = json.load(f)
+        out["base"] = {"commit": ref["commit"], "tree_clean": ref["tree_clean"], "file": os.path.basename(base)}
+        out["same_sass_as_base"] = {n: r.get("sass_sha256") == ref["variants"].get(n, {}).get("sass_sha256")
+                                    for n, r in out["variants"].items() if n in ref["variants"]}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
@@ -89,4 +97,5 @@ def main(path: str, d64: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], d64="--d128-only" not in sys.argv)
+    args = sys.argv[1:]
+    main(args[0], d64="--d128-only" not in args, base=args[args.index("--base") + 1] if "--base" in args else None)
