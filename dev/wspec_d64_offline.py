@@ -4,8 +4,10 @@
 own toolchain (:func:`kvlib.kernels.int8.wspec.compile_offline`,
 :func:`kvlib.kernels.int8.wspec_cert.compile_offline`) and
 records per variant: registers, stack, spill instructions (``STL``/``LDL``), the main loop's instructions per
-thread per tile (:func:`kvlib.kernels.offline.loop_stats`, the longest backward branch: the consumer's tile loop),
-HMMA / TMA / ex2 counts, shared memory, and a SHA-256 of the SASS with the kernel's name removed (the d = 128
+thread per tile (:func:`kvlib.kernels.offline.loop_stats`, the longest backward branch: in these kernels it spans
+the producer's code too),
+HMMA / TMA / ex2 counts, the consumer warpgroups' tile loops (backward branches holding HMMA and no TMA: per thread
+per tile), shared memory, and a SHA-256 of the SASS instruction lines (addresses and opcodes, no headers: the d = 128
 hashes show whether a change left the validated binaries as they were). Records the commit, the tree's
 cleanliness, Triton's version and the time; with ``--base`` whether each d = 128 variant's SASS hash equals the
 base run's (another commit's).
@@ -23,6 +25,21 @@ import sys
 import tempfile
 
 
+def _consumer_loops(sass: str) -> list[int]:
+    """Instructions of each backward-branch body that holds HMMA and no TMA issue (a consumer warpgroup's tile loop;
+    the longest backward branch of a warp-specialised kernel spans the producer's code too), shortest first."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+    out = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("HMMA" in t for t in body) and not any("UTMALDG" in t for t in body):
+                out.append(len(body))
+    return sorted(out)
+
+
 def _sass_stats(cc) -> dict:
     from kvlib.kernels.offline import loop_stats, tool
 
@@ -35,7 +52,9 @@ def _sass_stats(cc) -> dict:
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK)[:=](\d+)", use)}
     body = "\n".join(line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line))
     loop = loop_stats(sass)
+    cons = _consumer_loops(sass)
     return dict(registers=res.get("reg"), stack_bytes=res.get("stack"),
+                consumer_loop_instructions=min(cons) if cons else None, consumer_loops=cons,
                 spill_ops=len(re.findall(r"\b(STL|LDL)\b", sass)), loop_instructions=loop["instructions"],
                 loop_top_opcodes=loop["top_opcodes"], hmma=len(re.findall(r"\bHMMA\b", sass)),
                 tma=len(re.findall(r"\bUTMALDG\b", sass)), ex2=sass.count("MUFU.EX2"),
@@ -46,11 +65,12 @@ def _sass_stats(cc) -> dict:
 def variants(d64: bool = True):
     from kvlib.kernels.int8 import wspec as W
     from kvlib.kernels.int8 import wspec_cert as C
-    from kvlib.kernels.int8.decode import WSPEC_CERT_CONFIGS, WSPEC_RTN_CONFIG
+    from kvlib.kernels.int8.decode import WSPEC_CERT_CONFIGS, WSPEC_RTN_CONFIG, WSPEC_RTN_PINGPONG_CONFIG
 
     rtn = W.WSpecConfig(**WSPEC_RTN_CONFIG)
     plain = C.WSpecCertConfig(**WSPEC_CERT_CONFIGS["plain"])
     outl = C.WSpecCertConfig(**WSPEC_CERT_CONFIGS["outliers"])
+    pp = W.WSpecConfig(**WSPEC_RTN_PINGPONG_CONFIG)
     dims = (128, 64) if d64 else (128,)
     for d in dims:
         kw = {} if d == 128 else {"d": d}
@@ -65,6 +85,12 @@ def variants(d64: bool = True):
         yield f"cert_dispatch_outliers_m4_d{d}", lambda kw=kw: C.compile_offline(outl, nok=4, **kw)
         yield f"cert_dispatch_outliers_m8_gqa3_d{d}", lambda kw=kw: C.compile_offline(outl, nok=8, gqa=3, **kw)
         yield f"cert_nocert_d{d}", lambda kw=kw: C.compile_offline(plain, cert=False, **kw)
+        if d64:  # the ping-pong RTN variant (two consumer warpgroups; opt-in)
+            yield f"rtn_pingpong_d{d}", lambda kw=kw: W.compile_offline(pp, **kw)
+            yield f"rtn_pingpong_gqa3_d{d}", lambda kw=kw: W.compile_offline(pp, gqa=3, **kw)
+            yield f"rtn_pingpong_r3_m128_d{d}", lambda kw=kw: W.compile_offline(
+                W.WSpecConfig(**(WSPEC_RTN_PINGPONG_CONFIG | {"ring": 3, "maxnreg": 128, "consumer_regs": 128})),
+                **kw)
 
 
 def main(path: str, d64: bool = True, base: str | None = None) -> None:
@@ -82,7 +108,8 @@ def main(path: str, d64: bool = True, base: str | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - recorded: which variant does not build, and why
             out["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
         r = out["variants"][name]
-        print(name, {k: r.get(k) for k in ("registers", "stack_bytes", "spill_ops", "loop_instructions", "error")},
+        print(name, {k: r.get(k) for k in ("registers", "stack_bytes", "spill_ops", "loop_instructions",
+                                           "consumer_loops", "error")},
               flush=True)
     if base:  # the d = 128 binaries against a run at another commit (the validated kernels' SASS, unchanged?)
         with open(base) as f:

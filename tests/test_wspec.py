@@ -140,10 +140,22 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
     ({"swizzle": 16}, "swizzle"), ({"swizzle": 0}, "swizzle"), ({"vfold": True, "scales_smem": False}, "vfold"),
     ({"block_n": 16}, "block_n"), ({"ring": 9}, "ring"), ({"prefetch": True, "scales_smem": False}, "prefetch"),
+    ({"consumers": 3}, "consumers"), ({"consumers": 0}, "consumers"), ({"consumers": True}, "consumers"),
+    ({"consumers": 2, "scales_smem": False}, "consumers"), ({"consumer_regs": 100}, "consumer_regs"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
         W.WSpecConfig(**kw)
+
+
+def test_pingpong_writes_two_states_per_split():
+    """The ping-pong config (two consumer warpgroups) is valid, writes one split state per warpgroup (the merge
+    combines them), and is not what the dispatcher launches."""
+    from kvlib.kernels.int8.decode import WSPEC_RTN_CONFIG, WSPEC_RTN_PINGPONG_CONFIG
+
+    pp = W.WSpecConfig(**WSPEC_RTN_PINGPONG_CONFIG)
+    assert pp.consumers == 2 and pp.states(5) == 10 and W.WSpecConfig().states(5) == 5
+    assert W.WSpecConfig(**WSPEC_RTN_CONFIG).consumers == 1
 
 
 def test_shared_memory():
@@ -159,9 +171,9 @@ def test_launch_refuses_cpu_tensors():
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_compiles_for_sm90_without_spills():
-    """The default variant (also GQA 8 over 64-slot pages) and the dispatcher's (prefetching, prmt, value fold), at
-    d = 128 and at d = 64 (SmolLM2's GQA 3), build for sm_90 with Triton's own toolchain: a producer partition
-    issuing TMA copies, HMMA in the consumers, no local-memory spills."""
+    """The default variant (also GQA 8 over 64-slot pages), the dispatcher's (prefetching, prmt, value fold) and the
+    ping-pong one (two consumer warpgroups), at d = 128 and at d = 64 (SmolLM2's GQA 3), build for sm_90 with
+    Triton's own toolchain: a producer partition issuing TMA copies, HMMA in the consumers, no local-memory spills."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -172,8 +184,10 @@ from kvlib.kernels.int8 import wspec as W
 from kvlib.kernels.offline import tool as _tool
 out = []
 from kvlib.kernels.int8.decode import WSPEC_RTN_CONFIG
+from kvlib.kernels.int8.decode import WSPEC_RTN_PINGPONG_CONFIG as PP
 for kw in ({}, {"gqa": 8, "block_size": 64}, {"config": W.WSpecConfig(**WSPEC_RTN_CONFIG)}, {"d": 64},
-           {"config": W.WSpecConfig(**WSPEC_RTN_CONFIG), "d": 64, "gqa": 3}):
+           {"config": W.WSpecConfig(**WSPEC_RTN_CONFIG), "d": 64, "gqa": 3}, {"config": W.WSpecConfig(**PP)},
+           {"config": W.WSpecConfig(**PP), "d": 64, "gqa": 3}):
     cc = W.compile_offline(**kw)
     with tempfile.TemporaryDirectory() as t:
         p = os.path.join(t, "k.cubin"); open(p, "wb").write(cc.asm["cubin"])
@@ -210,20 +224,23 @@ GPU_SHAPES = [
 @gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=["smollm2", "gqa7_d64", "gqa8_bs64_d64", "gqa1_bs32_d64",
                                                     "gqa7_d128", "gqa3_bs32_d128"])
-@pytest.mark.parametrize("dispatched", [False, True], ids=["default", "dispatched"])
+@pytest.mark.parametrize("variant", ["default", "dispatched", "pingpong"])
 @pytest.mark.parametrize("ns", [None, 3])
-def test_kernel_matches_the_reference(shape, dispatched, ns):
+def test_kernel_matches_the_reference(shape, variant, ns):
     """``o`` and ``lse`` against :func:`wspec_reference` (float64). The scores are exact fp16 x int8 products summed
     in fp32 (the certified kernel's tolerance ``atol 2e-5, rtol 1e-4`` on ``lse``); PV rounds ``1024 p s_v`` to fp16
     once (``<= 2^-11`` relative, so ``|o - ref| <= 2^-11 max |v|``), the dispatched ``vfold`` rounds ``1024 p`` and
-    ``s_v c`` (``<= 2^-10 (1 + 2^-10) max |v|``); plus the fp32 slack of the certified kernel's tolerance.
-    Run to run the same bits."""
-    from kvlib.kernels.int8.decode import WSPEC_RTN_CONFIG
+    ``s_v c`` (``<= 2^-10 (1 + 2^-10) max |v|``), as does the ping-pong variant (two consumer warpgroups, each its
+    own online softmax over alternate tiles, merged as splits); plus the fp32 slack of the certified kernel's
+    tolerance. Run to run the same bits."""
+    from kvlib.kernels.int8.decode import WSPEC_RTN_CONFIG, WSPEC_RTN_PINGPONG_CONFIG
 
     lens, bs, hq, hkv, d = shape
     q, kc, ks, vc, vs, bt, seq = _problem(B=len(lens), hq=hq, hkv=hkv, lens=lens, bs=bs, d=d, seed=len(lens) + d,
                                           dev="cuda")
-    cfg = W.WSpecConfig(**WSPEC_RTN_CONFIG) if dispatched else W.WSpecConfig()
+    dispatched = variant != "default"
+    cfg = W.WSpecConfig(**{"default": {}, "dispatched": WSPEC_RTN_CONFIG,
+                           "pingpong": WSPEC_RTN_PINGPONG_CONFIG}[variant])
     o, lse = W.wspec_decode(q, kc, ks, vc, vs, bt, seq, config=cfg, num_splits=ns)
     ro, rl = W.wspec_reference(q, kc, ks, vc, vs, bt, seq)
     vmax = (vc.double().abs() * vs.double().repeat_interleave(32, -1)).max().item()

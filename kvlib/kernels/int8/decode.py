@@ -99,6 +99,12 @@ WSPEC_RTN_CONFIG = {"block_n": 128, "ring": 3, "prmt": True, "vfold": True, "pre
 #: run at d = 64 on a GPU: until ``make test-gpu`` passes their d = 64 tests (tests/test_wspec.py,
 #: tests/test_wspec_cert.py), only ``impl="wspec"`` takes it; then add 64 here
 WSPEC_AUTO_HEAD_DIMS = (128,)
+#: the ping-pong variant of the RTN kernel (two consumer warpgroups on alternate tiles, issue 40; opt-in, never
+#: dispatched): WSPEC_RTN_CONFIG's tile and operand options, a 4-deep ring (a stage per warpgroup and two in flight),
+#: 168 registers for both warpgroups and one 12-warp CTA per SM (offline sm_90: no spills,
+#: dev/results/wspec_d64_offline.json); to be timed against WSPEC_RTN_CONFIG on a GPU before it is taken anywhere
+WSPEC_RTN_PINGPONG_CONFIG = WSPEC_RTN_CONFIG | {"ring": 4, "consumers": 2, "maxnreg": 168, "consumer_regs": 168,
+                                                 "ctas_per_sm": 1}
 
 
 def wspec_pages_unsupported(d: int, group: int, dithered: bool, dither_layout: str) -> str | None:

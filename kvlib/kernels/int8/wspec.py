@@ -106,6 +106,16 @@ class WSpecConfig:
     vfold: bool = False
     #: (``scales_smem`` only) the producer gathers the next tile's scales while it waits for a free stage
     prefetch: bool = False
+    #: consumer warpgroups (issue 40's lever for the "no eligible warp" gap; opt-in, not yet run on a GPU): 2 is the
+    #: ping-pong variant, warpgroup ``w`` taking tiles ``w, w + 2, ...`` of the split off the one ring with its own
+    #: online-softmax state and writing it as split state ``2 split + w`` (the LSE merge combines them, as it does
+    #: splits), so one warpgroup's softmax and PV run while the other's MMAs wait on their operands. The second
+    #: warpgroup is a worker partition with ``consumer_regs`` registers; a CTA is 12 warps (the producer's padded
+    #: to a warpgroup), so ``maxnreg``/``ctas_per_sm`` should leave one CTA per SM (the default ping-pong config
+    #: below: 168 registers, one CTA)
+    consumers: int = 1
+    #: registers per thread of the second consumer warpgroup (``consumers=2``)
+    consumer_regs: int = 168
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128, 256):
@@ -122,6 +132,17 @@ class WSpecConfig:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
         if self.prefetch and not self.scales_smem:
             raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
+        if self.consumers not in (1, 2) or isinstance(self.consumers, bool):
+            raise ValueError(f"consumers must be 1 or 2 (ping-pong) warpgroups, got {self.consumers!r}")
+        if self.consumers == 2 and not self.scales_smem:
+            raise ValueError("consumers=2 needs scales_smem=True (each warpgroup reads its tile's scales from the "
+                             "stage; the register-prefetching consumer walks consecutive tiles)")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
+            raise ValueError(f"consumer_regs must be a multiple of 8 in 24..256, got {self.consumer_regs}")
+
+    def states(self, num_splits: int) -> int:
+        """Split states per (row, head) the launch writes: one per split and consumer warpgroup."""
+        return num_splits * self.consumers
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -379,14 +400,15 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
               sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
               PRMT: gl.constexpr, SCALES_SMEM: gl.constexpr = False, VFOLD: gl.constexpr = False,
-              NG: gl.constexpr = 4):
+              NG: gl.constexpr = 4, C0: gl.constexpr = 0, NC: gl.constexpr = 1):
     """The consumer warpgroup. Without ``SCALES_SMEM`` it gathers the group scales itself, a tile ahead into
     registers, reads the stage's key and value operands into registers and frees the stage before the softmax. With
     ``SCALES_SMEM`` the scales ride in the stage (``s_bufs``; ``KS``, ``VS`` unread): every operand is read from
     shared memory just before its MMA (keys, then per group the values and their scales), and the stage is freed
     after PV; the ring, not registers, holds the next tiles. ``VFOLD``: :func:`_pv_fold`. ``NG``: groups of 32
     channels per head (4 at d = 128, 2 at d = 64: groups 2-3's operands, MMAs and accumulators are compiled out, so
-    ``acc2``, ``acc3`` stand in for them unused)."""
+    ``acc2``, ``acc3`` stand in for them unused). ``NC = 2`` (ping-pong): this warpgroup takes tiles ``C0, C0 + 2,
+    ...`` and writes split state ``2 split + C0``."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -417,7 +439,7 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
         na = gl.arange(0, BN, layout=NA)
         ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE, NG)
         vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE, NG)
-    for i in range(n_tiles):
+    for i in range(C0, n_tiles, NC):
         s = i % RING
         ph = (i // RING) & 1
         n0 = start + i * BN
@@ -492,6 +514,8 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
             ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE, NG)
             vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE, NG)
 
+    if NC > 1:
+        split = split * NC + C0  # this warpgroup's state
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA, MMA, NG)
 
@@ -527,6 +551,7 @@ def _wspec_stage1(
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
     PREFETCH: gl.constexpr = False, PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, D: gl.constexpr = 128,
+    NC: gl.constexpr = 1, CONSUMER_REGS: gl.constexpr = 168,
 ):
     NG: gl.constexpr = D // 32  # groups of 32 channels: 4 at d = 128, 2 at d = 64
     b = gl.program_id(0)
@@ -553,7 +578,18 @@ def _wspec_stage1(
         mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    if SCALES_SMEM:
+    if NC == 2:  # ping-pong: two consumer warpgroups on alternate tiles of the one ring (WSpecConfig.consumers)
+        gl.warp_specialize([
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD, NG, 0, 2)),
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD, NG, 1, 2)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH, 0, 1, NG)),
+        ], [NW, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif SCALES_SMEM:
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
                          end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
@@ -595,7 +631,8 @@ def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int, swi
 
 def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, sm_scale: float | None = None,
                  config: WSpecConfig | None = None, num_splits: int | None = None, descs=None, o_s=None, lse_s=None):
-    """Launch the kernel: per-split states ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log).
+    """Launch the kernel: per-split states ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log; ``NS`` the
+    splits times ``config.consumers``).
     ``descs``, ``o_s``, ``lse_s``: reuse prebuilt descriptors/buffers (a CUDA graph captures no host work)."""
     cfg = config or WSpecConfig()
     pl = plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, config=cfg, num_splits=num_splits)
@@ -604,7 +641,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
     kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
     B, hq, d = pl.batch, pl.hq, pl.d
-    ns = pl.num_splits
+    ns = cfg.states(pl.num_splits)  # (ping-pong: two states per split)
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     if lse_s is None:
@@ -620,6 +657,7 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
         PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, D=d, num_warps=4, maxnreg=cfg.maxnreg,
+        **({"NC": 2, "CONSUMER_REGS": cfg.consumer_regs} if cfg.consumers == 2 else {}),
     )
     return o_s, lse_s
 
@@ -692,7 +730,8 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-                 PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, D=d)
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, D=d, NC=cfg.consumers,
+                 CONSUMER_REGS=cfg.consumer_regs)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}
