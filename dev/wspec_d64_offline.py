@@ -88,9 +88,8 @@ def variants(d64: bool = True):
         if d64:  # the ping-pong RTN variant (two consumer warpgroups; opt-in)
             yield f"rtn_pingpong_d{d}", lambda kw=kw: W.compile_offline(pp, **kw)
             yield f"rtn_pingpong_gqa3_d{d}", lambda kw=kw: W.compile_offline(pp, gqa=3, **kw)
-            yield f"rtn_pingpong_r3_m128_d{d}", lambda kw=kw: W.compile_offline(
-                W.WSpecConfig(**(WSPEC_RTN_PINGPONG_CONFIG | {"ring": 3, "maxnreg": 128, "consumer_regs": 128})),
-                **kw)
+            yield f"rtn_pingpong_m128_d{d}", lambda kw=kw: W.compile_offline(
+                W.WSpecConfig(**(WSPEC_RTN_PINGPONG_CONFIG | {"maxnreg": 128, "consumer_regs": 128})), **kw)
 
 
 def main(path: str, d64: bool = True, base: str | None = None) -> None:

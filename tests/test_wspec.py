@@ -142,6 +142,7 @@ def test_plan_rejects_gqa_above_8_and_bad_splits():
     ({"block_n": 16}, "block_n"), ({"ring": 9}, "ring"), ({"prefetch": True, "scales_smem": False}, "prefetch"),
     ({"consumers": 3}, "consumers"), ({"consumers": 0}, "consumers"), ({"consumers": True}, "consumers"),
     ({"consumers": 2, "scales_smem": False}, "consumers"), ({"consumer_regs": 100}, "consumer_regs"),
+    ({"consumers": 2, "ring": 3}, "even ring"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):

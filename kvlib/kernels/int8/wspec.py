@@ -137,6 +137,11 @@ class WSpecConfig:
         if self.consumers == 2 and not self.scales_smem:
             raise ValueError("consumers=2 needs scales_smem=True (each warpgroup reads its tile's scales from the "
                              "stage; the register-prefetching consumer walks consecutive tiles)")
+        if self.consumers == 2 and self.ring % 2:
+            # a stage's tiles i, i + ring, ... must all be one warpgroup's: with an odd ring, warpgroup w could wait on
+            # tile i's `ready` parity while the other's tile i - ring is not yet loaded, and the completed tile
+            # i - 2 ring has the same parity (the wait would pass on a stale stage)
+            raise ValueError(f"consumers=2 needs an even ring (each stage serves one warpgroup), got ring={self.ring}")
         if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
             raise ValueError(f"consumer_regs must be a multiple of 8 in 24..256, got {self.consumer_regs}")
 
