@@ -65,12 +65,18 @@ def _sass_stats(cc) -> dict:
 def variants(d64: bool = True):
     from kvlib.kernels.int8 import wspec as W
     from kvlib.kernels.int8 import wspec_cert as C
-    from kvlib.kernels.int8.decode import WSPEC_CERT_CONFIGS, WSPEC_RTN_CONFIG, WSPEC_RTN_PINGPONG_CONFIG
+    from kvlib.kernels.int8.decode import (
+        WSPEC_CERT_CONFIGS,
+        WSPEC_CERT_PINGPONG_CONFIG,
+        WSPEC_RTN_CONFIG,
+        WSPEC_RTN_PINGPONG_CONFIG,
+    )
 
     rtn = W.WSpecConfig(**WSPEC_RTN_CONFIG)
     plain = C.WSpecCertConfig(**WSPEC_CERT_CONFIGS["plain"])
     outl = C.WSpecCertConfig(**WSPEC_CERT_CONFIGS["outliers"])
     pp = W.WSpecConfig(**WSPEC_RTN_PINGPONG_CONFIG)
+    cpp = C.WSpecCertConfig(**WSPEC_CERT_PINGPONG_CONFIG)
     dims = (128, 64) if d64 else (128,)
     for d in dims:
         kw = {} if d == 128 else {"d": d}
@@ -90,6 +96,8 @@ def variants(d64: bool = True):
             yield f"rtn_pingpong_gqa3_d{d}", lambda kw=kw: W.compile_offline(pp, gqa=3, **kw)
             yield f"rtn_pingpong_m128_d{d}", lambda kw=kw: W.compile_offline(
                 W.WSpecConfig(**(WSPEC_RTN_PINGPONG_CONFIG | {"maxnreg": 128, "consumer_regs": 128})), **kw)
+            yield f"cert_pingpong_d{d}", lambda kw=kw: C.compile_offline(cpp, **kw)
+            yield f"cert_pingpong_m4_d{d}", lambda kw=kw: C.compile_offline(cpp, nok=8, **kw)
 
 
 def main(path: str, d64: bool = True, base: str | None = None) -> None:

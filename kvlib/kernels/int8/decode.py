@@ -105,6 +105,11 @@ WSPEC_AUTO_HEAD_DIMS = (128,)
 #: dev/results/wspec_d64_offline.json); to be timed against WSPEC_RTN_CONFIG on a GPU before it is taken anywhere
 WSPEC_RTN_PINGPONG_CONFIG = WSPEC_RTN_CONFIG | {"ring": 4, "consumers": 2, "maxnreg": 168, "consumer_regs": 168,
                                                  "ctas_per_sm": 1}
+#: the certified kernel's ping-pong variant (the same scheme over WSPEC_CERT_CONFIGS["plain"]; opt-in, never
+#: dispatched). Offline sm_90 at d = 128 it spills a few words outside the consumers' tile loops (16 spill
+#: instructions, 118 with m = 4 pairs, none inside the loops); none at d = 64
+WSPEC_CERT_PINGPONG_CONFIG = WSPEC_CERT_CONFIGS["plain"] | {"ring": 4, "consumers": 2, "maxnreg": 168,
+                                                            "consumer_regs": 168, "ctas_per_sm": 1}
 
 
 def wspec_pages_unsupported(d: int, group: int, dithered: bool, dither_layout: str) -> str | None:

@@ -101,6 +101,11 @@ class WSpecCertConfig:
     #: roundings, each <= 2^-11 relative, so ``|o - o_exact| <= ~2^-10 sum_n p_n |v_n|``); the scores, the softmax
     #: and the certificate are the same either way
     pv: str = "exact"
+    #: consumer warpgroups (issue 40, opt-in, not yet run on a GPU): 2 is the ping-pong variant of
+    #: :attr:`kvlib.kernels.int8.wspec.WSpecConfig.consumers` (alternate tiles, one state per warpgroup and split,
+    #: an even ring, the second warpgroup a worker partition of ``consumer_regs`` registers)
+    consumers: int = 1
+    consumer_regs: int = 168
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
@@ -110,6 +115,12 @@ class WSpecCertConfig:
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}")
         if self.pv not in ("exact", "fold"):
             raise ValueError(f"pv must be 'exact' or 'fold', got {self.pv!r}")
+        if self.consumers not in (1, 2) or isinstance(self.consumers, bool):
+            raise ValueError(f"consumers must be 1 or 2 (ping-pong) warpgroups, got {self.consumers!r}")
+        if self.consumers == 2 and self.ring % 2:  # see WSpecConfig: each stage must serve one warpgroup
+            raise ValueError(f"consumers=2 needs an even ring (each stage serves one warpgroup), got ring={self.ring}")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
+            raise ValueError(f"consumer_regs must be a multiple of 8 in 24..256, got {self.consumer_regs}")
 
     def wspec(self, nok: int = 0) -> W.WSpecConfig:
         """The RTN kernel's config of the same ring (its planner and descriptors are reused), with at most as many
@@ -319,7 +330,8 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
                    KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, F3: gl.constexpr,
                    GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
                    PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, NOK: gl.constexpr,
-                   GEN: gl.constexpr, N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr, NG: gl.constexpr = 4):
+                   GEN: gl.constexpr, N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr, NG: gl.constexpr = 4,
+                   C0: gl.constexpr = 0, NC: gl.constexpr = 1):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -384,7 +396,10 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         lo4 = cj < 4
         cj = cj % 4
     nk = gl.arange(0, BN, layout=gl.SliceLayout(1, W_L))
-    sk = G._slot(BT_row, start + nk, end, PAGE)
+    if NC > 1:  # ping-pong: this warpgroup's first tile is its C0-th
+        sk = G._slot(BT_row, start + C0 * BN + nk, end, PAGE)
+    else:
+        sk = G._slot(BT_row, start + nk, end, PAGE)
 
     zs = sm_scale * LOG2E_C
     m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
@@ -401,7 +416,7 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
         acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
     nl = gl.arange(0, BN, layout=NL8)
-    for i in range(n_tiles):
+    for i in range(C0, n_tiles, NC):
         s = i % RING
         ph = (i // RING) & 1
         n0 = start + i * BN
@@ -410,7 +425,7 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         if NG == 2:  # group 0: words 0 | 1, group 1: words 2 | 3
             w0 = gl.where(lo4, w0, w1)
             w1 = gl.where(lo4, w2, w3)
-        sk = G._slot(BT_row, n0 + BN + nk, end, PAGE)  # the next tile's slots (masked past the split)
+        sk = G._slot(BT_row, n0 + NC * BN + nk, end, PAGE)  # this warpgroup's next tile's slots (masked past the split)
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
@@ -483,6 +498,8 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
     lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     sc = _pad16v(inv_l * (1.0 / 1024.0), HL)
+    if NC > 1:
+        split = split * NC + C0  # this warpgroup's state
     h = gl.arange(0, 16, layout=HL)
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
     o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c[None, :]
@@ -514,7 +531,7 @@ def _wspec_cert_stage1(
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr,
     NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
     NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
-    VFOLD: gl.constexpr = False, D: gl.constexpr = 128,
+    VFOLD: gl.constexpr = False, D: gl.constexpr = 128, NC: gl.constexpr = 1, CONSUMER_REGS: gl.constexpr = 168,
 ):
     NG: gl.constexpr = D // 32  # groups of 32 channels: 4 at d = 128, 2 at d = 64
     b = gl.program_id(0)
@@ -543,16 +560,33 @@ def _wspec_cert_stage1(
         mbarrier.init(ready.index(i), count=2)  # the producer's arrival and the TMA transaction
         mbarrier.init(empty.index(i), count=1)
 
-    gl.warp_specialize([
-        (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
-                          b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
-                          byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
-                          s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
-                          VFOLD, NG)),
-        (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
-                       start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True, NOK,
-                       NOKP, NG)),
-    ], [1], [PRODUCER_REGS])
+    if NC == 2:  # ping-pong (WSpecCertConfig.consumers): two consumer warpgroups on alternate tiles
+        gl.warp_specialize([
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG, 0, 2)),
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG, 1, 2)),
+            (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True,
+                           NOK, NOKP, NG)),
+        ], [NW, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG)),
+            (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True,
+                           NOK, NOKP, NG)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +596,7 @@ def _constexprs(pl: CertPlan, cfg: WSpecCertConfig, cert: bool, cert_b: bool) ->
     return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], Z8=lay["Z8"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size,
                 BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt,
                 CERT=cert, CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length(),
-                VFOLD=cfg.pv == "fold", D=pl.d)
+                VFOLD=cfg.pv == "fold", D=pl.d, NC=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: int, seed: int,
@@ -584,7 +618,7 @@ def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: i
     kc, ks = _pages(k, block_size, "k_pool")
     vc, vs = _pages(v, block_size, "v_pool")
     kd, vd = descs if descs is not None else W.descriptors(kc, vc, pl.box_rows, cfg.swizzle)
-    B, hq, d, ns = pl.batch, pl.hq, pl.d, pl.num_splits
+    B, hq, d, ns = pl.batch, pl.hq, pl.d, pl.num_splits * cfg.consumers  # (ping-pong: a state per warpgroup)
     if out is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
         lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
