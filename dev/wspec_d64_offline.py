@@ -25,9 +25,10 @@ import sys
 import tempfile
 
 
-def _consumer_loops(sass: str) -> list[int]:
+def _consumer_loops(sass: str) -> tuple[list[int], int]:
     """Instructions of each backward-branch body that holds HMMA and no TMA issue (a consumer warpgroup's tile loop;
-    the longest backward branch of a warp-specialised kernel spans the producer's code too), shortest first."""
+    the longest backward branch of a warp-specialised kernel spans the producer's code too), shortest first; and the
+    spill instructions (``STL``/``LDL``) inside the two shortest (the consumers' tile loops)."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
     out = []
@@ -36,8 +37,11 @@ def _consumer_loops(sass: str) -> list[int]:
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             if any("HMMA" in t for t in body) and not any("UTMALDG" in t for t in body):
-                out.append(len(body))
-    return sorted(out)
+                out.append((len(body), int(m.group(1), 16), addr))
+    out.sort()
+    spills = [a for a, t in ins if re.search(r"\b(STL|LDL)\b", t)]
+    inner = sum(any(lo <= a <= hi for _, lo, hi in out[:2]) for a in spills)
+    return [n for n, _, _ in out], inner
 
 
 def _sass_stats(cc) -> dict:
@@ -52,9 +56,10 @@ def _sass_stats(cc) -> dict:
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK)[:=](\d+)", use)}
     body = "\n".join(line for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line))
     loop = loop_stats(sass)
-    cons = _consumer_loops(sass)
+    cons, cons_spills = _consumer_loops(sass)
     return dict(registers=res.get("reg"), stack_bytes=res.get("stack"),
                 consumer_loop_instructions=min(cons) if cons else None, consumer_loops=cons,
+                spill_ops_in_consumer_loops=cons_spills,
                 spill_ops=len(re.findall(r"\b(STL|LDL)\b", sass)), loop_instructions=loop["instructions"],
                 loop_top_opcodes=loop["top_opcodes"], hmma=len(re.findall(r"\bHMMA\b", sass)),
                 tma=len(re.findall(r"\bUTMALDG\b", sass)), ex2=sass.count("MUFU.EX2"),
@@ -116,7 +121,7 @@ def main(path: str, d64: bool = True, base: str | None = None) -> None:
             out["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
         r = out["variants"][name]
         print(name, {k: r.get(k) for k in ("registers", "stack_bytes", "spill_ops", "loop_instructions",
-                                           "consumer_loops", "error")},
+                                           "consumer_loops", "spill_ops_in_consumer_loops", "error")},
               flush=True)
     if base:  # the d = 128 binaries against a run at another commit (the validated kernels' SASS, unchanged?)
         with open(base) as f:
