@@ -34,9 +34,9 @@ def _int8(n=64, h=2, d=128, *, dithered=True, layout="h8", nok=0, group=32, dev=
     return k, v
 
 
-def _why(q=None, k=None, v=None, **kw):
-    kd, vd = _int8()
-    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16) if q is None else q
+def _why(q=None, k=None, v=None, d=128, **kw):
+    kd, vd = _int8(d=d)
+    q = torch.zeros(2, 8, d, dtype=torch.bfloat16) if q is None else q
     args = dict(v_dither=False, block_table=torch.zeros(2, 2, dtype=torch.int32), block_size=16) | kw
     return wspec_unsupported(q, k or kd, v or vd, **args)
 
@@ -73,6 +73,68 @@ def test_int8_pool_rules() -> None:
     assert "CUDA" in _why(k=k, v=v)
     k, v = _int8(dithered=False)
     assert "CUDA" in _why(k=k, v=v)
+
+
+def test_d64_is_taken_only_when_asked_until_enabled(monkeypatch) -> None:
+    """d = 64 (SmolLM2, issue 40): every rule holds, but ``"auto"`` refuses it, naming the explicit ``impl="wspec"``
+    and :data:`WSPEC_AUTO_HEAD_DIMS`, while that holds 128 only; an explicit request is refused for its device only;
+    with 64 added, ``"auto"`` takes it too. Other head dims are refused either way."""
+    from kvlib.kernels.int8 import decode as DEC
+
+    assert DEC.WSPEC_AUTO_HEAD_DIMS == (128,)  # opt-in until the GPU lane has run the d = 64 kernels
+    why = _why(d=64)
+    assert "impl='wspec'" in why and "WSPEC_AUTO_HEAD_DIMS" in why, why
+    assert "CUDA" in _why(d=64, auto=False)
+    k, v = _int8(d=64, nok=8)
+    assert "CUDA" in _why(k=k, v=v, d=64, auto=False)
+    for d in (96, 32):
+        for auto in (True, False):
+            assert "head_dim must be 64 or 128" in _why(d=d, auto=auto)
+    monkeypatch.setattr(DEC, "WSPEC_AUTO_HEAD_DIMS", (64, 128))
+    assert "CUDA" in _why(d=64)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_page_rules_agree_with_the_request_rules(enabled, monkeypatch) -> None:
+    """:func:`wspec_pages_unsupported` (what a backend asks of its pages before any request) says None exactly where
+    :func:`wspec_unsupported` refuses a request over such pages for its device only."""
+    from kvlib.kernels.int8 import decode as DEC
+
+    if enabled:
+        monkeypatch.setattr(DEC, "WSPEC_AUTO_HEAD_DIMS", (64, 128))
+    for d in (64, 128):
+        for group in (16, 32):
+            for dithered, layout in ((True, "h8"), (True, "h10"), (True, "w24"), (False, "w24"), (False, "h8")):
+                k, v = _int8(d=d, group=group, dithered=dithered, layout=layout)
+                pages = DEC.wspec_pages_unsupported(d, group, dithered, layout)
+                req = _why(k=k, v=v, d=d)
+                assert (pages is None) == ("CUDA" in req), (d, group, dithered, layout, pages, req)
+
+
+@pytest.mark.parametrize("fmt,opts", [("dither-int8", {"dither_layout": "h8"}), ("rtn-int8", {})])
+def test_the_backend_lets_d64_pages_through_only_when_enabled(fmt, opts, monkeypatch) -> None:
+    """SmolLM2's INT8 pages (3 KV heads, d = 64, groups of 32) on a CUDA device: with h8 keys no Triton kernel reads
+    them (``supports`` says why: today's torch reference) until d = 64 is enabled, and then the warp-specialised
+    kernel may (it decides on the real query, :meth:`Int8Backend._choose`); RTN pages have a Triton kernel either
+    way. Shape rules only: no CUDA tensor is made."""
+    from kvlib.backends.int8 import Int8Backend
+    from kvlib.formats import get_format
+    from kvlib.kernels.int8 import decode as DEC
+
+    f = get_format(fmt, **opts)
+    be = Int8Backend(2, 3, 64, 16, 1, torch.device("cpu"), f, f, batch=1)
+    cuda = torch.device("cuda")
+    before = be.supports((1, 9, 64), cuda)
+    if fmt == "dither-int8":
+        assert before and "h10" in before, before
+    else:
+        assert before is None
+    assert "no Triton" in be.supports((1, 9, 64), torch.device("cpu"))
+    monkeypatch.setattr(DEC, "WSPEC_AUTO_HEAD_DIMS", (64, 128))
+    assert be.supports((1, 9, 64), cuda) is None
+    assert "no Triton" in be.supports((1, 9, 64), torch.device("cpu"))
+    be128 = Int8Backend(2, 3, 128, 16, 1, torch.device("cpu"), f, f, batch=1)
+    assert be128.supports((1, 9, 128), cuda) is None  # d = 128: unchanged (the Triton kernels read these pages)
 
 
 def test_a_tuned_int8_config_keeps_the_old_kernels() -> None:
@@ -281,5 +343,40 @@ def test_a_model_decodes_through_the_new_kernels(fmt, opts, want) -> None:
                          return_dict_in_generate=True)
     ref = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert cache.kernel_path(1) == want, cache.kernel_path(1)
+    diff = float((out.logits[0] - ref.logits[0]).abs().max())
+    assert diff < 0.5, diff  # the first generated token's logits: only the prompt's quantised K/V differ
+
+
+@gpu
+@torch.no_grad()
+@pytest.mark.parametrize("fmt,opts,want", [("dither-int8", {"dither_layout": "h8"}, "int8-wspec_cert"),
+                                           ("rtn-int8", {}, "int8-wspec")])
+def test_a_smollm2_shaped_model_takes_the_d64_kernels_once_enabled(fmt, opts, want, monkeypatch) -> None:
+    """A 2-layer Llama at SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) generating through kvlib's
+    cache: while ``WSPEC_AUTO_HEAD_DIMS`` lacks 64 the step does not take the warp-specialised kernels; with 64 added
+    it does (``kernel_path``) and its greedy first-token logits stay near DynamicCache's, as at d = 128."""
+    import transformers
+
+    import kvlib
+    from kvlib.kernels.int8 import decode as DEC
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 40), device="cuda")
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+    def run():
+        cache = kvlib.make_cache(fmt, model.config, batch_size=2, max_len=64, device="cuda", **opts)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        return cache.kernel_path(1), out
+
+    path, _ = run()
+    assert path != want, path
+    monkeypatch.setattr(DEC, "WSPEC_AUTO_HEAD_DIMS", (64, 128))
+    path, out = run()
+    assert path == want, path
     diff = float((out.logits[0] - ref.logits[0]).abs().max())
     assert diff < 0.5, diff  # the first generated token's logits: only the prompt's quantised K/V differ

@@ -5,7 +5,9 @@ kernel's), its float64 reference against the Triton h10 kernel under the interpr
 Triton's own linear layouts, and (offline, no GPU) that it compiles for sm_90. On a GPU (``dev/gpu/wspec_cert.sh``):
 agreement of ``o``, ``lse``, ``A``, ``B`` and the bounds with the float64 reference and with the existing Gluon
 kernel (shuffled ragged pages, GQA 1/4/7/8, m = 0 and 4 outlier pairs, several split counts), split invariance,
-soundness on a fixed seed, and the vacuous certificate of a non-finite scale."""
+soundness on a fixed seed, and the vacuous certificate of a non-finite scale; at d = 64 (SmolLM2's 9 query / 3 KV
+heads and others, issue 40) against the float64 reference and soundness, the kernel itself and through
+``decode_int8(impl="wspec")``."""
 
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 FIELDS = ("o", "lse", "A", "B", "tv_bound", "tv_bound_one")
 
 
-def _problem(lens, bs, *, hq, hkv, m=0, qdtype=torch.bfloat16, seed=0, extra_blocks=5, dev=DEV):
+def _problem(lens, bs, *, hq, hkv, m=0, qdtype=torch.bfloat16, seed=0, extra_blocks=5, dev=DEV, d=D):
     """Shuffled pages (a toy block manager's), ragged lengths, a massive key channel; ``m`` RoPE pairs
-    ``(c, c + 64)`` per head kept in fp16. ``(q, k_pool, v_pool, block_table, seq_lens, token_slots, K)``."""
+    ``(c, c + d / 2)`` per head kept in fp16. ``(q, k_pool, v_pool, block_table, seq_lens, token_slots, K)``."""
     from kvlib.kernels.int8.request import make_pool_side
     from kvlib.kernels.tl.paging import allocate_blocks
 
@@ -43,19 +45,20 @@ def _problem(lens, bs, *, hq, hkv, m=0, qdtype=torch.bfloat16, seed=0, extra_blo
     table, tok = allocate_blocks(lens, bs, num_blocks=num_blocks, generator=g)
     slot_ids = torch.cat(tok)
     T = slot_ids.numel()
-    K = torch.randn(T, hkv, D, generator=g)
+    K = torch.randn(T, hkv, d, generator=g)
     K[:, :, 9] *= 12.0
-    V = torch.randn(T, hkv, D, generator=g)
+    V = torch.randn(T, hkv, d, generator=g)
     koc = None
     if m:
-        koc = torch.stack([torch.tensor(sorted(x for i in range(m) for x in ((9 + 13 * i + 5 * h) % 64,
-                                                                            (9 + 13 * i + 5 * h) % 64 + 64)))
+        half = d // 2
+        koc = torch.stack([torch.tensor(sorted(x for i in range(m) for x in ((9 + 13 * i + 5 * h) % half,
+                                                                            (9 + 13 * i + 5 * h) % half + half)))
                            for h in range(hkv)])
     kp = make_pool_side(K, layer=LAYER, seed=SEED, side=0, n_slots=num_blocks * bs, slot_ids=slot_ids,
                         outlier_channels=koc, dither_layout="h8")
     vp = make_pool_side(V, layer=LAYER, seed=SEED, side=1, n_slots=num_blocks * bs, slot_ids=slot_ids,
                         dithered=False)
-    q = (2 * torch.randn(len(lens), hq, D, generator=g)).to(qdtype)
+    q = (2 * torch.randn(len(lens), hq, d, generator=g)).to(qdtype)
     mv = lambda s: dataclasses.replace(s, codes=s.codes.to(dev), scales=s.scales.to(dev),  # noqa: E731
                                        outliers=None if s.outliers is None else s.outliers.to(dev),
                                        outlier_channels=None if s.outlier_channels is None
@@ -71,7 +74,8 @@ def _kw(bs, **extra):
 @pytest.mark.parametrize("kw, name", [
     ({"block_n": 48}, "block_n"), ({"block_n": 256}, "block_n"), ({"ring": 1}, "ring"), ({"ring": 7}, "ring"),
     ({"producer_regs": 20}, "producer_regs"), ({"maxnreg": 130}, "maxnreg"), ({"ctas_per_sm": 0}, "ctas_per_sm"),
-    ({"swizzle": 0}, "swizzle"), ({"pv": "round"}, "pv"),
+    ({"swizzle": 0}, "swizzle"), ({"pv": "round"}, "pv"), ({"consumers": 3}, "consumers"),
+    ({"consumers": 2, "ring": 3}, "even ring"), ({"consumer_regs": 20}, "consumer_regs"),
 ])
 def test_config_names_the_bad_field(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -142,6 +146,41 @@ def test_plan_carries_the_gluon_kernels_certificate_constants():
     assert pl.sm_scale == 1.0 / math.sqrt(D)
 
 
+def test_plan_at_d64_carries_the_constants_of_d64():
+    """SmolLM2's shape (9 query / 3 KV heads, d = 64, m = 4 pairs): the radius slack, the bypass allowance and the
+    softmax scale are those of d = 64 (the same functions as the Gluon kernel's constants, at the request's d)."""
+    from kvlib.certify.bound import radius_multiplier, rounding_gamma
+    from kvlib.core.fp16 import FP16_REL
+
+    q, kp, vp, bt, seq, _, _ = _problem([5, 40], 16, hq=9, hkv=3, m=4, dev="cpu", d=64)
+    pl = C.plan(q, kp, vp, bt, seq, **_kw(16, delta=0.05))
+    want = radius_multiplier(1, 0.05, 64, impl="h10", layout="h8") - radius_multiplier(1, 0.05, 64, slack=False)
+    assert (pl.d, pl.gqa, pl.hkv, pl.nok) == (64, 3, 3, 8)
+    assert pl.rad_extra == want and pl.byp_rel == FP16_REL + rounding_gamma(64) and pl.sm_scale == 0.125
+    q96, kp96, vp96, bt96, seq96, _, _ = _problem([5, 40], 16, hq=8, hkv=2, dev="cpu", d=96)
+    with pytest.raises(ValueError, match="head_dim"):
+        C.plan(q96, kp96, vp96, bt96, seq96, **_kw(16))
+    with pytest.raises(ValueError, match="d must be"):
+        C.compile_offline(d=32)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_each_lane_selects_the_words_of_its_channels(d):
+    """The consumer's dither operand of group ``g`` holds, in column ``J`` (lane ``t = J // 2`` of a quad, channels
+    ``4 J .. 4 J + 3`` of the group), byte ``b`` of word ``i`` of Philox call ``j``: at d = 128 ``i = g``,
+    ``j = J``; at d = 64 (the kernel's ``cj % 4`` and ``cj < 4`` select) ``i = 2 g + J // 4``, ``j = J mod 4``.
+    Each must be the channel :func:`kvlib.core.philox.h8_channel_map` (the h8 layout the pools are written with)
+    gives that call, word and byte: ``32 g + 4 J + b``."""
+    from kvlib.core.philox import h8_channel_map
+
+    cmap = h8_channel_map(d)  # [call, word, byte] -> channel
+    for g in range(d // 32):
+        for J in range(8):
+            i, j = (g, J) if d == 128 else (2 * g + (0 if J < 4 else 1), J % 4)
+            for b in range(4):
+                assert int(cmap[j, i, b]) == 32 * g + 4 * J + b, (g, J, b)
+
+
 def test_plan_splits_follow_the_rtn_planner():
     from kvlib.kernels.int8 import wspec as W
 
@@ -184,6 +223,34 @@ def test_launch_refuses_cpu_tensors():
 
 
 # ---- CPU: the reference and the layouts
+@pytest.mark.parametrize("m", [0, 2])
+def test_d64_reference_is_the_family_reference_and_sound(m):
+    """At d = 64 with groups of 32 (SmolLM2's 9 / 3 heads; no Triton h10 kernel reads this shape) the reference's
+    ``o``, ``lse`` and weights are the family reference's (``impl="fma"``, the same float64 attention) bit for bit;
+    its certificate (h10 slack at d = 64) is finite and bounds the true TV of every row (exact keys) on a fixed seed;
+    ``impl="h10"`` itself refuses the shape."""
+    from _paged import slot_table
+    from _soundness import assert_rows_within_certificate
+
+    from kvlib.kernels.int8.reference import decode_reference
+
+    q, kp, vp, bt, seq, tok, K = _problem([48, 130, 7], 16, hq=9, hkv=3, m=m, dev="cpu", d=64)
+    ref, probs = decode_reference(q, kp, vp, None, seq, layer=LAYER, seed=SEED, kernel_rounding="h10",
+                                  block_table=bt, block_size=16, return_probs=True)
+    assert torch.equal(ref.o, C.wspec_cert_reference(q, kp, vp, bt, seq, **_kw(16)).o)
+    fam, fprobs = decode_reference(q, kp, vp, None, seq, layer=LAYER, seed=SEED, impl="fma", block_table=bt,
+                                   block_size=16, return_probs=True)
+    assert torch.equal(ref.o, fam.o) and torch.equal(ref.lse, fam.lse)
+    assert all(torch.equal(a, b) for a, b in zip(probs, fprobs, strict=True))
+    assert torch.isfinite(ref.tv_bound).all() and bool((ref.tv_bound > 0).all())
+    assert_rows_within_certificate(q, K, torch.cat(tok), slot_table(tok, "cpu"), seq, probs, ref.tv_bound)
+    with pytest.raises(ValueError, match="h10"):
+        decode_reference(q, kp, vp, None, seq, layer=LAYER, seed=SEED, impl="h10", block_table=bt, block_size=16)
+    with pytest.raises(ValueError, match="kernel_rounding"):
+        decode_reference(q, kp, vp, None, seq, layer=LAYER, seed=SEED, kernel_rounding="tc", block_table=bt,
+                         block_size=16)
+
+
 @pytest.mark.skipif(DEV == "cuda", reason="the interpreter check (the GPU lane runs the kernels themselves)")
 def test_reference_matches_the_triton_h10_kernel_on_pages():
     """The reference (validated as the kernel's request) against the existing Triton kernel of the same h8 pool under
@@ -250,11 +317,14 @@ def test_layouts_are_the_tensor_core_operands_relabelled(bn):
 
 @pytest.mark.skipif(os.environ.get("KVLIB_SKIP_SASS") == "1", reason="offline compile disabled")
 def test_compiles_for_sm90():
-    """Both PV variants (exact, the default; folded), with 3-4 outlier pairs, with the certificate compiled out, at
-    GQA 1, 7 and 8, pages of 16 and 64, 64- and 128-position tiles: each builds for sm_90 with Triton's own toolchain
-    (every ``assert_trivial`` conversion holds), with HMMA and ex2 in the consumer and TMA in the producer. The folded
-    variants do not spill (at most one word with outliers); the exact ones sit at the 128-register cap and spill a
-    few words in their loop (1-13 local loads/stores at 2026-12-02), which the GPU timing prices."""
+    """Both PV variants (exact, the default; folded), with 3-4 outlier pairs, with the certificate compiled out, at GQA
+    1, 7 and 8, pages of 16 and 64, 64- and 128-position tiles, and at d = 64 (SmolLM2's GQA 3, m = 4 pairs): each
+    builds for sm_90 with Triton's own toolchain (every ``assert_trivial`` conversion holds), with HMMA and ex2 in
+    the consumer and TMA in the producer. The folded variants do not spill (at most one word with outliers); the
+    exact ones sit at the 128-register cap and spill a few words in their loop (1-13 local loads/stores at
+    2026-12-02), which the GPU timing prices. The ping-pong variant (two consumer warpgroups,
+    WSPEC_CERT_PINGPONG_CONFIG) builds too; it spills a few words outside its tile loops at d = 128
+    (dev/results/wspec_d64_offline.json), so its spills are not bounded here."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -266,9 +336,13 @@ from kvlib.kernels.offline import tool as _tool
 out = []
 fold = C.WSpecCertConfig(pv="fold")
 fold128 = C.WSpecCertConfig(pv="fold", block_n=128, ring=3, producer_regs=40)
+from kvlib.kernels.int8.decode import WSPEC_CERT_PINGPONG_CONFIG
+pp = C.WSpecCertConfig(**WSPEC_CERT_PINGPONG_CONFIG)
 for kw in ({}, {"nok": 8}, {"cert": False}, {"gqa": 1, "nok": 8}, {"gqa": 8, "block_size": 64, "cert_b": False},
            {"config": fold}, {"config": fold, "cert": False}, {"config": fold, "nok": 6, "gqa": 1},
-           {"config": fold128}, {"config": fold128, "nok": 8}):
+           {"config": fold128}, {"config": fold128, "nok": 8}, {"d": 64, "gqa": 3, "nok": 8},
+           {"config": fold128, "d": 64, "gqa": 3}, {"config": fold, "d": 64, "gqa": 3, "nok": 8},
+           {"config": pp}, {"config": pp, "d": 64, "gqa": 3, "nok": 8}):
     cc = C.compile_offline(**kw)
     with tempfile.TemporaryDirectory() as t:
         p = os.path.join(t, "k.cubin"); open(p, "wb").write(cc.asm["cubin"])
@@ -277,7 +351,8 @@ for kw in ({}, {"nok": 8}, {"cert": False}, {"gqa": 1, "nok": 8}, {"gqa": 8, "bl
     res = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK)[:=](\d+)", use)}
     res["spill_ops"] = sass.count("STL") + sass.count("LDL")
     cfg = kw.get("config", C.WSpecCertConfig())
-    out.append(dict(fold=cfg.pv == "fold", nok=kw.get("nok", 0), kw=str(kw), **res, hmma=sass.count("HMMA"),
+    out.append(dict(fold=cfg.pv == "fold" and cfg.consumers == 1, nok=kw.get("nok", 0), kw=str(kw), **res,
+                    hmma=sass.count("HMMA"),
                     tma=sass.count("UTMALDG"), mufu=sass.count("MUFU.EX2")))
 print(json.dumps(out))
 """
@@ -383,10 +458,13 @@ def test_nonfinite_scale_gives_a_vacuous_certificate():
 @gpu
 @pytest.mark.parametrize("cfg", [dict(block_n=32, ring=6), dict(block_n=64, ring=3),
                                  dict(block_n=128, ring=3, maxnreg=168, ctas_per_sm=1), dict(prmt=False),
-                                 dict(pv="fold"), dict(pv="fold", block_n=128, ring=3, producer_regs=40)])
+                                 dict(pv="fold"), dict(pv="fold", block_n=128, ring=3, producer_regs=40),
+                                 dict(pv="fold", block_n=128, ring=4, producer_regs=40, consumers=2, maxnreg=168,
+                                      ctas_per_sm=1)])
 @pytest.mark.parametrize("m", [0, 4])
 def test_other_rings_match_the_reference(cfg, m):
-    """Other tiles, rings and int8 conversions: the same tolerances. The folded PV (``pv="fold"``) rounds
+    """Other tiles, rings and int8 conversions, and the ping-pong variant (two consumer warpgroups on alternate
+    tiles, a state each): the same tolerances. The folded PV (``pv="fold"``) rounds
     ``1024 p`` and ``s_v c`` to fp16 (each <= 2^-11 relative), so its ``o`` is within ``2^-10 max |v|`` (+ fp32
     slack) of the exact one; its scores, softmax and certificate are the exact variant's."""
     lens, bs, hq, hkv = SHAPES[0]
@@ -399,6 +477,88 @@ def test_other_rings_match_the_reference(cfg, m):
             vmax = (vp.codes.double().abs() * vp.scales.double().repeat_interleave(32, -1)).max().item()
             tol = dict(atol=2.0**-10 * (1 + 2.0**-10) * vmax + TOL["atol"], rtol=0)
         torch.testing.assert_close(getattr(out, f).double().cpu(), getattr(ref, f).double().cpu(), **tol)
+
+
+# ---- GPU: d = 64 (issue 40). (lens, block_size, hq, hkv): SmolLM2's 9 / 3 heads, GQA 7, 8 and 1, ragged rows
+SHAPES_D64 = [
+    ([1, 77, 300, 1000], 16, 9, 3),
+    ([16, 300, 513], 16, 28, 4),
+    ([5, 640, 1999], 64, 16, 2),
+    ([70, 9, 33, 200], 32, 3, 3),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES_D64, ids=["smollm2", "gqa7", "gqa8_bs64", "gqa1_bs32"])
+@pytest.mark.parametrize("m", [0, 4])
+@pytest.mark.parametrize("cfg", [{}, "dispatched", "pingpong"], ids=["exact", "dispatched", "pingpong"])
+@pytest.mark.parametrize("ns", [None, 3])
+def test_d64_matches_the_reference(shape, m, cfg, ns):
+    """d = 64: ``o``, ``lse``, ``A``, ``B`` and the bounds against the float64 reference at the d = 128 kernel's
+    tolerances, with the exact PV (the default config) and with the config the dispatcher launches (the folded PV:
+    ``o`` within ``2^-10 (1 + 2^-10) max |v|``, as :func:`test_other_rings_match_the_reference`); run to run the
+    same bits."""
+    from kvlib.kernels.int8.decode import WSPEC_CERT_CONFIGS, WSPEC_CERT_PINGPONG_CONFIG
+
+    lens, bs, hq, hkv = shape
+    q, kp, vp, bt, seq, _, _ = _problem(lens, bs, hq=hq, hkv=hkv, m=m, seed=len(lens) + m, d=64)
+    if cfg == "dispatched":
+        cfg = WSPEC_CERT_CONFIGS["outliers" if m else "plain"]
+    elif cfg == "pingpong":  # two consumer warpgroups (issue 40, opt-in): the folded PV's tolerance
+        cfg = WSPEC_CERT_PINGPONG_CONFIG
+    config = C.WSpecCertConfig(**cfg)
+    out = C.wspec_cert_decode(q, kp, vp, bt, seq, **_kw(bs), num_splits=ns, config=config)
+    ref = C.wspec_cert_reference(q, kp, vp, bt, seq, **_kw(bs))
+    for f in FIELDS:
+        got = getattr(out, f).double().cpu()
+        assert torch.isfinite(got).all(), f
+        tol = TOL
+        if f == "o" and config.pv == "fold":
+            vmax = (vp.codes.double().abs() * vp.scales.double().repeat_interleave(32, -1)).max().item()
+            tol = dict(atol=2.0**-10 * (1 + 2.0**-10) * vmax + TOL["atol"], rtol=0)
+        torch.testing.assert_close(got, getattr(ref, f).double().cpu(), **tol, msg=lambda s, f=f: f"{f}: {s}")
+    again = C.wspec_cert_decode(q, kp, vp, bt, seq, **_kw(bs), num_splits=ns, config=config)
+    assert torch.equal(out.o, again.o) and torch.equal(out.tv_bound, again.tv_bound)
+
+
+@gpu
+@pytest.mark.parametrize("m", [0, 4])
+def test_d64_certificate_bounds_the_true_tv_on_a_fixed_seed_batch(m):
+    from _paged import slot_table
+    from _soundness import assert_rows_within_certificate
+
+    from kvlib.kernels.int8.reference import decode_reference
+
+    q, kp, vp, bt, seq, tok, K = _problem([48, 130, 7], 16, hq=9, hkv=3, m=m, d=64)
+    out = C.wspec_cert_decode(q, kp, vp, bt, seq, **_kw(16), num_splits=2)
+    _, probs = decode_reference(q, kp, vp, None, seq, layer=LAYER, seed=SEED, kernel_rounding="h10", block_table=bt,
+                                block_size=16, return_probs=True)
+    assert_rows_within_certificate(q, K, torch.cat(tok), slot_table(tok, DEV), seq, probs, out.tv_bound)
+
+
+@gpu
+@pytest.mark.parametrize("m", [0, 4])
+def test_d64_through_the_dispatcher_only_when_asked(m, monkeypatch):
+    """``decode_int8(impl="wspec")`` runs the d = 64 kernel (``path``) and agrees with the reference; ``"auto"``
+    answers as before (h8 keys at d = 64 in groups of 32: no Triton kernel, ValueError) until
+    ``WSPEC_AUTO_HEAD_DIMS`` holds 64, and then takes the new kernel."""
+    from kvlib.kernels.int8 import decode as DEC
+    from kvlib.kernels.int8.decode import decode_int8
+
+    lens, bs, hq, hkv = SHAPES_D64[0]
+    q, kp, vp, bt, seq, _, _ = _problem(lens, bs, hq=hq, hkv=hkv, m=m, d=64)
+    kw = dict(layer=LAYER, seed=SEED, block_table=bt, block_size=bs)
+    asked = decode_int8(q, kp, vp, None, seq, impl="wspec", **kw)
+    assert asked.path == "wspec_cert"
+    ref = C.wspec_cert_reference(q, kp, vp, bt, seq, **_kw(bs))
+    vmax = (vp.codes.double().abs() * vp.scales.double().repeat_interleave(32, -1)).max().item()
+    torch.testing.assert_close(asked.o.double().cpu(), ref.o.double().cpu(), rtol=0,
+                               atol=2.0**-10 * (1 + 2.0**-10) * vmax + TOL["atol"])
+    torch.testing.assert_close(asked.tv_bound.double().cpu(), ref.tv_bound.double().cpu(), **TOL)
+    with pytest.raises(ValueError, match="h10"):  # today's answer at this shape: no Triton kernel reads it
+        decode_int8(q, kp, vp, None, seq, **kw)
+    monkeypatch.setattr(DEC, "WSPEC_AUTO_HEAD_DIMS", (64, 128))
+    assert decode_int8(q, kp, vp, None, seq, **kw).path == "wspec_cert"
 
 
 @gpu

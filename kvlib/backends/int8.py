@@ -148,12 +148,16 @@ class Int8Backend(Backend):
         d4 = self.d // 4
         if self.d % 4 or d4 & (d4 - 1) or self.group % 4:
             return f"the INT8 kernels take d // 4 a power of two and group % 4 == 0, got d={self.d}, group={self.group}"
-        from kvlib.kernels.int8.decode import resolve_impl
+        from kvlib.kernels.int8.decode import resolve_impl, wspec_pages_unsupported
 
         try:
             resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
         except ValueError as e:
-            return str(e)
+            # pages no Triton kernel reads (h8 keys at d = 64 in groups of 32) may still be the warp-specialised
+            # kernels' (once WSPEC_AUTO_HEAD_DIMS holds their d): _choose asks them on the real query
+            if device.type != "cuda" or wspec_pages_unsupported(self.d, self.group, self.dithered,
+                                                                 self.k.dither_layout):
+                return str(e)
         return None
 
     def _side(self, pool: PagedPool, layer: int):
@@ -161,16 +165,21 @@ class Int8Backend(Backend):
 
         return as_side(pool.layer(layer), "pool")
 
-    def _choose(self, q: torch.Tensor, layer: int, block_table: torch.Tensor | None) -> str:
+    def _choose(self, q: torch.Tensor, layer: int, block_table: torch.Tensor | None) -> str | None:
         """The kernel for ``q``'s shape, device and dtype, from the kernels' own rules on the real tensors: the
         warp-specialised kernels (Hopper, vLLM pages) where they take the pages, faster than the Gluon kernel at
         every timed shape (:data:`kvlib.kernels.int8.decode.WSPEC_CERT_CONFIGS` says where and by how much); else
         the Gluon kernel where it runs (h8-dithered or RTN keys: it reads them whatever the pool's layout label);
-        else the Triton kernel of the key layout (:func:`kvlib.kernels.int8.decode.resolve_impl`)."""
+        else the Triton kernel of the key layout (:func:`kvlib.kernels.int8.decode.resolve_impl`); None (the torch
+        reference) where none reads the pages. d = 64 reaches the warp-specialised kernels only once
+        :data:`kvlib.kernels.int8.decode.WSPEC_AUTO_HEAD_DIMS` holds it."""
         from kvlib.kernels.int8.decode import resolve_impl, wspec_unsupported
         from kvlib.kernels.int8.gluon import gluon_unsupported
 
-        impl = resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
+        try:
+            impl = resolve_impl("auto", self.d, self.group, False, self.k.dither_layout)
+        except ValueError:  # only the warp-specialised kernels may read these pages (supports() let them through)
+            impl = None
         if (self.k.dither_layout == "h8" or not self.dithered) and q.is_cuda:
             k, v = self._side(self.k, layer), self._side(self.v, layer)
             if not gluon_unsupported(q, k, v, False):

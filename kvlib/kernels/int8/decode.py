@@ -94,16 +94,50 @@ def stage1_path(q: torch.Tensor, k: PoolSide, v: PoolSide, *, impl: str = "auto"
 WSPEC_CERT_CONFIGS = {"plain": {"pv": "fold", "block_n": 128, "ring": 3, "producer_regs": 40},
                       "outliers": {"pv": "fold"}}
 WSPEC_RTN_CONFIG = {"block_n": 128, "ring": 3, "prmt": True, "vfold": True, "prefetch": True}
+#: head dims ``impl="auto"`` (and so the INT8 backend) sends to the warp-specialised kernels. The kernels also take
+#: d = 64 (SmolLM2, issue 40: offline sm_90 builds without spills, dev/results/wspec_d64_offline.json) but have not
+#: run at d = 64 on a GPU: until ``make test-gpu`` passes their d = 64 tests (tests/test_wspec.py,
+#: tests/test_wspec_cert.py), only ``impl="wspec"`` takes it; then add 64 here
+WSPEC_AUTO_HEAD_DIMS = (128,)
+#: the ping-pong variant of the RTN kernel (two consumer warpgroups on alternate tiles, issue 40; opt-in, never
+#: dispatched): WSPEC_RTN_CONFIG's tile and operand options, a 4-deep ring (a stage per warpgroup and two in flight),
+#: 168 registers for both warpgroups and one 12-warp CTA per SM (offline sm_90: no spills,
+#: dev/results/wspec_d64_offline.json); to be timed against WSPEC_RTN_CONFIG on a GPU before it is taken anywhere
+WSPEC_RTN_PINGPONG_CONFIG = WSPEC_RTN_CONFIG | {"ring": 4, "consumers": 2, "maxnreg": 168, "consumer_regs": 168,
+                                                 "ctas_per_sm": 1}
+#: the certified kernel's ping-pong variant (the same scheme over WSPEC_CERT_CONFIGS["plain"]; opt-in, never
+#: dispatched). Offline sm_90 at d = 128 it spills a few words outside the consumers' tile loops (16 spill
+#: instructions, 118 with m = 4 pairs, none inside the loops); none at d = 64
+WSPEC_CERT_PINGPONG_CONFIG = WSPEC_CERT_CONFIGS["plain"] | {"ring": 4, "consumers": 2, "maxnreg": 168,
+                                                            "consumer_regs": 168, "ctas_per_sm": 1}
+
+
+def wspec_pages_unsupported(d: int, group: int, dithered: bool, dither_layout: str) -> str | None:
+    """The pool-shape rules of :func:`wspec_unsupported` that ``"auto"`` applies before it sees a request (None where
+    the warp-specialised kernels may take such pages): ``d`` in :data:`WSPEC_AUTO_HEAD_DIMS`, groups of 32, RTN or
+    h8-dithered keys. A backend asks this where the Triton kernels refuse its pages (h8 keys at d = 64 in groups of
+    32: the h10 kernel needs ``group == d / 4``), so that the warp-specialised kernels, not the torch reference,
+    take them once d = 64 is enabled."""
+    if d not in WSPEC_AUTO_HEAD_DIMS:
+        return f"head_dim {d}: not in WSPEC_AUTO_HEAD_DIMS = {WSPEC_AUTO_HEAD_DIMS}"
+    if group != 32:
+        return f"groups of 32 channels only, got {group}"
+    if dithered and dither_layout != "h8":
+        return f"dithered keys must use the h8 layout, got {dither_layout!r}"
+    return None
 
 
 def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bool, block_table, block_size,
-                      config: Int8KernelConfig | None = None) -> str | None:
+                      config: Int8KernelConfig | None = None, auto: bool = True) -> str | None:
     """Why the warp-specialised kernels (:mod:`kvlib.kernels.int8.wspec_cert` for h8-dithered keys,
     :mod:`kvlib.kernels.int8.wspec` for RTN keys) cannot take this request, or None where they can: a Hopper GPU
     (TMA, mbarrier, ``warp_specialize``), vLLM pages (``block_table``, ``block_size`` a power of two >= 8),
-    ``d = 128``, groups of 32 with fp16 scales, ``GQA <= 8``, RTN values without outliers, at most 16 key outlier
-    channels (dithered keys; none with RTN keys), the default kernel config (a tuned
+    ``d`` 64 or 128 (``auto``: only the head dims of :data:`WSPEC_AUTO_HEAD_DIMS`; ``auto=False`` is an explicit
+    ``impl="wspec"``), groups of 32 with fp16 scales, ``GQA <= 8``, RTN values without outliers, at most 16 key
+    outlier channels (dithered keys; none with RTN keys), the default kernel config (a tuned
     :class:`Int8KernelConfig` asks for the Triton/Gluon kernels it tunes)."""
+    from kvlib.kernels.int8.wspec import HEAD_DIMS
+
     if block_table is None or block_size is None:
         return "the warp-specialised kernels read vLLM pages: pass block_table and block_size (slots=None)"
     if config is not None and check_config(config) != DEFAULT_CONFIG:
@@ -111,8 +145,11 @@ def wspec_unsupported(q: torch.Tensor, k: PoolSide, v: PoolSide, *, v_dither: bo
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"q must be fp16 or bf16, got {q.dtype}"
     d, hkv = q.shape[-1], k.codes.shape[1]
-    if d != 128:
-        return f"head_dim must be 128, got {d}"
+    if d not in HEAD_DIMS:
+        return f"head_dim must be 64 or 128, got {d}"
+    if auto and d not in WSPEC_AUTO_HEAD_DIMS:
+        return (f"head_dim {d}: the warp-specialised kernels take it only when asked (impl='wspec') until it has "
+                f"run on a GPU (WSPEC_AUTO_HEAD_DIMS = {WSPEC_AUTO_HEAD_DIMS})")
     if q.shape[1] % hkv or q.shape[1] // hkv > 8:
         return f"at most 8 query heads per KV head, got {q.shape[1]} query / {hkv} KV heads"
     if k.group != 32 or v.group != 32:
@@ -201,7 +238,7 @@ def _stage1(q, k_pool, v_pool, slots, seq_lens, *, layer, seed, sm_scale, delta,
     sm = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     if impl in ("auto", "wspec"):
         why = wspec_unsupported(q, k, v, v_dither=v_dither, block_table=block_table, block_size=block_size,
-                                config=cfg)
+                                config=cfg, auto=impl == "auto")
         if impl == "wspec" and why:
             raise ValueError(f"impl='wspec': {why}")
         if not why:

@@ -79,7 +79,7 @@ def decode_reference(
     q: torch.Tensor, k_pool: Any, v_pool: Any, slots: torch.Tensor | None, seq_lens: torch.Tensor, *,
     layer: int, seed: int, sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False,
     return_probs: bool = False, impl: str = "auto", block_table: torch.Tensor | None = None,
-    block_size: int | None = None,
+    block_size: int | None = None, kernel_rounding: str | None = None,
 ) -> DecodeOut | tuple[DecodeOut, list[torch.Tensor]]:
     """float64 torch reference of :func:`decode_int8` (same radius, same certificate).
 
@@ -87,6 +87,9 @@ def decode_reference(
     pool's ``dither_layout``; an h10 pool takes ``"h10"`` or, for any shape, ``"fma"``). Requests address the
     pool by ``slots`` or by ``block_table`` + ``block_size`` (:mod:`kvlib.kernels.tl.paging`). A key pool stored
     without dither (``dithered=False``, RTN keys) is read as ``s c`` and gives no certificate (the fields are None).
+    ``kernel_rounding="h10"`` (in place of ``impl``): the h10 rounding slack for a kernel that reads shapes the
+    Triton h10 kernel does not (:mod:`kvlib.kernels.int8.wspec_cert` at d = 64 with groups of 32: its operands and
+    sums are the Gluon kernel's, whose slack is h10's at the request's ``d``); h8 or h10 keys, RTN values.
     """
     k = as_side(k_pool, "k_pool")
     v = as_side(v_pool, "v_pool")
@@ -94,7 +97,15 @@ def decode_reference(
     if block_table is not None:
         slots = slots_from_block_table(block_table, block_size)
     delta = check_open_unit("delta", delta)
-    impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, key_layout(k, impl))
+    if kernel_rounding is not None:
+        if kernel_rounding != "h10":
+            raise ValueError(f"kernel_rounding must be 'h10' or None, got {kernel_rounding!r}")
+        if k.dither_layout not in ("h10", "h8") or v_dither:
+            raise ValueError(f"kernel_rounding='h10' needs h10/h8 keys and RTN values, got "
+                             f"dither_layout={k.dither_layout!r}, v_dither={v_dither!r}")
+        impl = "h10"
+    else:
+        impl = resolve_impl(impl, q.shape[-1], k.group, v_dither, key_layout(k, impl))
     k, v, q, slots, seq_lens = _side_cpu(k), _side_cpu(v), q.cpu(), slots.cpu(), seq_lens.cpu()
     B, hq, d = q.shape
     hkv = k.codes.shape[1]

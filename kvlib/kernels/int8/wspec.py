@@ -5,7 +5,11 @@ Contract (split-KV stage 1; stage 2 is :func:`kvlib.kernels.tl.merge.merge_split
 ``k_codes, v_codes [num_blocks, block_size, H_kv, d]`` with per-token, per-group fp16 scales
 ``k_scales, v_scales [num_blocks, block_size, H_kv, d // 32]`` (``x = s c``, the rtn-int8 format and the
 ``dithered=False`` :class:`kvlib.storage.paged.PagedPool` layout); an int32 block table ``[B, max_blocks]`` and
-``seq_lens [B]``. d = 128, groups of 32.
+``seq_lens [B]``. d = 128 or 64 (SmolLM2; issue 40), groups of 32: ``NG = d / 32`` groups, each its own k-chunk
+of ``S = Q K^T`` and its own slice of ``O`` (at d = 64 the 64-byte code rows are inside TMA's 16-byte row rule and
+the ring is swizzled at 64 bytes, the row's width, as ``NVMMASharedLayout.get_default_for`` picks; the stage keeps
+eight scale rows, of which rows ``g < NG`` per side are used). The d = 64 kernel is opt-in in the dispatcher until
+it has run on a GPU (:data:`kvlib.kernels.int8.decode.WSPEC_AUTO_HEAD_DIMS`).
 
 Design (FlashAttention-3 style, one CTA per (row, KV head, split)):
 
@@ -63,6 +67,8 @@ LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 #: channels per scale group (the pool's group; the kernel's MMA k-chunk)
 GROUP = 32
+#: head dims the kernels take (2 or 4 groups; 64- and 128-byte code rows, TMA boxes of whole rows)
+HEAD_DIMS = (64, 128)
 
 
 def check_ring(cfg, max_ring: int) -> None:
@@ -100,6 +106,16 @@ class WSpecConfig:
     vfold: bool = False
     #: (``scales_smem`` only) the producer gathers the next tile's scales while it waits for a free stage
     prefetch: bool = False
+    #: consumer warpgroups (issue 40's lever for the "no eligible warp" gap; opt-in, not yet run on a GPU): 2 is the
+    #: ping-pong variant, warpgroup ``w`` taking tiles ``w, w + 2, ...`` of the split off the one ring with its own
+    #: online-softmax state and writing it as split state ``2 split + w`` (the LSE merge combines them, as it does
+    #: splits), so one warpgroup's softmax and PV run while the other's MMAs wait on their operands. The second
+    #: warpgroup is a worker partition with ``consumer_regs`` registers; a CTA is 12 warps (the producer's padded
+    #: to a warpgroup), so ``maxnreg``/``ctas_per_sm`` should leave one CTA per SM (the default ping-pong config
+    #: below: 168 registers, one CTA)
+    consumers: int = 1
+    #: registers per thread of the second consumer warpgroup (``consumers=2``)
+    consumer_regs: int = 168
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128, 256):
@@ -116,6 +132,22 @@ class WSpecConfig:
             raise ValueError("vfold needs scales_smem=True (the folded scales are read from the stage)")
         if self.prefetch and not self.scales_smem:
             raise ValueError("prefetch needs scales_smem=True (it prefetches the scales the producer gathers)")
+        if self.consumers not in (1, 2) or isinstance(self.consumers, bool):
+            raise ValueError(f"consumers must be 1 or 2 (ping-pong) warpgroups, got {self.consumers!r}")
+        if self.consumers == 2 and not self.scales_smem:
+            raise ValueError("consumers=2 needs scales_smem=True (each warpgroup reads its tile's scales from the "
+                             "stage; the register-prefetching consumer walks consecutive tiles)")
+        if self.consumers == 2 and self.ring % 2:
+            # a stage's tiles i, i + ring, ... must all be one warpgroup's: with an odd ring, warpgroup w could wait on
+            # tile i's `ready` parity while the other's tile i - ring is not yet loaded, and the completed tile
+            # i - 2 ring has the same parity (the wait would pass on a stale stage)
+            raise ValueError(f"consumers=2 needs an even ring (each stage serves one warpgroup), got ring={self.ring}")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
+            raise ValueError(f"consumer_regs must be a multiple of 8 in 24..256, got {self.consumer_regs}")
+
+    def states(self, num_splits: int) -> int:
+        """Split states per (row, head) the launch writes: one per split and consumer warpgroup."""
+        return num_splits * self.consumers
 
     def smem_bytes(self, d: int = 128) -> int:
         """Shared memory of the ring (K and V codes, the scales where ``scales_smem``) and its barriers."""
@@ -155,8 +187,8 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
     check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32)
     B, hq, d = q.shape
     nb, bs, hkv, dk = k_codes.shape
-    if d != 128:
-        raise ValueError(f"q: head_dim must be 128, got {d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be 64 or 128 (whole groups of {GROUP}, 16-byte TMA rows), got {d}")
     if dk != d:
         raise ValueError(f"k_codes: last dim must be q's head_dim {d}, got {dk}")
     if tuple(v_codes.shape) != tuple(k_codes.shape):
@@ -201,7 +233,7 @@ def plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, conf
 def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh, start, end,
               n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr,
               RBOX: gl.constexpr, RING: gl.constexpr, SCALES_SMEM: gl.constexpr, PREFETCH: gl.constexpr = False,
-              NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1):
+              NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, NG: gl.constexpr = 4):
     """One warp: for each tile wait for its stage to be free, then TMA its K and V boxes (one per page piece); with
     ``SCALES_SMEM`` also gather the tile's group scales ``[4, BN]`` per side into the stage (plain loads and
     stores: an 8-byte scale row is too narrow for a TMA box) and arrive on ``ready`` (count 2: this arrival and the
@@ -212,7 +244,8 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, 
     sitting between a stage's TMA issue and its ``ready`` arrival. ``NOK > 0`` (with PREFETCH:
     :mod:`kvlib.kernels.int8.wspec_cert`, whose producer this is): also the ``NOK`` fp16 key-outlier rows of each
     tile, gathered from ``KO`` into the stage's ``o_bufs [16, BN]`` (``NOKP``: ``NOK`` rounded up to a power of two;
-    rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows)."""
+    rows past it are zeroed once, rows ``NOK..NOKP`` masked to 0: the bypass MMA reads 16 rows). ``NG``: scale
+    groups per head (``D / 32``); rows ``g >= NG`` of a stage's eight are left unwritten (and unread)."""
     if SCALES_SMEM:
         nn = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [1], [0]))
     if NOK > 0:  # a lane's NOKP outlier rows of a position: one contiguous run of 2 NOK bytes (vector loads)
@@ -224,7 +257,7 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, 
             for st in gl.static_range(RING):
                 o_bufs.index(st).store(gl.zeros([16, BN], gl.float16, layout=OZ))
     if PREFETCH:
-        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+        k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, start + nn, end, kvh, s_ks_n, s_vs_n, PAGE, NG)
     for i in range(n_tiles):
         s = i % RING
         ph = (i // RING) & 1
@@ -243,20 +276,22 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, 
         if PREFETCH:
             s_bufs.index(s * 8 + 0).store(k0)
             s_bufs.index(s * 8 + 1).store(k1)
-            s_bufs.index(s * 8 + 2).store(k2)
-            s_bufs.index(s * 8 + 3).store(k3)
+            if NG == 4:
+                s_bufs.index(s * 8 + 2).store(k2)
+                s_bufs.index(s * 8 + 3).store(k3)
             s_bufs.index(s * 8 + 4).store(v0)
             s_bufs.index(s * 8 + 5).store(v1)
-            s_bufs.index(s * 8 + 6).store(v2)
-            s_bufs.index(s * 8 + 7).store(v3)
+            if NG == 4:
+                s_bufs.index(s * 8 + 6).store(v2)
+                s_bufs.index(s * 8 + 7).store(v3)
         elif SCALES_SMEM:
             n = n0 + nn
             m = n < end
             blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
             slot = (blk * PAGE + n % PAGE).to(gl.int64)
-            kp = KS + slot * s_ks_n + kvh * 4
-            vp = VS + slot * s_vs_n + kvh * 4
-            for g in gl.static_range(4):  # row s * 8 + side * 4 + g of the scale ring
+            kp = KS + slot * s_ks_n + kvh * NG
+            vp = VS + slot * s_vs_n + kvh * NG
+            for g in gl.static_range(NG):  # row s * 8 + side * 4 + g of the scale ring
                 s_bufs.index(s * 8 + g).store(gl.load(kp + g, mask=m, other=0.0))
                 s_bufs.index(s * 8 + 4 + g).store(gl.load(vp + g, mask=m, other=0.0))
         if NOK > 0:  # 2 NOK bytes per position: too narrow for a TMA box below 8 pairs; plain loads, rows >= NOK 0
@@ -276,30 +311,40 @@ def _producer(k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, 
             gl.thread_barrier()  # every lane's stores before the one arrival
             mbarrier.arrive(ready.index(s), count=1)
         if PREFETCH:  # the next tile's (all masked past the split: no memory traffic)
-            k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE)
+            k0, k1, k2, k3, v0, v1, v2, v3 = _gather8(KS, VS, BT_row, n0 + BN + nn, end, kvh, s_ks_n, s_vs_n, PAGE,
+                                                      NG)
 
 
 @gluon.jit
-def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr):
-    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``."""
+def _gather8(KS, VS, BT_row, n, end, kvh, s_ks_n, s_vs_n, PAGE: gl.constexpr, NG: gl.constexpr = 4):
+    """The eight fp16 scale rows (keys' groups 0-3, values' 0-3; 0 past the end) of positions ``n``; with ``NG = 2``
+    (d = 64) groups 0-1 of each side, returned again in the places of groups 2-3 (never stored)."""
     m = n < end
     blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
     slot = (blk * PAGE + n % PAGE).to(gl.int64)
-    kp = KS + slot * s_ks_n + kvh * 4
-    vp = VS + slot * s_vs_n + kvh * 4
+    kp = KS + slot * s_ks_n + kvh * NG
+    vp = VS + slot * s_vs_n + kvh * NG
+    if NG == 2:
+        k0 = gl.load(kp, mask=m, other=0.0)
+        k1 = gl.load(kp + 1, mask=m, other=0.0)
+        v0 = gl.load(vp, mask=m, other=0.0)
+        v1 = gl.load(vp + 1, mask=m, other=0.0)
+        return k0, k1, k0, k1, v0, v1, v0, v1
     return (gl.load(kp, mask=m, other=0.0), gl.load(kp + 1, mask=m, other=0.0), gl.load(kp + 2, mask=m, other=0.0),
             gl.load(kp + 3, mask=m, other=0.0), gl.load(vp, mask=m, other=0.0), gl.load(vp + 1, mask=m, other=0.0),
             gl.load(vp + 2, mask=m, other=0.0), gl.load(vp + 3, mask=m, other=0.0))
 
 
 @gluon.jit
-def _scales(S, BT_row, n, end, kvh, s_s_n, PAGE: gl.constexpr):
-    """The four group scales (fp32, 0 past the end) of positions ``n``."""
+def _scales(S, BT_row, n, end, kvh, s_s_n, PAGE: gl.constexpr, NG: gl.constexpr = 4):
+    """The four group scales (fp32, 0 past the end) of positions ``n`` (``NG = 2``: groups 0-1, twice)."""
     m = n < end
     blk = gl.load(BT_row + n // PAGE, mask=m, other=0)
-    base = S + (blk * PAGE + n % PAGE).to(gl.int64) * s_s_n + kvh * 4
+    base = S + (blk * PAGE + n % PAGE).to(gl.int64) * s_s_n + kvh * NG
     s0 = gl.load(base, mask=m, other=0.0).to(gl.float32)
     s1 = gl.load(base + 1, mask=m, other=0.0).to(gl.float32)
+    if NG == 2:
+        return s0, s1, s0, s1
     s2 = gl.load(base + 2, mask=m, other=0.0).to(gl.float32)
     s3 = gl.load(base + 3, mask=m, other=0.0).to(gl.float32)
     return s0, s1, s2, s3
@@ -359,12 +404,16 @@ def _pv_fold(p16, vs_row, vb, acc, alpha, KB: gl.constexpr):
 def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end, n_tiles,
               sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
               GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
-              PRMT: gl.constexpr, SCALES_SMEM: gl.constexpr = False, VFOLD: gl.constexpr = False):
+              PRMT: gl.constexpr, SCALES_SMEM: gl.constexpr = False, VFOLD: gl.constexpr = False,
+              NG: gl.constexpr = 4, C0: gl.constexpr = 0, NC: gl.constexpr = 1):
     """The consumer warpgroup. Without ``SCALES_SMEM`` it gathers the group scales itself, a tile ahead into
     registers, reads the stage's key and value operands into registers and frees the stage before the softmax. With
     ``SCALES_SMEM`` the scales ride in the stage (``s_bufs``; ``KS``, ``VS`` unread): every operand is read from
     shared memory just before its MMA (keys, then per group the values and their scales), and the stage is freed
-    after PV; the ring, not registers, holds the next tiles. ``VFOLD``: :func:`_pv_fold`."""
+    after PV; the ring, not registers, holds the next tiles. ``VFOLD``: :func:`_pv_fold`. ``NG``: groups of 32
+    channels per head (4 at d = 128, 2 at d = 64: groups 2-3's operands, MMAs and accumulators are compiled out, so
+    ``acc2``, ``acc3`` stand in for them unused). ``NC = 2`` (ping-pong): this warpgroup takes tiles ``C0, C0 + 2,
+    ...`` and writes split state ``2 split + C0``."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -375,22 +424,27 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
     Q_row = Q + b * s_qb + kvh * GQA * s_qh
     qa0 = _q_group(Q_row, s_qh, 0, GQA, QA)
     qa1 = _q_group(Q_row, s_qh, 1, GQA, QA)
-    qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
-    qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
+    if NG == 4:
+        qa2 = _q_group(Q_row, s_qh, 2, GQA, QA)
+        qa3 = _q_group(Q_row, s_qh, 3, GQA, QA)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=HL)
     l_t = gl.zeros([16, BN], gl.float32, layout=MMA)
     acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
     acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    if NG == 4:
+        acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+        acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    else:
+        acc2 = acc0  # stand-ins (d = 64): never updated, never stored
+        acc3 = acc1
 
     nl = gl.arange(0, BN, layout=NL)
     if not SCALES_SMEM:
         na = gl.arange(0, BN, layout=NA)
-        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE)
-        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE)
-    for i in range(n_tiles):
+        ks0, ks1, ks2, ks3 = _scales(KS, BT_row, start + nl, end, kvh, s_ks_n, PAGE, NG)
+        vs0, vs1, vs2, vs3 = _scales(VS, BT_row, start + na, end, kvh, s_vs_n, PAGE, NG)
+    for i in range(C0, n_tiles, NC):
         s = i % RING
         ph = (i // RING) & 1
         n0 = start + i * BN
@@ -403,23 +457,27 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
                  * s_bufs.index(s * 8 + 0).load(NL).to(gl.float32)[None, :])
             z += (mma_v2(qa1, _k_operand(kb, 1, KB, PRMT), zero)
                   * s_bufs.index(s * 8 + 1).load(NL).to(gl.float32)[None, :])
-            z += (mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero)
-                  * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :])
-            z += (mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero)
-                  * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :])
+            if NG == 4:
+                z += (mma_v2(qa2, _k_operand(kb, 2, KB, PRMT), zero)
+                      * s_bufs.index(s * 8 + 2).load(NL).to(gl.float32)[None, :])
+                z += (mma_v2(qa3, _k_operand(kb, 3, KB, PRMT), zero)
+                      * s_bufs.index(s * 8 + 3).load(NL).to(gl.float32)[None, :])
         else:
             kb0 = _k_operand(kb, 0, KB, PRMT)
             kb1 = _k_operand(kb, 1, KB, PRMT)
-            kb2 = _k_operand(kb, 2, KB, PRMT)
-            kb3 = _k_operand(kb, 3, KB, PRMT)
+            if NG == 4:
+                kb2 = _k_operand(kb, 2, KB, PRMT)
+                kb3 = _k_operand(kb, 3, KB, PRMT)
             zero = gl.zeros([16, BN], gl.float32, layout=MMA)
             z = mma_v2(qa0, kb0, zero) * ks0[None, :] + mma_v2(qa1, kb1, zero) * ks1[None, :]
-            z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
+            if NG == 4:
+                z += mma_v2(qa2, kb2, zero) * ks2[None, :] + mma_v2(qa3, kb3, zero) * ks3[None, :]
             # the values after the scores: one side's operands live at a time (block_n = 128 spilled otherwise)
             vb0 = _v_operand(vb, 0, KB, PRMT)
             vb1 = _v_operand(vb, 1, KB, PRMT)
-            vb2 = _v_operand(vb, 2, KB, PRMT)
-            vb3 = _v_operand(vb, 3, KB, PRMT)
+            if NG == 4:
+                vb2 = _v_operand(vb, 2, KB, PRMT)
+                vb3 = _v_operand(vb, 3, KB, PRMT)
             # the stage is in registers: order the shared reads before the next TMA write, then free it
             fence_async_shared()
             mbarrier.arrive(empty.index(s), count=1)
@@ -434,38 +492,44 @@ def _consumer(k_bufs, v_bufs, s_bufs, ready, empty, Q, KS, VS, BT_row, O_S, LSE_
                 p16 = gl.convert_layout((p * 1024.0).to(gl.float16), QA)
                 acc0 = _pv_fold(p16, s_bufs.index(s * 8 + 4), _v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
                 acc1 = _pv_fold(p16, s_bufs.index(s * 8 + 5), _v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
-                acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
-                acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+                if NG == 4:
+                    acc2 = _pv_fold(p16, s_bufs.index(s * 8 + 6), _v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+                    acc3 = _pv_fold(p16, s_bufs.index(s * 8 + 7), _v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
             else:
                 pa = gl.convert_layout(p * 1024.0, QA)
                 acc0 = _pv(pa, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), _v_operand(vb, 0, KB, PRMT), acc0,
                            alpha, MMA)
                 acc1 = _pv(pa, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), _v_operand(vb, 1, KB, PRMT), acc1,
                            alpha, MMA)
-                acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT), acc2,
-                           alpha, MMA)
-                acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT), acc3,
-                           alpha, MMA)
+                if NG == 4:
+                    acc2 = _pv(pa, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), _v_operand(vb, 2, KB, PRMT),
+                               acc2, alpha, MMA)
+                    acc3 = _pv(pa, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), _v_operand(vb, 3, KB, PRMT),
+                               acc3, alpha, MMA)
             fence_async_shared()
             mbarrier.arrive(empty.index(s), count=1)
         else:
             pa = gl.convert_layout(p * 1024.0, QA)
             acc0 = _pv(pa, vs0, vb0, acc0, alpha, MMA)
             acc1 = _pv(pa, vs1, vb1, acc1, alpha, MMA)
-            acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
-            acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
+            if NG == 4:
+                acc2 = _pv(pa, vs2, vb2, acc2, alpha, MMA)
+                acc3 = _pv(pa, vs3, vb3, acc3, alpha, MMA)
             # the next tile's scales (all masked past the split: no memory traffic)
-            ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE)
-            vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE)
+            ks0, ks1, ks2, ks3 = _scales(KS, BT_row, n0 + BN + nl, end, kvh, s_ks_n, PAGE, NG)
+            vs0, vs1, vs2, vs3 = _scales(VS, BT_row, n0 + BN + na, end, kvh, s_vs_n, PAGE, NG)
 
+    if NC > 1:
+        split = split * NC + C0  # this warpgroup's state
     _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-              GQA, MMA)
+              GQA, MMA, NG)
 
 
 @gluon.jit
 def _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-              GQA: gl.constexpr, MMA: gl.constexpr):
-    """The split's state: ``o = acc / (1024 l)`` (0 for an empty split), ``lse = ln(sum exp)`` (``-inf`` there)."""
+              GQA: gl.constexpr, MMA: gl.constexpr, NG: gl.constexpr = 4):
+    """The split's state: ``o = acc / (1024 l)`` (0 for an empty split), ``lse = ln(sum exp)`` (``-inf`` there);
+    channels ``32 g ..`` from ``acc_g``, ``g < NG``."""
     HL: gl.constexpr = gl.SliceLayout(1, MMA)
     l_i = gl.sum(l_t, 1)
     ok = l_i > 0.0
@@ -477,8 +541,9 @@ def _epilogue(O_S, LSE_S, b, kvh, split, m_i, l_t, acc0, acc1, acc2, acc3, s_os_
     hm = (h < GQA)[:, None]
     gl.store(o_base, acc0 * inv[:, None], mask=hm)
     gl.store(o_base + 32, acc1 * inv[:, None], mask=hm)
-    gl.store(o_base + 64, acc2 * inv[:, None], mask=hm)
-    gl.store(o_base + 96, acc3 * inv[:, None], mask=hm)
+    if NG == 4:
+        gl.store(o_base + 64, acc2 * inv[:, None], mask=hm)
+        gl.store(o_base + 96, acc3 * inv[:, None], mask=hm)
     gl.store(LSE_S + b * s_ls_b + (kvh * GQA + h) * s_ls_h + split, lse, mask=h < GQA)
 
 
@@ -490,9 +555,10 @@ def _wspec_stage1(
     sm_log2, num_splits, s_qb, s_qh, s_ks_n, s_vs_n, s_bt_b, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr,
     RING: gl.constexpr, NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALES_SMEM: gl.constexpr = False,
-    PREFETCH: gl.constexpr = False, PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False,
+    PREFETCH: gl.constexpr = False, PRMT: gl.constexpr = False, VFOLD: gl.constexpr = False, D: gl.constexpr = 128,
+    NC: gl.constexpr = 1, CONSUMER_REGS: gl.constexpr = 168,
 ):
-    D: gl.constexpr = 128
+    NG: gl.constexpr = D // 32  # groups of 32 channels: 4 at d = 128, 2 at d = 64
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -517,21 +583,32 @@ def _wspec_stage1(
         mbarrier.init(ready.index(i), count=2 if SCALES_SMEM else 1)
         mbarrier.init(empty.index(i), count=1)
 
-    if SCALES_SMEM:
+    if NC == 2:  # ping-pong: two consumer warpgroups on alternate tiles of the one ring (WSpecConfig.consumers)
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
                          end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
-                         RING, NW, PRMT, SCALES_SMEM, VFOLD)),
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD, NG, 0, 2)),
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD, NG, 1, 2)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
-                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH)),
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH, 0, 1, NG)),
+        ], [NW, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif SCALES_SMEM:
+        gl.warp_specialize([
+            (_consumer, (k_bufs, v_bufs, s_bufs, ready, empty, Q, 0, 0, BT_row, O_S, LSE_S, b, kvh, split, start,
+                         end, n_tiles, sm_log2, s_qb, s_qh, 0, 0, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h, GQA, PAGE, BN,
+                         RING, NW, PRMT, SCALES_SMEM, VFOLD, NG)),
+            (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, PREFETCH, 0, 1, NG)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, 0, ready, empty, Q, KS, VS, BT_row, O_S, LSE_S, b, kvh, split, start, end,
                          n_tiles, sm_log2, s_qb, s_qh, s_ks_n, s_vs_n, s_os_b, s_os_h, s_os_s, s_ls_b, s_ls_h,
-                         GQA, PAGE, BN, RING, NW, PRMT)),
+                         GQA, PAGE, BN, RING, NW, PRMT, False, False, NG)),
             (_producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, 0, ready, empty, KS, VS, 0, BT_row, kvh, start, end,
-                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM)),
+                         n_tiles, s_ks_n, s_vs_n, 0, 0, D, PAGE, BN, RBOX, RING, SCALES_SMEM, False, 0, 1, NG)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -539,8 +616,9 @@ def _wspec_stage1(
 # host side
 def smem_layout(box_rows: int, d: int = 128, swizzle: int = 128):
     """The NVMMA shared layout of one TMA box of int8 codes (``[box_rows, d]``), also the ring's: ``swizzle``-byte
-    swizzling (0: none; 128 is what ``get_default_for`` picks for 128-byte rows)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8, rank=2)
+    swizzling (0: none; 128 is what ``get_default_for`` picks for 128-byte rows), at most the row's ``d`` bytes (a
+    TMA box's inner extent may not exceed its swizzle span's use; at d = 64 ``get_default_for`` picks 64)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(swizzle, d), element_bitwidth=8, rank=2)
 
 
 def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int, swizzle: int = 128):
@@ -558,7 +636,8 @@ def descriptors(k_codes: torch.Tensor, v_codes: torch.Tensor, box_rows: int, swi
 
 def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, *, sm_scale: float | None = None,
                  config: WSpecConfig | None = None, num_splits: int | None = None, descs=None, o_s=None, lse_s=None):
-    """Launch the kernel: per-split states ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log).
+    """Launch the kernel: per-split states ``o_s [B, Hq, NS, d]`` fp32, ``lse_s [B, Hq, NS]`` (natural log; ``NS`` the
+    splits times ``config.consumers``).
     ``descs``, ``o_s``, ``lse_s``: reuse prebuilt descriptors/buffers (a CUDA graph captures no host work)."""
     cfg = config or WSpecConfig()
     pl = plan(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens, config=cfg, num_splits=num_splits)
@@ -567,14 +646,14 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(pl.d)
     kd, vd = descs if descs is not None else descriptors(k_codes, v_codes, pl.box_rows, cfg.swizzle)
     B, hq, d = pl.batch, pl.hq, pl.d
-    ns = pl.num_splits
+    ns = cfg.states(pl.num_splits)  # (ping-pong: two states per split)
     if o_s is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
     if lse_s is None:
         lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
     q = q.contiguous()
-    ks = k_scales.view(-1, pl.hkv * 4)
-    vs = v_scales.view(-1, pl.hkv * 4)
+    ks = k_scales.view(-1, pl.hkv * (d // GROUP))
+    vs = v_scales.view(-1, pl.hkv * (d // GROUP))
     _wspec_stage1[(B, pl.hkv, pl.num_splits)](
         q, kd, vd, ks, vs, block_table, seq_lens, o_s, lse_s,
         sm * 1.4426950408889634, pl.num_splits, q.stride(0), q.stride(1), ks.stride(0), vs.stride(0),
@@ -582,7 +661,8 @@ def wspec_stage1(q, k_codes, k_scales, v_codes, v_scales, block_table, seq_lens,
         o_s.stride(0), o_s.stride(1), o_s.stride(2), lse_s.stride(0), lse_s.stride(1),
         GQA=pl.gqa, PAGE=pl.block_size, BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring,
         NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-        PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, num_warps=4, maxnreg=cfg.maxnreg,
+        PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, D=d, num_warps=4, maxnreg=cfg.maxnreg,
+        **({"NC": 2, "CONSUMER_REGS": cfg.consumer_regs} if cfg.consumers == 2 else {}),
     )
     return o_s, lse_s
 
@@ -637,7 +717,7 @@ def rtn_pages(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Ten
     return c.reshape(n // block_size, block_size, h, d), s.reshape(n // block_size, block_size, h, d // GROUP)
 
 
-def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_size: int = 16):
+def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_size: int = 16, d: int = 128):
     """Compile the kernel for sm_90 without a GPU (Triton's own ptxas): the compiled kernel, whose ``asm`` holds
     the TTGIR/PTX/cubin. Raises the compiler's error where the kernel does not build."""
     import inspect
@@ -647,13 +727,16 @@ def compile_offline(config: WSpecConfig | None = None, *, gqa: int = 7, block_si
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config or WSpecConfig()
+    if d not in HEAD_DIMS:
+        raise ValueError(f"d must be one of {HEAD_DIMS}, got {d!r}")
     rbox = min(block_size, cfg.block_n)
-    desc = f"tensordesc<i8[{rbox}, 128],{smem_layout(rbox, 128, cfg.swizzle)!r}>"
+    desc = f"tensordesc<i8[{rbox}, {d}],{smem_layout(rbox, d, cfg.swizzle)!r}>"
     ptrs = {"Q": "*bf16", "k_desc": desc, "v_desc": desc, "KS": "*fp16", "VS": "*fp16", "BT": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32"}
     const = dict(GQA=gqa, PAGE=block_size, BN=cfg.block_n, RBOX=rbox, RING=cfg.ring,
                  NW=cfg.consumer_warps, PRODUCER_REGS=cfg.producer_regs, SCALES_SMEM=cfg.scales_smem,
-                 PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch)
+                 PRMT=cfg.prmt, VFOLD=cfg.vfold, PREFETCH=cfg.prefetch, D=d, NC=cfg.consumers,
+                 CONSUMER_REGS=cfg.consumer_regs)
     params = inspect.signature(_wspec_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n == "sm_log2" else "i32")) for n in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in ptrs and n not in ("k_desc", "v_desc")}

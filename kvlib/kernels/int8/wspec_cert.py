@@ -3,12 +3,13 @@ Gluon (GPU only; :func:`kvlib.kernels.int8.decode.decode_int8` takes it on Hoppe
 
 Contract (split-KV stage 1; stage 2 is :func:`kvlib.kernels.tl.merge.merge_splits`), the certified request of
 :func:`kvlib.kernels.int8.decode.decode_int8` over vLLM pages: one query token per row, ``q [B, Hq, d]`` fp16/bf16,
-``Hq = GQA * H_kv``, ``GQA <= 8``, ``d = 128``, groups of 32; a key :class:`~kvlib.kernels.int8.request.PoolSide`
-stored with the subtractive h8 dither (``dithered=True``, ``dither_layout="h8"``: ``x = s (c - xi)``, ``xi``
-regenerated from Philox4x32-10 words, sixteen 8-bit dithers per call) and optionally ``m <= 16`` outlier channels
-kept in fp16 (code 0 there); an RTN value side (``x = s c``, no value outliers); an int32 block table
-``[B, max_blocks]`` over pages of ``block_size`` slots and ``seq_lens [B]``. Per split it writes
-``(o_s, lse_s, A_s, B_s)``, the same state :func:`kvlib.kernels.int8.gluon.launch_g8` writes.
+``Hq = GQA * H_kv``, ``GQA <= 8``, ``d`` 128 or 64 (SmolLM2; opt-in in the dispatcher until GPU-validated,
+:data:`kvlib.kernels.int8.decode.WSPEC_AUTO_HEAD_DIMS`), groups of 32; a key
+:class:`~kvlib.kernels.int8.request.PoolSide` stored with the subtractive h8 dither (``dithered=True``,
+``dither_layout="h8"``: ``x = s (c - xi)``, ``xi`` regenerated from Philox4x32-10 words, sixteen 8-bit dithers per
+call) and optionally ``m <= 16`` outlier channels kept in fp16 (code 0 there); an RTN value side (``x = s c``, no
+value outliers); an int32 block table ``[B, max_blocks]`` over pages of ``block_size`` slots and ``seq_lens [B]``.
+Per split it writes ``(o_s, lse_s, A_s, B_s)``, the same state :func:`kvlib.kernels.int8.gluon.launch_g8` writes.
 
 Design: :mod:`kvlib.kernels.int8.wspec`'s (one CTA per (row, KV head, split); a one-warp TMA producer streams each
 tile's K and V code boxes into a ``ring``-deep shared-memory ring under mbarrier pairs and gathers the tile's group
@@ -23,7 +24,11 @@ scales, with the next tile's scales loaded while it waits for a free stage; the 
   quad holds local channels ``8 t .. 8 t + 7`` of its positions: exactly the bytes of Philox calls ``2 t, 2 t + 1``
   (h8: call ``j`` serves channels ``4 j .. 4 j + 3`` of every group, word ``i`` group ``i``). Each (position, call)
   is computed once in the whole CTA (the warps split the positions), and the four words of a call serve the four
-  groups. The key codes are read from the stage in the same register layout (8 contiguous bytes per lane), so
+  groups. At d = 64 word ``i`` serves channels ``16 i ..`` (h8: ``c = i d / 4 + 4 j + k``, ``j < 4``), so group
+  ``g``'s lane ``t`` needs word ``2 g + t // 2`` of call ``2 (t mod 2) + r``: each lane computes calls ``J mod 4``
+  (lanes ``t`` and ``t + 2`` the same ones: 8 Philox calls per position as at d = 128, twice the 4 the layout needs)
+  and selects its word per group, one ``SEL`` per word. The key codes are read from the stage in the same register
+  layout (8 contiguous bytes per lane), so
   every operand conversion is a relabelling, checked at compile time (``assert_trivial``). The words depend on the
   slots only, so they are computed before the consumer waits for the stage: the Philox ALU work overlaps the TMA;
 * **outliers** (``NOK`` channels, <= 16): the query is zeroed there (the codes are 0, the dither cancels with the
@@ -96,6 +101,11 @@ class WSpecCertConfig:
     #: roundings, each <= 2^-11 relative, so ``|o - o_exact| <= ~2^-10 sum_n p_n |v_n|``); the scores, the softmax
     #: and the certificate are the same either way
     pv: str = "exact"
+    #: consumer warpgroups (issue 40, opt-in, not yet run on a GPU): 2 is the ping-pong variant of
+    #: :attr:`kvlib.kernels.int8.wspec.WSpecConfig.consumers` (alternate tiles, one state per warpgroup and split,
+    #: an even ring, the second warpgroup a worker partition of ``consumer_regs`` registers)
+    consumers: int = 1
+    consumer_regs: int = 168
 
     def __post_init__(self):
         if self.block_n not in (32, 64, 128):
@@ -105,6 +115,12 @@ class WSpecCertConfig:
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle}")
         if self.pv not in ("exact", "fold"):
             raise ValueError(f"pv must be 'exact' or 'fold', got {self.pv!r}")
+        if self.consumers not in (1, 2) or isinstance(self.consumers, bool):
+            raise ValueError(f"consumers must be 1 or 2 (ping-pong) warpgroups, got {self.consumers!r}")
+        if self.consumers == 2 and self.ring % 2:  # see WSpecConfig: each stage must serve one warpgroup
+            raise ValueError(f"consumers=2 needs an even ring (each stage serves one warpgroup), got ring={self.ring}")
+        if self.consumer_regs % 8 or not 24 <= self.consumer_regs <= 256:
+            raise ValueError(f"consumer_regs must be a multiple of 8 in 24..256, got {self.consumer_regs}")
 
     def wspec(self, nok: int = 0) -> W.WSpecConfig:
         """The RTN kernel's config of the same ring (its planner and descriptors are reused), with at most as many
@@ -314,7 +330,8 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
                    KW: gl.constexpr, W_L: gl.constexpr, QB: gl.constexpr, Z8: gl.constexpr, F3: gl.constexpr,
                    GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr, NW: gl.constexpr,
                    PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr, NOK: gl.constexpr,
-                   GEN: gl.constexpr, N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr):
+                   GEN: gl.constexpr, N_ROUNDS: gl.constexpr, VFOLD: gl.constexpr, NG: gl.constexpr = 4,
+                   C0: gl.constexpr = 0, NC: gl.constexpr = 1):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
     QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -325,8 +342,9 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     Q_row = Q + b * s_qb + kvh * GQA * s_qh
     qa0, q10, q20, rr0 = G._q_group(Q_row, s_qh, 0, GQA, QA, QB, MMA, KOC_row, NOK)
     qa1, q11, q21, rr1 = G._q_group(Q_row, s_qh, 1, GQA, QA, QB, MMA, KOC_row, NOK)
-    qa2, q12, q22, rr2 = G._q_group(Q_row, s_qh, 2, GQA, QA, QB, MMA, KOC_row, NOK)
-    qa3, q13, q23, rr3 = G._q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA, KOC_row, NOK)
+    if NG == 4:  # (d = 64: groups 0-1 only; 2-3 compiled out)
+        qa2, q12, q22, rr2 = G._q_group(Q_row, s_qh, 2, GQA, QA, QB, MMA, KOC_row, NOK)
+        qa3, q13, q23, rr3 = G._q_group(Q_row, s_qh, 3, GQA, QA, QB, MMA, KOC_row, NOK)
     if NOK > 0:  # the outlier channels' query [16 heads, 16 channels] as fp16 hi + lo A operands
         hA = gl.arange(0, 16, layout=gl.SliceLayout(1, QA))
         cA = gl.arange(0, 16, layout=gl.SliceLayout(0, QA))
@@ -339,18 +357,23 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     NL8: gl.constexpr = gl.SliceLayout(0, Z8)  # per position of the scores
     q10 = gl.convert_layout(G._rows8v(q10), H8L)
     q11 = gl.convert_layout(G._rows8v(q11), H8L)
-    q12 = gl.convert_layout(G._rows8v(q12), H8L)
-    q13 = gl.convert_layout(G._rows8v(q13), H8L)
+    if NG == 4:
+        q12 = gl.convert_layout(G._rows8v(q12), H8L)
+        q13 = gl.convert_layout(G._rows8v(q13), H8L)
     if CERT:
         radm = gl.sqrt(2.0 * (gl.log(gl.maximum(seq_len, 1).to(gl.float32)) + log_2_over_delta)) + rad_extra
         var_c = sm_scale * sm_scale / 12.0 * (1.0 + 2.0**-8)
-        rat = (G._rat(rr0, q20) + G._rat(rr1, q21)) + (G._rat(rr2, q22) + G._rat(rr3, q23))
+        if NG == 4:
+            rat = (G._rat(rr0, q20) + G._rat(rr1, q21)) + (G._rat(rr2, q22) + G._rat(rr3, q23))
+        else:
+            rat = G._rat(rr0, q20) + G._rat(rr1, q21)
         detm = (sm_scale * 127.5 * (1.0 + 2.0**-8)) * gl.sqrt(rat) / gl.sqrt(var_c)
         radm_h = gl.convert_layout(G._rows8v((radm + detm * (1.0 + 2.0**-8)) * LOG2E_C), H8L)
         v0 = gl.convert_layout(G._rows8v(q20 * var_c), H8L)
         v1 = gl.convert_layout(G._rows8v(q21 * var_c), H8L)
-        v2 = gl.convert_layout(G._rows8v(q22 * var_c), H8L)
-        v3 = gl.convert_layout(G._rows8v(q23 * var_c), H8L)
+        if NG == 4:
+            v2 = gl.convert_layout(G._rows8v(q22 * var_c), H8L)
+            v3 = gl.convert_layout(G._rows8v(q23 * var_c), H8L)
         if NOK > 0:  # |q_o| rounded UP to fp16 (its product with the exact fp16 |k_o| bounds from above), sum |q_o|
             qa_abs = gl.abs(qo)
             qa16 = qa_abs.to(gl.float16)
@@ -369,8 +392,14 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     c3k = ((layer << 1) | 0).to(gl.uint32)
     c2 = kvh.to(gl.uint32)
     cj = gl.arange(0, 8, layout=gl.SliceLayout(0, W_L)).to(gl.uint32)[None, :]
+    if NG == 2:  # d = 64: column J of a group's words is call J mod 4 of word 2 g + J // 4 (module docstring)
+        lo4 = cj < 4
+        cj = cj % 4
     nk = gl.arange(0, BN, layout=gl.SliceLayout(1, W_L))
-    sk = G._slot(BT_row, start + nk, end, PAGE)
+    if NC > 1:  # ping-pong: this warpgroup's first tile is its C0-th
+        sk = G._slot(BT_row, start + C0 * BN + nk, end, PAGE)
+    else:
+        sk = G._slot(BT_row, start + nk, end, PAGE)
 
     zs = sm_scale * LOG2E_C
     m_i = gl.full([8], float("-inf"), gl.float32, layout=H8L)
@@ -383,27 +412,33 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             b_t = gl.zeros([8, 32], gl.float32, layout=FL)
     acc0 = gl.zeros([16, 32], gl.float32, layout=MMA)
     acc1 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
-    acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
+    if NG == 4:
+        acc2 = gl.zeros([16, 32], gl.float32, layout=MMA)
+        acc3 = gl.zeros([16, 32], gl.float32, layout=MMA)
     nl = gl.arange(0, BN, layout=NL8)
-    for i in range(n_tiles):
+    for i in range(C0, n_tiles, NC):
         s = i % RING
         ph = (i // RING) & 1
         n0 = start + i * BN
         # the words depend on the slots only: computed before the wait, under the TMA of this stage
         w0, w1, w2, w3 = G._dither_words(sk, cj, c2, c3k, k0, k1, BN, W_L, GEN, N_ROUNDS)
-        sk = G._slot(BT_row, n0 + BN + nk, end, PAGE)  # the next tile's slots (masked past the split)
+        if NG == 2:  # group 0: words 0 | 1, group 1: words 2 | 3
+            w0 = gl.where(lo4, w0, w1)
+            w1 = gl.where(lo4, w2, w3)
+        sk = G._slot(BT_row, n0 + NC * BN + nk, end, PAGE)  # this warpgroup's next tile's slots (masked past the split)
         mbarrier.wait(ready.index(s), ph)
         kb = k_bufs.index(s)
         vb = v_bufs.index(s)
         ks0 = s_bufs.index(s * 8 + 0).load(NL8).to(gl.float32)
         ks1 = s_bufs.index(s * 8 + 1).load(NL8).to(gl.float32)
-        ks2 = s_bufs.index(s * 8 + 2).load(NL8).to(gl.float32)
-        ks3 = s_bufs.index(s * 8 + 3).load(NL8).to(gl.float32)
+        if NG == 4:
+            ks2 = s_bufs.index(s * 8 + 2).load(NL8).to(gl.float32)
+            ks3 = s_bufs.index(s * 8 + 3).load(NL8).to(gl.float32)
         z = (_qk_group(kb, 0, w0, qa0, q10, ks0, BN, KB, KW, MMA, Z8, PRMT)
              + _qk_group(kb, 1, w1, qa1, q11, ks1, BN, KB, KW, MMA, Z8, PRMT))
-        z += (_qk_group(kb, 2, w2, qa2, q12, ks2, BN, KB, KW, MMA, Z8, PRMT)
-              + _qk_group(kb, 3, w3, qa3, q13, ks3, BN, KB, KW, MMA, Z8, PRMT))
+        if NG == 4:
+            z += (_qk_group(kb, 2, w2, qa2, q12, ks2, BN, KB, KW, MMA, Z8, PRMT)
+                  + _qk_group(kb, 3, w3, qa3, q13, ks3, BN, KB, KW, MMA, Z8, PRMT))
         if NOK > 0:  # the bypass: fp16 outliers [16 rows, BN] as the B operand, the query as hi + lo
             ko = o_bufs.index(s).load(KB)
             zo = mma_v2(qo_hi, ko, gl.zeros([16, BN], gl.float32, layout=MMA))
@@ -413,8 +448,11 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
         m_new = gl.maximum(m_i, gl.max(z, 1))
         p = G._ex2(z - m_new[:, None])
         if CERT:
-            var = ((ks0 * ks0)[None, :] * v0[:, None] + (ks1 * ks1)[None, :] * v1[:, None]) + (
-                (ks2 * ks2)[None, :] * v2[:, None] + (ks3 * ks3)[None, :] * v3[:, None])
+            if NG == 4:
+                var = ((ks0 * ks0)[None, :] * v0[:, None] + (ks1 * ks1)[None, :] * v1[:, None]) + (
+                    (ks2 * ks2)[None, :] * v2[:, None] + (ks3 * ks3)[None, :] * v3[:, None])
+            else:
+                var = (ks0 * ks0)[None, :] * v0[:, None] + (ks1 * ks1)[None, :] * v1[:, None]
             u = gl.sqrt(var) * radm_h[:, None]
             if NOK > 0:  # fp32 accumulation of exact products: its rounding is inside the (1 + 2^-8)
                 byp = mma_v2(qo_abs16, gl.abs(ko), gl.zeros([16, BN], gl.float32, layout=MMA))
@@ -437,18 +475,20 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
             p16 = gl.convert_layout(_pad16((p * 1024.0).to(gl.float16), BN), QA)
             acc0 = W._pv_fold(p16, s_bufs.index(s * 8 + 4), W._v_operand(vb, 0, KB, PRMT), acc0, alpha, KB)
             acc1 = W._pv_fold(p16, s_bufs.index(s * 8 + 5), W._v_operand(vb, 1, KB, PRMT), acc1, alpha, KB)
-            acc2 = W._pv_fold(p16, s_bufs.index(s * 8 + 6), W._v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
-            acc3 = W._pv_fold(p16, s_bufs.index(s * 8 + 7), W._v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
+            if NG == 4:
+                acc2 = W._pv_fold(p16, s_bufs.index(s * 8 + 6), W._v_operand(vb, 2, KB, PRMT), acc2, alpha, KB)
+                acc3 = W._pv_fold(p16, s_bufs.index(s * 8 + 7), W._v_operand(vb, 3, KB, PRMT), acc3, alpha, KB)
         else:
             pp = gl.convert_layout(_pad16(p * 1024.0, BN), QA)
             acc0 = _pv_exact(pp, s_bufs.index(s * 8 + 4).load(NA).to(gl.float32), W._v_operand(vb, 0, KB, PRMT),
                              acc0, alpha)
             acc1 = _pv_exact(pp, s_bufs.index(s * 8 + 5).load(NA).to(gl.float32), W._v_operand(vb, 1, KB, PRMT),
                              acc1, alpha)
-            acc2 = _pv_exact(pp, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32), W._v_operand(vb, 2, KB, PRMT),
-                             acc2, alpha)
-            acc3 = _pv_exact(pp, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32), W._v_operand(vb, 3, KB, PRMT),
-                             acc3, alpha)
+            if NG == 4:
+                acc2 = _pv_exact(pp, s_bufs.index(s * 8 + 6).load(NA).to(gl.float32),
+                                 W._v_operand(vb, 2, KB, PRMT), acc2, alpha)
+                acc3 = _pv_exact(pp, s_bufs.index(s * 8 + 7).load(NA).to(gl.float32),
+                                 W._v_operand(vb, 3, KB, PRMT), acc3, alpha)
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
 
@@ -458,14 +498,17 @@ def _consumer_cert(k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_
     inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
     lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_C, float("-inf"))
     sc = _pad16v(inv_l * (1.0 / 1024.0), HL)
+    if NC > 1:
+        split = split * NC + C0  # this warpgroup's state
     h = gl.arange(0, 16, layout=HL)
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, MMA))
     o_base = O_S + b * s_os_b + (kvh * GQA + h)[:, None] * s_os_h + split * s_os_s + c[None, :]
     hm = (h < GQA)[:, None]
     gl.store(o_base, acc0 * sc[:, None], mask=hm)
     gl.store(o_base + 32, acc1 * sc[:, None], mask=hm)
-    gl.store(o_base + 64, acc2 * sc[:, None], mask=hm)
-    gl.store(o_base + 96, acc3 * sc[:, None], mask=hm)
+    if NG == 4:
+        gl.store(o_base + 64, acc2 * sc[:, None], mask=hm)
+        gl.store(o_base + 96, acc3 * sc[:, None], mask=hm)
     h8 = gl.arange(0, 8, layout=H8L)
     l_off = b * s_ls_b + (kvh * GQA + h8) * s_ls_h + split
     gl.store(LSE_S + l_off, lse, mask=h8 < GQA)
@@ -488,9 +531,9 @@ def _wspec_cert_stage1(
     GQA: gl.constexpr, PAGE: gl.constexpr, BN: gl.constexpr, RBOX: gl.constexpr, RING: gl.constexpr,
     NW: gl.constexpr, PRODUCER_REGS: gl.constexpr, PRMT: gl.constexpr, CERT: gl.constexpr, CERT_B: gl.constexpr,
     NOK: gl.constexpr = 0, NOKP: gl.constexpr = 1, GEN: gl.constexpr = 0, N_ROUNDS: gl.constexpr = 10,
-    VFOLD: gl.constexpr = False,
+    VFOLD: gl.constexpr = False, D: gl.constexpr = 128, NC: gl.constexpr = 1, CONSUMER_REGS: gl.constexpr = 168,
 ):
-    D: gl.constexpr = 128
+    NG: gl.constexpr = D // 32  # groups of 32 channels: 4 at d = 128, 2 at d = 64
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -517,16 +560,33 @@ def _wspec_cert_stage1(
         mbarrier.init(ready.index(i), count=2)  # the producer's arrival and the TMA transaction
         mbarrier.init(empty.index(i), count=1)
 
-    gl.warp_specialize([
-        (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
-                          b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
-                          byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
-                          s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN, N_ROUNDS,
-                          VFOLD)),
-        (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
-                       start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True, NOK,
-                       NOKP)),
-    ], [1], [PRODUCER_REGS])
+    if NC == 2:  # ping-pong (WSpecCertConfig.consumers): two consumer warpgroups on alternate tiles
+        gl.warp_specialize([
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG, 0, 2)),
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG, 1, 2)),
+            (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True,
+                           NOK, NOKP, NG)),
+        ], [NW, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_cert, (k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, Q, BT_row, KOC_row, O_S, LSE_S, A_S, B_S,
+                              b, kvh, split, start, end, n_tiles, seq_len, sm_scale, log_2_over_delta, rad_extra,
+                              byp_rel, byp_abs, layer, seed_lo, seed_hi, s_qb, s_qh, s_os_b, s_os_h, s_os_s, s_ls_b,
+                              s_ls_h, KW, W_L, QB, Z8, F3, GQA, PAGE, BN, RING, NW, PRMT, CERT, CERT_B, NOK, GEN,
+                              N_ROUNDS, VFOLD, NG)),
+            (W._producer, (k_desc, v_desc, k_bufs, v_bufs, s_bufs, o_bufs, ready, empty, KS, VS, KO, BT_row, kvh,
+                           start, end, n_tiles, s_ks_n, s_vs_n, s_ko_n, s_ko_h, D, PAGE, BN, RBOX, RING, True, True,
+                           NOK, NOKP, NG)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,7 +596,7 @@ def _constexprs(pl: CertPlan, cfg: WSpecCertConfig, cert: bool, cert_b: bool) ->
     return dict(KW=lay["KW"], W_L=lay["W"], QB=lay["QB"], Z8=lay["Z8"], F3=lay["F3"], GQA=pl.gqa, PAGE=pl.block_size,
                 BN=cfg.block_n, RBOX=pl.box_rows, RING=cfg.ring, NW=4, PRODUCER_REGS=cfg.producer_regs, PRMT=cfg.prmt,
                 CERT=cert, CERT_B=cert and cert_b, NOK=pl.nok, NOKP=1 << max(0, pl.nok - 1).bit_length(),
-                VFOLD=cfg.pv == "fold")
+                VFOLD=cfg.pv == "fold", D=pl.d, NC=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: int, layer: int, seed: int,
@@ -558,7 +618,7 @@ def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: i
     kc, ks = _pages(k, block_size, "k_pool")
     vc, vs = _pages(v, block_size, "v_pool")
     kd, vd = descs if descs is not None else W.descriptors(kc, vc, pl.box_rows, cfg.swizzle)
-    B, hq, d, ns = pl.batch, pl.hq, pl.d, pl.num_splits
+    B, hq, d, ns = pl.batch, pl.hq, pl.d, pl.num_splits * cfg.consumers  # (ping-pong: a state per warpgroup)
     if out is None:
         o_s = torch.empty(B, hq, ns, d, dtype=torch.float32, device=q.device)
         lse_s = torch.empty(B, hq, ns, dtype=torch.float32, device=q.device)
@@ -567,8 +627,8 @@ def wspec_cert_stage1(q, k_pool, v_pool, block_table, seq_lens, *, block_size: i
     else:
         o_s, lse_s, a_s, b_s = out
     q = q.contiguous()
-    ks2 = ks.view(-1, pl.hkv * 4)
-    vs2 = vs.view(-1, pl.hkv * 4)
+    ks2 = ks.view(-1, pl.hkv * (d // GROUP))
+    vs2 = vs.view(-1, pl.hkv * (d // GROUP))
     ko = k.outliers if pl.nok else ks2  # placeholders where there are none (never read)
     koc = k.outlier_channels if pl.nok else block_table
     _wspec_cert_stage1[(B, pl.hkv, ns)](
@@ -597,17 +657,18 @@ def wspec_cert_reference(q, k_pool, v_pool, block_table, seq_lens, *, block_size
                          sm_scale: float | None = None, delta: float = 1e-2, v_dither: bool = False):
     """The float64 torch reference of the same request, validated as the kernel's (:func:`plan`):
     :func:`kvlib.kernels.int8.reference.decode_reference` with the h10/h8 rounding slack the kernel's radius
-    carries (``impl="h10"``, as the Gluon kernel's tests). A :class:`~kvlib.kernels.int8.request.DecodeOut`."""
+    carries (``kernel_rounding="h10"``: ``impl="h10"``'s, as the Gluon kernel's tests, also at d = 64, a shape the
+    Triton h10 kernel does not read). A :class:`~kvlib.kernels.int8.request.DecodeOut`."""
     from kvlib.kernels.int8.reference import decode_reference
 
     plan(q, k_pool, v_pool, block_table, seq_lens, block_size=block_size, layer=layer, seed=seed, sm_scale=sm_scale,
          delta=delta, v_dither=v_dither, num_splits=1)
     return decode_reference(q, k_pool, v_pool, None, seq_lens, layer=layer, seed=seed, sm_scale=sm_scale,
-                            delta=delta, impl="h10", block_table=block_table, block_size=block_size)
+                            delta=delta, kernel_rounding="h10", block_table=block_table, block_size=block_size)
 
 
 def compile_offline(config: WSpecCertConfig | None = None, *, gqa: int = 7, block_size: int = 16, nok: int = 0,
-                    cert: bool = True, cert_b: bool = True):
+                    cert: bool = True, cert_b: bool = True, d: int = 128):
     """Compile the kernel for sm_90 without a GPU (Triton's own ptxas): the compiled kernel (``asm`` holds the
     TTGIR/PTX/cubin). Raises the compiler's error where the kernel does not build (a layout conversion that is not
     a relabelling fails its ``assert_trivial`` here)."""
@@ -618,12 +679,14 @@ def compile_offline(config: WSpecCertConfig | None = None, *, gqa: int = 7, bloc
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config or WSpecCertConfig()
+    if d not in W.HEAD_DIMS:
+        raise ValueError(f"d must be one of {W.HEAD_DIMS}, got {d!r}")
     rbox = min(block_size, cfg.block_n)
-    desc = f"tensordesc<i8[{rbox}, 128],{W.smem_layout(rbox, 128, cfg.swizzle)!r}>"
+    desc = f"tensordesc<i8[{rbox}, {d}],{W.smem_layout(rbox, d, cfg.swizzle)!r}>"
     ptrs = {"Q": "*bf16", "k_desc": desc, "v_desc": desc, "KS": "*fp16", "VS": "*fp16", "BT": "*i32", "SEQ": "*i32",
             "O_S": "*fp32", "LSE_S": "*fp32", "A_S": "*fp32", "B_S": "*fp32", "KO": "*fp16", "KOC": "*i64"}
     floats = {"sm_scale", "log_2_over_delta", "rad_extra", "byp_rel", "byp_abs"}
-    pl = CertPlan(1, gqa, 1, gqa, 128, block_size, 1, 1, 1, rbox, nok, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+    pl = CertPlan(1, gqa, 1, gqa, d, block_size, 1, 1, 1, rbox, nok, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
     const = _constexprs(pl, cfg, cert, cert_b) | dict(GEN=0, N_ROUNDS=10)
     params = inspect.signature(_wspec_cert_stage1.fn).parameters
     sig = {n: ("constexpr" if n in const else ptrs.get(n) or ("fp32" if n in floats else "i32")) for n in params}
