@@ -143,14 +143,15 @@ class PartialCollector:
         rec.reprefill_tokens = sum(r.context for r in pending if r.tokens)
         eng.submit(pending)
         steps0, trace0, pre0 = eng.n_steps, len(eng.trace), len(eng.prefills)
-        complete = sum(g.complete for g in live)
-        while not self._stop(complete, live):
+        # complete groups by id: the responses of one group can end in the same step (count the group once)
+        complete = {g.gid for g in live if g.complete}
+        while not self._stop(len(complete), live):
             if eng.idle:
                 raise RuntimeError("the engine ran dry before the stop rule held")
             for r in eng.step():
                 gid = r.meta[0]
                 if self.groups[gid].complete:
-                    complete += 1
+                    complete.add(gid)
             if eng.n_steps - steps0 > max_steps:
                 raise RuntimeError(f"max_steps={max_steps} exceeded")
         # stop: in-flight responses keep their prefixes; the next interval re-queues them first
@@ -175,6 +176,74 @@ class PartialCollector:
         self.records.append(rec)
         self.update += 1
         return pick
+
+    def forget_trained(self) -> None:
+        """Drop the responses of trained groups (the learner has them): a long run then keeps only its live groups
+        in memory. The groups stay (as trained, complete placeholders), so group ids keep counting."""
+        for g in self.groups:
+            if g.trained_at is not None:
+                g.responses = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """What another process needs to continue this collector exactly (between intervals only): the update
+        index, every group's creation and training update, the live groups' responses (tokens, behaviour
+        log-probabilities, policy versions, counters), the interval records and the engine's policy version and
+        counters. ``new_problem`` must be a pure function of the group id: :meth:`load_state_dict` calls it again
+        for the live groups."""
+        from dataclasses import asdict
+
+        eng = self.engine
+        if eng.in_flight or eng.queue:
+            raise RuntimeError("state_dict: the engine must be empty (between collection intervals)")
+        live = []
+        for g in self.live:
+            live.append({"gid": g.gid, "created": g.created, "responses": [
+                {"rid": r.rid, "prompt_ids": list(r.prompt_ids), "max_new_tokens": r.max_new_tokens,
+                 "tokens": list(r.tokens), "logprobs": list(r.logprobs), "versions": list(r.versions),
+                 "finish": r.finish, "meta": list(r.meta) if isinstance(r.meta, tuple) else r.meta,
+                 "admissions": r.admissions, "preemptions": r.preemptions, "carried": r.carried,
+                 "prefill_sampled": list(r.prefill_sampled)} for r in g.responses]})
+        return {"T": self.T, "G": self.G, "beta": self.beta, "eta": self.eta, "synchronous": self.synchronous,
+                "max_new_tokens": self.max_new_tokens, "update": self.update,
+                "groups": [(g.gid, g.created, g.trained_at) for g in self.groups], "live": live,
+                "records": [asdict(r) for r in self.records],
+                "engine": {"version": eng.version, "n_steps": eng.n_steps, "interval": eng.interval,
+                           "admit_seq": eng._admit_seq}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (this collector must be fresh: no group yet, same T, G, beta, eta,
+        mode and token limit). Trained groups come back as complete placeholders (see :meth:`forget_trained`)."""
+        if self.groups or self.update:
+            raise RuntimeError("load_state_dict needs a fresh collector")
+        mine = {"T": self.T, "G": self.G, "beta": self.beta, "eta": self.eta, "synchronous": self.synchronous,
+                "max_new_tokens": self.max_new_tokens}
+        theirs = {k: state[k] for k in mine}
+        if theirs != mine:
+            raise ValueError(f"state: the collector was {theirs}, this one is {mine}")
+        live = {d["gid"]: d for d in state["live"]}
+        for gid, created, trained_at in state["groups"]:
+            if gid != len(self.groups):
+                raise ValueError(f"state: group ids must count from 0, got {gid} at {len(self.groups)}")
+            if gid not in live:
+                if trained_at is None:
+                    raise ValueError(f"state: group {gid} is untrained but has no responses")
+                self.groups.append(Group(gid, None, created, [], trained_at=trained_at))
+                continue
+            reqs = []
+            for d in live[gid]["responses"]:
+                meta = tuple(d["meta"]) if isinstance(d["meta"], list) else d["meta"]
+                reqs.append(Request(d["rid"], list(d["prompt_ids"]), d["max_new_tokens"], tokens=list(d["tokens"]),
+                                    logprobs=list(d["logprobs"]), versions=list(d["versions"]), finish=d["finish"],
+                                    meta=meta, admissions=d["admissions"], preemptions=d["preemptions"],
+                                    carried=d["carried"], prefill_sampled=list(d["prefill_sampled"])))
+            self.groups.append(Group(gid, self.new_problem(gid), created, reqs, trained_at=trained_at))
+        self.update = int(state["update"])
+        self.records = [IntervalRecord(**r) for r in state["records"]]
+        eng, e = self.engine, state["engine"]
+        if eng.in_flight or eng.queue or eng.n_steps:
+            raise RuntimeError("load_state_dict needs a fresh engine")
+        eng.version, eng.n_steps, eng.interval, eng._admit_seq = (int(e["version"]), int(e["n_steps"]),
+                                                                   int(e["interval"]), int(e["admit_seq"]))
 
     def check(self) -> None:
         """Every response of a live group has finished or is waiting with its prefix (none lost, none in the
