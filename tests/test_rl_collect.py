@@ -164,22 +164,24 @@ def test_a_group_whose_responses_end_in_one_step_counts_once():
 
 
 def test_state_dict_continues_the_collector_exactly():
-    """A collector rebuilt from state_dict() on a fresh engine (another process, after a checkpoint) hands over the
-    same groups, tokens and recorded log-probabilities as the one that kept going."""
+    """A collector rebuilt from dev.rlvr_async.collector_state() on a fresh engine (another process, after a
+    checkpoint) hands over the same groups, tokens and recorded log-probabilities as the one that kept going."""
+    from dev.rlvr_async import collector_state, forget_trained, restore_collector
+
     model = _tiny()
     a = _collector(model, beta=1.0, eta=2)
     for _ in range(2):
         a.collect()
-        a.forget_trained()
-    st = a.state_dict()
+        forget_trained(a)
+    st = collector_state(a)
     assert any(r["tokens"] and not r["finish"] for g in st["live"] for r in g["responses"])  # prefixes carried
     b = _collector(model, beta=1.0, eta=2)
-    b.load_state_dict(st)
+    restore_collector(b, st)
     b.check()
     for _ in range(3):
         assert _record(a.collect()) == _record(b.collect())
     assert [r.carried_requests for r in a.records] == [r.carried_requests for r in b.records]
     with pytest.raises(RuntimeError, match="fresh collector"):
-        b.load_state_dict(st)
+        restore_collector(b, st)
     with pytest.raises(ValueError, match="collector was"):
-        _collector(model, beta=2.0, eta=2).load_state_dict(st)
+        restore_collector(_collector(model, beta=2.0, eta=2), st)

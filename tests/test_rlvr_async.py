@@ -105,11 +105,13 @@ def test_plan_refuses_a_budget_that_cannot_hold_the_quota(tmp_path, capsys):
     assert "--min-in-flight=64" in capsys.readouterr().out
 
 
-def _fake(out, arm, seed, roll, full, acc, n=3, done=None):
+def _fake(out, arm, seed, roll, full, acc, n=3, done=None, held=512, in_flight=600.0, context=1100.0, acc0=0.1):
+    k = len(roll)
     rec = {"arm": arm, "seed": seed, "iterations_planned": n, "iterations_done": n if done is None else done,
-           "status": "complete", "eval": {"final": {"accuracy": acc}},
+           "status": "complete", "eval": {"final": {"accuracy": acc, "n": held}, "initial": {"accuracy": acc0}},
            "history": {"rollout_seconds": roll, "learner_seconds": [f - r for f, r in zip(full, roll)],
-                       "rest_seconds": [0.0] * len(roll), "iteration_seconds": full}}
+                       "rest_seconds": [0.0] * k, "iteration_seconds": full, "decode_calls": [10.0] * k,
+                       "in_flight_mean": [in_flight] * k, "context_mean": [context] * k}}
     (out / "rlvr_async").mkdir(parents=True, exist_ok=True)
     (out / "rlvr_async" / f"{arm}_seed{seed}.json").write_text(json.dumps(rec))
 
@@ -129,3 +131,39 @@ def test_summary_is_a_ratio_of_sums_over_the_same_iterations(tmp_path):
     assert k["minus_bf16_pp"]["diffs"] == pytest.approx([-10.0, 2.0])
     assert s["seeds"] == [0, 1] and s["incomplete"] == ["kv4rl s2 (1 it, complete)"]
     assert s["arms"]["bf16"]["share_rollout"] == pytest.approx(306.0 / 459.0)
+
+
+def _experiment(tmp_path, **kw):
+    g = torch.Generator().manual_seed(0)
+    for seed in range(8):
+        base = 0.5 + 0.05 * float(torch.rand((), generator=g))
+        _fake(tmp_path, "bf16", seed, [2.0] * 3, [4.0] * 3, base, **kw)
+        _fake(tmp_path, "kv4rl", seed, [1.0] * 3, [3.0] * 3, base + 0.01 * (seed % 3 - 1), **kw)
+        _fake(tmp_path, "kv4", seed, [0.9] * 3, [2.9] * 3, base - 0.10 - 0.01 * (seed % 2), **kw)
+    return ra.summarize(tmp_path)["measures"]
+
+
+def test_the_preregistered_rules_read_exactly_the_summary(tmp_path):
+    """The claims the issue-41 runs answer are in data/claims/rlvr.yml before any run (each says it needs them),
+    and the driver's summary gives each rule exactly the quantities it judges: on made-up runs that meet every rule
+    the verdicts are reproduced, and a regime the issue excludes (256 in flight) is not judged."""
+    from kvlib.publish.verdicts import decide, load_claims
+
+    claims = load_claims("rlvr")
+    m = _experiment(tmp_path / "a")
+    assert set(m) == set(ra.CLAIMS)
+    for cid in ra.CLAIMS:
+        rule = claims[cid]["rule"]
+        assert "rlvr_async" in rule["needs"], cid
+        verdict, why = decide(rule, m[cid]["measured"], m[cid]["n"], claim=cid, given=m[cid]["given"])
+        assert verdict == "reproduced", (cid, why)
+    assert m["kv4rl-rlvr-async-rollout-speedup"]["measured"] == pytest.approx((2.0, 2.0))
+    low = _experiment(tmp_path / "b", in_flight=256.0)
+    for cid in ("kv4rl-rlvr-async-rollout-speedup", "kv4rl-rlvr-full-iteration-speedup"):
+        verdict, why = decide(claims[cid]["rule"], low[cid]["measured"], low[cid]["n"], claim=cid,
+                              given=low[cid]["given"])
+        assert verdict == "not reproducible here" and "precondition" in why
+    few = _experiment(tmp_path / "c", held=32)  # the held-out set the current long task can give
+    cid = "kv4rl-rlvr-async-accuracy-parity"
+    assert "precondition" in decide(claims[cid]["rule"], few[cid]["measured"], few[cid]["n"], claim=cid,
+                                    given=few[cid]["given"])[1]
