@@ -84,7 +84,7 @@ RECORD_FIELDS = (
     "rollout_seconds", "learner_seconds", "rest_seconds", "iteration_seconds", "response_length_mean", "ref_kl_k3",
     "reward_mean", "tis_max", "stale_token_fraction", "policy_lag_max", "kv_resident_bytes_mean",
     "page_bytes_used_mean", "page_bytes_used_max", "in_flight_mean", "in_flight_max", "context_mean",
-    "decode_calls", "engine_fresh",
+    "end_context_mean", "decode_calls", "engine_fresh",
 )
 
 
@@ -396,6 +396,7 @@ class Run:
         eng, cuda = self.engine, self.args.device == "cuda"
         if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         m = async_grpo_iteration(self.policy, self.ref, self.opt, self.tok, self.collector, cfg=self.cfg,
                                  generator=self.gen, reward_fn=self.task.reward, pad_token_id=self.tok.pad_token_id
@@ -406,7 +407,10 @@ class Run:
         full = time.perf_counter() - t0
         rollout = self.collector.records[-1].seconds
         tr = eng.trace
+        u = self.collector.update - 1
+        ends = [r.context for g in self.collector.groups if g.trained_at == u for r in g.responses]
         m.update(rollout_seconds=rollout, rest_seconds=full - rollout - m["learner_seconds"], iteration_seconds=full,
+                 end_context_mean=sum(ends) / len(ends),
                  engine_fresh=float(self.fresh_engine), decode_calls=float(len(tr)),
                  max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB if cuda else 0.0)
         if tr:
@@ -684,6 +688,8 @@ def summarize(folder: str | Path, iterations: int | None = None) -> dict:
         row["learner_share_late"] = (sum(ok[(arm, s)]["history"]["learner_seconds"][i] for s in seeds for i in late)
                                      / max(sum(ok[(arm, s)]["history"]["iteration_seconds"][i] for s in seeds
                                                for i in late), 1e-300)) if seeds else math.nan
+        row["end_context_mean"] = float(np.mean([x for s in seeds for x in ok[(arm, s)]["history"]
+                                                 ["end_context_mean"][:N]])) if seeds else math.nan
         for k in ("in_flight_mean", "context_mean"):  # over every decode call of the run, seeds pooled
             calls = [(c, x) for s in seeds for c, x in zip(ok[(arm, s)]["history"]["decode_calls"][:N],
                                                              ok[(arm, s)]["history"][k][:N], strict=True)]
@@ -716,7 +722,7 @@ def claim_measures(s: dict, runs: dict) -> dict[str, dict]:
     arms, n = s["arms"], len(s["seeds"])
     b, r, k = arms.get("bf16", {}), arms.get("kv4rl", {}), arms.get("kv4", {})
     regime = {"bf16_in_flight_mean": b.get("in_flight_mean", math.nan),
-              "bf16_context_mean": b.get("context_mean", math.nan)}
+              "bf16_end_context_mean": b.get("end_context_mean", math.nan)}
     held = min((x["eval"]["final"].get("n", 0) for x in runs.values()), default=0)
     learned = {"heldout_problems": held, "bf16_heldout_gain_pp": b.get("heldout_gain_pp", math.nan)}
     ci = (lambda a: (a.get("minus_bf16_pp") or {}).get("ci95"))
@@ -824,12 +830,12 @@ def main(argv: list[str] | None = None) -> int:
     # what a worker process is started with: this call's arguments less the phase
     args.forward = argv[:argv.index(args.phase)] + argv[argv.index(args.phase) + 1:]
     if args.phase == "summary":
-        print(json.dumps(summarize(args.out, None), indent=1))
+        print(json.dumps(summarize(args.out, args.iterations), indent=1))
         return 0
     if args.phase == "plan":
         base, tok = load_base(args)
-        task = Task(args, tok)
         try:
+            task = Task(args, tok)
             plans(args, base.config, sum(p.numel() for p in base.parameters()), task.max_prompt())
         except ValueError as e:
             print(f"FAIL: {e}")

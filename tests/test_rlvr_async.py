@@ -111,7 +111,8 @@ def _fake(out, arm, seed, roll, full, acc, n=3, done=None, held=512, in_flight=6
            "status": "complete", "eval": {"final": {"accuracy": acc, "n": held}, "initial": {"accuracy": acc0}},
            "history": {"rollout_seconds": roll, "learner_seconds": [f - r for f, r in zip(full, roll)],
                        "rest_seconds": [0.0] * k, "iteration_seconds": full, "decode_calls": [10.0] * k,
-                       "in_flight_mean": [in_flight] * k, "context_mean": [context] * k}}
+                       "in_flight_mean": [in_flight] * k, "context_mean": [context - 200] * k,
+                       "end_context_mean": [context] * k}}
     (out / "rlvr_async").mkdir(parents=True, exist_ok=True)
     (out / "rlvr_async" / f"{arm}_seed{seed}.json").write_text(json.dumps(rec))
 
