@@ -461,6 +461,7 @@ class Run:
             sec = save_checkpoint(self.ckdir, policy=self.policy, opt=self.opt, gen=self.gen,
                                   rng=rng_state(self.args.device), rec=self.rec,
                                   extra={"collector": collector_state(self.collector)})
+            _write(self.ckdir / "record.json", self.rec)  # what every later call reports for this run
         _write(self.path, self.rec)
         return sec
 
@@ -629,6 +630,12 @@ def run_all(args: argparse.Namespace) -> int:
             tail = (Path(args.out) / "rlvr_async" / f"worker{i}.log").read_text().splitlines()[-4:]
             log(f"worker {i}: exit {rc}\n" + "\n".join(f"    {ln}" for ln in tail))
             left += rc if rc >= 0 else 99
+    # every run's record as of its last checkpoint (also those this call did not touch), so that each call's results
+    # and summary cover the whole experiment; iterations after a checkpoint are redone by the next call
+    for a, s in runs:
+        f = run_dir(args.ckpt_dir, a, s) / "record.json"
+        if f.is_file():
+            _write(Path(args.out) / "rlvr_async" / f"{a}_seed{s}.json", json.loads(f.read_text()))
     done = [m for m in (_meta(args, a, s) for a, s in runs)
             if m["status"] == "complete" and m["iterations_done"] == args.iterations]
     log(f"{len(done)} of {len(runs)} runs complete at iteration {args.iterations}")
