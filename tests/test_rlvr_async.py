@@ -80,6 +80,11 @@ def test_equal_iterations_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert set(plan["pools"]) == set(ARMS) and plan["provenance"]["commit"]
     assert plan["pools"]["kv4rl"]["kappa"] < plan["pools"]["bf16"]["kappa"]
     assert plan["pools"]["kv4rl"]["budget_bytes"] == plan["pools"]["bf16"]["budget_bytes"]  # one budget
+    # a later call with nothing left to do still reports every run (from its checkpoint), unchanged
+    assert ra.main(_args(tmp_path / "d", a_ck)) == 0
+    again = _records(tmp_path / "d")
+    assert all(again[k]["history"] == straight[k]["history"] and again[k]["eval"] == straight[k]["eval"]
+               for k in straight)
     s = ra.summarize(a_out)
     assert s["iterations"] == N and s["seeds"] == list(SEEDS) and not s["incomplete"]
     tot = sum(sum(straight[("bf16", x)]["history"]["rollout_seconds"]) for x in SEEDS)
