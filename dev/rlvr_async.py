@@ -535,8 +535,10 @@ def work(args: argparse.Namespace, runs: list[tuple[str, int]], deadline: float)
         if not todo:
             break
         arm, seed = min(todo, key=lambda r: (state[r]["iterations_done"], ARMS.index(r[0]), r[1]))
-        cap = args.chunk if args.segment_iterations is None else min(args.chunk, args.segment_iterations
-                                                                      - calls.get((arm, seed), 0))
+        # to the next multiple of --chunk: the runs of a worker stay within one chunk of each other, at milestones
+        cap = args.chunk - state[(arm, seed)]["iterations_done"] % args.chunk
+        if args.segment_iterations is not None:
+            cap = min(cap, args.segment_iterations - calls.get((arm, seed), 0))
         if cap <= 0:
             blocked.add((arm, seed))  # its --segment-iterations in this call are spent
             continue
@@ -546,7 +548,8 @@ def work(args: argparse.Namespace, runs: list[tuple[str, int]], deadline: float)
         n = 0
         while run.done < args.iterations and n < cap:
             est = 1.3 * (run.slowest or first_est)
-            if time.time() + est + ck_est + 2 > deadline:
+            milestone = args.eval_every and (run.done + 1) % args.eval_every == 0 and run.done + 1 < args.iterations
+            if time.time() + est + ck_est + (eval_est if milestone else 0) + 2 > deadline:
                 break
             m = run.iterate()
             n += 1
@@ -560,9 +563,8 @@ def work(args: argparse.Namespace, runs: list[tuple[str, int]], deadline: float)
                 ck_est = max(ck_est, 2 * run.save(started, checkpoint=True) + 1)
             else:
                 run.save(started, checkpoint=False)
-            if args.eval_every and run.done % args.eval_every == 0 and run.done < args.iterations:
-                if time.time() + eval_est < deadline:
-                    run.evaluate("curve")
+            if milestone:  # its time was reserved above
+                run.evaluate("curve")
         if run.done >= args.iterations and "final" not in run.rec["eval"] and time.time() + eval_est < deadline:
             ev = run.evaluate("final")
             log(f"{arm} seed {seed}: complete at iteration {run.done}; held-out {ev0['accuracy']:.3f} -> "
@@ -645,6 +647,15 @@ def run_all(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ summary
+def eval_at(rec: dict, n: int) -> dict | None:
+    """A run's held-out evaluation at iteration ``n``: its final one when it stopped there, else its milestone
+    evaluation at ``n`` (``--eval-every``), else None."""
+    ev = rec["eval"]
+    if rec["iterations_done"] == n and "final" in ev:
+        return ev["final"]
+    return next((e for e in ev.get("curve", []) if e["iteration"] == n), None)
+
+
 def summarize(folder: str | Path, iterations: int | None = None) -> dict:
     """The measures of the pre-registered rules from the run records in ``folder`` (``DIR/rlvr_async/*.json`` or
     the folder itself): per arm, cumulative rollout / learner / rest / full-iteration seconds summed over
@@ -660,8 +671,8 @@ def summarize(folder: str | Path, iterations: int | None = None) -> dict:
     recs = [json.loads(p.read_text()) for p in sorted(f.glob("*_seed*.json"))]
     runs = {(r["arm"], r["seed"]): r for r in recs}
     N = iterations or min((r["iterations_planned"] for r in recs), default=0)
-    ok = {k: r for k, r in runs.items() if r["iterations_done"] >= N and "final" in r["eval"]
-          and r["iterations_done"] == N}
+    evals = {k: e for k, r in runs.items() if (e := eval_at(r, N)) is not None}
+    ok = {k: r for k, r in runs.items() if r["iterations_done"] >= N and k in evals}
     arms = [a for a in ARMS if any(k[0] == a for k in ok)]
     seeds = sorted(set.intersection(*[{s for (a, s) in ok if a == arm} for arm in arms])) if arms else []
     keys = ("rollout_seconds", "learner_seconds", "rest_seconds", "iteration_seconds")
@@ -675,7 +686,7 @@ def summarize(folder: str | Path, iterations: int | None = None) -> dict:
         row: dict[str, Any] = {f"cumulative_{k}": v for k, v in tot.items()}
         row.update({f"share_{k.split('_')[0]}": tot[k] / tot["iteration_seconds"] for k in keys[:3]}
                    if tot["iteration_seconds"] else {})
-        acc = {s: 100 * ok[(arm, s)]["eval"]["final"]["accuracy"] for s in seeds}
+        acc = {s: 100 * evals[(arm, s)]["accuracy"] for s in seeds}
         row["heldout_accuracy_pp"] = acc
         row["ckv"] = {s: ok[(arm, s)]["ckv"]["c_kv"] for s in seeds if "ckv" in ok[(arm, s)]}
         if "bf16" in per and arm != "bf16" and seeds:
@@ -685,7 +696,7 @@ def summarize(folder: str | Path, iterations: int | None = None) -> dict:
                 row[f"{name}_speedup"] = float(b.sum() / a.sum())
                 bs = b[boot].sum(1) / a[boot].sum(1)
                 row[f"{name}_speedup_ci95"] = (float(np.quantile(bs, 0.025)), float(np.quantile(bs, 0.975)))
-            d = np.array([acc[s] - 100 * ok[("bf16", s)]["eval"]["final"]["accuracy"] for s in seeds])
+            d = np.array([acc[s] - 100 * evals[("bf16", s)]["accuracy"] for s in seeds])
             row["minus_bf16_pp"] = {"diffs": d.tolist(), "mean": float(d.mean())}
             if len(d) >= 2:
                 ci = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=d.std(ddof=1) / math.sqrt(len(d))) \
@@ -713,7 +724,7 @@ def summarize(folder: str | Path, iterations: int | None = None) -> dict:
             (d.mean(), d.mean())
         out["kv4_minus_kv4rl_pp"] = {"diffs": d.tolist(), "mean": float(d.mean()), "ci95": (float(ci[0]),
                                                                                            float(ci[1]))}
-    out["measures"] = claim_measures(out, ok)
+    out["measures"] = claim_measures(out, {k: evals[k] for k in ok})
     return out
 
 
@@ -723,14 +734,15 @@ CLAIMS = ("kv4rl-rlvr-async-rollout-speedup", "kv4rl-rlvr-full-iteration-speedup
           "kv4rl-rlvr-async-accuracy-parity", "kv4rl-rlvr-async-kv4-deficit")
 
 
-def claim_measures(s: dict, runs: dict) -> dict[str, dict]:
+def claim_measures(s: dict, evals: dict) -> dict[str, dict]:
     """``{claim id: {"measured", "n", "given"}}`` for :func:`kvlib.publish.verdicts.judge`, from :func:`summarize`'s
-    numbers; ``measured`` None where an arm is missing (the verdict then says not measured)."""
+    numbers and the evaluations at N of the runs it compared; ``measured`` None where an arm is missing (the verdict
+    then says not measured)."""
     arms, n = s["arms"], len(s["seeds"])
     b, r, k = arms.get("bf16", {}), arms.get("kv4rl", {}), arms.get("kv4", {})
     regime = {"bf16_in_flight_mean": b.get("in_flight_mean", math.nan),
               "bf16_end_context_mean": b.get("end_context_mean", math.nan)}
-    held = min((x["eval"]["final"].get("n", 0) for x in runs.values()), default=0)
+    held = min((e.get("n", 0) for e in evals.values()), default=0)
     learned = {"heldout_problems": held, "bf16_heldout_gain_pp": b.get("heldout_gain_pp", math.nan)}
     ci = (lambda a: (a.get("minus_bf16_pp") or {}).get("ci95"))
     return {

@@ -23,7 +23,7 @@ def _args(out, ck, *extra):
             "--slots", "8", "--staging", "2", "--prefill-tokens", "512", "--min-in-flight", "4", "--micro-batch", "4",
             "--score-micro-batch", "8", "--shots", "0", "--difficulty", '{"min_steps": 2, "max_steps": 2}',
             "--train-pool", "16", "--heldout", "2", "--eval-batch", "4", "--first-iteration-s", "5", "--chunk", "10",
-            "--ckpt-every", "10", "--ckv-updates", "1", "--ckv-seeds", "0", "--lr", "1e-2", "--device-gib", "8",
+            "--ckpt-every", "10", "--eval-every", "1", "--ckv-updates", "1", "--ckv-seeds", "0", "--lr", "1e-2", "--device-gib", "8",
             "--out", str(out), "--ckpt-dir", str(ck), *extra]
 
 
@@ -89,6 +89,13 @@ def test_equal_iterations_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert s["iterations"] == N and s["seeds"] == list(SEEDS) and not s["incomplete"]
     tot = sum(sum(straight[("bf16", x)]["history"]["rollout_seconds"]) for x in SEEDS)
     assert s["arms"]["bf16"]["cumulative_rollout_seconds"] == pytest.approx(tot, rel=1e-12)
+    # should the device time end first: the comparison at a milestone every run passed, evaluated there
+    assert all(r["eval"]["curve"][0]["iteration"] == 1 and r["eval"]["curve"][0]["n"] == 2 for r in straight.values())
+    m = ra.summarize(a_out, 1)
+    assert m["iterations"] == 1 and m["seeds"] == list(SEEDS)
+    assert m["arms"]["kv4rl"]["heldout_accuracy_pp"][0] == 100 * straight[("kv4rl", 0)]["eval"]["curve"][0]["accuracy"]
+    assert m["arms"]["bf16"]["cumulative_iteration_seconds"] == pytest.approx(
+        sum(straight[("bf16", x)]["history"]["iteration_seconds"][0] for x in SEEDS), rel=1e-12)
 
 
 def test_plan_refuses_a_budget_that_cannot_hold_the_quota(tmp_path, capsys):
