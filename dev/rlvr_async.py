@@ -330,7 +330,7 @@ class Run:
         self.ckdir = run_dir(args.ckpt_dir, arm, seed)
         self.path = Path(args.out) / "rlvr_async" / f"{arm}_seed{seed}.json"
         pool = plan["pool_plans"][arm]
-        self.kappa = pool.kappa
+        self.pool, self.kappa = pool, pool.kappa
         self.engine = ContinuousEngine(self.roll16, pool, eos_token_id=tok.eos_token_id, seed=seed,
                                        prefill_tokens=args.prefill_tokens)
         self.collector = PartialCollector(self.engine, task.stream(seed), task.prompt_ids, T=args.T, G=args.G,
@@ -452,7 +452,14 @@ class Run:
             self.rec["eval"]["curve"].append({"iteration": self.done, **ev})
         return ev
 
-    def save(self, started: _dt.datetime, checkpoint: bool) -> float:
+    def free_engine(self) -> None:
+        """Release the engine (and its KV pool) once the run is complete and checkpointed."""
+        self.collector = self.engine = None
+        gc.collect()
+        if self.args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def save(self, started: _dt.datetime, checkpoint: bool, record: bool = False) -> float:
         from kvlib.publish.provenance import provenance
 
         self.rec["provenance"] = provenance({k: v for k, v in vars(self.args).items() if k != "arm_list"}, started)
@@ -462,6 +469,8 @@ class Run:
                                   rng=rng_state(self.args.device), rec=self.rec,
                                   extra={"collector": collector_state(self.collector)})
             _write(self.ckdir / "record.json", self.rec)  # what every later call reports for this run
+        if record:
+            _write(self.ckdir / "record.json", self.rec)
         _write(self.path, self.rec)
         return sec
 
@@ -474,11 +483,13 @@ class Run:
         a = self.args
         out = {}
         for name, sync in (("async", False), ("sync", True)):
-            col = collect_frozen(self.roll16, self.engine.plan, self.task.stream(10_000 + self.seed),
+            col = collect_frozen(self.roll16, self.pool, self.task.stream(10_000 + self.seed),
                                  self.task.prompt_ids, eos_token_id=self.tok.eos_token_id, T=a.T, G=a.G,
                                  max_new_tokens=a.max_new_tokens, updates=a.ckv_updates, synchronous=sync, beta=a.beta,
                                  eta=a.eta, seed=self.seed, prefill_tokens=a.prefill_tokens)
             out[name] = col.engine.trace
+            del col
+            gc.collect()
         warm = 1 if a.ckv_updates > 2 else 0
         r = concentration_ratio(out["async"], out["sync"], warmup=warm)
         r.update({f"{k}_summary": trace_summary(v, warmup=warm, kappa=self.kappa) for k, v in out.items()},
@@ -569,15 +580,21 @@ def work(args: argparse.Namespace, runs: list[tuple[str, int]], deadline: float)
             ev = run.evaluate("final")
             log(f"{arm} seed {seed}: complete at iteration {run.done}; held-out {ev0['accuracy']:.3f} -> "
                 f"{ev['accuracy']:.3f}")
-            if args.ckv_updates and seed in args.ckv_seed_list and time.time() + 4 * (run.slowest or 0) * \
-                    args.ckv_updates < deadline:
-                run.rec["ckv"] = run.measure_ckv()
-                log(f"{arm} seed {seed}: C_KV {run.rec['ckv']['c_kv']:.3f} {run.rec['ckv']['c_kv_ci']}")
         run.rec["status"] = "complete" if "final" in run.rec["eval"] else (
             "evaluating" if run.done >= args.iterations else "running")
         ck_sec = run.save(started, checkpoint=True)
         seg["checkpoint_seconds"] = ck_sec
         run.save(started, checkpoint=False)
+        if run.rec["status"] == "complete" and "ckv" not in run.rec and args.ckv_updates and \
+                seed in args.ckv_seed_list:
+            # two collections per interval at most, each about one rollout
+            if time.time() + 2.6 * max(run.rec["history"]["rollout_seconds"]) * args.ckv_updates + 5 < deadline:
+                run.free_engine()  # its pool: the measurement allocates its own, one schedule at a time
+                run.rec["ckv"] = run.measure_ckv()
+                run.save(started, checkpoint=False, record=True)
+                log(f"{arm} seed {seed}: C_KV {run.rec['ckv']['c_kv']:.3f} {run.rec['ckv']['c_kv_ci']}")
+            else:
+                log(f"{arm} seed {seed}: no time left for the C_KV measurement in this call (not repeated later)")
         state[(arm, seed)] = {"status": run.rec["status"], "iterations_done": run.done}
         calls[(arm, seed)] = calls.get((arm, seed), 0) + n
         if n == 0 and run.rec["status"] != "complete":
