@@ -22,16 +22,22 @@ Phases:
   tests/test_rlvr_async.py). A run that reached the target gets its final held-out evaluation (the next call does
   it when no time is left). With ``--gpus K`` (K > 1) one worker process per GPU takes the seeds ``s % K == i``, all
   arms of a seed on one GPU, each run alone on its GPU while it iterates; within a worker the unfinished run with
-  the fewest iterations goes next, ``--chunk`` iterations at a time.
+  the fewest iterations goes next, up to the next multiple of ``--chunk``, so a worker's runs stay within a chunk of
+  each other. Every ``--eval-every`` iterations (a milestone) a run is evaluated, its time reserved before the
+  iteration that reaches it: should the device time end before every run reaches the target, the arms are compared
+  at the last milestone every run passed (the fallback stated with the rules). Each call writes every run's record as
+  of its last checkpoint (``record.json`` beside ``state.pt``) into ``--out``, also runs it did not touch.
 * ``summary``: the per-run records in ``--out`` turned into the measures the pre-registered rules judge
   (data/claims/rlvr.yml, ``kv4rl-rlvr-async-*``): cumulative rollout and full-iteration time summed over the same
   iterations and seeds (not a mean of ratios), the iteration-time breakdown, per-seed held-out accuracy at the
   target and its paired differences with t intervals.
 
 Per iteration the record (``history``) holds: ``rollout_seconds`` (the collection interval, engine steps synced),
-``learner_seconds`` (pi_ref scoring, the update), ``rest_seconds`` (the iteration's wall minus both: batching the
-groups, rewards, the weight push), ``iteration_seconds``, ``response_length_mean``, ``ref_kl_k3``, the reward, TIS
-and staleness statistics of :func:`kvlib.rl.collect.async_grpo_iteration`, and from the engine trace of the interval
+``learner_seconds`` (pi_ref scoring, the update, the weight push to the rollout copy, as in :mod:`kvlib.rl.loop`),
+``rest_seconds`` (the iteration's wall minus both: the groups made a batch, rewards, advantages, staleness
+statistics), ``iteration_seconds``, ``end_context_mean`` (prompt + response tokens of the trained responses),
+``response_length_mean``, ``ref_kl_k3``, the reward, TIS and staleness statistics of
+:func:`kvlib.rl.collect.async_grpo_iteration`, and from the engine trace of the interval
 (:func:`kvlib.rollout.engine_trace.trace_summary`): mean active batch, mean and max in flight, mean context per
 occupied slot-step, the resident KV bytes per decode call (``kappa`` x context, mean) and the page bytes in use (mean
 and max). C_KV = V_async / V_sync needs a synchronous counterpart, so it is measured after the target iteration

@@ -23,8 +23,8 @@ def _args(out, ck, *extra):
             "--slots", "8", "--staging", "2", "--prefill-tokens", "512", "--min-in-flight", "4", "--micro-batch", "4",
             "--score-micro-batch", "8", "--shots", "0", "--difficulty", '{"min_steps": 2, "max_steps": 2}',
             "--train-pool", "16", "--heldout", "2", "--eval-batch", "4", "--first-iteration-s", "5", "--chunk", "10",
-            "--ckpt-every", "10", "--eval-every", "1", "--ckv-updates", "1", "--ckv-seeds", "0", "--lr", "1e-2", "--device-gib", "8",
-            "--out", str(out), "--ckpt-dir", str(ck), *extra]
+            "--ckpt-every", "10", "--eval-every", "1", "--ckv-updates", "1", "--ckv-seeds", "0", "--lr", "1e-2",
+            "--device-gib", "8", "--out", str(out), "--ckpt-dir", str(ck), *extra]
 
 
 def _records(out):
