@@ -838,7 +838,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--exit-grace-s", type=float, default=20.0)
     ap.add_argument("--first-iteration-s", type=float, default=30.0, help="expected time of a run's first iteration")
     ap.add_argument("--chunk", type=int, default=25, help="iterations of one run before the next run's turn")
-    ap.add_argument("--ckpt-every", type=int, default=5)
+    ap.add_argument("--ckpt-every", type=int, default=10, help="also at every stop (a SmolLM2 checkpoint is ~1.6 GB)")
     ap.add_argument("--segment-iterations", type=_none_or(int), default=None,
                     help="at most this many iterations per run in this call (tests; a later call continues)")
     ap.add_argument("--gpus", type=int, default=1, help="worker processes, one per GPU")
