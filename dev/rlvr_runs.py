@@ -304,15 +304,16 @@ def set_rng_state(st: dict, device: str) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(d: Path, *, policy: Any, opt: Any, gen: torch.Generator, rng: dict, rec: dict) -> float:
-    """Write ``d/state.pt`` (weights, optimizer, RNGs, the run record) and ``d/meta.json`` atomically
-    (temporary file + ``os.replace``: a kill mid-write leaves the previous checkpoint); returns seconds."""
+def save_checkpoint(d: Path, *, policy: Any, opt: Any, gen: torch.Generator, rng: dict, rec: dict,
+                    extra: dict | None = None) -> float:
+    """Write ``d/state.pt`` (weights, optimizer, RNGs, the run record, ``extra`` entries) and ``d/meta.json``
+    atomically (temporary file + ``os.replace``: a kill mid-write leaves the previous checkpoint); returns seconds."""
     from kvlib.publish.provenance import _jsonable
 
     t0 = time.time()
     d.mkdir(parents=True, exist_ok=True)
     state = {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(), "rng": rng,
-             "iterations_done": rec["iterations_done"], "record": json.dumps(_jsonable(rec))}
+             "iterations_done": rec["iterations_done"], "record": json.dumps(_jsonable(rec)), **(extra or {})}
     tmp = d / (CKPT_STATE + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, d / CKPT_STATE)

@@ -146,3 +146,42 @@ def test_collector_refuses_bad_arguments():
         PartialCollector(eng, lambda g: [3], lambda p: p, T=0, G=2, max_new_tokens=4)
     with pytest.raises(TypeError, match="engine"):
         PartialCollector(object(), lambda g: [3], lambda p: p, T=1, G=2, max_new_tokens=4)
+
+
+def test_a_group_whose_responses_end_in_one_step_counts_once():
+    """Every response hits its token limit in the same decode step (equal prompts, one admission step): the stop
+    rule must count each completed group once, so an interval still hands over T groups."""
+    model = _tiny()
+    # two staging rows: one group admitted per step, so a group ends while later ones still decode
+    plan = plan_pool("fp32", model.config, budget_bytes=4_000_000, slots=8, staging=2, max_context=80, block_size=8)
+    eng = ContinuousEngine(model, plan, eos_token_id=EOS, seed=5, prefill_tokens=512)
+    same = [[5, 6, 7, 8]] * 50
+    col = PartialCollector(eng, lambda gid: same[gid], lambda p: p, T=2, G=2, max_new_tokens=3, beta=1.0, eta=3)
+    for _ in range(3):
+        groups = col.collect()
+        assert len(groups) == 2 and all(g.complete for g in groups)
+        col.check()
+
+
+def test_state_dict_continues_the_collector_exactly():
+    """A collector rebuilt from dev.rlvr_async.collector_state() on a fresh engine (another process, after a
+    checkpoint) hands over the same groups, tokens and recorded log-probabilities as the one that kept going."""
+    from dev.rlvr_async import collector_state, forget_trained, restore_collector
+
+    model = _tiny()
+    a = _collector(model, beta=1.0, eta=2)
+    for _ in range(2):
+        a.collect()
+        forget_trained(a)
+    st = collector_state(a)
+    assert any(r["tokens"] and not r["finish"] for g in st["live"] for r in g["responses"])  # prefixes carried
+    b = _collector(model, beta=1.0, eta=2)
+    restore_collector(b, st)
+    b.check()
+    for _ in range(3):
+        assert _record(a.collect()) == _record(b.collect())
+    assert [r.carried_requests for r in a.records] == [r.carried_requests for r in b.records]
+    with pytest.raises(RuntimeError, match="fresh collector"):
+        restore_collector(b, st)
+    with pytest.raises(ValueError, match="collector was"):
+        restore_collector(_collector(model, beta=2.0, eta=2), st)

@@ -143,14 +143,15 @@ class PartialCollector:
         rec.reprefill_tokens = sum(r.context for r in pending if r.tokens)
         eng.submit(pending)
         steps0, trace0, pre0 = eng.n_steps, len(eng.trace), len(eng.prefills)
-        complete = sum(g.complete for g in live)
-        while not self._stop(complete, live):
+        # complete groups by id: the responses of one group can end in the same step (count the group once)
+        complete = {g.gid for g in live if g.complete}
+        while not self._stop(len(complete), live):
             if eng.idle:
                 raise RuntimeError("the engine ran dry before the stop rule held")
             for r in eng.step():
                 gid = r.meta[0]
                 if self.groups[gid].complete:
-                    complete += 1
+                    complete.add(gid)
             if eng.n_steps - steps0 > max_steps:
                 raise RuntimeError(f"max_steps={max_steps} exceeded")
         # stop: in-flight responses keep their prefixes; the next interval re-queues them first
