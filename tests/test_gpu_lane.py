@@ -48,3 +48,45 @@ def test_lane_refuses_without_cuda():
     r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "test-gpu: FAIL: no CUDA device" in r.stderr + r.stdout
+
+
+def _lane_files() -> list[str]:
+    import glob
+
+    m = re.search(r"^TESTS=\((.*?)\)", SCRIPT.read_text(), re.M | re.S)
+    return sorted({f for pat in m.group(1).split() for f in glob.glob(pat, root_dir=ROOT)})
+
+
+def test_shards_partition_the_lane():
+    """TEST_GPU_SHARD=k/n: shards 1..n together hold every lane file exactly once (so running them all runs the
+    lane whole), none is empty at n = 2 or 3, and a malformed spec is refused naming the variable."""
+    sys.path.insert(0, str(ROOT / "dev" / "gpu"))
+    try:
+        import shard
+    finally:
+        sys.path.pop(0)
+    files = _lane_files()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for n in (1, 2, 3):
+            groups = shard.shards(files, n)
+            flat = [f for g in groups for f in g]
+            assert sorted(flat) == files and len(flat) == len(set(flat)) and all(groups)
+            assert groups == shard.shards(list(reversed(files)), n)  # deterministic, whatever the order given
+    finally:
+        os.chdir(cwd)
+    for bad in ("2", "0/2", "3/2", "a/b"):
+        with pytest.raises(ValueError, match="TEST_GPU_SHARD"):
+            shard.parse(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is what a machine without CUDA sees")
+def test_a_shard_names_its_files_then_refuses_without_cuda():
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHON": sys.executable, "TEST_GPU_SHARD": "2/2"}
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "test-gpu: FAIL: no CUDA device" in r.stderr + r.stdout
+    assert "test-gpu: shard 2/2: tests/" in r.stdout
+    bad = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env | {"TEST_GPU_SHARD": "3/2"}, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "TEST_GPU_SHARD must have 1 <= k <= n" in bad.stderr

@@ -26,6 +26,18 @@ TESTS=(tests/test_decode_*.py tests/test_dither*.py tests/test_kv4_kernels.py te
        tests/test_gate_fixed.py tests/test_wspec*.py tests/test_dispatch_wspec.py tests/test_reference_speedups.py
        tests/test_rl_continuous.py tests/test_bench_kv_vs_weight.py)
 
+# TEST_GPU_SHARD=k/n runs the k-th of n shards of those files (dev/gpu/shard.py, balanced by size): when the whole
+# lane does not fit one device call, shards 1..n in consecutive calls on the same machine run it whole
+SHARD=${TEST_GPU_SHARD:-}
+tag=""
+if [ -n "$SHARD" ]; then
+  "$PY" dev/gpu/shard.py "$SHARD" > /dev/null || exit 2  # a malformed k/n says so and stops here
+  mapfile -t TESTS < <("$PY" dev/gpu/shard.py "$SHARD" "${TESTS[@]}")
+  [ "${#TESTS[@]}" -gt 0 ] || { echo "test-gpu: FAIL: shard $SHARD holds no test file" >&2; exit 2; }
+  tag="-shard${SHARD//\//of}"
+  echo "test-gpu: shard $SHARD: ${TESTS[*]}"
+fi
+
 unset TRITON_INTERPRET  # tests/conftest.py sets it only where CUDA is absent; an inherited 1 would hide the GPU
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # absolute: tests that chdir keep it
 
@@ -68,14 +80,15 @@ ${tmo[@]+"${tmo[@]}"} "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not gpu"
     --junitxml="$junit" ${par[@]+"${par[@]}"} "${TESTS[@]}" "$@"
 rc=$?
 
-"$PY" - "$junit" "$rc" "$LIMIT" "${OUT:-}" <<'EOF'
+"$PY" - "$junit" "$rc" "$LIMIT" "${OUT:-}" "$tag" "$SHARD" <<'EOF'
 import json
 import os
 import sys
 import xml.etree.ElementTree as ET
 
-junit, rc, limit, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-res = {"returncode": rc, "timed_out": rc == 124, "limit_s": float(limit), "failed": {}, "skipped": {}}
+junit, rc, limit, out, tag, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+res = {"returncode": rc, "timed_out": rc == 124, "limit_s": float(limit), "shard": shard or None, "failed": {},
+       "skipped": {}}
 try:
     cases = list(ET.parse(junit).getroot().iter("testcase"))
 except (OSError, ET.ParseError) as e:
@@ -94,14 +107,15 @@ verdict = "TIMEOUT" if rc == 124 else ("PASS" if rc == 0 and not res["failed"] e
 res["verdict"] = verdict
 if out:
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "test-gpu.json"), "w") as f:
+    with open(os.path.join(out, f"test-gpu{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    with open(junit, "rb") as src, open(os.path.join(out, "test-gpu.xml"), "wb") as dst:
+    with open(junit, "rb") as src, open(os.path.join(out, f"test-gpu{tag}.xml"), "wb") as dst:
         dst.write(src.read())
 for tid, msg in res["failed"].items():
     print(f"test-gpu: failed {tid}: {msg}")
 extra = f" (stopped at {limit} s; TEST_GPU_TIMEOUT_S=0 for no limit)" if rc == 124 else ""
-print(f"test-gpu: {verdict}: {res['passed']} passed, {len(res['failed'])} failed, {len(res['skipped'])} skipped "
+where = f" shard {shard}" if shard else ""
+print(f"test-gpu{where}: {verdict}: {res['passed']} passed, {len(res['failed'])} failed, {len(res['skipped'])} skipped "
       f"of {res['total']}{extra}")
 EOF
 rm -f "$junit"
