@@ -12,7 +12,8 @@ batches of ``--static-batch``) and each row says which engine sampled it.
 
 Per candidate: ``--questions`` held-out questions (problem seed 1: the first ones of ``dev.rlvr_async``'s held-out
 set; all of them, with more samples each, when the setting holds fewer) x ``--samples`` responses, at least
-``--min-n``; accuracy (exact match of the last box) with its Wilson 95% interval and the 95% interval of a
+``--min-n`` (defaults 128 x 4 = 512), at most ``--max-new-tokens`` (512, as the runs); accuracy (exact match of
+the last box) with its Wilson 95% interval and the 95% interval of a
 question-clustered bootstrap (both from :mod:`dev.calibrate_long`); mean sampled response tokens (EOS included),
 the fraction cut at ``--max-new-tokens``, prompt tokens, the mean context at response end (prompt + response),
 the tokens of a correct response (the worked solution after the anchor, EOS included), per-step accuracy
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import itertools
 import json
 import math
@@ -246,6 +248,9 @@ class Sampler:
                 self.error = f"{type(e).__name__}: {str(e)[:400]}"
                 print(f"continuous engine failed ({self.error}); static engine from here", file=sys.stderr, flush=True)
                 self.engine_name, self.engine = "static", None
+                gc.collect()  # the engine's pool is freed by the cyclic collector (kvlib.rl.engine)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         return self._static(prompts)
 
     def _continuous(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool], dict]:
@@ -328,6 +333,7 @@ def measure(cand: dict[str, Any], space: dict[str, Any], tok: Any, sampler: Samp
             "prompt_tokens_mean": sum(map(len, ids)) / len(ids), "prompt_tokens_max": max(map(len, ids)),
             "end_context_mean": sum(x["ctx"] for x in res) / n, "end_context_max": max(x["ctx"] for x in res),
             "solution_tokens_mean": sum(sol) / len(sol), "solution_tokens_max": max(sol),
+            "solution_fits": max(sol) <= args.max_new_tokens,
             "step_accuracy": step_rate, "step_accuracy_pow_mean_steps":
                 step_rate ** (sum(x["steps"] for x in res) / n),
             "seconds": seconds, "sampled_tokens_per_second": sum(x["len"] for x in res) / max(seconds, 1e-9),
@@ -413,16 +419,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny random Llama and TINY_GRID (CPU wiring check)")
     ap.add_argument("--only", nargs="+", default=None, help="measure only candidates whose name contains one of these")
-    ap.add_argument("--questions", type=int, default=64, help="held-out questions per candidate")
+    ap.add_argument("--questions", type=int, default=128, help="held-out questions per candidate")
     ap.add_argument("--samples", type=int, default=4, help="responses per question (raised to reach --min-n)")
     ap.add_argument("--min-n", type=int, default=256, help="responses per candidate at least")
-    ap.add_argument("--max-new-tokens", type=int, default=768)
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="the response cap (dev.rlvr_async's default)")
     ap.add_argument("--seed", type=int, default=0, help="sampler seed")
     ap.add_argument("--engine", choices=("continuous", "static"), default="continuous")
-    ap.add_argument("--kv-budget-gib", type=float, default=24.0, help="the continuous engine's bf16 page pool")
+    ap.add_argument("--kv-budget-gib", type=float, default=40.0, help="the continuous engine's bf16 page pool")
     ap.add_argument("--slots", type=int, default=512)
     ap.add_argument("--staging", type=int, default=64)
-    ap.add_argument("--prefill-tokens", type=int, default=32768)
+    ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--static-batch", type=int, default=256)
     ap.add_argument("--deadline-s", type=float, default=480.0, help="no candidate starts unless it fits before this")
     ap.add_argument("--first-candidate-s", type=float, default=60.0, help="expected time of the first candidate")
