@@ -19,7 +19,9 @@ the fraction cut at ``--max-new-tokens``, prompt tokens, the mean context at res
 the tokens of a correct response (the worked solution after the anchor, EOS included), per-step accuracy
 (:func:`kvlib.rl.longtask.step_accuracy`), the number of distinct held-out questions the setting's space holds
 (:func:`question_space`: counted exactly by enumeration where the space is small, else a lower bound proven by
-drawing that many distinct held-out questions), three example responses and the first correct one.
+drawing that many distinct held-out questions), three example responses and the first correct one. Beside them,
+for information only (the rule reads temperature 1): one greedy response per question (``dev.rlvr_async``'s
+evaluator decodes greedily), its accuracy and length.
 
 The selection (:func:`select`, rule :data:`RULE`) runs on the rows and is written with them. One JSON with the
 project's provenance envelope, rewritten (atomically) after every candidate, so a call cut short keeps what it
@@ -239,11 +241,12 @@ class Sampler:
         self.engine = ContinuousEngine(self.model, self.plan, eos_token_id=self.eos, seed=a.seed,
                                        prefill_tokens=a.prefill_tokens)
 
-    def sample(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool], dict]:
-        """``(tokens per response, ended by EOS per response, info)``; the order of ``prompts``."""
+    def sample(self, prompts: list[list[int]], greedy: bool = False) -> tuple[list[list[int]], list[bool], dict]:
+        """``(tokens per response, ended by EOS per response, info)``; the order of ``prompts``. Temperature 1, or
+        argmax with ``greedy`` (the runs' evaluator decodes greedily)."""
         if self.engine_name == "continuous":
             try:
-                return self._continuous(prompts)
+                return self._continuous(prompts, greedy)
             except Exception as e:  # noqa: BLE001 - recorded; the static engine samples from here on
                 self.error = f"{type(e).__name__}: {str(e)[:400]}"
                 print(f"continuous engine failed ({self.error}); static engine from here", file=sys.stderr, flush=True)
@@ -251,17 +254,21 @@ class Sampler:
                 gc.collect()  # the engine's pool is freed by the cyclic collector (kvlib.rl.engine)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-        return self._static(prompts)
+        return self._static(prompts, greedy)
 
-    def _continuous(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool], dict]:
+    def _continuous(self, prompts: list[list[int]], greedy: bool) -> tuple[list[list[int]], list[bool], dict]:
         from kvlib.rl.continuous import Request
 
         e = self.engine
         n0, t0 = len(e.trace), time.perf_counter()
         reqs = [Request(self.rid + i, list(p), self.args.max_new_tokens) for i, p in enumerate(prompts)]
         self.rid += len(reqs)
-        e.submit(reqs)
-        ended = e.run()
+        e.greedy = greedy  # read by the engine's sampler only (one pool serves both decodings)
+        try:
+            e.submit(reqs)
+            ended = e.run()
+        finally:
+            e.greedy = False
         if len(ended) != len(reqs) or not all(r.done for r in reqs):
             raise RuntimeError(f"{len(ended)} of {len(reqs)} requests ended")
         tr = e.trace[n0:]
@@ -270,7 +277,7 @@ class Sampler:
                 "preempted": sum(t["preempted"] for t in tr), "seconds": time.perf_counter() - t0}
         return [r.tokens for r in reqs], [r.finish == "eos" for r in reqs], info
 
-    def _static(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[bool], dict]:
+    def _static(self, prompts: list[list[int]], greedy: bool) -> tuple[list[list[int]], list[bool], dict]:
         from kvlib.rl.engine import sample_static
 
         toks, ended, t0, paths = [], [], time.perf_counter(), set()
@@ -279,7 +286,7 @@ class Sampler:
         for s in range(0, len(prompts), self.args.static_batch):
             r = sample_static(self.model, None, prompts[s:s + self.args.static_batch], fmt="bf16",
                               max_new_tokens=self.args.max_new_tokens, generator=gen, eos_token_id=self.eos,
-                              pad_token_id=self.eos)
+                              pad_token_id=self.eos, greedy=greedy)
             for ids, m in zip(r.response_ids.cpu(), r.response_mask.cpu(), strict=True):
                 t = ids[m.bool()].tolist()
                 toks.append(t)
@@ -324,6 +331,8 @@ def measure(cand: dict[str, Any], space: dict[str, Any], tok: Any, sampler: Samp
     sol = [correct_tokens(tok, p, cand["style"]) for p in probs]
     step_rate = sum(x["good"] for x in res) / max(sum(x["steps"] for x in res), 1)
     first_ok = next((x["text"] for x in res if x["r"] > 0), None)
+    g_toks, _, g_info = sampler.sample(ids, greedy=True)  # one greedy response per question (the runs' evaluator)
+    g_ok = [longtask.sum_reward(tok.decode(t, skip_special_tokens=True), p) for t, p in zip(g_toks, probs, strict=True)]
     return {**cand, "space": space, "questions": len(probs), "samples": samples, "n": n, "correct": k,
             "accuracy": k / n, "wilson95": wilson(k, n), "cluster_bootstrap95": cluster_bootstrap(per_q),
             "response_tokens_mean": sum(x["len"] for x in res) / n,
@@ -337,7 +346,9 @@ def measure(cand: dict[str, Any], space: dict[str, Any], tok: Any, sampler: Samp
             "step_accuracy": step_rate, "step_accuracy_pow_mean_steps":
                 step_rate ** (sum(x["steps"] for x in res) / n),
             "seconds": seconds, "sampled_tokens_per_second": sum(x["len"] for x in res) / max(seconds, 1e-9),
-            "sampler": info, "examples": [x["text"] for x in res[:3]], "first_correct": first_ok}
+            "sampler": info, "examples": [x["text"] for x in res[:3]], "first_correct": first_ok,
+            "greedy_accuracy": sum(g_ok) / len(g_ok), "greedy_correct": int(sum(g_ok)), "greedy_n": len(g_ok),
+            "greedy_response_tokens_mean": sum(map(len, g_toks)) / len(g_toks), "greedy_seconds": g_info["seconds"]}
 
 
 def prepare(cand: dict[str, Any], space: dict[str, Any], tok: Any, args: argparse.Namespace) -> dict[str, Any]:

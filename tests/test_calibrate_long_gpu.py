@@ -151,6 +151,8 @@ def test_tiny_run_end_to_end_writes_a_well_formed_json(tmp_path, engine):
         assert 0 <= r["step_accuracy"] <= 1 and len(r["examples"]) == 3
         assert r["space"]["exact"] and r["space"]["heldout"] >= 2
         assert r["sampler"]["engine"] == engine
+        assert r["greedy_n"] == 2 and r["greedy_accuracy"] == r["greedy_correct"] / 2
+        assert 1 <= r["greedy_response_tokens_mean"] <= 6
     assert d["continuous_engine_error"] is None
     assert d["selection"]["rule"] == cal.RULE and set(d["selection"]["checks"]) == {c["name"] for c in cal.TINY_GRID}
 
