@@ -46,13 +46,13 @@ if [ -f "$OUT/calibrate_long_gpu.json" ]; then
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
-    if r.get("skipped"):
-        print(f"{r['name']:48s} SKIPPED ({r['skipped']})")
+    if r.get("skipped") or r.get("error"):
+        print(f"{r['name']:48s} {'SKIPPED' if r.get('skipped') else 'ERROR'} ({r.get('skipped') or r.get('error')})")
         continue
     print(f"{r['name']:48s} acc {r['accuracy']:.3f} [{r['wilson95'][0]:.3f}, {r['wilson95'][1]:.3f}] n {r['n']} "
           f"tokens {r['response_tokens_mean']:.0f} held-out {r['space']['heldout']}"
           f"{'' if r['space']['exact'] else '+'} step {r['step_accuracy']:.3f} {r['seconds']:.0f} s "
-          f"{r['sampler']['engine']}")
+          f"{r['sampler']['engine']}; greedy {r['greedy_correct']}/{r['greedy_n']}")
 s = d["selection"]
 print(f"selection: chosen {s['chosen']!r}, nearest {s['nearest']!r}; continuous engine error: "
       f"{d.get('continuous_engine_error')}")
