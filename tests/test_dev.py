@@ -22,7 +22,8 @@ def test_dev_module_imports(name):
     assert (mod.__doc__ or "").strip(), f"dev.{name} has no docstring saying what it is for"
 
 
-@pytest.mark.parametrize(("name", "words"), [("h10_tile_shape", "tile shape"), ("kv4_sweep", "--family")])
+@pytest.mark.parametrize(("name", "words"), [("h10_tile_shape", "tile shape"), ("kv4_sweep", "--family"),
+                                             ("calibrate_long_gpu", "--deadline-s")])
 def test_dev_help_describes_and_runs_nothing(name, words, tmp_path):
     env = os.environ | {"PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", f"dev.{name}", "--help"], cwd=tmp_path, env=env, capture_output=True,
