@@ -172,7 +172,10 @@ def torchao_status() -> str | None:
 
 
 def quant_config(arm: str):
-    """The torchao config of a weight arm."""
+    """The torchao config of a weight arm (the arm is checked before torchao is imported: a bad name is refused
+    where torchao is absent too)."""
+    if arm not in WEIGHT_ARMS:
+        raise ValueError(f"arm must be one of {WEIGHT_ARMS}, got {arm!r}")
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
         Int4WeightOnlyConfig,
