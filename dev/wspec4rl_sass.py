@@ -19,7 +19,7 @@ import re
 import sys
 
 from kvlib.kernels.int4 import wspec as W
-from kvlib.kernels.offline import disassemble
+from kvlib.kernels.offline import backward_loops, disassemble, opcode
 
 KV4 = {  # name: (config, compile_offline keywords)
     "kv4_rows8_d128_gqa7_p16": ({"rows8": True}, {}),
@@ -43,23 +43,17 @@ RL = {name.replace("kv4_", "kv4rl_fused_"): (cfg | {"side_fused": True}, kw | {"
 
 def loops(sass: str) -> list[dict]:
     """Every backward branch's body ``[target, branch]``: size, and what it holds."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
     out = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            lo = int(m.group(1), 16)
-            body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= addr]
-            ops = [op.split(".")[0] for op in body]
-            kind = ("producer" if "UTMALDG" in ops and "IMMA" not in ops else
-                    "other" if "UTMALDG" in ops else  # a branch around both partitions' code
-                    "side" if "IMMA" in ops and "LDG" in ops else
-                    "int4" if "IMMA" in ops else "other")
-            out.append({"kind": kind, "instructions": len(body), "imma": ops.count("IMMA"), "hmma": ops.count("HMMA"),
-                        "ldg": ops.count("LDG"), "lds": ops.count("LDS") + ops.count("LDSM"),
-                        "mufu": ops.count("MUFU"),
-                        "fp": {op: ops.count(op) for op in ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP")}})
+    for _, _, body in backward_loops(sass):
+        ops = [opcode(t) for t in body]
+        kind = ("producer" if "UTMALDG" in ops and "IMMA" not in ops else
+                "other" if "UTMALDG" in ops else  # a branch around both partitions' code
+                "side" if "IMMA" in ops and "LDG" in ops else
+                "int4" if "IMMA" in ops else "other")
+        out.append({"kind": kind, "instructions": len(body), "imma": ops.count("IMMA"), "hmma": ops.count("HMMA"),
+                    "ldg": ops.count("LDG"), "lds": ops.count("LDS") + ops.count("LDSM"),
+                    "mufu": ops.count("MUFU"),
+                    "fp": {op: ops.count(op) for op in ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP")}})
     return out
 
 

@@ -29,15 +29,11 @@ def _consumer_loops(sass: str) -> tuple[list[int], int]:
     """Instructions of each backward-branch body that holds HMMA and no TMA issue (a consumer warpgroup's tile loop;
     the longest backward branch of a warp-specialised kernel spans the producer's code too), shortest first; and the
     spill instructions (``STL``/``LDL``) inside the two shortest (the consumers' tile loops)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
-    out = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("HMMA" in t for t in body) and not any("UTMALDG" in t for t in body):
-                out.append((len(body), int(m.group(1), 16), addr))
+    from kvlib.kernels.offline import backward_loops, instructions
+
+    ins = instructions(sass)
+    out = [(len(body), lo, hi) for lo, hi, body in backward_loops(sass)
+           if any("HMMA" in t for t in body) and not any("UTMALDG" in t for t in body)]
     out.sort()
     spills = [a for a, t in ins if re.search(r"\b(STL|LDL)\b", t)]
     inner = sum(any(lo <= a <= hi for _, lo, hi in out[:2]) for a in spills)

@@ -96,7 +96,7 @@ def calls(B: int, S: int, hq: int, hkv: int, d: int, g: torch.Generator) -> tupl
 
 def main(path: str, profile: str = "gpu") -> None:
     from dev.probe_kit import write_probe
-    from kvlib.bench.timing import capture_graph, interleaved
+    from kvlib.bench.timing import capture_graph, interleaved, replay_ms
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("dev.wspec_d64_timing needs a Hopper (sm_90) GPU")
@@ -113,19 +113,7 @@ def main(path: str, profile: str = "gpu") -> None:
                 except Exception as e:  # noqa: BLE001 - recorded; the others are still timed
                     errors[n] = f"{type(e).__name__}: {str(e)[:600]}"
 
-            def timer(gr):
-                def t():
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    gr.replay()
-                    a.record()
-                    for _ in range(REPS):
-                        gr.replay()
-                    b.record()
-                    b.synchronize()
-                    return a.elapsed_time(b) / REPS
-                return t
-
-            res = interleaved({n: timer(gr) for n, gr in graphs.items()}, ROUNDS[profile])
+            res = interleaved({n: replay_ms(gr, REPS) for n, gr in graphs.items()}, ROUNDS[profile])
             med = {n: m for n, (m, _) in res.items()}
             sd = med.get("sdpa_bf16")
             row = {"shape": name, "batch": B, "seq": S, "hq": hq, "hkv": hkv, "d": d, "median_ms": med,

@@ -90,3 +90,32 @@ def test_a_shard_names_its_files_then_refuses_without_cuda():
     bad = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env | {"TEST_GPU_SHARD": "3/2"}, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "TEST_GPU_SHARD must have 1 <= k <= n" in bad.stderr
+
+
+def test_smollm2_env_reassembles_the_carried_halves(tmp_path):
+    """dev/gpu/smollm2_env.sh (sourced by rlvr.sh, rlvr_async.sh, calibrate_long.sh): a GGUF that exists is used as
+    is; else the two carried halves are joined in order; with neither the script stops with 2, saying why."""
+    env_sh = ROOT / "dev" / "gpu" / "smollm2_env.sh"
+    stash = tmp_path / "stash"
+    script = (f'. "{env_sh}"; '
+              f'smollm2_gguf "$1"; rc=$?; echo "rc=$rc GGUF=$GGUF"; [ $rc = 0 ] && cat "$GGUF"; exit 0')
+    (tmp_path / ".carry" / "smolA").mkdir(parents=True)
+    (tmp_path / ".carry" / "smolB").mkdir(parents=True)
+    (tmp_path / ".carry" / "smolA" / "part00").write_bytes(b"first-")
+    (tmp_path / ".carry" / "smolB" / "part01").write_bytes(b"second")
+    text = env_sh.read_text().replace("/tmp/kvlib_smol", str(stash))  # keep the test off the machine's stash
+    (tmp_path / "env.sh").write_text(text)
+    script = script.replace(str(env_sh), str(tmp_path / "env.sh"))
+
+    def run(arg):
+        return subprocess.run(["bash", "-c", script, "x", arg], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60).stdout
+
+    out = run("missing.gguf")
+    assert f"rc=0 GGUF={stash}/SmolLM2-135M-Instruct.Q4_1.gguf" in out and out.rstrip().endswith("first-second")
+    (tmp_path / "model.gguf").write_bytes(b"whole")
+    assert run("model.gguf").rstrip().endswith("rc=0 GGUF=model.gguf\nwhole")
+    for p in (tmp_path / ".carry", stash):
+        subprocess.run(["rm", "-r", str(p)], check=True)
+    out = run("missing.gguf")
+    assert "FAIL: no GGUF (missing.gguf" in out and "rc=2" in out

@@ -14,26 +14,9 @@ start=$(date +%s)
 OUT=${OUT:-/tmp/calibrate_long_out}
 mkdir -p "$OUT"
 [ -n "${KVLIB_COMMIT:-}" ] || { echo "calibrate_long: FAIL: set KVLIB_COMMIT (a result records its commit)"; exit 2; }
-GGUF=${CAL_GGUF:-.carry/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
-if [ ! -f "$GGUF" ]; then  # reassemble from halves (64 MiB per carry), as dev/gpu/rlvr_async.sh does
-  STASH=/tmp/kvlib_smol; mkdir -p "$STASH"
-  [ -f .carry/smolA/part00 ] && cp .carry/smolA/part00 "$STASH/"
-  [ -f .carry/smolB/part01 ] && cp .carry/smolB/part01 "$STASH/"
-  if [ -f "$STASH/part00" ] && [ -f "$STASH/part01" ]; then
-    GGUF=/tmp/kvlib_smol/SmolLM2-135M-Instruct.Q4_1.gguf
-    [ -f "$GGUF" ] || cat "$STASH/part00" "$STASH/part01" > "$GGUF"
-  else
-    echo "FAIL: no GGUF (.carry/smol/SmolLM2-135M-Instruct.Q4_1.gguf or the halves .carry/smolA, .carry/smolB)"; exit 2
-  fi
-fi
-SITE=/tmp/site; mkdir -p "$SITE"
-for w in .whl/gguf-*.whl .whl/accelerate-*.whl; do
-  [ -f "$w" ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w" || exit 2; }
-done
-export PYTHONPATH="$PWD:$SITE" KVLIB_CACHE_DIR=/tmp/kvlib_cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export KVLIB_RL_SITE=/tmp/kvlib_rl_site PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
+. dev/gpu/smollm2_env.sh
+smollm2_gguf "${CAL_GGUF:-.carry/smol/SmolLM2-135M-Instruct.Q4_1.gguf}" || exit 2
+smollm2_site || exit 2
 PY=${PYTHON:-python3}
 deadline=$(( ${CAL_DEADLINE_S:-470} - ($(date +%s) - start) ))
 timeout -k 5 $(( ${CAL_KILL_S:-530} - ($(date +%s) - start) )) $PY -m dev.calibrate_long_gpu \

@@ -167,6 +167,21 @@ def bandwidth_GBps(bytes_moved: float, ms: float) -> float:
     return bytes_moved / (ms * 1e-3) / 1e9
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> Callable[[], float]:
+    """A timer for :func:`interleaved`: one untimed replay, then ``reps`` replays between two CUDA events; returns
+    milliseconds per replay."""
+    def timer() -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / reps
+    return timer
+
+
 def interleaved(timers: dict[str, Callable[[], float]], rounds: int, *,
                 strict: bool = False) -> dict[str, tuple[float | None, list]]:
     """Each timer (returning ms) once per round, the order rotated every round, so the drift of clocks and memory

@@ -108,7 +108,7 @@ def _int8_pools(B: int, S: int, nok: int, dithered: bool, g: torch.Generator, de
 
 def _shape(B: int, S: int, profile: str, copy_GBps: float) -> dict[str, Any]:
     from kvlib.bench.kv4 import RECENT, SINK, paged_kv4_pool, random_kv4_batch
-    from kvlib.bench.timing import capture_graph, interleaved
+    from kvlib.bench.timing import capture_graph, interleaved, replay_ms
     from kvlib.kernels.int4 import wspec as W4
     from kvlib.kernels.int4.attention import kv4_decode, kv4rl_decode, side_buffer
     from kvlib.kernels.int4.decode import kv4_paged_decode, prepare_query
@@ -173,19 +173,7 @@ def _shape(B: int, S: int, profile: str, copy_GBps: float) -> dict[str, Any]:
             errors[name] = f"{type(e).__name__}: {str(e)[:800]}"
             print(f"   FAIL {name}: {errors[name][:300]}", flush=True)
 
-    def timer(gr):
-        def t():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            gr.replay()
-            a.record()
-            for _ in range(REPS):
-                gr.replay()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / REPS
-        return t
-
-    res = interleaved({n: timer(gr) for n, gr in graphs.items()}, ROUNDS[profile])
+    res = interleaved({n: replay_ms(gr, REPS) for n, gr in graphs.items()}, ROUNDS[profile])
     med = {n: m for n, (m, _) in res.items()}
     row: dict[str, Any] = {"batch": B, "seq": S, "median_ms": med, "rounds_ms": {n: v for n, (_, v) in res.items()},
                            "bytes": {n: kernel_bytes(n, B, S) for n in med}, "errors": errors}

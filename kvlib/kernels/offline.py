@@ -36,20 +36,36 @@ def tool(name: str) -> str:
     return path
 
 
-def loop_stats(sass: str) -> dict[str, Any]:
-    """The longest backward-branch body of a SASS listing: instruction count and opcode histogram."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
-    loops = []
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, text)`` of every instruction of a SASS listing (``cuobjdump -sass``)."""
+    return [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line) for line in sass.splitlines()) if m]
+
+
+def backward_loops(sass: str) -> list[tuple[int, int, list[str]]]:
+    """Every backward branch of a SASS listing: ``(target, branch address, the body's instruction texts)``."""
+    ins = instructions(sass)
+    out = []
     for addr, text in ins:
         m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            loops.append((addr - int(m.group(1), 16), int(m.group(1), 16), addr))
+            lo = int(m.group(1), 16)
+            out.append((lo, addr, [t for a, t in ins if lo <= a <= addr]))
+    return out
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers (``@!P0 IMMA.16816.S8`` -> ``IMMA``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loop_stats(sass: str) -> dict[str, Any]:
+    """The longest backward-branch body of a SASS listing: instruction count and opcode histogram."""
+    loops = [(hi - lo, lo, hi, body) for lo, hi, body in backward_loops(sass)]
     if not loops:
         raise ValueError("no loop found in the SASS")
-    _, lo, hi = max(loops)
-    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= hi]
-    ops = collections.Counter(op.split(".")[0] for op in body)
+    body = max(loops, key=lambda x: x[:3])[3]
+    ops = collections.Counter(opcode(t) for t in body)
     return {"instructions": len(body), "top_opcodes": dict(ops.most_common(12))}
 
 
