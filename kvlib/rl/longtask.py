@@ -17,8 +17,10 @@ response is ~275 tokens (~340 with the ``counted`` line style). Three kinds of p
   the answer needs copying, not sums (CPU calibration: most responses end within a few lines at 135M).
 
 The prompt gives ``shots`` worked examples at the same difficulty as earlier chat turns and starts the assistant
-turn with the solution's first line (``Start: s.``, :func:`anchor`): at temperature 1 the 135M model otherwise
-often leaves the line format within its first tokens. The problems reuse the chapter task's machinery
+turn with the solution's first line (``Start: s.``, :func:`anchor`). The anchor was added when, under an earlier
+prompt, the 135M model left the line format within its first tokens; a clean rerun under today's prompt, whose
+worked examples begin with that line, found the format kept with or without it (both 0 correct). The problems
+reuse the chapter task's machinery
 (:class:`kvlib.rl.task.Problem`, disjoint SHA-256 splits, exact-match reward on the last box). The CPU calibration
 behind :data:`LONG_DIFFICULTY` is :data:`LONG_CPU_CALIBRATION` (``python -m dev.calibrate_long``): at 135M and
 temperature 1 it finds no setting with both 10-40% accuracy and 300-token responses; it says what it found.
@@ -63,10 +65,10 @@ LONG_CPU_CALIBRATION: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct Q4_1 GGUF dequantised, fp32, CPU", "temperature": 1.0, "shots": LONG_SHOTS,
     "split": "heldout", "problem_seed": 777, "samples_per_question": 4, "tool": "python -m dev.calibrate_long",
     "candidates": {  # accuracy, n, Wilson 95% interval, mean sampled response tokens
-        "list, 16 steps, 1-9, no anchor": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 121.4},
-        "list, 16 steps, 1-9": {"accuracy": 0.0, "n": 8, "wilson95": (0.0, 0.324), "tokens": 212.3},
-        "list, 10 steps, 1-9, verbose": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 233.0},
-        "repeat, 16 steps, 2-9, starts 0-9": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 232.9},
+        "list, 16 steps, 1-9, no anchor": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 222.2},
+        "list, 16 steps, 1-9": {"accuracy": 0.0, "n": 8, "wilson95": (0.0, 0.324), "tokens": 201.6},
+        "list, 10 steps, 1-9, verbose": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 238.8},
+        "repeat, 16 steps, 2-9, starts 0-9": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 175.4},
         "repeat, 10 steps, 1-5, verbose": {"accuracy": 0.0, "n": 12, "wilson95": (0.0, 0.243), "tokens": 244.4},
         "repeat, 16 steps, 1-5, 4 shots": {"accuracy": 0.083, "n": 12, "wilson95": (0.015, 0.354), "tokens": 236.1},
         "repeat, 16 steps, 1-5": {"accuracy": 0.031, "n": 32, "wilson95": (0.006, 0.157), "tokens": 233.7},
@@ -223,8 +225,8 @@ def sum_prompt_fn(shots: int = LONG_SHOTS, seed: int = 12345, *, anchored: bool 
     :data:`LONG_DIFFICULTY`) as earlier chat turns, then the problem (:func:`kvlib.rl.task.format_prompt`).
 
     ``anchored``: the assistant turn starts with the solution's first line (:func:`anchor`), as part of the prompt.
-    At temperature 1 a 135M model often leaves the line format in its first tokens (CPU calibration); starting the
-    turn in the format keeps it there. The response (what is sampled, rewarded and trained) follows the anchor."""
+    It fixes the first line of the format for the sampler (see the module docstring for what the calibration found
+    with and without it). The response (what is sampled, rewarded and trained) follows the anchor."""
     diff = {**LONG_DIFFICULTY, **difficulty}
     examples = make_sum_problems("train", shots, seed=seed, **diff) if shots else []
 
